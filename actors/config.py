@@ -1,0 +1,118 @@
+"""Engine-side configuration: frozen dataclasses, built once at start-up.
+
+`ModelConfig.from_hf` is the one place that absorbs Hugging Face config quirks
+(field names that differ by family, optional fields, rope_scaling spellings).
+Values measured at run time (the number of KV blocks) live on runtime objects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is missing, incomplete, corrupt or unsupported."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "qwen2" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: no config.json (is this a checkpoint folder?)")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: unreadable config ({exc})") from None
+        archs = raw.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            raise CheckpointError(
+                f"{path}: architectures {archs} not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            rope_params = raw.get("rope_parameters") or {}
+            scaling = raw.get("rope_scaling") or (
+                rope_params if rope_params.get("rope_type", "default") != "default" else None
+            )
+            theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+            return cls(
+                architecture=family,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                max_position_embeddings=int(raw["max_position_embeddings"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                rope_scaling=dict(scaling) if scaling else None,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "qwen2")),
+                # Qwen2 always carries q/k/v biases; Llama only with attention_bias.
+                qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: invalid config field ({exc!r})") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine schedules and stores KV. Validated at construction."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    dtype: str = "float32"
+    device: str = "cpu"
+    enable_prefix_cache: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (16, 32, 64):
+            raise ValueError(f"block_size must be 16, 32 or 64, got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

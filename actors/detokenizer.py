@@ -1,0 +1,45 @@
+"""Incremental detokenization that never splits a multi-byte character.
+
+Each new token decodes a short window `ids[prefix_offset:]` and subtracts the text of
+`ids[prefix_offset:read_offset]` decoded the same way, so tokenizers that strip or
+merge at window edges (sentencepiece's leading space) still give the exact text. A
+window whose text ends in U+FFFD (an incomplete UTF-8 sequence) emits nothing until
+the next token completes the character; `flush` emits whatever is left at the end.
+The concatenated deltas equal `tokenizer.decode(all_ids)`.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the newly completed text (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: emit the held-back tail (an incomplete character included)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        delta = self._decode(self.token_ids[self.prefix_offset :])[len(prefix_text) :]
+        self.read_offset = self.prefix_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,196 @@
+"""The engine: one model, one KV pool, one step loop (schedule -> run -> update).
+
+Not thread-safe: one caller drives `step()`; the Ray actors wrap it with their own
+loop. `add_request` validates and queues; `step` runs one batch and returns a
+`RequestOutput` for every request that got a token or finished in it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from actors.block_pool import BlockPool
+from actors.config import CheckpointError, EngineConfig, ModelConfig
+from actors.detokenizer import IncrementalDetokenizer
+from actors.model_runner import ModelRunner, SampledToken
+from actors.request import FinishReason, Request, TokenLogprob
+from actors.sampling_params import InvalidRequestError, SamplingParams
+from actors.scheduler import Scheduler
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    arrival_s: float
+    first_token_s: float | None
+    token_times_s: list[float] = field(default_factory=list)
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a bad folder
+        raise CheckpointError(f"{model_dir}: cannot load tokenizer ({type(exc).__name__}: {exc})") from None
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise CheckpointError(f"{model_dir}: no such checkpoint folder")
+        self.config = config or EngineConfig()
+        self.model_config = ModelConfig.from_hf(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(self.model_config, self.config, model_dir)
+        self.max_model_len = min(
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.pool = BlockPool(self.runner.num_blocks, self.config.block_size)
+        hash_seed = f"{model_dir.resolve()}|{self.config.dtype}|{self.config.block_size}".encode()
+        self.scheduler = Scheduler(self.config, self.pool, hash_seed)
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "
+                "tokens, prompt plus at least one new token"
+            )
+        needed = -(-min(len(prompt_ids) + params.max_new_tokens, self.max_model_len) // self.pool.block_size)
+        if needed > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {needed} KV blocks, the pool has {self.pool.num_blocks}; "
+                "shorten the prompt or max_new_tokens"
+            )
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            generator=torch.Generator().manual_seed(seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self._finish(request, FinishReason.ABORT)
+        return self._output(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        sampled = self.runner.execute(plan.chunks)
+        self.scheduler.update(plan)
+        self.num_steps += 1
+        now = time.monotonic()
+        outputs = []
+        for request_id, token in sampled.items():
+            request = self.requests[request_id]
+            self._append_token(request, token, now)
+            if request.is_finished:
+                del self.requests[request_id]
+            outputs.append(self._output(request))
+        return outputs
+
+    def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
+        params = request.params
+        request.output_token_ids.append(token.token_id)
+        if token.logprob is not None:
+            request.logprobs.append(token.logprob)
+        if request.first_token_s is None:
+            request.first_token_s = now
+        request.token_times_s.append(now)
+
+        is_stop_token = token.token_id in params.stop_token_ids or (
+            not params.ignore_eos and token.token_id in self.model_config.eos_token_ids
+        )
+        if is_stop_token:
+            return self._finish(request, FinishReason.STOP)
+        request.detokenizer.add(token.token_id)
+        if params.stop:
+            text = request.detokenizer.text
+            stop_at = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=None)
+            if stop_at is not None:
+                return self._finish(request, FinishReason.STOP, text[:stop_at])
+        if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
+            return self._finish(request, FinishReason.LENGTH)
+
+    def _finish(self, request: Request, reason: FinishReason, text: str | None = None) -> None:
+        """End a request: its final text (the whole detokenized output unless a stop
+        string cut it) and its blocks back to the pool."""
+        request.detokenizer.flush()
+        request.output_text = request.detokenizer.text if text is None else text
+        request.finish_reason = reason
+        self.scheduler.finish(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        if request.is_finished:
+            text = request.output_text
+        else:
+            # Hold back what could still become the start of a stop string.
+            text = request.detokenizer.text
+            hold = max((len(s) for s in request.params.stop), default=1) - 1
+            text = text[: len(text) - hold] if hold else text
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            arrival_s=request.arrival_s,
+            first_token_s=request.first_token_s,
+            token_times_s=list(request.token_times_s),
+        )

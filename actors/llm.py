@@ -1,0 +1,63 @@
+"""Offline API: run the engine in this process over a list of prompts.
+
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    llm = LLM("models/tiny", block_size=16, prefill_chunk_size=256)
+    for out in llm.generate(["Hello"], SamplingParams(max_new_tokens=8, temperature=0)):
+        print(out.token_ids, out.text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from actors.config import EngineConfig
+from actors.engine import Engine, RequestOutput
+from actors.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model_dir: str | Path, **engine_args) -> None:
+        self.engine = Engine(model_dir, EngineConfig(**engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+        All prompts are validated before any is queued."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        encoded = [self.engine.tokenize(p) for p in prompts]
+        for ids, p in zip(encoded, params):
+            self.engine.validate(ids, p)
+        ids = [self.engine.add_request(e, p) for e, p in zip(encoded, params)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]

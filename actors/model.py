@@ -1,0 +1,133 @@
+"""Qwen2 and Llama decoder-only models over a paged KV cache.
+
+The two families differ only by flags on `ModelConfig` (QKV bias, tied embeddings,
+RoPE parameters). Module names follow Hugging Face's so checkpoints load by name;
+q/k/v and gate/up projections are stored fused (`qkv_proj`, `gate_up_proj`), one
+GEMM each, and `weights.py` maps the HF names onto their slices.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.attention_metadata import AttentionMetadata
+from actors.config import ModelConfig
+from kernels.attention import decode_attention, prefill_attention, write_kv_slots
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv_slots(layer_cache, k, v, meta.slot_mapping)
+
+        outputs = []
+        for span in meta.prefills:
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            outputs.append(
+                prefill_attention(q[rows], k[rows], v[rows], layer_cache, span.block_table, span.ctx_len, self.scale)
+            )
+        if meta.num_decodes:
+            outputs.append(
+                decode_attention(
+                    q[meta.num_prefill_tokens :],
+                    layer_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                )
+            )
+        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        return self.o_proj(attn.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids, positions, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[:, index], meta)
+        return self.norm(x)
+
+
+class ForCausalLM(nn.Module):
+    """The whole model. `forward` returns hidden states of every token of the step;
+    `compute_logits` projects only the rows that will be sampled."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Model(config)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,149 @@
+"""Turns a scheduler plan into tensors, runs the model, samples.
+
+Owns the model and the worker's KV cache tensor (layout in kernels/attention.py).
+The step's tokens are laid out multi-token chunks first (each a `PrefillSpan`), then
+every single-token chunk as one batched decode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.attention_metadata import AttentionMetadata, PrefillSpan
+from actors.config import EngineConfig, ModelConfig
+from actors.model import ForCausalLM
+from actors.request import TokenLogprob
+from actors.scheduler import ScheduledChunk
+from actors.weights import load_weights
+from kernels.sampling import logprobs_of, sample
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elements = model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        with torch.device(self.device):
+            model = ForCausalLM(model_config)
+        model.to(dtype=dtype)
+        model.model.rope_cos = model.model.rope_cos.float()
+        model.model.rope_sin = model.model.rope_sin.float()
+        load_weights(model, Path(model_dir), dtype)
+        self.model = model.eval()
+        self.num_blocks = config.num_kv_blocks or max(
+            2, config.kv_cache_bytes // kv_bytes_per_block(model_config, config.block_size, dtype)
+        )
+        self.kv_cache = torch.zeros(
+            self.num_blocks,
+            model_config.num_layers,
+            2,
+            config.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.last_step_s = 0.0
+
+    def _metadata(self, chunks: list[ScheduledChunk]):
+        block_size = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[PrefillSpan] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for chunk in chunks:
+            request = chunk.request
+            table = request.block_table
+            input_ids += request.all_token_ids[chunk.start : chunk.end]
+            span_positions = range(chunk.start, chunk.end)
+            positions += span_positions
+            slots += [table[p // block_size] * block_size + p % block_size for p in span_positions]
+            if chunk.num_new_tokens == 1:
+                decode_tables.append(table)
+                decode_lens.append(chunk.end)
+            else:
+                q_start = len(input_ids) - chunk.num_new_tokens
+                block_table = torch.tensor(table, dtype=torch.long, device=self.device)
+                spans.append(PrefillSpan(q_start, chunk.num_new_tokens, chunk.end, block_table))
+        num_prefill_tokens = sum(s.q_len for s in spans)
+        tables = lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            prefills=tuple(spans),
+            num_prefill_tokens=num_prefill_tokens,
+            decode_block_tables=tables,
+            decode_context_lens=lens,
+        )
+        to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        return to_tensor(input_ids), to_tensor(positions), meta
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
+        """Run one step; return the sampled token of every chunk that samples,
+        keyed by request id."""
+        started = time.perf_counter()
+        ordered = [c for c in chunks if c.num_new_tokens > 1] + [c for c in chunks if c.num_new_tokens == 1]
+        input_ids, positions, meta = self._metadata(ordered)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        ends, sampling, offset = [], [], 0
+        for chunk in ordered:
+            offset += chunk.num_new_tokens
+            if chunk.samples:
+                ends.append(offset - 1)
+                sampling.append(chunk.request)
+        result: dict[str, SampledToken] = {}
+        if sampling:
+            logits = self.model.compute_logits(hidden[ends])
+            result = self._sample(logits, sampling)
+        self.last_step_s = time.perf_counter() - started
+        return result
+
+    def _sample(self, logits: torch.Tensor, requests) -> dict[str, SampledToken]:
+        params = [r.params for r in requests]
+        token_ids = sample(
+            logits,
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [r.generator for r in requests],
+        )
+        num_top = max((p.logprobs or 0) for p in params)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        chosen = top_ids = top_lps = None
+        if wants_logprobs:
+            chosen, top_ids, top_lps = logprobs_of(logits, token_ids, num_top)
+        result = {}
+        for row, request in enumerate(requests):
+            token_id = int(token_ids[row])
+            logprob = None
+            if request.params.logprobs is not None:
+                n = request.params.logprobs
+                top = []
+                if n:
+                    top = list(zip(top_ids[row, :n].tolist(), top_lps[row, :n].tolist()))
+                logprob = TokenLogprob(token_id, float(chosen[row]), top)
+            result[request.request_id] = SampledToken(token_id, logprob)
+        return result

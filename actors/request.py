@@ -1,0 +1,87 @@
+"""One request object, end to end, with explicit counters.
+
+`all_token_ids` is the prompt followed by the generated tokens. The engine computes
+KV for `all_token_ids[:num_computed_tokens]`; a step schedules the next
+`num_tokens - num_computed_tokens` (or a chunk of them). When a step reaches the end
+of `all_token_ids` the request samples its next token. Preemption by recompute resets
+`num_computed_tokens` to 0 and frees the block table; the tokens stay.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.detokenizer import IncrementalDetokenizer
+from actors.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the model's context reached
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    ABORT = "abort"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks so far
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    output_text: str = ""
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not computed yet (1 for a request in decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Computing the prompt (or recomputing after preemption), not decoding."""
+        return not self.output_token_ids or self.num_pending_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

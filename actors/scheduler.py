@@ -1,0 +1,167 @@
+"""The local batch scheduler: which requests run this step, and how many tokens each.
+
+Plain Python over a `BlockPool`; no torch. One `schedule()` call returns a
+`SchedulerOutput` (the plan); the engine runs it, then calls `update()` with the same
+plan. Policy:
+- Running requests first, in arrival order: a decode takes 1 token, a request still
+  prefilling takes a chunk of at most `prefill_chunk_size` tokens; all under the
+  step's token budget (`max_num_batched_tokens`). Chunks need not align with blocks.
+- When a running request needs a block and none is free, the most recently admitted
+  running request is preempted by recompute (blocks released, counters reset, back
+  to the front of the waiting queue).
+- Then waiting requests, oldest first, up to `max_num_seqs` running, each starting
+  from its longest prefix-cache hit (never the last token: its logits are needed).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from actors.block_pool import BlockPool, block_hashes
+from actors.config import EngineConfig
+from actors.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+    start: int  # request.num_computed_tokens when scheduled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens (a token is sampled)."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool, hash_seed: bytes = b"") -> None:
+        self.config = config
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.hash_seed = hash_seed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- bookkeeping ---------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.block_hashes = block_hashes(request.prompt_token_ids, self.block_size, self.hash_seed)
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request wherever it is and release its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.pool.release(request.block_table)
+        request.block_table = []
+        request.status = RequestStatus.FINISHED
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(request.block_table))
+
+    # ---- planning ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_pending_tokens, self.config.prefill_chunk_size, budget)
+            if self._grow(request, request.num_computed_tokens + num_new):
+                out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+                budget -= num_new
+                index += 1
+                continue
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            chunk = self._admit(request, budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(chunk)
+            budget -= chunk.num_new_tokens
+        return out
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        needed = self.blocks_needed(request, num_tokens)
+        if needed > self.pool.num_available:
+            return False
+        request.block_table += self.pool.allocate(needed)
+        return True
+
+    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
+        hits: list[int] = []
+        if self.config.enable_prefix_cache:
+            max_hit_blocks = (request.num_tokens - 1) // self.block_size
+            all_ids = request.all_token_ids
+            hits = self.pool.lookup(request.block_hashes[:max_hit_blocks], all_ids)
+        self.pool.take(hits)
+        request.block_table = list(hits)
+        request.num_computed_tokens = len(hits) * self.block_size
+        num_new = min(request.num_pending_tokens, self.config.prefill_chunk_size, budget)
+        if not self._grow(request, request.num_computed_tokens + num_new):
+            self.pool.release(request.block_table)
+            request.block_table = []
+            request.num_computed_tokens = 0
+            return None
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        return ScheduledChunk(request, num_new, request.num_computed_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.pool.release(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    # ---- after the step ------------------------------------------------------
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance counters for a plan that ran, and publish newly full blocks."""
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            if self.config.enable_prefix_cache:
+                self._publish_full_blocks(request, chunk.start // self.block_size)
+
+    def _publish_full_blocks(self, request: Request, first: int) -> None:
+        """Register the request's full computed blocks from index `first` on."""
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= first:
+            return
+        all_ids = request.all_token_ids
+        if len(request.block_hashes) < num_full:
+            request.block_hashes = block_hashes(
+                all_ids[: num_full * self.block_size], self.block_size, self.hash_seed, request.block_hashes
+            )
+        for index in range(first, num_full):
+            start = index * self.block_size
+            block_tokens = all_ids[start : start + self.block_size]
+            self.pool.register(request.block_table[index], request.block_hashes[index], block_tokens)

@@ -1,0 +1,95 @@
+"""Load Hugging Face safetensors weights by parameter name into a `ForCausalLM`.
+
+Handles one `model.safetensors` or a sharded checkpoint (`model.safetensors.index.json`
+naming its shard files), casts to the engine dtype, and fills the fused projections
+from their HF parts: `q_proj|k_proj|v_proj` into `qkv_proj`, `gate_proj|up_proj` into
+`gate_up_proj`. Every parameter must be filled exactly once, or loading fails with a
+`CheckpointError` naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from actors.config import CheckpointError
+from actors.model import ForCausalLM
+
+_FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: unreadable index ({exc!r})") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights")
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{model_dir}: shard {path.name} named in the index is missing")
+    return files
+
+
+def _fused_slice(model: ForCausalLM, name: str) -> tuple[str, int, int] | None:
+    """For an HF name that lives inside a fused parameter: (param name, row start, rows)."""
+    match = _FUSED.match(name)
+    if match is None:
+        return None
+    prefix, part, kind = match.groups()
+    config = model.config
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    layout = {
+        "q_proj": ("self_attn.qkv_proj", 0, q),
+        "k_proj": ("self_attn.qkv_proj", q, kv),
+        "v_proj": ("self_attn.qkv_proj", q + kv, kv),
+        "gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "up_proj": ("mlp.gate_up_proj", inter, inter),
+    }
+    fused, start, rows = layout[part]
+    owner = prefix.rsplit(".", 1)[0]  # strip "self_attn" / "mlp"
+    return f"{owner}.{fused}.{kind}", start, rows
+
+
+def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    filled = {name: 0 for name in params}  # rows filled per parameter
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                for name in reader.keys():
+                    if name == "lm_head.weight" and model.lm_head is None:
+                        continue  # tied: the embedding serves as the head
+                    if "rotary_emb" in name:
+                        continue
+                    _copy(model, params, filled, name, reader.get_tensor(name), dtype)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: corrupt or unreadable safetensors ({exc})") from None
+    missing = [name for name, rows in filled.items() if rows != params[name].shape[0]]
+    if missing:
+        raise CheckpointError(f"{model_dir}: weights missing or incomplete: {missing[:5]}")
+
+
+def _copy(model, params, filled, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    fused = _fused_slice(model, name)
+    target_name, start, rows = fused if fused else (name, 0, None)
+    if target_name not in params:
+        raise CheckpointError(f"unexpected weight {name!r} in checkpoint")
+    param = params[target_name]
+    target = param.data if rows is None else param.data[start : start + rows]
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor.to(dtype))
+    filled[target_name] += target.shape[0]

@@ -1,0 +1,132 @@
+"""Paged attention, torch reference (CPU and any device torch supports).
+
+KV cache layout, block-major ("page-first"), one tensor per worker:
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+so one block is a contiguous span across all layers and a run of consecutive block
+ids is one contiguous tensor (a KV transfer needs no gather). A layer's view,
+`kv_cache[:, layer]`, is `[num_blocks, 2, block_size, num_kv_heads, head_dim]`;
+index 0 of the second axis is K, 1 is V.
+
+Token slots are addressed as `slot = block_id * block_size + offset`.
+
+Two entry points:
+- `prefill_attention`: one sequence's chunk of `q_len` new tokens over its cached
+  prefix (positions `[ctx_len - q_len, ctx_len)`), causal.
+- `decode_attention`: a batch of single-token queries over block tables of different
+  lengths.
+Both support grouped-query attention (num_heads a multiple of num_kv_heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_slots(
+    layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write K and V of `N` tokens into their slots.
+
+    layer_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (a view, may be
+    non-contiguous); k, v: [N, num_kv_heads, head_dim]; slot_mapping: [N] int64.
+    """
+    assert k.shape == v.shape and k.dim() == 3, (k.shape, v.shape)
+    assert slot_mapping.shape == (k.shape[0],), (slot_mapping.shape, k.shape)
+    block_size = layer_cache.shape[2]
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - block_ids * block_size
+    layer_cache[block_ids, 0, offsets] = k.to(layer_cache.dtype)
+    layer_cache[block_ids, 1, offsets] = v.to(layer_cache.dtype)
+
+
+def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int):
+    """K and V of the first `num_tokens` tokens of one sequence: two [T, kvh, d]."""
+    num_blocks = (num_tokens + layer_cache.shape[2] - 1) // layer_cache.shape[2]
+    blocks = layer_cache[block_table[:num_blocks]]  # [nb, 2, bs, kvh, d]
+    k = blocks[:, 0].flatten(0, 1)[:num_tokens]
+    v = blocks[:, 1].flatten(0, 1)[:num_tokens]
+    return k, v
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one chunk over its cached prefix.
+
+    q: [q_len, H, d]; k_new, v_new: [q_len, kvh, d], the chunk's own K/V (already
+    written to the cache too); block_table: [>= ceil(ctx_len / block_size)] int64.
+    Query i sits at position ctx_len - q_len + i. Returns [q_len, H, d].
+    """
+    q_len, num_heads, head_dim = q.shape
+    num_cached = ctx_len - q_len
+    assert num_cached >= 0, (ctx_len, q_len)
+    if num_cached == 0:
+        k, v = k_new, v_new
+        mask = None
+    else:
+        k, v = gather_kv(layer_cache, block_table, ctx_len)
+        query_pos = torch.arange(num_cached, ctx_len, device=q.device)
+        key_pos = torch.arange(ctx_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, ctx_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        v.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=num_heads != k.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its whole context (its own K/V included).
+
+    q: [B, H, d]; block_tables: [B, max_blocks] int64 (padding entries may be any
+    valid block id); context_lens: [B] int64, each >= 1. Returns [B, H, d].
+    """
+    batch, num_heads, head_dim = q.shape
+    assert block_tables.shape[0] == batch and context_lens.shape == (batch,)
+    block_size = layer_cache.shape[2]
+    max_len = int(context_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = layer_cache[block_tables[:, :num_blocks]]  # [B, nb, 2, bs, kvh, d]
+    k = blocks[:, :, 0].flatten(1, 2)[:, :max_len]  # [B, T, kvh, d]
+    v = blocks[:, :, 1].flatten(1, 2)[:, :max_len]
+    valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, d]
+        k.to(q.dtype).transpose(1, 2),
+        v.to(q.dtype).transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != k.shape[2],
+    )
+    return out.squeeze(2)
+
+
+def reference_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Dense causal attention for tests: q [T, H, d], k/v [T, kvh, d] -> [T, H, d]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    causal = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(k.shape[0] - q.shape[0])
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v.float()).to(q.dtype)
