@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/tandem serve manifests/local.yaml
+	$(BIN)/tandem demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

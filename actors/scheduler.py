@@ -57,6 +57,7 @@ class Scheduler:
         self.hash_seed = hash_seed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start, for stats and tests
 
     # ---- bookkeeping ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -139,6 +140,7 @@ class Scheduler:
         request.block_table = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

@@ -1,0 +1,9 @@
+"""Benchmarks, run through `tandem bench NAME`. Each module exposes
+`add_arguments(parser)` and `main(args)`, imports heavy libraries lazily, prints a
+Markdown table whose last line is `NAME: <headline> (goal <goal>)`, and writes its
+figures as JSON to `args.out`."""
+
+BENCHMARKS = {
+    "engine": "benchmarks.engine",
+    "roofline": "benchmarks.roofline",
+}

@@ -7,8 +7,11 @@ no traceback reaches the user for a mistake they can fix.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+
+from actors.config import CheckpointError
 
 
 class CliError(Exception):
@@ -24,6 +27,36 @@ def _cmd_make_model(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset}/{args.arch} checkpoint to {out}")
 
 
+def _cmd_demo(args: argparse.Namespace) -> None:
+    from actors.llm import LLM
+    from actors.model_builder import ensure_checkpoint
+    from actors.sampling_params import InvalidRequestError, SamplingParams
+
+    model_dir = Path(args.model) if args.model else ensure_checkpoint(args.preset, args.arch)
+    llm = LLM(model_dir, block_size=16, prefill_chunk_size=64)
+    prompts = args.prompt or ["The quick brown fox", "Serving language models on Ray", "Prefill and decode"]
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
+        outputs = llm.generate(prompts, params)
+    except InvalidRequestError as exc:
+        raise CliError(str(exc)) from None
+    for prompt, out in zip(prompts, outputs):
+        print(f"{prompt!r} -> {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason.value})")
+
+
+def _add_benchmarks(sub) -> None:
+    from benchmarks import BENCHMARKS
+
+    bench = sub.add_parser("bench", help="run a benchmark (Markdown table, JSON results)")
+    names = bench.add_subparsers(dest="bench", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        parser = names.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0])
+        parser.add_argument("--out", default=f"benchmarks/results/{name}.json", help="JSON results file")
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     make.add_argument("--out", required=True, help="output folder")
     make.set_defaults(func=_cmd_make_model)
+
+    demo = sub.add_parser("demo", help="generate offline with the built-in model (no Ray)")
+    demo.add_argument("--model", help="checkpoint folder (default: the built-in preset)")
+    demo.add_argument("--preset", default="tiny")
+    demo.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    demo.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--temperature", type=float, default=0.7)
+    demo.set_defaults(func=_cmd_demo)
+
+    _add_benchmarks(sub)
     return parser
 
 
@@ -40,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except CliError as exc:
+    except (CliError, CheckpointError) as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,108 @@
+"""Block pool and prefix cache invariants (plain Python, no model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.block_pool import BlockPool, NoFreeBlocks, block_hashes
+
+
+def test_hash_chain_names_the_whole_prefix():
+    a = block_hashes(list(range(40)), 16)
+    b = block_hashes([99] + list(range(1, 40)), 16)
+    assert len(a) == 2  # the trailing partial block is not hashed
+    assert a[0] != b[0] and a[1] != b[1]  # a change in block 0 changes every later hash
+    assert block_hashes(list(range(40)), 16, known=a[:1]) == a
+    assert block_hashes(list(range(40)), 16, seed=b"other-model") != a
+
+
+def test_allocate_release_and_accounting():
+    pool = BlockPool(8, 16)
+    table = pool.allocate(5)
+    assert pool.num_used == 5 and pool.num_available == 3
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(4)
+    pool.release(table)
+    assert pool.num_used == 0 and pool.num_available == 8
+    pool.check()
+
+
+def test_freed_blocks_stay_findable_until_reused():
+    pool = BlockPool(4, 2)
+    tokens = [1, 2, 3, 4]
+    hashes = block_hashes(tokens, 2)
+    table = pool.allocate(2)
+    for block_id, block_hash, start in zip(table, hashes, (0, 2)):
+        pool.register(block_id, block_hash, tokens[start : start + 2])
+    pool.release(table)
+    assert pool.num_cached == 2
+    assert pool.lookup(hashes, tokens) == table
+    pool.take(table)  # a hit takes references
+    assert pool.num_used == 2 and pool.num_cached == 0
+    pool.release(table)
+    pool.allocate(4)  # reuse evicts every cached block
+    assert pool.lookup(hashes, tokens) == []
+    pool.check()
+
+
+def test_lookup_verifies_tokens_not_only_hashes():
+    pool = BlockPool(2, 2)
+    [block] = pool.allocate(1)
+    forged = block_hashes([1, 2], 2)
+    pool.register(block, forged[0], [7, 7])
+    assert pool.lookup(forged, [1, 2]) == []
+
+
+def test_tail_blocks_are_evicted_before_the_head():
+    pool = BlockPool(3, 1)
+    tokens = [5, 6, 7]
+    hashes = block_hashes(tokens, 1)
+    table = pool.allocate(3)
+    for index, block_id in enumerate(table):
+        pool.register(block_id, hashes[index], tokens[index : index + 1])
+    pool.release(table)
+    pool.allocate(1)
+    assert pool.lookup(hashes, tokens) == table[:2]
+
+
+def test_release_below_zero_is_an_error():
+    pool = BlockPool(2, 16)
+    table = pool.allocate(1)
+    pool.release(table)
+    with pytest.raises(AssertionError):
+        pool.release(table)
+
+
+def test_randomized_workload_keeps_accounting():
+    rng = random.Random(0)
+    pool = BlockPool(64, 4)
+    live: list[tuple[list[int], list[int]]] = []
+    for _ in range(2000):
+        action = rng.random()
+        if action < 0.5 and pool.num_available:
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 24))]
+            hashes = block_hashes(tokens, 4)
+            hits = pool.lookup(hashes, tokens)
+            pool.take(hits)
+            need = -(-len(tokens) // 4) - len(hits)
+            if need > pool.num_available:
+                pool.release(hits)
+                continue
+            table = hits + pool.allocate(need)
+            for index in range(len(hits), len(hashes)):
+                pool.register(table[index], hashes[index], tokens[index * 4 : index * 4 + 4])
+            live.append((table, tokens))
+        elif live:
+            table, _ = live.pop(rng.randrange(len(live)))
+            pool.release(table)
+        pool.check()
+        in_tables = [b for table, _ in live for b in table]
+        assert pool.num_used == len(set(in_tables))
+        for block_id in set(in_tables):
+            assert pool.blocks[block_id].ref_count == in_tables.count(block_id)
+    for table, _ in live:
+        pool.release(table)
+    pool.check()
+    assert pool.num_used == 0

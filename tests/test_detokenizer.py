@@ -1,0 +1,40 @@
+"""Incremental detokenization never splits a multi-byte character."""
+
+from __future__ import annotations
+
+from actors.detokenizer import IncrementalDetokenizer
+from actors.engine import load_tokenizer
+
+
+def test_deltas_concatenate_to_the_full_decode(tiny_qwen2_dir):
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    text = "naïve café — 中文字符 and emoji 🙂🚀 mixed with ASCII."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add(token_id) for token_id in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_byte_tokens_of_one_character_emit_once_complete(tiny_qwen2_dir):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    byte_chars = bytes_to_unicode()
+    # The four bytes of one emoji, one byte-level token each.
+    ids = [tokenizer.convert_tokens_to_ids(byte_chars[b]) for b in "🙂".encode()]
+    assert len(ids) == 4
+    detok = IncrementalDetokenizer(tokenizer)
+    emitted = [detok.add(t) for t in ids]
+    assert emitted == ["", "", "", "🙂"]
+
+
+def test_flush_emits_an_incomplete_tail(tiny_qwen2_dir):
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    ids = tokenizer.encode("ok 🙂", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    for token_id in ids[:-1]:
+        detok.add(token_id)
+    detok.flush()
+    assert detok.text == tokenizer.decode(ids[:-1])

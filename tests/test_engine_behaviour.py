@@ -1,0 +1,194 @@
+"""Engine behaviour beyond greedy parity: sampling, stops, limits, bad input,
+aborts, and block accounting under a randomized workload."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from actors.config import CheckpointError, EngineConfig
+from actors.engine import Engine
+from actors.llm import LLM
+from actors.request import FinishReason
+from actors.sampling_params import InvalidRequestError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2_dir):
+    return LLM(tiny_qwen2_dir, block_size=16, prefill_chunk_size=48, max_num_batched_tokens=128)
+
+
+def test_same_seed_same_output_whatever_shares_the_batch(llm):
+    params = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=42)
+    alone = llm.generate(["A seeded request"], params)[0]
+    rng = random.Random(0)
+    others = [
+        SamplingParams(max_new_tokens=rng.randint(4, 30), temperature=rng.choice([0.0, 0.7, 1.3]))
+        for _ in range(7)
+    ]
+    prompts = ["noise " * rng.randint(1, 40) for _ in range(7)]
+    mixed = llm.generate(prompts[:3] + ["A seeded request"] + prompts[3:], others[:3] + [params] + others[3:])
+    assert mixed[3].token_ids == alone.token_ids
+    unseeded = SamplingParams(max_new_tokens=24, temperature=0.9)
+    a, b = llm.generate(["A seeded request"] * 2, unseeded)
+    assert a.token_ids != b.token_ids  # without a seed, each request draws its own
+
+
+def test_sampling_at_high_temperature_differs_from_greedy(llm):
+    greedy = llm.generate(["Sampling"], SamplingParams(max_new_tokens=32, temperature=0))[0]
+    sampled = llm.generate(["Sampling"], SamplingParams(max_new_tokens=32, temperature=2.0, seed=1, ignore_eos=True))[0]
+    assert sampled.token_ids != greedy.token_ids
+
+
+def test_max_new_tokens_and_ignore_eos(llm):
+    out = llm.generate(["Count"], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_ids_end_the_request(llm):
+    free = llm.generate(["Stop here"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop_id = free.token_ids[3]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate(
+        ["Stop here"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,))
+    )[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert out.finish_reason is FinishReason.STOP
+
+
+def test_eos_ends_the_request_unless_ignored(llm, tiny_qwen2_dir, tmp_path):
+    free = llm.generate(["Until EOS"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    eos = free.token_ids[4]
+    # The same weights with that token declared as EOS in config.json.
+    for item in tiny_qwen2_dir.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    eos_llm = LLM(tmp_path, block_size=16)
+    stopped = eos_llm.generate(["Until EOS"], SamplingParams(max_new_tokens=12, temperature=0))[0]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    assert stopped.finish_reason is FinishReason.STOP
+    ignored = eos_llm.generate(["Until EOS"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert ignored.token_ids == free.token_ids
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.generate(["Stop string"], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[4:6]
+    out = llm.generate(["Stop string"], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, stop=stop))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.text == text[: text.find(stop)]
+    assert stop not in out.text
+
+
+def test_text_equals_decoding_the_tokens(llm):
+    params = SamplingParams(max_new_tokens=40, temperature=1.5, seed=3, ignore_eos=True)
+    for out in llm.generate(["héllo wörld 中文 🙂", "plain"], params):
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_top_n_logprobs(llm):
+    out = llm.generate(["Logprobs"], SamplingParams(max_new_tokens=4, temperature=0, logprobs=3))[0]
+    for lp in out.logprobs:
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == lp.token_id  # greedy picks the best
+        assert lp.top[0][1] == pytest.approx(lp.logprob)
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ("", dict(max_new_tokens=4), "prompt is empty"),
+        ([], dict(max_new_tokens=4), "prompt is empty"),
+        ([1] * 5000, dict(max_new_tokens=4), "context"),
+        ([10**9], dict(max_new_tokens=4), "outside the vocabulary"),
+    ],
+)
+def test_bad_prompts_are_refused(llm, prompt, kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate([prompt], SamplingParams(**kwargs))
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(stop=("",)), "stop"),
+    ],
+)
+def test_bad_sampling_params_are_refused(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, tiny_qwen2_dir):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        Engine(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="config.json"):
+        Engine(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in tiny_qwen2_dir.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="safetensors"):
+        Engine(broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config"):
+        Engine(broken)
+
+
+def test_abort_frees_blocks(tiny_qwen2_dir):
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, prefill_chunk_size=32))
+    engine.add_request([5] * 100, SamplingParams(max_new_tokens=50), "a")
+    engine.add_request([6] * 40, SamplingParams(max_new_tokens=50), "b")
+    engine.step()
+    assert engine.pool.num_used > 0
+    out = engine.abort("a")
+    assert out.finish_reason is FinishReason.ABORT and out.finished
+    engine.abort("b")
+    assert engine.abort("missing") is None
+    assert not engine.has_unfinished()
+    engine.pool.check()
+    assert engine.pool.num_used == 0
+
+
+def test_randomized_workload_keeps_block_accounting(tiny_qwen2_dir):
+    """Arrivals, aborts and preemption at random; invariants after every step."""
+    rng = random.Random(7)
+    engine = Engine(
+        tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=40, prefill_chunk_size=40, max_num_batched_tokens=96)
+    )
+    live: list[str] = []
+    for step in range(300):
+        if rng.random() < 0.3:
+            prompt = [rng.randrange(100) for _ in range(rng.randint(1, 200))]
+            params = SamplingParams(max_new_tokens=rng.randint(1, 60), temperature=rng.choice([0, 1.0]), ignore_eos=True)
+            live.append(engine.add_request(prompt, params))
+        if live and rng.random() < 0.05:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished:
+                live.remove(out.request_id)
+        engine.pool.check()
+        tables = [b for r in engine.scheduler.running for b in r.block_table]
+        assert len(tables) == len(set(tables)) or engine.config.enable_prefix_cache
+        assert engine.pool.num_used == len(set(tables))
+        assert all(not r.block_table for r in engine.scheduler.waiting)
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check()
+    assert engine.pool.num_used == 0
+    assert engine.scheduler.num_preemptions > 0

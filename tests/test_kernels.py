@@ -1,0 +1,119 @@
+"""Paged attention, KV slot writes and sampling against plain references."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import (
+    decode_attention,
+    prefill_attention,
+    reference_attention,
+    write_kv_slots,
+)
+from kernels.sampling import logprobs_of, sample
+
+NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
+
+
+def _cache(num_blocks, block_size):
+    return torch.zeros(num_blocks, NUM_LAYERS, 2, block_size, KV_HEADS, HEAD_DIM)
+
+
+def _fill(layer_cache, table, k, v, block_size):
+    positions = torch.arange(k.shape[0])
+    slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+    write_kv_slots(layer_cache, k, v, slots)
+
+
+def test_write_kv_slots_places_tokens_in_their_blocks():
+    cache = _cache(8, 4)
+    layer = cache[:, 1]
+    k, v = torch.randn(6, KV_HEADS, HEAD_DIM), torch.randn(6, KV_HEADS, HEAD_DIM)
+    _fill(layer, [5, 2], k, v, 4)
+    assert torch.equal(cache[5, 1, 0], k[:4]) and torch.equal(cache[2, 1, 0, :2], k[4:])
+    assert torch.equal(cache[5, 1, 1], v[:4]) and torch.equal(cache[2, 1, 1, :2], v[4:])
+    assert cache[:, 0].abs().sum() == 0  # the other layer untouched
+    assert cache[2, 1, :, 2:].abs().sum() == 0
+
+
+def test_prefill_chunk_over_cached_prefix_matches_dense():
+    torch.manual_seed(0)
+    block_size, total, chunk = 4, 11, 5
+    table = [3, 0, 6]
+    layer = _cache(8, block_size)[:, 0]
+    q = torch.randn(total, HEADS, HEAD_DIM)
+    k, v = torch.randn(total, KV_HEADS, HEAD_DIM), torch.randn(total, KV_HEADS, HEAD_DIM)
+    _fill(layer, table, k, v, block_size)
+    scale = HEAD_DIM**-0.5
+    out = prefill_attention(q[-chunk:], k[-chunk:], v[-chunk:], layer, torch.tensor(table), total, scale)
+    expected = reference_attention(q, k, v, scale)[-chunk:]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_batch_of_different_lengths_matches_dense():
+    torch.manual_seed(1)
+    block_size = 4
+    lengths = [1, 7, 12]
+    tables = [[9], [4, 1], [2, 8, 5]]
+    layer = _cache(10, block_size)[:, 1]
+    qs, expected = [], []
+    for length, table in zip(lengths, tables):
+        q = torch.randn(length, HEADS, HEAD_DIM)
+        k, v = torch.randn(length, KV_HEADS, HEAD_DIM), torch.randn(length, KV_HEADS, HEAD_DIM)
+        _fill(layer, table, k, v, block_size)
+        qs.append(q[-1])
+        expected.append(reference_attention(q, k, v, HEAD_DIM**-0.5)[-1])
+    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
+    out = decode_attention(torch.stack(qs), layer, padded, torch.tensor(lengths), HEAD_DIM**-0.5)
+    torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(3, 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    out = sample(logits, [0.0] * 3, [0] * 3, [1.0] * 3, gens)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(4, 100)
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    out = sample(logits, [1.0] * 4, [1, 1, 0, 0], [1.0, 1.0, 1e-6, 1e-6], gens)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_restricts_to_the_k_best():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 30)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    gen = torch.Generator().manual_seed(0)
+    picks = {int(sample(logits, [5.0], [3], [1.0], [gen])[0]) for _ in range(200)}
+    assert picks <= allowed and len(picks) > 1
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(logits, [1.0], [0], [1.0], [gen])[0]] += 1
+    torch.testing.assert_close(counts / counts.sum(), torch.tensor([0.5, 0.3, 0.2]), atol=0.03, rtol=0)
+
+
+def test_a_seeded_row_does_not_depend_on_its_neighbours():
+    torch.manual_seed(0)
+    row = torch.randn(1, 64)
+    alone = sample(row, [0.9], [0], [0.95], [torch.Generator().manual_seed(7)])
+    batch = torch.cat([torch.randn(2, 64), row, torch.randn(1, 64)])
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 7, 3)]
+    together = sample(batch, [0.5, 0.0, 0.9, 1.3], [0, 5, 0, 0], [1.0, 1.0, 0.95, 0.5], gens)
+    assert together[2] == alone[0]
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = torch.randn(2, 20)
+    chosen, top_ids, top_lps = logprobs_of(logits, torch.tensor([3, 7]), 4)
+    reference = logits.log_softmax(-1)
+    torch.testing.assert_close(chosen, reference[[0, 1], [3, 7]])
+    torch.testing.assert_close(top_lps, reference.topk(4).values)
+    assert torch.equal(top_ids, reference.topk(4).indices)
