@@ -24,6 +24,28 @@ from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import Scheduler
 
 
+@dataclass(frozen=True)
+class ExportedChunk:
+    """A chunk of an `exports_kv` request computed in a step: its KV now covers
+    tokens [0, end) in `block_ids` (a snapshot of the table, taken before the request
+    may finish and release it)."""
+
+    request_id: str
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a decode engine holds for a prompt plus its first output token.
+    The first `num_cached_blocks` already hold the prompt's KV (prefix cache)."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_blocks: int
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -65,6 +87,7 @@ class Engine:
         hash_seed = f"{model_dir.resolve()}|{self.config.dtype}|{self.config.block_size}".encode()
         self.scheduler = Scheduler(self.config, self.pool, hash_seed)
         self.requests: dict[str, Request] = {}
+        self.reservations: dict[str, Request] = {}  # decode side: awaiting their KV
         self._seed_rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -94,25 +117,85 @@ class Engine:
                 "shorten the prompt or max_new_tokens"
             )
 
-    def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
+    def _new_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> Request:
         prompt_ids = self.tokenize(prompt)
         self.validate(prompt_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.reservations:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        request = Request(
+        return Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
             generator=torch.Generator().manual_seed(seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
         )
-        self.requests[request_id] = request
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        exports_kv: bool = False,
+    ) -> str:
+        request = self._new_request(prompt, params, request_id)
+        request.exports_kv = exports_kv
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
-        return request_id
+        return request.request_id
+
+    # ---- decode side of a P/D pair -------------------------------------------
+    def reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Reservation | None:
+        """Hold blocks for the prompt plus the first output token, reusing what the
+        prefix cache already has. None when the pool cannot hold it now."""
+        request = self._new_request(prompt_ids, params, request_id)
+        self.scheduler.prepare(request)
+        hits = self.scheduler.cached_prefix(request)
+        self.pool.take(hits)
+        needed = -(-(request.num_prompt_tokens + 1) // self.pool.block_size) - len(hits)
+        if needed > self.pool.num_available:
+            self.pool.release(hits)
+            return None
+        request.block_table = hits + self.pool.allocate(needed)
+        request.num_cached_tokens = len(hits) * self.pool.block_size
+        self.reservations[request_id] = request
+        return Reservation(request_id, list(request.block_table), len(hits))
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        request = self.reservations.pop(request_id, None)
+        if request is None:
+            return False
+        self.pool.release(request.block_table)
+        request.block_table = []
+        return True
+
+    def activate(
+        self, request_id: str, first_token: SampledToken, generator_state: torch.Tensor | None
+    ) -> RequestOutput:
+        """The prompt's KV is in the reserved blocks: start decoding after the first
+        token (sampled by the prefill worker)."""
+        request = self.reservations.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        if generator_state is not None:
+            request.generator.set_state(generator_state)
+        if self.config.enable_prefix_cache:
+            self.scheduler.publish_full_blocks(request, 0)
+        self.requests[request_id] = request
+        self.scheduler.add_running(request)
+        self._append_token(request, first_token, time.monotonic())
+        if request.is_finished:
+            del self.requests[request_id]
+        return self._output(request)
+
+    # ---- prefill side of a P/D pair ------------------------------------------
+    def hold_blocks(self, block_ids: list[int]) -> None:
+        """Keep blocks from reuse while their KV is sent; `release_blocks` after."""
+        self.pool.take(block_ids)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.pool.release(block_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
@@ -126,12 +209,23 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        return self.run_step()[1]
+
+    def run_step(self) -> tuple[list[ExportedChunk], list[RequestOutput]]:
+        """One step. Returns the chunks of `exports_kv` requests it computed, and an
+        output for every request that got a token or finished."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            return []
+            return [], []
         sampled = self.runner.execute(plan.chunks)
         self.scheduler.update(plan)
         self.num_steps += 1
+        blocks_for = lambda end: -(-end // self.pool.block_size)  # noqa: E731
+        exported = [
+            ExportedChunk(c.request.request_id, c.start, c.end, c.request.block_table[: blocks_for(c.end)])
+            for c in plan.chunks
+            if c.request.exports_kv
+        ]
         now = time.monotonic()
         outputs = []
         for request_id, token in sampled.items():
@@ -140,7 +234,7 @@ class Engine:
             if request.is_finished:
                 del self.requests[request_id]
             outputs.append(self._output(request))
-        return outputs
+        return exported, outputs
 
     def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
         params = request.params

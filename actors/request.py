@@ -59,6 +59,7 @@ class Request:
     output_text: str = ""
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
+    exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker
 
     @property
     def all_token_ids(self) -> list[int]:

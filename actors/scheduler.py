@@ -60,9 +60,21 @@ class Scheduler:
         self.num_preemptions = 0  # since start, for stats and tests
 
     # ---- bookkeeping ---------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def prepare(self, request: Request) -> None:
+        """Hash the prompt's full blocks (for prefix-cache lookups)."""
         request.block_hashes = block_hashes(request.prompt_token_ids, self.block_size, self.hash_seed)
+
+    def add(self, request: Request) -> None:
+        self.prepare(request)
         self.waiting.append(request)
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the request's longest cached prefix, never covering its last
+        token (whose logits are needed). Takes no references."""
+        if not self.config.enable_prefix_cache:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        return self.pool.lookup(request.block_hashes[:max_hit_blocks], request.all_token_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,6 +88,12 @@ class Scheduler:
         self.pool.release(request.block_table)
         request.block_table = []
         request.status = RequestStatus.FINISHED
+
+    def add_running(self, request: Request) -> None:
+        """Adopt a request whose KV is already in its block table (a decode worker
+        activating a transferred prompt)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(request.block_table))
@@ -117,11 +135,7 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
-        hits: list[int] = []
-        if self.config.enable_prefix_cache:
-            max_hit_blocks = (request.num_tokens - 1) // self.block_size
-            all_ids = request.all_token_ids
-            hits = self.pool.lookup(request.block_hashes[:max_hit_blocks], all_ids)
+        hits = self.cached_prefix(request)
         self.pool.take(hits)
         request.block_table = list(hits)
         request.num_computed_tokens = len(hits) * self.block_size
@@ -151,9 +165,9 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens = chunk.end
             if self.config.enable_prefix_cache:
-                self._publish_full_blocks(request, chunk.start // self.block_size)
+                self.publish_full_blocks(request, chunk.start // self.block_size)
 
-    def _publish_full_blocks(self, request: Request, first: int) -> None:
+    def publish_full_blocks(self, request: Request, first: int) -> None:
         """Register the request's full computed blocks from index `first` on."""
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= first:

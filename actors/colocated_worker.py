@@ -1,0 +1,28 @@
+"""The colocated worker: prefill and decode in one engine (the seeds' "PD fusion").
+The baseline every disaggregation claim is measured against."""
+
+from __future__ import annotations
+
+from actors.messages import GenerateRequest
+from actors.worker_base import WorkerBase
+
+
+class ColocatedWorker(WorkerBase):
+    async def generate(self, request: GenerateRequest):
+        """Token events from the first token to the end. A consumer that goes away
+        cancels the request."""
+        self._ensure_started()
+        self.streams.open(request.request_id)
+        try:
+            await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id))
+        except Exception:
+            self.streams.forget(request.request_id)
+            raise
+        finished = False
+        try:
+            async for event in self.streams.events(request.request_id):
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                await self.call(lambda e: e.abort(request.request_id))

@@ -1,0 +1,184 @@
+"""The decode worker (D): reserves blocks in a handshake, receives a prompt's KV
+chunk by chunk into them, then decodes it in its continuous batch and streams tokens.
+
+Handshake: `reserve` holds blocks for the prompt plus the first output token and
+answers with their ids and how many leading ones the prefix cache already filled (P
+skips those: delta transfer), or raises `ReservationRefused` so the caller can pick
+another D. Each `receive_chunk` checks the chunk's sequence (request id, chunk index,
+block count, target blocks) and resolves only once the bytes are in the blocks; the
+last chunk activates the request. A reservation is freed when it expires
+(`reservation_ttl_s`), when the request is aborted, or soon after its prefill worker
+dies (a watchdog pings the P named in the handshake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from actors.kv_channel import GlooPair, GlooReceiver, KVReceiver, NcclPair, NcclReceiver, ObjectStoreReceiver
+from actors.messages import ChunkMeta, GenerateRequest, ReservationInfo, ReservationRefused, TransferFailed
+from actors.model_runner import SampledToken
+from actors.worker_base import WorkerBase
+
+
+@dataclass
+class _Pending:
+    """A reservation awaiting its KV."""
+
+    block_ids: list[int]
+    prefill_handle: object
+    created_s: float
+    next_chunk: int = 0
+
+
+class DecodeWorker(WorkerBase):
+    def _on_started(self) -> None:
+        self._pending: dict[str, _Pending] = {}
+        self._pending_lock = threading.Lock()  # guards _pending and writes into reserved blocks
+        self._receivers: dict[str, KVReceiver] = {}
+        self.aio.create_task(self._watchdog())
+
+    # ---- handshake --------------------------------------------------------------
+    async def reserve(self, request: GenerateRequest, prefill_handle=None) -> ReservationInfo:
+        self._ensure_started()
+        self.streams.open(request.request_id)
+        try:
+            reservation = await self.call(
+                lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id)
+            )
+        except Exception:
+            self.streams.forget(request.request_id)
+            raise
+        if reservation is None:
+            self.streams.forget(request.request_id)
+            raise ReservationRefused(
+                f"decode worker {self.worker_id} cannot hold {len(request.prompt_token_ids)} prompt tokens now "
+                f"({self.engine.pool.num_available} blocks free)"
+            )
+        with self._pending_lock:
+            self._pending[request.request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic())
+        return ReservationInfo(
+            request.request_id, self.worker_id, reservation.block_ids, reservation.num_cached_blocks
+        )
+
+    async def open_channel(self, name: str, backend: str, host: str | None = None, port: int | None = None) -> bool:
+        """D's end of a new P-D channel (called by P when the pair first meets)."""
+        self._ensure_started()
+        if backend == "object_store":
+            self._receivers[name] = ObjectStoreReceiver()
+        elif backend == "gloo":
+            timeout = self.options.transfer_timeout_s
+            pair = await self.in_thread(lambda: GlooPair(name, host, port, 1, timeout))
+            self._receivers[name] = GlooReceiver(pair)
+        elif backend == "nccl":
+            pair = await self.in_thread(lambda: NcclPair(name, 1))
+            self._receivers[name] = NcclReceiver(pair)
+        else:
+            raise ValueError(f"unknown channel backend {backend!r}")
+        return True
+
+    async def close_channel(self, name: str) -> None:
+        receiver = self._receivers.pop(name, None)
+        if receiver is not None:
+            receiver.close()
+
+    # ---- transfer ---------------------------------------------------------------
+    async def receive_chunk(self, meta: ChunkMeta, channel_name: str, payload=None) -> float:
+        """Receive one chunk into the reserved blocks. Resolves (to the arrival wall
+        time) once the bytes are in place; raises TransferFailed if they cannot be."""
+        self._ensure_started()
+        receiver = self._receivers.get(channel_name)
+        if receiver is None:
+            raise TransferFailed(f"decode worker {self.worker_id} has no channel {channel_name!r}")
+        cache = self.engine.runner.kv_cache
+        shape = (len(meta.dst_block_ids),) + tuple(cache.shape[1:])
+        # Always consume the bytes, even for a request that is gone: the pair's
+        # sends and receives must stay paired.
+        kv = await self.in_thread(receiver.recv, shape, cache.dtype, payload)
+        await self.in_thread(self._write_chunk, meta, kv)
+        arrived_s = time.time()
+        if meta.is_last:
+            await self._activate(meta)
+        return arrived_s
+
+    def _write_chunk(self, meta: ChunkMeta, kv: torch.Tensor) -> None:
+        with self._pending_lock:
+            pending = self._pending.get(meta.request_id)
+            if pending is None:
+                raise TransferFailed(f"request {meta.request_id} has no reservation on {self.worker_id}")
+            if meta.chunk_index != pending.next_chunk:
+                raise TransferFailed(
+                    f"request {meta.request_id}: chunk {meta.chunk_index} arrived, expected {pending.next_chunk}"
+                )
+            if not set(meta.dst_block_ids) <= set(pending.block_ids):
+                raise TransferFailed(f"request {meta.request_id}: chunk targets blocks outside its reservation")
+            if meta.dst_block_ids:
+                index = torch.tensor(meta.dst_block_ids, dtype=torch.long, device=kv.device)
+                self.engine.runner.kv_cache.index_copy_(0, index, kv.to(self.engine.runner.kv_cache.device))
+            pending.next_chunk += 1
+
+    async def _activate(self, meta: ChunkMeta) -> None:
+        with self._pending_lock:
+            self._pending.pop(meta.request_id, None)
+        first = SampledToken(meta.first_token_id, meta.first_logprob)
+        state = torch.frombuffer(bytearray(meta.generator_state), dtype=torch.uint8) if meta.generator_state else None
+        # Published on the engine thread, like every later token: one writer per stream.
+        await self.call(lambda e: self.streams.publish(e.activate(meta.request_id, first, state)))
+
+    # ---- tokens -----------------------------------------------------------------
+    async def stream(self, request_id: str):
+        """Token events of a reserved request, from its first token to the end. A
+        consumer that goes away cancels the request."""
+        self._ensure_started()
+        finished = False
+        try:
+            async for event in self.streams.events(request_id):
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                await self._drop(request_id, "stream cancelled")
+
+    async def _drop(self, request_id: str, reason: str) -> None:
+        with self._pending_lock:
+            self._pending.pop(request_id, None)
+        await self.call(lambda e: e.abort(request_id) or e.cancel_reservation(request_id))
+        self.streams.fail(request_id, reason)
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        self._ensure_started()
+        with self._pending_lock:
+            self._pending.pop(request_id, None)
+        return await super().abort(request_id, reason)
+
+    # ---- reservations that will never be filled -----------------------------------
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.watchdog_interval_s)
+            now = time.monotonic()
+            with self._pending_lock:
+                pending = list(self._pending.items())
+            expired = [rid for rid, p in pending if now - p.created_s > self.options.reservation_ttl_s]
+            for rid in expired:
+                await self._drop(rid, f"reservation expired after {self.options.reservation_ttl_s:.0f}s")
+            handles = {id(p.prefill_handle): p.prefill_handle for _, p in pending if p.prefill_handle is not None}
+            for key, handle in handles.items():
+                if await self._is_dead(handle):
+                    for rid, p in pending:
+                        if id(p.prefill_handle) == key:
+                            await self._drop(rid, "prefill worker died before the transfer finished")
+
+    async def _is_dead(self, handle) -> bool:
+        try:
+            await asyncio.wait_for(handle.ping.remote(), timeout=self.options.watchdog_interval_s * 4)
+        except ray.exceptions.RayActorError:
+            return True
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            return False  # busy or unreachable for now: the TTL still bounds it
+        return False

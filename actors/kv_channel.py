@@ -1,0 +1,192 @@
+"""KV transfer channels between one prefill (P) and one decode (D) worker.
+
+One interface, several backends. P holds a `KVSender` per D it has met (made lazily
+on first use, closed when either side goes); D holds the matching receiving end.
+A transfer is always driven from P's sender thread, one at a time per pair:
+
+    ref = decode.receive_chunk.remote(meta, channel_name, payload)   # D starts receiving
+    sender.push(kv)                                                   # bytes move
+    ray.get(ref)                                                      # D's blocks hold them
+
+`ref` is the completion signal: it resolves only once the bytes are in D's blocks.
+Backends:
+- `object_store`: the KV rides in `payload` through Ray's object store; no group;
+  works across nodes. `push` is a no-op.
+- `gloo`: one `ProcessGroupGloo` per P-D pair over its own TCPStore (Ray's gloo
+  backend allows one torch.distributed world per process, so it cannot host a group
+  per pair; see RAY_NOTES.md). `push` is a point-to-point send; D's `recv` fills a
+  buffer of the shape the chunk metadata implies.
+- `nccl`: a `ray.util.collective` NCCL group per pair (cupy.cuda.nccl), CUDA tensors;
+  completion is signalled only after the stream is synchronised. Needs two GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from abc import ABC, abstractmethod
+
+import torch
+
+CHANNEL_BACKENDS = ("gloo", "object_store", "nccl")
+
+
+class KVSender(ABC):
+    """P's end of a channel. `push` runs on P's sender thread only."""
+
+    name: str
+
+    @abstractmethod
+    def payload(self, kv: torch.Tensor):
+        """What travels with the `receive_chunk` call (None when bytes go by `push`)."""
+
+    @abstractmethod
+    def push(self, kv: torch.Tensor) -> None:
+        """Move the bytes (after `receive_chunk` was called on D)."""
+
+    def close(self) -> None:
+        pass
+
+
+class KVReceiver(ABC):
+    """D's end of a channel. `recv` may block; call it off the event loop."""
+
+    @abstractmethod
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, payload) -> torch.Tensor:
+        ...
+
+    def close(self) -> None:
+        pass
+
+
+# ---- object store -------------------------------------------------------------
+class ObjectStoreSender(KVSender):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def payload(self, kv: torch.Tensor):
+        return kv
+
+    def push(self, kv: torch.Tensor) -> None:
+        return None
+
+
+class ObjectStoreReceiver(KVReceiver):
+    def recv(self, shape, dtype, payload) -> torch.Tensor:
+        if not isinstance(payload, torch.Tensor) or tuple(payload.shape) != tuple(shape) or payload.dtype != dtype:
+            got = getattr(payload, "shape", type(payload).__name__)
+            raise ValueError(f"object_store chunk has shape {got}, expected {tuple(shape)} {dtype}")
+        return payload
+
+
+# ---- gloo, one process group per pair ------------------------------------------
+class GlooPair:
+    """A two-rank gloo group of its own: rank 0 is P (hosts the TCPStore), rank 1 D.
+    Construction blocks until both ranks joined."""
+
+    def __init__(self, name: str, host: str, port: int, rank: int, timeout_s: float, store=None) -> None:
+        from torch._C._distributed_c10d import ProcessGroupGloo
+        from torch.distributed import PrefixStore, TCPStore
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            store = TCPStore(host, port, 2, False, timeout=timeout)
+        self._store = store
+        self.rank = rank
+        self.group = ProcessGroupGloo(PrefixStore(name, store), rank, 2, timeout)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def host_store(host: str, timeout_s: float):
+        """P's side: a TCPStore server on a free port; returns (store, port)."""
+        from torch.distributed import TCPStore
+
+        store = TCPStore(host, 0, 2, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        return store, store.port
+
+    def send(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.group.send([tensor.contiguous()], 1 - self.rank, 0).wait()
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.group.recv([tensor], 1 - self.rank, 0).wait()
+
+
+class GlooSender(KVSender):
+    def __init__(self, name: str, pair: GlooPair) -> None:
+        self.name = name
+        self.pair = pair
+
+    def payload(self, kv: torch.Tensor):
+        return None
+
+    def push(self, kv: torch.Tensor) -> None:
+        self.pair.send(kv)
+
+    def close(self) -> None:
+        self.pair = None
+
+
+class GlooReceiver(KVReceiver):
+    def __init__(self, pair: GlooPair) -> None:
+        self.pair = pair
+
+    def recv(self, shape, dtype, payload) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype)
+        self.pair.recv(buffer)
+        return buffer
+
+    def close(self) -> None:
+        self.pair = None
+
+
+# ---- nccl ------------------------------------------------------------------------
+def nccl_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class NcclPair:
+    """A two-rank `ray.util.collective` NCCL group; call from inside each actor."""
+
+    def __init__(self, name: str, rank: int) -> None:
+        if not nccl_available():
+            raise RuntimeError("the nccl channel needs CUDA and cupy (pip install 'tandem[gpu]')")
+        from ray.util import collective
+
+        self.name = name
+        self.rank = rank
+        self._collective = collective
+        collective.init_collective_group(2, rank, backend="nccl", group_name=name)
+        self.stream = torch.cuda.Stream()
+
+    def send(self, tensor: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            self._collective.send(tensor.contiguous(), 1 - self.rank, self.name)
+        self.stream.synchronize()  # enqueued is not sent: wait before signalling
+
+    def recv(self, tensor: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            self._collective.recv(tensor, 1 - self.rank, self.name)
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self._collective.destroy_collective_group(self.name)
+
+
+class NcclSender(GlooSender):
+    """Same flow as gloo; the pair is an `NcclPair`."""
+
+
+class NcclReceiver(KVReceiver):
+    def __init__(self, pair: NcclPair) -> None:
+        self.pair = pair
+
+    def recv(self, shape, dtype, payload) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device="cuda")
+        self.pair.recv(buffer)
+        return buffer

@@ -1,0 +1,89 @@
+"""Plain-data messages that cross the actor boundary (P <-> D <-> scheduler).
+
+Small frozen dataclasses only: no tensors except the generator state and the KV
+payload of the object-store channel, no handles except where a field says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.request import TokenLogprob
+from actors.sampling_params import SamplingParams
+
+
+class ReservationRefused(RuntimeError):
+    """The decode worker cannot hold this request's KV now: try another one."""
+
+
+class TransferFailed(RuntimeError):
+    """A P/D transfer could not complete (peer died, timed out, or was cancelled)."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ReservationInfo:
+    """D's answer to the handshake: where the prompt's KV goes."""
+
+    request_id: str
+    decode_worker_id: str
+    block_ids: list[int]
+    num_cached_blocks: int  # leading blocks D already holds: P skips them
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """One transfer: `len(dst_block_ids)` whole blocks into D's reserved blocks.
+    The last chunk carries the first token and the state D continues from."""
+
+    request_id: str
+    chunk_index: int
+    dst_block_ids: list[int]
+    is_last: bool
+    first_token_id: int | None = None
+    first_logprob: TokenLogprob | None = None
+    generator_state: bytes | None = None
+    sent_s: float = 0.0  # wall clock (time.time) when P started the send
+
+
+@dataclass
+class ChunkTiming:
+    chunk_index: int
+    num_blocks: int
+    compute_done_s: float  # P finished the chunk's compute
+    send_start_s: float
+    arrived_s: float  # bytes in D's blocks
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    first_token_id: int
+    num_prompt_tokens: int
+    num_computed_tokens: int  # prompt tokens P computed (not served by its cache)
+    num_blocks_sent: int
+    num_bytes_sent: int
+    prefill_start_s: float
+    first_token_s: float
+    chunks: list[ChunkTiming] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a decode (or colocated) worker streams per step of a request."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens in this event
+    text: str  # new text in this event
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    time_s: float  # wall clock
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,256 @@
+"""The prefill worker (P): computes a prompt chunk by chunk and streams each chunk's
+finished blocks into the blocks its decode worker reserved, while the next chunk
+computes.
+
+After every engine step (on the engine thread) the blocks a chunk completed are
+pinned (`hold_blocks`) and queued to the pair's sender thread; the trailing partial
+block goes with the last chunk, together with the first sampled token, its logprob
+and the sampling generator's state, so D continues exactly where P stopped. Blocks
+D already holds (`num_cached_blocks` from the handshake) are never sent. The sender
+moves one chunk at a time per pair and waits for D's completion ref before the next;
+pinned blocks are released once their chunk arrived (or failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from actors.engine import Engine, ExportedChunk, RequestOutput
+from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender
+from actors.messages import ChunkMeta, ChunkTiming, GenerateRequest, PrefillResult, ReservationInfo, TransferFailed
+from actors.request import Request
+from actors.worker_base import WorkerBase
+
+
+@dataclass
+class _Job:
+    """One request's transfer state on P."""
+
+    request: GenerateRequest
+    reservation: ReservationInfo
+    pair: "_PairSender"
+    future: asyncio.Future
+    engine_request: Request | None = None
+    next_block: int = 0  # blocks before this index are sent (or were on D already)
+    next_chunk: int = 0
+    failed: bool = False
+    started_s: float = field(default_factory=time.time)
+    first_token_s: float = 0.0
+    num_bytes_sent: int = 0
+    num_blocks_sent: int = 0
+    timings: list[ChunkTiming] = field(default_factory=list)
+
+
+@dataclass
+class _Transfer:
+    job: _Job
+    meta: ChunkMeta
+    src_block_ids: list[int]
+    compute_done_s: float
+
+
+class _PairSender:
+    """A thread that moves chunks to one D, in order, one at a time."""
+
+    def __init__(self, worker: "PrefillWorker", sender: KVSender, decode_handle) -> None:
+        self.worker = worker
+        self.sender = sender
+        self.decode = decode_handle
+        self.broken: str | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"send-{sender.name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, transfer: _Transfer) -> None:
+        self._queue.put(transfer)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self.sender.close()
+
+    def _run(self) -> None:
+        while (transfer := self._queue.get()) is not None:
+            job = transfer.job
+            try:
+                if self.broken:
+                    raise TransferFailed(self.broken)
+                if job.failed:
+                    continue
+                self._send(transfer)
+            except Exception as exc:
+                if isinstance(exc, ray.exceptions.RayActorError) or not isinstance(exc, TransferFailed):
+                    self.broken = f"channel {self.sender.name} broken: {type(exc).__name__}: {exc}"
+                    self.worker.forget_pair(self)
+                self.worker.fail_job(job, exc)
+            finally:
+                self.worker.release_later(transfer.src_block_ids)
+
+    def _send(self, transfer: _Transfer) -> None:
+        cache = self.worker.engine.runner.kv_cache
+        kv = cache[torch.tensor(transfer.src_block_ids, dtype=torch.long)]
+        meta = dataclasses.replace(transfer.meta, sent_s=time.time())
+        ref = self.decode.receive_chunk.remote(meta, self.sender.name, self.sender.payload(kv))
+        self.sender.push(kv)
+        arrived_s = ref.future().result(timeout=self.worker.options.transfer_timeout_s)
+        job = transfer.job
+        job.num_blocks_sent += len(transfer.src_block_ids)
+        job.num_bytes_sent += kv.numel() * kv.element_size()
+        job.timings.append(
+            ChunkTiming(meta.chunk_index, len(transfer.src_block_ids), transfer.compute_done_s, meta.sent_s, arrived_s)
+        )
+        if meta.is_last:
+            self.worker.complete_job(job)
+
+
+class PrefillWorker(WorkerBase):
+    def _on_started(self) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self._pairs: dict[str, _PairSender] = {}
+        self._pair_locks: dict[str, asyncio.Lock] = {}
+
+    # ---- channels -------------------------------------------------------------
+    async def _pair_for(self, reservation: ReservationInfo, decode_handle, backend: str) -> _PairSender:
+        decode_id = reservation.decode_worker_id
+        lock = self._pair_locks.setdefault(decode_id, asyncio.Lock())
+        async with lock:
+            pair = self._pairs.get(decode_id)
+            if pair is not None and not pair.broken:
+                return pair
+            name = f"kv-{self.worker_id}-{decode_id}-{uuid.uuid4().hex[:8]}"
+            timeout = self.options.transfer_timeout_s
+            if backend == "object_store":
+                await decode_handle.open_channel.remote(name, backend)
+                sender: KVSender = ObjectStoreSender(name)
+            elif backend == "gloo":
+                host = ray.util.get_node_ip_address()
+                store, port = GlooPair.host_store(host, timeout)
+                joined = decode_handle.open_channel.remote(name, backend, host, port)
+                link = await self.in_thread(lambda: GlooPair(name, host, port, 0, timeout, store))
+                await joined
+                sender = GlooSender(name, link)
+            elif backend == "nccl":
+                joined = decode_handle.open_channel.remote(name, backend)
+                link = await self.in_thread(lambda: NcclPair(name, 0))
+                await joined
+                sender = NcclSender(name, link)
+            else:
+                raise ValueError(f"unknown channel backend {backend!r}")
+            pair = _PairSender(self, sender, decode_handle)
+            self._pairs[decode_id] = pair
+            return pair
+
+    def forget_pair(self, pair: _PairSender) -> None:
+        for decode_id, known in list(self._pairs.items()):
+            if known is pair:
+                del self._pairs[decode_id]
+                pair.close()
+
+    # ---- requests ---------------------------------------------------------------
+    async def prefill(
+        self, request: GenerateRequest, reservation: ReservationInfo, decode_handle, channel: str = "gloo"
+    ) -> PrefillResult:
+        """Compute the prompt and move its KV into the reservation. Resolves once the
+        last chunk (with the first token) is in D's blocks."""
+        self._ensure_started()
+        pair = await self._pair_for(reservation, decode_handle, channel)
+        job = _Job(request, reservation, pair, self.aio.create_future(), next_block=reservation.num_cached_blocks)
+        self._jobs[request.request_id] = job
+        # P samples exactly one token; stop conditions are D's business.
+        params = dataclasses.replace(request.params, max_new_tokens=1, ignore_eos=True, stop=(), stop_token_ids=())
+
+        def add(engine: Engine) -> None:
+            engine.add_request(request.prompt_token_ids, params, request.request_id, exports_kv=True)
+            job.engine_request = engine.requests[request.request_id]
+
+        try:
+            await self.call(add)
+            return await job.future
+        finally:
+            self._jobs.pop(request.request_id, None)
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        self._ensure_started()
+        job = self._jobs.get(request_id)
+        if job is not None:
+            self.fail_job(job, TransferFailed(f"request {request_id}: {reason}"))
+        return await super().abort(request_id, reason)
+
+    # ---- engine thread ------------------------------------------------------------
+    def _on_step(self, exported: list[ExportedChunk], outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        firsts = {o.request_id: o for o in outputs}
+        for chunk in exported:
+            job = self._jobs.get(chunk.request_id)
+            if job is None or job.failed:
+                continue
+            is_last = chunk.end == len(job.request.prompt_token_ids)
+            block_size = self.engine.pool.block_size
+            send_upto = len(chunk.block_ids) if is_last else chunk.end // block_size
+            src = chunk.block_ids[job.next_block : send_upto]
+            if not src and not is_last:
+                continue
+            meta = ChunkMeta(job.request.request_id, job.next_chunk, job.reservation.block_ids[job.next_block : send_upto], is_last)
+            if is_last:
+                first = firsts[chunk.request_id]
+                state = job.engine_request.generator.get_state()
+                meta = dataclasses.replace(
+                    meta,
+                    first_token_id=first.token_ids[0],
+                    first_logprob=first.logprobs[0] if first.logprobs else None,
+                    generator_state=bytes(state.numpy()),
+                )
+                job.first_token_s = now
+            self.engine.hold_blocks(src)
+            job.next_block = send_upto
+            job.next_chunk += 1
+            job.pair.submit(_Transfer(job, meta, src, now))
+
+    def release_later(self, block_ids: list[int]) -> None:
+        """Unpin blocks once sent (any thread)."""
+        if block_ids:
+            self.loop.call(lambda e: e.release_blocks(block_ids))
+
+    def complete_job(self, job: _Job) -> None:
+        engine_request = job.engine_request
+        result = PrefillResult(
+            request_id=job.request.request_id,
+            first_token_id=engine_request.output_token_ids[0],
+            num_prompt_tokens=len(job.request.prompt_token_ids),
+            num_computed_tokens=len(job.request.prompt_token_ids) - engine_request.num_cached_tokens,
+            num_blocks_sent=job.num_blocks_sent,
+            num_bytes_sent=job.num_bytes_sent,
+            prefill_start_s=job.started_s,
+            first_token_s=job.first_token_s,
+            chunks=list(job.timings),
+        )
+        self.aio.call_soon_threadsafe(_resolve, job.future, result, None)
+
+    def fail_job(self, job: _Job, exc: BaseException) -> None:
+        """Stop a request's transfer (any thread): the caller gets TransferFailed."""
+        if job.failed:
+            return
+        job.failed = True
+        request_id = job.request.request_id
+        self.loop.call(lambda e: e.abort(request_id))
+        error = exc if isinstance(exc, TransferFailed) else TransferFailed(
+            f"request {request_id}: transfer to {job.reservation.decode_worker_id} failed: {type(exc).__name__}: {exc}"
+        )
+        self.aio.call_soon_threadsafe(_resolve, job.future, None, error)
+
+
+def _resolve(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,142 @@
+"""What every worker actor shares: an engine on its own thread, token streams, and
+the small control surface (ping, abort, stats, accounting).
+
+Worker classes are plain Python classes; `cluster/` turns them into Ray actors with
+`ray.remote(cls).options(...)` (resources and labels from the manifest). They are
+async actors: methods run on one event loop, the engine on `EngineLoop`'s thread, and
+blocking transfers on the worker's thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from actors.config import EngineConfig
+from actors.engine import Engine
+from actors.engine_loop import EngineLoop
+from actors.token_streams import TokenStreams
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    transfer_timeout_s: float = 30.0  # one chunk's transfer, end to end
+    reservation_ttl_s: float = 60.0  # a reservation never filled is freed after this
+    watchdog_interval_s: float = 0.5  # how often D checks its pending reservations
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    num_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    num_reserved: int
+    last_step_s: float
+
+
+class WorkerBase:
+    def __init__(
+        self, worker_id: str, model_dir: str, engine_config: EngineConfig, options: WorkerOptions | None = None
+    ) -> None:
+        self.worker_id = worker_id
+        self.options = options or WorkerOptions()
+        self.engine = Engine(model_dir, engine_config)
+        self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{worker_id}-io")
+        self.loop: EngineLoop | None = None
+        self.streams: TokenStreams | None = None
+        self.aio: asyncio.AbstractEventLoop | None = None
+
+    # ---- start-up (on the actor's event loop) ---------------------------------
+    def _ensure_started(self) -> None:
+        if self.loop is not None:
+            return
+        self.aio = asyncio.get_running_loop()
+        self.streams = TokenStreams(self.aio)
+        self.loop = EngineLoop(self.engine, self._on_step, self._on_tick, self._on_engine_error)
+        self.loop.start()
+        self._on_started()
+
+    def _on_started(self) -> None:
+        """Hook: start background tasks."""
+
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread between steps."""
+        self._ensure_started()
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    async def in_thread(self, fn, *args):
+        self._ensure_started()
+        return await self.aio.run_in_executor(self.executor, fn, *args)
+
+    # ---- engine-thread hooks ----------------------------------------------------
+    def _on_step(self, exported, outputs) -> None:
+        for output in outputs:
+            self.streams.publish(output)
+
+    def _on_tick(self, engine: Engine) -> None:
+        pass
+
+    def _on_engine_error(self, exc: BaseException) -> None:
+        """A step failed: fail every request this worker holds, keep serving."""
+        message = f"worker {self.worker_id} step failed: {type(exc).__name__}: {exc}"
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self.streams.fail(request_id, message)
+
+    # ---- control surface --------------------------------------------------------
+    async def ping(self) -> str:
+        return self.worker_id
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Cancel a request wherever it is on this worker; frees its blocks. Its
+        stream, if any, ends with an error event carrying `reason`."""
+        out = await self.call(lambda e: e.abort(request_id) or e.cancel_reservation(request_id))
+        if self.streams is not None and request_id in self.streams:
+            self.streams.fail(request_id, reason)
+        return bool(out)
+
+    async def stats(self) -> WorkerStats:
+        def read(engine: Engine) -> WorkerStats:
+            return WorkerStats(
+                worker_id=self.worker_id,
+                num_blocks=engine.pool.num_blocks,
+                num_used_blocks=engine.pool.num_used,
+                num_cached_blocks=engine.pool.num_cached,
+                num_running=len(engine.scheduler.running),
+                num_waiting=len(engine.scheduler.waiting),
+                num_reserved=len(engine.reservations),
+                last_step_s=engine.runner.last_step_s,
+            )
+
+        return await self.call(read)
+
+    async def check_accounting(self) -> WorkerStats:
+        """Assert the block pool's invariants; return the counts."""
+        await self.call(lambda e: e.pool.check())
+        return await self.stats()
+
+    async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these KV blocks (for tests and debugging)."""
+        return await self.call(lambda e: e.runner.kv_cache[torch.tensor(block_ids, dtype=torch.long)].clone())
+
+    async def prefix_block_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """Ids of this worker's cached blocks for a prompt's prefix (tests, routing)."""
+
+        def lookup(engine: Engine) -> list[int]:
+            from actors.block_pool import block_hashes
+
+            hashes = block_hashes(prompt_token_ids, engine.pool.block_size, engine.scheduler.hash_seed)
+            return engine.pool.lookup(hashes, prompt_token_ids)
+
+        return await self.call(lookup)
+
+    async def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
