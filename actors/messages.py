@@ -20,6 +20,10 @@ class TransferFailed(RuntimeError):
     """A P/D transfer could not complete (peer died, timed out, or was cancelled)."""
 
 
+class WorkerDied(RuntimeError):
+    """A worker serving the request died; what it held is gone."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str

@@ -18,7 +18,7 @@ import asyncio
 
 import ray
 
-from actors.messages import GenerateRequest, PrefillResult, ReservationInfo, TokenEvent
+from actors.messages import GenerateRequest, PrefillResult, ReservationInfo, TokenEvent, WorkerDied
 
 
 class DisaggregatedCall:
@@ -38,12 +38,15 @@ class DisaggregatedCall:
         prefill_task = asyncio.ensure_future(self._run_prefill())
         finished = False
         try:
-            async for ref in stream:
-                event: TokenEvent = await ref
-                finished = event.finished
-                yield event
-                if finished:
-                    break
+            try:
+                async for ref in stream:
+                    event: TokenEvent = await ref
+                    finished = event.finished
+                    yield event
+                    if finished:
+                        break
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerDied(f"request {request_id}: decode worker died ({type(exc).__name__})") from None
             await prefill_task
         finally:
             if not finished:

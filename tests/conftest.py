@@ -60,3 +60,14 @@ def hf_logprobs(model_dir, prompt_ids: list[int], output_ids: list[int]) -> torc
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 :].float()
     return logits.log_softmax(-1).gather(1, torch.tensor(output_ids)[:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the whole session (logical CPUs; no dashboard)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

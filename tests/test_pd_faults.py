@@ -1,0 +1,148 @@
+"""Faults between P and D: every request ends with a clear failure, nothing leaks,
+and the survivors keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from actors.config import EngineConfig
+from actors.messages import GenerateRequest, WorkerDied
+from actors.sampling_params import SamplingParams
+from actors.worker_base import WorkerOptions
+from cluster.pd_request import DisaggregatedCall
+from cluster.workers import start_worker
+
+# Small chunks make a long prompt's transfer last long enough to interrupt.
+CONFIG = EngineConfig(block_size=16, prefill_chunk_size=16, max_num_batched_tokens=64, num_kv_blocks=400)
+OPTIONS = WorkerOptions(transfer_timeout_s=5.0, reservation_ttl_s=30.0, watchdog_interval_s=0.2)
+LONG_PROMPT = [random.Random(3).randrange(2000) for _ in range(1800)]
+SHORT = GenerateRequest("short", list(range(1, 40)), SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+
+
+def start(kind, name, model_dir):
+    actor = start_worker(kind, name, model_dir, CONFIG, OPTIONS)
+    ray.get(actor.ping.remote())
+    return actor
+
+
+def wait_idle(actor, within_s: float = 10.0):
+    """Block accounting back to full (and nothing reserved) within a bounded time."""
+    deadline = time.monotonic() + within_s
+    while True:
+        stats = ray.get(actor.check_accounting.remote())
+        if stats.num_used_blocks == 0 and stats.num_reserved == 0 and stats.num_running == 0:
+            return stats
+        assert time.monotonic() < deadline, f"still holding: {stats}"
+        time.sleep(0.1)
+
+
+async def consume(call: DisaggregatedCall, stop_after: int | None = None):
+    events = []
+    async for event in call.events():
+        events.append(event)
+        if stop_after is not None and len(events) >= stop_after:
+            break
+    return events
+
+
+def serves(p, d, request_id: str) -> bool:
+    request = GenerateRequest(request_id, SHORT.prompt_token_ids, SHORT.params)
+    events = asyncio.run(consume(DisaggregatedCall(p, d, request, "gloo")))
+    return events[-1].finished and events[-1].error is None and sum(len(e.token_ids) for e in events) == 4
+
+
+def test_prefill_dies_mid_transfer(ray_local, tiny_qwen2_dir):
+    p, d = start("prefill", "p-dies", tiny_qwen2_dir), start("decode", "d-survives", tiny_qwen2_dir)
+    request = GenerateRequest("p-dies-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
+
+    async def scenario():
+        call = DisaggregatedCall(p, d, request, "gloo")
+        task = asyncio.ensure_future(consume(call))
+        while call.reservation is None or ray.get(d.stats.remote()).num_reserved == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        ray.kill(p)
+        return call, await asyncio.wait_for(task, timeout=30)
+
+    call, events = asyncio.run(scenario())
+    assert call.prefill_result is None
+    assert events[-1].finished and events[-1].error
+    wait_idle(d)
+    assert serves(start("prefill", "p-new", tiny_qwen2_dir), d, "after-p-died")
+
+
+def test_decode_frees_a_reservation_when_its_prefill_dies(ray_local, tiny_qwen2_dir):
+    """No driver tells D: it notices P's death by itself, well before the TTL."""
+    p, d = start("prefill", "p-gone", tiny_qwen2_dir), start("decode", "d-watch", tiny_qwen2_dir)
+    ray.get(d.reserve.remote(GenerateRequest("orphan", LONG_PROMPT[:300], SHORT.params), p))
+    assert ray.get(d.stats.remote()).num_reserved == 1
+    ray.kill(p)
+    started = time.monotonic()
+    wait_idle(d, within_s=5.0)
+    assert time.monotonic() - started < OPTIONS.reservation_ttl_s / 3
+
+
+def test_decode_dies_mid_transfer(ray_local, tiny_qwen2_dir):
+    p, d = start("prefill", "p-survives", tiny_qwen2_dir), start("decode", "d-dies-early", tiny_qwen2_dir)
+    request = GenerateRequest("d-dies-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
+
+    async def scenario():
+        call = DisaggregatedCall(p, d, request, "gloo")
+        task = asyncio.ensure_future(consume(call))
+        while call.reservation is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        ray.kill(d)
+        with pytest.raises(WorkerDied):
+            await asyncio.wait_for(task, timeout=30)
+        return call
+
+    asyncio.run(scenario())
+    wait_idle(p, within_s=OPTIONS.transfer_timeout_s * 2)
+    assert serves(p, start("decode", "d-new", tiny_qwen2_dir), "after-d-died-early")
+
+
+def test_decode_dies_mid_decode(ray_local, tiny_qwen2_dir):
+    p, d = start("prefill", "p-ok", tiny_qwen2_dir), start("decode", "d-dies-late", tiny_qwen2_dir)
+    request = GenerateRequest("d-dies-2", list(range(1, 100)), SamplingParams(max_new_tokens=2000, ignore_eos=True))
+
+    async def scenario():
+        call = DisaggregatedCall(p, d, request, "gloo")
+        seen = 0
+        with pytest.raises(WorkerDied):
+            async for event in call.events():
+                seen += len(event.token_ids)
+                if seen >= 3:
+                    ray.kill(d)
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) >= 3
+    wait_idle(p)
+    assert serves(p, start("decode", "d-new-2", tiny_qwen2_dir), "after-d-died-late")
+
+
+def test_cancel_mid_stream_frees_both_sides(ray_local, tiny_qwen2_dir):
+    p, d = start("prefill", "p-cancel", tiny_qwen2_dir), start("decode", "d-cancel", tiny_qwen2_dir)
+    request = GenerateRequest("cancel-1", list(range(1, 200)), SamplingParams(max_new_tokens=500, ignore_eos=True))
+
+    async def scenario():
+        call = DisaggregatedCall(p, d, request, "gloo")
+        events = []
+        stream = call.events()
+        async for event in stream:
+            events.append(event)
+            if len(events) == 3:
+                break
+        await stream.aclose()
+        return events
+
+    events = asyncio.run(scenario())
+    assert len(events) == 3 and not events[-1].finished
+    wait_idle(p)
+    wait_idle(d)
+    assert serves(p, d, "after-cancel")
