@@ -177,6 +177,32 @@ class PrefillWorker(WorkerBase):
         finally:
             self._jobs.pop(request.request_id, None)
 
+    async def measure_send(
+        self, reservation: ReservationInfo, decode_handle, channel: str, blocks_per_chunk: int
+    ) -> list[float]:
+        """Benchmark hook: send the reservation's blocks (whatever P's cache holds)
+        in chunks of `blocks_per_chunk` through the pair's channel; seconds per chunk,
+        from the send to D's completion signal. Uses D's real receive path."""
+        self._ensure_started()
+        pair = await self._pair_for(reservation, decode_handle, channel)
+        cache = self.engine.runner.kv_cache
+
+        def send_all() -> list[float]:
+            seconds = []
+            dst = reservation.block_ids
+            for index, start in enumerate(range(0, len(dst), blocks_per_chunk)):
+                ids = dst[start : start + blocks_per_chunk]
+                kv = cache[torch.tensor(ids, dtype=torch.long)]
+                meta = ChunkMeta(reservation.request_id, index, ids, is_last=False)
+                began = time.perf_counter()
+                ref = decode_handle.receive_chunk.remote(meta, pair.sender.name, pair.sender.payload(kv))
+                pair.sender.push(kv)
+                ref.future().result(timeout=self.options.transfer_timeout_s)
+                seconds.append(time.perf_counter() - began)
+            return seconds
+
+        return await self.in_thread(send_all)
+
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         self._ensure_started()
         job = self._jobs.get(request_id)
@@ -193,6 +219,8 @@ class PrefillWorker(WorkerBase):
             if job is None or job.failed:
                 continue
             is_last = chunk.end == len(job.request.prompt_token_ids)
+            if not is_last and not self.options.pipelined_transfer:
+                continue
             block_size = self.engine.pool.block_size
             send_upto = len(chunk.block_ids) if is_last else chunk.end // block_size
             src = chunk.block_ids[job.next_block : send_upto]

@@ -26,6 +26,7 @@ class WorkerOptions:
     transfer_timeout_s: float = 30.0  # one chunk's transfer, end to end
     reservation_ttl_s: float = 60.0  # a reservation never filled is freed after this
     watchdog_interval_s: float = 0.5  # how often D checks its pending reservations
+    pipelined_transfer: bool = True  # False: P sends all KV after its last chunk (to compare)
 
 
 @dataclass(frozen=True)

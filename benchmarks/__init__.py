@@ -6,4 +6,5 @@ figures as JSON to `args.out`."""
 BENCHMARKS = {
     "engine": "benchmarks.engine",
     "roofline": "benchmarks.roofline",
+    "transfer": "benchmarks.transfer",
 }
