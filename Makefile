@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/tandem demo
+	$(BIN)/serve run manifests/local.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -116,3 +116,20 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where a worker finds its checkpoint: a folder, or a built-in preset that is
+    built on first use on the worker's own node (so no files need copying)."""
+
+    path: str | None = None
+    preset: str | None = None
+    arch: str = "qwen2"
+
+    def resolve(self) -> Path:
+        if self.path is not None:
+            return Path(self.path)
+        from actors.model_builder import ensure_checkpoint
+
+        return Path(ensure_checkpoint(self.preset, self.arch))

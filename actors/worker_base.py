@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.config import EngineConfig
+from actors.config import EngineConfig, ModelLocation
 from actors.engine import Engine
 from actors.engine_loop import EngineLoop
+from actors.profiler import EngineProfile, profile_engine
 from actors.token_streams import TokenStreams
 
 
@@ -43,10 +44,15 @@ class WorkerStats:
 
 class WorkerBase:
     def __init__(
-        self, worker_id: str, model_dir: str, engine_config: EngineConfig, options: WorkerOptions | None = None
+        self,
+        worker_id: str,
+        model: str | ModelLocation,
+        engine_config: EngineConfig,
+        options: WorkerOptions | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.options = options or WorkerOptions()
+        model_dir = model.resolve() if isinstance(model, ModelLocation) else model
         self.engine = Engine(model_dir, engine_config)
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{worker_id}-io")
         self.loop: EngineLoop | None = None
@@ -136,6 +142,10 @@ class WorkerBase:
             return engine.pool.lookup(hashes, prompt_token_ids)
 
         return await self.call(lookup)
+
+    async def profile(self) -> EngineProfile:
+        """A short start-up profile (prefill and decode-step timings) for cost models."""
+        return await self.call(profile_engine)
 
     async def shutdown(self) -> None:
         if self.loop is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import ray
 
 from actors.colocated_worker import ColocatedWorker
-from actors.config import EngineConfig
+from actors.config import EngineConfig, ModelLocation
 from actors.decode_worker import DecodeWorker
 from actors.prefill_worker import PrefillWorker
 from actors.worker_base import WorkerOptions
@@ -23,7 +23,7 @@ WORKER_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated":
 def start_worker(
     kind: str,
     worker_id: str,
-    model_dir: str | Path,
+    model: str | Path | ModelLocation,
     engine_config: EngineConfig,
     options: WorkerOptions | None = None,
     *,
@@ -44,4 +44,5 @@ def start_worker(
     if detached:
         actor_options["lifetime"] = "detached"
     cls = ray.remote(WORKER_CLASSES[kind])
-    return cls.options(**actor_options).remote(worker_id, str(model_dir), engine_config, options)
+    model = model if isinstance(model, ModelLocation) else str(model)
+    return cls.options(**actor_options).remote(worker_id, model, engine_config, options)

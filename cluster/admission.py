@@ -1,0 +1,135 @@
+"""SLO admission with prediction-based early rejection (after Mooncake).
+
+For each candidate P: predicted TTFT = the predicted prefill time still queued on P
++ this request's prefill time for its *uncached* tokens on P + the transfer of the
+blocks D lacks. For each candidate D: predicted TBT at the moment that prefill would
+finish, counting the requests D will still be decoding then (those that end sooner
+drop out) plus those whose prefill lands before. A request that no pair can serve
+within the SLO is rejected before any prefill compute is spent on it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from cluster.cost_model import LinearCostModel, decode_features, prefill_features
+
+
+@dataclass
+class InFlight:
+    """What the scheduler knows about one admitted request."""
+
+    request_id: str
+    prefill_id: str | None
+    decode_id: str
+    num_prompt_tokens: int
+    max_new_tokens: int
+    predicted_prefill_s: float
+    admitted_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    num_generated: int = 0
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.first_token_s is None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    prefill_id: str | None
+    decode_id: str
+    ttft_s: float
+    tbt_s: float
+    uncached_tokens: int
+
+    def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+        return self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_slo_s
+
+
+class SloRejected(Exception):
+    """No pair can meet the SLO: answer 429 with the prediction and the target."""
+
+    def __init__(self, best: Prediction, ttft_slo_s: float, tbt_slo_s: float) -> None:
+        self.best = best
+        self.ttft_slo_s = ttft_slo_s
+        self.tbt_slo_s = tbt_slo_s
+        over = max(best.ttft_s - ttft_slo_s, 0.0)
+        self.retry_after_s = max(1, math.ceil(over))
+        parts = []
+        if best.ttft_s > ttft_slo_s:
+            parts.append(f"predicted TTFT {best.ttft_s * 1e3:.0f} ms exceeds the SLO of {ttft_slo_s * 1e3:.0f} ms")
+        if best.tbt_s > tbt_slo_s:
+            parts.append(f"predicted TBT {best.tbt_s * 1e3:.0f} ms exceeds the SLO of {tbt_slo_s * 1e3:.0f} ms")
+        super().__init__("; ".join(parts) or "over capacity")
+
+
+class WorkerModels:
+    """Per-worker cost models and in-flight bookkeeping."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.prefill: dict[str, LinearCostModel] = {}
+        self.decode: dict[str, LinearCostModel] = {}
+        self.inflight: dict[str, InFlight] = {}
+        self.transfer_bytes_per_s = 1e9
+        self.block_bytes = 0
+
+    def prefill_model(self, worker_id: str) -> LinearCostModel:
+        return self.prefill.setdefault(worker_id, LinearCostModel(2))
+
+    def decode_model(self, worker_id: str) -> LinearCostModel:
+        return self.decode.setdefault(worker_id, LinearCostModel(2))
+
+    def forget(self, worker_id: str) -> None:
+        self.prefill.pop(worker_id, None)
+        self.decode.pop(worker_id, None)
+
+    # ---- predictions ------------------------------------------------------------
+    def prefill_s(self, worker_id: str, new_tokens: int, cached_tokens: int) -> float:
+        model = self.prefill_model(worker_id)
+        return model.predict(prefill_features(new_tokens, cached_tokens)) if model.is_fitted else 0.0
+
+    def queued_prefill_s(self, worker_id: str) -> float:
+        now = time.monotonic()
+        total = 0.0
+        for request in self.inflight.values():
+            if request.prefill_id == worker_id and request.in_prefill:
+                total += max(request.predicted_prefill_s - (now - request.admitted_s), 0.0)
+        return total
+
+    def tbt_at(self, decode_id: str, at_s: float, extra_kv_tokens: int) -> float:
+        """Predicted decode step time on D `at_s` seconds from now, with one more
+        request of `extra_kv_tokens` joining."""
+        model = self.decode_model(decode_id)
+        if not model.is_fitted:
+            return 0.0
+        now = time.monotonic()
+        batch, kv_tokens = 1, extra_kv_tokens
+        step_now = model.predict(decode_features(1 + sum(1 for r in self.inflight.values() if r.decode_id == decode_id), 0))
+        for request in self.inflight.values():
+            if request.decode_id != decode_id:
+                continue
+            remaining = request.max_new_tokens - request.num_generated
+            if request.in_prefill:
+                joins_at = max(request.predicted_prefill_s - (now - request.admitted_s), 0.0)
+                if joins_at > at_s:
+                    continue  # still prefilling then
+            elif remaining * step_now < at_s:
+                continue  # done by then
+            batch += 1
+            kv_tokens += request.num_prompt_tokens + request.num_generated
+        return model.predict(decode_features(batch, kv_tokens))
+
+    def predict(self, prefill_id: str | None, decode_id: str, num_prompt_tokens: int, cached_tokens: int,
+                decode_cached_blocks: int = 0) -> Prediction:
+        uncached = num_prompt_tokens - cached_tokens
+        prefill = self.prefill_s(prefill_id or decode_id, uncached, cached_tokens)
+        queued = self.queued_prefill_s(prefill_id or decode_id)
+        transfer = 0.0
+        if prefill_id is not None and self.block_bytes:
+            blocks = max(math.ceil(num_prompt_tokens / self.block_size) - decode_cached_blocks, 0)
+            transfer = blocks * self.block_bytes / self.transfer_bytes_per_s
+        ttft = queued + prefill + transfer
+        return Prediction(prefill_id, decode_id, ttft, self.tbt_at(decode_id, ttft, num_prompt_tokens), uncached)

@@ -1,0 +1,178 @@
+"""HTTP request bodies: SGLang-style /generate and OpenAI completions and chat.
+
+Each body turns into (prompt, SamplingParams) through `sampling_params()`; range
+checks live in `SamplingParams` (one place), shape checks here. Anything the server
+does not support (n > 1, echo, best_of) is refused with a clear 400 rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client can fix: HTTP status, OpenAI-style type, message."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", headers=None, **extra) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.headers = headers or {}
+        self.extra = extra
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "code": self.status, **self.extra}}
+
+
+def _stop_tuple(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SglangSamplingParams(_Body):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = Field(-1, ge=-1)  # SGLang's -1 means off
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None  # the sampling seed (SGLang: sampling_seed)
+    sampling_seed: int | None = None
+
+
+class GenerateBody(_Body):
+    """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, or
+    SGLang's `sampling_params` object; `input_ids` instead of `text`."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SglangSamplingParams | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    rid: str | None = Field(None, max_length=128)
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self
+
+    def prompt(self) -> str | list[int]:
+        return self.text if self.text is not None else self.input_ids
+
+    def sampling(self) -> SamplingParams:
+        base = self.sampling_params or SglangSamplingParams()
+        top_level = {
+            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "stop": self.stop, "seed": self.seed,
+        }
+        merged = base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
+        return SamplingParams(
+            max_new_tokens=merged.max_new_tokens,
+            temperature=merged.temperature,
+            top_p=merged.top_p,
+            top_k=max(merged.top_k, 0),
+            stop=_stop_tuple(merged.stop),
+            stop_token_ids=tuple(merged.stop_token_ids or ()),
+            ignore_eos=merged.ignore_eos,
+            skip_special_tokens=merged.skip_special_tokens,
+            seed=merged.seed if merged.seed is not None else merged.sampling_seed,
+            logprobs=self.top_logprobs_num if self.return_logprob else None,
+        )
+
+
+class _OpenAIBody(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    top_k: int = Field(0, ge=0)  # extension (vLLM-style)
+    ignore_eos: bool = False  # extension
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_tokens if max_tokens is not None else default_max,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=_stop_tuple(self.stop),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionBody(_OpenAIBody):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _no_echo(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported")
+        return self
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        return self._sampling(self.max_tokens, default_max, self.logprobs)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = ""
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            parts = [p.get("text", "") for p in self.content if isinstance(p, dict) and p.get("type") == "text"]
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatBody(_OpenAIBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, default_max, logprobs)

@@ -1,0 +1,268 @@
+"""The Serve application: a FastAPI ingress deployment, the global scheduler.
+
+    serve run manifests/local.yaml      # import_path: cluster.app:build_app
+
+Endpoints: POST /generate (SGLang-style), POST /v1/completions, POST
+/v1/chat/completions (streaming SSE ending in [DONE]), GET /v1/models, GET /health
+(200 only when both pools are ready), GET /metrics (Prometheus text), and the
+OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
+"code"}}; 400 for bad input, 401 for a missing or wrong API key, 413 for an
+oversized body, 429 with Retry-After for an early SLO rejection, 503 while not ready.
+"""
+
+
+import asyncio
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from actors.config import ModelConfig
+from actors.engine import load_tokenizer
+from actors.sampling_params import InvalidRequestError
+from cluster import openai_format as fmt
+from cluster.admission import SloRejected
+from cluster.api_models import ApiError, ChatBody, CompletionBody, GenerateBody
+from cluster.config import AppSettings
+from cluster.pool_manager import get_or_create_pool
+from cluster.service import GlobalScheduler
+
+log = logging.getLogger("tandem.app")
+app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError):
+    return _error(exc)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError):
+    details = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors())
+    return _error(ApiError(400, details or "invalid request body"))
+
+
+@app.exception_handler(InvalidRequestError)
+async def _invalid_request(_: Request, exc: InvalidRequestError):
+    return _error(ApiError(400, str(exc)))
+
+
+@app.exception_handler(SloRejected)
+async def _slo_rejected(_: Request, exc: SloRejected):
+    return _error(ApiError(
+        429, str(exc), kind="slo_rejection", headers={"Retry-After": str(exc.retry_after_s)},
+        predicted_ttft_ms=round(exc.best.ttft_s * 1e3, 1), target_ttft_ms=round(exc.ttft_slo_s * 1e3, 1),
+        predicted_tbt_ms=round(exc.best.tbt_s * 1e3, 1), target_tbt_ms=round(exc.tbt_slo_s * 1e3, 1),
+    ))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception):
+    log.exception("unhandled error")
+    return _error(ApiError(500, f"internal error: {type(exc).__name__}", kind="internal_error"))
+
+
+@app.middleware("http")
+async def _guard(request: Request, call_next):
+    """API key (every endpoint but /health) and the request body size limit."""
+    settings: AppSettings | None = getattr(request.app.state, "settings", None)
+    if settings is not None:
+        key = settings.resolved_api_key
+        if key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {key}":
+                return _error(ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                       kind="authentication_error"))
+        limit = settings.limits.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return _error(ApiError(413, f"request body over {limit} bytes", kind="request_too_large"))
+        if request.method == "POST" and length is None:
+            body = await request.body()
+            if len(body) > limit:
+                return _error(ApiError(413, f"request body over {limit} bytes", kind="request_too_large"))
+    return await call_next(request)
+
+
+async def _prepend(first, rest):
+    yield first
+    async for event in rest:
+        yield event
+
+
+async def _collect(events):
+    text, ids, reason, cached, logprobs = "", [], None, 0, None
+    async for event in events:
+        if event.error:
+            raise ApiError(503, f"request failed: {event.error}", kind="service_unavailable")
+        text += event.text
+        ids += event.token_ids
+        cached = event.num_cached_tokens
+        if event.logprobs is not None:
+            logprobs = (logprobs or []) + list(event.logprobs)
+        if event.finished:
+            reason = event.finish_reason
+    return text, ids, reason, cached, logprobs
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
+@serve.ingress(app)
+class Scheduler:
+    def __init__(self, settings: dict) -> None:
+        self.settings = AppSettings.model_validate(settings)
+        model_dir = self.settings.model.location().resolve()
+        self.tokenizer = load_tokenizer(model_dir)
+        model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
+        max_model_len = min(self.settings.engine.max_model_len or model_len, model_len)
+        self.pool = get_or_create_pool(self.settings)
+        self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len)
+        self.model_name = self.settings.model.served_name
+        app.state.settings = self.settings
+        self._refresher: asyncio.Task | None = None
+
+    # ---- background membership refresh ----------------------------------------------
+    def _ensure_refreshing(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                await self.service.refresh()
+            except Exception as exc:  # keep refreshing; /health reports not ready
+                log.warning("refresh failed: %s", exc)
+                self.service.ready = False
+            await asyncio.sleep(1.0)
+
+    async def _require_ready(self) -> None:
+        self._ensure_refreshing()
+        if not self.service.ready:
+            await self.service.refresh()
+        if not self.service.ready:
+            raise ApiError(503, "worker pools are starting; retry shortly", kind="service_unavailable",
+                           headers={"Retry-After": "5"})
+
+    # ---- endpoints --------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        self._ensure_refreshing()
+        if not self.service.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        roles = sorted({m.role for m in self.service.members.values()})
+        return {"status": "ready", "pools": roles, "workers": len(self.service.members)}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        return PlainTextResponse(self.service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
+
+    @app.post("/generate")
+    async def generate(self, body: GenerateBody):
+        params = body.sampling()
+        await self._require_ready()
+        prompt_ids = self.service.prepare(body.prompt(), params)
+        events = await self._start(prompt_ids, params, body.rid)
+        if body.stream:
+            return self._sse(self._generate_chunks(events, len(prompt_ids)))
+        text, ids, reason, cached, logprobs = await _collect(events)
+        return {"text": text, "output_ids": ids, "meta_info": self._meta(len(prompt_ids), ids, reason, cached, logprobs)}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionBody):
+        return await self._openai(body, body.prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatBody):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template error is the client's messages
+            raise ApiError(400, f"cannot apply the chat template: {exc}") from None
+        return await self._openai(body, prompt, chat=True)
+
+    # ---- helpers ------------------------------------------------------------------------
+    async def _openai(self, body, prompt, chat: bool):
+        params = body.sampling(default_max=16 if not chat else self.settings.limits.max_new_tokens)
+        await self._require_ready()
+        prompt_ids = self.service.prepare(prompt, params)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        events = await self._start(prompt_ids, params, request_id)
+        if body.stream:
+            return self._sse(self._openai_chunks(events, request_id, chat, len(prompt_ids), body.include_usage))
+        text, ids, reason, cached, logprobs = await _collect(events)
+        as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
+        return fmt.completion_body(request_id, self.model_name, text, fmt.finish_reason(reason),
+                                   as_logprobs(self.tokenizer, logprobs), fmt.usage(len(prompt_ids), len(ids), cached),
+                                   chat)
+
+    async def _start(self, prompt_ids, params, request_id):
+        """Admission happens here, before any response starts: rejections and
+        early failures keep their HTTP status even for streaming requests."""
+        events = self.service.generate(prompt_ids, params, request_id)
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(500, "request produced no output", kind="internal_error") from None
+        if first.error:
+            await events.aclose()
+            raise ApiError(503, f"request failed: {first.error}", kind="service_unavailable")
+        return _prepend(first, events)
+
+    def _meta(self, num_prompt, ids, reason, cached, logprobs) -> dict:
+        meta = {"id": None, "prompt_tokens": num_prompt, "completion_tokens": len(ids), "cached_tokens": cached,
+                "finish_reason": {"type": reason}}
+        if logprobs is not None:
+            meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in logprobs]
+        return meta
+
+    def _sse(self, chunks) -> StreamingResponse:
+        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _generate_chunks(self, events, num_prompt):
+        text, ids = "", []
+        async for event in events:
+            if event.error:
+                yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
+                break
+            text += event.text
+            ids += event.token_ids
+            reason = event.finish_reason if event.finished else None
+            yield fmt.sse({"text": text, "output_ids": ids, "meta_info": self._meta(num_prompt, ids, reason, event.num_cached_tokens, None)})
+        yield fmt.sse("[DONE]")
+
+    async def _openai_chunks(self, events, request_id, chat, num_prompt, include_usage):
+        as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
+        num_tokens, cached, first = 0, 0, True
+        async for event in events:
+            if event.error:
+                yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
+                break
+            num_tokens += len(event.token_ids)
+            cached = event.num_cached_tokens
+            reason = fmt.finish_reason(event.finish_reason) if event.finished else None
+            if event.text or reason or first:
+                yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, event.text, reason,
+                                                   as_logprobs(self.tokenizer, event.logprobs), chat, first))
+                first = False
+        if include_usage:
+            yield fmt.sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": int(time.time()), "model": self.model_name, "choices": [],
+                           "usage": fmt.usage(num_prompt, num_tokens, cached)})
+        yield fmt.sse("[DONE]")
+
+
+def build_app(args: dict):
+    """Serve's application builder: `import_path: cluster.app:build_app`."""
+    settings = AppSettings.model_validate(args)
+    return Scheduler.bind(settings.model_dump())

@@ -1,0 +1,128 @@
+"""The application's settings, as a manifest's `args` give them (pydantic at the
+Serve boundary; cross-field checks here, frozen engine dataclasses inside).
+
+    args:
+      model: {preset: tiny, arch: qwen2}      # or {path: /models/my-checkpoint}
+      mode: disaggregated                     # or colocated
+      channel: gloo                           # gloo | object_store | nccl
+      routing: cache_aware                    # round_robin | least_load | cache_aware
+      engine: {block_size: 16, prefill_chunk_size: 256, num_kv_blocks: 2048}
+      prefill: {replicas: 1, num_cpus: 1, label_selector: {tandem/role: prefill}}
+      decode: {replicas: 1, num_cpus: 1, label_selector: {tandem/role: decode}}
+      slo: {ttft_ms: 2000, tbt_ms: 200, attainment: 0.9}
+      limits: {max_prompt_tokens: 1536, max_new_tokens: 512}
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.config import EngineConfig, ModelLocation
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """A checkpoint folder, or a built-in preset built on first use (on each node)."""
+
+    path: str | None = None
+    preset: Literal["tiny", "bench"] | None = None
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    name: str | None = None  # the id /v1/models lists; default from the source
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("model needs exactly one of `path` or `preset`")
+        return self
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        return f"tandem-{self.preset}-{self.arch}" if self.preset else Path(self.path).name
+
+    def location(self) -> ModelLocation:
+        return ModelLocation(self.path, self.preset, self.arch)
+
+
+class EngineSettings(_Strict):
+    block_size: Literal[16, 32, 64] = 16
+    num_kv_blocks: int | None = Field(None, ge=2)
+    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=1)
+    prefill_chunk_size: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    enable_prefix_cache: bool = True
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.model_dump())
+
+
+class PoolSettings(_Strict):
+    replicas: int = Field(1, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    label_selector: dict[str, str] = Field(default_factory=dict)
+
+
+class SloSettings(_Strict):
+    ttft_ms: float = Field(5000.0, gt=0)
+    tbt_ms: float = Field(500.0, gt=0)
+    attainment: float = Field(0.9, gt=0, le=1)
+    early_rejection: bool = True
+
+
+class LimitSettings(_Strict):
+    max_prompt_tokens: int = Field(4096, ge=1)
+    max_new_tokens: int = Field(1024, ge=1)
+    max_total_tokens: int | None = Field(None, ge=2)
+    max_stop_sequences: int = Field(8, ge=0)
+    max_body_bytes: int = Field(2 * 2**20, ge=1024)
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+class TimeoutSettings(_Strict):
+    handshake_s: float = Field(10.0, gt=0)
+    transfer_s: float = Field(30.0, gt=0)
+    reservation_ttl_s: float = Field(60.0, gt=0)
+    worker_start_s: float = Field(300.0, gt=0)
+
+
+class AppSettings(_Strict):
+    model: ModelSource
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    channel: Literal["gloo", "object_store", "nccl"] = "gloo"
+    routing: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
+    engine: EngineSettings = EngineSettings()
+    prefill: PoolSettings = PoolSettings(label_selector={})
+    decode: PoolSettings = PoolSettings(label_selector={})
+    colocated: PoolSettings = PoolSettings(replicas=0)
+    slo: SloSettings = SloSettings()
+    limits: LimitSettings = LimitSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    api_key: str | None = None  # or TANDEM_API_KEY in the environment
+    pool_name: str = "tandem-pool"  # the detached pool manager's actor name
+
+    @model_validator(mode="after")
+    def _pools_fit_mode(self):
+        if self.mode == "disaggregated" and (self.prefill.replicas < 1 or self.decode.replicas < 1):
+            raise ValueError("disaggregated mode needs prefill.replicas >= 1 and decode.replicas >= 1")
+        if self.mode == "colocated" and self.colocated.replicas < 1:
+            raise ValueError("colocated mode needs colocated.replicas >= 1")
+        if self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9):
+            raise ValueError("limits.max_prompt_tokens must leave room for one new token within engine.max_model_len")
+        return self
+
+    @property
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("TANDEM_API_KEY") or None

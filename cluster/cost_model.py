@@ -1,0 +1,54 @@
+"""Cost models fitted online by least squares over a sliding window of observations.
+
+    prefill_s  = a + b * new_tokens + c * new_tokens * context_tokens
+    decode_step_s = a + b * batch_size + c * kv_tokens
+
+Each is seeded by a start-up profile (a few real timings from the worker) and
+refitted as timings arrive. Plain numpy; a prediction never goes below the smallest
+time seen (a fit can extrapolate to negative values for tiny inputs).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class LinearCostModel:
+    def __init__(self, num_features: int, window: int = 256) -> None:
+        self.num_features = num_features
+        self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self._coef: np.ndarray | None = None
+        self._floor = 0.0
+
+    @property
+    def is_fitted(self) -> bool:
+        return self._coef is not None
+
+    def observe(self, features: tuple[float, ...], seconds: float) -> None:
+        assert len(features) == self.num_features
+        self._rows.append((tuple(float(f) for f in features), float(seconds)))
+        self._fit()
+
+    def _fit(self) -> None:
+        x = np.array([(1.0, *f) for f, _ in self._rows])
+        y = np.array([s for _, s in self._rows])
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        self._coef = np.maximum(coef, 0.0)  # costs only grow with work
+        self._floor = float(y.min())
+
+    def predict(self, features: tuple[float, ...]) -> float:
+        if self._coef is None:
+            raise RuntimeError("cost model has no observations yet")
+        value = float(self._coef @ np.array((1.0, *features)))
+        return max(value, self._floor * 0.5)
+
+
+def prefill_features(new_tokens: int, cached_tokens: int) -> tuple[float, float]:
+    context = new_tokens + cached_tokens
+    return (float(new_tokens), new_tokens * context / 1e3)
+
+
+def decode_features(batch_size: int, kv_tokens: int) -> tuple[float, float]:
+    return (float(batch_size), kv_tokens / 1e3)

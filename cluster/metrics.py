@@ -1,0 +1,86 @@
+"""Prometheus metrics for GET /metrics, rendered as the text exposition format.
+
+Kept in-process per scheduler replica (each replica serves its own /metrics; a
+Prometheus scrape of every replica sums them). Names are prefixed `tandem_`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                     for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
+        self._gauges: dict[str, dict[tuple, float]] = defaultdict(dict)
+        self._histograms: dict[str, dict[tuple, list]] = defaultdict(dict)
+        self._help: dict[str, tuple[str, str]] = {}
+
+    def _key(self, labels: dict[str, str]) -> tuple:
+        return tuple(sorted(labels.items()))
+
+    def inc(self, name: str, help_text: str, value: float = 1.0, **labels) -> None:
+        with self._lock:
+            self._help[name] = ("counter", help_text)
+            self._counters[name][self._key(labels)] += value
+
+    def set(self, name: str, help_text: str, value: float, **labels) -> None:
+        with self._lock:
+            self._help[name] = ("gauge", help_text)
+            self._gauges[name][self._key(labels)] = value
+
+    def observe(self, name: str, help_text: str, value: float, **labels) -> None:
+        with self._lock:
+            self._help[name] = ("histogram", help_text)
+            series = self._histograms[name].setdefault(self._key(labels), [[0] * len(LATENCY_BUCKETS_S), 0.0, 0])
+            index = bisect.bisect_left(LATENCY_BUCKETS_S, value)
+            if index < len(LATENCY_BUCKETS_S):
+                series[0][index] += 1
+            series[1] += value
+            series[2] += 1
+
+    def value(self, name: str, **labels) -> float:
+        """A counter's or gauge's current value (0 when never set)."""
+        key = self._key(labels)
+        with self._lock:
+            if name in self._counters:
+                return self._counters[name].get(key, 0.0)
+            return self._gauges.get(name, {}).get(key, 0.0)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        with self._lock:
+            for name, (kind, help_text) in sorted(self._help.items()):
+                full = f"tandem_{name}"
+                lines.append(f"# HELP {full} {help_text}")
+                lines.append(f"# TYPE {full} {kind}")
+                if kind == "counter":
+                    for key, value in self._counters[name].items():
+                        lines.append(f"{full}{_labels(dict(key))} {value}")
+                elif kind == "gauge":
+                    for key, value in self._gauges[name].items():
+                        lines.append(f"{full}{_labels(dict(key))} {value}")
+                else:
+                    for key, (buckets, total, count) in self._histograms[name].items():
+                        labels = dict(key)
+                        cumulative = 0
+                        for bound, n in zip(LATENCY_BUCKETS_S, buckets):
+                            cumulative += n
+                            lines.append(f"{full}_bucket{_labels({**labels, 'le': str(bound)})} {cumulative}")
+                        lines.append(f"{full}_bucket{_labels({**labels, 'le': '+Inf'})} {count}")
+                        lines.append(f"{full}_sum{_labels(labels)} {total}")
+                        lines.append(f"{full}_count{_labels(labels)} {count}")
+        return "\n".join(lines) + "\n"

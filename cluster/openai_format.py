@@ -1,0 +1,80 @@
+"""Response bodies and SSE chunks in the OpenAI and SGLang shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+def completion_logprobs(tokenizer, logprobs) -> dict | None:
+    if logprobs is None:
+        return None
+    tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{tokenizer.decode([t]): v for t, v in lp.top} for lp in logprobs],
+        "text_offset": [],
+    }
+
+
+def chat_logprobs(tokenizer, logprobs) -> dict | None:
+    if logprobs is None:
+        return None
+    content = []
+    for lp in logprobs:
+        token = tokenizer.decode([lp.token_id])
+        content.append({
+            "token": token,
+            "logprob": lp.logprob,
+            "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": tokenizer.decode([t]), "logprob": v, "bytes": list(tokenizer.decode([t]).encode())}
+                for t, v in lp.top
+            ],
+        })
+    return {"content": content}
+
+
+def completion_body(request_id, model, text, finish_reason, logprobs, usage_dict, chat: bool) -> dict:
+    created = int(time.time())
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                  "logprobs": logprobs}
+        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage_dict}
+    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage_dict}
+
+
+def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False) -> dict:
+    created = int(time.time())
+    if chat:
+        delta = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}
+    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def finish_reason(event_reason: str | None) -> str | None:
+    """Engine reasons to OpenAI's: length and stop pass through; abort/error -> None."""
+    return event_reason if event_reason in ("length", "stop") else None

@@ -1,0 +1,84 @@
+"""Choosing the P and D for a request: policies and the scheduler's prefix index.
+
+`PrefixIndex` is the scheduler's view of one worker's prefix cache: the block hashes
+of prompts it routed there, LRU-bounded by the worker's block count (the worker may
+have evicted some since; a stale hit costs only a worse prediction, never wrong
+output: the worker verifies tokens itself).
+
+Policies pick P among candidates that each carry a `Prediction`:
+- `round_robin`: in turn, blind to load and cache;
+- `least_load`: the least queued prefill work;
+- `cache_aware`: the lowest predicted TTFT, which counts prefix hits (Mooncake's
+  cache- and load-aware choice).
+D is picked by KV headroom first, then predicted TBT.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from cluster.admission import Prediction
+
+
+class PrefixIndex:
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = max(1, capacity_blocks)
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of this chain the worker likely holds."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._hashes:
+                break
+            count += 1
+        return count
+
+    def insert(self, hashes: Sequence[bytes]) -> None:
+        for block_hash in hashes:
+            self._hashes[block_hash] = None
+            self._hashes.move_to_end(block_hash)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+
+class PrefillPolicy:
+    name = "base"
+
+    def choose(self, candidates: list[Prediction], queued_s: dict[str, float]) -> Prediction:
+        raise NotImplementedError
+
+
+class RoundRobin(PrefillPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, candidates, queued_s):
+        return candidates[next(self._turn) % len(candidates)]
+
+
+class LeastLoad(PrefillPolicy):
+    name = "least_load"
+
+    def choose(self, candidates, queued_s):
+        return min(candidates, key=lambda c: (queued_s.get(c.prefill_id or c.decode_id, 0.0), c.prefill_id or ""))
+
+
+class CacheAware(PrefillPolicy):
+    name = "cache_aware"
+
+    def choose(self, candidates, queued_s):
+        return min(candidates, key=lambda c: (c.ttft_s, c.uncached_tokens, c.prefill_id or ""))
+
+
+POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoad, CacheAware)}
+
+
+def make_policy(name: str) -> PrefillPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name]()

@@ -1,0 +1,261 @@
+"""The global scheduler's core, free of HTTP: validate and tokenize, admit or reject
+early, pair P with D, run the request, retry once before the first token.
+
+One instance per Serve replica. Worker membership comes from the pool manager; load
+figures from the workers' stats (polled) and from this scheduler's own bookkeeping
+of what it admitted (`WorkerModels.inflight`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+
+import ray
+
+from actors.block_pool import block_hashes
+from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied
+from actors.sampling_params import InvalidRequestError, SamplingParams
+from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
+from cluster.api_models import ApiError
+from cluster.config import AppSettings
+from cluster.cost_model import decode_features, prefill_features
+from cluster.metrics import Metrics
+from cluster.pd_request import DisaggregatedCall
+from cluster.router import PrefixIndex, make_policy
+
+log = logging.getLogger("tandem.scheduler")
+
+
+class GlobalScheduler:
+    def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.block_size = settings.engine.block_size
+        self.models = WorkerModels(self.block_size)
+        self.policy = make_policy(settings.routing)
+        self.metrics = Metrics()
+        self.members: dict[str, object] = {}  # worker_id -> Member
+        self.stats: dict[str, object] = {}  # worker_id -> WorkerStats
+        self.prefix: dict[str, PrefixIndex] = {}
+        self.profiled: set[str] = set()
+        self.ready = False
+        self._ids = itertools.count()
+
+    # ---- membership and load ------------------------------------------------------
+    async def refresh(self) -> None:
+        """Members from the pool manager; stats (and a start-up profile) per worker."""
+        members = await self.pool.list_members.remote()
+        self.members = {m.worker_id: m for m in members}
+        for gone in set(self.stats) - set(self.members):
+            self.stats.pop(gone, None)
+            self.prefix.pop(gone, None)
+            self.models.forget(gone)
+        results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
+        for member, stats in zip(members, results):
+            if isinstance(stats, ray.exceptions.RayActorError):
+                await self._report_dead(member.worker_id)
+            elif not isinstance(stats, BaseException):
+                self.stats[member.worker_id] = stats
+                self.prefix.setdefault(member.worker_id, PrefixIndex(stats.num_blocks))
+                self.metrics.set("kv_blocks_used", "KV blocks in use per worker", stats.num_used_blocks,
+                                 worker=member.worker_id, role=member.role)
+                self.metrics.set("queue_depth", "requests waiting or running per worker",
+                                 stats.num_waiting + stats.num_running, worker=member.worker_id, role=member.role)
+        await self._profile_new(members)
+        roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled}
+        needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
+        self.ready = needed <= roles
+
+    async def _profile_new(self, members) -> None:
+        for member in members:
+            if member.worker_id in self.profiled or member.worker_id not in self.stats:
+                continue
+            try:
+                profile = await member.handle.profile.remote()
+            except ray.exceptions.RayError as exc:
+                log.warning("profiling %s failed: %s", member.worker_id, exc)
+                continue
+            for new, cached, seconds in profile.prefill:
+                self.models.prefill_model(member.worker_id).observe(prefill_features(new, cached), seconds)
+            for batch, kv_tokens, seconds in profile.decode:
+                self.models.decode_model(member.worker_id).observe(decode_features(batch, kv_tokens), seconds)
+            self.models.block_bytes = profile.kv_bytes_per_block
+            self.profiled.add(member.worker_id)
+
+    async def _report_dead(self, worker_id: str) -> None:
+        self.members.pop(worker_id, None)
+        self.stats.pop(worker_id, None)
+        try:
+            await self.pool.report_dead.remote(worker_id)
+        except ray.exceptions.RayError as exc:
+            log.warning("could not report dead worker %s: %s", worker_id, exc)
+
+    def _role(self, role: str, exclude: set[str]) -> list[str]:
+        return [w for w, m in self.members.items() if m.role == role and w in self.profiled and w not in exclude]
+
+    # ---- validation -----------------------------------------------------------------
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        limits = self.settings.limits
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ApiError(400, "prompt is empty")
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})")
+        if len(ids) > limits.max_prompt_tokens:
+            raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
+        if len(ids) >= self.max_model_len:
+            raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len}")
+        if params.max_new_tokens > limits.max_new_tokens:
+            raise ApiError(400, f"max_new_tokens {params.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
+        total = len(ids) + params.max_new_tokens
+        if limits.max_total_tokens is not None and total > limits.max_total_tokens:
+            raise ApiError(400, f"prompt plus max_new_tokens is {total} tokens; the limit is {limits.max_total_tokens}")
+        if len(params.stop) > limits.max_stop_sequences:
+            raise ApiError(400, f"{len(params.stop)} stop sequences; the limit is {limits.max_stop_sequences}")
+        return ids
+
+    # ---- admission and pairing ----------------------------------------------------------
+    def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset()) -> Prediction:
+        """The pair to use, or SloRejected / ApiError(503)."""
+        hashes = block_hashes(prompt_ids, self.block_size)
+        usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
+        needed_blocks = -(-(len(prompt_ids) + 1) // self.block_size)
+        if self.settings.mode == "colocated":
+            candidates = [
+                self.models.predict(None, c, len(prompt_ids), self._cached_tokens(c, usable_hashes))
+                for c in self._role("colocated", exclude)
+            ]
+        else:
+            decodes = [d for d in self._role("decode", exclude) if self._headroom(d) >= needed_blocks]
+            if not decodes:
+                decodes = self._role("decode", exclude)
+            candidates = []
+            for p in self._role("prefill", exclude):
+                cached = self._cached_tokens(p, usable_hashes)
+                per_d = [
+                    self.models.predict(p, d, len(prompt_ids), cached, self.prefix[d].match(usable_hashes))
+                    for d in decodes
+                ]
+                if per_d:
+                    candidates.append(min(per_d, key=lambda c: (c.tbt_s, -self._headroom(c.decode_id))))
+        if not candidates:
+            raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
+                           headers={"Retry-After": "5"})
+        queued = {w: self.models.queued_prefill_s(w) for w in self.members}
+        choice = self.policy.choose(candidates, queued)
+        slo = self.settings.slo
+        if slo.early_rejection and not choice.meets(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3):
+            best = min(candidates, key=lambda c: (not c.meets(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3), c.ttft_s))
+            if not best.meets(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3):
+                raise SloRejected(best, slo.ttft_ms / 1e3, slo.tbt_ms / 1e3)
+            choice = best
+        return choice
+
+    def _cached_tokens(self, worker_id: str, hashes: list[bytes]) -> int:
+        index = self.prefix.get(worker_id)
+        return index.match(hashes) * self.block_size if index else 0
+
+    def _headroom(self, worker_id: str) -> int:
+        stats = self.stats.get(worker_id)
+        return stats.num_blocks - stats.num_used_blocks if stats else 0
+
+    # ---- running a request --------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        """TokenEvents of one request, first token to last. Raises SloRejected or
+        ApiError before anything is spent; retries once on another pair if the
+        first pair fails before the first token."""
+        request_id = request_id or f"tandem-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
+        started = time.monotonic()
+        exclude: set[str] = set()
+        outcome = "error"
+        try:
+            for attempt in range(2):
+                try:
+                    choice = self.plan(prompt_ids, exclude)
+                except SloRejected:
+                    outcome = "rejected"
+                    self.metrics.inc("rejections_total", "requests rejected early by SLO admission")
+                    raise
+                got_token = False
+                run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, started)
+                async with contextlib.aclosing(run) as events:
+                    async for event in events:
+                        if event.error and not got_token and attempt == 0:
+                            exclude.update(w for w in (choice.prefill_id, choice.decode_id) if w)
+                            log.warning("request %s failed before its first token (%s); retrying", request_id, event.error)
+                            break
+                        got_token = got_token or bool(event.token_ids)
+                        if event.finished:
+                            outcome = "error" if event.error else "ok"
+                        yield event
+                    else:
+                        return
+        except (WorkerDied, ReservationRefused) as exc:
+            raise ApiError(503, f"request {request_id} failed: {exc}", kind="service_unavailable") from None
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
+            self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)
+
+    async def _run(self, request: GenerateRequest, choice: Prediction, started: float):
+        inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
+                            request.params.max_new_tokens, choice.ttft_s)
+        self.models.inflight[request.request_id] = inflight
+        hashes = block_hashes(request.prompt_token_ids, self.block_size)
+        for worker_id in (choice.prefill_id, choice.decode_id):
+            if worker_id in self.prefix:
+                self.prefix[worker_id].insert(hashes)
+        last_s = None
+        try:
+            async for event in self._events(request, choice):
+                now = time.monotonic()
+                if event.token_ids:
+                    if inflight.first_token_s is None:
+                        inflight.first_token_s = now
+                        self.metrics.observe("ttft_seconds", "time to first token", now - started)
+                    elif last_s is not None:
+                        gap = (now - last_s) / len(event.token_ids)
+                        self.metrics.observe("tbt_seconds", "time between tokens", gap)
+                    inflight.num_generated += len(event.token_ids)
+                    last_s = now
+                yield event
+        finally:
+            self.models.inflight.pop(request.request_id, None)
+
+    async def _events(self, request: GenerateRequest, choice: Prediction):
+        if choice.prefill_id is None:
+            worker = self.members[choice.decode_id].handle
+            stream = worker.generate.options(num_returns="streaming").remote(request)
+            try:
+                async for ref in stream:
+                    yield await ref
+            except ray.exceptions.RayActorError:
+                await self._report_dead(choice.decode_id)
+                yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error="worker died")
+            return
+        prefill = self.members[choice.prefill_id].handle
+        decode = self.members[choice.decode_id].handle
+        call = DisaggregatedCall(prefill, decode, request, self.settings.channel)
+        try:
+            async for event in call.events():
+                yield event
+        except ReservationRefused as exc:
+            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
+        except WorkerDied as exc:
+            await self._report_dead(choice.decode_id)
+            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
+        if call.prefill_error is not None and isinstance(call.prefill_error, ray.exceptions.RayActorError):
+            await self._report_dead(choice.prefill_id)
+
+
+def invalid_params(exc: InvalidRequestError) -> ApiError:
+    return ApiError(400, str(exc))
