@@ -76,7 +76,8 @@ async def _guard(request: Request, call_next):
     settings: AppSettings | None = getattr(request.app.state, "settings", None)
     if settings is not None:
         key = settings.resolved_api_key
-        if key and request.url.path != "/health":
+        route = request.url.path.removeprefix(request.scope.get("root_path", "")) or "/"
+        if key and route != "/health":
             if request.headers.get("authorization", "") != f"Bearer {key}":
                 return _error(ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                                        kind="authentication_error"))

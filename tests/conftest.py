@@ -40,16 +40,20 @@ def hf_model(model_dir):
 
 
 def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers `generate`, greedy, EOS disabled (compare with ignore_eos)."""
+    """transformers `generate`, greedy, EOS disabled (compare with ignore_eos).
+    Passes the attention mask explicitly: without it, generate masks every prompt
+    position that holds the pad id."""
     model = hf_model(model_dir)
-    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
-    config.eos_token_id = None
-    config.pad_token_id = 0
-    config.do_sample = False
-    config.max_new_tokens = max_new_tokens
-    config.min_new_tokens = None
+    ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -71,3 +75,59 @@ def ray_local():
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_local):
+    """Ray Serve's HTTP proxy on a free loopback port, for the whole session."""
+    import socket
+
+    from ray import serve
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+def wait_healthy(base_url: str, timeout_s: float = 180.0) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} never became healthy")
+
+
+def deploy_app(name: str, args: dict, port: int) -> str:
+    """Deploy the Tandem app under /<name>; returns its base URL once healthy."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}", blocking=False)
+    base = f"http://127.0.0.1:{port}/{name}"
+    wait_healthy(base)
+    return base
+
+
+def undeploy_app(name: str, pool_name: str) -> None:
+    import ray
+    from ray import serve
+
+    serve.delete(name)
+    try:
+        pool = ray.get_actor(pool_name, namespace="tandem")
+        ray.get(pool.shutdown.remote())
+        ray.kill(pool)
+    except ValueError:
+        pass

@@ -1,0 +1,237 @@
+"""Roofline: this machine's measured peaks, and how close Tandem's prefill and decode get.
+
+1. Peak float32 matmul FLOP/s: `torch.matmul` into a preallocated output, square
+   sizes up to 3072, best of several.
+2. Peak memory bandwidth: a 256 MiB tensor `copy_` into a preallocated destination
+   (bytes read + written / time) and a `sum` (bytes read / time), best of several;
+   the higher of the two is the roof (so MBU is not flattered).
+3. Prefill MFU: one 2048-token prompt through the engine in one chunk.
+   Model FLOPs = 2 * matmul params * tokens + causal attention FLOPs
+   (num_layers * 4 * num_heads * head_dim * T(T+1)/2) + the LM head on the sampled
+   row; MFU = FLOPs / time / peak FLOP/s.
+4. Decode MBU at batch 1: the same prompt, then `--decode-tokens` greedy tokens;
+   bytes per step = every weight a step reads (the linear layers, the LM head, the
+   norms) + the KV cache it attends to (num_layers * 2 * context * kv_heads *
+   head_dim * 4); MBU = bytes / median step time / peak bandwidth.
+
+The same figures for Hugging Face transformers (one forward of the prompt, and
+`generate` at batch 1) are printed beside Tandem's as a reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks import report
+
+
+# ---- machine peaks -------------------------------------------------------------
+def best_time(fn, repeats: int) -> float:
+    fn()  # warm-up: first touch of outputs, library initialisation
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def peak_matmul_flops(sizes=(1024, 2048, 3072), repeats: int = 5) -> dict:
+    import torch
+
+    results = {}
+    for n in sizes:
+        a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        seconds = best_time(lambda: torch.matmul(a, b, out=out), repeats)
+        results[n] = 2 * n**3 / seconds
+    return {"flops": max(results.values()), "by_size": results}
+
+
+def peak_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 10) -> dict:
+    import torch
+
+    src = torch.empty(num_bytes // 4).uniform_()
+    dst = torch.empty_like(src)
+    copy_bps = 2 * num_bytes / best_time(lambda: dst.copy_(src), repeats)
+    sum_bps = num_bytes / best_time(lambda: src.sum(), repeats)
+    return {"bytes_per_s": max(copy_bps, sum_bps), "copy_bytes_per_s": copy_bps, "sum_bytes_per_s": sum_bps}
+
+
+# ---- model arithmetic -----------------------------------------------------------
+def model_counts(model) -> dict:
+    """Parameter counts of a Tandem `ForCausalLM`: matmul weights per token, the LM
+    head, and every weight a decode step reads."""
+    layers = model.model.layers
+    linear = sum(
+        m.weight.numel()
+        for layer in layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    )
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    small = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 1)  # norms, biases
+    return {
+        "params_total": sum(p.numel() for p in model.parameters()),
+        "params_linear": linear,
+        "params_lm_head": head.numel(),
+        "params_read_per_decode_step": linear + head.numel() + small,
+    }
+
+
+def prefill_flops(config, counts: dict, num_tokens: int) -> float:
+    dense = 2 * counts["params_linear"] * num_tokens + 2 * counts["params_lm_head"]
+    attention = config.num_layers * 4 * config.num_heads * config.head_dim * num_tokens * (num_tokens + 1) / 2
+    return dense + attention
+
+
+def kv_bytes(config, context_tokens: float, element_size: int = 4) -> float:
+    return config.num_layers * 2 * context_tokens * config.num_kv_heads * config.head_dim * element_size
+
+
+# ---- measurements -----------------------------------------------------------------
+def random_prompt(num_tokens: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(num_tokens)]
+
+
+def tandem_prefill_s(llm, prompt_len: int, vocab: int, repeats: int, seed: int) -> list[float]:
+    from actors.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    for r in range(repeats + 1):  # the first run is a warm-up
+        prompt = random_prompt(prompt_len, vocab, seed + r)
+        started = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
+def tandem_decode_step_s(llm, prompt_len: int, vocab: int, num_tokens: int, seed: int) -> list[float]:
+    from actors.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=num_tokens, temperature=0, ignore_eos=True)
+    out = llm.generate([random_prompt(prompt_len, vocab, seed)], params)[0]
+    stamps = out.token_times_s
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def hf_prefill_s(model, prompt_len: int, vocab: int, repeats: int, seed: int) -> list[float]:
+    import torch
+
+    times = []
+    for r in range(repeats + 1):
+        ids = torch.tensor([random_prompt(prompt_len, vocab, seed + r)])
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model(ids, logits_to_keep=1)
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
+def hf_decode_step_s(model, prompt_len: int, vocab: int, num_tokens: int, seed: int) -> float:
+    """Mean decode step of `generate` at batch 1: (time for N tokens - time for 1) / (N - 1)."""
+    import torch
+
+    ids = torch.tensor([random_prompt(prompt_len, vocab, seed)])
+
+    def run(n: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - started
+
+    return (run(num_tokens) - run(1)) / (num_tokens - 1)
+
+
+# ---- CLI --------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--model", help="checkpoint folder (default: the built-in bench preset)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="prefill repeats (after one warm-up)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference rows")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> None:
+    import torch
+
+    from actors.llm import LLM
+
+    torch.set_num_threads(args.threads)
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from actors.model_builder import ensure_checkpoint
+
+        model_dir = Path(ensure_checkpoint("bench", args.arch))
+    out = getattr(args, "out", "benchmarks/results/roofline.json")
+
+    print("measuring peaks ...", flush=True)
+    matmul, bandwidth = peak_matmul_flops(), peak_bandwidth()
+    peak_flops, peak_bps = matmul["flops"], bandwidth["bytes_per_s"]
+
+    chunk = max(args.prompt_tokens, 512)
+    llm = LLM(model_dir, prefill_chunk_size=chunk, max_num_batched_tokens=chunk, enable_prefix_cache=False,
+              dtype="float32", device="cpu")
+    config = llm.engine.model_config
+    counts = model_counts(llm.engine.runner.model)
+    flops = prefill_flops(config, counts, args.prompt_tokens)
+    print("Tandem prefill and decode ...", flush=True)
+    prefill = tandem_prefill_s(llm, args.prompt_tokens, config.vocab_size, args.repeats, args.seed)
+    steps = tandem_decode_step_s(llm, args.prompt_tokens, config.vocab_size, args.decode_tokens, args.seed + 100)
+    context = args.prompt_tokens + args.decode_tokens / 2
+    step_bytes = counts["params_read_per_decode_step"] * 4 + kv_bytes(config, context)
+
+    rows = []
+    results: dict = {
+        "peak_matmul": matmul, "peak_bandwidth": bandwidth, "model": counts,
+        "prefill_flops": flops, "decode_bytes_per_step": step_bytes, "decode_context_tokens": context,
+    }
+
+    def add(system: str, prefill_times: list[float], step_s: float) -> tuple[float, float]:
+        prefill_s = min(prefill_times)
+        mfu, mbu = flops / prefill_s / peak_flops, step_bytes / step_s / peak_bps
+        rows.append([system, prefill_s, flops / prefill_s / 1e9, mfu, step_s * 1e3, step_bytes / step_s / 1e9, mbu])
+        results[system] = {"prefill_s": prefill_times, "prefill_best_s": prefill_s, "prefill_mfu": mfu,
+                           "decode_step_s": step_s, "decode_mbu": mbu}
+        return mfu, mbu
+
+    tandem_mfu, tandem_mbu = add("tandem", prefill, statistics.median(steps))
+    results["tandem"]["decode_steps_s"] = steps
+    if not args.no_hf:
+        from benchmarks.engine import load_hf_model
+
+        print("transformers reference ...", flush=True)
+        model = load_hf_model(model_dir)
+        add("hf (reference)", hf_prefill_s(model, args.prompt_tokens, config.vocab_size, args.repeats, args.seed),
+            hf_decode_step_s(model, args.prompt_tokens, config.vocab_size, args.decode_tokens, args.seed + 100))
+
+    report.print_table("Machine peaks (best of several)", ["measure", "value"], [
+        ["matmul float32 GFLOP/s", peak_flops / 1e9],
+        *[[f"  matmul {n}x{n} GFLOP/s", f / 1e9] for n, f in matmul["by_size"].items()],
+        ["bandwidth GB/s (roof)", peak_bps / 1e9],
+        ["  copy (read + write) GB/s", bandwidth["copy_bytes_per_s"] / 1e9],
+        ["  sum (read) GB/s", bandwidth["sum_bytes_per_s"] / 1e9],
+    ])
+    report.print_table(
+        f"Prefill {args.prompt_tokens} tokens ({flops / 1e9:.0f} GFLOP) and batch-1 decode at "
+        f"~{context:.0f} tokens of context ({step_bytes / 1e6:.0f} MB per step)",
+        ["system", "prefill s (best)", "GFLOP/s", "MFU", "decode ms/step (median)", "GB/s", "MBU"], rows)
+    report.print_table("Setup", ["setting", "value"], [
+        ["model", str(model_dir)], ["threads", args.threads], ["prefill chunk", chunk],
+        ["params (total / linear / lm_head)",
+         f"{counts['params_total']} / {counts['params_linear']} / {counts['params_lm_head']}"],
+    ])
+    results.update(model_dir=str(model_dir), threads=args.threads, prompt_tokens=args.prompt_tokens,
+                   decode_tokens=args.decode_tokens, machine=report.machine_info())
+    report.finish("roofline", out, results, f"prefill MFU {tandem_mfu:.2f}, decode MBU {tandem_mbu:.2f}",
+                  ">= 0.5 both")

@@ -1,0 +1,46 @@
+"""Every manifest parses as a Serve config and its args as Tandem settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import AppSettings
+
+MANIFESTS = sorted((Path(__file__).parent.parent / "manifests").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_manifest_validates(path):
+    raw = yaml.safe_load(path.read_text())
+    if raw.get("kind") == "RayService":
+        raw = yaml.safe_load(raw["spec"]["serveConfigV2"])
+    schema = ServeDeploySchema.model_validate(raw)
+    for application in schema.applications:
+        assert application.import_path == "cluster.app:build_app"
+        AppSettings.model_validate(application.args)
+
+
+def test_local_profile_binds_to_loopback():
+    raw = yaml.safe_load((Path(__file__).parent.parent / "manifests" / "local.yaml").read_text())
+    assert raw["http_options"]["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"model": {}}, "exactly one of"),
+        ({"model": {"preset": "huge"}}, "preset"),
+        ({"model": {"preset": "tiny"}, "routing": "random"}, "routing"),
+        ({"model": {"preset": "tiny"}, "prefill": {"replicas": 0}}, "prefill.replicas"),
+        ({"model": {"preset": "tiny"}, "engine": {"block_size": 24}}, "block_size"),
+        ({"model": {"preset": "tiny"}, "typo_field": 1}, "typo_field"),
+    ],
+)
+def test_bad_settings_are_refused_clearly(args, message):
+    with pytest.raises(ValidationError, match=message):
+        AppSettings.model_validate(args)

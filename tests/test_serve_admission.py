@@ -1,0 +1,55 @@
+"""Early rejection and the API key over HTTP, on a colocated deployment whose SLO
+no request can meet: every admitted-looking request is refused before any prefill."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import ray
+
+from tests.conftest import deploy_app, undeploy_app
+
+ARGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "mode": "colocated",
+    "colocated": {"replicas": 1, "num_cpus": 1},
+    "engine": {"block_size": 16, "num_kv_blocks": 256},
+    "slo": {"ttft_ms": 0.001, "tbt_ms": 1000},
+    "api_key": "s3cret",
+    "pool_name": "test-pool-strict",
+}
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_port):
+    url = deploy_app("strict", ARGS, serve_port)
+    yield url
+    undeploy_app("strict", ARGS["pool_name"])
+
+
+def test_health_needs_no_key_but_everything_else_does(base_url):
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    for path in ("/v1/models", "/metrics"):
+        response = httpx.get(f"{base_url}{path}")
+        assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+    wrong = httpx.post(f"{base_url}/generate", json={"text": "x"}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert httpx.get(f"{base_url}/v1/models", headers=AUTH).status_code == 200
+
+
+def test_a_request_that_cannot_meet_its_slo_is_rejected_early(base_url):
+    response = httpx.post(f"{base_url}/generate", json={"text": "hello " * 50, "max_new_tokens": 8}, headers=AUTH)
+    assert response.status_code == 429
+    assert int(response.headers["Retry-After"]) >= 1
+    error = response.json()["error"]
+    assert error["type"] == "slo_rejection"
+    assert error["target_ttft_ms"] == 0.0 and error["predicted_ttft_ms"] > 0
+    assert "predicted TTFT" in error["message"] and "exceeds the SLO" in error["message"]
+    # No prefill was spent on it: the worker never ran a request.
+    pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
+    [member] = ray.get(pool.list_members.remote())
+    stats = ray.get(member.handle.stats.remote())
+    assert stats.num_running == 0 and stats.num_used_blocks == 0
+    metrics = httpx.get(f"{base_url}/metrics", headers=AUTH).text
+    assert "tandem_rejections_total" in metrics

@@ -1,0 +1,191 @@
+"""The Serve application over real HTTP: OpenAI client, /generate, streaming,
+errors, metrics, cancellation, and a scheduler replica restart."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from actors.llm import LLM
+from actors.model_builder import ensure_checkpoint
+from actors.sampling_params import SamplingParams
+from tests.conftest import deploy_app, undeploy_app
+
+ENGINE = {"block_size": 16, "prefill_chunk_size": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 512}
+ARGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "mode": "disaggregated",
+    "channel": "gloo",
+    "engine": ENGINE,
+    "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200, "max_stop_sequences": 2, "max_body_bytes": 100_000},
+    "pool_name": "test-pool-main",
+}
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_port):
+    url = deploy_app("main", ARGS, serve_port)
+    yield url
+    undeploy_app("main", ARGS["pool_name"])
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def pool_members(pool_name: str):
+    return ray.get(ray.get_actor(pool_name, namespace="tandem").list_members.remote())
+
+
+def wait_workers_idle(pool_name: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [ray.get(m.handle.check_accounting.remote()) for m in pool_members(pool_name)]
+        if all(s.num_used_blocks == 0 and s.num_reserved == 0 and s.num_running == 0 for s in stats):
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+
+
+def test_the_seeds_request(base_url):
+    response = httpx.post(f"{base_url}/generate", json={"text": "Hello there", "max_new_tokens": 32, "temperature": 0.7})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert isinstance(body["text"], str) and len(body["output_ids"]) == 32
+    assert body["meta_info"]["completion_tokens"] == 32 and body["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_sglang_sampling_params_and_input_ids(base_url):
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    response = httpx.post(f"{base_url}/generate", json=body)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["output_ids"]) == 4
+
+
+def test_greedy_over_http_equals_the_offline_engine(base_url, client):
+    llm = LLM(ensure_checkpoint("tiny", "qwen2"), **ENGINE)
+    prompts = ["The quick brown fox", "Serving models on Ray", "a" * 300, "中文 and émoji 🙂"]
+    offline = llm.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    for prompt, expected in zip(prompts, offline):
+        response = httpx.post(f"{base_url}/generate", json={
+            "text": prompt, "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}})
+        assert response.json()["output_ids"] == expected.token_ids
+        completion = client.completions.create(
+            model="tandem-tiny-qwen2", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == expected.text
+
+
+def test_openai_completions(client):
+    completion = client.completions.create(model="tandem-tiny-qwen2", prompt="Once upon", max_tokens=8,
+                                           temperature=0, logprobs=2, seed=3)
+    choice = completion.choices[0]
+    assert choice.finish_reason in ("length", "stop")
+    assert completion.usage.completion_tokens == len(choice.logprobs.token_logprobs) <= 8
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+
+
+def test_openai_completions_streaming(client):
+    stream = client.completions.create(model="tandem-tiny-qwen2", prompt="Stream me", max_tokens=12,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks)
+    whole = client.completions.create(model="tandem-tiny-qwen2", prompt="Stream me", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert text == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_chat_and_chat_streaming(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens > 5
+    stream = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, max_tokens=6,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_sse_ends_with_done(base_url):
+    with httpx.stream("POST", f"{base_url}/v1/completions",
+                      json={"prompt": "x", "max_tokens": 3, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert all(json.loads(line[6:]) for line in lines[:-1])
+
+
+def test_models_health_metrics_openapi(base_url, client):
+    assert [m.id for m in client.models.list().data] == ["tandem-tiny-qwen2"]
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["status"] == "ready" and health["pools"] == ["decode", "prefill"]
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert 'tandem_requests_total{outcome="ok"}' in metrics
+    assert "tandem_ttft_seconds_bucket" in metrics and "tandem_kv_blocks_used" in metrics
+    schema = httpx.get(f"{base_url}/openapi.json").json()
+    assert {"/generate", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/generate", {"text": "", "max_new_tokens": 4}, "prompt is empty"),
+        ("/generate", {"max_new_tokens": 4}, "exactly one of"),
+        ("/generate", {"text": "x", "max_new_tokens": 0}, "max_new_tokens"),
+        ("/generate", {"text": "x", "temperature": -1}, "temperature"),
+        ("/generate", {"text": "x", "top_p": 0}, "top_p"),
+        ("/generate", {"text": "x" * 2000}, "limit is 600"),
+        ("/generate", {"input_ids": [99999999]}, "token ids"),
+        ("/generate", {"text": "x", "max_new_tokens": 5000}, "limit of 200"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c"]}, "stop sequences"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n=1"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", {"prompt": {"nested": 1}}, "prompt"),
+    ],
+)
+def test_bad_input_is_a_clear_400(base_url, path, body, message):
+    response = httpx.post(f"{base_url}{path}", json=body)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_malformed_json_and_oversized_bodies(base_url):
+    response = httpx.post(f"{base_url}/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+    response = httpx.post(f"{base_url}/generate", json={"text": "x" * 200_000})
+    assert response.status_code == 413 and "bytes" in response.json()["error"]["message"]
+
+
+def test_client_disconnect_frees_both_workers(base_url):
+    body = {"prompt": "keep going", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        for index, _ in enumerate(response.iter_lines()):
+            if index >= 4:
+                break
+    wait_workers_idle(ARGS["pool_name"])
+
+
+def test_scheduler_replica_restart_keeps_the_pools(base_url):
+    before = sorted(m.worker_id for m in pool_members(ARGS["pool_name"]))
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"] and "main" in a["name"]]
+    assert replicas
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.post(f"{base_url}/generate", json={"text": "again", "max_new_tokens": 3}, timeout=30)
+            if response.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    assert response.status_code == 200
+    assert sorted(m.worker_id for m in pool_members(ARGS["pool_name"])) == before
