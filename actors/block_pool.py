@@ -15,11 +15,14 @@ block's tokens too, so a hash collision can never serve the wrong KV.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+KV_LAYOUT_VERSION = "page-first-v1"  # [blocks, layers, 2, block_size, kv_heads, head_dim]
 
 
 def block_hashes(
@@ -35,6 +38,13 @@ def block_hashes(
         previous = hashlib.sha256(previous + chunk).digest()
         hashes.append(previous)
     return hashes
+
+
+def kv_namespace(model_dir: str | Path, dtype: str, block_size: int) -> bytes:
+    """The seed of every hash chain: what makes KV compatible. Same checkpoint config,
+    dtype, block size and layout version -> same namespace, on any node."""
+    config = (Path(model_dir) / "config.json").read_bytes()
+    return hashlib.sha256(config + f"|{dtype}|{block_size}|{KV_LAYOUT_VERSION}".encode()).digest()
 
 
 @dataclass
@@ -56,6 +66,10 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        # Cache events for the global scheduler's prefix index: (True, hash) when a
+        # block becomes findable, (False, hash) when it is evicted. Drained by
+        # `drain_events`; bounded so an undrained pool cannot grow without limit.
+        self._events: deque[tuple[bool, bytes]] = deque(maxlen=8 * num_blocks)
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -95,6 +109,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 del self._by_hash[block.block_hash]
+                self._events.append((False, block.block_hash))
                 block.block_hash = block.token_ids = None
             block.ref_count = 1
             block_ids.append(block_id)
@@ -128,11 +143,19 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block_id
+        self._events.append((True, block_hash))
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        """Cache events since the last drain, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
 
     def reset_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
         for block in self.blocks:
             block.block_hash = block.token_ids = None
+        self._events.extend((False, h) for h in self._by_hash)
         self._by_hash.clear()
 
     def check(self) -> None:

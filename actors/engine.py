@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from actors.block_pool import BlockPool
+from actors.block_pool import BlockPool, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import IncrementalDetokenizer
 from actors.model_runner import ModelRunner, SampledToken
@@ -84,7 +84,7 @@ class Engine:
             self.model_config.max_position_embeddings,
         )
         self.pool = BlockPool(self.runner.num_blocks, self.config.block_size)
-        hash_seed = f"{model_dir.resolve()}|{self.config.dtype}|{self.config.block_size}".encode()
+        hash_seed = kv_namespace(model_dir, self.config.dtype, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.pool, hash_seed)
         self.requests: dict[str, Request] = {}
         self.reservations: dict[str, Request] = {}  # decode side: awaiting their KV

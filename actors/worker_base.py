@@ -143,6 +143,11 @@ class WorkerBase:
 
         return await self.call(lookup)
 
+    async def cache_events(self) -> list[tuple[bool, bytes]]:
+        """Prefix-cache events since the last call: (True, hash) stored, (False,
+        hash) evicted. The global scheduler's prefix index consumes them."""
+        return await self.call(lambda e: e.pool.drain_events())
+
     async def profile(self) -> EngineProfile:
         """A short start-up profile (prefill and decode-step timings) for cost models."""
         return await self.call(profile_engine)

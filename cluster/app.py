@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
+from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
 from actors.engine import load_tokenizer
 from actors.sampling_params import InvalidRequestError
@@ -123,7 +124,8 @@ class Scheduler:
         model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
         max_model_len = min(self.settings.engine.max_model_len or model_len, model_len)
         self.pool = get_or_create_pool(self.settings)
-        self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len)
+        kv_seed = kv_namespace(model_dir, self.settings.engine.dtype, self.settings.engine.block_size)
+        self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len, kv_seed)
         self.model_name = self.settings.model.served_name
         app.state.settings = self.settings
         self._refresher: asyncio.Task | None = None

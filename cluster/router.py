@@ -1,9 +1,10 @@
 """Choosing the P and D for a request: policies and the scheduler's prefix index.
 
-`PrefixIndex` is the scheduler's view of one worker's prefix cache: the block hashes
-of prompts it routed there, LRU-bounded by the worker's block count (the worker may
-have evicted some since; a stale hit costs only a worse prediction, never wrong
-output: the worker verifies tokens itself).
+`PrefixIndex` is the scheduler's view of one worker's prefix cache, fed by the
+worker's cache events (blocks stored and evicted, polled every refresh) and, between
+polls, by the prompts the scheduler routed there. It is LRU-bounded by the worker's
+block count. A stale entry costs only a worse prediction, never wrong output: the
+worker verifies tokens itself.
 
 Policies pick P among candidates that each carry a `Prediction`:
 - `round_robin`: in turn, blind to load and cache;
@@ -35,6 +36,14 @@ class PrefixIndex:
                 break
             count += 1
         return count
+
+    def apply(self, events: Sequence[tuple[bool, bytes]]) -> None:
+        """A worker's cache events: (True, hash) stored, (False, hash) evicted."""
+        for stored, block_hash in events:
+            if stored:
+                self.insert([block_hash])
+            else:
+                self._hashes.pop(block_hash, None)
 
     def insert(self, hashes: Sequence[bytes]) -> None:
         for block_hash in hashes:

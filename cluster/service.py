@@ -31,12 +31,13 @@ log = logging.getLogger("tandem.scheduler")
 
 
 class GlobalScheduler:
-    def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int) -> None:
+    def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int, kv_seed: bytes) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.pool = pool
         self.max_model_len = max_model_len
         self.block_size = settings.engine.block_size
+        self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
         self.models = WorkerModels(self.block_size)
         self.policy = make_policy(settings.routing)
         self.metrics = Metrics()
@@ -67,6 +68,12 @@ class GlobalScheduler:
                                  worker=member.worker_id, role=member.role)
                 self.metrics.set("queue_depth", "requests waiting or running per worker",
                                  stats.num_waiting + stats.num_running, worker=member.worker_id, role=member.role)
+        events = await asyncio.gather(
+            *(m.handle.cache_events.remote() for m in members if m.worker_id in self.prefix), return_exceptions=True
+        )
+        for member, batch in zip([m for m in members if m.worker_id in self.prefix], events):
+            if not isinstance(batch, BaseException):
+                self.prefix[member.worker_id].apply(batch)
         await self._profile_new(members)
         roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled}
         needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
@@ -124,7 +131,7 @@ class GlobalScheduler:
     # ---- admission and pairing ----------------------------------------------------------
     def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset()) -> Prediction:
         """The pair to use, or SloRejected / ApiError(503)."""
-        hashes = block_hashes(prompt_ids, self.block_size)
+        hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
         needed_blocks = -(-(len(prompt_ids) + 1) // self.block_size)
         if self.settings.mode == "colocated":
@@ -210,7 +217,7 @@ class GlobalScheduler:
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
                             request.params.max_new_tokens, choice.ttft_s)
         self.models.inflight[request.request_id] = inflight
-        hashes = block_hashes(request.prompt_token_ids, self.block_size)
+        hashes = block_hashes(request.prompt_token_ids, self.block_size, self.kv_seed)
         for worker_id in (choice.prefill_id, choice.decode_id):
             if worker_id in self.prefix:
                 self.prefix[worker_id].insert(hashes)

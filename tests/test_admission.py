@@ -89,3 +89,11 @@ def test_policies_pick_as_documented():
     assert [turns.choose([fast, slow], {}).prefill_id for _ in range(3)] == ["p0", "p1", "p0"]
     with pytest.raises(ValueError, match="routing policy"):
         make_policy("random")
+
+
+def test_prefix_index_follows_worker_cache_events():
+    index = PrefixIndex(capacity_blocks=10)
+    index.apply([(True, b"a"), (True, b"b"), (True, b"c")])
+    assert index.match([b"a", b"b", b"c"]) == 3
+    index.apply([(False, b"b")])
+    assert index.match([b"a", b"b", b"c"]) == 1

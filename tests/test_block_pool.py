@@ -106,3 +106,29 @@ def test_randomized_workload_keeps_accounting():
         pool.release(table)
     pool.check()
     assert pool.num_used == 0
+
+
+def test_cache_events_report_stores_and_evictions():
+    pool = BlockPool(2, 2)
+    tokens = [1, 2, 3, 4]
+    hashes = block_hashes(tokens, 2)
+    table = pool.allocate(2)
+    pool.register(table[0], hashes[0], tokens[:2])
+    pool.register(table[1], hashes[1], tokens[2:])
+    assert pool.drain_events() == [(True, hashes[0]), (True, hashes[1])]
+    assert pool.drain_events() == []
+    pool.release(table)
+    pool.allocate(1)  # evicts the tail block first
+    assert pool.drain_events() == [(False, hashes[1])]
+
+
+def test_kv_namespace_depends_on_what_makes_kv_compatible(tmp_path):
+    from actors.block_pool import kv_namespace
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    base = kv_namespace(tmp_path, "float32", 16)
+    assert base == kv_namespace(tmp_path, "float32", 16)
+    assert base != kv_namespace(tmp_path, "bfloat16", 16)
+    assert base != kv_namespace(tmp_path, "float32", 32)
+    (tmp_path / "config.json").write_text('{"hidden_size": 16}')
+    assert base != kv_namespace(tmp_path, "float32", 16)
