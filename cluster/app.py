@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
@@ -49,6 +50,12 @@ async def _api_error(_: Request, exc: ApiError):
 async def _validation_error(_: Request, exc: RequestValidationError):
     details = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors())
     return _error(ApiError(400, details or "invalid request body"))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException):
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return _error(ApiError(exc.status_code, str(exc.detail), kind=kind, headers=exc.headers))
 
 
 @app.exception_handler(InvalidRequestError)
@@ -196,6 +203,9 @@ class Scheduler:
 
     # ---- helpers ------------------------------------------------------------------------
     async def _openai(self, body, prompt, chat: bool):
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} not found; this server serves {self.model_name!r}",
+                           kind="model_not_found")
         params = body.sampling(default_max=16 if not chat else self.settings.limits.max_new_tokens)
         await self._require_ready()
         prompt_ids = self.service.prepare(prompt, params)

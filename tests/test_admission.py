@@ -97,3 +97,52 @@ def test_prefix_index_follows_worker_cache_events():
     assert index.match([b"a", b"b", b"c"]) == 3
     index.apply([(False, b"b")])
     assert index.match([b"a", b"b", b"c"]) == 1
+
+
+class _Tokenizer:
+    def __len__(self):
+        return 1000
+
+
+def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0):
+    """A GlobalScheduler with one P and one D whose cost models are known."""
+    from types import SimpleNamespace
+
+    from cluster.config import AppSettings
+    from cluster.service import GlobalScheduler
+
+    settings = AppSettings.model_validate(
+        {"model": {"preset": "tiny"}, "slo": {"ttft_ms": ttft_ms, "tbt_ms": tbt_ms}, "engine": {"block_size": 16}}
+    )
+    scheduler = GlobalScheduler(settings, _Tokenizer(), pool=None, max_model_len=2048, kv_seed=b"")
+    scheduler.models = _models()
+    for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
+        scheduler.members[worker_id] = SimpleNamespace(worker_id=worker_id, role=role, handle=None)
+        scheduler.stats[worker_id] = SimpleNamespace(num_blocks=1000, num_used_blocks=0)
+        scheduler.prefix[worker_id] = PrefixIndex(1000)
+        scheduler.profiled.add(worker_id)
+    return scheduler
+
+
+def test_a_queue_that_breaks_the_slo_rejects_and_a_relaxed_slo_admits():
+    prompt = list(range(300))  # predicted prefill: 0.3 s on p0
+    strict = _scheduler(ttft_ms=1000)
+    strict.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_prefill_s=2.0)
+    with pytest.raises(SloRejected) as rejected:
+        strict.plan(prompt)
+    assert rejected.value.best.ttft_s == pytest.approx(2.3, abs=0.05)
+    assert "predicted TTFT 23" in str(rejected.value) and "SLO of 1000 ms" in str(rejected.value)
+
+    relaxed = _scheduler(ttft_ms=5000)
+    relaxed.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_prefill_s=2.0)
+    choice = relaxed.plan(prompt)
+    assert (choice.prefill_id, choice.decode_id) == ("p0", "d0")
+
+
+def test_a_decode_worker_too_busy_for_the_tbt_slo_rejects():
+    scheduler = _scheduler(ttft_ms=10_000, tbt_ms=50)
+    for index in range(10):  # ten long decodes on d0: batch 11 -> ~0.11 s per step
+        scheduler.models.inflight[f"r{index}"] = InFlight(
+            f"r{index}", "p0", "d0", 10, 1000, 0.0, first_token_s=time.monotonic())
+    with pytest.raises(SloRejected, match="predicted TBT"):
+        scheduler.plan(list(range(32)))

@@ -149,6 +149,17 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/completions", {"prompt": {"nested": 1}}, "prompt"),
+        ("/generate", {"text": 42}, "text"),
+        ("/generate", {"text": "x", "max_new_tokens": "many"}, "max_new_tokens"),
+        ("/generate", {"text": "x", "max_new_tokens": -3}, "max_new_tokens"),
+        ("/generate", {"text": "x", "stream": "sometimes"}, "stream"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, "limit"),
+        ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ],
 )
 def test_bad_input_is_a_clear_400(base_url, path, body, message):
@@ -157,11 +168,33 @@ def test_bad_input_is_a_clear_400(base_url, path, body, message):
     assert message in response.json()["error"]["message"]
 
 
-def test_malformed_json_and_oversized_bodies(base_url):
-    response = httpx.post(f"{base_url}/generate", content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "error" in response.json()
-    response = httpx.post(f"{base_url}/generate", json={"text": "x" * 200_000})
-    assert response.status_code == 413 and "bytes" in response.json()["error"]["message"]
+@pytest.mark.parametrize(
+    "content, status",
+    [
+        (b"{not json", 400),
+        (b"", 400),
+        (b"[1, 2, 3]", 400),
+        (b'{"text": "\\u00ff\\u00fe", "max_new_tokens": 2}', 200),  # JSON escapes are fine text
+        (b'{"text": "' + bytes([0xFF, 0xFE]) + b'"}', 400),  # invalid UTF-8
+        (b'{"text": "x"' + b" " * (10 * 2**20) + b"}", 413),  # a 10 MB body
+    ],
+    ids=["bad-json", "empty", "array", "escaped", "invalid-utf8", "10MB"],
+)
+def test_malformed_and_oversized_bodies(base_url, content, status):
+    response = httpx.post(f"{base_url}/generate", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    if status != 200:
+        assert "error" in response.json()
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+
+
+def test_still_serving_after_the_bad_requests(base_url):
+    response = httpx.post(f"{base_url}/generate", json={"text": "still here", "max_new_tokens": 2})
+    assert response.status_code == 200
 
 
 def test_client_disconnect_frees_both_workers(base_url):
