@@ -89,6 +89,9 @@ def prefill_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+DECODE_GROUP = 16  # sequences per padded attention call (sorted by length)
+
+
 def decode_attention(
     q: torch.Tensor,
     layer_cache: torch.Tensor,
@@ -100,25 +103,39 @@ def decode_attention(
 
     q: [B, H, d]; block_tables: [B, max_blocks] int64 (padding entries may be any
     valid block id); context_lens: [B] int64, each >= 1. Returns [B, H, d].
+
+    Sequences are sorted by length and attended in groups of DECODE_GROUP, each
+    padded only to its own longest context, so a batch of mixed lengths does not pay
+    for the longest one everywhere. GQA is computed by grouping query heads over
+    their shared KV head, never by copying K/V per query head.
     """
     batch, num_heads, head_dim = q.shape
     assert block_tables.shape[0] == batch and context_lens.shape == (batch,)
-    block_size = layer_cache.shape[2]
-    max_len = int(context_lens.max())
+    lengths = context_lens.tolist()
+    order = sorted(range(batch), key=lengths.__getitem__)
+    out = torch.empty_like(q)
+    for start in range(0, batch, DECODE_GROUP):
+        rows = order[start : start + DECODE_GROUP]
+        index = torch.tensor(rows, dtype=torch.long, device=q.device)
+        max_len = lengths[rows[-1]]
+        out[index] = _decode_group(q[index], layer_cache, block_tables[index], context_lens[index], max_len, scale)
+    return out
+
+
+def _decode_group(q, layer_cache, block_tables, context_lens, max_len: int, scale: float) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
+    group = num_heads // num_kv_heads
     num_blocks = (max_len + block_size - 1) // block_size
     blocks = layer_cache[block_tables[:, :num_blocks]]  # [B, nb, 2, bs, kvh, d]
-    k = blocks[:, :, 0].flatten(1, 2)[:, :max_len]  # [B, T, kvh, d]
-    v = blocks[:, :, 1].flatten(1, 2)[:, :max_len]
+    k = blocks[:, :, 0].flatten(1, 2)[:, :max_len].to(q.dtype)  # [B, T, kvh, d]
+    v = blocks[:, :, 1].flatten(1, 2)[:, :max_len].to(q.dtype)
+    q_grouped = (q * scale).view(batch, num_kv_heads, group, head_dim)  # heads h = kv * group + g
+    scores = torch.einsum("bkgd,btkd->bkgt", q_grouped, k)
     valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, H, 1, d]
-        k.to(q.dtype).transpose(1, 2),
-        v.to(q.dtype).transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != k.shape[2],
-    )
-    return out.squeeze(2)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(v.dtype)
+    return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(batch, num_heads, head_dim)
 
 
 def reference_attention(q, k, v, scale: float) -> torch.Tensor:
