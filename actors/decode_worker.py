@@ -42,6 +42,7 @@ class DecodeWorker(WorkerBase):
         self._pending: dict[str, _Pending] = {}
         self._pending_lock = threading.Lock()  # guards _pending and writes into reserved blocks
         self._receivers: dict[str, KVReceiver] = {}
+        self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
         self.aio.create_task(self._watchdog())
 
     # ---- handshake --------------------------------------------------------------
@@ -67,9 +68,14 @@ class DecodeWorker(WorkerBase):
             request.request_id, self.worker_id, reservation.block_ids, reservation.num_cached_blocks
         )
 
-    async def open_channel(self, name: str, backend: str, host: str | None = None, port: int | None = None) -> bool:
-        """D's end of a new P-D channel (called by P when the pair first meets)."""
+    async def open_channel(
+        self, name: str, backend: str, host: str | None = None, port: int | None = None, prefill_handle=None
+    ) -> bool:
+        """D's end of a new P-D channel (called by P when the pair first meets). The
+        channel is closed when the watchdog finds `prefill_handle` dead."""
         self._ensure_started()
+        if prefill_handle is not None:
+            self._channel_owners[name] = prefill_handle
         if backend == "object_store":
             self._receivers[name] = ObjectStoreReceiver()
         elif backend == "gloo":
@@ -83,7 +89,11 @@ class DecodeWorker(WorkerBase):
             raise ValueError(f"unknown channel backend {backend!r}")
         return True
 
+    def _num_channels(self) -> int:
+        return len(self._receivers)
+
     async def close_channel(self, name: str) -> None:
+        self._channel_owners.pop(name, None)
         receiver = self._receivers.pop(name, None)
         if receiver is not None:
             receiver.close()
@@ -168,11 +178,16 @@ class DecodeWorker(WorkerBase):
             for rid in expired:
                 await self._drop(rid, f"reservation expired after {self.options.reservation_ttl_s:.0f}s")
             handles = {id(p.prefill_handle): p.prefill_handle for _, p in pending if p.prefill_handle is not None}
+            handles.update({id(h): h for h in self._channel_owners.values()})
             for key, handle in handles.items():
-                if await self._is_dead(handle):
-                    for rid, p in pending:
-                        if id(p.prefill_handle) == key:
-                            await self._drop(rid, "prefill worker died before the transfer finished")
+                if not await self._is_dead(handle):
+                    continue
+                for rid, p in pending:
+                    if id(p.prefill_handle) == key:
+                        await self._drop(rid, "prefill worker died before the transfer finished")
+                for name, owner in list(self._channel_owners.items()):
+                    if id(owner) == key:
+                        await self.close_channel(name)
 
     async def _is_dead(self, handle) -> bool:
         try:

@@ -66,16 +66,29 @@ class _PairSender:
         self.sender = sender
         self.decode = decode_handle
         self.broken: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"send-{sender.name}", daemon=True)
         self._thread.start()
 
     def submit(self, transfer: _Transfer) -> None:
-        self._queue.put(transfer)
+        """Queue a chunk (engine thread). On a closed pair it fails at once."""
+        with self._lock:
+            if not self._closed:
+                self._queue.put(transfer)
+                return
+        self._drop(transfer, self.broken or f"channel {self.sender.name} closed")
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._queue.put(None)
         self.sender.close()
+
+    def _drop(self, transfer: _Transfer, reason: str) -> None:
+        self.worker.fail_job(transfer.job, TransferFailed(reason))
+        self.worker.release_later(transfer.src_block_ids)
 
     def _run(self) -> None:
         while (transfer := self._queue.get()) is not None:
@@ -93,6 +106,14 @@ class _PairSender:
                 self.worker.fail_job(job, exc)
             finally:
                 self.worker.release_later(transfer.src_block_ids)
+        # Closed: whatever is still queued will never be sent; unpin it.
+        while True:
+            try:
+                leftover = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if leftover is not None:
+                self._drop(leftover, self.broken or f"channel {self.sender.name} closed")
 
     def _send(self, transfer: _Transfer) -> None:
         cache = self.worker.engine.runner.kv_cache
@@ -127,18 +148,19 @@ class PrefillWorker(WorkerBase):
                 return pair
             name = f"kv-{self.worker_id}-{decode_id}-{uuid.uuid4().hex[:8]}"
             timeout = self.options.transfer_timeout_s
+            me = ray.get_runtime_context().current_actor
             if backend == "object_store":
-                await decode_handle.open_channel.remote(name, backend)
+                await decode_handle.open_channel.remote(name, backend, prefill_handle=me)
                 sender: KVSender = ObjectStoreSender(name)
             elif backend == "gloo":
                 host = ray.util.get_node_ip_address()
                 store, port = GlooPair.host_store(host, timeout)
-                joined = decode_handle.open_channel.remote(name, backend, host, port)
+                joined = decode_handle.open_channel.remote(name, backend, host, port, prefill_handle=me)
                 link = await self.in_thread(lambda: GlooPair(name, host, port, 0, timeout, store))
                 await joined
                 sender = GlooSender(name, link)
             elif backend == "nccl":
-                joined = decode_handle.open_channel.remote(name, backend)
+                joined = decode_handle.open_channel.remote(name, backend, prefill_handle=me)
                 link = await self.in_thread(lambda: NcclPair(name, 0))
                 await joined
                 sender = NcclSender(name, link)
@@ -147,6 +169,9 @@ class PrefillWorker(WorkerBase):
             pair = _PairSender(self, sender, decode_handle)
             self._pairs[decode_id] = pair
             return pair
+
+    def _num_channels(self) -> int:
+        return len(self._pairs)
 
     def forget_pair(self, pair: _PairSender) -> None:
         for decode_id, known in list(self._pairs.items()):

@@ -39,6 +39,7 @@ class WorkerStats:
     num_running: int
     num_waiting: int
     num_reserved: int
+    num_channels: int
     last_step_s: float
 
 
@@ -89,6 +90,10 @@ class WorkerBase:
     def _on_tick(self, engine: Engine) -> None:
         pass
 
+    def _num_channels(self) -> int:
+        """Open KV channels (P-D pairs) this worker holds."""
+        return 0
+
     def _on_engine_error(self, exc: BaseException) -> None:
         """A step failed: fail every request this worker holds, keep serving."""
         message = f"worker {self.worker_id} step failed: {type(exc).__name__}: {exc}"
@@ -118,6 +123,7 @@ class WorkerBase:
                 num_running=len(engine.scheduler.running),
                 num_waiting=len(engine.scheduler.waiting),
                 num_reserved=len(engine.reservations),
+                num_channels=self._num_channels(),
                 last_step_s=engine.runner.last_step_s,
             )
 

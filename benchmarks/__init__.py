@@ -7,4 +7,6 @@ BENCHMARKS = {
     "engine": "benchmarks.engine",
     "roofline": "benchmarks.roofline",
     "transfer": "benchmarks.transfer",
+    "serve": "benchmarks.serve",
+    "overload": "benchmarks.overload",
 }

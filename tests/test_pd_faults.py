@@ -73,6 +73,10 @@ def test_prefill_dies_mid_transfer(ray_local, tiny_qwen2_dir):
     assert call.prefill_result is None
     assert events[-1].finished and events[-1].error
     wait_idle(d)
+    deadline = time.monotonic() + 5
+    while ray.get(d.stats.remote()).num_channels and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(d.stats.remote()).num_channels == 0  # the dead P's channel is closed
     assert serves(start("prefill", "p-new", tiny_qwen2_dir), d, "after-p-died")
 
 

@@ -1,0 +1,81 @@
+"""Plots for the serving benchmarks (matplotlib, Agg backend: files only, no display).
+
+- `cdf_plot`: empirical CDFs of TTFT (top row) and of every inter-token gap (bottom
+  row, log x so stalls show), one column per offered rate, one line per system.
+- `goodput_plot`: SLO attainment against offered rate per system, with the target
+  and each system's goodput marked (left), and p99 TBT against rate (right, log y).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.serving_metrics import cdf
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def cdf_plot(path: Path, rates: list[float], samples: dict[str, dict[float, dict[str, list[float]]]],
+             ttft_slo_s: float, tbt_slo_s: float, title: str) -> Path:
+    """samples[system][rate] = {"ttft_s": [...], "gaps_s": [...]}."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(rates), figsize=(4.2 * len(rates), 7), squeeze=False)
+    for col, rate in enumerate(rates):
+        for row, (key, label, slo) in enumerate([("ttft_s", "TTFT (s)", ttft_slo_s), ("gaps_s", "TBT gap (s)", tbt_slo_s)]):
+            ax = axes[row][col]
+            for system, by_rate in samples.items():
+                values = [v for v in by_rate.get(rate, {}).get(key, []) if v is not None]
+                if values:
+                    xs, ys = cdf([max(v, 1e-5) for v in values])
+                    ax.step(xs, ys, where="post", label=system)
+            ax.axvline(slo, color="grey", linestyle="--", linewidth=1, label="SLO")
+            if key == "gaps_s":
+                ax.set_xscale("log")
+            ax.set_xlabel(label)
+            ax.set_ylabel("fraction")
+            ax.set_title(f"{rate:.3g} req/s")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def goodput_plot(path: Path, curves: dict[str, list[tuple[float, float, float | None]]],
+                 goodputs: dict[str, float], target: float, title: str) -> Path:
+    """curves[system] = [(rate, attainment, p99 TBT s), ...]; goodputs[system] = req/s."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system, points in curves.items():
+        points = sorted(points)
+        line, = left.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
+        if goodputs.get(system):
+            left.axvline(goodputs[system], color=line.get_color(), linestyle=":", linewidth=1)
+        tbt = [(p[0], p[2]) for p in points if p[2]]
+        right.plot([p[0] for p in tbt], [p[1] for p in tbt], marker="o", label=system, color=line.get_color())
+    left.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
+    left.set_xlabel("offered rate (req/s)")
+    left.set_ylabel("SLO attainment")
+    left.set_ylim(-0.02, 1.02)
+    left.set_title("attainment (dotted: goodput)")
+    right.set_xlabel("offered rate (req/s)")
+    right.set_ylabel("p99 TBT (s)")
+    right.set_yscale("log")
+    right.set_title("p99 inter-token gap")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
