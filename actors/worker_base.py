@@ -105,6 +105,12 @@ class WorkerBase:
     async def ping(self) -> str:
         return self.worker_id
 
+    async def node_id(self) -> str:
+        """The Ray node this worker runs on (placement checks)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Cancel a request wherever it is on this worker; frees its blocks. Its
         stream, if any, ends with an error event carrying `reason`."""

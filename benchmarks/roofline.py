@@ -5,6 +5,8 @@
 2. Peak memory bandwidth: a 256 MiB tensor `copy_` into a preallocated destination
    (bytes read + written / time) and a `sum` (bytes read / time), best of several;
    the higher of the two is the roof (so MBU is not flattered).
+   Both peaks are measured before and after the engine runs and the higher is
+   kept: on a shared machine a peak taken in a busy moment would flatter MFU/MBU.
 3. Prefill MFU: one 2048-token prompt through the engine in one chunk.
    Model FLOPs = 2 * matmul params * tokens + causal attention FLOPs
    (num_layers * 4 * num_heads * head_dim * T(T+1)/2) + the LM head on the sampled
@@ -176,62 +178,77 @@ def main(args: argparse.Namespace) -> None:
     out = getattr(args, "out", "benchmarks/results/roofline.json")
 
     print("measuring peaks ...", flush=True)
-    matmul, bandwidth = peak_matmul_flops(), peak_bandwidth()
-    peak_flops, peak_bps = matmul["flops"], bandwidth["bytes_per_s"]
-
+    peaks = [(peak_matmul_flops(), peak_bandwidth())]
     chunk = max(args.prompt_tokens, 512)
     llm = LLM(model_dir, prefill_chunk_size=chunk, max_num_batched_tokens=chunk, enable_prefix_cache=False,
               dtype="float32", device="cpu")
-    config = llm.engine.model_config
-    counts = model_counts(llm.engine.runner.model)
-    flops = prefill_flops(config, counts, args.prompt_tokens)
+    config, vocab = llm.engine.model_config, llm.engine.model_config.vocab_size
     print("Tandem prefill and decode ...", flush=True)
-    prefill = tandem_prefill_s(llm, args.prompt_tokens, config.vocab_size, args.repeats, args.seed)
-    steps = tandem_decode_step_s(llm, args.prompt_tokens, config.vocab_size, args.decode_tokens, args.seed + 100)
-    context = args.prompt_tokens + args.decode_tokens / 2
-    step_bytes = counts["params_read_per_decode_step"] * 4 + kv_bytes(config, context)
-
-    rows = []
-    results: dict = {
-        "peak_matmul": matmul, "peak_bandwidth": bandwidth, "model": counts,
-        "prefill_flops": flops, "decode_bytes_per_step": step_bytes, "decode_context_tokens": context,
-    }
-
-    def add(system: str, prefill_times: list[float], step_s: float) -> tuple[float, float]:
-        prefill_s = min(prefill_times)
-        mfu, mbu = flops / prefill_s / peak_flops, step_bytes / step_s / peak_bps
-        rows.append([system, prefill_s, flops / prefill_s / 1e9, mfu, step_s * 1e3, step_bytes / step_s / 1e9, mbu])
-        results[system] = {"prefill_s": prefill_times, "prefill_best_s": prefill_s, "prefill_mfu": mfu,
-                           "decode_step_s": step_s, "decode_mbu": mbu}
-        return mfu, mbu
-
-    tandem_mfu, tandem_mbu = add("tandem", prefill, statistics.median(steps))
-    results["tandem"]["decode_steps_s"] = steps
+    steps = tandem_decode_step_s(llm, args.prompt_tokens, vocab, args.decode_tokens, args.seed + 100)
+    timings = {"tandem": (tandem_prefill_s(llm, args.prompt_tokens, vocab, args.repeats, args.seed),
+                          statistics.median(steps))}
     if not args.no_hf:
         from benchmarks.engine import load_hf_model
 
         print("transformers reference ...", flush=True)
         model = load_hf_model(model_dir)
-        add("hf (reference)", hf_prefill_s(model, args.prompt_tokens, config.vocab_size, args.repeats, args.seed),
-            hf_decode_step_s(model, args.prompt_tokens, config.vocab_size, args.decode_tokens, args.seed + 100))
+        timings["hf (reference)"] = (
+            hf_prefill_s(model, args.prompt_tokens, vocab, args.repeats, args.seed),
+            hf_decode_step_s(model, args.prompt_tokens, vocab, args.decode_tokens, args.seed + 100),
+        )
+    print("measuring peaks again ...", flush=True)
+    peaks.append((peak_matmul_flops(), peak_bandwidth()))
 
-    report.print_table("Machine peaks (best of several)", ["measure", "value"], [
-        ["matmul float32 GFLOP/s", peak_flops / 1e9],
+    matmul = max((p[0] for p in peaks), key=lambda m: m["flops"])
+    bandwidth = max((p[1] for p in peaks), key=lambda b: b["bytes_per_s"])
+    counts = model_counts(llm.engine.runner.model)
+    context = args.prompt_tokens + args.decode_tokens / 2
+    work = {"flops": prefill_flops(config, counts, args.prompt_tokens),
+            "step_bytes": counts["params_read_per_decode_step"] * 4 + kv_bytes(config, context)}
+    results: dict = {"peak_matmul": matmul, "peak_bandwidth": bandwidth, "peaks_before_after": peaks,
+                     "model": counts, "prefill_flops": work["flops"], "decode_bytes_per_step": work["step_bytes"],
+                     "decode_context_tokens": context}
+    for system, (prefill_times, step_s) in timings.items():
+        results[system] = utilisation(work, prefill_times, step_s, matmul["flops"], bandwidth["bytes_per_s"])
+    results["tandem"]["decode_steps_s"] = steps
+
+    print_tables(args, results, timings, chunk, model_dir)
+    results.update(model_dir=str(model_dir), threads=args.threads, prompt_tokens=args.prompt_tokens,
+                   decode_tokens=args.decode_tokens, machine=report.machine_info())
+    tandem = results["tandem"]
+    report.finish("roofline", out, results,
+                  f"prefill MFU {tandem['prefill_mfu']:.2f}, decode MBU {tandem['decode_mbu']:.2f}", ">= 0.5 both")
+
+
+def utilisation(work: dict, prefill_times: list[float], step_s: float, peak_flops: float, peak_bps: float) -> dict:
+    prefill_s = min(prefill_times)
+    return {
+        "prefill_s": prefill_times, "prefill_best_s": prefill_s,
+        "prefill_flops_per_s": work["flops"] / prefill_s, "prefill_mfu": work["flops"] / prefill_s / peak_flops,
+        "decode_step_s": step_s, "decode_bytes_per_s": work["step_bytes"] / step_s,
+        "decode_mbu": work["step_bytes"] / step_s / peak_bps,
+    }
+
+
+def print_tables(args, results: dict, timings: dict, chunk: int, model_dir: Path) -> None:
+    matmul, bandwidth, counts = results["peak_matmul"], results["peak_bandwidth"], results["model"]
+    report.print_table("Machine peaks (best of several, before and after the engine)", ["measure", "value"], [
+        ["matmul float32 GFLOP/s", matmul["flops"] / 1e9],
         *[[f"  matmul {n}x{n} GFLOP/s", f / 1e9] for n, f in matmul["by_size"].items()],
-        ["bandwidth GB/s (roof)", peak_bps / 1e9],
+        ["bandwidth GB/s (roof)", bandwidth["bytes_per_s"] / 1e9],
         ["  copy (read + write) GB/s", bandwidth["copy_bytes_per_s"] / 1e9],
         ["  sum (read) GB/s", bandwidth["sum_bytes_per_s"] / 1e9],
     ])
+    rows = [[system, r["prefill_best_s"], r["prefill_flops_per_s"] / 1e9, r["prefill_mfu"],
+             r["decode_step_s"] * 1e3, r["decode_bytes_per_s"] / 1e9, r["decode_mbu"]]
+            for system, r in ((s, results[s]) for s in timings)]
     report.print_table(
-        f"Prefill {args.prompt_tokens} tokens ({flops / 1e9:.0f} GFLOP) and batch-1 decode at "
-        f"~{context:.0f} tokens of context ({step_bytes / 1e6:.0f} MB per step)",
+        f"Prefill {args.prompt_tokens} tokens ({results['prefill_flops'] / 1e9:.0f} GFLOP) and batch-1 decode at "
+        f"~{results['decode_context_tokens']:.0f} tokens of context "
+        f"({results['decode_bytes_per_step'] / 1e6:.0f} MB per step)",
         ["system", "prefill s (best)", "GFLOP/s", "MFU", "decode ms/step (median)", "GB/s", "MBU"], rows)
     report.print_table("Setup", ["setting", "value"], [
         ["model", str(model_dir)], ["threads", args.threads], ["prefill chunk", chunk],
         ["params (total / linear / lm_head)",
          f"{counts['params_total']} / {counts['params_linear']} / {counts['params_lm_head']}"],
     ])
-    results.update(model_dir=str(model_dir), threads=args.threads, prompt_tokens=args.prompt_tokens,
-                   decode_tokens=args.decode_tokens, machine=report.machine_info())
-    report.finish("roofline", out, results, f"prefill MFU {tandem_mfu:.2f}, decode MBU {tandem_mbu:.2f}",
-                  ">= 0.5 both")

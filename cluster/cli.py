@@ -44,6 +44,15 @@ def _cmd_demo(args: argparse.Namespace) -> None:
         print(f"{prompt!r} -> {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason.value})")
 
 
+def _cmd_check_cluster(args: argparse.Namespace) -> None:
+    from cluster.cluster_check import check_cluster_config
+
+    problems = check_cluster_config(args.config)
+    if problems:
+        raise CliError(f"{args.config} is not valid:\n  " + "\n  ".join(problems))
+    print(f"{args.config}: valid (Ray's cluster schema and Tandem's node roles)")
+
+
 def _add_benchmarks(sub) -> None:
     from benchmarks import BENCHMARKS
 
@@ -75,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=24)
     demo.add_argument("--temperature", type=float, default=0.7)
     demo.set_defaults(func=_cmd_demo)
+
+    check = sub.add_parser("check-cluster", help="validate a ray_cluster.yaml offline")
+    check.add_argument("config", help="cluster-launcher YAML")
+    check.set_defaults(func=_cmd_check_cluster)
 
     _add_benchmarks(sub)
     return parser

@@ -3,7 +3,9 @@ P and D pools outlive any scheduler replica (actors a Serve replica creates die
 with it; see RAY_NOTES.md).
 
 Scheduler replicas find it by name (`get_or_create_pool`), ask for the members and
-their handles, and report dead workers; the manager replaces what died. Placement
+their handles, and report dead workers. The manager also runs its own health loop
+(a ping per worker every `health_interval_s`) and replaces what died, so a pool
+heals even with no scheduler running. Placement
 follows each pool's settings: `num_cpus`, `num_gpus` and a `label_selector` such as
 `{"tandem/role": "prefill"}`.
 """
@@ -31,10 +33,15 @@ class Member:
 
 
 class PoolManager:
+    health_interval_s = 2.0
+    health_timeout_s = 30.0  # a worker busy loading or computing still answers pings
+
     def __init__(self, settings: dict) -> None:
         self.settings = AppSettings.model_validate(settings)
         self.members: dict[str, Member] = {}
+        self.num_replaced = 0
         self._ids = itertools.count()
+        self._health_task: asyncio.Task | None = None
         self.options = WorkerOptions(
             transfer_timeout_s=self.settings.timeouts.transfer_s,
             reservation_ttl_s=self.settings.timeouts.reservation_ttl_s,
@@ -66,11 +73,29 @@ class PoolManager:
         self.members[worker_id] = member
         return member
 
+    def _ensure_health_loop(self) -> None:
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            members = list(self.members.values())
+            results = await asyncio.gather(
+                *(asyncio.wait_for(m.handle.ping.remote(), self.health_timeout_s) for m in members),
+                return_exceptions=True,
+            )
+            for member, result in zip(members, results):
+                if isinstance(result, ray.exceptions.RayActorError):
+                    await self.report_dead(member.worker_id)
+
     async def list_members(self) -> list[Member]:
+        self._ensure_health_loop()
         return list(self.members.values())
 
     async def wait_ready(self, timeout_s: float) -> list[Member]:
         """Members once every one answers a ping (raises on timeout)."""
+        self._ensure_health_loop()
         members = list(self.members.values())
         await asyncio.wait_for(asyncio.gather(*(m.handle.ping.remote() for m in members)), timeout_s)
         return members
@@ -84,6 +109,7 @@ class PoolManager:
             ray.kill(member.handle)
         except Exception:  # already gone
             pass
+        self.num_replaced += 1
         return self._start(member.role)
 
     async def shutdown(self) -> None:
