@@ -25,6 +25,13 @@ def test_manifest_validates(path):
         AppSettings.model_validate(application.args)
 
 
+def test_rayservice_has_labelled_prefill_and_decode_groups():
+    raw = yaml.safe_load((Path(__file__).parent.parent / "manifests" / "rayservice.yaml").read_text())
+    assert raw["kind"] == "RayService"
+    groups = {g["groupName"]: g["rayStartParams"]["labels"] for g in raw["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert groups == {"prefill": "tandem/role=prefill", "decode": "tandem/role=decode"}
+
+
 def test_local_profile_binds_to_loopback():
     raw = yaml.safe_load((Path(__file__).parent.parent / "manifests" / "local.yaml").read_text())
     assert raw["http_options"]["host"] == "127.0.0.1"
