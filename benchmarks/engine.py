@@ -320,37 +320,32 @@ def main(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    machine_at_start = report.machine_info()
     model_dir = resolve_model_dir(args)
     if args.sweep:
         return sweep(model_dir, args)
-    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     out = getattr(args, "out", "benchmarks/results/engine.json")
     tandem = TandemSystem(model_dir, engine_args(args))
     vocab = tandem.llm.engine.model_config.vocab_size
     hf_model = load_hf_model(model_dir)
-    hf_static = HFStaticSystem(hf_model, args.hf_batch_size, pad_token_id=0)
-    hf_cb = HFContinuousSystem(hf_model, args.max_num_batched_tokens, args.max_num_seqs, args.kv_cache_mib * 2**20)
+    systems = {
+        "tandem": tandem,
+        "hf_static": HFStaticSystem(hf_model, args.hf_batch_size, pad_token_id=0),
+        "hf_cb": None if args.no_hf_cb else HFContinuousSystem(
+            hf_model, args.max_num_batched_tokens, args.max_num_seqs, args.kv_cache_mib * 2**20),
+    }
     warm = equal_workload(2, 32, 4, vocab, seed=10_000)
-    for system in (tandem, hf_static) + (() if args.no_hf_cb else (hf_cb,)):
-        system.run(warm)
+    for system in systems.values():
+        if system is not None:
+            system.run(warm)
 
-    num_mixed = 16 if args.quick else 64
     results: dict = {"workloads": {}}
     rows, ratios = [], []
-    for name in names:
-        if name == "mixed":
-            workloads = [mixed_workload(num_mixed, vocab, args.seed + r,
-                                        output_range=(16, 64) if args.quick else (16, 256))
-                         for r in range(args.repeats)]
-            systems = [tandem, hf_static] + ([] if args.no_hf_cb else [hf_cb])
-        elif name == "equal":
-            workloads = [equal_workload(16, 128, 16 if args.quick else 64, vocab, args.seed + 1000 + r)
-                         for r in range(1 if args.quick else args.equal_repeats)]
-            systems = [tandem, hf_static]
-        else:
-            raise ValueError(f"unknown workload {name!r}; choose from mixed, equal")
+    for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+        workloads, names = workloads_for(name, args, vocab)
+        chosen = [systems[n] for n in names if systems[n] is not None]
         print(f"\n{name}: {workloads[0].describe()} x {len(workloads)} repeats", flush=True)
-        summary = summarize(workloads, measure(systems, workloads))
+        summary = summarize(workloads, measure(chosen, workloads))
         results["workloads"][name] = {"workload": workloads[0].describe(), "summary": summary}
         rows += table_rows(name, summary)
         ratios += ratio_rows(name, summary, workloads[0].num_requests)
@@ -361,9 +356,23 @@ def main(args: argparse.Namespace) -> None:
     config = {**engine_args(args), "hf_batch_size": args.hf_batch_size, "threads": args.threads}
     report.print_table("Configuration", ["setting", "value"], list(config.items()))
     if args.profile:
-        results["profile"] = profile_tandem(model_dir, engine_args(args), num_mixed, vocab, args.seed)
-    results.update(config=config, model_dir=str(model_dir), quick=args.quick, machine=report.machine_info())
+        results["profile"] = profile_tandem(model_dir, engine_args(args), 16 if args.quick else 64, vocab, args.seed)
+    results.update(config=config, model_dir=str(model_dir), quick=args.quick,
+                   machine_at_start=machine_at_start, machine=report.machine_info())
     report.finish("engine", out, results, *headline_figures(results))
+
+
+def workloads_for(name: str, args, vocab: int) -> tuple[list[Workload], list[str]]:
+    """One workload per repeat (fresh prompts each), and the systems that run it."""
+    if name == "mixed":
+        num, outputs = (16, (16, 64)) if args.quick else (64, (16, 256))
+        workloads = [mixed_workload(num, vocab, args.seed + r, output_range=outputs) for r in range(args.repeats)]
+        return workloads, ["tandem", "hf_static", "hf_cb"]
+    if name == "equal":
+        repeats, new_tokens = (1, 16) if args.quick else (args.equal_repeats, 64)
+        workloads = [equal_workload(16, 128, new_tokens, vocab, args.seed + 1000 + r) for r in range(repeats)]
+        return workloads, ["tandem", "hf_static"]
+    raise ValueError(f"unknown workload {name!r}; choose from mixed, equal")
 
 
 def headline_figures(results: dict) -> tuple[str, str]:
@@ -409,9 +418,10 @@ class PhaseTimer:
         return rows
 
 
-def instrument(engine, timer: PhaseTimer) -> None:
-    """Wrap the engine's phases and the model's kernels with `timer` (this engine and
-    the `actors.model` module only; benchmark instrumentation, nothing is changed)."""
+def instrument(engine, timer: PhaseTimer):
+    """Wrap the engine's phases and the model's kernels with `timer`: this engine's
+    objects, plus the kernel names `actors.model` calls (benchmark instrumentation,
+    nothing is edited). Returns a function that puts the kernel names back."""
     import actors.model as model_module
 
     engine.step = timer.wrap("step (total)", engine.step)
@@ -425,77 +435,82 @@ def instrument(engine, timer: PhaseTimer) -> None:
     model = runner.model
     model.forward = timer.wrap("model forward (total)", model.forward)
     model.compute_logits = timer.wrap("lm_head (compute_logits)", model.compute_logits)
-    for name in ("decode_attention", "prefill_attention", "write_kv_slots", "apply_rope", "rms_norm"):
-        setattr(model_module, name, timer.wrap(f"  {name}", getattr(model_module, name)))
+    kernels = ("decode_attention", "prefill_attention", "write_kv_slots", "apply_rope", "rms_norm")
+    originals = {name: getattr(model_module, name) for name in kernels}
+    for name, fn in originals.items():
+        setattr(model_module, name, timer.wrap(f"  {name}", fn))
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.forward = timer.wrap("  linear layers (qkv, o, gate_up, down)", linear.forward)
 
+    def restore() -> None:
+        for name, fn in originals.items():
+            setattr(model_module, name, fn)
 
-def restore_model_module() -> None:
-    import importlib
-
-    import actors.model as model_module
-    import kernels.attention
-    import kernels.norm
-    import kernels.rope
-
-    for module in (kernels.attention, kernels.norm, kernels.rope):
-        importlib.reload(module)
-    importlib.reload(model_module)
+    return restore
 
 
 def profile_tandem(model_dir: Path, engine_config: dict, num_requests: int, vocab: int, seed: int,
                    num_profiled_steps: int = 8) -> dict:
-    """Phase breakdown of Tandem's steps (prefill-carrying vs decode-only), then a
-    torch.profiler op table over a few decode steps at full batch. Returns the
-    figures; prints the tables."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    """Phase breakdown of Tandem's steps (prefill-carrying vs decode-only) on mixed
+    prompts with 64 new tokens each, and a torch.profiler op table over a few
+    decode steps at full batch (those steps are left out of the phase table).
+    Prints the tables; returns the figures."""
     from actors.llm import LLM
-    from actors.sampling_params import SamplingParams
 
     workload = mixed_workload(num_requests, vocab, seed + 5000, output_range=(64, 64))
     engine = LLM(model_dir, **engine_config).engine
     timer = PhaseTimer()
-    instrument(engine, timer)
+    restore = instrument(engine, timer)
     try:
-        params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
-        for prompt in workload.prompts:
-            engine.add_request(prompt, params)
-        steps = {"prefill": 0, "decode": 0}
-        profiled = None
-        while engine.has_unfinished():
-            waiting = engine.scheduler.waiting
-            decode_only = not waiting and all(not r.is_prefill for r in engine.scheduler.running)
-            timer.bucket = "decode" if decode_only else "prefill"
-            steps[timer.bucket] += 1
-            if decode_only and profiled is None and len(engine.scheduler.running) == num_requests:
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    for _ in range(num_profiled_steps):
-                        engine.step()
-                steps["decode"] += num_profiled_steps - 1
-                profiled = prof.key_averages()
-                continue
-            engine.step()
+        steps, ops = _drive(engine, workload, timer, num_profiled_steps)
     finally:
-        restore_model_module()
+        restore()
     result = {"workload": workload.describe(), "steps": steps, "phases_ms_per_step": {}}
     for bucket in ("prefill", "decode"):
         rows = timer.rows(bucket, steps[bucket])
         result["phases_ms_per_step"][bucket] = {r[0].strip(): r[1] for r in rows}
         report.print_table(f"Tandem profile: {bucket} steps ({steps[bucket]} steps; nested rows indented)",
                            ["phase", "ms/step", "of step", "calls"], rows)
-    if profiled is not None:
-        total_us = sum(e.self_cpu_time_total for e in profiled)
-        top = sorted(profiled, key=lambda e: -e.self_cpu_time_total)[:15]
+    if ops is not None:
+        total_us = sum(e.self_cpu_time_total for e in ops)
+        top = sorted(ops, key=lambda e: -e.self_cpu_time_total)[:15]
         rows = [[e.key, e.self_cpu_time_total / num_profiled_steps / 1e3, f"{e.self_cpu_time_total / total_us:.1%}",
                  e.count // num_profiled_steps] for e in top]
         result["decode_ops_ms_per_step"] = {r[0]: r[1] for r in rows}
         report.print_table(f"torch.profiler, {num_profiled_steps} decode steps at batch {num_requests} (self CPU time)",
                            ["op", "ms/step", "share", "calls/step"], rows)
     return result
+
+
+def _drive(engine, workload: Workload, timer: PhaseTimer, num_profiled_steps: int):
+    """Step the engine to the end; the first time every request is decoding, run
+    `num_profiled_steps` steps under torch.profiler. Returns step counts per bucket
+    and the profiler's op averages (None if the batch never filled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from actors.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
+    for prompt in workload.prompts:
+        engine.add_request(prompt, params)
+    steps = {"prefill": 0, "decode": 0, "profiled": 0}
+    ops = None
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        decode_only = not engine.scheduler.waiting and all(not r.is_prefill for r in running)
+        if decode_only and ops is None and len(running) == workload.num_requests:
+            timer.bucket = "profiled"
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(num_profiled_steps):
+                    engine.step()
+            steps["profiled"] += num_profiled_steps
+            ops = prof.key_averages()
+            continue
+        timer.bucket = "decode" if decode_only else "prefill"
+        steps[timer.bucket] += 1
+        engine.step()
+    return steps, ops
 
 
 # ---- sweep ---------------------------------------------------------------------

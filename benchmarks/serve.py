@@ -78,11 +78,10 @@ def run(url: str, workload, progress: str | None = None):
 def warm_up(urls: dict[str, str], systems: dict[str, dict], vocab: int) -> None:
     """One short request per worker of each system, sent together (so each worker gets one)."""
     from benchmarks import workload as wl
+    from benchmarks.serve_scenarios import worker_count
 
     for name, url in urls.items():
-        pools = systems[name]
-        workers = sum(pools[r]["replicas"] for r in ("prefill", "decode", "colocated"))
-        records = run(url, wl.build("warm-up", [0.0] * workers, wl.Fixed(64, 4), vocab, seed=10_000))
+        records = run(url, wl.build("warm-up", [0.0] * worker_count(systems[name]), wl.Fixed(64, 4), vocab, seed=10_000))
         failed = [r.error for r in records if r.status != "ok"]
         if failed:
             raise RuntimeError(f"{name}: warm-up failed: {failed[0]}")
@@ -198,14 +197,15 @@ def compact(records) -> dict:
 
 def main(args: argparse.Namespace) -> None:
     from benchmarks.serve_cluster import ServeCluster
-    from benchmarks.serve_scenarios import BENCH_VOCAB, TINY_VOCAB
+    from benchmarks.serve_scenarios import BENCH_VOCAB, TINY_VOCAB, worker_count
     from benchmarks.serving_metrics import Slo
 
     resolve_defaults(args)
     spec = build_scenario(args.scenario, args)
     vocab = TINY_VOCAB if args.preset == "tiny" else BENCH_VOCAB
-    with ServeCluster() as cluster:
-        print(f"deploying {', '.join(spec.systems)} ({args.preset} model) ...", flush=True)
+    num_workers = sum(worker_count(settings) for settings in spec.systems.values())
+    with ServeCluster(num_cpus=max(8, num_workers + 2)) as cluster:
+        print(f"deploying {', '.join(spec.systems)} ({args.preset} model, {num_workers} workers) ...", flush=True)
         urls = cluster.deploy(spec.systems)
         warm_up(urls, spec.systems, vocab)
         calibration = calibrate(urls[spec.baseline], spec.probe_lengths, 2 if args.quick else args.probes, vocab)

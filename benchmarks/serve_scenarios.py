@@ -60,6 +60,11 @@ def app_settings(args, *, mode: str, channel: str = "gloo", routing: str = "cach
     }
 
 
+def worker_count(settings: dict) -> int:
+    roles = ("colocated",) if settings["mode"] == "colocated" else ("prefill", "decode")
+    return sum(settings[role]["replicas"] for role in roles)
+
+
 def _independent(name: str, lengths, vocab: int):
     def make(rate: float, num_requests: int, seed: int, think_s: float) -> wl.Workload:
         return wl.poisson(name, rate, num_requests, lengths, vocab, seed)

@@ -95,7 +95,6 @@ class TimeoutSettings(_Strict):
     handshake_s: float = Field(10.0, gt=0)
     transfer_s: float = Field(30.0, gt=0)
     reservation_ttl_s: float = Field(60.0, gt=0)
-    worker_start_s: float = Field(300.0, gt=0)
 
 
 class AppSettings(_Strict):

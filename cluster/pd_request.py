@@ -18,22 +18,31 @@ import asyncio
 
 import ray
 
-from actors.messages import GenerateRequest, PrefillResult, ReservationInfo, TokenEvent, WorkerDied
+from actors.messages import GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, TokenEvent, WorkerDied
 
 
 class DisaggregatedCall:
-    def __init__(self, prefill, decode, request: GenerateRequest, channel: str = "gloo") -> None:
+    def __init__(
+        self, prefill, decode, request: GenerateRequest, channel: str = "gloo", handshake_timeout_s: float = 10.0
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.request = request
         self.channel = channel
+        self.handshake_timeout_s = handshake_timeout_s
         self.reservation: ReservationInfo | None = None
         self.prefill_result: PrefillResult | None = None
         self.prefill_error: BaseException | None = None
 
     async def events(self):
         request_id = self.request.request_id
-        self.reservation = await self.decode.reserve.remote(self.request, self.prefill)
+        try:
+            self.reservation = await asyncio.wait_for(
+                self.decode.reserve.remote(self.request, self.prefill), self.handshake_timeout_s
+            )
+        except asyncio.TimeoutError:
+            await asyncio.gather(self.decode.abort.remote(request_id, "handshake timed out"), return_exceptions=True)
+            raise ReservationRefused(f"handshake with the decode worker timed out after {self.handshake_timeout_s}s") from None
         stream = self.decode.stream.options(num_returns="streaming").remote(request_id)
         prefill_task = asyncio.ensure_future(self._run_prefill())
         finished = False

@@ -18,7 +18,7 @@ import ray
 
 from actors.block_pool import block_hashes
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied
-from actors.sampling_params import InvalidRequestError, SamplingParams
+from actors.sampling_params import SamplingParams
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
@@ -192,7 +192,8 @@ class GlobalScheduler:
                     raise
                 got_token = False
                 run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, started)
-                async with contextlib.aclosing(run) as events:
+                deadline = started + self.settings.limits.request_timeout_s
+                async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
                         if event.error and not got_token and attempt == 0:
                             exclude.update(w for w in (choice.prefill_id, choice.decode_id) if w)
@@ -251,7 +252,7 @@ class GlobalScheduler:
             return
         prefill = self.members[choice.prefill_id].handle
         decode = self.members[choice.decode_id].handle
-        call = DisaggregatedCall(prefill, decode, request, self.settings.channel)
+        call = DisaggregatedCall(prefill, decode, request, self.settings.channel, self.settings.timeouts.handshake_s)
         try:
             async for event in call.events():
                 yield event
@@ -264,5 +265,17 @@ class GlobalScheduler:
             await self._report_dead(choice.prefill_id)
 
 
-def invalid_params(exc: InvalidRequestError) -> ApiError:
-    return ApiError(400, str(exc))
+async def _until(events, deadline: float, request_id: str):
+    """Pass events through until `deadline` (monotonic); then end with an error event.
+    Closing `events` on the way out cancels the request on its workers."""
+    async with contextlib.aclosing(events):
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                event = await asyncio.wait_for(events.__anext__(), max(remaining, 0.001))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                yield TokenEvent(request_id, [], "", None, True, "error", time.time(), error="request timed out")
+                return
+            yield event

@@ -146,3 +146,27 @@ def test_a_decode_worker_too_busy_for_the_tbt_slo_rejects():
             f"r{index}", "p0", "d0", 10, 1000, 0.0, first_token_s=time.monotonic())
     with pytest.raises(SloRejected, match="predicted TBT"):
         scheduler.plan(list(range(32)))
+
+
+def test_a_request_past_its_deadline_ends_with_an_error_and_is_closed():
+    import asyncio
+
+    from cluster.service import _until
+
+    closed = []
+
+    async def slow():
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                yield "tick"
+        finally:
+            closed.append(True)
+
+    async def run():
+        return [e async for e in _until(slow(), time.monotonic() + 0.3, "r1")]
+
+    events = asyncio.run(run())
+    assert events[:-1] == ["tick"] * (len(events) - 1) and len(events) >= 3
+    assert events[-1].error == "request timed out" and events[-1].finished
+    assert closed == [True]
