@@ -34,7 +34,7 @@ from benchmarks import report
 from benchmarks.serve_scenarios import SCENARIOS, Scenario, build_scenario
 
 RUN_HEADERS = ["system", "rate req/s", "requests", "ok", "TTFT p50 s", "TTFT p99 s", "TBT p50 ms", "TBT p99 ms",
-               "request TBT p90 ms", "attainment", "tok/s"]
+               "request TBT p90 ms", "cached", "attainment", "tok/s"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +138,7 @@ def analyse(spec: Scenario, records, workloads, slo) -> dict:
     stat = slo.tbt_stat
     ratios = {
         "goodput": report.ratio(goodputs[contender][stat]["rate"], goodputs[base][stat]["rate"]),
-        "p99_tbt_at_rate": at_rate,
+        "at_rate": at_rate,
         "p99_tbt": report.ratio(runs[base][at_rate]["tbt_s"]["p99"], runs[contender][at_rate]["tbt_s"]["p99"]),
         "p50_ttft": report.ratio(runs[base][at_rate]["ttft_s"]["p50"], runs[contender][at_rate]["ttft_s"]["p50"]),
         "p99_tbt_per_rate": {rate: report.ratio(runs[base][rate]["tbt_s"]["p99"], runs[contender][rate]["tbt_s"]["p99"])
@@ -154,7 +154,7 @@ def tables(spec: Scenario, analysis: dict, slo) -> str:
         for rate, s in by_rate.items():
             rows.append([name, rate, s["num_requests"], s["status"].get("ok", 0), s["ttft_s"]["p50"], s["ttft_s"]["p99"],
                          ms(s["tbt_s"]["p50"]), ms(s["tbt_s"]["p99"]), ms(s["request_tbt_s"][slo.tbt_stat]["p90"]),
-                         s["attainment"], s["throughput_tok_s"]])
+                         s["cached_fraction"], s["attainment"], s["throughput_tok_s"]])
     text = [f"### serve: {spec.name} (SLO TTFT {slo.ttft_s:.3g} s, TBT {slo.tbt_s * 1e3:.3g} ms by request "
             f"{slo.tbt_stat}, target {slo.attainment:.0%})", "", report.markdown_table(RUN_HEADERS, rows), ""]
     stats = list(next(iter(analysis["goodput"].values())))
@@ -227,8 +227,9 @@ def main(args: argparse.Namespace) -> None:
     images = plots(out, spec, records, analysis, slo)
     r = analysis["ratios"]
     figure = (f"{spec.contender}/{spec.baseline} goodput {report.fmt_ratio(r['goodput'])}, "
-              f"p99 TBT {spec.baseline}/{spec.contender} {report.fmt_ratio(r['p99_tbt'])} "
-              f"at {r['p99_tbt_at_rate']:.3g} req/s")
+              f"p99 TBT {spec.baseline}/{spec.contender} {report.fmt_ratio(r['p99_tbt'])}, "
+              f"p50 TTFT {spec.baseline}/{spec.contender} {report.fmt_ratio(r['p50_ttft'])} "
+              f"at {r['at_rate']:.3g} req/s")
     payload = {
         "scenario": spec.name, "quick": args.quick, "preset": args.preset, "systems": spec.systems,
         "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s, "attainment": slo.attainment, "tbt_stat": slo.tbt_stat},

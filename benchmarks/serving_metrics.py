@@ -15,6 +15,8 @@ Definitions (times measured at the client, see `benchmarks/http_client.py`):
   the TTFT SLO and request TBT <= the TBT SLO. Rejected (429), failed and timed-out
   requests count as misses. `attainment_admitted` is the same over the requests
   that were not rejected (what an admitted user experiences).
+- Cached fraction: prompt tokens served from a prefix cache / prompt tokens, over
+  `ok` requests.
 - Throughput: `ok` requests, and their output tokens, per second of makespan (from
   the first send to the last end).
 - Goodput at one load: requests that attained the SLO per second of the offered
@@ -105,6 +107,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, window_s: float) -> di
         "attainment_by_tbt_stat": by_stat,
         "attainment_admitted": attainment(admitted, slo),
         "rejected_fraction": 1 - len(admitted) / len(records) if records else 0.0,
+        "cached_fraction": (sum(r.num_cached_tokens for r in ok) / sum(r.num_prompt_tokens for r in ok)) if ok else 0.0,
         "throughput_req_s": len(ok) / makespan if makespan else 0.0,
         "throughput_tok_s": sum(r.num_output_tokens for r in ok) / makespan if makespan else 0.0,
         "goodput_req_s": num_attained / window_s if window_s > 0 else None,

@@ -222,3 +222,25 @@ def test_scheduler_replica_restart_keeps_the_pools(base_url):
         time.sleep(1)
     assert response.status_code == 200
     assert sorted(m.worker_id for m in pool_members(ARGS["pool_name"])) == before
+
+
+def test_fuzzed_requests_from_the_openapi_schema_never_get_a_5xx(base_url):
+    """Hostile input, generated from the server's own OpenAPI schema (schemathesis),
+    bounded in count: every answer is < 500 and the server keeps serving."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{base_url}/openapi.json").json())
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 6
+    for operation in operations:
+
+        @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case):
+            response = case.call(base_url=base_url, timeout=60)
+            assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
+
+        check()
+    assert httpx.post(f"{base_url}/generate", json={"text": "alive", "max_new_tokens": 2}).status_code == 200
+    wait_workers_idle(ARGS["pool_name"])
