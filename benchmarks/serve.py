@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="model preset (default: bench; tiny with --quick)")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     parser.add_argument("--rates", default=None, help="comma-separated offered rates in req/s (default: calibrated)")
-    parser.add_argument("--window-s", type=float, default=None, help="offered window per run (default 60, quick 4)")
-    parser.add_argument("--min-requests", type=int, default=6, help="requests per run at least")
+    parser.add_argument("--window-s", type=float, default=None, help="offered window per run (default 50, quick 4)")
+    parser.add_argument("--min-requests", type=int, default=5, help="requests per run at least")
     parser.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT SLO (default: --ttft-scale x isolated)")
     parser.add_argument("--tbt-slo-ms", type=float, default=None, help="TBT SLO (default: --tbt-scale x isolated)")
     parser.add_argument("--ttft-scale", type=float, default=3.0)
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_defaults(args: argparse.Namespace) -> None:
     args.preset = args.preset or ("tiny" if args.quick else "bench")
     if args.window_s is None:
-        args.window_s = 4.0 if args.quick else 60.0
+        args.window_s = 4.0 if args.quick else 50.0
     if args.quick and args.rates is None:
         args.rates = "2,4"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -195,29 +195,25 @@ def compact(records) -> dict:
         for name, by_rate in records.items()}
 
 
-def main(args: argparse.Namespace) -> None:
-    from benchmarks.serve_cluster import ServeCluster
-    from benchmarks.serve_scenarios import BENCH_VOCAB, TINY_VOCAB, worker_count
+def choose_slo_and_rates(args, spec: Scenario, calibration: dict):
     from benchmarks.serving_metrics import Slo
 
-    resolve_defaults(args)
-    spec = build_scenario(args.scenario, args)
-    vocab = TINY_VOCAB if args.preset == "tiny" else BENCH_VOCAB
-    num_workers = sum(worker_count(settings) for settings in spec.systems.values())
-    with ServeCluster(num_cpus=max(8, num_workers + 2)) as cluster:
-        print(f"deploying {', '.join(spec.systems)} ({args.preset} model, {num_workers} workers) ...", flush=True)
-        urls = cluster.deploy(spec.systems)
-        warm_up(urls, spec.systems, vocab)
-        calibration = calibrate(urls[spec.baseline], spec.probe_lengths, 2 if args.quick else args.probes, vocab)
-        iso_ttft, iso_tbt = calibration["isolated_ttft_s"], calibration["isolated_tbt_s"]
-        slo = Slo(ttft_s=args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else args.ttft_scale * iso_ttft,
-                  tbt_s=args.tbt_slo_ms / 1e3 if args.tbt_slo_ms else args.tbt_scale * iso_tbt,
-                  attainment=args.attainment, tbt_stat=args.tbt_stat)
-        rates = ([float(r) for r in args.rates.split(",")] if args.rates
-                 else [round(m / iso_ttft, 4) for m in spec.rate_multipliers])
-        print(f"isolated TTFT {iso_ttft:.3g} s, TBT {iso_tbt * 1e3:.3g} ms -> SLO TTFT {slo.ttft_s:.3g} s, "
-              f"TBT {slo.tbt_s * 1e3:.3g} ms; rates {rates} req/s", flush=True)
-        records, workloads = sweep(urls, spec, rates, args, think_s=max(0.5, 2 * iso_ttft))
+    iso_ttft, iso_tbt = calibration["isolated_ttft_s"], calibration["isolated_tbt_s"]
+    slo = Slo(ttft_s=args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else args.ttft_scale * iso_ttft,
+              tbt_s=args.tbt_slo_ms / 1e3 if args.tbt_slo_ms else args.tbt_scale * iso_tbt,
+              attainment=args.attainment, tbt_stat=args.tbt_stat)
+    rates = ([float(r) for r in args.rates.split(",")] if args.rates
+             else [round(m / iso_ttft, 4) for m in spec.rate_multipliers])
+    # each run: its arrival window, then about one isolated request to drain
+    drain_s = iso_ttft + spec.probe_lengths[1] * iso_tbt
+    estimate_s = len(spec.systems) * sum(max(args.min_requests / r, args.window_s) + drain_s for r in rates)
+    print(f"isolated TTFT {iso_ttft:.3g} s, TBT {iso_tbt * 1e3:.3g} ms -> SLO TTFT {slo.ttft_s:.3g} s, "
+          f"TBT {slo.tbt_s * 1e3:.3g} ms; rates {rates} req/s; sweep takes about {estimate_s / 60:.0f} min",
+          flush=True)
+    return slo, rates
+
+
+def write_results(args, spec: Scenario, calibration, slo, rates, records, workloads) -> None:
     analysis = analyse(spec, records, workloads, slo)
     text = tables(spec, analysis, slo)
     print("\n" + text)
@@ -235,9 +231,27 @@ def main(args: argparse.Namespace) -> None:
         "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s, "attainment": slo.attainment, "tbt_stat": slo.tbt_stat},
         "calibration": calibration, "rates": rates,
         "workloads": {str(rate): w.describe() for rate, w in workloads.items()},
-        **{k: ({n: {str(rate): v for rate, v in by.items()} for n, by in analysis[k].items()} if k == "runs"
-               else analysis[k]) for k in ("runs", "goodput", "ratios")},
+        "runs": {name: {str(rate): v for rate, v in by_rate.items()} for name, by_rate in analysis["runs"].items()},
+        "goodput": analysis["goodput"], "ratios": analysis["ratios"],
         "table": str(out.with_suffix(".md")), "plots": [str(p) for p in images],
         "records": compact(records), "machine": report.machine_info(),
     }
     report.finish("serve", out, payload, f"{spec.name}: {figure}", spec.goal)
+
+
+def main(args: argparse.Namespace) -> None:
+    from benchmarks.serve_cluster import ServeCluster
+    from benchmarks.serve_scenarios import BENCH_VOCAB, TINY_VOCAB, worker_count
+
+    resolve_defaults(args)
+    spec = build_scenario(args.scenario, args)
+    vocab = TINY_VOCAB if args.preset == "tiny" else BENCH_VOCAB
+    num_workers = sum(worker_count(settings) for settings in spec.systems.values())
+    with ServeCluster(num_cpus=max(8, num_workers + 2)) as cluster:
+        print(f"deploying {', '.join(spec.systems)} ({args.preset} model, {num_workers} workers) ...", flush=True)
+        urls = cluster.deploy(spec.systems)
+        warm_up(urls, spec.systems, vocab)
+        calibration = calibrate(urls[spec.baseline], spec.probe_lengths, 2 if args.quick else args.probes, vocab)
+        slo, rates = choose_slo_and_rates(args, spec, calibration)
+        records, workloads = sweep(urls, spec, rates, args, think_s=max(0.5, 2 * calibration["isolated_ttft_s"]))
+    write_results(args, spec, calibration, slo, rates, records, workloads)

@@ -51,3 +51,12 @@ def test_local_profile_binds_to_loopback():
 def test_bad_settings_are_refused_clearly(args, message):
     with pytest.raises(ValidationError, match=message):
         AppSettings.model_validate(args)
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    settings = AppSettings.model_validate({"model": {"preset": "tiny"}})
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert settings.resolved_api_key is None
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    assert settings.resolved_api_key == "from-env"
+    assert AppSettings.model_validate({"model": {"preset": "tiny"}, "api_key": "k"}).resolved_api_key == "k"
