@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from actors.config import EngineConfig
-from actors.messages import GenerateRequest, WorkerDied
+from actors.messages import GenerateRequest, ReservationRefused, WorkerDied
 from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerOptions
 from cluster.pd_request import DisaggregatedCall
@@ -150,3 +150,17 @@ def test_cancel_mid_stream_frees_both_sides(ray_local, tiny_qwen2_dir):
     wait_idle(p)
     wait_idle(d)
     assert serves(p, d, "after-cancel")
+
+
+def test_a_full_decode_worker_refuses_clearly_and_keeps_serving(ray_local, tiny_qwen2_dir):
+    small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
+    p = start("prefill", "p-full", tiny_qwen2_dir)
+    d = start_worker("decode", "d-full", tiny_qwen2_dir, small, OPTIONS)
+    hold = GenerateRequest("hold", list(range(1, 150)), SamplingParams(max_new_tokens=4))  # 10 blocks
+    ray.get(d.reserve.remote(hold, p))
+    with pytest.raises(ReservationRefused, match="cannot hold"):
+        ray.get(d.reserve.remote(GenerateRequest("too-much", list(range(1, 60)), SHORT.params), p))
+    assert ray.get(d.stats.remote()).num_used_blocks == 10  # the refusal took nothing
+    ray.get(d.abort.remote("hold"))
+    wait_idle(d)
+    assert serves(p, d, "after-full")
