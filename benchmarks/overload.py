@@ -9,7 +9,10 @@ lengths (Poisson arrivals). Steps, in one Ray cluster:
    `tandem bench serve` does (isolated TTFT and TBT of a median request; SLO =
    scale x isolated). Deploy `admission` (early rejection on) with that SLO.
 2. Capacity: a rate sweep on `no-admission`; capacity C = its goodput (DistServe:
-   the highest rate at which the attainment target is met).
+   the highest rate at which the attainment target is met). When the crossing lies
+   outside the sweep, up to two more rates are tried (x1.5 above, /2 below); if the
+   lowest still misses, C is the lowest rate tried (an overestimate, flagged
+   `below_sweep` in the JSON).
 3. At C and at 2C, both apps in turn on the same workload. Reported per run:
    rejected fraction, attainment of all offered requests, attainment of admitted
    ones, goodput (attaining requests per second of the offered window).
@@ -20,6 +23,8 @@ lengths (Poisson arrivals). Steps, in one Ray cluster:
    on the same P and D from this process (`DisaggregatedCall`, handles from the pool
    manager); fresh prompts each time (no cache hits), alternated. Overhead = median
    of the paired differences (goal <= 10 ms).
+
+Output: the JSON at `--out` and the tables in `<stem>.md` beside it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 from benchmarks import report
 from benchmarks import workload as wl
 
+MAX_EXTENSIONS = 2  # extra sweep rates when the capacity is outside the first sweep
 RUN_HEADERS = ["app", "load", "rate req/s", "requests", "rejected", "attainment (offered)", "attainment (admitted)",
                "goodput req/s", "TTFT p99 s", "TBT p99 ms"]
 
@@ -119,59 +125,101 @@ async def _overhead_pairs(url, prefill, decode, num_pairs, vocab, warm_up: int =
 
 
 # ---- main ----------------------------------------------------------------------------
+def _deploy_both(cluster, args, vocab: int, lengths: wl.ChatMix):
+    """`no-admission`, calibrated; then `admission` with the SLO the calibration gives."""
+    from benchmarks.serve import calibrate, warm_up
+    from benchmarks.serve_scenarios import app_settings
+    from benchmarks.serving_metrics import Slo
+
+    print(f"deploying no-admission ({args.preset} model) ...", flush=True)
+    plain = app_settings(args, mode="disaggregated")
+    urls = cluster.deploy({"no-admission": plain})
+    warm_up(urls, {"no-admission": plain}, vocab)
+    calibration = calibrate(urls["no-admission"], (lengths.prompt_median, lengths.output_median), 3, vocab)
+    slo = Slo(args.ttft_scale * calibration["isolated_ttft_s"], args.tbt_scale * calibration["isolated_tbt_s"],
+              args.attainment)
+    admitting = app_settings(args, mode="disaggregated", slo={
+        "ttft_ms": slo.ttft_s * 1e3, "tbt_ms": slo.tbt_s * 1e3, "attainment": slo.attainment, "early_rejection": True})
+    urls.update(cluster.deploy({"admission": admitting}))
+    warm_up({"admission": urls["admission"]}, {"admission": admitting}, vocab)
+    print(f"SLO TTFT {slo.ttft_s:.3g} s, TBT {slo.tbt_s * 1e3:.3g} ms", flush=True)
+    return urls, calibration, slo
+
+
+def _capacity(url: str, args, slo, make, isolated_ttft_s: float):
+    """(capacity req/s, how it was found, the sweep's summaries)."""
+    from benchmarks.serve import run
+    from benchmarks.serving_metrics import goodput, summarize
+
+    if args.capacity is not None:
+        return args.capacity, {"rate": args.capacity, "kind": "given"}, []
+    rates = ([float(r) for r in args.rates.split(",")] if args.rates
+             else [round(m / isolated_ttft_s, 4) for m in (0.3, 0.5, 0.7, 0.9)])
+    sweep = []
+
+    def measure(rate: float) -> None:
+        work = make(rate, args.seed + 100 * (len(sweep) + 1))
+        records = run(url, work, progress=f"capacity @ {rate:.3g} req/s")
+        sweep.append({"rate": rate, **summarize(records, slo, len(work.requests) / rate)})
+
+    for rate in rates:
+        measure(rate)
+    found = goodput([(s["rate"], s["attainment"]) for s in sweep], slo.attainment)
+    for _ in range(MAX_EXTENSIONS):  # the capacity lies outside the sweep: extend it
+        if found.kind == "interpolated":
+            break
+        edge = max(s["rate"] for s in sweep) if found.kind == "above_sweep" else min(s["rate"] for s in sweep)
+        measure(round(edge * 1.5 if found.kind == "above_sweep" else edge / 2, 4))
+        found = goodput([(s["rate"], s["attainment"]) for s in sweep], slo.attainment)
+    if found.kind == "below_sweep":
+        return min(s["rate"] for s in sweep), found.as_dict(), sweep
+    return found.rate, found.as_dict(), sweep
+
+
+def _tables(runs: dict, overhead: dict, capacity: float, slo) -> str:
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    rows = [[name, load, r["rate"], r["num_requests"], r["rejected_fraction"], r["attainment"],
+             r["attainment_admitted"], r["goodput_req_s"], r["ttft_s"]["p99"], ms(r["tbt_s"]["p99"])]
+            for (name, load), r in runs.items()]
+    http, direct = overhead["http_s"], overhead["direct_s"]
+    return "\n".join([
+        f"### overload (capacity {capacity:.3g} req/s; SLO TTFT {slo.ttft_s:.3g} s, TBT {slo.tbt_s * 1e3:.3g} ms "
+        f"mean, target {slo.attainment:.0%})", "", report.markdown_table(RUN_HEADERS, rows), "",
+        "### scheduler overhead (tiny model, one token)", "",
+        report.markdown_table(["path", "median ms", "min ms", "max ms"], [
+            ["HTTP /generate", ms(http["median"]), ms(http["min"]), ms(http["max"])],
+            ["direct DisaggregatedCall", ms(direct["median"]), ms(direct["min"]), ms(direct["max"])],
+            ["overhead (paired median)", overhead["overhead_ms"], None, None]]),
+    ])
+
+
 def main(args: argparse.Namespace) -> None:
-    from benchmarks.serve import calibrate, resolve_defaults, run, warm_up
+    from benchmarks.serve import resolve_defaults
     from benchmarks.serve_cluster import ServeCluster
-    from benchmarks.serve_scenarios import BENCH_VOCAB, TINY_VOCAB, app_settings
-    from benchmarks.serving_metrics import Slo, goodput, summarize
+    from benchmarks.serve_scenarios import BENCH_VOCAB, TINY_VOCAB
 
     args.rates = args.rates or ("2,4,8" if args.quick else None)
     resolve_defaults(args)
     vocab = TINY_VOCAB if args.preset == "tiny" else BENCH_VOCAB
     lengths = chat_lengths(args.quick)
-    make = lambda rate, seed: wl.poisson("chat-mix", rate, max(args.min_requests, round(rate * args.window_s)),  # noqa: E731
-                                         lengths, vocab, seed)
+
+    def make(rate: float, seed: int) -> wl.Workload:
+        num_requests = max(args.min_requests, round(rate * args.window_s))
+        return wl.poisson("chat-mix", rate, num_requests, lengths, vocab, seed)
+
     with ServeCluster() as cluster:
-        print(f"deploying no-admission ({args.preset} model) ...", flush=True)
-        plain = app_settings(args, mode="disaggregated")
-        urls = cluster.deploy({"no-admission": plain})
-        warm_up(urls, {"no-admission": plain}, vocab)
-        calibration = calibrate(urls["no-admission"], (lengths.prompt_median, lengths.output_median), 3, vocab)
-        iso_ttft, iso_tbt = calibration["isolated_ttft_s"], calibration["isolated_tbt_s"]
-        slo = Slo(args.ttft_scale * iso_ttft, args.tbt_scale * iso_tbt, args.attainment)
-        admitting = app_settings(args, mode="disaggregated", slo={
-            "ttft_ms": slo.ttft_s * 1e3, "tbt_ms": slo.tbt_s * 1e3, "attainment": slo.attainment, "early_rejection": True})
-        urls.update(cluster.deploy({"admission": admitting}))
-        warm_up({"admission": urls["admission"]}, {"admission": admitting}, vocab)
-        print(f"SLO TTFT {slo.ttft_s:.3g} s, TBT {slo.tbt_s * 1e3:.3g} ms", flush=True)
-        sweep = []
-        if args.capacity is None:
-            rates = ([float(r) for r in args.rates.split(",")] if args.rates
-                     else [round(m / iso_ttft, 4) for m in (0.3, 0.5, 0.7, 0.9)])
-            for i, rate in enumerate(rates):
-                work = make(rate, args.seed + 100 * (i + 1))
-                summary = summarize(run(urls["no-admission"], work, progress=f"capacity @ {rate:.3g} req/s"),
-                                    slo, len(work.requests) / rate)
-                sweep.append({"rate": rate, **summary})
-            found = goodput([(s["rate"], s["attainment"]) for s in sweep], slo.attainment)
-            capacity = found.rate or rates[0]
-            capacity_info = found.as_dict()
-        else:
-            capacity, capacity_info = args.capacity, {"rate": args.capacity, "kind": "given"}
+        urls, calibration, slo = _deploy_both(cluster, args, vocab, lengths)
+        capacity, capacity_info, sweep = _capacity(urls["no-admission"], args, slo, make,
+                                                   calibration["isolated_ttft_s"])
         print(f"capacity {capacity:.3g} req/s ({capacity_info['kind']})", flush=True)
         loads = {"1x": (capacity, make(capacity, args.seed + 7)), "2x": (2 * capacity, make(2 * capacity, args.seed + 8))}
         runs = _runs(urls, loads, slo, ["admission", "no-admission"])
         overhead = measure_overhead(cluster, args.overhead_pairs)
-    rows = [[name, load, r["rate"], r["num_requests"], r["rejected_fraction"], r["attainment"], r["attainment_admitted"],
-             r["goodput_req_s"], r["ttft_s"]["p99"], None if r["tbt_s"]["p99"] is None else r["tbt_s"]["p99"] * 1e3]
-            for (name, load), r in runs.items()]
-    report.print_table(f"overload at 2x capacity (capacity {capacity:.3g} req/s; SLO TTFT {slo.ttft_s:.3g} s, "
-                       f"TBT {slo.tbt_s * 1e3:.3g} ms mean, target {slo.attainment:.0%})", RUN_HEADERS, rows)
-    report.print_table("scheduler overhead (tiny model, one token)", ["path", "median ms", "min ms", "max ms"], [
-        ["HTTP /generate", overhead["http_s"]["median"] * 1e3, overhead["http_s"]["min"] * 1e3, overhead["http_s"]["max"] * 1e3],
-        ["direct DisaggregatedCall", overhead["direct_s"]["median"] * 1e3, overhead["direct_s"]["min"] * 1e3,
-         overhead["direct_s"]["max"] * 1e3],
-        ["overhead (paired median)", overhead["overhead_ms"], None, None]])
+    text = _tables(runs, overhead, capacity, slo)
+    print("\n" + text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text + "\n")
     at_2x, reference = runs[("admission", "2x")], runs[("no-admission", "1x")]
     goodput_share = report.ratio(at_2x["goodput_req_s"], reference["goodput_req_s"])
     figure = (f"at 2x capacity admitted attainment {at_2x['attainment_admitted']:.0%} "
@@ -181,5 +229,5 @@ def main(args: argparse.Namespace) -> None:
                "capacity_sweep": sweep, "calibration": calibration,
                "slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s, "attainment": slo.attainment, "tbt_stat": slo.tbt_stat},
                "runs": {f"{name}@{load}": r for (name, load), r in runs.items()}, "goodput_share_2x": goodput_share,
-               "overhead": overhead, "machine": report.machine_info()}
-    report.finish("overload", Path(args.out), payload, figure, ">= 90% admitted, >= 0.80x goodput, <= 10 ms overhead")
+               "table": str(out.with_suffix(".md")), "overhead": overhead, "machine": report.machine_info()}
+    report.finish("overload", out, payload, figure, ">= 90% admitted, >= 0.80x goodput, <= 10 ms overhead")

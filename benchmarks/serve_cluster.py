@@ -9,8 +9,9 @@ serving benchmarks.
 Each app gets its own route prefix (`/<name>`) and its own pool manager (a detached
 actor named `<pool_prefix>-<name>` in namespace "tandem"), so the systems under test
 live in one cluster and are driven one at a time, in turn (A/B/A/B). Apps are
-deployed together and awaited together: start-up (model load, the workers' profile)
-overlaps.
+deployed one after another (`serve.run` returns once the scheduler replica is up)
+and then awaited together on /health, so the workers' model loading and start-up
+profiles overlap.
 """
 
 from __future__ import annotations
@@ -50,10 +51,15 @@ class ServeCluster:
         import ray
         from ray import serve
 
-        for name in list(self.apps):
-            self.undeploy(name)
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            for name in list(self.apps):
+                try:
+                    self.undeploy(name)
+                except Exception as exc:  # keep tearing down the rest
+                    print(f"undeploying {name} failed: {type(exc).__name__}: {exc}", flush=True)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.port}/{name}"

@@ -28,7 +28,8 @@ def cdf_plot(path: Path, rates: list[float], samples: dict[str, dict[float, dict
     plt = _pyplot()
     fig, axes = plt.subplots(2, len(rates), figsize=(4.2 * len(rates), 7), squeeze=False)
     for col, rate in enumerate(rates):
-        for row, (key, label, slo) in enumerate([("ttft_s", "TTFT (s)", ttft_slo_s), ("gaps_s", "TBT gap (s)", tbt_slo_s)]):
+        panels = [("ttft_s", "TTFT (s)", ttft_slo_s), ("gaps_s", "TBT gap (s)", tbt_slo_s)]
+        for row, (key, label, slo) in enumerate(panels):
             ax = axes[row][col]
             for system, by_rate in samples.items():
                 values = [v for v in by_rate.get(rate, {}).get(key, []) if v is not None]

@@ -195,5 +195,6 @@ def multi_turn(
             pending.append((start_s + turn * think_s, conversation, prompt, len(reply)))
             history = prompt + reply
     pending.sort(key=lambda item: (item[0], item[1]))
-    requests = [BenchRequest(i, t, prompt, out, conversation) for i, (t, conversation, prompt, out) in enumerate(pending)]
+    requests = [BenchRequest(i, arrival_s, prompt, num_out, conversation)
+                for i, (arrival_s, conversation, prompt, num_out) in enumerate(pending)]
     return Workload(name, requests)
