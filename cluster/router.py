@@ -53,10 +53,19 @@ class PrefixIndex:
             self._hashes.popitem(last=False)
 
 
+def _worker(candidate: Prediction) -> str:
+    """The worker a candidate's prefill runs on (its P, or the colocated worker)."""
+    return candidate.prefill_id or candidate.decode_id
+
+
 class PrefillPolicy:
+    """Picks one candidate. `queued_s`: predicted prefill seconds still queued per
+    worker; `inflight`: requests the scheduler has in flight per worker (the
+    tie-break, so a busy worker never ties with an idle one)."""
+
     name = "base"
 
-    def choose(self, candidates: list[Prediction], queued_s: dict[str, float]) -> Prediction:
+    def choose(self, candidates: list[Prediction], queued_s: dict[str, float], inflight: dict[str, int]) -> Prediction:
         raise NotImplementedError
 
 
@@ -66,22 +75,22 @@ class RoundRobin(PrefillPolicy):
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, candidates, queued_s):
+    def choose(self, candidates, queued_s, inflight):
         return candidates[next(self._turn) % len(candidates)]
 
 
 class LeastLoad(PrefillPolicy):
     name = "least_load"
 
-    def choose(self, candidates, queued_s):
-        return min(candidates, key=lambda c: (queued_s.get(c.prefill_id or c.decode_id, 0.0), c.prefill_id or ""))
+    def choose(self, candidates, queued_s, inflight):
+        return min(candidates, key=lambda c: (queued_s.get(_worker(c), 0.0), inflight.get(_worker(c), 0)))
 
 
 class CacheAware(PrefillPolicy):
     name = "cache_aware"
 
-    def choose(self, candidates, queued_s):
-        return min(candidates, key=lambda c: (c.ttft_s, c.uncached_tokens, c.prefill_id or ""))
+    def choose(self, candidates, queued_s, inflight):
+        return min(candidates, key=lambda c: (c.ttft_s, c.uncached_tokens, inflight.get(_worker(c), 0)))
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoad, CacheAware)}

@@ -156,7 +156,11 @@ class GlobalScheduler:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
         queued = {w: self.models.queued_prefill_s(w) for w in self.members}
-        choice = self.policy.choose(candidates, queued)
+        inflight: dict[str, int] = {}
+        for request in self.models.inflight.values():
+            for worker_id in {request.prefill_id, request.decode_id} - {None}:
+                inflight[worker_id] = inflight.get(worker_id, 0) + 1
+        choice = self.policy.choose(candidates, queued, inflight)
         slo = self.settings.slo
         if slo.early_rejection and not choice.meets(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3):
             best = min(candidates, key=lambda c: (not c.meets(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3), c.ttft_s))

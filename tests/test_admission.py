@@ -83,10 +83,18 @@ def test_prefix_index_is_lru_bounded():
 def test_policies_pick_as_documented():
     fast = Prediction("p0", "d0", 0.5, 0.01, 10)
     slow = Prediction("p1", "d0", 2.0, 0.01, 500)
-    assert CacheAware().choose([slow, fast], {}) is fast
-    assert LeastLoad().choose([fast, slow], {"p0": 3.0, "p1": 1.0}) is slow
+    assert CacheAware().choose([slow, fast], {}, {}) is fast
+    assert LeastLoad().choose([fast, slow], {"p0": 3.0, "p1": 1.0}, {}) is slow
     turns = RoundRobin()
-    assert [turns.choose([fast, slow], {}).prefill_id for _ in range(3)] == ["p0", "p1", "p0"]
+    assert [turns.choose([fast, slow], {}, {}).prefill_id for _ in range(3)] == ["p0", "p1", "p0"]
+
+
+def test_a_busy_colocated_worker_never_ties_with_an_idle_one():
+    """Colocated candidates have no P; equal predictions fall to the in-flight count."""
+    busy = Prediction(None, "c0", 0.1, 0.01, 50)
+    idle = Prediction(None, "c1", 0.1, 0.01, 50)
+    for policy in (CacheAware(), LeastLoad()):
+        assert policy.choose([busy, idle], {}, {"c0": 3}) is idle
     with pytest.raises(ValueError, match="routing policy"):
         make_policy("random")
 
