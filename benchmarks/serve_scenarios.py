@@ -9,10 +9,9 @@ request is served, so attainment measures the system, not the admission policy.
   `max_num_batched_tokens` above the longest prompt) and `colocated-chunked`
   (2 workers, prefill in small chunks mixed with decode steps). Long prompts
   (1k-2k tokens) with long decodes (128-256 tokens). The colocated systems route
-  round-robin: the load- and cache-aware policies rank colocated workers by queued
-  *prefill* only, so while one worker decodes and the other idles they tie and
-  both pick the first worker, stalling its decodes behind the new prefill (seen in
-  a smoke run: a 7.9 s gap with the second worker idle), an unfair baseline.
+  round-robin, the simplest fair spread over two equal workers (the load- and
+  cache-aware policies used to tie a busy colocated worker with an idle one; the
+  in-flight count now breaks that tie, see cluster/router.py).
 - `channels`: disaggregated 1 P + 1 D, KV over `gloo` against `object_store`.
 - `routing` (3 workers): 2 P + 1 D with `round_robin`, `least_load` and
   `cache_aware` routing, on multi-turn conversations that share a system prompt

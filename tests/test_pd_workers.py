@@ -56,7 +56,7 @@ def assert_idle(ray, *actors):
 @pytest.mark.parametrize("channel", ["gloo", "object_store"])
 def test_concurrent_requests_match_colocated_and_hf(ray_local, workers, tiny_qwen2_dir, channel):
     p, d, c = workers
-    rng = random.Random(hash(channel) % 1000)
+    rng = random.Random(channel)
     lengths = [1, 31, 32, 33, 64, 100, 128, 150, 192, 200, 224, 250, 255, 256, 17, 5]  # 1 to 8 chunks
     requests = [
         GenerateRequest(f"{channel}-{i}", [rng.randrange(2000) for _ in range(n)], GREEDY)
@@ -82,7 +82,7 @@ def test_concurrent_requests_match_colocated_and_hf(ray_local, workers, tiny_qwe
 @pytest.mark.parametrize("channel", ["gloo", "object_store"])
 def test_kv_in_decode_blocks_equals_prefill_bit_for_bit(ray_local, workers, channel):
     p, d, _ = workers
-    prompt = [random.Random(channel).randrange(2000) for _ in range(150)]  # 9 full blocks + 6 tokens
+    prompt = [random.Random(f"{channel}-bits").randrange(2000) for _ in range(150)]  # 9 full blocks + 6 tokens
     request = GenerateRequest(f"bits-{channel}", prompt, SamplingParams(max_new_tokens=1, temperature=0))
     call, _ = asyncio.run(disaggregated(p, d, request, channel))
     p_blocks = ray_local.get(p.prefix_block_ids.remote(prompt))
