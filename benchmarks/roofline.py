@@ -17,7 +17,9 @@
    head_dim * 4); MBU = bytes / median step time / peak bandwidth.
 
 The same figures for Hugging Face transformers (one forward of the prompt, and
-`generate` at batch 1) are printed beside Tandem's as a reference.
+`generate` at batch 1) are printed beside Tandem's as a reference, measured
+alternately with Tandem's (A/B, then B/A) on fresh prompts: prefill takes the best
+repeat, decode the median repeat.
 """
 
 from __future__ import annotations
@@ -100,55 +102,77 @@ def random_prompt(num_tokens: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(num_tokens)]
 
 
-def tandem_prefill_s(llm, prompt_len: int, vocab: int, repeats: int, seed: int) -> list[float]:
-    from actors.sampling_params import SamplingParams
+class TandemTarget:
+    name = "tandem"
 
-    params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
-    times = []
-    for r in range(repeats + 1):  # the first run is a warm-up
-        prompt = random_prompt(prompt_len, vocab, seed + r)
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def prefill_s(self, prompt: list[int]) -> float:
+        from actors.sampling_params import SamplingParams
+
         started = time.perf_counter()
-        llm.generate([prompt], params)
-        times.append(time.perf_counter() - started)
-    return times[1:]
-
-
-def tandem_decode_step_s(llm, prompt_len: int, vocab: int, num_tokens: int, seed: int) -> list[float]:
-    from actors.sampling_params import SamplingParams
-
-    params = SamplingParams(max_new_tokens=num_tokens, temperature=0, ignore_eos=True)
-    out = llm.generate([random_prompt(prompt_len, vocab, seed)], params)[0]
-    stamps = out.token_times_s
-    return [b - a for a, b in zip(stamps, stamps[1:])]
-
-
-def hf_prefill_s(model, prompt_len: int, vocab: int, repeats: int, seed: int) -> list[float]:
-    import torch
-
-    times = []
-    for r in range(repeats + 1):
-        ids = torch.tensor([random_prompt(prompt_len, vocab, seed + r)])
-        started = time.perf_counter()
-        with torch.inference_mode():
-            model(ids, logits_to_keep=1)
-        times.append(time.perf_counter() - started)
-    return times[1:]
-
-
-def hf_decode_step_s(model, prompt_len: int, vocab: int, num_tokens: int, seed: int) -> float:
-    """Mean decode step of `generate` at batch 1: (time for N tokens - time for 1) / (N - 1)."""
-    import torch
-
-    ids = torch.tensor([random_prompt(prompt_len, vocab, seed)])
-
-    def run(n: int) -> float:
-        started = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+        self.llm.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True))
         return time.perf_counter() - started
 
-    return (run(num_tokens) - run(1)) / (num_tokens - 1)
+    def decode_step_s(self, prompt: list[int], num_tokens: int) -> float:
+        """Median gap between consecutive output tokens at batch 1."""
+        from actors.sampling_params import SamplingParams
+
+        params = SamplingParams(max_new_tokens=num_tokens, temperature=0, ignore_eos=True)
+        stamps = self.llm.generate([prompt], params)[0].token_times_s
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+class HFTarget:
+    name = "hf (reference)"
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill_s(self, prompt: list[int]) -> float:
+        import torch
+
+        ids = torch.tensor([prompt])
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.model(ids, logits_to_keep=1)
+        return time.perf_counter() - started
+
+    def decode_step_s(self, prompt: list[int], num_tokens: int) -> float:
+        """Mean decode step of `generate` at batch 1: (time for N tokens - time for 1) / (N - 1)."""
+        import torch
+
+        ids = torch.tensor([prompt])
+
+        def run(n: int) -> float:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, pad_token_id=0)
+            return time.perf_counter() - started
+
+        return (run(num_tokens) - run(1)) / (num_tokens - 1)
+
+
+def measure_targets(targets: list, args, vocab: int) -> dict[str, dict[str, list[float]]]:
+    """Prefill and decode of every target, alternating targets within each repeat
+    (A/B, then B/A) after one warm-up each; fresh prompts every time."""
+    short = random_prompt(64, vocab, args.seed - 1)
+    for target in targets:
+        target.prefill_s(short)
+        target.decode_step_s(short, 4)
+    times = {t.name: {"prefill_s": [], "decode_step_s": []} for t in targets}
+    for r in range(args.repeats):
+        for target in targets if r % 2 == 0 else targets[::-1]:
+            times[target.name]["prefill_s"].append(
+                target.prefill_s(random_prompt(args.prompt_tokens, vocab, args.seed + r)))
+            times[target.name]["decode_step_s"].append(
+                target.decode_step_s(random_prompt(args.prompt_tokens, vocab, args.seed + 100 + r), args.decode_tokens))
+        print(f"  repeat {r}: " + ", ".join(
+            f"{n} prefill {t['prefill_s'][-1]:.2f} s, decode {t['decode_step_s'][-1] * 1e3:.1f} ms/step"
+            for n, t in times.items()), flush=True)
+    return times
 
 
 # ---- CLI --------------------------------------------------------------------------
@@ -158,7 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="prefill repeats (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of prefill and decode per system (after a warm-up)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference rows")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -183,19 +207,13 @@ def main(args: argparse.Namespace) -> None:
     llm = LLM(model_dir, prefill_chunk_size=chunk, max_num_batched_tokens=chunk, enable_prefix_cache=False,
               dtype="float32", device="cpu")
     config, vocab = llm.engine.model_config, llm.engine.model_config.vocab_size
-    print("Tandem prefill and decode ...", flush=True)
-    steps = tandem_decode_step_s(llm, args.prompt_tokens, vocab, args.decode_tokens, args.seed + 100)
-    timings = {"tandem": (tandem_prefill_s(llm, args.prompt_tokens, vocab, args.repeats, args.seed),
-                          statistics.median(steps))}
+    targets = [TandemTarget(llm)]
     if not args.no_hf:
         from benchmarks.engine import load_hf_model
 
-        print("transformers reference ...", flush=True)
-        model = load_hf_model(model_dir)
-        timings["hf (reference)"] = (
-            hf_prefill_s(model, args.prompt_tokens, vocab, args.repeats, args.seed),
-            hf_decode_step_s(model, args.prompt_tokens, vocab, args.decode_tokens, args.seed + 100),
-        )
+        targets.append(HFTarget(load_hf_model(model_dir)))
+    print("prefill and decode, systems alternating ...", flush=True)
+    timings = measure_targets(targets, args, vocab)
     print("measuring peaks again ...", flush=True)
     peaks.append((peak_matmul_flops(), peak_bandwidth()))
 
@@ -208,9 +226,9 @@ def main(args: argparse.Namespace) -> None:
     results: dict = {"peak_matmul": matmul, "peak_bandwidth": bandwidth, "peaks_before_after": peaks,
                      "model": counts, "prefill_flops": work["flops"], "decode_bytes_per_step": work["step_bytes"],
                      "decode_context_tokens": context}
-    for system, (prefill_times, step_s) in timings.items():
-        results[system] = utilisation(work, prefill_times, step_s, matmul["flops"], bandwidth["bytes_per_s"])
-    results["tandem"]["decode_steps_s"] = steps
+    for system, t in timings.items():
+        results[system] = utilisation(work, t["prefill_s"], t["decode_step_s"], matmul["flops"],
+                                      bandwidth["bytes_per_s"])
 
     print_tables(args, results, timings, chunk, model_dir)
     results.update(model_dir=str(model_dir), threads=args.threads, prompt_tokens=args.prompt_tokens,
@@ -220,13 +238,15 @@ def main(args: argparse.Namespace) -> None:
                   f"prefill MFU {tandem['prefill_mfu']:.2f}, decode MBU {tandem['decode_mbu']:.2f}", ">= 0.5 both")
 
 
-def utilisation(work: dict, prefill_times: list[float], step_s: float, peak_flops: float, peak_bps: float) -> dict:
-    prefill_s = min(prefill_times)
+def utilisation(work: dict, prefill_times: list[float], step_times: list[float], peak_flops: float,
+                peak_bps: float) -> dict:
+    """Prefill: the best repeat (MFU); decode: the median repeat (MBU)."""
+    prefill_s, step_s = min(prefill_times), statistics.median(step_times)
     return {
         "prefill_s": prefill_times, "prefill_best_s": prefill_s,
         "prefill_flops_per_s": work["flops"] / prefill_s, "prefill_mfu": work["flops"] / prefill_s / peak_flops,
-        "decode_step_s": step_s, "decode_bytes_per_s": work["step_bytes"] / step_s,
-        "decode_mbu": work["step_bytes"] / step_s / peak_bps,
+        "decode_step_s_by_repeat": step_times, "decode_step_s": step_s,
+        "decode_bytes_per_s": work["step_bytes"] / step_s, "decode_mbu": work["step_bytes"] / step_s / peak_bps,
     }
 
 
