@@ -14,7 +14,9 @@ class ColocatedWorker(WorkerBase):
         self._ensure_started()
         self.streams.open(request.request_id)
         try:
-            await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id))
+            held = await self.import_prefix(request.prompt_token_ids)
+            await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id,
+                                                    pinned_block_ids=held))
         except Exception:
             self.streams.forget(request.request_id)
             raise

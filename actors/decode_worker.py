@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from actors.kv_channel import GlooPair, GlooReceiver, KVReceiver, NcclPair, NcclReceiver, ObjectStoreReceiver
+from actors.kv_channel import (
+    GlooPair,
+    GlooReceiver,
+    KVReceiver,
+    NcclPair,
+    NcclReceiver,
+    ObjectStoreReceiver,
+    StoreReceiver,
+)
 from actors.messages import ChunkMeta, GenerateRequest, ReservationInfo, ReservationRefused, TransferFailed
 from actors.model_runner import SampledToken
 from actors.worker_base import WorkerBase
@@ -50,8 +58,9 @@ class DecodeWorker(WorkerBase):
         self._ensure_started()
         self.streams.open(request.request_id)
         try:
+            held = await self.import_prefix(request.prompt_token_ids)
             reservation = await self.call(
-                lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id)
+                lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id, held)
             )
         except Exception:
             self.streams.forget(request.request_id)
@@ -69,9 +78,11 @@ class DecodeWorker(WorkerBase):
         )
 
     async def open_channel(
-        self, name: str, backend: str, host: str | None = None, port: int | None = None, prefill_handle=None
+        self, name: str, backend: str, host: str | None = None, port: int | None = None, prefill_handle=None,
+        shared_path: str | None = None,
     ) -> bool:
-        """D's end of a new P-D channel (called by P when the pair first meets). The
+        """D's end of a new P-D channel (called by P when the pair first meets):
+        `host`/`port` of P's TCPStore for gloo, `shared_path` for store. The
         channel is closed when the watchdog finds `prefill_handle` dead."""
         self._ensure_started()
         if prefill_handle is not None:
@@ -82,6 +93,8 @@ class DecodeWorker(WorkerBase):
             timeout = self.options.transfer_timeout_s
             pair = await self.in_thread(lambda: GlooPair(name, host, port, 1, timeout))
             self._receivers[name] = GlooReceiver(pair)
+        elif backend == "store":
+            self._receivers[name] = StoreReceiver(name, shared_path)
         elif backend == "nccl":
             pair = await self.in_thread(lambda: NcclPair(name, 1))
             self._receivers[name] = NcclReceiver(pair)

@@ -10,14 +10,16 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from actors.block_pool import BlockPool, kv_namespace
+from actors.block_pool import BlockPool, block_hashes, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import IncrementalDetokenizer
+from actors.kv_tiers import StoredBlock
 from actors.model_runner import ModelRunner, SampledToken
 from actors.request import FinishReason, Request, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
@@ -85,7 +87,11 @@ class Engine:
         )
         self.pool = BlockPool(self.runner.num_blocks, self.config.block_size)
         hash_seed = kv_namespace(model_dir, self.config.dtype, self.config.block_size)
+        self.kv_namespace = hash_seed
         self.scheduler = Scheduler(self.config, self.pool, hash_seed)
+        # Write-through to a KV store: called on the engine thread with the prompt
+        # blocks each step completed (copies), see `_save_computed_blocks`.
+        self.block_sink: Callable[[list[StoredBlock]], None] | None = None
         self.requests: dict[str, Request] = {}
         self.reservations: dict[str, Request] = {}  # decode side: awaiting their KV
         self._seed_rng = random.Random(self.config.seed)
@@ -139,18 +145,88 @@ class Engine:
         request_id: str | None = None,
         *,
         exports_kv: bool = False,
+        pinned_block_ids: list[int] | None = None,
     ) -> str:
-        request = self._new_request(prompt, params, request_id)
+        """Queue a request. `pinned_block_ids` come from `import_prefix`: the engine
+        takes over their hold (released once the request is admitted or ends)."""
+        try:
+            request = self._new_request(prompt, params, request_id)
+        except Exception:
+            self.pool.release(pinned_block_ids or [])
+            raise
         request.exports_kv = exports_kv
+        request.pinned_block_ids = list(pinned_block_ids or [])
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
 
+    # ---- KV store -------------------------------------------------------------
+    def prefix_plan(self, prompt_ids: list[int]) -> tuple[list[bytes], int]:
+        """For a store lookup: the hashes of the prompt's blocks a prefix hit may
+        cover (never the last token's), and how many leading ones the device pool
+        holds now."""
+        if not self.config.enable_prefix_cache:
+            return [], 0
+        max_hit_blocks = (len(prompt_ids) - 1) // self.pool.block_size
+        hashes = block_hashes(prompt_ids[: max_hit_blocks * self.pool.block_size], self.pool.block_size,
+                              self.kv_namespace)
+        return hashes, len(self.pool.lookup(hashes, prompt_ids))
+
+    def import_prefix(self, prompt_ids: list[int], first_block: int, blocks: list[StoredBlock]) -> list[int]:
+        """Copy blocks loaded from the store (the prompt's blocks `first_block`,
+        `first_block + 1`, ...) into the pool and make them findable. Returns the
+        whole prefix's block ids, each held by one reference for the caller to pass
+        to `add_request` or `reserve`; [] when the device prefix before
+        `first_block` went meanwhile or no block is free. Blocks whose tokens are
+        not this prompt's are refused."""
+        size = self.pool.block_size
+        hashes, _ = self.prefix_plan(prompt_ids)
+        blocks = blocks[: max(0, len(hashes) - first_block)]
+        for offset, block in enumerate(blocks):
+            index = first_block + offset
+            if block.key != hashes[index] or block.token_ids != tuple(prompt_ids[index * size : (index + 1) * size]):
+                blocks = blocks[:offset]
+                break
+        held = self.pool.lookup(hashes[: first_block + len(blocks)], prompt_ids)
+        if len(held) < first_block:
+            return []
+        self.pool.take(held)
+        new = blocks[len(held) - first_block :][: self.pool.num_available]
+        if new:
+            block_ids = self.pool.allocate(len(new))
+            kv = torch.stack([b.kv for b in new]).to(self.runner.kv_cache.device, self.runner.kv_cache.dtype)
+            self.runner.kv_cache.index_copy_(0, torch.tensor(block_ids, device=kv.device), kv)
+            for block_id, block in zip(block_ids, new):
+                self.pool.register(block_id, block.key, block.token_ids)
+            held += block_ids
+        return held
+
+    def _save_computed_blocks(self, chunks) -> None:
+        """Hand the prompt blocks this step completed to `block_sink`, as copies."""
+        size = self.pool.block_size
+        picked: list[tuple[bytes, tuple[int, ...], int]] = []
+        for chunk in chunks:
+            request = chunk.request
+            last_full = min(chunk.end, request.num_prompt_tokens) // size
+            for index in range(chunk.start // size, min(last_full, len(request.block_hashes))):
+                tokens = tuple(request.prompt_token_ids[index * size : (index + 1) * size])
+                picked.append((request.block_hashes[index], tokens, request.block_table[index]))
+        if picked:
+            cache = self.runner.kv_cache
+            self.block_sink([StoredBlock(key, tokens, cache[block_id].to("cpu", copy=True))
+                             for key, tokens, block_id in picked])
+
     # ---- decode side of a P/D pair -------------------------------------------
-    def reserve(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Reservation | None:
+    def reserve(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, pinned_block_ids: list[int] | None = None
+    ) -> Reservation | None:
         """Hold blocks for the prompt plus the first output token, reusing what the
-        prefix cache already has. None when the pool cannot hold it now."""
-        request = self._new_request(prompt_ids, params, request_id)
+        prefix cache already has (including `pinned_block_ids` from `import_prefix`,
+        whose hold this ends). None when the pool cannot hold it now."""
+        try:
+            request = self._new_request(prompt_ids, params, request_id)
+        finally:
+            self.pool.release(pinned_block_ids or [])  # the prefix lookup below re-takes them
         self.scheduler.prepare(request)
         hits = self.scheduler.cached_prefix(request)
         self.pool.take(hits)
@@ -219,6 +295,8 @@ class Engine:
             return [], []
         sampled = self.runner.execute(plan.chunks)
         self.scheduler.update(plan)
+        if self.block_sink is not None and self.config.enable_prefix_cache:
+            self._save_computed_blocks(plan.chunks)
         self.num_steps += 1
         blocks_for = lambda end: -(-end // self.pool.block_size)  # noqa: E731
         exported = [

@@ -18,17 +18,27 @@ Backends:
   buffer of the shape the chunk metadata implies.
 - `nccl`: a `ray.util.collective` NCCL group per pair (cupy.cuda.nccl), CUDA tensors;
   completion is signalled only after the stream is synchronised. Needs two GPUs.
+- `store`: through the KV store's shared path (seed 002's store-based transfer): P
+  writes each chunk as a checksummed file under `<shared>/transfer/<channel>/`, the
+  payload is its name, D reads and deletes it. Needs a mount both nodes see; works
+  with no group and across nodes.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
+import shutil
 import threading
+import uuid
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 import torch
 
-CHANNEL_BACKENDS = ("gloo", "object_store", "nccl")
+from actors.kv_tiers import CorruptEntry, StoredBlock, decode_entry, encode_entry
+
+CHANNEL_BACKENDS = ("gloo", "object_store", "nccl", "store")
 
 
 class KVSender(ABC):
@@ -77,6 +87,57 @@ class ObjectStoreReceiver(KVReceiver):
             got = getattr(payload, "shape", type(payload).__name__)
             raise ValueError(f"object_store chunk has shape {got}, expected {tuple(shape)} {dtype}")
         return payload
+
+
+# ---- the store's shared path ----------------------------------------------------
+_TRANSFER_NAMESPACE = b"transfer"
+_CHUNK_FILE = re.compile(r"[0-9a-f]{32}\.kv")
+
+
+def transfer_dir(shared_path: str | Path, channel_name: str) -> Path:
+    if not re.fullmatch(r"[\w.-]+", channel_name):
+        raise ValueError(f"bad channel name {channel_name!r}")
+    return Path(shared_path) / "transfer" / channel_name
+
+
+class StoreSender(KVSender):
+    def __init__(self, name: str, shared_path: str | Path) -> None:
+        self.name = name
+        self.dir = transfer_dir(shared_path, name)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def payload(self, kv: torch.Tensor) -> str:
+        key = uuid.uuid4().bytes
+        path = self.dir / f"{key.hex()}.kv"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(encode_entry(_TRANSFER_NAMESPACE, StoredBlock(key, (), kv.cpu())))
+        tmp.replace(path)
+        return path.name
+
+    def push(self, kv: torch.Tensor) -> None:
+        return None
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)  # chunks never read
+
+
+class StoreReceiver(KVReceiver):
+    def __init__(self, name: str, shared_path: str | Path) -> None:
+        self.dir = transfer_dir(shared_path, name)
+
+    def recv(self, shape, dtype, payload) -> torch.Tensor:
+        if not isinstance(payload, str) or not _CHUNK_FILE.fullmatch(payload):
+            raise ValueError(f"store chunk name {payload!r} is not one this channel writes")
+        path = self.dir / payload
+        try:
+            block = decode_entry(path.read_bytes(), _TRANSFER_NAMESPACE, bytes.fromhex(payload[:-3]))
+        except (OSError, CorruptEntry) as exc:
+            raise ValueError(f"store chunk {payload}: {exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+        if tuple(block.kv.shape) != tuple(shape) or block.kv.dtype != dtype:
+            raise ValueError(f"store chunk has shape {tuple(block.kv.shape)} {block.kv.dtype}, expected {tuple(shape)} {dtype}")
+        return block.kv
 
 
 # ---- gloo, one process group per pair ------------------------------------------

@@ -25,7 +25,7 @@ import ray
 import torch
 
 from actors.engine import Engine, ExportedChunk, RequestOutput
-from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender
+from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
 from actors.messages import ChunkMeta, ChunkTiming, GenerateRequest, PrefillResult, ReservationInfo, TransferFailed
 from actors.request import Request
 from actors.worker_base import WorkerBase
@@ -159,6 +159,10 @@ class PrefillWorker(WorkerBase):
                 link = await self.in_thread(lambda: GlooPair(name, host, port, 0, timeout, store))
                 await joined
                 sender = GlooSender(name, link)
+            elif backend == "store":
+                shared = self._shared_path()
+                await decode_handle.open_channel.remote(name, backend, prefill_handle=me, shared_path=shared)
+                sender = StoreSender(name, shared)
             elif backend == "nccl":
                 joined = decode_handle.open_channel.remote(name, backend, prefill_handle=me)
                 link = await self.in_thread(lambda: NcclPair(name, 0))
@@ -172,6 +176,12 @@ class PrefillWorker(WorkerBase):
 
     def _num_channels(self) -> int:
         return len(self._pairs)
+
+    def _shared_path(self) -> str:
+        store = self.options.kv_store
+        if store is None or store.shared_path is None:
+            raise ValueError("the store channel needs kv_store.shared_path on the prefill worker")
+        return store.shared_path
 
     def forget_pair(self, pair: _PairSender) -> None:
         for decode_id, known in list(self._pairs.items()):
@@ -192,11 +202,14 @@ class PrefillWorker(WorkerBase):
         # P samples exactly one token; stop conditions are D's business.
         params = dataclasses.replace(request.params, max_new_tokens=1, ignore_eos=True, stop=(), stop_token_ids=())
 
-        def add(engine: Engine) -> None:
-            engine.add_request(request.prompt_token_ids, params, request.request_id, exports_kv=True)
-            job.engine_request = engine.requests[request.request_id]
-
         try:
+            held = await self.import_prefix(request.prompt_token_ids)
+
+            def add(engine: Engine) -> None:
+                engine.add_request(request.prompt_token_ids, params, request.request_id, exports_kv=True,
+                                   pinned_block_ids=held)
+                job.engine_request = engine.requests[request.request_id]
+
             await self.call(add)
             return await job.future
         finally:

@@ -60,6 +60,9 @@ class Request:
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker
+    # Blocks imported from the KV store for this prompt, held (one reference each)
+    # until the scheduler admits the request and takes its own references.
+    pinned_block_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -87,7 +87,13 @@ class Scheduler:
             self.waiting.remove(request)
         self.pool.release(request.block_table)
         request.block_table = []
+        self.unpin(request)
         request.status = RequestStatus.FINISHED
+
+    def unpin(self, request: Request) -> None:
+        """Drop the hold on blocks imported for this request (see `Request`)."""
+        self.pool.release(request.pinned_block_ids)
+        request.pinned_block_ids = []
 
     def add_running(self, request: Request) -> None:
         """Adopt a request whose KV is already in its block table (a decode worker
@@ -137,6 +143,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
         hits = self.cached_prefix(request)
         self.pool.take(hits)
+        self.unpin(request)
         request.block_table = list(hits)
         request.num_computed_tokens = len(hits) * self.block_size
         num_new = min(request.num_pending_tokens, self.config.prefill_chunk_size, budget)

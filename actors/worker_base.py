@@ -10,6 +10,7 @@ blocking transfers on the worker's thread pool.
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,8 +19,12 @@ import torch
 from actors.config import EngineConfig, ModelLocation
 from actors.engine import Engine
 from actors.engine_loop import EngineLoop
+from actors.kv_store import KVStoreSettings, StoreStats
+from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
 from actors.profiler import EngineProfile, profile_engine
 from actors.token_streams import TokenStreams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class WorkerOptions:
     reservation_ttl_s: float = 60.0  # a reservation never filled is freed after this
     watchdog_interval_s: float = 0.5  # how often D checks its pending reservations
     pipelined_transfer: bool = True  # False: P sends all KV after its last chunk (to compare)
+    kv_store: KVStoreSettings | None = None  # None: no tiers behind the device pool
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class WorkerStats:
     num_reserved: int
     num_channels: int
     last_step_s: float
+    num_store_loaded_blocks: int = 0  # prompt blocks served by the KV store, not computed
 
 
 class WorkerBase:
@@ -55,6 +62,13 @@ class WorkerBase:
         self.options = options or WorkerOptions()
         model_dir = model.resolve() if isinstance(model, ModelLocation) else model
         self.engine = Engine(model_dir, engine_config)
+        self.kv_store: KVStoreClient | None = None
+        self.store_writer: StoreWriter | None = None
+        self.num_store_loaded_blocks = 0
+        if self.options.kv_store is not None:
+            self.kv_store = open_kv_store(self.engine.kv_namespace, self.options.kv_store)
+            self.store_writer = StoreWriter(self.kv_store)
+            self.engine.block_sink = self.store_writer.submit
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{worker_id}-io")
         self.loop: EngineLoop | None = None
         self.streams: TokenStreams | None = None
@@ -81,6 +95,34 @@ class WorkerBase:
     async def in_thread(self, fn, *args):
         self._ensure_started()
         return await self.aio.run_in_executor(self.executor, fn, *args)
+
+    async def import_prefix(self, prompt_ids: list[int]) -> list[int]:
+        """Warm the device prefix cache from the KV store before a request starts:
+        find the prompt's blocks past what the pool holds, load them (off the engine
+        thread, while it keeps stepping) and copy them in. Returns the prefix's block
+        ids, held for `add_request(pinned_block_ids=...)` or `reserve`."""
+        if self.kv_store is None:
+            return []
+        hashes, first = await self.call(lambda e: e.prefix_plan(prompt_ids))
+        if first >= len(hashes):
+            return []
+        try:
+            blocks = await self.in_thread(self.kv_store.load, hashes[first:])
+        except Exception as exc:  # the store is an optimisation: compute instead
+            log.warning("KV store load failed: %s: %s", type(exc).__name__, exc)
+            return []
+        if not blocks:
+            return []
+        held = await self.call(lambda e: e.import_prefix(prompt_ids, first, blocks))
+        self.num_store_loaded_blocks += max(0, len(held) - first)
+        return held
+
+    async def kv_store_stats(self) -> StoreStats | None:
+        """The node store's tiers (entries, bytes, hits), after pending writes."""
+        if self.kv_store is None:
+            return None
+        await self.in_thread(self.store_writer.flush)
+        return await self.in_thread(self.kv_store.stats)
 
     # ---- engine-thread hooks ----------------------------------------------------
     def _on_step(self, exported, outputs) -> None:
@@ -131,6 +173,7 @@ class WorkerBase:
                 num_reserved=len(engine.reservations),
                 num_channels=self._num_channels(),
                 last_step_s=engine.runner.last_step_s,
+                num_store_loaded_blocks=self.num_store_loaded_blocks,
             )
 
         return await self.call(read)

@@ -11,6 +11,7 @@ Serve boundary; cross-field checks here, frozen engine dataclasses inside).
       decode: {replicas: 1, num_cpus: 1, label_selector: {tandem/role: decode}}
       slo: {ttft_ms: 2000, tbt_ms: 200, attainment: 0.9}
       limits: {max_prompt_tokens: 1536, max_new_tokens: 512}
+      kv_store: {host_gib: 2, disk_path: /var/tmp/tandem-kv, shared_path: /mnt/kv}   # optional
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config import EngineConfig, ModelLocation
+from actors.kv_store import GIB, KVStoreSettings
 
 
 class _Strict(BaseModel):
@@ -97,10 +99,42 @@ class TimeoutSettings(_Strict):
     reservation_ttl_s: float = Field(60.0, gt=0)
 
 
+class KVStoreSection(_Strict):
+    """The tiers behind the workers' device pools (docs/kv-store.md). Paths must be
+    the same on every node; the shared path is a mount every node sees."""
+
+    host_gib: float = Field(1.0, ge=0)
+    disk_path: str | None = None
+    disk_gib: float = Field(16.0, gt=0)
+    shared_path: str | None = None
+    shared_gib: float | None = Field(None, gt=0)  # None: unbounded, bounded by ttl_s
+    ttl_s: float | None = Field(None, gt=0)
+    high_watermark: float = Field(0.9, gt=0, le=1)
+    low_watermark: float = Field(0.7, gt=0, le=1)
+    write_through_shared: bool = True
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        if self.low_watermark > self.high_watermark:
+            raise ValueError("kv_store.low_watermark must not exceed kv_store.high_watermark")
+        if not self.host_gib and self.disk_path is None and self.shared_path is None:
+            raise ValueError("kv_store needs at least one tier: host_gib > 0, disk_path or shared_path")
+        return self
+
+    def store_settings(self) -> KVStoreSettings:
+        gib = lambda v: None if v is None else int(v * GIB)  # noqa: E731
+        return KVStoreSettings(
+            host_bytes=gib(self.host_gib), disk_path=self.disk_path, disk_bytes=gib(self.disk_gib),
+            shared_path=self.shared_path, shared_bytes=gib(self.shared_gib), ttl_s=self.ttl_s,
+            high_watermark=self.high_watermark, low_watermark=self.low_watermark,
+            write_through_shared=self.write_through_shared,
+        )
+
+
 class AppSettings(_Strict):
     model: ModelSource
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    channel: Literal["gloo", "object_store", "nccl"] = "gloo"
+    channel: Literal["gloo", "object_store", "nccl", "store"] = "gloo"
     routing: Literal["round_robin", "least_load", "cache_aware"] = "cache_aware"
     engine: EngineSettings = EngineSettings()
     prefill: PoolSettings = PoolSettings(label_selector={})
@@ -109,6 +143,7 @@ class AppSettings(_Strict):
     slo: SloSettings = SloSettings()
     limits: LimitSettings = LimitSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
+    kv_store: KVStoreSection | None = None
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
 
@@ -118,6 +153,8 @@ class AppSettings(_Strict):
             raise ValueError("disaggregated mode needs prefill.replicas >= 1 and decode.replicas >= 1")
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs colocated.replicas >= 1")
+        if self.channel == "store" and (self.kv_store is None or self.kv_store.shared_path is None):
+            raise ValueError("channel: store moves KV through the shared path: set kv_store.shared_path")
         if self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9):
             raise ValueError("limits.max_prompt_tokens must leave room for one new token within engine.max_model_len")
         return self

@@ -45,6 +45,7 @@ class PoolManager:
         self.options = WorkerOptions(
             transfer_timeout_s=self.settings.timeouts.transfer_s,
             reservation_ttl_s=self.settings.timeouts.reservation_ttl_s,
+            kv_store=self.settings.kv_store.store_settings() if self.settings.kv_store else None,
         )
         for role in self._roles():
             for _ in range(self._pool(role).replicas):

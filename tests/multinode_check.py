@@ -1,7 +1,9 @@
 """Run as a script by tests/test_multinode.py: a fake multi-node Ray cluster on one
 machine (ray.cluster_utils.Cluster), nodes labelled prefill and decode with logical
-GPUs. Checks placement by label, a request served across nodes, and that the pool
-replaces a killed worker on a node of the right role. Prints one JSON line."""
+GPUs. Checks placement by label, a request served across nodes, a prompt prefix
+computed by the prefill worker on one node reused (through the KV store's shared
+path) by the prefill worker on the other, and that the pool replaces a killed worker
+on a node of the right role. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -17,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from actors.config import ModelLocation  # noqa: E402
+from actors.llm import LLM  # noqa: E402
 from actors.messages import GenerateRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 from cluster.config import AppSettings  # noqa: E402
@@ -35,21 +40,43 @@ def main() -> dict:
         "prefill": {"replicas": 2, "num_cpus": 1, "num_gpus": 1, "label_selector": {"tandem/role": "prefill"}},
         "decode": {"replicas": 1, "num_cpus": 1, "num_gpus": 1, "label_selector": {"tandem/role": "decode"}},
         "pool_name": "multinode-pool",
+        # Host memory per node, and a shared path both nodes see (a temp dir here).
+        "kv_store": {"host_gib": 0.05, "shared_path": tempfile.mkdtemp(prefix="tandem-shared-")},
     })
     pool = get_or_create_pool(settings)
     members = ray.get(pool.wait_ready.remote(180))
     role_of_node = {n.node_id: "prefill" for n in prefill_nodes} | {decode_node.node_id: "decode"}
     placement = {m.worker_id: (m.role, role_of_node.get(ray.get(m.handle.node_id.remote()), "head")) for m in members}
 
-    prefill = next(m for m in members if m.role == "prefill")
+    prefill, other_prefill = [m for m in members if m.role == "prefill"]
     decode = next(m for m in members if m.role == "decode")
-    request = GenerateRequest("across-nodes", list(range(1, 90)), SamplingParams(max_new_tokens=6, temperature=0))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    request = GenerateRequest("across-nodes", list(range(1, 90)), greedy)
 
-    async def run():
-        return [e async for e in DisaggregatedCall(prefill.handle, decode.handle, request, "gloo").events()]
+    def run(p, r):
+        async def events():
+            call = DisaggregatedCall(p.handle, decode.handle, r, "gloo")
+            return call, [e async for e in call.events()]
 
-    events = asyncio.run(run())
+        return asyncio.run(events())
+
+    call, events = run(prefill, request)
     tokens = [t for e in events for t in e.token_ids]
+
+    # The same conversation, one turn on, to the prefill worker on the other node.
+    ray.get(prefill.handle.kv_store_stats.remote())  # its write-through is done
+    turn_2 = GenerateRequest("next-turn", request.prompt_token_ids + tokens + list(range(200, 230)), greedy)
+    call_2, events_2 = run(other_prefill, turn_2)
+    reference = LLM(ModelLocation(preset="tiny").resolve(), enable_prefix_cache=False).generate(
+        [turn_2.prompt_token_ids], greedy)[0].token_ids
+    reuse = {
+        "nodes": [placement[prefill.worker_id][1], placement[other_prefill.worker_id][1]],
+        "same_node": ray.get(prefill.handle.node_id.remote()) == ray.get(other_prefill.handle.node_id.remote()),
+        "prompt_tokens": len(turn_2.prompt_token_ids),
+        "computed_tokens": call_2.prefill_result.num_computed_tokens,
+        "store_loaded_blocks": ray.get(other_prefill.handle.stats.remote()).num_store_loaded_blocks,
+        "identical": [t for e in events_2 for t in e.token_ids] == reference,
+    }
 
     ray.kill(prefill.handle)
     deadline = time.monotonic() + 90
@@ -64,7 +91,8 @@ def main() -> dict:
     ray.get(pool.shutdown.remote())
     ray.shutdown()
     cluster.shutdown()
-    return {"placement": placement, "tokens": tokens, "error": events[-1].error, "replaced": replaced}
+    return {"placement": placement, "tokens": tokens, "error": events[-1].error, "replaced": replaced,
+            "reuse": reuse}
 
 
 if __name__ == "__main__":

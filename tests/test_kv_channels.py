@@ -17,6 +17,8 @@ from actors.kv_channel import (
     NcclSender,
     ObjectStoreReceiver,
     ObjectStoreSender,
+    StoreReceiver,
+    StoreSender,
     nccl_available,
 )
 
@@ -41,9 +43,18 @@ def _object_store_pair(name):
     return ObjectStoreSender(name), ObjectStoreReceiver()
 
 
+def _store_pair(name):
+    import re
+    import tempfile
+
+    shared, name = tempfile.mkdtemp(prefix="tandem-shared-"), re.sub(r"[^\w.-]", "_", name)
+    return StoreSender(name, shared), StoreReceiver(name, shared)
+
+
 BACKENDS = {
     "gloo": _gloo_pair,
     "object_store": _object_store_pair,
+    "store": _store_pair,
     "nccl": pytest.param(_nccl_pair, marks=pytest.mark.skipif(
         not nccl_available() or torch.cuda.device_count() < 2, reason="NCCL P2P needs two GPUs")),
 }
@@ -97,3 +108,19 @@ def test_a_non_contiguous_selection_of_blocks(channel):
 def test_object_store_receiver_rejects_a_wrong_shape():
     with pytest.raises(ValueError, match="shape"):
         ObjectStoreReceiver().recv((2, *BLOCK_SHAPE), torch.float32, torch.zeros(1, *BLOCK_SHAPE))
+
+
+def test_store_receiver_refuses_foreign_names_and_corrupt_chunks(tmp_path):
+    sender, receiver = StoreSender("pair", tmp_path), StoreReceiver("pair", tmp_path)
+    with pytest.raises(ValueError, match="not one this channel writes"):
+        receiver.recv((1, *BLOCK_SHAPE), torch.float32, "../../etc/passwd")
+    name = sender.payload(torch.randn(1, *BLOCK_SHAPE))
+    path = sender.dir / name
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        receiver.recv((1, *BLOCK_SHAPE), torch.float32, name)
+    assert not path.exists()  # a bad chunk is not left behind
+    sender.close()
+    assert not sender.dir.exists()

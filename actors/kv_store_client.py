@@ -1,0 +1,126 @@
+"""How a worker reaches its node's KV store, and writes to it off the critical path.
+
+Under Ray every worker on a node shares one store: a detached actor running
+`KVStore`, pinned to the node and named after the node, the KV namespace and the
+settings, so workers find it (or create it) by name and it outlives their restarts.
+Its host tier is then memory shared by the node's workers. Without Ray (offline use,
+unit tests) the store lives in the worker's own process.
+
+`StoreWriter` is the write-through path: the engine hands it copies of the blocks a
+step completed; a thread saves them. A full queue drops a batch (counted) rather
+than stall the engine: write-through is an optimisation, never a dependency.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from actors.kv_store import KVStore, KVStoreSettings, StoreStats
+from actors.kv_tiers import StoredBlock
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreClient(Protocol):
+    """What a worker needs of a store. Blocking calls: use them off the event loop."""
+
+    def load(self, keys: Sequence[bytes]) -> list[StoredBlock]: ...
+
+    def save(self, blocks: Sequence[StoredBlock]) -> None: ...
+
+    def stats(self) -> StoreStats: ...
+
+
+class RemoteKVStore:
+    """A `KVStoreClient` over the node store actor."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def load(self, keys: Sequence[bytes]) -> list[StoredBlock]:
+        import ray
+
+        return ray.get(self.handle.load.remote(list(keys)))
+
+    def save(self, blocks: Sequence[StoredBlock]) -> None:
+        import ray
+
+        ray.get(self.handle.save.remote(list(blocks)))
+
+    def stats(self) -> StoreStats:
+        import ray
+
+        return ray.get(self.handle.stats.remote())
+
+
+def node_store_name(node_id: str, namespace: bytes, settings: KVStoreSettings) -> str:
+    fingerprint = hashlib.sha256(namespace + repr(settings).encode()).hexdigest()[:12]
+    return f"tandem-kv-{node_id[:12]}-{fingerprint}"
+
+
+def open_kv_store(namespace: bytes, settings: KVStoreSettings) -> KVStoreClient:
+    """The node's shared store under Ray (created on first use), else a store in
+    this process."""
+    import ray
+
+    if not ray.is_initialized():
+        return KVStore(namespace, settings)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = ray.get_runtime_context().get_node_id()
+    handle = ray.remote(KVStore).options(
+        name=node_store_name(node_id, namespace, settings),
+        namespace="tandem-kv",
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(namespace, settings)
+    return RemoteKVStore(handle)
+
+
+class StoreWriter:
+    """A thread saving batches of blocks to a store, in order."""
+
+    def __init__(self, store: KVStoreClient, max_pending_batches: int = 64) -> None:
+        self.store = store
+        self.num_saved_blocks = 0
+        self.num_dropped_blocks = 0
+        self.num_failed_blocks = 0
+        self._queue: queue.Queue = queue.Queue(max_pending_batches)
+        self._pending = 0  # batches queued or being saved
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kv-store-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, blocks: list[StoredBlock]) -> None:
+        """Queue a batch (engine thread); never blocks."""
+        with self._done:
+            try:
+                self._queue.put_nowait(blocks)
+                self._pending += 1
+            except queue.Full:
+                self.num_dropped_blocks += len(blocks)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued batch is saved (tests, benchmarks)."""
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            blocks = self._queue.get()
+            try:
+                self.store.save(blocks)
+                self.num_saved_blocks += len(blocks)
+            except Exception as exc:  # a store error must not take the worker down
+                self.num_failed_blocks += len(blocks)
+                log.warning("KV store write-through failed: %s: %s", type(exc).__name__, exc)
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()

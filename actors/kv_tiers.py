@@ -1,0 +1,320 @@
+"""KV store tiers: where a full KV block lives outside a worker's device pool.
+
+A stored block is keyed by its hash-chain value (`block_pool.block_hashes`), whose
+seed is the KV namespace (model config, dtype, block size, layout version): a key
+names one prefix of one compatible KV layout, so no tier needs to know the model.
+Each block also carries its tokens (the reader verifies them, as the device prefix
+cache does) and its KV, one `[num_layers, 2, block_size, num_kv_heads, head_dim]`
+tensor (the page-first layout makes a block one contiguous span).
+
+Two tier kinds, one policy shape (`TierPolicy`):
+- `MemoryTier`: tensors in this process (the node's store actor makes it shared by
+  every worker on the node). LRU.
+- `DiskTier`: one file per block under `root/<namespace>/`, for a local disk or a
+  shared mount (NFS, Ceph) that several nodes write. Files are written to a
+  temporary name and renamed, so a reader never sees a partial file; each carries a
+  header (namespace, key, tokens, dtype, shape) and a checksum of its bytes, checked
+  on every read: a corrupt or foreign file is deleted and reported as a miss. On
+  start the tier indexes what is already there (restart recovery); a key another
+  writer added since is found by its path.
+
+Eviction: when a put takes a tier above `high_watermark` of its capacity, least
+recently used unpinned entries go until it is at `low_watermark`; `put` returns them
+so the store can demote them to the next tier. An entry older than `ttl_s` is never
+served and is removed when met. Pinned keys (a set the store owns) are exempt from
+both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import uuid
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAGIC = b"TANDEMKV1\n"
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    key: bytes
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor  # one block, CPU, contiguous
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    capacity_bytes: int | None  # None: unbounded (a shared mount bounded by TTL)
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError(
+                f"need 0 < low_watermark <= high_watermark <= 1, got {self.low_watermark}, {self.high_watermark}"
+            )
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {self.ttl_s}")
+
+
+@dataclass
+class _Entry:
+    num_bytes: int
+    created_s: float
+    block: StoredBlock | None = None  # memory tier only
+
+
+class Tier(ABC):
+    """One tier. Not thread-safe: the store serialises calls."""
+
+    name: str
+
+    def __init__(self, policy: TierPolicy, pinned: set[bytes], clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.pinned = pinned
+        self.clock = clock
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
+        self.num_bytes = 0
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def contains(self, key: bytes) -> bool:
+        return self._live(key) is not None
+
+    def get(self, key: bytes) -> StoredBlock | None:
+        entry = self._live(key)
+        if entry is None:
+            return None
+        block = self._read(key, entry)
+        if block is None:
+            self.remove(key)
+            return None
+        self._entries.move_to_end(key)
+        return block
+
+    def touch(self, key: bytes) -> None:
+        """Mark as most recently used."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def put(self, block: StoredBlock, keep_evicted: bool = True) -> list[StoredBlock]:
+        """Store a block (a key already held is only touched). Returns the entries
+        evicted to make room, for demotion (read back only if `keep_evicted`)."""
+        if block.key in self._entries:
+            self._entries.move_to_end(block.key)
+            return []
+        entry = self._write(block)
+        if entry is None:  # another writer holds it already
+            return []
+        self._entries[block.key] = entry
+        self.num_bytes += entry.num_bytes
+        return self._evict(keep_evicted)
+
+    def remove(self, key: bytes) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.num_bytes -= entry.num_bytes
+            self._delete(key)
+
+    def expire(self) -> int:
+        """Remove every entry past its TTL; how many went."""
+        stale = [k for k, e in self._entries.items() if self._is_stale(k, e)]
+        for key in stale:
+            self.remove(key)
+        return len(stale)
+
+    # ---- policy ------------------------------------------------------------------
+    def _is_stale(self, key: bytes, entry: _Entry) -> bool:
+        ttl = self.policy.ttl_s
+        return ttl is not None and key not in self.pinned and self.clock() - entry.created_s > ttl
+
+    def _live(self, key: bytes) -> _Entry | None:
+        entry = self._entries.get(key) or self._adopt(key)
+        if entry is None:
+            return None
+        if self._is_stale(key, entry):
+            self.remove(key)
+            return None
+        return entry
+
+    def _evict(self, keep_evicted: bool) -> list[StoredBlock]:
+        capacity = self.policy.capacity_bytes
+        if capacity is None or self.num_bytes <= self.policy.high_watermark * capacity:
+            return []
+        target = self.policy.low_watermark * capacity
+        evicted = []
+        for key in list(self._entries):
+            if self.num_bytes <= target:
+                break
+            if key in self.pinned:
+                continue
+            block = self._read(key, self._entries[key]) if keep_evicted else None
+            self.remove(key)
+            if block is not None:
+                evicted.append(block)
+        return evicted
+
+    # ---- storage ----------------------------------------------------------------
+    @abstractmethod
+    def _write(self, block: StoredBlock) -> _Entry | None: ...
+
+    @abstractmethod
+    def _read(self, key: bytes, entry: _Entry) -> StoredBlock | None: ...
+
+    def _delete(self, key: bytes) -> None:
+        pass
+
+    def _adopt(self, key: bytes) -> _Entry | None:
+        """An entry another writer added (disk tiers); None in memory."""
+        return None
+
+
+class MemoryTier(Tier):
+    name = "host"
+
+    def _write(self, block: StoredBlock) -> _Entry:
+        return _Entry(block.num_bytes, self.clock(), block)
+
+    def _read(self, key: bytes, entry: _Entry) -> StoredBlock:
+        return entry.block
+
+
+class CorruptEntry(ValueError):
+    """A stored file failed its checks (truncated, bit rot, another namespace)."""
+
+
+class DiskTier(Tier):
+    """Files under `root/<namespace hex>/<2 hex>/<key hex>.kv`."""
+
+    def __init__(
+        self, name: str, root: str | Path, namespace: bytes, policy: TierPolicy, pinned: set[bytes],
+        clock: Callable[[], float],
+    ) -> None:
+        super().__init__(policy, pinned, clock)
+        self.name = name
+        self.namespace = namespace
+        self.dir = Path(root) / namespace.hex()[:32]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.num_corrupt = 0
+        self._index_existing()
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / key.hex()[:2] / f"{key.hex()}.kv"
+
+    def _index_existing(self) -> None:
+        """Restart recovery: index the files already here, oldest first. Leftover
+        temporary files (a writer died mid-write) are removed."""
+        found = []
+        for path in self.dir.glob("*/*"):
+            if path.name.endswith(".tmp"):
+                _unlink(path)
+                continue
+            try:
+                key = bytes.fromhex(path.stem)
+                stat = path.stat()
+            except (ValueError, OSError):
+                continue
+            found.append((stat.st_mtime, key, stat.st_size))
+        for mtime, key, size in sorted(found):
+            self._entries[key] = _Entry(size, mtime)
+            self.num_bytes += size
+
+    def _adopt(self, key: bytes) -> _Entry | None:
+        try:
+            stat = self._path(key).stat()
+        except OSError:
+            return None
+        entry = self._entries[key] = _Entry(stat.st_size, stat.st_mtime)
+        self.num_bytes += entry.num_bytes
+        return entry
+
+    def _write(self, block: StoredBlock) -> _Entry | None:
+        path = self._path(block.key)
+        if path.exists():  # another writer's copy: index it, write nothing
+            self._adopt(block.key)
+            return None
+        path.parent.mkdir(exist_ok=True)
+        data = encode_entry(self.namespace, block)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return _Entry(len(data), self.clock())
+
+    def _read(self, key: bytes, entry: _Entry) -> StoredBlock | None:
+        try:
+            data = self._path(key).read_bytes()
+        except OSError:
+            return None
+        try:
+            return decode_entry(data, self.namespace, key)
+        except CorruptEntry:
+            self.num_corrupt += 1
+            return None
+
+    def _delete(self, key: bytes) -> None:
+        _unlink(self._path(key))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+# ---- the file format ---------------------------------------------------------------
+def _checksum(payload: bytes | memoryview) -> str:
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+def encode_entry(namespace: bytes, block: StoredBlock) -> bytes:
+    """MAGIC, header length (u32 little endian), JSON header, raw KV bytes."""
+    kv = block.kv.contiguous()
+    payload = kv.view(torch.uint8).numpy().tobytes() if kv.numel() else b""
+    header = json.dumps({
+        "namespace": namespace.hex(), "key": block.key.hex(), "token_ids": list(block.token_ids),
+        "dtype": str(kv.dtype), "shape": list(kv.shape), "checksum": _checksum(payload),
+    }).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+def decode_entry(data: bytes, namespace: bytes, key: bytes) -> StoredBlock:
+    """The block in `data`, or CorruptEntry if anything about it is off."""
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+        raise CorruptEntry("not a Tandem KV entry")
+    (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
+    start = len(MAGIC) + 4
+    try:
+        header = json.loads(data[start : start + header_len])
+        dtype, shape = _DTYPES[header["dtype"]], tuple(header["shape"])
+    except (ValueError, KeyError, TypeError):
+        raise CorruptEntry("unreadable header") from None
+    if header.get("namespace") != namespace.hex() or header.get("key") != key.hex():
+        raise CorruptEntry("entry of another namespace or key")
+    payload = memoryview(data)[start + header_len :]
+    expected = torch.empty((), dtype=dtype).element_size()
+    for dim in shape:
+        expected *= dim
+    if len(payload) != expected or _checksum(payload) != header.get("checksum"):
+        raise CorruptEntry("payload truncated or checksum mismatch")
+    kv = torch.frombuffer(bytearray(payload), dtype=dtype).view(shape) if expected else torch.empty(shape, dtype=dtype)
+    return StoredBlock(key, tuple(header["token_ids"]), kv)

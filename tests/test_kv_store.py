@@ -1,0 +1,161 @@
+"""The KV store's tiers and policies, on real files: write-through, demotion,
+watermarks, LRU, TTL, pinning, corrupt and foreign entries, restart recovery, and a
+shared path written by one node's store and read by another's."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from actors.block_pool import block_hashes
+from actors.kv_store import KVStore, KVStoreSettings
+from actors.kv_tiers import StoredBlock, TierPolicy
+
+BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block size, KV heads, head dim
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4
+NAMESPACE = hashlib.sha256(b"model-a|float32|16").digest()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_blocks(count: int, seed: int = 0, namespace: bytes = NAMESPACE) -> list[StoredBlock]:
+    tokens = [(seed * 7919 + i) % 1000 for i in range(count * 16)]
+    keys = block_hashes(tokens, 16, namespace)
+    gen = torch.Generator().manual_seed(seed)
+    return [StoredBlock(k, tuple(tokens[i * 16 : (i + 1) * 16]), torch.randn(BLOCK_SHAPE, generator=gen))
+            for i, k in enumerate(keys)]
+
+
+def keys_of(blocks):
+    return [b.key for b in blocks]
+
+
+def assert_same(loaded, blocks):
+    assert [b.key for b in loaded] == [b.key for b in blocks]
+    for got, want in zip(loaded, blocks):
+        assert got.token_ids == want.token_ids
+        assert torch.equal(got.kv, want.kv)
+
+
+def test_write_through_and_longest_prefix(tmp_path):
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=100 * BLOCK_BYTES, disk_path=str(tmp_path)))
+    blocks = make_blocks(6)
+    store.save(blocks[:4])
+    assert store.lookup(keys_of(blocks)) == 4
+    assert_same(store.load(keys_of(blocks)), blocks[:4])  # stops at the first miss
+    assert store.load(keys_of(blocks[4:])) == []
+    stats = store.stats().tiers
+    assert stats["host"]["entries"] == 4 and stats["disk"]["entries"] == 0  # disk only gets demotions
+
+
+def test_watermarks_demote_lru_to_disk(tmp_path):
+    settings = KVStoreSettings(host_bytes=10 * BLOCK_BYTES, disk_path=str(tmp_path), high_watermark=0.9,
+                               low_watermark=0.5)
+    store = KVStore(NAMESPACE, settings)
+    blocks = make_blocks(10)
+    store.save(blocks[:9])  # 9 blocks = 0.9 of capacity: not above the high mark
+    assert store.stats().tiers["host"]["entries"] == 9
+    store.load([blocks[0].key])  # block 0 becomes most recently used
+    store.save(blocks[9:])  # 10 > 9: evict down to 5
+    host, disk = store.host, store.disk
+    assert host.num_entries == 5 and disk.num_entries == 5
+    assert host.contains(blocks[0].key)  # touched, so kept
+    assert all(disk.contains(b.key) for b in blocks[1:6])  # least recently used went down
+    assert_same(store.load(keys_of(blocks)), blocks)  # every block still served
+    assert store.stats().tiers["disk"]["hits"] >= 5  # promotions evict in turn: the set exceeds the host tier
+
+
+def test_disk_watermarks_delete(tmp_path):
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path), disk_bytes=4 * 1024 * 10))
+    store.save(make_blocks(12))
+    disk = store.disk
+    assert disk.num_bytes <= 0.9 * disk.policy.capacity_bytes
+    assert len(list(disk.dir.glob("*/*.kv"))) == disk.num_entries
+
+
+def test_ttl_and_pinning(tmp_path):
+    clock = Clock()
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=4 * BLOCK_BYTES, disk_path=str(tmp_path), ttl_s=60,
+                                               high_watermark=0.9, low_watermark=0.5), clock)
+    blocks = make_blocks(6)
+    store.pin([blocks[0].key])
+    store.save(blocks[:4])  # 4 > 3.6: evict to 2, block 0 pinned stays
+    assert store.host.contains(blocks[0].key)
+    clock.now += 61
+    assert store.lookup(keys_of(blocks)) == 1  # expired everywhere but the pinned block
+    assert store.expire() == 2  # blocks 2 and 3 (block 1 went when the lookup met it)
+    store.unpin([blocks[0].key])
+    assert store.lookup(keys_of(blocks)) == 0
+    assert list(tmp_path.rglob("*.kv")) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_corrupt_entry_is_skipped_and_removed(tmp_path, damage):
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path)))
+    blocks = make_blocks(3)
+    store.save(blocks)
+    path = store.disk._path(blocks[1].key)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0xFF
+    elif damage == "truncate":
+        data = data[:-7]
+    else:
+        data = bytearray(b"not a kv entry")
+    path.write_bytes(bytes(data))
+    assert_same(store.load(keys_of(blocks)), blocks[:1])
+    assert not path.exists()
+    assert store.stats().num_corrupt == 1
+
+
+def test_restart_recovery_and_leftover_temporaries(tmp_path):
+    blocks = make_blocks(5)
+    KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path))).save(blocks)
+    leftover = next(tmp_path.rglob("*.kv")).with_name(".half-written.kv.1234.tmp")
+    leftover.write_bytes(b"partial")
+    restarted = KVStore(NAMESPACE, KVStoreSettings(host_bytes=10 * BLOCK_BYTES, disk_path=str(tmp_path)))
+    assert restarted.disk.num_entries == 5
+    assert not leftover.exists()
+    assert_same(restarted.load(keys_of(blocks)), blocks)
+    assert restarted.stats().tiers["host"]["entries"] == 5  # promoted on the way
+
+
+def test_other_namespace_is_never_read(tmp_path):
+    blocks = make_blocks(3)
+    KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path))).save(blocks)
+    other_ns = hashlib.sha256(b"model-a|float32|32").digest()  # another block size
+    other = KVStore(other_ns, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path)))
+    assert other.disk.num_entries == 0
+    assert other.load(keys_of(blocks)) == []
+    # Even a file copied under the other namespace's directory is refused.
+    source = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path))).disk._path(blocks[0].key)
+    target = other.disk._path(blocks[0].key)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(source.read_bytes())
+    assert other.load([blocks[0].key]) == []
+    assert other.stats().num_corrupt == 1
+
+
+def test_shared_path_between_two_nodes(tmp_path):
+    shared = str(tmp_path / "shared")
+    node_a = KVStore(NAMESPACE, KVStoreSettings(disk_path=str(tmp_path / "a"), shared_path=shared))
+    node_b = KVStore(NAMESPACE, KVStoreSettings(disk_path=str(tmp_path / "b"), shared_path=shared))
+    blocks = make_blocks(4)
+    node_a.save(blocks)
+    assert_same(node_b.load(keys_of(blocks)), blocks)  # found by path, written by A
+    assert node_b.stats().tiers["shared"]["hits"] == 4
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="at least one tier"):
+        KVStore(NAMESPACE, KVStoreSettings(host_bytes=0))
+    with pytest.raises(ValueError, match="low_watermark"):
+        TierPolicy(100, high_watermark=0.5, low_watermark=0.8)
