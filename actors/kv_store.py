@@ -166,6 +166,14 @@ class KVStore:
         with self._lock:
             return sum(t.expire() for t in self.tiers)
 
+    def drain_events(self) -> dict[str, list[tuple[bool, bytes]]]:
+        """Each tier's entry events since the last drain, oldest first."""
+        with self._lock:
+            drained = {t.name: list(t.events) for t in self.tiers}
+            for tier in self.tiers:
+                tier.events.clear()
+            return drained
+
     def stats(self) -> StoreStats:
         with self._lock:
             tiers = {

@@ -33,7 +33,7 @@ import os
 import struct
 import uuid
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +91,9 @@ class Tier(ABC):
         self.clock = clock
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self.num_bytes = 0
+        # (True, key) when an entry appears, (False, key) when it goes: the global
+        # scheduler's view of the tier, for routing. Bounded; drained by the store.
+        self.events: deque[tuple[bool, bytes]] = deque(maxlen=1 << 16)
 
     @property
     def num_entries(self) -> int:
@@ -126,12 +129,14 @@ class Tier(ABC):
             return []
         self._entries[block.key] = entry
         self.num_bytes += entry.num_bytes
+        self.events.append((True, block.key))
         return self._evict(keep_evicted)
 
     def remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.num_bytes -= entry.num_bytes
+            self.events.append((False, key))
             self._delete(key)
 
     def expire(self) -> int:
@@ -236,6 +241,7 @@ class DiskTier(Tier):
         for mtime, key, size in sorted(found):
             self._entries[key] = _Entry(size, mtime)
             self.num_bytes += size
+            self.events.append((True, key))
 
     def _adopt(self, key: bytes) -> _Entry | None:
         try:
@@ -244,6 +250,7 @@ class DiskTier(Tier):
             return None
         entry = self._entries[key] = _Entry(stat.st_size, stat.st_mtime)
         self.num_bytes += entry.num_bytes
+        self.events.append((True, key))
         return entry
 
     def _write(self, block: StoredBlock) -> _Entry | None:

@@ -11,6 +11,8 @@ plan. Policy:
   to the front of the waiting queue).
 - Then waiting requests, oldest first, up to `max_num_seqs` running, each starting
   from its longest prefix-cache hit (never the last token: its logits are needed).
+  Blocks a worker imported from the KV store for a waiting request are held until
+  it is admitted, unless memory runs short: they go before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class Scheduler:
                 budget -= num_new
                 index += 1
                 continue
+            if self._release_waiting_pins():
+                continue  # try again before preempting anyone
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -124,6 +128,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             chunk = self._admit(request, budget)
+            if chunk is None and self._release_waiting_pins():
+                chunk = self._admit(request, budget)
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -132,6 +138,15 @@ class Scheduler:
             out.chunks.append(chunk)
             budget -= chunk.num_new_tokens
         return out
+
+    def _release_waiting_pins(self) -> bool:
+        """Under memory pressure, imported prefixes held for waiting requests go
+        first (they stay cached, just evictable): they must never make a running
+        request or the queue's head wait. Whether any were held."""
+        held = [r for r in self.waiting if r.pinned_block_ids]
+        for request in held:
+            self.unpin(request)
+        return bool(held)
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         needed = self.blocks_needed(request, num_tokens)

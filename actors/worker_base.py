@@ -48,6 +48,7 @@ class WorkerStats:
     num_channels: int
     last_step_s: float
     num_store_loaded_blocks: int = 0  # prompt blocks served by the KV store, not computed
+    node_id: str = ""  # the Ray node (whose KV store the worker uses)
 
 
 class WorkerBase:
@@ -62,6 +63,7 @@ class WorkerBase:
         self.options = options or WorkerOptions()
         model_dir = model.resolve() if isinstance(model, ModelLocation) else model
         self.engine = Engine(model_dir, engine_config)
+        self.node = _current_node_id()
         self.kv_store: KVStoreClient | None = None
         self.store_writer: StoreWriter | None = None
         self.num_store_loaded_blocks = 0
@@ -149,9 +151,7 @@ class WorkerBase:
 
     async def node_id(self) -> str:
         """The Ray node this worker runs on (placement checks)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
+        return self.node
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Cancel a request wherever it is on this worker; frees its blocks. Its
@@ -174,6 +174,7 @@ class WorkerBase:
                 num_channels=self._num_channels(),
                 last_step_s=engine.runner.last_step_s,
                 num_store_loaded_blocks=self.num_store_loaded_blocks,
+                node_id=self.node,
             )
 
         return await self.call(read)
@@ -198,6 +199,11 @@ class WorkerBase:
 
         return await self.call(lookup)
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix in the device pool (blocks in use keep theirs);
+        the KV store keeps its copies."""
+        await self.call(lambda e: e.pool.reset_cache())
+
     async def cache_events(self) -> list[tuple[bool, bytes]]:
         """Prefix-cache events since the last call: (True, hash) stored, (False,
         hash) evicted. The global scheduler's prefix index consumes them."""
@@ -211,3 +217,9 @@ class WorkerBase:
         if self.loop is not None:
             self.loop.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _current_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""

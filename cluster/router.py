@@ -28,6 +28,9 @@ class PrefixIndex:
         self.capacity = max(1, capacity_blocks)
         self._hashes: OrderedDict[bytes, None] = OrderedDict()
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._hashes
+
     def match(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of this chain the worker likely holds."""
         count = 0
@@ -51,6 +54,16 @@ class PrefixIndex:
             self._hashes.move_to_end(block_hash)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
+
+
+def match_any(indexes: Sequence[PrefixIndex], hashes: Sequence[bytes]) -> int:
+    """Leading blocks of the chain that some index holds (device cache, store tiers)."""
+    count = 0
+    for block_hash in hashes:
+        if not any(block_hash in index for index in indexes):
+            break
+        count += 1
+    return count
 
 
 def _worker(candidate: Prediction) -> str:

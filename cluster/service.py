@@ -25,7 +25,8 @@ from cluster.config import AppSettings
 from cluster.cost_model import decode_features, prefill_features
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
-from cluster.router import PrefixIndex, make_policy
+from cluster.router import PrefixIndex, make_policy, match_any
+from cluster.store_index import StoreIndex
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -44,6 +45,7 @@ class GlobalScheduler:
         self.members: dict[str, object] = {}  # worker_id -> Member
         self.stats: dict[str, object] = {}  # worker_id -> WorkerStats
         self.prefix: dict[str, PrefixIndex] = {}
+        self.store_index = StoreIndex(kv_seed, settings.kv_store.store_settings()) if settings.kv_store else None
         self.profiled: set[str] = set()
         self.ready = False
         self._ids = itertools.count()
@@ -74,6 +76,8 @@ class GlobalScheduler:
         for member, batch in zip([m for m in members if m.worker_id in self.prefix], events):
             if not isinstance(batch, BaseException):
                 self.prefix[member.worker_id].apply(batch)
+        if self.store_index is not None:
+            await self.store_index.refresh({s.node_id for s in self.stats.values() if s.node_id})
         await self._profile_new(members)
         roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled}
         needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
@@ -147,7 +151,7 @@ class GlobalScheduler:
             for p in self._role("prefill", exclude):
                 cached = self._cached_tokens(p, usable_hashes)
                 per_d = [
-                    self.models.predict(p, d, len(prompt_ids), cached, self.prefix[d].match(usable_hashes))
+                    self.models.predict(p, d, len(prompt_ids), cached, self._cached_tokens(d, usable_hashes))
                     for d in decodes
                 ]
                 if per_d:
@@ -170,8 +174,16 @@ class GlobalScheduler:
         return choice
 
     def _cached_tokens(self, worker_id: str, hashes: list[bytes]) -> int:
+        """Prompt tokens the worker need not compute: its device prefix cache, then
+        its node's KV store tiers (a load costs far less than a recompute)."""
         index = self.prefix.get(worker_id)
-        return index.match(hashes) * self.block_size if index else 0
+        if index is None:
+            return 0
+        indexes = [index]
+        stats = self.stats.get(worker_id)
+        if self.store_index is not None and stats is not None:
+            indexes += self.store_index.indexes_for(stats.node_id)
+        return match_any(indexes, hashes) * self.block_size
 
     def _headroom(self, worker_id: str) -> int:
         stats = self.stats.get(worker_id)

@@ -159,3 +159,15 @@ def test_settings_are_checked():
         KVStore(NAMESPACE, KVStoreSettings(host_bytes=0))
     with pytest.raises(ValueError, match="low_watermark"):
         TierPolicy(100, high_watermark=0.5, low_watermark=0.8)
+
+
+def test_events_say_which_tier_holds_what(tmp_path):
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=4 * BLOCK_BYTES, disk_path=str(tmp_path),
+                                               high_watermark=0.9, low_watermark=0.5))
+    blocks = make_blocks(4)
+    store.save(blocks)  # the 4th put evicts blocks 0 and 1 down to disk
+    events = store.drain_events()
+    host_now = {k for stored, k in events["host"] if stored} - {k for stored, k in events["host"] if not stored}
+    assert host_now == {b.key for b in blocks[2:]}
+    assert [k for stored, k in events["disk"] if stored] == [b.key for b in blocks[:2]]
+    assert store.drain_events() == {"host": [], "disk": []}

@@ -46,6 +46,10 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "prefill": {"replicas": 0}}, "prefill.replicas"),
         ({"model": {"preset": "tiny"}, "engine": {"block_size": 24}}, "block_size"),
         ({"model": {"preset": "tiny"}, "typo_field": 1}, "typo_field"),
+        ({"model": {"preset": "tiny"}, "channel": "store"}, "kv_store.shared_path"),
+        ({"model": {"preset": "tiny"}, "kv_store": {"host_gib": 0}}, "at least one tier"),
+        ({"model": {"preset": "tiny"}, "kv_store": {"low_watermark": 0.95}}, "must not exceed"),
+        ({"model": {"preset": "tiny"}, "kv_store": {"disk_gib": -1}}, "disk_gib"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
@@ -60,3 +64,11 @@ def test_api_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("TANDEM_API_KEY", "from-env")
     assert settings.resolved_api_key == "from-env"
     assert AppSettings.model_validate({"model": {"preset": "tiny"}, "api_key": "k"}).resolved_api_key == "k"
+
+
+def test_kv_store_section_maps_to_store_settings():
+    settings = AppSettings.model_validate({"model": {"preset": "tiny"}, "kv_store": {
+        "host_gib": 0.5, "disk_path": "/var/tmp/kv", "shared_path": "/mnt/kv", "ttl_s": 60}})
+    store = settings.kv_store.store_settings()
+    assert store.host_bytes == 2**29 and store.disk_path == "/var/tmp/kv" and store.shared_bytes is None
+    assert store.disk_bytes == 16 * 2**30 and store.ttl_s == 60

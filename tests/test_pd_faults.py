@@ -164,3 +164,39 @@ def test_a_full_decode_worker_refuses_clearly_and_keeps_serving(ray_local, tiny_
     ray.get(d.abort.remote("hold"))
     wait_idle(d)
     assert serves(p, d, "after-full")
+
+
+def test_a_transfer_stalled_past_its_timeout_fails_clearly_and_leaks_nothing(ray_local, tiny_qwen2_dir):
+    """D freezes (SIGSTOP) mid-transfer for longer than the transfer timeout, then
+    wakes up: the request ends with an error, nothing is decoded from the partial
+    KV, both sides give back every block and serve the next request."""
+    import os
+    import signal
+
+    p, d = start("prefill", "p-stall", tiny_qwen2_dir), start("decode", "d-stall", tiny_qwen2_dir)
+    d_pid = ray.get(d.__ray_call__.remote(lambda self: os.getpid()))
+    request = GenerateRequest("stalled-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
+    stall_s = OPTIONS.transfer_timeout_s + 3
+
+    async def scenario():
+        call = DisaggregatedCall(p, d, request, "gloo")
+        task = asyncio.ensure_future(consume(call))
+        while call.reservation is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        os.kill(d_pid, signal.SIGSTOP)
+        try:
+            await asyncio.wait({task}, timeout=stall_s)
+        finally:
+            os.kill(d_pid, signal.SIGCONT)
+        return call, await asyncio.wait_for(task, timeout=30)
+
+    started = time.monotonic()
+    call, events = asyncio.run(scenario())
+    assert events[-1].finished and events[-1].error, events[-1]
+    assert not any(e.token_ids for e in events)  # no token from an incomplete transfer
+    assert call.prefill_result is None
+    assert time.monotonic() - started < stall_s + 30
+    wait_idle(p, within_s=15)
+    wait_idle(d, within_s=15)
+    assert serves(p, d, "after-stall")

@@ -1,0 +1,53 @@
+"""The global scheduler's view of the KV store tiers, for cache-aware routing.
+
+Each node's store (a named actor, see actors/kv_store_client.py) reports entry
+events per tier. Host memory and local disk belong to their node: a worker there can
+load them. The shared path belongs to every node: its events, whichever node's store
+saw them, go to one index. A stale entry only costs a worse prediction: the worker
+loads and verifies blocks itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from actors.kv_store import KVStoreSettings
+from actors.kv_store_client import node_store_name
+from cluster.router import PrefixIndex
+
+log = logging.getLogger("tandem.scheduler")
+
+INDEX_CAPACITY_BLOCKS = 1 << 20
+
+
+class StoreIndex:
+    def __init__(self, namespace: bytes, settings: KVStoreSettings) -> None:
+        self.namespace = namespace
+        self.settings = settings
+        self.node_tiers: dict[str, dict[str, PrefixIndex]] = {}  # node id -> tier name -> index
+        self.shared = PrefixIndex(INDEX_CAPACITY_BLOCKS)
+
+    def indexes_for(self, node_id: str) -> list[PrefixIndex]:
+        return [*self.node_tiers.get(node_id, {}).values(), self.shared]
+
+    async def refresh(self, node_ids: set[str]) -> None:
+        """Drain every known node store's events (a store not created yet is skipped)."""
+        for gone in set(self.node_tiers) - node_ids:
+            del self.node_tiers[gone]
+        for node_id in node_ids:
+            name = node_store_name(node_id, self.namespace, self.settings)
+            try:
+                store = ray.get_actor(name, namespace="tandem-kv")
+                events = await store.drain_events.remote()
+            except (ValueError, ray.exceptions.RayError) as exc:
+                log.debug("no KV store events from node %s: %s", node_id, exc)
+                continue
+            self.apply(node_id, events)
+
+    def apply(self, node_id: str, events: dict[str, list[tuple[bool, bytes]]]) -> None:
+        tiers = self.node_tiers.setdefault(node_id, {})
+        for tier, batch in events.items():
+            index = self.shared if tier == "shared" else tiers.setdefault(tier, PrefixIndex(INDEX_CAPACITY_BLOCKS))
+            index.apply(batch)

@@ -1,0 +1,111 @@
+"""The engine's side of the KV store: write-through of computed prompt blocks,
+import of a stored prefix (keys and tokens verified), the hold on imported blocks,
+and outputs identical to a recompute. No Ray: the store lives in-process."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.config import EngineConfig
+from actors.engine import Engine
+from actors.kv_store import KVStore, KVStoreSettings
+from actors.kv_tiers import StoredBlock
+from actors.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model_dir, store=None, num_blocks=64):
+    engine = Engine(model_dir, EngineConfig(block_size=16, prefill_chunk_size=48, num_kv_blocks=num_blocks))
+    if store is not None:
+        engine.block_sink = store.save
+    return engine
+
+
+def run(engine, prompt, request_id, pinned=None):
+    engine.add_request(prompt, GREEDY, request_id, pinned_block_ids=pinned)
+    outputs = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] = output
+    return outputs[request_id]
+
+
+def import_from(engine, store, prompt):
+    hashes, first = engine.prefix_plan(prompt)
+    return engine.import_prefix(prompt, first, store.load(hashes[first:]))
+
+
+@pytest.fixture()
+def prompt():
+    rng = random.Random(3)
+    return [rng.randrange(3, 2000) for _ in range(150)]  # 9 full blocks + 6 tokens
+
+
+def test_write_through_then_import_gives_the_same_output(tiny_qwen2_dir, prompt):
+    store = KVStore(b"unused", KVStoreSettings())
+    writer = make_engine(tiny_qwen2_dir, store)
+    original = run(writer, prompt, "a")
+    assert store.stats().tiers["host"]["stored"] == 9  # full prompt blocks only
+
+    reader = make_engine(tiny_qwen2_dir)  # an empty device pool, the same store
+    held = import_from(reader, store, prompt)
+    assert len(held) == 9 and reader.pool.num_used == 9  # held until admitted
+    again = run(reader, prompt, "b", held)
+    assert again.num_cached_tokens == 9 * 16
+    assert again.token_ids == original.token_ids
+    reader.pool.check()
+    assert reader.pool.num_used == 0
+
+
+def test_blocks_of_other_tokens_are_refused(tiny_qwen2_dir, prompt):
+    store = KVStore(b"unused", KVStoreSettings())
+    run(make_engine(tiny_qwen2_dir, store), prompt, "a")
+    reader = make_engine(tiny_qwen2_dir)
+    hashes, _ = reader.prefix_plan(prompt)
+    blocks = store.load(hashes)
+    forged = [blocks[0], StoredBlock(blocks[1].key, tuple(t + 1 for t in blocks[1].token_ids), blocks[1].kv)]
+    held = reader.import_prefix(prompt, 0, forged + blocks[2:])
+    assert len(held) == 1  # stops at the forged block
+    reader.pool.release(held)
+    assert reader.pool.num_used == 0
+    reader.pool.check()
+
+
+def test_imported_blocks_are_released_when_the_request_fails(tiny_qwen2_dir, prompt):
+    store = KVStore(b"unused", KVStoreSettings())
+    run(make_engine(tiny_qwen2_dir, store), prompt, "a")
+    reader = make_engine(tiny_qwen2_dir)
+    held = import_from(reader, store, prompt)
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        reader.add_request(prompt + [10**6], GREEDY, "bad", pinned_block_ids=held)
+    assert reader.pool.num_used == 0
+    held = import_from(reader, store, prompt)
+    reader.add_request(prompt, GREEDY, "aborted", pinned_block_ids=held)
+    reader.abort("aborted")
+    assert reader.pool.num_used == 0
+    reader.pool.check()
+
+
+def test_held_imports_never_starve_the_head_of_the_queue(tiny_qwen2_dir):
+    """Requests holding imported prefixes wait behind one that needs their blocks."""
+    rng = random.Random(4)
+    store = KVStore(b"unused", KVStoreSettings())
+    prompts = [[rng.randrange(3, 2000) for _ in range(100)] for _ in range(3)]  # 6 full blocks each
+    writer = make_engine(tiny_qwen2_dir, store)
+    for i, p in enumerate(prompts):
+        run(writer, p, f"w{i}")
+    engine = make_engine(tiny_qwen2_dir, num_blocks=16)
+    big = [rng.randrange(3, 2000) for _ in range(200)]  # needs 13 blocks of the 16
+    engine.add_request(big, GREEDY, "head")
+    for i, p in enumerate(prompts[:2]):  # 12 blocks held by two requests behind it
+        engine.add_request(p, GREEDY, f"held{i}", pinned_block_ids=import_from(engine, store, p))
+    finished = set()
+    for _ in range(500):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if not engine.has_unfinished():
+            break
+    assert finished == {"head", "held0", "held1"}
+    engine.pool.check()
