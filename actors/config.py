@@ -100,6 +100,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     enable_prefix_cache: bool = True
+    attention_backend: str = "auto"  # auto: the C++ CPU kernel where it applies; torch: the reference
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -110,6 +111,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
 

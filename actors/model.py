@@ -29,8 +29,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
         super().__init__()
+        self.decode_attention = decode_attention_fn  # see kernels.attention.select_decode_attention
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -56,7 +57,7 @@ class Attention(nn.Module):
             )
         if meta.num_decodes:
             outputs.append(
-                decode_attention(
+                self.decode_attention(
                     q[meta.num_prefill_tokens :],
                     layer_cache,
                     meta.decode_block_tables,
@@ -81,9 +82,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, decode_attention_fn)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -94,10 +95,10 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, decode_attention_fn) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)
@@ -116,10 +117,10 @@ class ForCausalLM(nn.Module):
     """The whole model. `forward` returns hidden states of every token of the step;
     `compute_logits` projects only the rows that will be sampled."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
         super().__init__()
         self.config = config
-        self.model = Model(config)
+        self.model = Model(config, decode_attention_fn)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -19,6 +19,7 @@ from actors.model import ForCausalLM
 from actors.request import TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
+from kernels.attention import select_decode_attention
 from kernels.sampling import logprobs_of, sample
 
 
@@ -39,8 +40,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
+        self.decode_attention = select_decode_attention(config.attention_backend, self.device, dtype)
         with torch.device(self.device):
-            model = ForCausalLM(model_config)
+            model = ForCausalLM(model_config, self.decode_attention)
         model.to(dtype=dtype)
         model.model.rope_cos = model.model.rope_cos.float()
         model.model.rope_sin = model.model.rope_sin.float()

@@ -17,9 +17,13 @@ Two entry points:
 - `decode_attention`: a batch of single-token queries over block tables of different
   lengths.
 Both support grouped-query attention (num_heads a multiple of num_kv_heads).
+`select_decode_attention` picks the C++ CPU kernel (`kernels/cpu_attention.py`) for
+float32 on CPU when it builds, this reference otherwise.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +140,21 @@ def _decode_group(q, layer_cache, block_tables, context_lens, max_len: int, scal
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = scores.float().softmax(dim=-1).to(v.dtype)
     return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(batch, num_heads, head_dim)
+
+
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+def select_decode_attention(backend: str, device: torch.device, dtype: torch.dtype) -> Callable:
+    """`auto`: the CPU kernel where it applies and builds; `torch`: the reference."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from kernels import cpu_attention
+
+        if cpu_attention.load() is not None:
+            return cpu_attention.paged_decode_attention
+    return decode_attention
 
 
 def reference_attention(q, k, v, scale: float) -> torch.Tensor:

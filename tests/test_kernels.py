@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.attention import (
@@ -117,3 +118,31 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     torch.testing.assert_close(chosen, reference[[0, 1], [3, 7]])
     torch.testing.assert_close(top_lps, reference.topk(4).values)
     assert torch.equal(top_ids, reference.topk(4).indices)
+
+
+def test_cpu_decode_kernel_matches_the_reference():
+    """The C++ kernel against the torch reference on a page-first cache view with
+    scattered block tables, GQA, and lengths from one token to several blocks."""
+    from kernels import cpu_attention
+
+    if cpu_attention.load() is None:
+        pytest.skip(f"no C++ toolchain here: {cpu_attention._error}")
+    torch.manual_seed(7)
+    num_layers, num_blocks, block_size, kv_heads, heads, head_dim = 3, 64, 16, 2, 6, 32
+    cache = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim)
+    lengths = torch.tensor([1, 15, 16, 17, 100, 250, 33])
+    tables = torch.stack([torch.randperm(num_blocks)[:16] for _ in lengths])
+    q = torch.randn(len(lengths), heads, head_dim)
+    layer = cache[:, 1]
+    expected = decode_attention(q, layer, tables, lengths, head_dim**-0.5)
+    got = cpu_attention.paged_decode_attention(q, layer, tables, lengths, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_selection():
+    from kernels.attention import select_decode_attention
+
+    assert select_decode_attention("torch", torch.device("cpu"), torch.float32) is decode_attention
+    assert select_decode_attention("auto", torch.device("cpu"), torch.bfloat16) is decode_attention
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_decode_attention("fast", torch.device("cpu"), torch.float32)
