@@ -6,6 +6,10 @@ blocks D lacks. For each candidate D: predicted TBT at the moment that prefill w
 finish, counting the requests D will still be decoding then (those that end sooner
 drop out) plus those whose prefill lands before. A request that no pair can serve
 within the SLO is rejected before any prefill compute is spent on it.
+
+The models start from each worker's start-up profile (pure compute) and then learn
+from what the scheduler observes: every gap between tokens refits D's step model,
+and every first token updates P's TTFT bias (see `observe_token_gap`, `observe_ttft`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Prediction:
     ttft_s: float
     tbt_s: float
     uncached_tokens: int
+    ttft_bias_s: float = 0.0  # the learned part of ttft_s (see WorkerModels.observe_ttft)
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         return self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_slo_s
@@ -75,6 +80,7 @@ class WorkerModels:
         self.inflight: dict[str, InFlight] = {}
         self.transfer_bytes_per_s = 1e9
         self.block_bytes = 0
+        self.ttft_bias_s: dict[str, float] = {}  # per P (or colocated worker), see observe_ttft
 
     def prefill_model(self, worker_id: str) -> LinearCostModel:
         return self.prefill.setdefault(worker_id, LinearCostModel(2))
@@ -85,6 +91,28 @@ class WorkerModels:
     def forget(self, worker_id: str) -> None:
         self.prefill.pop(worker_id, None)
         self.decode.pop(worker_id, None)
+        self.ttft_bias_s.pop(worker_id, None)
+
+    # ---- observations ---------------------------------------------------------------
+    def decode_load(self, decode_id: str) -> tuple[int, int]:
+        """D's batch and KV tokens now, as far as this scheduler knows."""
+        decoding = [r for r in self.inflight.values() if r.decode_id == decode_id and not r.in_prefill]
+        return max(len(decoding), 1), sum(r.num_prompt_tokens + r.num_generated for r in decoding)
+
+    def observe_token_gap(self, decode_id: str, seconds: float) -> None:
+        """A gap between tokens as the scheduler saw it: D's step plus everything on
+        the way (streaming, this replica). Refits D's model on what clients see, so
+        the start-up profile's pure step times stop making TBT look better than it is."""
+        self.decode_model(decode_id).observe(decode_features(*self.decode_load(decode_id)), seconds)
+
+    def observe_ttft(self, prediction: Prediction, observed_s: float) -> None:
+        """Learn P's systematic TTFT error (handshake, Ray calls): an EWMA of
+        observed minus the model's prediction (without the bias), never below
+        zero, added to later predictions."""
+        prefill_id = prediction.prefill_id or prediction.decode_id
+        residual = max(observed_s - (prediction.ttft_s - prediction.ttft_bias_s), 0.0)
+        previous = self.ttft_bias_s.get(prefill_id)
+        self.ttft_bias_s[prefill_id] = residual if previous is None else 0.8 * previous + 0.2 * residual
 
     # ---- predictions ------------------------------------------------------------
     def prefill_s(self, worker_id: str, new_tokens: int, cached_tokens: int) -> float:
@@ -131,5 +159,6 @@ class WorkerModels:
         if prefill_id is not None and self.block_bytes:
             blocks = max(math.ceil(num_prompt_tokens / self.block_size) - decode_cached_blocks, 0)
             transfer = blocks * self.block_bytes / self.transfer_bytes_per_s
-        ttft = queued + prefill + transfer
-        return Prediction(prefill_id, decode_id, ttft, self.tbt_at(decode_id, ttft, num_prompt_tokens), uncached)
+        bias = self.ttft_bias_s.get(prefill_id or decode_id, 0.0)
+        ttft = queued + prefill + transfer + bias
+        return Prediction(prefill_id, decode_id, ttft, self.tbt_at(decode_id, ttft, num_prompt_tokens), uncached, bias)

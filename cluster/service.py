@@ -246,9 +246,11 @@ class GlobalScheduler:
                     if inflight.first_token_s is None:
                         inflight.first_token_s = now
                         self.metrics.observe("ttft_seconds", "time to first token", now - started)
+                        self.models.observe_ttft(choice, now - inflight.admitted_s)
                     elif last_s is not None:
                         gap = (now - last_s) / len(event.token_ids)
                         self.metrics.observe("tbt_seconds", "time between tokens", gap)
+                        self.models.observe_token_gap(choice.decode_id, gap)
                     inflight.num_generated += len(event.token_ids)
                     last_s = now
                 yield event

@@ -65,6 +65,28 @@ def test_tbt_prediction_drops_requests_that_finish_before_the_prefill():
     assert later == pytest.approx(0.02, rel=0.05)  # the short one is done by then
 
 
+def test_observed_token_gaps_refit_the_decode_model():
+    """The profile says 10 ms per step at batch 1; clients see 40 ms: predictions follow."""
+    models = _models()
+    now = time.monotonic()
+    models.inflight["r"] = InFlight("r", "p0", "d0", 100, 500, 0.0, admitted_s=now, first_token_s=now)
+    assert models.tbt_at("d0", 0.0, 0) == pytest.approx(0.02, rel=0.05)  # batch of 2 by the profile
+    for _ in range(300):  # the window forgets the profile
+        models.observe_token_gap("d0", 0.040)
+    assert models.decode_load("d0") == (1, 100)
+    assert models.tbt_at("d0", 0.0, 0) >= 0.040
+
+
+def test_ttft_bias_learns_the_systematic_error_without_compounding():
+    models = _models()
+    for _ in range(50):
+        prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
+        models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
+    assert models.ttft_bias_s["p0"] == pytest.approx(0.3, rel=0.01)
+    assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 0.3, rel=0.05)
+    assert "p1" not in models.ttft_bias_s
+
+
 def test_slo_rejection_says_prediction_and_target():
     error = SloRejected(Prediction("p0", "d0", ttft_s=3.2, tbt_s=0.05, uncached_tokens=100), 2.0, 0.1)
     assert "predicted TTFT 3200 ms exceeds the SLO of 2000 ms" in str(error)
