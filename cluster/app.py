@@ -19,6 +19,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -144,17 +145,27 @@ class Scheduler:
 
     async def _refresh_loop(self) -> None:
         while True:
-            try:
-                await self.service.refresh()
-            except Exception as exc:  # keep refreshing; /health reports not ready
-                log.warning("refresh failed: %s", exc)
-                self.service.ready = False
+            await self._refresh()
             await asyncio.sleep(1.0)
+
+    async def _refresh(self) -> None:
+        """Membership and load from the pool manager. A pool manager that is gone
+        for good (its workers went with it) is replaced: the new one starts fresh
+        pools and /health says "starting" until they are ready."""
+        try:
+            await self.service.refresh()
+        except ray.exceptions.RayActorError as exc:
+            log.warning("pool manager %s is gone (%s); starting a new one", self.settings.pool_name, exc)
+            self.service.ready = False
+            self.pool = self.service.pool = get_or_create_pool(self.settings)
+        except Exception as exc:  # keep refreshing; /health reports not ready
+            log.warning("refresh failed: %s", exc)
+            self.service.ready = False
 
     async def _require_ready(self) -> None:
         self._ensure_refreshing()
         if not self.service.ready:
-            await self.service.refresh()
+            await self._refresh()
         if not self.service.ready:
             raise ApiError(503, "worker pools are starting; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})

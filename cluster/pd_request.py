@@ -43,6 +43,8 @@ class DisaggregatedCall:
         except asyncio.TimeoutError:
             await asyncio.gather(self.decode.abort.remote(request_id, "handshake timed out"), return_exceptions=True)
             raise ReservationRefused(f"handshake with the decode worker timed out after {self.handshake_timeout_s}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDied(f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})") from None
         stream = self.decode.stream.options(num_returns="streaming").remote(request_id)
         prefill_task = asyncio.ensure_future(self._run_prefill())
         finished = False

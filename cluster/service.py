@@ -223,7 +223,7 @@ class GlobalScheduler:
                         return
         except (WorkerDied, ReservationRefused) as exc:
             raise ApiError(503, f"request {request_id} failed: {exc}", kind="service_unavailable") from None
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (task cancelled, or closed us)
             outcome = "cancelled"
             raise
         finally:

@@ -224,6 +224,32 @@ def test_scheduler_replica_restart_keeps_the_pools(base_url):
     assert sorted(m.worker_id for m in pool_members(ARGS["pool_name"])) == before
 
 
+def test_a_killed_pool_manager_is_replaced_and_serving_resumes(base_url):
+    """The pool manager dies for good, and its workers with it: the scheduler starts
+    a new one, /health says starting meanwhile, and requests are served again by new
+    workers; nothing of the old pool is left running."""
+    old = pool_members(ARGS["pool_name"])
+    ray.kill(ray.get_actor(ARGS["pool_name"], namespace="tandem"), no_restart=True)
+    deadline = time.monotonic() + 180
+    response = None
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.post(f"{base_url}/generate", json={"text": "after", "max_new_tokens": 3}, timeout=30)
+            if response.status_code == 200:
+                break
+            assert response.status_code == 503, response.text  # starting: a clear answer, never a 500
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    assert response is not None and response.status_code == 200, response and response.text
+    new = pool_members(ARGS["pool_name"])
+    assert {m.role for m in new} == {"prefill", "decode"}
+    for member in old:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(member.handle.ping.remote(), timeout=30)
+    wait_workers_idle(ARGS["pool_name"])
+
+
 def test_fuzzed_requests_from_the_openapi_schema_never_get_a_5xx(base_url):
     """Hostile input, generated from the server's own OpenAPI schema (schemathesis),
     bounded in count: every answer is < 500 and the server keeps serving."""
