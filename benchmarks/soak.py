@@ -251,7 +251,7 @@ def tables(counts, server, samples, memory, idle, processes) -> str:
         "### soak: memory growth (end of load against the first sample after warm-up)", "",
         report.markdown_table(["process", "role", "baseline MiB", "end MiB", "growth MiB", "growth %", "allowed MiB",
                                "slope MiB/min", "idle MiB", "within"], memory_rows), "",
-        f"### soak: idle check ({idle['after_s']:.1f} s after the last request ended)", "",
+        f"### soak: idle check (idle {idle['after_s']:.1f} s after the clients stopped)", "",
         report.markdown_table(["worker", "used blocks", "reserved", "running", "waiting", "cached blocks",
                                "accounting"], idle_rows),
     ])
