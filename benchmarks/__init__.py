@@ -10,4 +10,5 @@ BENCHMARKS = {
     "serve": "benchmarks.serve",
     "overload": "benchmarks.overload",
     "prefix": "benchmarks.prefix",
+    "soak": "benchmarks.soak",
 }
