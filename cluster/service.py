@@ -212,7 +212,8 @@ class GlobalScheduler:
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
                         if event.error and not got_token and attempt == 0:
-                            exclude.update(w for w in (choice.prefill_id, choice.decode_id) if w)
+                            if choice.decode_id in self.members:  # else D died (reported): P may serve again
+                                exclude.add(choice.prefill_id or choice.decode_id)
                             log.warning("request %s failed before its first token (%s); retrying", request_id, event.error)
                             break
                         got_token = got_token or bool(event.token_ids)

@@ -200,3 +200,32 @@ def test_a_transfer_stalled_past_its_timeout_fails_clearly_and_leaks_nothing(ray
     wait_idle(p, within_s=15)
     wait_idle(d, within_s=15)
     assert serves(p, d, "after-stall")
+
+
+def test_prefill_dies_after_the_transfer_decode_goes_on(ray_local, tiny_qwen2_dir):
+    """Once the KV is in D's blocks, P is no longer needed: its death costs nothing."""
+    p, d = start("prefill", "p-after", tiny_qwen2_dir), start("decode", "d-after", tiny_qwen2_dir)
+    request = GenerateRequest("p-dies-after", list(range(1, 120)), SamplingParams(max_new_tokens=40, ignore_eos=True))
+
+    async def scenario():
+        events = []
+        async for event in DisaggregatedCall(p, d, request, "gloo").events():
+            events.append(event)
+            if len(events) == 1:
+                ray.kill(p)
+        return events
+
+    events = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert events[-1].finished and events[-1].error is None
+    assert sum(len(e.token_ids) for e in events) == 40
+    wait_idle(d)
+
+
+def test_prefill_dead_before_the_request_ends_it_clearly(ray_local, tiny_qwen2_dir):
+    p, d = start("prefill", "p-before", tiny_qwen2_dir), start("decode", "d-before", tiny_qwen2_dir)
+    ray.kill(p)
+    request = GenerateRequest("p-dead-before", list(range(1, 120)), SamplingParams(max_new_tokens=4))
+    events = asyncio.run(asyncio.wait_for(consume(DisaggregatedCall(p, d, request, "gloo")), timeout=60))
+    assert events[-1].finished and events[-1].error and not any(e.token_ids for e in events)
+    wait_idle(d)
+    assert serves(start("prefill", "p-instead", tiny_qwen2_dir), d, "after-p-dead-before")

@@ -22,6 +22,7 @@ ARGS = {
     "mode": "disaggregated",
     "channel": "gloo",
     "engine": ENGINE,
+    "prefill": {"replicas": 2},
     "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200, "max_stop_sequences": 2, "max_body_bytes": 100_000},
     "pool_name": "test-pool-main",
 }
@@ -204,6 +205,23 @@ def test_client_disconnect_frees_both_workers(base_url):
             if index >= 4:
                 break
     wait_workers_idle(ARGS["pool_name"])
+
+
+def test_requests_right_after_a_prefill_worker_dies_are_retried_and_served(base_url):
+    """A P dies while the scheduler still lists it: a request that lands on it fails
+    before its first token and is retried on the other P; every request is served."""
+    victim = next(m for m in pool_members(ARGS["pool_name"]) if m.role == "prefill")
+    ray.kill(victim.handle)
+    for index in range(4):
+        body = {"text": f"right after {index}", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        response = httpx.post(f"{base_url}/generate", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["output_ids"]) == 3
+    deadline = time.monotonic() + 120  # the pool replaces the dead P
+    while {m.worker_id for m in pool_members(ARGS["pool_name"]) if m.role == "prefill"} & {victim.worker_id}:
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    wait_workers_idle(ARGS["pool_name"], timeout_s=60)
 
 
 def test_scheduler_replica_restart_keeps_the_pools(base_url):
