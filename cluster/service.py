@@ -3,7 +3,9 @@ early, pair P with D, run the request, retry once before the first token.
 
 One instance per Serve replica. Worker membership comes from the pool manager; load
 figures from the workers' stats (polled) and from this scheduler's own bookkeeping
-of what it admitted (`WorkerModels.inflight`).
+of what it admitted (`WorkerModels.inflight`). Draining members get no new requests.
+Each refresh sends the pool manager a report for its autoscaler
+(cluster/scaling_signals.py): SLO outcomes, backlog and requests in flight.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 
 import ray
 
@@ -26,6 +29,7 @@ from cluster.cost_model import decode_features, prefill_features
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy
+from cluster.scaling_signals import OutcomeRecorder
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -47,6 +51,7 @@ class GlobalScheduler:
         self.profiled: set[str] = set()
         self.ready = False
         self._ids = itertools.count()
+        self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
 
     # ---- membership and load ------------------------------------------------------
     async def refresh(self) -> None:
@@ -78,6 +83,11 @@ class GlobalScheduler:
         roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled}
         needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
         self.ready = needed <= roles
+        draining = [m.worker_id for m in members if m.draining]
+        try:
+            await self.pool.report.remote(self.outcomes.report(list(self.models.inflight.values()), draining))
+        except ray.exceptions.RayError as exc:  # the autoscaler misses one report; serving goes on
+            log.warning("could not report to the pool manager: %s", exc)
 
     async def _profile_new(self, members) -> None:
         for member in members:
@@ -104,7 +114,8 @@ class GlobalScheduler:
             log.warning("could not report dead worker %s: %s", worker_id, exc)
 
     def _role(self, role: str, exclude: set[str]) -> list[str]:
-        return [w for w, m in self.members.items() if m.role == role and w in self.profiled and w not in exclude]
+        return [w for w, m in self.members.items()
+                if m.role == role and not m.draining and w in self.profiled and w not in exclude]
 
     # ---- validation -----------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -184,16 +195,20 @@ class GlobalScheduler:
         first pair fails before the first token."""
         request_id = request_id or f"tandem-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
         started = time.monotonic()
+        timer = self.outcomes.timer(started)
         exclude: set[str] = set()
         outcome = "error"
         try:
             for attempt in range(2):
                 try:
                     choice = self.plan(prompt_ids, exclude)
-                except SloRejected:
+                except SloRejected as exc:
                     outcome = "rejected"
                     self.metrics.inc("rejections_total", "requests rejected early by SLO admission")
+                    slo = self.settings.slo
+                    self.outcomes.rejected(exc.best.ttft_s > slo.ttft_ms / 1e3, exc.best.tbt_s > slo.tbt_ms / 1e3)
                     raise
+                self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 got_token = False
                 run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, started)
                 deadline = started + self.settings.limits.request_timeout_s
@@ -204,6 +219,7 @@ class GlobalScheduler:
                             log.warning("request %s failed before its first token (%s); retrying", request_id, event.error)
                             break
                         got_token = got_token or bool(event.token_ids)
+                        timer.tokens(len(event.token_ids), time.monotonic())
                         if event.finished:
                             outcome = "error" if event.error else "ok"
                         yield event
@@ -215,6 +231,7 @@ class GlobalScheduler:
             outcome = "cancelled"
             raise
         finally:
+            timer.end(outcome)
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
             self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)
 
