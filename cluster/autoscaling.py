@@ -10,11 +10,13 @@ their own clock.
 - Prefill (`PrefillScaling`): up when the TTFT attainment of the window falls
   below the SLO target, or when the queued prompt tokens per prefill worker exceed
   `prefill_backlog_up_tokens`; down when attainment is at least target + margin
-  (or unknown: too few requests), the backlog per worker is under
-  `prefill_backlog_down_tokens`, and one worker fewer would still stay under the
-  up threshold.
+  (or unknown: too few requests), the backlog per worker stayed under
+  `prefill_backlog_down_tokens` for the whole window (its peak), and one worker
+  fewer would have stayed under the up threshold.
 - Decode (`DecodeScaling`): the same shape with TBT attainment and the fraction of
-  the pool's KV blocks in use (`kv_usage_up` / `kv_usage_down`).
+  the pool's KV blocks in use by requests past their prefill (`kv_usage_up` /
+  `kv_usage_down`; blocks reserved for prompts still in prefill are the prefill
+  pool's backlog, see cluster/scaling_signals.py).
 
 Rules shared by both (`ScalingPolicy`):
 - Bounds: never above `max_size` nor below `min_size` (outside them: one step
@@ -25,7 +27,10 @@ Rules shared by both (`ScalingPolicy`):
   a worker starting or draining: up needs `scale_up_cooldown_s`, down needs
   `scale_down_cooldown_s` (long: at most one scale-down in that time after a
   scale-up).
-- Hysteresis: separate up and down thresholds; between them the pool holds.
+- Hysteresis: separate up and down thresholds; between them the pool holds. Up
+  reacts to the load now, down to its peak over the window: a load that comes in
+  waves (clients that start together and end together) must be low for a whole
+  window before a worker goes.
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ class PoolObservation:
     attainment: float | None = None  # of this pool's SLO figure over the window; None: too few outcomes
     num_samples: int = 0  # outcomes behind `attainment`
     backlog_tokens: int = 0  # prefill: prompt tokens admitted to the pool and not yet prefilled
-    kv_blocks_used: int = 0  # decode: KV blocks in use over the serving workers
+    kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, over the serving workers
     kv_blocks_total: int = 0  # decode: KV blocks over the serving workers
+    backlog_tokens_peak: int = 0  # the highest backlog_tokens over the window
+    kv_blocks_used_peak: int = 0  # the highest kv_blocks_used over the window
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ class PrefillScaling(ScalingPolicy):
         low = self._attainment_low(obs)
         if low is not None:
             return low
-        per_worker = obs.backlog_tokens / obs.num_serving
+        per_worker = obs.backlog_tokens / max(obs.num_serving, 1)
         if per_worker > self.knobs.prefill_backlog_up_tokens:
             return ("prefill_backlog", f"prefill backlog {per_worker:.0f} tokens per worker above "
                                        f"{self.knobs.prefill_backlog_up_tokens}")
@@ -151,12 +158,13 @@ class PrefillScaling(ScalingPolicy):
 
     def relief(self, obs):
         attained = self._attainment_high(obs)
-        per_worker = obs.backlog_tokens / obs.num_serving
-        one_fewer = obs.backlog_tokens / (obs.num_serving - 1)
+        peak = max(obs.backlog_tokens, obs.backlog_tokens_peak)
+        per_worker = peak / obs.num_serving
+        one_fewer = peak / (obs.num_serving - 1) if obs.num_serving > 1 else (math.inf if peak else 0.0)
         if (attained is None or per_worker >= self.knobs.prefill_backlog_down_tokens
                 or one_fewer > self.knobs.prefill_backlog_up_tokens):
             return None
-        return f"{attained}; prefill backlog {per_worker:.0f} tokens per worker"
+        return f"{attained}; prefill backlog at most {per_worker:.0f} tokens per worker over the window"
 
 
 class DecodeScaling(ScalingPolicy):
@@ -174,11 +182,13 @@ class DecodeScaling(ScalingPolicy):
 
     def relief(self, obs):
         attained = self._attainment_high(obs)
-        usage = obs.kv_blocks_used / obs.kv_blocks_total if obs.kv_blocks_total else 0.0
-        one_fewer = usage * obs.num_serving / (obs.num_serving - 1)
+        peak = max(obs.kv_blocks_used, obs.kv_blocks_used_peak)
+        usage = peak / obs.kv_blocks_total if obs.kv_blocks_total else 0.0
+        one_fewer = (usage * obs.num_serving / (obs.num_serving - 1) if obs.num_serving > 1
+                     else (math.inf if peak else 0.0))
         if attained is None or usage >= self.knobs.kv_usage_down or one_fewer > self.knobs.kv_usage_up:
             return None
-        return f"{attained}; KV blocks {usage:.0%} in use"
+        return f"{attained}; KV blocks at most {usage:.0%} in use over the window"
 
 
 POLICIES = {cls.role: cls for cls in (PrefillScaling, DecodeScaling)}

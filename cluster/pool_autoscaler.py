@@ -66,6 +66,17 @@ class _Track:
     stats: WorkerStats | None = None
 
 
+def log_to_stderr() -> None:
+    """Scaling events at INFO on stderr (the actor's log file; the driver's console
+    with `log_to_driver`). A plain actor has no handler for them otherwise."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 class PoolAutoscaler:
     stats_timeout_s = 10.0
 
@@ -79,6 +90,7 @@ class PoolAutoscaler:
         self.policies = {role: make_policy(role, getattr(settings, role), self.knobs, slo.attainment)
                          for role in roles if getattr(settings, role).autoscales}
         self.tracks: dict[str, _Track] = {}
+        self.history: dict[str, deque[tuple[float, int, int]]] = {role: deque() for role in roles}  # load per step
         self.events: deque[ScalingEvent] = deque(maxlen=MAX_EVENTS)
         self.num_events = 0  # ever recorded (the index of the next one)
         self.metrics = PoolMetrics()
@@ -181,12 +193,19 @@ class PoolAutoscaler:
         since = policy.settled_s if policy is not None else float("-inf")
         attainment, num_samples = (self.signals.attainment(FIGURE[role], now, since, self.knobs.min_samples)
                                    if role in FIGURE else (None, 0))
-        stats = [tracks[w].stats for w in serving if tracks[w].stats is not None]
+        stats = {w: tracks[w].stats for w in serving if tracks[w].stats is not None}
+        # Blocks reserved for prompts still in prefill measure the prefill backlog, not decode load.
+        decoding = sum(max(s.num_used_blocks - self.signals.awaiting_kv_blocks(w, now), 0) for w, s in stats.items())
+        backlog = self.signals.backlog_tokens(serving, now) if role == "prefill" else 0
+        history = self.history[role]
+        history.append((now, backlog, decoding))
+        while history[0][0] < now - self.knobs.window_s:
+            history.popleft()
         return PoolObservation(
             num_serving=len(serving), num_starting=len(starting), num_draining=len(draining),
-            attainment=attainment, num_samples=num_samples,
-            backlog_tokens=self.signals.backlog_tokens(serving, now) if role == "prefill" else 0,
-            kv_blocks_used=sum(s.num_used_blocks for s in stats), kv_blocks_total=sum(s.num_blocks for s in stats))
+            attainment=attainment, num_samples=num_samples, backlog_tokens=backlog,
+            kv_blocks_used=decoding, kv_blocks_total=sum(s.num_blocks for s in stats.values()),
+            backlog_tokens_peak=max(b for _, b, _ in history), kv_blocks_used_peak=max(k for _, _, k in history))
 
     def _export(self, role: str, obs: PoolObservation) -> None:
         self.metrics.pool(role, obs.num_serving, obs.num_starting, obs.num_draining)

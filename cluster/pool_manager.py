@@ -26,7 +26,7 @@ import ray
 
 from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
-from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent
+from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
 from cluster.scaling_signals import SchedulerReport
 from cluster.workers import start_worker
 
@@ -46,6 +46,7 @@ class PoolManager:
     health_timeout_s = 30.0  # a worker busy loading or computing still answers pings
 
     def __init__(self, settings: dict) -> None:
+        log_to_stderr()
         self.settings = AppSettings.model_validate(settings)
         self.members: dict[str, Member] = {}
         self.num_replaced = 0

@@ -21,6 +21,10 @@ Definitions:
   fewer than two tokens has none.
 - Backlog of a prefill worker: the prompt tokens of the requests admitted to it
   whose first token has not come yet (queued or in prefill).
+- Blocks awaiting KV on a decode worker: what it reserved in the handshake for
+  requests still in prefill (prompt plus one token, in whole blocks). The decode
+  policy subtracts them from the blocks in use: they measure the prefill backlog,
+  which another decode worker would not shorten.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class SchedulerReport:
     backlog_tokens: dict[str, int] = field(default_factory=dict)  # prefill worker -> tokens
     inflight: dict[str, int] = field(default_factory=dict)  # worker -> requests in flight there now
     routed: dict[str, int] = field(default_factory=dict)  # worker -> requests sent there since the last report
+    awaiting_kv_blocks: dict[str, int] = field(default_factory=dict)  # decode worker -> blocks reserved for prefills
     draining: frozenset[str] = frozenset()  # workers this replica knows are draining (routes nothing new there)
 
 
@@ -99,19 +104,25 @@ class OutcomeRecorder:
             if worker_id is not None:
                 self._routed[worker_id] = self._routed.get(worker_id, 0) + 1
 
-    def report(self, inflight: Iterable, draining: Iterable[str] = ()) -> SchedulerReport:
+    def report(self, inflight: Iterable, draining: Iterable[str] = (), block_size: int = 16) -> SchedulerReport:
         """What accumulated since the last report (then cleared), with the backlog
         and in-flight counts of `inflight` (cluster.admission.InFlight records) and
         the workers the scheduler already treats as draining."""
         backlog: dict[str, int] = {}
         counts: dict[str, int] = {}
+        awaiting: dict[str, int] = {}
         for request in inflight:
             if request.in_prefill and request.prefill_id is not None:
                 backlog[request.prefill_id] = backlog.get(request.prefill_id, 0) + request.num_prompt_tokens
+                blocks = -(-(request.num_prompt_tokens + 1) // block_size)
+                awaiting[request.decode_id] = awaiting.get(request.decode_id, 0) + blocks
             for worker_id in {request.prefill_id if request.in_prefill else None, request.decode_id} - {None}:
                 counts[worker_id] = counts.get(worker_id, 0) + 1
-        report = SchedulerReport(self.replica_id, tuple(self._ttft), tuple(self._tbt), self._rejected["ttft"],
-                                 self._rejected["tbt"], backlog, counts, dict(self._routed), frozenset(draining))
+        report = SchedulerReport(
+            self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
+            num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
+            backlog_tokens=backlog, inflight=counts, routed=dict(self._routed), draining=frozenset(draining),
+            awaiting_kv_blocks=awaiting)
         self._ttft, self._tbt, self._routed = [], [], {}
         self._rejected = {"ttft": 0, "tbt": 0}
         return report
@@ -164,6 +175,10 @@ class SignalBook:
         ids = set(worker_ids)
         return sum(tokens for rep in self._replicas.values()
                    for worker_id, tokens in rep.report.backlog_tokens.items() if worker_id in ids)
+
+    def awaiting_kv_blocks(self, worker_id: str, now_s: float) -> int:
+        self._prune(now_s)
+        return sum(rep.report.awaiting_kv_blocks.get(worker_id, 0) for rep in self._replicas.values())
 
     def inflight(self, worker_id: str, now_s: float) -> int:
         self._prune(now_s)

@@ -85,7 +85,8 @@ class GlobalScheduler:
         self.ready = needed <= roles
         draining = [m.worker_id for m in members if m.draining]
         try:
-            await self.pool.report.remote(self.outcomes.report(list(self.models.inflight.values()), draining))
+            report = self.outcomes.report(list(self.models.inflight.values()), draining, self.block_size)
+            await self.pool.report.remote(report)
         except ray.exceptions.RayError as exc:  # the autoscaler misses one report; serving goes on
             log.warning("could not report to the pool manager: %s", exc)
 

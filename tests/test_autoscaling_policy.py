@@ -129,6 +129,17 @@ def test_decode_scale_down_when_kv_would_still_fit_in_one_fewer():
                            0.0).action is Action.HOLD
 
 
+def test_scale_down_needs_the_load_low_over_the_whole_window():
+    """Clients that start and end together: KV use dips to 1% between waves. The
+    dip alone must not take a worker away; its peak over the window decides."""
+    dip = PoolObservation(num_serving=2, kv_blocks_used=20, kv_blocks_total=2000, kv_blocks_used_peak=600)
+    assert decode().decide(dip, 0.0).action is Action.HOLD
+    quiet = PoolObservation(num_serving=2, kv_blocks_used=20, kv_blocks_total=2000, kv_blocks_used_peak=40)
+    assert decode().decide(quiet, 0.0).action is Action.DOWN
+    lull = PoolObservation(num_serving=2, backlog_tokens=0, backlog_tokens_peak=9000)
+    assert prefill().decide(lull, 0.0).action is Action.HOLD
+
+
 def test_prefill_ignores_kv_usage():
     full_kv = PoolObservation(num_serving=1, kv_blocks_used=1000, kv_blocks_total=1000)
     assert prefill().decide(full_kv, 0.0).action is Action.HOLD
