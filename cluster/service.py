@@ -146,6 +146,10 @@ class GlobalScheduler:
         hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
         needed_blocks = -(-(len(prompt_ids) + 1) // self.block_size)
+        inflight: dict[str, int] = {}
+        for request in self.models.inflight.values():
+            for worker_id in {request.prefill_id, request.decode_id} - {None}:
+                inflight[worker_id] = inflight.get(worker_id, 0) + 1
         if self.settings.mode == "colocated":
             candidates = [
                 self.models.predict(None, c, len(prompt_ids), self._cached_tokens(c, usable_hashes))
@@ -155,6 +159,7 @@ class GlobalScheduler:
             decodes = [d for d in self._role("decode", exclude) if self._headroom(d) >= needed_blocks]
             if not decodes:
                 decodes = self._role("decode", exclude)
+            tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             candidates = []
             for p in self._role("prefill", exclude):
                 cached = self._cached_tokens(p, usable_hashes)
@@ -162,16 +167,15 @@ class GlobalScheduler:
                     self.models.predict(p, d, len(prompt_ids), cached, self.prefix[d].match(usable_hashes))
                     for d in decodes
                 ]
+                # D: within the TBT SLO, the least busy (so a new decode worker takes
+                # requests even if its start-up profile came out slower); else the fastest.
                 if per_d:
-                    candidates.append(min(per_d, key=lambda c: (c.tbt_s, -self._headroom(c.decode_id))))
+                    candidates.append(min(per_d, key=lambda c: (c.tbt_s > tbt_slo_s, inflight.get(c.decode_id, 0),
+                                                                -self._headroom(c.decode_id), c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
         queued = {w: self.models.queued_prefill_s(w) for w in self.members}
-        inflight: dict[str, int] = {}
-        for request in self.models.inflight.values():
-            for worker_id in {request.prefill_id, request.decode_id} - {None}:
-                inflight[worker_id] = inflight.get(worker_id, 0) + 1
         choice = self.policy.choose(candidates, queued, inflight)
         slo = self.settings.slo
         if slo.early_rejection and not choice.meets(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3):
