@@ -100,6 +100,12 @@ class PoolAutoscaler:
         self.tracks[member.worker_id] = _Track(self.clock(), member.handle.ping.remote().future())
         self.record(member.role, "started", member.worker_id)
 
+    def is_ready(self, worker_id: str) -> bool:
+        track = self.tracks.get(worker_id)
+        if track is None:
+            return False
+        return track.ready_s is not None or (track.ready.done() and track.ready.exception() is None)
+
     def on_gone(self, worker_id: str) -> None:
         self.tracks.pop(worker_id, None)
 

@@ -107,8 +107,11 @@ class PoolManager:
                     await self.report_dead(member.worker_id)
 
     async def list_members(self) -> list[Member]:
+        """Members that answered their first ping, draining ones included (flagged).
+        A worker still starting (its node launching, its model loading) is left
+        out, so no caller blocks on an actor that is not up yet."""
         self._ensure_health_loop()
-        return list(self.members.values())
+        return [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]
 
     async def wait_ready(self, timeout_s: float) -> list[Member]:
         """Members once every one answers a ping (raises on timeout)."""

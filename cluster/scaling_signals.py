@@ -135,7 +135,7 @@ class _Replica:
 
 
 class SignalBook:
-    def __init__(self, ttft_slo_s: float, tbt_slo_s: float, window_s: float, stale_after_s: float = 10.0) -> None:
+    def __init__(self, ttft_slo_s: float, tbt_slo_s: float, window_s: float, stale_after_s: float = 30.0) -> None:
         self.slo_s = {"ttft": ttft_slo_s, "tbt": tbt_slo_s}
         self.window_s = window_s
         self.stale_after_s = stale_after_s
