@@ -9,4 +9,5 @@ BENCHMARKS = {
     "transfer": "benchmarks.transfer",
     "serve": "benchmarks.serve",
     "overload": "benchmarks.overload",
+    "autoscale": "benchmarks.autoscale",
 }
