@@ -132,6 +132,7 @@ def scale_downs_after_ups(events: Sequence[Event], horizon_s: float = 60.0) -> d
     """Per pool: the most scale-down decisions within `horizon_s` after one scale-up."""
     out: dict[str, int] = {}
     for up in (e for e in events if e.kind == "up"):
-        downs = sum(1 for e in events if e.kind == "down" and e.role == up.role and up.t_s < e.t_s <= up.t_s + horizon_s)
+        downs = sum(1 for e in events
+                    if e.kind == "down" and e.role == up.role and up.t_s < e.t_s <= up.t_s + horizon_s)
         out[up.role] = max(out.get(up.role, 0), downs)
     return out

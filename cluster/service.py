@@ -87,7 +87,8 @@ class GlobalScheduler:
         try:
             report = self.outcomes.report(list(self.models.inflight.values()), draining, self.block_size)
             await self.pool.report.remote(report)
-        except ray.exceptions.RayError as exc:  # the autoscaler misses one report; serving goes on
+        except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on
+            # AttributeError: a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
 
     async def _profile_new(self, members) -> None:
