@@ -44,6 +44,7 @@ class Member:
 class PoolManager:
     health_interval_s = 2.0
     health_timeout_s = 30.0  # a worker busy loading or computing still answers pings
+    initial_wait_s = 30.0
 
     def __init__(self, settings: dict) -> None:
         log_to_stderr()
@@ -53,6 +54,7 @@ class PoolManager:
         self._ids = itertools.count()
         self._health_task: asyncio.Task | None = None
         self._control_task: asyncio.Task | None = None
+        self._initial_ready = False
         self.options = WorkerOptions(
             transfer_timeout_s=self.settings.timeouts.transfer_s,
             reservation_ttl_s=self.settings.timeouts.reservation_ttl_s,
@@ -108,9 +110,17 @@ class PoolManager:
 
     async def list_members(self) -> list[Member]:
         """Members that answered their first ping, draining ones included (flagged).
-        A worker still starting (its node launching, its model loading) is left
-        out, so no caller blocks on an actor that is not up yet."""
+        A worker started later (scale-up, replacement) is left out while it starts,
+        so no caller waits on an actor whose node is launching. The first call
+        waits up to `initial_wait_s` for every initial worker, so a scheduler
+        reports ready with the whole pool; a slower one joins when it is up."""
         self._ensure_health_loop()
+        if not self._initial_ready:
+            try:
+                await self.wait_ready(self.initial_wait_s)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):  # slow or dead: list what is up
+                pass
+            self._initial_ready = True
         return [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]
 
     async def wait_ready(self, timeout_s: float) -> list[Member]:

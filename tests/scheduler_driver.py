@@ -46,11 +46,13 @@ async def refreshing(scheduler: GlobalScheduler, interval_s: float = 1.0):
             await task
 
 
-async def wait_ready(scheduler: GlobalScheduler, timeout_s: float) -> None:
+async def wait_ready(scheduler: GlobalScheduler, timeout_s: float, workers: int = 0) -> None:
+    """Until the scheduler is ready and routes to at least `workers` workers (it
+    is ready with one of each role; the others may still be starting)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while not scheduler.ready:
+    while not scheduler.ready or len(scheduler.profiled & set(scheduler.members)) < workers:
         if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"scheduler not ready within {timeout_s:.0f} s")
+            raise TimeoutError(f"scheduler not ready with {workers} workers within {timeout_s:.0f} s")
         await asyncio.sleep(0.2)
 
 

@@ -39,7 +39,7 @@ async def _events_of(pool, kind: str, worker_id: str, timeout_s: float):
 async def _scenario(pool, settings):
     scheduler = build_scheduler(settings, pool)
     async with refreshing(scheduler, interval_s=0.5):
-        await wait_ready(scheduler, timeout_s=180)
+        await wait_ready(scheduler, timeout_s=180, workers=3)
         long_request = asyncio.ensure_future(complete(scheduler, list(range(3, 43)), LONG))
         while not any(r.num_generated > 3 for r in scheduler.models.inflight.values()):
             await asyncio.sleep(0.01)
