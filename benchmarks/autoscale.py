@@ -40,6 +40,7 @@ import argparse
 import os
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks import report
@@ -300,6 +301,7 @@ def main(args: argparse.Namespace) -> None:
              for role in ROLES}
     served = [f"{role} {r['breach_to_serving_s']:.1f} s" for role, r in first.items() if r]
     failed = sum(r.status != "ok" for r in records)
+    failures = Counter(f"{r.status}: {(r.error or '')[:160]}" for r in records if r.status != "ok")
     figure = (f"breach to new worker serving: {', '.join(served) or 'no scale-up served'}; "
               f"scale-downs within 60 s of a scale-up: {max(downs.values(), default=0)}; "
               f"{len(records) - failed}/{len(records)} requests ok; back to min "
@@ -312,7 +314,7 @@ def main(args: argparse.Namespace) -> None:
         "calibration": calibration, "settings": settings, "workload": work.describe(),
         "phases": phases, "reactions": reactions, "scale_downs_within_60s_of_up": downs,
         "settled_after_load_s": settled_after_s, "load_end_s": load_end_s,
-        "num_failed": failed, "bins": rows, "pool_sizes": sizes,
+        "num_failed": failed, "failures": dict(failures.most_common(10)), "bins": rows, "pool_sizes": sizes,
         "events": [e.__dict__ for e in events], "plot": str(plot), "table": str(out.with_suffix(".md")),
         "conditions": {"loadavg_1m_before": load_before, "loadavg_1m_after": report.machine_info().get("loadavg_1m")},
         "machine": report.machine_info(),
