@@ -31,8 +31,7 @@ def test_prefill_and_decode_pools_grow_on_their_own_load_and_shrink_when_it_stop
     # Every request completed, with all its tokens.
     assert prefill["num_requests"] > 0 and prefill["num_failed"] == 0, prefill["failed"]
     assert decode["num_requests"] > 0 and decode["num_failed"] == 0, decode["failed"]
-    # Back to min (1 P, 1 D, one node each) once the load stopped; drains leaked nothing.
-    assert result["phases"]["idle"]["seconds"] < 120
+    # Back to min (1 P, 1 D, one node each: the check waits for it) and the drains leaked nothing.
     assert {role for role, _, _ in result["drained"]} == {"prefill", "decode"}
     assert all(used == 0 and "accounting ok" in reason for _, used, reason in result["drained"]), result["drained"]
     # The pool manager's metrics reach the Ray metrics port under the catalogued names.
