@@ -39,6 +39,8 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:

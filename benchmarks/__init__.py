@@ -11,4 +11,5 @@ BENCHMARKS = {
     "overload": "benchmarks.overload",
     "prefix": "benchmarks.prefix",
     "soak": "benchmarks.soak",
+    "autoscale": "benchmarks.autoscale",
 }

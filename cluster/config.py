@@ -7,11 +7,15 @@ Serve boundary; cross-field checks here, frozen engine dataclasses inside).
       channel: gloo                           # gloo | object_store | nccl
       routing: cache_aware                    # round_robin | least_load | cache_aware
       engine: {block_size: 16, prefill_chunk_size: 256, num_kv_blocks: 2048}
-      prefill: {replicas: 1, num_cpus: 1, label_selector: {tandem/role: prefill}}
+      prefill: {replicas: 1, min_replicas: 1, max_replicas: 4, num_cpus: 1, label_selector: {tandem/role: prefill}}
       decode: {replicas: 1, num_cpus: 1, label_selector: {tandem/role: decode}}
       slo: {ttft_ms: 2000, tbt_ms: 200, attainment: 0.9}
+      autoscaling: {scale_down_cooldown_s: 60, kv_usage_up: 0.8}   # see AutoscalingSettings
       limits: {max_prompt_tokens: 1536, max_new_tokens: 512}
       kv_store: {host_gib: 2, disk_path: /var/tmp/tandem-kv, shared_path: /mnt/kv}   # optional
+
+A pool's `replicas` is its initial size; it autoscales between `min_replicas` and
+`max_replicas` (both default to `replicas`: a fixed pool) - see cluster/autoscaling.py.
 """
 
 from __future__ import annotations
@@ -72,10 +76,34 @@ class EngineSettings(_Strict):
 
 
 class PoolSettings(_Strict):
-    replicas: int = Field(1, ge=0)
+    replicas: int = Field(1, ge=0)  # the initial size
+    min_replicas: int | None = Field(None, ge=0)  # None: `replicas`
+    max_replicas: int | None = Field(None, ge=0)  # None: `replicas`
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     label_selector: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _initial_within_bounds(self):
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_size > self.max_size:
+            raise ValueError(f"min_replicas ({self.min_size}) is above max_replicas ({self.max_size})")
+        if self.replicas > self.max_size:
+            raise ValueError(f"replicas ({self.replicas}, the initial size) is above max_replicas ({self.max_size})")
+        if self.replicas < self.min_size:
+            raise ValueError(f"replicas ({self.replicas}, the initial size) is below min_replicas ({self.min_size})")
+        return self
+
+    @property
+    def min_size(self) -> int:
+        return self.replicas if self.min_replicas is None else self.min_replicas
+
+    @property
+    def max_size(self) -> int:
+        return self.replicas if self.max_replicas is None else self.max_replicas
+
+    @property
+    def autoscales(self) -> bool:
+        return self.max_size > self.min_size
 
 
 class SloSettings(_Strict):
@@ -83,6 +111,34 @@ class SloSettings(_Strict):
     tbt_ms: float = Field(500.0, gt=0)
     attainment: float = Field(0.9, gt=0, le=1)
     early_rejection: bool = True
+
+
+class AutoscalingSettings(_Strict):
+    """The knobs of every pool's scaling policy (cluster/autoscaling.py) and of the
+    pool manager's loop that runs it. Thresholds come in (up, down) pairs: between
+    them the pool holds (hysteresis)."""
+
+    interval_s: float = Field(2.0, gt=0)  # how often each pool's policy decides
+    window_s: float = Field(30.0, gt=0)  # SLO attainment over the outcomes of the last window_s
+    min_samples: int = Field(5, ge=1)  # fewer outcomes in the window: attainment unknown
+    scale_down_margin: float = Field(0.05, ge=0, le=1)  # down only at attainment >= target + margin
+    scale_up_cooldown_s: float = Field(10.0, ge=0)  # since the pool last had a worker starting or draining
+    scale_down_cooldown_s: float = Field(60.0, ge=0)
+    prefill_backlog_up_tokens: int = Field(4096, ge=1)  # queued prompt tokens per prefill worker
+    prefill_backlog_down_tokens: int = Field(512, ge=0)
+    kv_usage_up: float = Field(0.8, gt=0, le=1)  # fraction of the decode pool's KV blocks in use
+    kv_usage_down: float = Field(0.3, ge=0, lt=1)
+    drain_grace_s: float = Field(5.0, ge=0)  # a draining worker lives at least this long (schedulers catch up)
+    drain_timeout_s: float = Field(600.0, gt=0)  # then it is killed even with requests in flight
+    start_timeout_s: float = Field(600.0, gt=0)  # a new worker not ready by then is given up
+
+    @model_validator(mode="after")
+    def _down_below_up(self):
+        if self.prefill_backlog_down_tokens >= self.prefill_backlog_up_tokens:
+            raise ValueError("prefill_backlog_down_tokens must be below prefill_backlog_up_tokens")
+        if self.kv_usage_down >= self.kv_usage_up:
+            raise ValueError("kv_usage_down must be below kv_usage_up")
+        return self
 
 
 class LimitSettings(_Strict):
@@ -142,6 +198,7 @@ class AppSettings(_Strict):
     decode: PoolSettings = PoolSettings(label_selector={})
     colocated: PoolSettings = PoolSettings(replicas=0)
     slo: SloSettings = SloSettings()
+    autoscaling: AutoscalingSettings = AutoscalingSettings()
     limits: LimitSettings = LimitSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     kv_store: KVStoreSection | None = None
@@ -150,12 +207,15 @@ class AppSettings(_Strict):
 
     @model_validator(mode="after")
     def _pools_fit_mode(self):
-        if self.mode == "disaggregated" and (self.prefill.replicas < 1 or self.decode.replicas < 1):
-            raise ValueError("disaggregated mode needs prefill.replicas >= 1 and decode.replicas >= 1")
+        if self.mode == "disaggregated" and (self.prefill.min_size < 1 or self.decode.min_size < 1):
+            raise ValueError("disaggregated mode needs prefill.replicas >= 1 and decode.replicas >= 1 "
+                             "(and min_replicas >= 1)")
         if self.mode == "colocated" and self.colocated.replicas < 1:
             raise ValueError("colocated mode needs colocated.replicas >= 1")
         if self.channel == "store" and (self.kv_store is None or self.kv_store.shared_path is None):
             raise ValueError("channel: store moves KV through the shared path: set kv_store.shared_path")
+        if self.colocated.autoscales:
+            raise ValueError("colocated.min_replicas/max_replicas: only the prefill and decode pools autoscale")
         if self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9):
             raise ValueError("limits.max_prompt_tokens must leave room for one new token within engine.max_model_len")
         return self

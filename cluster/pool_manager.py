@@ -3,23 +3,31 @@ P and D pools outlive any scheduler replica (actors a Serve replica creates die
 with it; see RAY_NOTES.md).
 
 Scheduler replicas find it by name (`get_or_create_pool`), ask for the members and
-their handles, and report dead workers. The manager also runs its own health loop
-(a ping per worker every `health_interval_s`) and replaces what died, so a pool
-heals even with no scheduler running. Placement
-follows each pool's settings: `num_cpus`, `num_gpus` and a `label_selector` such as
-`{"tandem/role": "prefill"}`.
+their handles, report dead workers, and send a `SchedulerReport` on every refresh
+(SLO outcomes, backlog, requests in flight). The manager also runs its own health
+loop (a ping per worker every `health_interval_s`) and replaces what died, so a pool
+heals even with no scheduler running; and its control loop
+(cluster/pool_autoscaler.py), which scales each pool between its min and max and
+retires draining workers. Placement follows each pool's settings: `num_cpus`,
+`num_gpus` and a `label_selector` such as `{"tandem/role": "prefill"}`.
+
+Draining (`drain`): the member is flagged `draining`; schedulers stop routing new
+requests to it on their next refresh; once it holds nothing it is killed. A
+draining worker that dies is not replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
 from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
+from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
+from cluster.scaling_signals import SchedulerReport
 from cluster.workers import start_worker
 
 ROLES = ("prefill", "decode", "colocated")
@@ -30,23 +38,29 @@ class Member:
     worker_id: str
     role: str
     handle: object
+    draining: bool = False  # takes no new requests; killed once it holds nothing
 
 
 class PoolManager:
     health_interval_s = 2.0
     health_timeout_s = 30.0  # a worker busy loading or computing still answers pings
+    initial_wait_s = 30.0
 
     def __init__(self, settings: dict) -> None:
+        log_to_stderr()
         self.settings = AppSettings.model_validate(settings)
         self.members: dict[str, Member] = {}
         self.num_replaced = 0
         self._ids = itertools.count()
         self._health_task: asyncio.Task | None = None
+        self._control_task: asyncio.Task | None = None
+        self._initial_ready = False
         self.options = WorkerOptions(
             transfer_timeout_s=self.settings.timeouts.transfer_s,
             reservation_ttl_s=self.settings.timeouts.reservation_ttl_s,
             kv_store=self.settings.kv_store.store_settings() if self.settings.kv_store else None,
         )
+        self.scaler = PoolAutoscaler(self, self.settings, self._roles())
         for role in self._roles():
             for _ in range(self._pool(role).replicas):
                 self._start(role)
@@ -72,11 +86,16 @@ class PoolManager:
         )
         member = Member(worker_id, role, handle)
         self.members[worker_id] = member
+        self.scaler.on_started(member)
         return member
 
     def _ensure_health_loop(self) -> None:
+        """Start the health and control loops (they need the actor's event loop)."""
+        loop = asyncio.get_running_loop()
         if self._health_task is None or self._health_task.done():
-            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+            self._health_task = loop.create_task(self._health_loop())
+        if self._control_task is None or self._control_task.done():
+            self._control_task = loop.create_task(self.scaler.run())
 
     async def _health_loop(self) -> None:
         while True:
@@ -91,8 +110,19 @@ class PoolManager:
                     await self.report_dead(member.worker_id)
 
     async def list_members(self) -> list[Member]:
+        """Members that answered their first ping, draining ones included (flagged).
+        A worker started later (scale-up, replacement) is left out while it starts,
+        so no caller waits on an actor whose node is launching. The first call
+        waits up to `initial_wait_s` for every initial worker, so a scheduler
+        reports ready with the whole pool; a slower one joins when it is up."""
         self._ensure_health_loop()
-        return list(self.members.values())
+        if not self._initial_ready:
+            try:
+                await self.wait_ready(self.initial_wait_s)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):  # slow or dead: list what is up
+                pass
+            self._initial_ready = True
+        return [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]
 
     async def wait_ready(self, timeout_s: float) -> list[Member]:
         """Members once every one answers a ping (raises on timeout)."""
@@ -102,7 +132,8 @@ class PoolManager:
         return members
 
     async def report_dead(self, worker_id: str) -> Member | None:
-        """A caller saw this worker die: replace it (same role). Idempotent."""
+        """A caller saw this worker die: replace it (same role), unless it was
+        draining. Idempotent."""
         member = self.members.pop(worker_id, None)
         if member is None:
             return None
@@ -110,10 +141,41 @@ class PoolManager:
             ray.kill(member.handle)
         except Exception:  # already gone
             pass
+        self.scaler.on_gone(worker_id)
+        if member.draining:
+            self.scaler.record(member.role, "died_draining", worker_id)
+            return None
         self.num_replaced += 1
-        return self._start(member.role)
+        self.scaler.metrics.replaced(member.role)
+        replacement = self._start(member.role)
+        self.scaler.record(member.role, "replaced", worker_id, reason=f"dead; replaced by {replacement.worker_id}")
+        return replacement
+
+    async def report(self, report: SchedulerReport) -> None:
+        """A scheduler replica's figures since its last report (each refresh)."""
+        self._ensure_health_loop()
+        self.scaler.on_report(report)
+
+    async def drain(self, worker_id: str, reason: str = "requested") -> bool:
+        """Stop routing new requests to this worker, let what it holds finish, then
+        kill it (the control loop does, see cluster/pool_autoscaler.py). False if it
+        is unknown or already draining. Does not check the pool's minimum."""
+        self._ensure_health_loop()
+        member = self.members.get(worker_id)
+        if member is None or member.draining:
+            return False
+        self.members[worker_id] = replace(member, draining=True)
+        self.scaler.on_drain(member, reason)
+        return True
+
+    async def scaling_events(self, start: int = 0) -> list[ScalingEvent]:
+        """Scaling events from index `start` on (the last 10,000 are kept)."""
+        return self.scaler.events_since(start)
 
     async def shutdown(self) -> None:
+        for task in (self._health_task, self._control_task):
+            if task is not None:
+                task.cancel()
         for member in self.members.values():
             ray.kill(member.handle)
         self.members.clear()

@@ -3,7 +3,9 @@ early, pair P with D, run the request, retry once before the first token.
 
 One instance per Serve replica. Worker membership comes from the pool manager; load
 figures from the workers' stats (polled) and from this scheduler's own bookkeeping
-of what it admitted (`WorkerModels.inflight`).
+of what it admitted (`WorkerModels.inflight`). Draining members get no new requests.
+Each refresh sends the pool manager a report for its autoscaler
+(cluster/scaling_signals.py): SLO outcomes, backlog and requests in flight.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 
 import ray
 
@@ -26,6 +29,7 @@ from cluster.cost_model import decode_features, prefill_features
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy, match_any
+from cluster.scaling_signals import OutcomeRecorder
 from cluster.store_index import StoreIndex
 
 log = logging.getLogger("tandem.scheduler")
@@ -49,6 +53,7 @@ class GlobalScheduler:
         self.profiled: set[str] = set()
         self.ready = False
         self._ids = itertools.count()
+        self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
 
     # ---- membership and load ------------------------------------------------------
     async def refresh(self) -> None:
@@ -82,6 +87,13 @@ class GlobalScheduler:
         roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled}
         needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
         self.ready = needed <= roles
+        draining = [m.worker_id for m in members if m.draining]
+        try:
+            report = self.outcomes.report(list(self.models.inflight.values()), draining, self.block_size)
+            await self.pool.report.remote(report)
+        except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on
+            # AttributeError: a pool manager left running by an older version (restart it to autoscale)
+            log.warning("could not report to the pool manager: %s", exc)
 
     async def _profile_new(self, members) -> None:
         for member in members:
@@ -108,7 +120,8 @@ class GlobalScheduler:
             log.warning("could not report dead worker %s: %s", worker_id, exc)
 
     def _role(self, role: str, exclude: set[str]) -> list[str]:
-        return [w for w, m in self.members.items() if m.role == role and w in self.profiled and w not in exclude]
+        return [w for w, m in self.members.items()
+                if m.role == role and not m.draining and w in self.profiled and w not in exclude]
 
     # ---- validation -----------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -138,6 +151,10 @@ class GlobalScheduler:
         hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
         needed_blocks = -(-(len(prompt_ids) + 1) // self.block_size)
+        inflight: dict[str, int] = {}
+        for request in self.models.inflight.values():
+            for worker_id in {request.prefill_id, request.decode_id} - {None}:
+                inflight[worker_id] = inflight.get(worker_id, 0) + 1
         if self.settings.mode == "colocated":
             candidates = [
                 self.models.predict(None, c, len(prompt_ids), self._cached_tokens(c, usable_hashes))
@@ -147,6 +164,7 @@ class GlobalScheduler:
             decodes = [d for d in self._role("decode", exclude) if self._headroom(d) >= needed_blocks]
             if not decodes:
                 decodes = self._role("decode", exclude)
+            tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             candidates = []
             for p in self._role("prefill", exclude):
                 cached = self._cached_tokens(p, usable_hashes)
@@ -154,16 +172,15 @@ class GlobalScheduler:
                     self.models.predict(p, d, len(prompt_ids), cached, self._cached_tokens(d, usable_hashes))
                     for d in decodes
                 ]
+                # D: within the TBT SLO, the least busy (so a new decode worker takes
+                # requests even if its start-up profile came out slower); else the fastest.
                 if per_d:
-                    candidates.append(min(per_d, key=lambda c: (c.tbt_s, -self._headroom(c.decode_id))))
+                    candidates.append(min(per_d, key=lambda c: (c.tbt_s > tbt_slo_s, inflight.get(c.decode_id, 0),
+                                                                -self._headroom(c.decode_id), c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
         queued = {w: self.models.queued_prefill_s(w) for w in self.members}
-        inflight: dict[str, int] = {}
-        for request in self.models.inflight.values():
-            for worker_id in {request.prefill_id, request.decode_id} - {None}:
-                inflight[worker_id] = inflight.get(worker_id, 0) + 1
         choice = self.policy.choose(candidates, queued, inflight)
         slo = self.settings.slo
         if slo.early_rejection and not choice.meets(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3):
@@ -196,16 +213,20 @@ class GlobalScheduler:
         first pair fails before the first token."""
         request_id = request_id or f"tandem-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
         started = time.monotonic()
+        timer = self.outcomes.timer(started)
         exclude: set[str] = set()
         outcome = "error"
         try:
             for attempt in range(2):
                 try:
                     choice = self.plan(prompt_ids, exclude)
-                except SloRejected:
+                except SloRejected as exc:
                     outcome = "rejected"
                     self.metrics.inc("rejections_total", "requests rejected early by SLO admission")
+                    slo = self.settings.slo
+                    self.outcomes.rejected(exc.best.ttft_s > slo.ttft_ms / 1e3, exc.best.tbt_s > slo.tbt_ms / 1e3)
                     raise
+                self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 got_token = False
                 run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, started)
                 deadline = started + self.settings.limits.request_timeout_s
@@ -217,6 +238,7 @@ class GlobalScheduler:
                             log.warning("request %s failed before its first token (%s); retrying", request_id, event.error)
                             break
                         got_token = got_token or bool(event.token_ids)
+                        timer.tokens(len(event.token_ids), time.monotonic())
                         if event.finished:
                             outcome = "error" if event.error else "ok"
                         yield event
@@ -228,6 +250,7 @@ class GlobalScheduler:
             outcome = "cancelled"
             raise
         finally:
+            timer.end(outcome)
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
             self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)
 

@@ -41,9 +41,9 @@ def test_queued_prefill_counts_only_that_workers_unfinished_prefills():
     models.inflight["b"] = InFlight("b", "p1", "d0", 100, 10, predicted_prefill_s=5.0)
     done = InFlight("c", "p0", "d0", 100, 10, predicted_prefill_s=9.0, first_token_s=time.monotonic())
     models.inflight["c"] = done
-    assert models.queued_prefill_s("p0") == pytest.approx(1.0, abs=0.05)
+    assert models.queued_prefill_s("p0") == pytest.approx(1.0, abs=0.3)  # less the (wall) time the test took so far
     prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
-    assert prediction.ttft_s == pytest.approx(1.0 + 0.2, abs=0.05)
+    assert prediction.ttft_s == pytest.approx(1.0 + 0.2, abs=0.3)
 
 
 def test_prefix_hits_lower_the_predicted_ttft():
@@ -134,11 +134,12 @@ class _Tokenizer:
         return 1000
 
 
-def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0):
-    """A GlobalScheduler with one P and one D whose cost models are known."""
+def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] = ("d0",)):
+    """A GlobalScheduler with one P and the given Ds whose cost models are known."""
     from types import SimpleNamespace
 
     from cluster.config import AppSettings
+    from cluster.pool_manager import Member
     from cluster.service import GlobalScheduler
 
     settings = AppSettings.model_validate(
@@ -146,8 +147,8 @@ def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0):
     )
     scheduler = GlobalScheduler(settings, _Tokenizer(), pool=None, max_model_len=2048, kv_seed=b"")
     scheduler.models = _models()
-    for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
-        scheduler.members[worker_id] = SimpleNamespace(worker_id=worker_id, role=role, handle=None)
+    for worker_id, role in (("p0", "prefill"), *((d, "decode") for d in decodes)):
+        scheduler.members[worker_id] = Member(worker_id, role, handle=None)
         scheduler.stats[worker_id] = SimpleNamespace(num_blocks=1000, num_used_blocks=0)
         scheduler.prefix[worker_id] = PrefixIndex(1000)
         scheduler.profiled.add(worker_id)
@@ -160,7 +161,7 @@ def test_a_queue_that_breaks_the_slo_rejects_and_a_relaxed_slo_admits():
     strict.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_prefill_s=2.0)
     with pytest.raises(SloRejected) as rejected:
         strict.plan(prompt)
-    assert rejected.value.best.ttft_s == pytest.approx(2.3, abs=0.05)
+    assert rejected.value.best.ttft_s == pytest.approx(2.3, abs=0.3)
     assert "predicted TTFT 23" in str(rejected.value) and "SLO of 1000 ms" in str(rejected.value)
 
     relaxed = _scheduler(ttft_ms=5000)
@@ -200,3 +201,29 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_is_closed():
     assert events[:-1] == ["tick"] * (len(events) - 1) and len(events) >= 3
     assert events[-1].error == "request timed out" and events[-1].finished
     assert closed == [True]
+
+
+def test_decode_choice_within_the_slo_is_the_least_busy_not_the_fastest_profile():
+    """A new decode worker whose start-up profile came out slower still takes
+    requests while the busy one is within the SLO; past the SLO, speed decides."""
+    scheduler = _scheduler(ttft_ms=10_000, tbt_ms=200, decodes=("d0", "d1"))
+    for batch in (1, 4, 16):  # d1 profiled twice as slow as d0
+        scheduler.models.decode_model("d1").observe(decode_features(batch, 0), 0.02 * batch)
+    for index in range(3):  # three decodes on d0
+        scheduler.models.inflight[f"r{index}"] = InFlight(
+            f"r{index}", "p0", "d0", 10, 1000, 0.0, first_token_s=time.monotonic())
+    assert scheduler.plan(list(range(32))).decode_id == "d1"
+    strict = _scheduler(ttft_ms=10_000, tbt_ms=30, decodes=("d0", "d1"))  # d1 alone: ~0.04 s per step
+    for batch in (1, 4, 16):
+        strict.models.decode_model("d1").observe(decode_features(batch, 0), 0.04 * batch)
+    assert strict.plan(list(range(32))).decode_id == "d0"
+
+
+def test_draining_workers_get_no_new_requests():
+    from dataclasses import replace
+
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler.models.decode_model("d1").observe(decode_features(1, 0), 0.01)
+    scheduler.models.decode_model("d1").observe(decode_features(16, 0), 0.16)
+    scheduler.members["d0"] = replace(scheduler.members["d0"], draining=True)
+    assert {scheduler.plan(list(range(i, i + 40))).decode_id for i in range(10)} == {"d1"}

@@ -141,6 +141,8 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/generate", {"max_new_tokens": 4}, "exactly one of"),
         ("/generate", {"text": "x", "max_new_tokens": 0}, "max_new_tokens"),
         ("/generate", {"text": "x", "temperature": -1}, "temperature"),
+        ("/generate", {"text": "x", "sampling_params": {"seed": -2**63 - 1}}, "seed"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed"),
         ("/generate", {"text": "x", "top_p": 0}, "top_p"),
         ("/generate", {"text": "x" * 2000}, "limit is 600"),
         ("/generate", {"input_ids": [99999999]}, "token ids"),

@@ -1,0 +1,200 @@
+"""Autoscaling policy, one per pool, P and D independent (after Dynamo's planner:
+each phase is sized from its own SLO figure and its own load signal).
+
+Pure Python, no Ray and no clock of its own: the pool manager
+(`cluster/pool_autoscaler.py`) builds a `PoolObservation` every
+`autoscaling.interval_s`, calls `decide(observation, now_s)` and carries out the
+`Decision` (start a worker, or drain one). Tests feed sequences of observations with
+their own clock.
+
+- Prefill (`PrefillScaling`): up when the TTFT attainment of the window falls
+  below the SLO target, or when the queued prompt tokens per prefill worker exceed
+  `prefill_backlog_up_tokens`; down when attainment is at least target + margin
+  (or unknown: too few requests), the backlog per worker stayed under
+  `prefill_backlog_down_tokens` for the whole window (its peak), and one worker
+  fewer would have stayed under the up threshold.
+- Decode (`DecodeScaling`): the same shape with TBT attainment and the fraction of
+  the pool's KV blocks in use by requests past their prefill (`kv_usage_up` /
+  `kv_usage_down`; blocks reserved for prompts still in prefill are the prefill
+  pool's backlog, see cluster/scaling_signals.py).
+
+Rules shared by both (`ScalingPolicy`):
+- Bounds: never above `max_size` nor below `min_size` (outside them: one step
+  back at once, no cooldown).
+- One step at a time: no decision while a worker of the pool is starting or
+  draining.
+- Cooldowns count from the end of the last step, i.e. the last moment the pool had
+  a worker starting or draining: up needs `scale_up_cooldown_s`, down needs
+  `scale_down_cooldown_s` (long: at most one scale-down in that time after a
+  scale-up).
+- Hysteresis: separate up and down thresholds; between them the pool holds. Up
+  reacts to the load now, down to its peak over the window: a load that comes in
+  waves (clients that start together and end together) must be low for a whole
+  window before a worker goes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from cluster.config import AutoscalingSettings, PoolSettings
+
+
+class Action(Enum):
+    UP = "up"
+    DOWN = "down"
+    HOLD = "hold"
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """One pool at one moment, as the pool manager sees it."""
+
+    num_serving: int  # ready workers that take new requests
+    num_starting: int = 0  # started, not ready yet
+    num_draining: int = 0  # taking no new requests, finishing what they hold
+    attainment: float | None = None  # of this pool's SLO figure over the window; None: too few outcomes
+    num_samples: int = 0  # outcomes behind `attainment`
+    backlog_tokens: int = 0  # prefill: prompt tokens admitted to the pool and not yet prefilled
+    kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, over the serving workers
+    kv_blocks_total: int = 0  # decode: KV blocks over the serving workers
+    backlog_tokens_peak: int = 0  # the highest backlog_tokens over the window
+    kv_blocks_used_peak: int = 0  # the highest kv_blocks_used over the window
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    signal: str  # a short code, the metric label: ttft_attainment, prefill_backlog, kv_usage, idle, ...
+    reason: str  # one line for the log, with the figures
+
+
+def _hold(signal: str, reason: str) -> Decision:
+    return Decision(Action.HOLD, signal, reason)
+
+
+class ScalingPolicy:
+    """Bounds, one step at a time, cooldowns and hysteresis; subclasses say what
+    pushes the pool up (`pressure`) and what lets it come down (`relief`)."""
+
+    role = "base"
+    figure = "SLO"  # the latency whose attainment this pool answers for
+
+    def __init__(self, pool: PoolSettings, knobs: AutoscalingSettings, attainment_target: float) -> None:
+        self.min_size = pool.min_size
+        self.max_size = pool.max_size
+        self.knobs = knobs
+        self.target = attainment_target
+        self.down_attainment = min(1.0, attainment_target + knobs.scale_down_margin)
+        self.settled_s = -math.inf  # the end of the last step (a worker starting or draining)
+
+    def decide(self, obs: PoolObservation, now_s: float) -> Decision:
+        if obs.num_starting or obs.num_draining:
+            self.settled_s = now_s
+            return _hold("in_progress", f"{obs.num_starting} starting, {obs.num_draining} draining")
+        size = obs.num_serving
+        if size < self.min_size:
+            return Decision(Action.UP, "below_min", f"{size} workers, below the minimum of {self.min_size}")
+        if size > self.max_size:
+            return Decision(Action.DOWN, "above_max", f"{size} workers, above the maximum of {self.max_size}")
+        pressure = self.pressure(obs)
+        if pressure is not None:
+            signal, reason = pressure
+            if size >= self.max_size:
+                return _hold("at_max", f"{reason}, but already at the maximum of {self.max_size}")
+            waited = now_s - self.settled_s
+            if waited < self.knobs.scale_up_cooldown_s:
+                return _hold("cooldown", f"{reason}; up cooldown ({waited:.0f}/{self.knobs.scale_up_cooldown_s:.0f} s)")
+            return Decision(Action.UP, signal, reason)
+        if size > self.min_size:
+            reason = self.relief(obs)
+            if reason is not None:
+                waited = now_s - self.settled_s
+                if waited < self.knobs.scale_down_cooldown_s:
+                    return _hold("cooldown", f"{reason}; down cooldown "
+                                             f"({waited:.0f}/{self.knobs.scale_down_cooldown_s:.0f} s)")
+                return Decision(Action.DOWN, "idle", reason)
+        return _hold("steady", f"{size} workers")
+
+    # ---- what each pool watches ---------------------------------------------------------
+    def pressure(self, obs: PoolObservation) -> tuple[str, str] | None:
+        """(signal, reason) when the pool is short, else None."""
+        raise NotImplementedError
+
+    def relief(self, obs: PoolObservation) -> str | None:
+        """A reason when one worker fewer would do, else None."""
+        raise NotImplementedError
+
+    def _attainment_low(self, obs: PoolObservation) -> tuple[str, str] | None:
+        if obs.attainment is not None and obs.attainment < self.target:
+            return (f"{self.figure.lower()}_attainment",
+                    f"{self.figure} attainment {obs.attainment:.0%} below the target {self.target:.0%} "
+                    f"({obs.num_samples} requests)")
+        return None
+
+    def _attainment_high(self, obs: PoolObservation) -> str | None:
+        if obs.attainment is None:
+            return f"too few requests to judge {self.figure}"
+        if obs.attainment >= self.down_attainment:
+            return f"{self.figure} attainment {obs.attainment:.0%}"
+        return None
+
+
+class PrefillScaling(ScalingPolicy):
+    role = "prefill"
+    figure = "TTFT"
+
+    def pressure(self, obs):
+        low = self._attainment_low(obs)
+        if low is not None:
+            return low
+        per_worker = obs.backlog_tokens / max(obs.num_serving, 1)
+        if per_worker > self.knobs.prefill_backlog_up_tokens:
+            return ("prefill_backlog", f"prefill backlog {per_worker:.0f} tokens per worker above "
+                                       f"{self.knobs.prefill_backlog_up_tokens}")
+        return None
+
+    def relief(self, obs):
+        attained = self._attainment_high(obs)
+        peak = max(obs.backlog_tokens, obs.backlog_tokens_peak)
+        per_worker = peak / obs.num_serving
+        one_fewer = peak / (obs.num_serving - 1) if obs.num_serving > 1 else (math.inf if peak else 0.0)
+        if (attained is None or per_worker >= self.knobs.prefill_backlog_down_tokens
+                or one_fewer > self.knobs.prefill_backlog_up_tokens):
+            return None
+        return f"{attained}; prefill backlog at most {per_worker:.0f} tokens per worker over the window"
+
+
+class DecodeScaling(ScalingPolicy):
+    role = "decode"
+    figure = "TBT"
+
+    def pressure(self, obs):
+        low = self._attainment_low(obs)
+        if low is not None:
+            return low
+        usage = obs.kv_blocks_used / obs.kv_blocks_total if obs.kv_blocks_total else 0.0
+        if usage > self.knobs.kv_usage_up:
+            return "kv_usage", f"KV blocks {usage:.0%} in use, above {self.knobs.kv_usage_up:.0%}"
+        return None
+
+    def relief(self, obs):
+        attained = self._attainment_high(obs)
+        peak = max(obs.kv_blocks_used, obs.kv_blocks_used_peak)
+        usage = peak / obs.kv_blocks_total if obs.kv_blocks_total else 0.0
+        one_fewer = (usage * obs.num_serving / (obs.num_serving - 1) if obs.num_serving > 1
+                     else (math.inf if peak else 0.0))
+        if attained is None or usage >= self.knobs.kv_usage_down or one_fewer > self.knobs.kv_usage_up:
+            return None
+        return f"{attained}; KV blocks at most {usage:.0%} in use over the window"
+
+
+POLICIES = {cls.role: cls for cls in (PrefillScaling, DecodeScaling)}
+
+
+def make_policy(role: str, pool: PoolSettings, knobs: AutoscalingSettings, attainment_target: float) -> ScalingPolicy:
+    if role not in POLICIES:
+        raise ValueError(f"no scaling policy for the {role!r} pool; pools that scale: {sorted(POLICIES)}")
+    return POLICIES[role](pool, knobs, attainment_target)

@@ -1,0 +1,277 @@
+"""The pool manager's control loop: worker readiness, drains, and each pool's scaling
+policy, once every `autoscaling.interval_s`.
+
+One step:
+1. Readiness. A started worker is *ready* once its first ping answers; one not
+   ready within `start_timeout_s` is given up (killed). It is *serving* from the
+   first request a scheduler reports having routed to it.
+2. Stats of every ready worker (`WorkerStats`: KV blocks, running, waiting,
+   reserved requests).
+3. Drains. A draining worker is retired (its block accounting checked, then the
+   actor killed) once it has drained for `drain_grace_s`, holds no request
+   (nothing running, waiting or reserved) and every live scheduler replica reports
+   it as draining with nothing in flight there. After `drain_timeout_s` it is
+   killed regardless; the scheduler retries what had no token yet.
+4. Policies (cluster/autoscaling.py), one per pool that autoscales: observation ->
+   decision. `up` starts a worker with the pool's placement; `down` drains the
+   serving worker with the least work (the newest on a tie).
+
+Every change is logged and kept as a `ScalingEvent` (kinds: up, down, started,
+ready, serving, start_failed, drain_started, drained, drain_timeout,
+died_draining, replaced);
+decisions are counted in `ray_tandem_autoscale_decisions_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import ray
+
+from actors.worker_base import WorkerStats
+from cluster.autoscaling import Action, Decision, PoolObservation, make_policy
+from cluster.config import AppSettings
+from cluster.pool_metrics import PoolMetrics
+from cluster.scaling_signals import SchedulerReport, SignalBook
+
+log = logging.getLogger("tandem.autoscaler")
+FIGURE = {"prefill": "ttft", "decode": "tbt"}
+MAX_EVENTS = 10_000
+
+
+@dataclass(frozen=True)
+class ScalingEvent:
+    time_s: float  # wall clock (time.time)
+    role: str
+    kind: str
+    worker_id: str | None = None
+    signal: str = ""
+    reason: str = ""
+    stats: WorkerStats | None = None  # drained: the worker's counts at its accounting check
+
+
+@dataclass
+class _Track:
+    """The control loop's notes on one worker."""
+
+    started_s: float
+    ready: object  # concurrent Future of the worker's first ping
+    ready_s: float | None = None
+    serving_s: float | None = None
+    drain_started_s: float | None = None
+    stats: WorkerStats | None = None
+
+
+def log_to_stderr() -> None:
+    """Scaling events at INFO on stderr (the actor's log file; the driver's console
+    with `log_to_driver`). A plain actor has no handler for them otherwise."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+class PoolAutoscaler:
+    stats_timeout_s = 10.0
+
+    def __init__(self, manager, settings: AppSettings, roles: tuple[str, ...], clock=time.monotonic) -> None:
+        self.manager = manager  # the PoolManager: members, _start, drain
+        self.knobs = settings.autoscaling
+        self.clock = clock
+        self.roles = roles
+        slo = settings.slo
+        self.signals = SignalBook(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3, self.knobs.window_s)
+        self.policies = {role: make_policy(role, getattr(settings, role), self.knobs, slo.attainment)
+                         for role in roles if getattr(settings, role).autoscales}
+        self.tracks: dict[str, _Track] = {}
+        self.history: dict[str, deque[tuple[float, int, int]]] = {role: deque() for role in roles}  # load per step
+        self.events: deque[ScalingEvent] = deque(maxlen=MAX_EVENTS)
+        self.num_events = 0  # ever recorded (the index of the next one)
+        self.metrics = PoolMetrics()
+
+    # ---- what the manager tells us --------------------------------------------------------
+    def on_started(self, member) -> None:
+        self.tracks[member.worker_id] = _Track(self.clock(), member.handle.ping.remote().future())
+        self.record(member.role, "started", member.worker_id)
+
+    def is_ready(self, worker_id: str) -> bool:
+        track = self.tracks.get(worker_id)
+        if track is None:
+            return False
+        return track.ready_s is not None or (track.ready.done() and track.ready.exception() is None)
+
+    def on_gone(self, worker_id: str) -> None:
+        self.tracks.pop(worker_id, None)
+
+    def on_drain(self, member, reason: str) -> None:
+        track = self.tracks.get(member.worker_id)
+        if track is not None:
+            track.drain_started_s = self.clock()
+        self.record(member.role, "drain_started", member.worker_id, reason=reason)
+
+    def on_report(self, report: SchedulerReport) -> None:
+        now = self.clock()
+        self.signals.add(report, now)
+        for worker_id, count in report.routed.items():
+            track = self.tracks.get(worker_id)
+            member = self.manager.members.get(worker_id)
+            if count and track is not None and member is not None and track.serving_s is None:
+                track.serving_s = now
+                self.record(member.role, "serving", worker_id)
+
+    def record(self, role: str, kind: str, worker_id: str | None = None, signal: str = "", reason: str = "",
+               stats: WorkerStats | None = None) -> None:
+        self.events.append(ScalingEvent(time.time(), role, kind, worker_id, signal, reason, stats))
+        self.num_events += 1
+        log.info("pool %s: %s %s %s %s", role, kind, worker_id or "", signal, reason)
+
+    def events_since(self, index: int) -> list[ScalingEvent]:
+        first = self.num_events - len(self.events)
+        return list(self.events)[max(index - first, 0):]
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.knobs.interval_s)
+            try:
+                await self.step()
+            except Exception:  # keep scaling; one bad step is logged
+                log.exception("autoscaler step failed")
+
+    async def step(self) -> None:
+        now = self.clock()
+        self._check_readiness(now)
+        await self._poll_stats()
+        await self._finish_drains(now)
+        for role in self.roles:
+            observation = self.observe(role, now)
+            self._export(role, observation)
+            policy = self.policies.get(role)
+            if policy is None:
+                continue
+            decision = policy.decide(observation, now)
+            if decision.action is not Action.HOLD:
+                await self._carry_out(role, decision)
+
+    def _members(self, role: str | None = None) -> list:
+        return [m for m in self.manager.members.values() if role is None or m.role == role]
+
+    def _check_readiness(self, now: float) -> None:
+        for member in self._members():
+            track = self.tracks.get(member.worker_id)
+            if track is None or track.ready_s is not None:
+                continue
+            if track.ready.done():
+                if track.ready.exception() is None:  # a dead one is the health loop's to replace
+                    track.ready_s = now
+                    self.record(member.role, "ready", member.worker_id,
+                                reason=f"{now - track.started_s:.1f} s after start")
+            elif now - track.started_s > self.knobs.start_timeout_s:
+                self.manager.members.pop(member.worker_id, None)
+                self.tracks.pop(member.worker_id, None)
+                ray.kill(member.handle)
+                self.record(member.role, "start_failed", member.worker_id,
+                            reason=f"not ready within {self.knobs.start_timeout_s:.0f} s (no node for it?)")
+
+    async def _poll_stats(self) -> None:
+        ready = [m for m in self._members() if self.tracks.get(m.worker_id) and self.tracks[m.worker_id].ready_s]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(m.handle.stats.remote(), self.stats_timeout_s) for m in ready), return_exceptions=True)
+        for member, stats in zip(ready, results):
+            track = self.tracks.get(member.worker_id)
+            if track is not None and isinstance(stats, WorkerStats):
+                track.stats = stats
+
+    def observe(self, role: str, now: float) -> PoolObservation:
+        members = self._members(role)
+        tracks = {m.worker_id: self.tracks.get(m.worker_id) for m in members}
+        serving = [m.worker_id for m in members if not m.draining and tracks[m.worker_id]
+                   and tracks[m.worker_id].ready_s is not None]
+        starting = [m for m in members if not m.draining and not (tracks[m.worker_id] and tracks[m.worker_id].ready_s)]
+        draining = [m for m in members if m.draining]
+        policy = self.policies.get(role)
+        since = policy.settled_s if policy is not None else float("-inf")
+        attainment, num_samples = (self.signals.attainment(FIGURE[role], now, since, self.knobs.min_samples)
+                                   if role in FIGURE else (None, 0))
+        stats = {w: tracks[w].stats for w in serving if tracks[w].stats is not None}
+        # Blocks reserved for prompts still in prefill measure the prefill backlog, not decode load.
+        decoding = sum(max(s.num_used_blocks - self.signals.awaiting_kv_blocks(w, now), 0) for w, s in stats.items())
+        backlog = self.signals.backlog_tokens(serving, now) if role == "prefill" else 0
+        history = self.history[role]
+        history.append((now, backlog, decoding))
+        while history[0][0] < now - self.knobs.window_s:
+            history.popleft()
+        return PoolObservation(
+            num_serving=len(serving), num_starting=len(starting), num_draining=len(draining),
+            attainment=attainment, num_samples=num_samples, backlog_tokens=backlog,
+            kv_blocks_used=decoding, kv_blocks_total=sum(s.num_blocks for s in stats.values()),
+            backlog_tokens_peak=max(b for _, b, _ in history), kv_blocks_used_peak=max(k for _, _, k in history))
+
+    def _export(self, role: str, obs: PoolObservation) -> None:
+        self.metrics.pool(role, obs.num_serving, obs.num_starting, obs.num_draining)
+        serving = max(obs.num_serving, 1)
+        self.metrics.signals(role, obs.attainment,
+                             obs.backlog_tokens / serving if role == "prefill" else None,
+                             obs.kv_blocks_used / obs.kv_blocks_total if role == "decode" and obs.kv_blocks_total
+                             else None)
+
+    async def _carry_out(self, role: str, decision: Decision) -> None:
+        self.metrics.decision(role, decision.action.value, decision.signal)
+        if decision.action is Action.UP:
+            self.record(role, "up", signal=decision.signal, reason=decision.reason)
+            self.manager._start(role)
+            return
+        victim = self._least_loaded(role)
+        if victim is None:
+            return
+        self.record(role, "down", victim, decision.signal, decision.reason)
+        await self.manager.drain(victim, f"scale down: {decision.reason}")
+
+    def _least_loaded(self, role: str) -> str | None:
+        now = self.clock()
+        candidates = []
+        for member in self._members(role):
+            track = self.tracks.get(member.worker_id)
+            if member.draining or track is None or track.ready_s is None:
+                continue
+            stats = track.stats
+            work = self.signals.inflight(member.worker_id, now)
+            if stats is not None:
+                work += stats.num_running + stats.num_waiting + stats.num_reserved
+            candidates.append((work, -track.started_s, member.worker_id))
+        return min(candidates)[2] if candidates else None
+
+    # ---- drains ---------------------------------------------------------------------------------
+    async def _finish_drains(self, now: float) -> None:
+        for member in [m for m in self._members() if m.draining]:
+            track = self.tracks.get(member.worker_id)
+            if track is None or track.drain_started_s is None:
+                continue
+            elapsed = now - track.drain_started_s
+            stats = track.stats
+            holds_nothing = stats is not None and not (stats.num_running or stats.num_waiting or stats.num_reserved)
+            if elapsed >= self.knobs.drain_grace_s and holds_nothing and self.signals.released(member.worker_id, now):
+                await self._retire(member, "drained", f"idle after draining {elapsed:.1f} s")
+            elif elapsed >= self.knobs.drain_timeout_s:
+                await self._retire(member, "drain_timeout", f"still busy after {elapsed:.0f} s; killed")
+
+    async def _retire(self, member, kind: str, reason: str) -> None:
+        stats = None
+        try:
+            stats = await asyncio.wait_for(member.handle.check_accounting.remote(), self.stats_timeout_s)
+            reason += f"; accounting ok, {stats.num_used_blocks} blocks in use"
+        except Exception as exc:  # a broken invariant or a dead worker: say so, retire anyway
+            reason += f"; accounting check failed: {type(exc).__name__}: {exc}"
+        self.manager.members.pop(member.worker_id, None)
+        self.tracks.pop(member.worker_id, None)
+        try:
+            ray.kill(member.handle)
+        except Exception:  # already gone
+            pass
+        self.record(member.role, kind, member.worker_id, reason=reason, stats=stats)

@@ -1,0 +1,55 @@
+"""The pool manager's metrics, through `ray.util.metrics`: Ray exports them on each
+node's metrics port with a `ray_` prefix (counters also get `_total`), beside Ray's
+own series; the scheduler's `/metrics` (cluster/metrics.py) does not carry them.
+
+`SERIES` is the catalogue of the names as Prometheus sees them (the Grafana
+dashboard and its test read it).
+"""
+
+from __future__ import annotations
+
+SERIES = {
+    "ray_tandem_autoscale_decisions_total": "counter: scaling decisions by pool, action (up, down) and signal",
+    "ray_tandem_pool_workers": "gauge: workers per pool and state (serving, starting, draining)",
+    "ray_tandem_pool_slo_attainment": "gauge: windowed attainment, TTFT for prefill and TBT for decode",
+    "ray_tandem_pool_prefill_backlog_tokens": "gauge: queued prompt tokens per serving prefill worker",
+    "ray_tandem_pool_kv_usage": "gauge: fraction of the decode pool's KV blocks in use",
+    "ray_tandem_pool_replacements_total": "counter: dead workers replaced, by pool",
+}
+
+
+class PoolMetrics:
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.decisions = Counter("tandem_autoscale_decisions", description=SERIES[
+            "ray_tandem_autoscale_decisions_total"], tag_keys=("pool", "action", "signal"))
+        self.workers = Gauge("tandem_pool_workers", description=SERIES["ray_tandem_pool_workers"],
+                             tag_keys=("pool", "state"))
+        self.attainment = Gauge("tandem_pool_slo_attainment", description=SERIES["ray_tandem_pool_slo_attainment"],
+                                tag_keys=("pool",))
+        self.backlog = Gauge("tandem_pool_prefill_backlog_tokens",
+                             description=SERIES["ray_tandem_pool_prefill_backlog_tokens"], tag_keys=("pool",))
+        self.kv_usage = Gauge("tandem_pool_kv_usage", description=SERIES["ray_tandem_pool_kv_usage"],
+                              tag_keys=("pool",))
+        self.replacements = Counter("tandem_pool_replacements", description=SERIES[
+            "ray_tandem_pool_replacements_total"], tag_keys=("pool",))
+
+    def decision(self, pool: str, action: str, signal: str) -> None:
+        self.decisions.inc(1, tags={"pool": pool, "action": action, "signal": signal})
+
+    def pool(self, pool: str, num_serving: int, num_starting: int, num_draining: int) -> None:
+        for state, count in (("serving", num_serving), ("starting", num_starting), ("draining", num_draining)):
+            self.workers.set(count, tags={"pool": pool, "state": state})
+
+    def signals(self, pool: str, attainment: float | None, backlog_per_worker: float | None,
+                kv_usage: float | None) -> None:
+        if attainment is not None:
+            self.attainment.set(attainment, tags={"pool": pool})
+        if backlog_per_worker is not None:
+            self.backlog.set(backlog_per_worker, tags={"pool": pool})
+        if kv_usage is not None:
+            self.kv_usage.set(kv_usage, tags={"pool": pool})
+
+    def replaced(self, pool: str) -> None:
+        self.replacements.inc(1, tags={"pool": pool})

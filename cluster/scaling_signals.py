@@ -1,0 +1,192 @@
+"""What the autoscaler learns from the schedulers: the SLO outcome of each request
+and where the admitted requests are.
+
+Scheduler side: `OutcomeRecorder`. Each request is timed by a `RequestTimer`
+(tokens as they arrive, then how it ended); `report()` takes what accumulated since
+the last call as a `SchedulerReport` (plain data), which the scheduler sends to the
+pool manager on every refresh (about once a second).
+
+Pool manager side: `SignalBook`. TTFT outcomes judge the prefill pool and TBT
+outcomes the decode pool, each request's figure against the SLO, over a time
+window; an early rejection counts as a miss of the figure that was predicted to
+miss. From each replica's latest report it also keeps the backlog and the requests
+in flight per worker; a replica silent for `stale_after_s` is forgotten.
+
+Definitions:
+- TTFT: from the scheduler taking the request to its first token, retries
+  included. A request that fails before its first token is a TTFT miss; one its
+  client cancels counts nowhere.
+- TBT of a request: (last token time - first token time) / (tokens - 1), the mean,
+  as the benchmarks judge it (`benchmarks/serving_metrics.py`); a request with
+  fewer than two tokens has none.
+- Backlog of a prefill worker: the prompt tokens of the requests admitted to it
+  whose first token has not come yet (queued or in prefill).
+- Blocks awaiting KV on a decode worker: what it reserved in the handshake for
+  requests still in prefill (prompt plus one token, in whole blocks). The decode
+  policy subtracts them from the blocks in use: they measure the prefill backlog,
+  which another decode worker would not shorten.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+FIGURES = ("ttft", "tbt")
+
+
+@dataclass(frozen=True)
+class SchedulerReport:
+    replica_id: str
+    ttft_s: tuple[float, ...] = ()  # math.inf: failed before its first token
+    tbt_s: tuple[float, ...] = ()
+    num_rejected_ttft: int = 0  # early rejections whose predicted TTFT missed the SLO
+    num_rejected_tbt: int = 0
+    backlog_tokens: dict[str, int] = field(default_factory=dict)  # prefill worker -> tokens
+    inflight: dict[str, int] = field(default_factory=dict)  # worker -> requests in flight there now
+    routed: dict[str, int] = field(default_factory=dict)  # worker -> requests sent there since the last report
+    awaiting_kv_blocks: dict[str, int] = field(default_factory=dict)  # decode worker -> blocks reserved for prefills
+    draining: frozenset[str] = frozenset()  # workers this replica knows are draining (routes nothing new there)
+
+
+class RequestTimer:
+    """One request's token times; `end` hands its outcome to the recorder."""
+
+    def __init__(self, recorder: OutcomeRecorder, started_s: float) -> None:
+        self.recorder = recorder
+        self.started_s = started_s
+        self.first_s: float | None = None
+        self.last_s: float | None = None
+        self.num_tokens = 0
+
+    def tokens(self, count: int, now_s: float) -> None:
+        if count <= 0:
+            return
+        if self.first_s is None:
+            self.first_s = now_s
+            self.recorder.record_ttft(now_s - self.started_s)
+        self.last_s = now_s
+        self.num_tokens += count
+
+    def end(self, outcome: str) -> None:
+        """outcome: "ok", "error", "cancelled" or "rejected" (as the scheduler's metric)."""
+        if outcome == "error" and self.first_s is None:
+            self.recorder.record_ttft(math.inf)
+        elif outcome == "ok" and self.num_tokens >= 2:
+            self.recorder.record_tbt((self.last_s - self.first_s) / (self.num_tokens - 1))
+
+
+class OutcomeRecorder:
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self._ttft: list[float] = []
+        self._tbt: list[float] = []
+        self._rejected = {"ttft": 0, "tbt": 0}
+        self._routed: dict[str, int] = {}
+
+    def timer(self, started_s: float) -> RequestTimer:
+        return RequestTimer(self, started_s)
+
+    def record_ttft(self, seconds: float) -> None:
+        self._ttft.append(seconds)
+
+    def record_tbt(self, seconds: float) -> None:
+        self._tbt.append(seconds)
+
+    def rejected(self, ttft_missed: bool, tbt_missed: bool) -> None:
+        self._rejected["ttft"] += ttft_missed
+        self._rejected["tbt"] += tbt_missed
+
+    def routed(self, worker_ids: Iterable[str | None]) -> None:
+        for worker_id in worker_ids:
+            if worker_id is not None:
+                self._routed[worker_id] = self._routed.get(worker_id, 0) + 1
+
+    def report(self, inflight: Iterable, draining: Iterable[str] = (), block_size: int = 16) -> SchedulerReport:
+        """What accumulated since the last report (then cleared), with the backlog
+        and in-flight counts of `inflight` (cluster.admission.InFlight records) and
+        the workers the scheduler already treats as draining."""
+        backlog: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        awaiting: dict[str, int] = {}
+        for request in inflight:
+            if request.in_prefill and request.prefill_id is not None:
+                backlog[request.prefill_id] = backlog.get(request.prefill_id, 0) + request.num_prompt_tokens
+                blocks = -(-(request.num_prompt_tokens + 1) // block_size)
+                awaiting[request.decode_id] = awaiting.get(request.decode_id, 0) + blocks
+            for worker_id in {request.prefill_id if request.in_prefill else None, request.decode_id} - {None}:
+                counts[worker_id] = counts.get(worker_id, 0) + 1
+        report = SchedulerReport(
+            self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
+            num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
+            backlog_tokens=backlog, inflight=counts, routed=dict(self._routed), draining=frozenset(draining),
+            awaiting_kv_blocks=awaiting)
+        self._ttft, self._tbt, self._routed = [], [], {}
+        self._rejected = {"ttft": 0, "tbt": 0}
+        return report
+
+
+@dataclass
+class _Replica:
+    last_s: float
+    report: SchedulerReport
+
+
+class SignalBook:
+    def __init__(self, ttft_slo_s: float, tbt_slo_s: float, window_s: float, stale_after_s: float = 30.0) -> None:
+        self.slo_s = {"ttft": ttft_slo_s, "tbt": tbt_slo_s}
+        self.window_s = window_s
+        self.stale_after_s = stale_after_s
+        self._outcomes: dict[str, deque[tuple[float, bool]]] = {figure: deque() for figure in FIGURES}
+        self._replicas: dict[str, _Replica] = {}
+        self.routed_total: dict[str, int] = {}  # worker -> requests ever routed there
+
+    def add(self, report: SchedulerReport, now_s: float) -> None:
+        self._replicas[report.replica_id] = _Replica(now_s, report)
+        for figure, values, rejected in (("ttft", report.ttft_s, report.num_rejected_ttft),
+                                         ("tbt", report.tbt_s, report.num_rejected_tbt)):
+            window = self._outcomes[figure]
+            window.extend((now_s, value <= self.slo_s[figure]) for value in values)
+            window.extend((now_s, False) for _ in range(rejected))
+        for worker_id, count in report.routed.items():
+            self.routed_total[worker_id] = self.routed_total.get(worker_id, 0) + count
+        self._prune(now_s)
+
+    def _prune(self, now_s: float) -> None:
+        for window in self._outcomes.values():
+            while window and window[0][0] < now_s - self.window_s:
+                window.popleft()
+        for replica_id in [r for r, rep in self._replicas.items() if now_s - rep.last_s > self.stale_after_s]:
+            del self._replicas[replica_id]
+
+    def attainment(self, figure: str, now_s: float, since_s: float, min_samples: int) -> tuple[float | None, int]:
+        """(fraction of outcomes meeting the SLO, how many) over the window, counting
+        only outcomes after `since_s`; the fraction is None below `min_samples`."""
+        self._prune(now_s)
+        met = [ok for at_s, ok in self._outcomes[figure] if at_s >= since_s]
+        if len(met) < min_samples:
+            return None, len(met)
+        return sum(met) / len(met), len(met)
+
+    def backlog_tokens(self, worker_ids: Iterable[str], now_s: float) -> int:
+        self._prune(now_s)
+        ids = set(worker_ids)
+        return sum(tokens for rep in self._replicas.values()
+                   for worker_id, tokens in rep.report.backlog_tokens.items() if worker_id in ids)
+
+    def awaiting_kv_blocks(self, worker_id: str, now_s: float) -> int:
+        self._prune(now_s)
+        return sum(rep.report.awaiting_kv_blocks.get(worker_id, 0) for rep in self._replicas.values())
+
+    def inflight(self, worker_id: str, now_s: float) -> int:
+        self._prune(now_s)
+        return sum(rep.report.inflight.get(worker_id, 0) for rep in self._replicas.values())
+
+    def released(self, worker_id: str, now_s: float) -> bool:
+        """True when every live replica reports the worker as draining (so routes
+        nothing new to it) and has no request in flight there. No live replica: True."""
+        self._prune(now_s)
+        return all(worker_id in rep.report.draining and not rep.report.inflight.get(worker_id)
+                   for rep in self._replicas.values())

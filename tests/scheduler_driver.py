@@ -1,0 +1,65 @@
+"""The global scheduler run in the test process instead of a Serve replica: built
+as `cluster.app.Scheduler` builds it, refreshed in the background as that
+deployment does (members, stats, and the report to the pool manager), driven by
+`generate` directly (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from actors.block_pool import kv_namespace
+from actors.config import ModelConfig
+from actors.engine import load_tokenizer
+from cluster.config import AppSettings
+from cluster.service import GlobalScheduler
+
+log = logging.getLogger("tests.scheduler_driver")
+
+
+def build_scheduler(settings: AppSettings, pool) -> GlobalScheduler:
+    model_dir = settings.model.location().resolve()
+    max_model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
+    kv_seed = kv_namespace(model_dir, settings.engine.dtype, settings.engine.block_size)
+    return GlobalScheduler(settings, load_tokenizer(model_dir), pool, max_model_len, kv_seed)
+
+
+@contextlib.asynccontextmanager
+async def refreshing(scheduler: GlobalScheduler, interval_s: float = 1.0):
+    """Refresh the scheduler every `interval_s` while the block runs."""
+
+    async def loop():
+        while True:
+            try:
+                await scheduler.refresh()
+            except Exception as exc:  # as the deployment does: keep refreshing
+                log.warning("refresh failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    task = asyncio.ensure_future(loop())
+    try:
+        yield scheduler
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def wait_ready(scheduler: GlobalScheduler, timeout_s: float, workers: int = 0) -> None:
+    """Until the scheduler is ready and routes to at least `workers` workers (it
+    is ready with one of each role; the others may still be starting)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not scheduler.ready or len(scheduler.profiled & set(scheduler.members)) < workers:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"scheduler not ready with {workers} workers within {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+async def complete(scheduler: GlobalScheduler, prompt_ids: list[int], params) -> tuple[list[int], str | None]:
+    """One request to its end: (token ids, error or None)."""
+    tokens, error = [], None
+    async for event in scheduler.generate(prompt_ids, params):
+        tokens += event.token_ids
+        error = event.error or error
+    return tokens, error

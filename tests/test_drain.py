@@ -1,0 +1,83 @@
+"""Scale-down drains: a draining worker gets no new requests, finishes the one it
+holds, and only then goes, with its block accounting intact and no replacement."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+
+from actors.sampling_params import SamplingParams
+from cluster.config import AppSettings
+from cluster.pool_manager import get_or_create_pool
+from tests.scheduler_driver import build_scheduler, complete, refreshing, wait_ready
+
+SETTINGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "engine": {"block_size": 16, "prefill_chunk_size": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 256},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 2},
+    "slo": {"early_rejection": False},
+    "autoscaling": {"interval_s": 0.5, "drain_grace_s": 1.0},
+    "pool_name": "test-pool-drain",
+}
+LONG = SamplingParams(max_new_tokens=800, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+
+
+async def _events_of(pool, kind: str, worker_id: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in await pool.scaling_events.remote() if e.kind == kind and e.worker_id == worker_id]
+        if found:
+            return found
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"no {kind} event for {worker_id} within {timeout_s} s")
+
+
+async def _scenario(pool, settings):
+    scheduler = build_scheduler(settings, pool)
+    async with refreshing(scheduler, interval_s=0.5):
+        await wait_ready(scheduler, timeout_s=180, workers=3)
+        long_request = asyncio.ensure_future(complete(scheduler, list(range(3, 43)), LONG))
+        while not any(r.num_generated > 3 for r in scheduler.models.inflight.values()):
+            await asyncio.sleep(0.01)
+        (busy,) = [r.decode_id for r in scheduler.models.inflight.values()]
+        other = next(w for w, m in scheduler.members.items() if m.role == "decode" and w != busy)
+        assert await pool.drain.remote(busy, "test")
+        assert not await pool.drain.remote(busy, "again")  # already draining
+
+        while not scheduler.members[busy].draining:  # the next refresh tells the scheduler
+            await asyncio.sleep(0.05)
+        picks = {scheduler.plan(list(range(100 + i, 160 + i))).decode_id for i in range(20)}
+        shorts = await asyncio.gather(*(complete(scheduler, list(range(200 + i, 230 + i)), SHORT) for i in range(4)))
+        assert not long_request.done(), "the long request should still be decoding on the draining worker"
+        tokens, error = await asyncio.wait_for(long_request, 120)
+        finished_s = time.time()
+
+        (drained,) = await _events_of(pool, "drained", busy, timeout_s=30)
+        members = await pool.list_members.remote()
+        after, after_error = await complete(scheduler, list(range(300, 340)), SHORT)
+        events = await pool.scaling_events.remote()
+    return dict(busy=busy, other=other, picks=picks, shorts=shorts, tokens=tokens, error=error,
+                finished_s=finished_s, drained=drained, members=members, after=(after, after_error), events=events)
+
+
+def test_a_draining_decode_worker_finishes_its_request_then_goes(ray_local, tiny_qwen2_dir):
+    settings = AppSettings.model_validate(SETTINGS)
+    pool = get_or_create_pool(settings)
+    try:
+        r = asyncio.run(_scenario(pool, settings))
+    finally:
+        ray.get(pool.shutdown.remote())
+        ray.kill(pool)
+    assert r["picks"] == {r["other"]}  # new requests go to the other decode worker only
+    assert all(error is None and len(tokens) == 4 for tokens, error in r["shorts"])
+    assert r["error"] is None and len(r["tokens"]) == 800  # the in-flight request completed
+    drained = r["drained"]
+    assert drained.time_s >= r["finished_s"] - 1.0  # retired only after its request ended
+    assert drained.stats is not None and drained.stats.num_used_blocks == 0 and "accounting ok" in drained.reason
+    assert [m.worker_id for m in r["members"] if m.role == "decode"] == [r["other"]]  # not replaced
+    assert not [e for e in r["events"] if e.kind == "replaced"]
+    assert r["after"][1] is None and len(r["after"][0]) == 4

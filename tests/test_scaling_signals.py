@@ -1,0 +1,91 @@
+"""The autoscaler's signals: per-request outcomes on the scheduler side, the
+windowed attainment and per-worker figures on the pool manager's side (injected
+clock, no Ray)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.admission import InFlight
+from cluster.scaling_signals import OutcomeRecorder, SchedulerReport, SignalBook
+
+
+def test_a_request_gives_its_ttft_and_mean_tbt():
+    recorder = OutcomeRecorder("r1")
+    timer = recorder.timer(started_s=10.0)
+    timer.tokens(1, 10.5)  # first token 0.5 s after the start
+    timer.tokens(0, 10.6)  # an event without tokens changes nothing
+    timer.tokens(2, 10.9)  # two tokens in one event share a time
+    timer.tokens(1, 11.1)
+    timer.end("ok")
+    report = recorder.report([])
+    assert report.ttft_s == (0.5,)
+    assert report.tbt_s == (pytest.approx((11.1 - 10.5) / 3),)
+    assert recorder.report([]).ttft_s == ()  # taken: the next report starts empty
+
+
+def test_failures_and_cancellations():
+    recorder = OutcomeRecorder("r1")
+    recorder.timer(0.0).end("error")  # failed before its first token: a TTFT miss
+    recorder.timer(0.0).end("cancelled")  # its client left: no outcome
+    one_token = recorder.timer(0.0)
+    one_token.tokens(1, 0.2)
+    one_token.end("ok")  # one token: a TTFT, no TBT
+    recorder.rejected(ttft_missed=True, tbt_missed=False)
+    report = recorder.report([])
+    assert report.ttft_s == (math.inf, 0.2) and report.tbt_s == ()
+    assert (report.num_rejected_ttft, report.num_rejected_tbt) == (1, 0)
+
+
+def test_report_counts_backlog_inflight_and_routing():
+    recorder = OutcomeRecorder("r1")
+    recorder.routed(["p0", "d0"])
+    recorder.routed(["p0", "d1"])
+    inflight = [InFlight("a", "p0", "d0", 300, 10, 0.1), InFlight("b", "p0", "d1", 200, 10, 0.1),
+                InFlight("c", "p1", "d1", 50, 10, 0.1, first_token_s=1.0)]  # past prefill: P is done with it
+    report = recorder.report(inflight, draining=["d1"], block_size=16)
+    assert report.backlog_tokens == {"p0": 500}
+    assert report.awaiting_kv_blocks == {"d0": 19, "d1": 13}  # ceil(301 / 16), ceil(201 / 16)
+    assert report.inflight == {"p0": 2, "d0": 1, "d1": 2}
+    assert report.routed == {"p0": 2, "d0": 1, "d1": 1}
+    assert report.draining == frozenset({"d1"})
+
+
+def _book() -> SignalBook:
+    return SignalBook(ttft_slo_s=1.0, tbt_slo_s=0.1, window_s=30.0, stale_after_s=10.0)
+
+
+def test_attainment_over_the_window_with_rejections_as_misses():
+    book = _book()
+    book.add(SchedulerReport("r1", ttft_s=(0.5, 0.9, 2.0), tbt_s=(0.05,), num_rejected_ttft=1), now_s=0.0)
+    assert book.attainment("ttft", 1.0, since_s=-math.inf, min_samples=4) == (0.5, 4)
+    assert book.attainment("tbt", 1.0, since_s=-math.inf, min_samples=4) == (None, 1)  # too few
+    book.add(SchedulerReport("r1", ttft_s=(0.1,) * 4), now_s=20.0)
+    assert book.attainment("ttft", 20.0, -math.inf, 4) == (pytest.approx(6 / 8), 8)
+    assert book.attainment("ttft", 20.0, since_s=10.0, min_samples=4) == (1.0, 4)  # only after a change
+    assert book.attainment("ttft", 40.0, -math.inf, 1) == (1.0, 4)  # the first report left the window
+
+
+def test_backlog_and_inflight_sum_over_live_replicas():
+    book = _book()
+    book.add(SchedulerReport("r1", backlog_tokens={"p0": 100, "p1": 50}, inflight={"p0": 1, "d0": 2}), 0.0)
+    book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, inflight={"d0": 1}, awaiting_kv_blocks={"d0": 7}), 5.0)
+    assert book.backlog_tokens(["p0"], 6.0) == 110
+    assert book.inflight("d0", 6.0) == 3 and book.awaiting_kv_blocks("d0", 6.0) == 7
+    # r1 goes silent: after 10 s it is forgotten.
+    book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, inflight={}), 12.0)
+    assert book.backlog_tokens(["p0", "p1"], 12.0) == 10 and book.inflight("d0", 12.0) == 0
+
+
+def test_a_worker_is_released_once_every_replica_knows_it_drains_and_has_nothing_there():
+    book = _book()
+    assert book.released("d1", 0.0)  # no scheduler at all
+    book.add(SchedulerReport("r1", inflight={"d1": 1}, draining=frozenset({"d1"})), 1.0)
+    book.add(SchedulerReport("r2", draining=frozenset()), 1.0)
+    assert not book.released("d1", 1.5)  # r1 still has a request there; r2 has not seen the drain
+    book.add(SchedulerReport("r1", draining=frozenset({"d1"})), 2.0)
+    assert not book.released("d1", 2.5)
+    book.add(SchedulerReport("r2", draining=frozenset({"d1"})), 3.0)
+    assert book.released("d1", 3.5)
