@@ -219,9 +219,12 @@ def test_requests_right_after_a_prefill_worker_dies_are_retried_and_served(base_
         response = httpx.post(f"{base_url}/generate", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert len(response.json()["output_ids"]) == 3
-    deadline = time.monotonic() + 120  # the pool replaces the dead P
-    while {m.worker_id for m in pool_members(ARGS["pool_name"]) if m.role == "prefill"} & {victim.worker_id}:
-        assert time.monotonic() < deadline
+    deadline = time.monotonic() + 120  # the pool replaces the dead P, and the new one is ready
+    while True:
+        prefill_ids = {m.worker_id for m in pool_members(ARGS["pool_name"]) if m.role == "prefill"}
+        if victim.worker_id not in prefill_ids and len(prefill_ids) == ARGS["prefill"]["replicas"]:
+            break
+        assert time.monotonic() < deadline, prefill_ids
         time.sleep(1)
     wait_workers_idle(ARGS["pool_name"], timeout_s=60)
 
