@@ -28,6 +28,7 @@ class StoreIndex:
         self.settings = settings
         self.node_tiers: dict[str, dict[str, PrefixIndex]] = {}  # node id -> tier name -> index
         self.shared = PrefixIndex(INDEX_CAPACITY_BLOCKS)
+        self._stores: dict[str, object] = {}  # node id -> its store actor's handle, once found
 
     def indexes_for(self, node_id: str) -> list[PrefixIndex]:
         return [*self.node_tiers.get(node_id, {}).values(), self.shared]
@@ -37,13 +38,15 @@ class StoreIndex:
         for gone in set(self.node_tiers) - node_ids:
             del self.node_tiers[gone]
         for node_id in node_ids:
-            name = node_store_name(node_id, self.namespace, self.settings)
             try:
-                store = ray.get_actor(name, namespace="tandem-kv")
+                store = self._stores.get(node_id) or ray.get_actor(
+                    node_store_name(node_id, self.namespace, self.settings), namespace="tandem-kv")
                 events = await store.drain_events.remote()
             except (ValueError, ray.exceptions.RayError) as exc:
+                self._stores.pop(node_id, None)  # not created yet, or gone: look it up again next time
                 log.debug("no KV store events from node %s: %s", node_id, exc)
                 continue
+            self._stores[node_id] = store
             self.apply(node_id, events)
 
     def apply(self, node_id: str, events: dict[str, list[tuple[bool, bytes]]]) -> None:

@@ -50,6 +50,17 @@ async def consume(call: DisaggregatedCall, stop_after: int | None = None):
     return events
 
 
+async def mid_transfer(p, d, request: GenerateRequest):
+    """Start a request and return once its transfer is under way: (call, task
+    consuming its events)."""
+    call = DisaggregatedCall(p, d, request, "gloo")
+    task = asyncio.ensure_future(consume(call))
+    while call.reservation is None:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    return call, task
+
+
 def serves(p, d, request_id: str) -> bool:
     request = GenerateRequest(request_id, SHORT.prompt_token_ids, SHORT.params)
     events = asyncio.run(consume(DisaggregatedCall(p, d, request, "gloo")))
@@ -96,11 +107,7 @@ def test_decode_dies_mid_transfer(ray_local, tiny_qwen2_dir):
     request = GenerateRequest("d-dies-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
 
     async def scenario():
-        call = DisaggregatedCall(p, d, request, "gloo")
-        task = asyncio.ensure_future(consume(call))
-        while call.reservation is None:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        call, task = await mid_transfer(p, d, request)
         ray.kill(d)
         with pytest.raises(WorkerDied):
             await asyncio.wait_for(task, timeout=30)
@@ -179,11 +186,7 @@ def test_a_transfer_stalled_past_its_timeout_fails_clearly_and_leaks_nothing(ray
     stall_s = OPTIONS.transfer_timeout_s + 3
 
     async def scenario():
-        call = DisaggregatedCall(p, d, request, "gloo")
-        task = asyncio.ensure_future(consume(call))
-        while call.reservation is None:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        call, task = await mid_transfer(p, d, request)
         os.kill(d_pid, signal.SIGSTOP)
         try:
             await asyncio.wait({task}, timeout=stall_s)
