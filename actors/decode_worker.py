@@ -180,6 +180,17 @@ class DecodeWorker(WorkerBase):
             self._pending.pop(request_id, None)
         return await super().abort(request_id, reason)
 
+    async def abort_transfer(self, request_id: str, reason: str) -> bool:
+        """Drop a request whose prefill failed, unless its KV has all arrived: once
+        the last chunk activated it, P is no longer needed and decoding goes on.
+        Returns whether the request was dropped."""
+        self._ensure_started()
+        with self._pending_lock:
+            waiting = request_id in self._pending
+        if waiting:
+            await self._drop(request_id, reason)
+        return waiting
+
     # ---- reservations that will never be filled -----------------------------------
     async def _watchdog(self) -> None:
         while True:

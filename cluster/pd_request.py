@@ -7,9 +7,9 @@
 
 Steps: handshake (D reserves blocks, naming P so it can watch for P's death), open
 D's token stream, start P's prefill; P's chunk transfers resolve as the blocks land
-and the last one activates the request on D. If P fails, D is told to drop the
-request and the stream ends with an error event; if the consumer stops early, both
-sides are cancelled and free what they hold.
+and the last one activates the request on D. If P fails before that, D is told to
+drop the request and the stream ends with an error event (after it, D goes on);
+if the consumer stops early, both sides are cancelled and free what they hold.
 """
 
 from __future__ import annotations
@@ -74,5 +74,8 @@ class DisaggregatedCall:
         except (ray.exceptions.RayError, RuntimeError) as exc:
             self.prefill_error = exc
             # D would notice a dead P by itself; a failed transfer it learns here.
+            # A P that fails after the last chunk landed costs nothing: D goes on.
             reason = f"prefill failed: {exc}"
-            await asyncio.gather(self.decode.abort.remote(self.request.request_id, reason), return_exceptions=True)
+            await asyncio.gather(
+                self.decode.abort_transfer.remote(self.request.request_id, reason), return_exceptions=True
+            )

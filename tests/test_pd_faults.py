@@ -216,9 +216,14 @@ def test_prefill_dies_after_the_transfer_decode_goes_on(ray_local, tiny_qwen2_di
             events.append(event)
             if len(events) == 1:
                 ray.kill(p)
+                # P's failed prefill may reach the scheduler only now, after the
+                # first token: D must not drop a request whose KV has all arrived.
+                dropped.append(await d.abort_transfer.remote("p-dies-after", "prefill failed: killed"))
         return events
 
+    dropped = []
     events = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert dropped == [False]
     assert events[-1].finished and events[-1].error is None
     assert sum(len(e.token_ids) for e in events) == 40
     wait_idle(d)
