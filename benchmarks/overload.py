@@ -49,12 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default=None, help="capacity sweep rates, req/s (default: calibrated)")
     parser.add_argument("--capacity", type=float, default=None, help="skip the sweep: capacity in req/s")
     parser.add_argument("--window-s", type=float, default=None, help="offered window per run (default 50, quick 4)")
+    parser.add_argument("--run-window-s", type=float, default=None,
+                        help="offered window of the 1x and 2x runs (default: --window-s)")
     parser.add_argument("--min-requests", type=int, default=5)
     parser.add_argument("--ttft-scale", type=float, default=4.0)
     parser.add_argument("--tbt-scale", type=float, default=2.0)
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--overhead-pairs", type=int, default=40, help="HTTP/direct pairs for the overhead")
+    parser.add_argument("--overhead-only", action="store_true", help="measure only the scheduler overhead")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -203,16 +206,25 @@ def main(args: argparse.Namespace) -> None:
     vocab = TINY_VOCAB if args.preset == "tiny" else BENCH_VOCAB
     lengths = chat_lengths(args.quick)
 
-    def make(rate: float, seed: int) -> wl.Workload:
-        num_requests = max(args.min_requests, round(rate * args.window_s))
+    def make(rate: float, seed: int, window_s: float | None = None) -> wl.Workload:
+        num_requests = max(args.min_requests, round(rate * (window_s or args.window_s)))
         return wl.poisson("chat-mix", rate, num_requests, lengths, vocab, seed)
 
+    if args.overhead_only:
+        with ServeCluster() as cluster:
+            overhead = measure_overhead(cluster, args.overhead_pairs)
+        report.finish("overload", args.out, {"overhead": overhead, "machine": report.machine_info()},
+                      f"scheduler overhead {overhead['overhead_ms']:.1f} ms (HTTP {overhead['http_s']['median'] * 1e3:.1f} "
+                      f"ms, direct {overhead['direct_s']['median'] * 1e3:.1f} ms)", "<= 10 ms")
+        return
     with ServeCluster() as cluster:
         urls, calibration, slo = _deploy_both(cluster, args, vocab, lengths)
         capacity, capacity_info, sweep = _capacity(urls["no-admission"], args, slo, make,
                                                    calibration["isolated_ttft_s"])
         print(f"capacity {capacity:.3g} req/s ({capacity_info['kind']})", flush=True)
-        loads = {"1x": (capacity, make(capacity, args.seed + 7)), "2x": (2 * capacity, make(2 * capacity, args.seed + 8))}
+        window = args.run_window_s
+        loads = {"1x": (capacity, make(capacity, args.seed + 7, window)),
+                 "2x": (2 * capacity, make(2 * capacity, args.seed + 8, window))}
         runs = _runs(urls, loads, slo, ["admission", "no-admission"])
         overhead = measure_overhead(cluster, args.overhead_pairs)
     text = _tables(runs, overhead, capacity, slo)

@@ -33,7 +33,7 @@ from benchmarks import report
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="bench", help="built-in model preset (bench or tiny)")
     parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--first-tokens", type=int, default=512, help="tokens of each conversation's first prompt")
     parser.add_argument("--user-tokens", type=int, default=32, help="new user tokens per later turn")
     parser.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn")

@@ -30,7 +30,7 @@ class InFlight:
     decode_id: str
     num_prompt_tokens: int
     max_new_tokens: int
-    predicted_prefill_s: float
+    predicted_ttft_s: float  # at admission: queue on P, prefill, transfer, learned bias
     admitted_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     num_generated: int = 0
@@ -120,12 +120,22 @@ class WorkerModels:
         return model.predict(prefill_features(new_tokens, cached_tokens)) if model.is_fitted else 0.0
 
     def queued_prefill_s(self, worker_id: str) -> float:
+        """Predicted time until the worker has finished every prefill admitted to it.
+
+        Each request's TTFT prediction already counts the queue ahead of it, so the
+        queue ends with the latest predicted first token (a max, not a sum). A
+        request past its predicted first token delays everything behind it, so the
+        queue's end moves back by the most overdue one's lateness instead of that
+        request counting as done."""
         now = time.monotonic()
-        total = 0.0
-        for request in self.inflight.values():
-            if request.prefill_id == worker_id and request.in_prefill:
-                total += max(request.predicted_prefill_s - (now - request.admitted_s), 0.0)
-        return total
+        left = [
+            r.admitted_s + r.predicted_ttft_s - now
+            for r in self.inflight.values()
+            if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill  # colocated: no prefill_id
+        ]
+        if not left:
+            return 0.0
+        return max(max(left), 0.0) + max(-min(left), 0.0)
 
     def tbt_at(self, decode_id: str, at_s: float, extra_kv_tokens: int) -> float:
         """Predicted decode step time on D `at_s` seconds from now, with one more
@@ -141,7 +151,7 @@ class WorkerModels:
                 continue
             remaining = request.max_new_tokens - request.num_generated
             if request.in_prefill:
-                joins_at = max(request.predicted_prefill_s - (now - request.admitted_s), 0.0)
+                joins_at = max(request.predicted_ttft_s - (now - request.admitted_s), 0.0)
                 if joins_at > at_s:
                     continue  # still prefilling then
             elif remaining * step_now < at_s:

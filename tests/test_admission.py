@@ -37,13 +37,39 @@ def _models() -> WorkerModels:
 
 def test_queued_prefill_counts_only_that_workers_unfinished_prefills():
     models = _models()
-    models.inflight["a"] = InFlight("a", "p0", "d0", 100, 10, predicted_prefill_s=1.0)
-    models.inflight["b"] = InFlight("b", "p1", "d0", 100, 10, predicted_prefill_s=5.0)
-    done = InFlight("c", "p0", "d0", 100, 10, predicted_prefill_s=9.0, first_token_s=time.monotonic())
+    models.inflight["a"] = InFlight("a", "p0", "d0", 100, 10, predicted_ttft_s=1.0)
+    models.inflight["b"] = InFlight("b", "p1", "d0", 100, 10, predicted_ttft_s=5.0)
+    done = InFlight("c", "p0", "d0", 100, 10, predicted_ttft_s=9.0, first_token_s=time.monotonic())
     models.inflight["c"] = done
     assert models.queued_prefill_s("p0") == pytest.approx(1.0, abs=0.3)  # less the (wall) time the test took so far
     prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
     assert prediction.ttft_s == pytest.approx(1.0 + 0.2, abs=0.3)
+
+
+def test_queued_prefill_ends_with_the_last_predicted_first_token():
+    """Each TTFT prediction includes the queue ahead of it: three requests admitted
+    back to back end when the last one does, not after the sum of their TTFTs."""
+    models = _models()
+    now = time.monotonic()
+    for name, ttft in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=ttft, admitted_s=now)
+    assert models.queued_prefill_s("p0") == pytest.approx(3.0, abs=0.3)
+
+
+def test_an_overdue_prefill_delays_the_queue_behind_it():
+    """A request 2 s past its predicted first token is not done: the queue behind it
+    (predicted to end 1 s from now) moves back by those 2 s."""
+    models = _models()
+    now = time.monotonic()
+    models.inflight["late"] = InFlight("late", "p0", "d0", 100, 10, predicted_ttft_s=1.0, admitted_s=now - 3.0)
+    models.inflight["next"] = InFlight("next", "p0", "d0", 100, 10, predicted_ttft_s=4.0, admitted_s=now - 3.0)
+    assert models.queued_prefill_s("p0") == pytest.approx(1.0 + 2.0, abs=0.3)
+
+
+def test_colocated_workers_count_their_own_queue():
+    models = _models()
+    models.inflight["a"] = InFlight("a", None, "c0", 100, 10, predicted_ttft_s=2.0)
+    assert models.queued_prefill_s("c0") == pytest.approx(2.0, abs=0.3)
 
 
 def test_prefix_hits_lower_the_predicted_ttft():
@@ -158,14 +184,14 @@ def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] 
 def test_a_queue_that_breaks_the_slo_rejects_and_a_relaxed_slo_admits():
     prompt = list(range(300))  # predicted prefill: 0.3 s on p0
     strict = _scheduler(ttft_ms=1000)
-    strict.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_prefill_s=2.0)
+    strict.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=2.0)
     with pytest.raises(SloRejected) as rejected:
         strict.plan(prompt)
     assert rejected.value.best.ttft_s == pytest.approx(2.3, abs=0.3)
     assert "predicted TTFT 23" in str(rejected.value) and "SLO of 1000 ms" in str(rejected.value)
 
     relaxed = _scheduler(ttft_ms=5000)
-    relaxed.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_prefill_s=2.0)
+    relaxed.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=2.0)
     choice = relaxed.plan(prompt)
     assert (choice.prefill_id, choice.decode_id) == ("p0", "d0")
 

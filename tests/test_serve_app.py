@@ -190,6 +190,18 @@ def test_malformed_and_oversized_bodies(base_url, content, status):
         assert "error" in response.json()
 
 
+@pytest.mark.parametrize("size, status", [(2**10, 200), (10 * 2**20, 413)], ids=["small", "10MB"])
+def test_chunked_bodies_without_a_length_are_held_to_the_limit(base_url, size, status):
+    def chunks():
+        body = b'{"text": "x", "max_new_tokens": 2' + b" " * size + b"}"
+        for start in range(0, len(body), 2**16):
+            yield body[start:start + 2**16]
+
+    response = httpx.post(f"{base_url}/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert ("error" in response.json()) == (status != 200)
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
