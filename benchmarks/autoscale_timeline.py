@@ -9,9 +9,9 @@ start; events are converted from wall-clock time).
 - Reaction (`reactions`): for each scale-up after the load step, the times of
   the SLO breach before it, the decision, the new worker ready and the new worker
   serving (its first request). The breach is the first moment after the step at
-  which a request missed its SLO: its send time plus the TTFT SLO when its TTFT
-  missed (it was late from then on), or its first token time when only its TBT
-  missed. Breach to serving is reported as 0 when the new worker served before any
+  which a request missed the SLO that pool serves: for prefill, its send time plus
+  the TTFT SLO when its TTFT missed (it was late from then on); for decode, its
+  first token time when its TBT missed (a pool cannot act on the other's SLO). Breach to serving is reported as 0 when the new worker served before any
   request missed ("ahead of the breach").
 - Oscillation (`scale_downs_after_ups`): per pool, the most scale-downs that
   followed one scale-up within `horizon_s` (goal: at most one).
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.serving_metrics import Slo, attains
+from benchmarks.serving_metrics import Slo, attains, request_tbt_s
 
 
 @dataclass(frozen=True)
@@ -93,16 +93,22 @@ def bins(records, slo: Slo, bin_s: float, end_s: float) -> list[dict]:
     return rows
 
 
-def breach_s(records, slo: Slo, after_s: float) -> float | None:
-    """The first moment after `after_s` at which a request missed its SLO."""
+def breach_s(records, slo: Slo, after_s: float, role: str | None = None) -> float | None:
+    """The first moment after `after_s` at which a request missed its SLO. For a
+    pool (`role`), the SLO that pool serves: TTFT for prefill (the request is late
+    from its send time plus the TTFT SLO), TBT for decode (late from its first
+    token, when its gaps start). Failed requests count for both."""
     moments = []
     for record in records:
         if record.sent_s is None or record.sent_s < after_s or attains(record, slo):
             continue
-        if record.ttft_s is None or record.ttft_s > slo.ttft_s:
+        ttft_missed = record.ttft_s is None or record.ttft_s > slo.ttft_s
+        tbt = request_tbt_s(record, slo.tbt_stat) if record.ttft_s is not None else None
+        tbt_missed = record.status != "ok" or (tbt is not None and tbt > slo.tbt_s)
+        if ttft_missed and role != "decode":
             moments.append(record.sent_s + slo.ttft_s)
-        else:
-            moments.append(record.sent_s + record.ttft_s)
+        elif tbt_missed and role != "prefill":
+            moments.append(record.sent_s + (record.ttft_s if record.ttft_s is not None else slo.ttft_s))
     return min(moments) if moments else None
 
 
@@ -110,10 +116,10 @@ def reactions(events: Sequence[Event], records, slo: Slo, step_s: float) -> list
     """Each scale-up decided after the load step, with its timeline."""
     out = []
     ordered = sorted(events, key=lambda e: e.t_s)
-    breach = breach_s(records, slo, step_s)
     for i, up in enumerate(ordered):
         if up.kind != "up" or up.t_s < step_s:
             continue
+        breach = breach_s(records, slo, step_s, up.role if up.role in ("prefill", "decode") else None)
         started = next((e for e in ordered[i:] if e.kind == "started" and e.role == up.role), None)
         worker = started.worker_id if started else None
         ready = next((e.t_s for e in ordered if e.kind == "ready" and e.worker_id == worker), None)

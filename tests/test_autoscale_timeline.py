@@ -45,6 +45,15 @@ def test_breach_is_the_first_moment_a_request_missed():
     assert breach_s(records[:2], SLO, after_s=30.0) is None
 
 
+def test_each_pool_is_timed_from_a_miss_of_the_slo_it_serves():
+    late, slow = record(32.0, 2.5), record(33.0, 0.4, gap_s=0.5)  # TTFT missed at 33.0; TBT missed from 33.4
+    assert breach_s([late, slow], SLO, after_s=30.0, role="prefill") == pytest.approx(33.0)
+    assert breach_s([late, slow], SLO, after_s=30.0, role="decode") == pytest.approx(33.4)
+    assert breach_s([late], SLO, after_s=30.0, role="decode") is None
+    failed = record(34.0, None, status="error")
+    assert breach_s([failed], SLO, after_s=30.0, role="decode") == pytest.approx(35.0)
+
+
 def test_reaction_times_of_each_scale_up_after_the_step():
     records = [record(31.0, 0.2), record(32.0, 3.0)]
     (r,) = reactions(EVENTS, records, SLO, step_s=30.0)
