@@ -14,6 +14,7 @@ and every first token updates P's TTFT bias (see `observe_token_gap`, `observe_t
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,16 @@ class WorkerModels:
 
     def decode_model(self, worker_id: str) -> LinearCostModel:
         return self.decode.setdefault(worker_id, LinearCostModel(2))
+
+    def seed_from(self, peer_id: str, worker_id: str) -> None:
+        """Start `worker_id`'s models from a copy of `peer_id`'s (same model, same
+        node type); they diverge as the new worker's own timings arrive."""
+        if peer_id in self.prefill:
+            self.prefill[worker_id] = copy.deepcopy(self.prefill[peer_id])
+        if peer_id in self.decode:
+            self.decode[worker_id] = copy.deepcopy(self.decode[peer_id])
+        if peer_id in self.ttft_bias_s:
+            self.ttft_bias_s[worker_id] = self.ttft_bias_s[peer_id]
 
     def forget(self, worker_id: str) -> None:
         self.prefill.pop(worker_id, None)

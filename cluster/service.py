@@ -60,9 +60,10 @@ class GlobalScheduler:
         """Members from the pool manager; stats (and a start-up profile) per worker."""
         members = await self.pool.list_members.remote()
         self.members = {m.worker_id: m for m in members}
-        for gone in set(self.stats) - set(self.members):
+        for gone in (set(self.stats) | self.profiled) - set(self.members):
             self.stats.pop(gone, None)
             self.prefix.pop(gone, None)
+            self.profiled.discard(gone)
             self.models.forget(gone)
         results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
         for member, stats in zip(members, results):
@@ -96,8 +97,19 @@ class GlobalScheduler:
             log.warning("could not report to the pool manager: %s", exc)
 
     async def _profile_new(self, members) -> None:
+        """Cost models for workers that have none. The first worker of a role is
+        profiled (a few real prefills and decode steps); a later one (scale-up,
+        replacement) runs the same model on the same node type, so it starts from
+        a peer's fitted models and is routable at once, instead of first running
+        a profile on cores the load that made us scale up keeps busy (which both
+        delays it and makes it look slower than it is). Live timings refit it."""
         for member in members:
             if member.worker_id in self.profiled or member.worker_id not in self.stats:
+                continue
+            peer = next((w for w in self.profiled if w in self.members and self.members[w].role == member.role), None)
+            if peer is not None:
+                self.models.seed_from(peer, member.worker_id)
+                self.profiled.add(member.worker_id)
                 continue
             try:
                 profile = await member.handle.profile.remote()

@@ -245,6 +245,25 @@ def test_decode_choice_within_the_slo_is_the_least_busy_not_the_fastest_profile(
     assert strict.plan(list(range(32))).decode_id == "d0"
 
 
+def test_a_scaled_up_worker_starts_from_a_peers_models_and_takes_the_next_request():
+    """No start-up profile for a second worker of a role (its handle here cannot
+    even be called): it copies p0's models, and with p0 queued it gets the request."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.pool_manager import Member
+
+    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=3.0)
+    scheduler.members["p1"] = Member("p1", "prefill", handle=None)
+    scheduler.stats["p1"] = SimpleNamespace(num_blocks=1000, num_used_blocks=0)
+    scheduler.prefix["p1"] = PrefixIndex(1000)
+    asyncio.run(scheduler._profile_new(list(scheduler.members.values())))
+    assert "p1" in scheduler.profiled
+    assert scheduler.models.prefill_s("p1", 300, 0) == pytest.approx(scheduler.models.prefill_s("p0", 300, 0))
+    assert scheduler.plan(list(range(300))).prefill_id == "p1"
+
+
 def test_draining_workers_get_no_new_requests():
     from dataclasses import replace
 
