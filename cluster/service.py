@@ -96,6 +96,17 @@ class GlobalScheduler:
             # AttributeError: a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
 
+    def replace_pool(self, pool) -> None:
+        """A new pool manager replaced a dead one: its workers are new processes
+        even where their ids repeat the old ones (p0, d1, ...), so nothing learned
+        about the old workers (cost models, prefix indexes, stats) carries over."""
+        self.pool = pool
+        self.ready = False
+        for worker_id in set(self.members) | set(self.stats) | self.profiled:
+            self.models.forget(worker_id)
+        self.members, self.stats, self.prefix = {}, {}, {}
+        self.profiled = set()
+
     async def _profile_new(self, members) -> None:
         """Cost models for workers that have none. The first worker of a role is
         profiled (a few real prefills and decode steps); a later one (scale-up,
