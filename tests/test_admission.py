@@ -276,6 +276,13 @@ def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     assert not scheduler.models.prefill_model("p0").is_fitted and not scheduler.models.decode_model("d0").is_fitted
 
 
+def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler.models.seed_from("d0", "d1")
+    scheduler.num_routed["d0"] = 5  # d0 has served before; both idle now
+    assert scheduler.plan(list(range(32))).decode_id == "d1"
+
+
 def test_draining_workers_get_no_new_requests():
     from dataclasses import replace
 
