@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,6 +53,21 @@ class WorkerStats:
     node_id: str = ""  # the Ray node (whose KV store the worker uses)
 
 
+@dataclass(frozen=True)
+class WorkerStartup:
+    """Wall-clock times of a worker's start, for explaining slow scale-ups."""
+
+    process_started: float  # the actor's process was created
+    init_started: float  # its constructor began (Ray worker boot and imports before this)
+    ready: float  # its engine was built
+
+    def describe(self, requested: float) -> str:
+        """Where the time went since `requested` (when the actor was asked for)."""
+        return (f"process up {self.process_started - requested:.1f} s after the request (node, scheduling), "
+                f"boot and imports {self.init_started - self.process_started:.1f} s, "
+                f"engine {self.ready - self.init_started:.1f} s")
+
+
 class WorkerBase:
     def __init__(
         self,
@@ -59,10 +76,12 @@ class WorkerBase:
         engine_config: EngineConfig,
         options: WorkerOptions | None = None,
     ) -> None:
+        init_started = time.time()
         self.worker_id = worker_id
         self.options = options or WorkerOptions()
         model_dir = model.resolve() if isinstance(model, ModelLocation) else model
         self.engine = Engine(model_dir, engine_config)
+        self.startup = WorkerStartup(_process_started(init_started), init_started, time.time())
         self.node = _current_node_id()
         self.kv_store: KVStoreClient | None = None
         self.store_writer: StoreWriter | None = None
@@ -149,6 +168,10 @@ class WorkerBase:
     async def ping(self) -> str:
         return self.worker_id
 
+    async def startup_times(self) -> WorkerStartup:
+        """Answers once the worker is up, like `ping`, with where its start went."""
+        return self.startup
+
     async def node_id(self) -> str:
         """The Ray node this worker runs on (placement checks)."""
         return self.node
@@ -223,3 +246,15 @@ def _current_node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def _process_started(default: float) -> float:
+    """Wall time this process was created (Linux /proc), or `default` elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return default

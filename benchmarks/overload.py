@@ -226,6 +226,8 @@ def main(args: argparse.Namespace) -> None:
         loads = {"1x": (capacity, make(capacity, args.seed + 7, window)),
                  "2x": (2 * capacity, make(2 * capacity, args.seed + 8, window))}
         runs = _runs(urls, loads, slo, ["admission", "no-admission"])
+        for name in urls:  # their idle schedulers and pool managers still poll: not on the overhead's cores
+            cluster.undeploy(name)
         overhead = measure_overhead(cluster, args.overhead_pairs)
     text = _tables(runs, overhead, capacity, slo)
     print("\n" + text)

@@ -209,7 +209,7 @@ def main(args: argparse.Namespace) -> None:
     config, vocab = llm.engine.model_config, llm.engine.model_config.vocab_size
     targets = [TandemTarget(llm)]
     if not args.no_hf:
-        from benchmarks.engine import load_hf_model
+        from benchmarks.engine_systems import load_hf_model
 
         targets.append(HFTarget(load_hf_model(model_dir)))
     print("prefill and decode, systems alternating ...", flush=True)

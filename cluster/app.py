@@ -178,8 +178,8 @@ class Scheduler:
             await self.service.refresh()
         except ray.exceptions.RayActorError as exc:
             log.warning("pool manager %s is gone (%s); starting a new one", self.settings.pool_name, exc)
-            self.service.ready = False
-            self.pool = self.service.pool = get_or_create_pool(self.settings)
+            self.pool = get_or_create_pool(self.settings)
+            self.service.replace_pool(self.pool)
         except Exception as exc:  # keep refreshing; /health reports not ready
             log.warning("refresh failed: %s", exc)
             self.service.ready = False

@@ -59,7 +59,8 @@ class _Track:
     """The control loop's notes on one worker."""
 
     started_s: float
-    ready: object  # concurrent Future of the worker's first ping
+    ready: object  # concurrent Future of the worker's first answer (its WorkerStartup)
+    requested_wall: float = 0.0  # time.time() when the actor was asked for
     ready_s: float | None = None
     serving_s: float | None = None
     drain_started_s: float | None = None
@@ -97,7 +98,8 @@ class PoolAutoscaler:
 
     # ---- what the manager tells us --------------------------------------------------------
     def on_started(self, member) -> None:
-        self.tracks[member.worker_id] = _Track(self.clock(), member.handle.ping.remote().future())
+        ready = member.handle.startup_times.remote().future()
+        self.tracks[member.worker_id] = _Track(self.clock(), ready, time.time())
         self.record(member.role, "started", member.worker_id)
 
     def is_ready(self, worker_id: str) -> bool:
@@ -170,8 +172,10 @@ class PoolAutoscaler:
             if track.ready.done():
                 if track.ready.exception() is None:  # a dead one is the health loop's to replace
                     track.ready_s = now
+                    startup = track.ready.result()
+                    where = f": {startup.describe(track.requested_wall)}" if hasattr(startup, "describe") else ""
                     self.record(member.role, "ready", member.worker_id,
-                                reason=f"{now - track.started_s:.1f} s after start")
+                                reason=f"{now - track.started_s:.1f} s after start{where}")
             elif now - track.started_s > self.knobs.start_timeout_s:
                 self.manager.members.pop(member.worker_id, None)
                 self.tracks.pop(member.worker_id, None)

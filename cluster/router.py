@@ -11,7 +11,8 @@ Policies pick P among candidates that each carry a `Prediction`:
 - `least_load`: the least queued prefill work;
 - `cache_aware`: the lowest predicted TTFT, which counts prefix hits (Mooncake's
   cache- and load-aware choice).
-D is picked by KV headroom first, then predicted TBT.
+D is picked in `GlobalScheduler.plan`: within the TBT SLO the least busy, then the
+most KV headroom, then the least routed to; past the SLO the fastest.
 """
 
 from __future__ import annotations

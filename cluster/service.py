@@ -51,6 +51,7 @@ class GlobalScheduler:
         self.prefix: dict[str, PrefixIndex] = {}
         self.store_index = StoreIndex(kv_seed, settings.kv_store.store_settings()) if settings.kv_store else None
         self.profiled: set[str] = set()
+        self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
         self.ready = False
         self._ids = itertools.count()
         self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
@@ -64,6 +65,7 @@ class GlobalScheduler:
             self.stats.pop(gone, None)
             self.prefix.pop(gone, None)
             self.profiled.discard(gone)
+            self.num_routed.pop(gone, None)
             self.models.forget(gone)
         results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
         for member, stats in zip(members, results):
@@ -95,6 +97,17 @@ class GlobalScheduler:
         except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on
             # AttributeError: a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
+
+    def replace_pool(self, pool) -> None:
+        """A new pool manager replaced a dead one: its workers are new processes
+        even where their ids repeat the old ones (p0, d1, ...), so nothing learned
+        about the old workers (cost models, prefix indexes, stats) carries over."""
+        self.pool = pool
+        self.ready = False
+        for worker_id in set(self.members) | set(self.stats) | self.profiled:
+            self.models.forget(worker_id)
+        self.members, self.stats, self.prefix, self.num_routed = {}, {}, {}, {}
+        self.profiled = set()
 
     async def _profile_new(self, members) -> None:
         """Cost models for workers that have none. The first worker of a role is
@@ -185,10 +198,14 @@ class GlobalScheduler:
                     for d in decodes
                 ]
                 # D: within the TBT SLO, the least busy (so a new decode worker takes
-                # requests even if its start-up profile came out slower); else the fastest.
+                # requests even if its start-up profile came out slower), then the
+                # most KV headroom, then the one routed to least so far (idle equals
+                # take turns, and a scaled-up worker serves from the next request);
+                # past the SLO, the fastest.
                 if per_d:
-                    candidates.append(min(per_d, key=lambda c: (c.tbt_s > tbt_slo_s, inflight.get(c.decode_id, 0),
-                                                                -self._headroom(c.decode_id), c.tbt_s)))
+                    candidates.append(min(per_d, key=lambda c: (
+                        c.tbt_s > tbt_slo_s, inflight.get(c.decode_id, 0), -self._headroom(c.decode_id),
+                        self.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
@@ -239,6 +256,7 @@ class GlobalScheduler:
                     self.outcomes.rejected(exc.best.ttft_s > slo.ttft_ms / 1e3, exc.best.tbt_s > slo.tbt_ms / 1e3)
                     raise
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
+                self.num_routed[choice.decode_id] = self.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
                 run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, started)
                 deadline = started + self.settings.limits.request_timeout_s

@@ -264,6 +264,25 @@ def test_a_scaled_up_worker_starts_from_a_peers_models_and_takes_the_next_reques
     assert scheduler.plan(list(range(300))).prefill_id == "p1"
 
 
+def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
+    """The new pool's workers reuse ids (p0, d0) but are new processes: no cost
+    model, prefix index or stats of the old ones may carry over."""
+    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler.ready = True
+    new_pool = object()
+    scheduler.replace_pool(new_pool)
+    assert scheduler.pool is new_pool and not scheduler.ready
+    assert not (scheduler.members or scheduler.stats or scheduler.prefix or scheduler.profiled)
+    assert not scheduler.models.prefill_model("p0").is_fitted and not scheduler.models.decode_model("d0").is_fitted
+
+
+def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler.models.seed_from("d0", "d1")
+    scheduler.num_routed["d0"] = 5  # d0 has served before; both idle now
+    assert scheduler.plan(list(range(32))).decode_id == "d1"
+
+
 def test_draining_workers_get_no_new_requests():
     from dataclasses import replace
 
