@@ -66,6 +66,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        self._num_cached = 0  # free blocks that still hold a findable hash
         # Cache events for the global scheduler's prefix index: (True, hash) when a
         # block becomes findable, (False, hash) when it is evicted. Drained by
         # `drain_events`; bounded so an undrained pool cannot grow without limit.
@@ -79,7 +80,8 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+        """Free blocks still findable by hash (evictable prefix cache)."""
+        return self._num_cached
 
     @property
     def num_used(self) -> int:
@@ -108,6 +110,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                self._num_cached -= 1
                 del self._by_hash[block.block_hash]
                 self._events.append((False, block.block_hash))
                 block.block_hash = block.token_ids = None
@@ -121,6 +124,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._num_cached -= block.block_hash is not None
             block.ref_count += 1
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -133,6 +137,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                self._num_cached += block.block_hash is not None
 
     def register(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Make a full, computed block findable by its hash. A hash already known
@@ -143,13 +148,18 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block_id
+        self._num_cached += block.ref_count == 0
         self._events.append((True, block_hash))
 
     def drain_events(self) -> list[tuple[bool, bytes]]:
-        """Cache events since the last drain, oldest first."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+        """Cache events since the last drain, oldest first. Safe to call from
+        another thread than the engine's (deque appends and pops are atomic)."""
+        events = []
+        while True:
+            try:
+                events.append(self._events.popleft())
+            except IndexError:
+                return events
 
     def reset_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
@@ -157,6 +167,7 @@ class BlockPool:
             block.block_hash = block.token_ids = None
         self._events.extend((False, h) for h in self._by_hash)
         self._by_hash.clear()
+        self._num_cached = 0
 
     def check(self) -> None:
         """Assert the accounting invariants."""
@@ -165,3 +176,4 @@ class BlockPool:
         assert used + len(self._free) == self.num_blocks, (used, len(self._free))
         assert all(self.blocks[i].ref_count == 0 for i in self._free)
         assert all(self.blocks[i].block_hash == h for h, i in self._by_hash.items())
+        assert self._num_cached == sum(1 for i in self._free if self.blocks[i].block_hash is not None)

@@ -185,22 +185,25 @@ class WorkerBase:
         return bool(out)
 
     async def stats(self) -> WorkerStats:
-        def read(engine: Engine) -> WorkerStats:
-            return WorkerStats(
-                worker_id=self.worker_id,
-                num_blocks=engine.pool.num_blocks,
-                num_used_blocks=engine.pool.num_used,
-                num_cached_blocks=engine.pool.num_cached,
-                num_running=len(engine.scheduler.running),
-                num_waiting=len(engine.scheduler.waiting),
-                num_reserved=len(engine.reservations),
-                num_channels=self._num_channels(),
-                last_step_s=engine.runner.last_step_s,
-                num_store_loaded_blocks=self.num_store_loaded_blocks,
-                node_id=self.node,
-            )
-
-        return await self.call(read)
+        """Load and KV figures now, read without waiting for the engine thread: a
+        prefill step can take seconds, and the scheduler's refresh (membership,
+        routing state) must not wait for the slowest worker's step. Each figure is
+        one atomic read (a length or a counter); together they may be a step apart."""
+        self._ensure_started()
+        engine = self.engine
+        return WorkerStats(
+            worker_id=self.worker_id,
+            num_blocks=engine.pool.num_blocks,
+            num_used_blocks=engine.pool.num_used,
+            num_cached_blocks=engine.pool.num_cached,
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_reserved=len(engine.reservations),
+            num_channels=self._num_channels(),
+            last_step_s=engine.runner.last_step_s,
+            num_store_loaded_blocks=self.num_store_loaded_blocks,
+            node_id=self.node,
+        )
 
     async def check_accounting(self) -> WorkerStats:
         """Assert the block pool's invariants; return the counts."""
@@ -229,8 +232,10 @@ class WorkerBase:
 
     async def cache_events(self) -> list[tuple[bool, bytes]]:
         """Prefix-cache events since the last call: (True, hash) stored, (False,
-        hash) evicted. The global scheduler's prefix index consumes them."""
-        return await self.call(lambda e: e.pool.drain_events())
+        hash) evicted. The global scheduler's prefix index consumes them. Drained
+        here, not on the engine thread, for the same reason as `stats`."""
+        self._ensure_started()
+        return self.engine.pool.drain_events()
 
     async def profile(self) -> EngineProfile:
         """A short start-up profile (prefill and decode-step timings) for cost models."""
