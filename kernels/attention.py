@@ -18,7 +18,8 @@ Two entry points:
   lengths.
 Both support grouped-query attention (num_heads a multiple of num_kv_heads).
 `select_decode_attention` picks the C++ CPU kernel (`kernels/cpu_attention.py`) for
-float32 on CPU when it builds, this reference otherwise.
+float32 on CPU when it builds, the Triton kernel (`kernels/triton_attention.py`) on
+CUDA, this reference otherwise.
 """
 
 from __future__ import annotations
@@ -146,15 +147,34 @@ ATTENTION_BACKENDS = ("auto", "torch")
 
 
 def select_decode_attention(backend: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    """`auto`: the CPU kernel where it applies and builds; `torch`: the reference."""
+    """`auto`: the C++ kernel for float32 on CPU where it builds, the Triton kernel
+    on CUDA where Triton is installed (per call, for the shapes it supports); the
+    reference otherwise. `torch`: always the reference."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+    kind = torch.device(device).type
+    if backend == "auto" and kind == "cpu" and dtype == torch.float32:
         from kernels import cpu_attention
 
         if cpu_attention.load() is not None:
             return cpu_attention.paged_decode_attention
+    if backend == "auto" and kind == "cuda":
+        try:
+            from kernels import triton_attention
+        except ImportError:  # no Triton (the `gpu` extra): the reference
+            return decode_attention
+        return _triton_where_supported(triton_attention)
     return decode_attention
+
+
+def _triton_where_supported(triton_attention) -> Callable:
+    def attend(q, layer_cache, block_tables, context_lens, scale):
+        shape = (q.shape[1], layer_cache.shape[3], q.shape[2], layer_cache.shape[2])
+        if triton_attention.supports_decode(*shape):
+            return triton_attention.paged_decode_attention(q, layer_cache, block_tables, context_lens, scale)
+        return decode_attention(q, layer_cache, block_tables, context_lens, scale)
+
+    return attend
 
 
 def reference_attention(q, k, v, scale: float) -> torch.Tensor:
