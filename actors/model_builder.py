@@ -74,6 +74,10 @@ class Preset:
     max_position_embeddings: int
     rope_theta_qwen2: float
     rope_theta_llama: float
+    # The tokenizer's own size where it is smaller than the model's vocab (as in
+    # Qwen2.5, whose embedding has 151936 rows for 151665 tokens): a BPE trained on
+    # the shipped text cannot reach 150k entries; ids past it decode to nothing.
+    tokenizer_vocab_size: int | None = None
 
     def rope_theta(self, arch: str) -> float:
         return self.rope_theta_qwen2 if arch == "qwen2" else self.rope_theta_llama
@@ -88,6 +92,13 @@ PRESETS: dict[str, Preset] = {
                     num_attention_heads=12, num_key_value_heads=4, head_dim=64,
                     intermediate_size=2304, max_position_embeddings=8192,
                     rope_theta_qwen2=1_000_000.0, rope_theta_llama=500_000.0),
+    # Qwen2.5-0.5B's shape (about 494M parameters with qwen2's tied embeddings), for
+    # GPU benchmarks; random weights like the others, an 8192-token tokenizer.
+    "qwen2.5-0.5b": Preset("qwen2.5-0.5b", vocab_size=151_936, hidden_size=896, num_hidden_layers=24,
+                           num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                           intermediate_size=4864, max_position_embeddings=32_768,
+                           rope_theta_qwen2=1_000_000.0, rope_theta_llama=1_000_000.0,
+                           tokenizer_vocab_size=8192),
 }
 
 
@@ -231,7 +242,7 @@ def build_checkpoint(preset: str, arch: str, out_dir: Path, *, progress: bool = 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    token_ids = build_tokenizer(out_dir, p.vocab_size, nfc=spec.nfc, bos_token=spec.bos_token,
+    token_ids = build_tokenizer(out_dir, p.tokenizer_vocab_size or p.vocab_size, nfc=spec.nfc, bos_token=spec.bos_token,
                                 max_length=p.max_position_embeddings)
     _write_config(_hf_config(p, spec, arch, dtype, token_ids), out_dir,
                   rope_theta=p.rope_theta(arch), dtype=dtype)

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     make = sub.add_parser("make-model", help="write a deterministic HF checkpoint folder")
-    make.add_argument("--preset", required=True, help="tiny | bench")
+    make.add_argument("--preset", required=True, help="tiny | bench | qwen2.5-0.5b")
     make.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     make.add_argument("--out", required=True, help="output folder")
     make.set_defaults(func=_cmd_make_model)

@@ -199,3 +199,24 @@ def test_bench_preset_builds(tmp_path):
     assert config["vocab_size"] == 8192 and config["num_hidden_layers"] == 12
     assert config["rope_parameters"]["rope_theta"] == 1e6
     assert 80e6 < num_parameters("bench", "qwen2") < 100e6
+
+
+def test_qwen25_half_billion_preset_has_the_real_models_shape():
+    """Checked on the meta device (no weights drawn): the config transformers builds
+    from it has Qwen2.5-0.5B's shape and parameter count; the tokenizer is smaller
+    than the embedding, as in the real model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.model_builder import ARCH_SPECS, _hf_config
+
+    preset = PRESETS["qwen2.5-0.5b"]
+    config = _hf_config(preset, ARCH_SPECS["qwen2"], "qwen2", "bfloat16",
+                        {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 0})
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size) == (896, 24, 14, 2, 4864, 151_936)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    hf_count = sum(p.numel() for p in model.parameters())
+    assert hf_count == num_parameters("qwen2.5-0.5b", "qwen2") and 493e6 < hf_count < 495e6
+    assert preset.tokenizer_vocab_size == 8192 < preset.vocab_size
