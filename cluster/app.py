@@ -95,7 +95,8 @@ class RequestGuard:
         key = settings.resolved_api_key
         route = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
         if key and route != "/health" and headers.get("authorization", "") != f"Bearer {key}":
-            error = ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)", kind="authentication_error")
+            error = ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                             kind="authentication_error")
             return await _error(error)(scope, receive, send)
         limit = settings.limits.max_body_bytes
         too_large = _error(ApiError(413, f"request body over {limit} bytes", kind="request_too_large"))

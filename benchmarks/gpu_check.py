@@ -1,0 +1,290 @@
+"""The GPU check: one run, on one GPU, of everything a GPU must show (issue: GPU path).
+
+    bash benchmarks/gpu_check.sh                 # on a machine with a CUDA GPU
+    python -m benchmarks.gpu_check --device cpu  # the same steps on CPU, tiny model: a smoke run
+
+Steps, each recorded in `<out>/gpu_check.json` (a failing step is recorded and
+the others still run):
+1. `kernels`: the Triton decode-attention and slot-write kernels against the torch
+   reference (max abs error) for a few shapes and dtypes; on CUDA also their time
+   against the reference's at batch 64 x 1024-token contexts.
+2. `exactness`: greedy token ids of Tandem's engine against transformers'
+   `generate`, float32, same device, same prompts.
+3. `roofline`: the device's measured peaks (matmul FLOP/s in the model dtype, copy
+   bandwidth), prefill MFU on one `--prefill-tokens` prompt and decode MBU at batch
+   `--decode-batch` (step time from two runs that differ only in decode steps).
+4. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
+   (the object_store channel works within one GPU), against the engine alone.
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here
+before Triton is imported) and times are not taken; the step plumbing is what the
+smoke run checks (`tests/test_gpu_check.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke run, tiny model)")
+    parser.add_argument("--preset", default=None, help="model preset (default: qwen2.5-0.5b on cuda, tiny on cpu)")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the roofline and P/D steps on cuda")
+    parser.add_argument("--prefill-tokens", type=int, default=4096)
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--steps", default="kernels,exactness,roofline,pd")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-results"))
+
+
+# ---- 1. kernels ------------------------------------------------------------------
+def check_kernels(device: str) -> dict:
+    import torch
+
+    from kernels import triton_attention as ta
+    from kernels.attention import decode_attention, write_kv_slots
+
+    dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32, torch.float16]
+    rows = []
+    for num_heads, num_kv_heads, head_dim, block_size in ((14, 2, 64, 16), (12, 4, 64, 16), (32, 8, 128, 32)):
+        for dtype in dtypes:
+            lengths = [1, block_size + 1, 300, 1000]
+            num_blocks = sum(-(-n // block_size) for n in lengths) + 4
+            cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, device=device).to(dtype)
+            per_seq = max(-(-n // block_size) for n in lengths)
+            tables = torch.stack([torch.randperm(num_blocks, device=device)[:per_seq] for _ in lengths])
+            q = torch.randn(len(lengths), num_heads, head_dim, device=device).to(dtype)
+            lens = torch.tensor(lengths, device=device)
+            got = ta.paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5)
+            want = decode_attention(q.float(), cache.float(), tables, lens, head_dim ** -0.5)
+            rows.append({"heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
+                         "dtype": str(dtype), "decode_max_abs_err": (got.float() - want).abs().max().item()})
+    cache = torch.randn(16, 2, 16, 2, 64, device=device)
+    reference = cache.clone()
+    slots = torch.randperm(256, device=device)[:50]
+    k, v = torch.randn(50, 2, 64, device=device), torch.randn(50, 2, 64, device=device)
+    ta.write_kv_slots(cache, k, v, slots)
+    write_kv_slots(reference, k, v, slots)
+    result = {"decode": rows, "slot_writes_exact": bool(torch.equal(cache, reference))}
+    if device == "cuda":
+        result["timing_batch64_ctx1024"] = _time_kernels(torch, ta, decode_attention)
+    result["ok"] = result["slot_writes_exact"] and all(
+        r["decode_max_abs_err"] < (1e-4 if "float32" in r["dtype"] else 3e-2) for r in rows)
+    return result
+
+
+def _time_kernels(torch, ta, decode_attention) -> dict:
+    batch, context, heads, kv_heads, head_dim, block_size = 64, 1024, 14, 2, 64, 16
+    per_seq = context // block_size
+    cache = torch.randn(batch * per_seq, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    tables = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((batch,), context, device="cuda")
+    times = {}
+    for name, fn in (("triton", ta.paged_decode_attention), ("torch_reference", decode_attention)):
+        times[name] = _cuda_time_ms(torch, lambda fn=fn: fn(q, cache, tables, lens, 0.125))
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
+    times["triton_gb_s"] = kv_bytes / (times["triton"] / 1e3) / 1e9
+    return times
+
+
+def _cuda_time_ms(torch, fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+# ---- 2. exactness ----------------------------------------------------------------
+def check_exactness(model_dir: Path, device: str, num_prompts: int = 8, new_tokens: int = 32) -> dict:
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(8, 200))] for _ in range(num_prompts)]
+    llm = LLM(model_dir, device=device, dtype="float32", kv_cache_bytes=256 * 2**20)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, [params] * num_prompts)]
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    identical = 0
+    for prompt, tokens in zip(prompts, ours):
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        identical += out[0, len(prompt):].tolist() == tokens
+    return {"prompts": num_prompts, "identical": identical, "ok": identical == num_prompts}
+
+
+# ---- 3. roofline ------------------------------------------------------------------
+def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int, decode_batch: int) -> dict:
+    import random
+
+    import torch
+
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    torch_dtype = getattr(torch, dtype)
+    peaks = _peaks(torch, device, torch_dtype)
+    llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=8 * 2**30 if device == "cuda" else 256 * 2**20,
+              max_num_batched_tokens=max(prefill_tokens, 2048), prefill_chunk_size=prefill_tokens,
+              max_num_seqs=max(decode_batch, 64), enable_prefix_cache=False)
+    config = llm.engine.model_config
+    rng = random.Random(1)
+    vocab = min(config.vocab_size, 8000)
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([[rng.randrange(3, vocab) for _ in range(64)]], [one])  # warm-up
+    prompt = [rng.randrange(3, vocab) for _ in range(prefill_tokens)]
+    prefill_s = min(_timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
+    matmul_params = _matmul_params(llm.engine.runner.model)
+    head = config.num_heads * config.head_dim
+    attention_flops = config.num_layers * 4 * head * prefill_tokens * (prefill_tokens + 1) / 2
+    prefill_flops = 2 * matmul_params * prefill_tokens + attention_flops
+    prompt_len, steps = 128, 64
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(decode_batch)]
+    short = _timed(torch, device, lambda: llm.generate(prompts, [one] * decode_batch))
+    longer = SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True)
+    full = _timed(torch, device, lambda: llm.generate(prompts, [longer] * decode_batch))
+    step_s = (full - short) / steps
+    element = torch.tensor([], dtype=torch_dtype).element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    mean_context = prompt_len + steps / 2
+    kv_bytes = config.num_layers * 2 * decode_batch * mean_context * config.num_kv_heads \
+        * config.head_dim * element
+    return {
+        "peaks": peaks, "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
+        "prefill_mfu": prefill_flops / prefill_s / peaks["matmul_flops"],
+        "decode_batch": decode_batch, "decode_step_s": step_s,
+        "decode_mbu": (weight_bytes + kv_bytes) / step_s / peaks["bandwidth_bytes_s"],
+        "ok": True,
+    }
+
+
+def _timed(torch, device: str, fn) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def _peaks(torch, device: str, dtype) -> dict:
+    n = 8192 if device == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    matmul_s = min(_timed(torch, device, lambda: a @ b) for _ in range(5))
+    src = torch.empty((2**30 if device == "cuda" else 2**27) // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_s = min(_timed(torch, device, lambda: dst.copy_(src)) for _ in range(5))
+    return {"matmul_flops": 2 * n**3 / matmul_s, "bandwidth_bytes_s": 2 * src.numel() * 4 / copy_s}
+
+
+def _matmul_params(model) -> int:
+    import torch
+
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) or sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+
+
+# ---- 4. P and D on one device -------------------------------------------------------
+def check_pd(model_dir: Path, device: str, dtype: str) -> dict:
+    import asyncio
+
+    import ray
+
+    from actors.config import EngineConfig
+    from actors.llm import LLM
+    from actors.messages import GenerateRequest
+    from actors.sampling_params import SamplingParams
+    from cluster.pd_request import DisaggregatedCall
+    from cluster.workers import start_worker
+
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 300))
+    config = EngineConfig(device=device, dtype=dtype, kv_cache_bytes=512 * 2**20)
+    expected = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=512 * 2**20).generate([prompt], [params])[0]
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=4, num_gpus=1 if device == "cuda" else 0, include_dashboard=False, log_to_driver=False)
+    share = 0.5 if device == "cuda" else 0
+    try:
+        p = start_worker("prefill", "gpu-p", model_dir, config, num_cpus=1, num_gpus=share)
+        d = start_worker("decode", "gpu-d", model_dir, config, num_cpus=1, num_gpus=share)
+        ray.get([p.ping.remote(), d.ping.remote()], timeout=300)
+
+        async def run():
+            call = DisaggregatedCall(p, d, GenerateRequest("gpu-check", prompt, params), "object_store")
+            tokens = []
+            async for event in call.events():
+                if event.error:
+                    raise RuntimeError(event.error)
+                tokens += event.token_ids
+            return tokens, call.prefill_result
+
+        tokens, result = asyncio.run(run())
+        return {"identical_to_engine": tokens == expected.token_ids, "tokens": len(tokens),
+                "bytes_sent": result.num_bytes_sent, "ok": tokens == expected.token_ids}
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+# ---- driver ------------------------------------------------------------------------
+def main(args: argparse.Namespace) -> dict:
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
+    from actors.model_builder import ensure_checkpoint
+
+    preset = args.preset or ("qwen2.5-0.5b" if args.device == "cuda" else "tiny")
+    dtype = args.dtype if args.device == "cuda" else "float32"
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": args.device, "preset": preset, "dtype": dtype, "steps": {}}
+    model_dir = ensure_checkpoint(preset, "qwen2")
+    steps = {
+        "kernels": lambda: check_kernels(args.device),
+        "exactness": lambda: check_exactness(ensure_checkpoint("bench" if args.device == "cuda" else "tiny", "qwen2"),
+                                             args.device),
+        "roofline": lambda: check_roofline(model_dir, args.device, dtype, args.prefill_tokens, args.decode_batch),
+        "pd": lambda: check_pd(model_dir, args.device, dtype),
+    }
+    for name in [s.strip() for s in args.steps.split(",") if s.strip()]:
+        started = time.perf_counter()
+        try:
+            results["steps"][name] = steps[name]()
+        except Exception as exc:  # record it; the other steps still run
+            results["steps"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                      "traceback": traceback.format_exc()[-3000:]}
+        results["steps"][name]["seconds"] = time.perf_counter() - started
+        print(f"{name}: {'ok' if results['steps'][name]['ok'] else 'FAILED'} "
+              f"({results['steps'][name]['seconds']:.1f} s)", flush=True)
+        (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+    results["ok"] = all(step["ok"] for step in results["steps"].values())
+    (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+    print(json.dumps({k: v for k, v in results.items() if k != "steps"}), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(0 if main(parser.parse_args())["ok"] else 1)
