@@ -135,9 +135,9 @@ class WorkerModels:
 
         Each request's TTFT prediction already counts the queue ahead of it, so the
         queue ends with the latest predicted first token (a max, not a sum). A
-        request past its predicted first token delays everything behind it, so the
-        queue's end moves back by the most overdue one's lateness instead of that
-        request counting as done."""
+        request past its predicted first token is not done: it is taken to need as
+        long again as it is already late, and it delays everything behind it by as
+        much, so the most overdue request's lateness is added to what is left."""
         now = time.monotonic()
         left = [
             r.admitted_s + r.predicted_ttft_s - now
