@@ -10,13 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cluster.pool_metrics import SERIES
 
 
+@pytest.mark.timeout(1000)
 def test_prefill_and_decode_pools_grow_on_their_own_load_and_shrink_when_it_stops():
     script = Path(__file__).with_name("autoscale_check.py")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=700, env=env,
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=950, env=env,
                           cwd=script.parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
