@@ -12,7 +12,8 @@ the others still run):
    `generate`, float32, same device, same prompts.
 3. `roofline`: the device's measured peaks (matmul FLOP/s in the model dtype, copy
    bandwidth), prefill MFU on one `--prefill-tokens` prompt and decode MBU at batch
-   `--decode-batch` (step time from two runs that differ only in decode steps).
+   `--decode-batch` (step time from two runs that differ only in decode steps);
+   FLOPs and bytes counted as `tandem bench roofline` counts them.
 4. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
    (the object_store channel works within one GPU), against the engine alone.
 
@@ -141,6 +142,7 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
 
     from actors.llm import LLM
     from actors.sampling_params import SamplingParams
+    from benchmarks.roofline import kv_bytes, model_counts, prefill_flops
 
     torch_dtype = getattr(torch, dtype)
     peaks = _peaks(torch, device, torch_dtype)
@@ -154,10 +156,8 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     llm.generate([[rng.randrange(3, vocab) for _ in range(64)]], [one])  # warm-up
     prompt = [rng.randrange(3, vocab) for _ in range(prefill_tokens)]
     prefill_s = min(_timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
-    matmul_params = _matmul_params(llm.engine.runner.model)
-    head = config.num_heads * config.head_dim
-    attention_flops = config.num_layers * 4 * head * prefill_tokens * (prefill_tokens + 1) / 2
-    prefill_flops = 2 * matmul_params * prefill_tokens + attention_flops
+    counts = model_counts(llm.engine.runner.model)
+    prefill = prefill_flops(config, counts, prefill_tokens)
     prompt_len, steps = 128, 64
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(decode_batch)]
     short = _timed(torch, device, lambda: llm.generate(prompts, [one] * decode_batch))
@@ -165,15 +165,13 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     full = _timed(torch, device, lambda: llm.generate(prompts, [longer] * decode_batch))
     step_s = (full - short) / steps
     element = torch.tensor([], dtype=torch_dtype).element_size()
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    mean_context = prompt_len + steps / 2
-    kv_bytes = config.num_layers * 2 * decode_batch * mean_context * config.num_kv_heads \
-        * config.head_dim * element
+    step_bytes = counts["params_read_per_decode_step"] * element \
+        + kv_bytes(config, decode_batch * (prompt_len + steps / 2), element)
     return {
         "peaks": peaks, "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
-        "prefill_mfu": prefill_flops / prefill_s / peaks["matmul_flops"],
+        "prefill_mfu": prefill / prefill_s / peaks["matmul_flops"],
         "decode_batch": decode_batch, "decode_step_s": step_s,
-        "decode_mbu": (weight_bytes + kv_bytes) / step_s / peaks["bandwidth_bytes_s"],
+        "decode_mbu": step_bytes / step_s / peaks["bandwidth_bytes_s"],
         "ok": True,
     }
 
@@ -196,13 +194,6 @@ def _peaks(torch, device: str, dtype) -> dict:
     dst = torch.empty_like(src)
     copy_s = min(_timed(torch, device, lambda: dst.copy_(src)) for _ in range(5))
     return {"matmul_flops": 2 * n**3 / matmul_s, "bandwidth_bytes_s": 2 * src.numel() * 4 / copy_s}
-
-
-def _matmul_params(model) -> int:
-    import torch
-
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) or sum(
-        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
 
 
 # ---- 4. P and D on one device -------------------------------------------------------

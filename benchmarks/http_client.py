@@ -93,10 +93,7 @@ async def send_one(client, base_url: str, request: BenchRequest, record: Request
                 record.error = body[:300]
                 return
             seen = 0
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
+            async for payload in sse_payloads(response):
                 if payload == "[DONE]":
                     break
                 event = json.loads(payload)
@@ -119,6 +116,13 @@ async def send_one(client, base_url: str, request: BenchRequest, record: Request
             record.error = f"got {record.num_output_tokens} of {request.max_new_tokens} tokens"
     except Exception as exc:  # connection reset, bad JSON: a failed request, not a failed run
         record.status, record.error = "error", f"{type(exc).__name__}: {exc}"[:300]
+
+
+async def sse_payloads(response):
+    """The `data:` payloads of a server-sent-events response, in order."""
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            yield line[5:].strip()
 
 
 async def run_workload(

@@ -29,6 +29,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from benchmarks.http_client import sse_payloads
 from benchmarks.workload import random_tokens
 
 STOP_STRINGS = ("ou", "eng", "st", "ack", "zq")  # the tiny model's text holds most of these often
@@ -167,10 +168,7 @@ async def _exchange(client, base_url: str, request: SoakRequest, response: RawRe
             response.body = (await answer.aread()).decode(errors="replace")
             return
         num_output_events = 0
-        async for line in answer.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
+        async for payload in sse_payloads(answer):
             response.events.append(payload)
             if payload != "[DONE]" and _carries_output(payload):
                 num_output_events += 1

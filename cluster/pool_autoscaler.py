@@ -172,10 +172,9 @@ class PoolAutoscaler:
             if track.ready.done():
                 if track.ready.exception() is None:  # a dead one is the health loop's to replace
                     track.ready_s = now
-                    startup = track.ready.result()
-                    where = f": {startup.describe(track.requested_wall)}" if hasattr(startup, "describe") else ""
+                    where = track.ready.result().describe(track.requested_wall)
                     self.record(member.role, "ready", member.worker_id,
-                                reason=f"{now - track.started_s:.1f} s after start{where}")
+                                reason=f"{now - track.started_s:.1f} s after start: {where}")
             elif now - track.started_s > self.knobs.start_timeout_s:
                 self.manager.members.pop(member.worker_id, None)
                 self.tracks.pop(member.worker_id, None)

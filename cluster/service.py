@@ -62,11 +62,7 @@ class GlobalScheduler:
         members = await self.pool.list_members.remote()
         self.members = {m.worker_id: m for m in members}
         for gone in (set(self.stats) | self.profiled) - set(self.members):
-            self.stats.pop(gone, None)
-            self.prefix.pop(gone, None)
-            self.profiled.discard(gone)
-            self.num_routed.pop(gone, None)
-            self.models.forget(gone)
+            self._forget(gone)
         results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
         for member, stats in zip(members, results):
             if isinstance(stats, ray.exceptions.RayActorError):
@@ -105,9 +101,16 @@ class GlobalScheduler:
         self.pool = pool
         self.ready = False
         for worker_id in set(self.members) | set(self.stats) | self.profiled:
-            self.models.forget(worker_id)
-        self.members, self.stats, self.prefix, self.num_routed = {}, {}, {}, {}
-        self.profiled = set()
+            self._forget(worker_id)
+        self.members = {}
+
+    def _forget(self, worker_id: str) -> None:
+        """Drop everything learned about one worker."""
+        self.stats.pop(worker_id, None)
+        self.prefix.pop(worker_id, None)
+        self.profiled.discard(worker_id)
+        self.num_routed.pop(worker_id, None)
+        self.models.forget(worker_id)
 
     async def _profile_new(self, members) -> None:
         """Cost models for workers that have none. The first worker of a role is
