@@ -101,6 +101,7 @@ class EngineConfig:
     device: str = "cpu"
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"  # auto: the C++ CPU kernel where it applies; torch: the reference
+    linear_backend: str = "auto"  # auto: the C++ small-batch CPU kernel where it applies; torch: F.linear
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -113,6 +114,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}")
+        if self.linear_backend not in ("auto", "torch"):
+            raise ValueError(f"linear_backend must be 'auto' or 'torch', got {self.linear_backend!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
 

@@ -8,6 +8,9 @@ GEMM each, and `weights.py` maps the HF names onto their slices.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -16,6 +19,28 @@ from actors.config import ModelConfig
 from kernels.attention import decode_attention, prefill_attention, write_kv_slots
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """The kernels a model calls where more than one implementation exists;
+    `ModelRunner` picks them for its device and dtype (`kernels.attention.
+    select_decode_attention`, `kernels.linear.select_linear`). The defaults are the
+    torch references."""
+
+    decode_attention: Callable = decode_attention
+    linear: Callable = nn.functional.linear
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same names) computed by a chosen kernel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernel: Callable) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -29,17 +54,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
-        self.decode_attention = decode_attention_fn  # see kernels.attention.select_decode_attention
+        self.decode_attention = kernels.decode_attention
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, kernels.linear)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, kernels.linear)
 
     def forward(self, x, cos, sin, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -70,11 +95,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, kernels.linear)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -82,10 +107,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
-        self.self_attn = Attention(config, decode_attention_fn)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, kernels)
+        self.mlp = MLP(config, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,10 +120,10 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, decode_attention_fn) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)
@@ -117,10 +142,11 @@ class ForCausalLM(nn.Module):
     """The whole model. `forward` returns hidden states of every token of the step;
     `compute_logits` projects only the rows that will be sampled."""
 
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: ModelKernels = ModelKernels()) -> None:
         super().__init__()
         self.config = config
-        self.model = Model(config, decode_attention_fn)
+        self.linear = kernels.linear
+        self.model = Model(config, kernels)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -131,4 +157,4 @@ class ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return self.linear(hidden, weight).float()

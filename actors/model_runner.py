@@ -15,11 +15,12 @@ import torch
 
 from actors.attention_metadata import AttentionMetadata, PrefillSpan
 from actors.config import EngineConfig, ModelConfig
-from actors.model import ForCausalLM
+from actors.model import ForCausalLM, ModelKernels
 from actors.request import TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
 from kernels.attention import select_decode_attention
+from kernels.linear import select_linear
 from kernels.sampling import logprobs_of, sample
 
 
@@ -40,9 +41,12 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
-        self.decode_attention = select_decode_attention(config.attention_backend, self.device, dtype)
+        kernels = ModelKernels(
+            decode_attention=select_decode_attention(config.attention_backend, self.device, dtype),
+            linear=select_linear(config.linear_backend, self.device, dtype),
+        )
         with torch.device(self.device):
-            model = ForCausalLM(model_config, self.decode_attention)
+            model = ForCausalLM(model_config, kernels)
         model.to(dtype=dtype)
         model.model.rope_cos = model.model.rope_cos.float()
         model.model.rope_sin = model.model.rope_sin.float()

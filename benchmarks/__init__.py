@@ -12,4 +12,5 @@ BENCHMARKS = {
     "prefix": "benchmarks.prefix",
     "soak": "benchmarks.soak",
     "autoscale": "benchmarks.autoscale",
+    "kernels": "benchmarks.kernels",
 }

@@ -70,6 +70,7 @@ class EngineSettings(_Strict):
     device: str = "cpu"
     enable_prefix_cache: bool = True
     attention_backend: Literal["auto", "torch"] = "auto"
+    linear_backend: Literal["auto", "torch"] = "auto"
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump())

@@ -194,13 +194,15 @@ def test_randomized_workload_keeps_block_accounting(tiny_qwen2_dir):
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_attention_backends_give_the_same_tokens(tiny_qwen2_dir):
-    """The C++ CPU decode kernel (auto) and the torch reference agree on a batch."""
+def test_kernel_backends_give_the_same_tokens(tiny_qwen2_dir):
+    """The C++ CPU kernels (auto: decode attention and small-batch linear) and the
+    torch references agree on a batch."""
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (1, 17, 64, 150, 333)]
     params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
     outputs = {}
     for backend in ("auto", "torch"):
-        llm = LLM(tiny_qwen2_dir, block_size=16, prefill_chunk_size=64, attention_backend=backend)
+        llm = LLM(tiny_qwen2_dir, block_size=16, prefill_chunk_size=64, attention_backend=backend,
+                  linear_backend=backend)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["auto"] == outputs["torch"]

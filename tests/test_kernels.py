@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.attention import (
     decode_attention,
@@ -122,21 +123,68 @@ def test_logprobs_are_log_softmax_of_raw_logits():
 
 def test_cpu_decode_kernel_matches_the_reference():
     """The C++ kernel against the torch reference on a page-first cache view with
-    scattered block tables, GQA, and lengths from one token to several blocks."""
+    scattered block tables, GQA, and lengths from one token to several blocks and
+    several context splits (256 tokens each)."""
     from kernels import cpu_attention
 
     if cpu_attention.load() is None:
-        pytest.skip(f"no C++ toolchain here: {cpu_attention._error}")
+        pytest.skip(f"no C++ toolchain here: {cpu_attention.build_error()}")
     torch.manual_seed(7)
     num_layers, num_blocks, block_size, kv_heads, heads, head_dim = 3, 64, 16, 2, 6, 32
     cache = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim)
-    lengths = torch.tensor([1, 15, 16, 17, 100, 250, 33])
-    tables = torch.stack([torch.randperm(num_blocks)[:16] for _ in lengths])
+    lengths = torch.tensor([1, 15, 16, 17, 100, 250, 33, 256, 257, 600, 768])
+    tables = torch.stack([torch.randperm(num_blocks)[:48] for _ in lengths])
     q = torch.randn(len(lengths), heads, head_dim)
     layer = cache[:, 1]
     expected = decode_attention(q, layer, tables, lengths, head_dim**-0.5)
     got = cpu_attention.paged_decode_attention(q, layer, tables, lengths, head_dim**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_decode_kernel_gives_a_sequence_the_same_result_in_any_batch():
+    from kernels import cpu_attention
+
+    if cpu_attention.load() is None:
+        pytest.skip(f"no C++ toolchain here: {cpu_attention.build_error()}")
+    torch.manual_seed(8)
+    cache = torch.randn(64, 1, 2, 16, 2, 32)[:, 0]
+    lengths = torch.tensor([700, 3, 300, 40])
+    tables = torch.stack([torch.randperm(64)[:48] for _ in lengths])
+    q = torch.randn(len(lengths), 4, 32)
+    together = cpu_attention.paged_decode_attention(q, cache, tables, lengths, 0.2)
+    for row in range(len(lengths)):
+        alone = cpu_attention.paged_decode_attention(q[row : row + 1], cache, tables[row : row + 1],
+                                                     lengths[row : row + 1], 0.2)
+        assert torch.equal(alone[0], together[row])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 37, 64, 128, 129])
+def test_cpu_linear_matches_torch(rows):
+    """The C++ small-batch linear against F.linear: every register tile (1-4 input
+    rows), an odd number of weight rows, K not a multiple of 8, with and without
+    bias, and inputs above MAX_ROWS (handed to torch)."""
+    from kernels import cpu_linear
+
+    if cpu_linear.load() is None:
+        pytest.skip(f"no C++ toolchain or no AVX2 here: {cpu_linear.build_error()}")
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 100), torch.randn(77, 100), torch.randn(77)
+    torch.testing.assert_close(cpu_linear.linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_linear.linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    leading = x.view(rows, 1, 100)  # any leading dimensions, as F.linear takes
+    torch.testing.assert_close(cpu_linear.linear(leading, weight), F.linear(leading, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_cpu_linear_gives_a_row_the_same_result_in_any_batch():
+    from kernels import cpu_linear
+
+    if cpu_linear.load() is None:
+        pytest.skip(f"no C++ toolchain or no AVX2 here: {cpu_linear.build_error()}")
+    torch.manual_seed(3)
+    x, weight = torch.randn(23, 768), torch.randn(300, 768)
+    together = cpu_linear.linear(x, weight)
+    for row in (0, 5, 22):
+        assert torch.equal(cpu_linear.linear(x[row : row + 1], weight)[0], together[row])
 
 
 def test_backend_selection():
@@ -146,3 +194,13 @@ def test_backend_selection():
     assert select_decode_attention("auto", torch.device("cpu"), torch.bfloat16) is decode_attention
     with pytest.raises(ValueError, match="attention_backend"):
         select_decode_attention("fast", torch.device("cpu"), torch.float32)
+
+
+def test_linear_backend_selection():
+    from kernels.linear import select_linear
+
+    assert select_linear("torch", torch.device("cpu"), torch.float32) is F.linear
+    assert select_linear("auto", torch.device("cpu"), torch.bfloat16) is F.linear
+    assert select_linear("auto", torch.device("cuda"), torch.float32) is F.linear
+    with pytest.raises(ValueError, match="linear_backend"):
+        select_linear("fast", torch.device("cpu"), torch.float32)

@@ -2,13 +2,21 @@
 // whole context, read in place from the block-major KV cache (no gather copy).
 //
 // q:            [B, H, D] contiguous
-// layer_cache:  [num_blocks, 2, block_size, KVH, D], any strides with the last dim
-//               contiguous (a layer's view of the page-first cache)
+// layer_cache:  [num_blocks, 2, block_size, KVH, D], any strides with the last two
+//               dims contiguous (a layer's view of the page-first cache)
 // block_tables: [B, max_blocks] int64 contiguous
 // context_lens: [B] int64
-// Returns [B, H, D]. Work is split over (sequence, KV head) pairs with
-// at::parallel_for; each pair computes its G = H / KVH query heads together so
-// every K and V row is loaded once for the whole group (GQA without copies).
+// Returns [B, H, D].
+//
+// Work is split over (sequence, context split) items, flash-decoding style: a
+// sequence's blocks are cut into splits of about 256 tokens, so that even a batch
+// of one with a long context keeps every thread busy. An item streams whole token rows (all KVH
+// heads, KVH * D contiguous floats) through two passes, K for the scores and V for
+// the output, so memory is read front to back; each K or V row is loaded once for
+// all H query heads (GQA without copies). An item leaves an unnormalised partial
+// (running max, sum of exponentials, weighted V sum) per query head; the partials of
+// a sequence are merged at the end (exact up to rounding). The splits depend only
+// on the sequence's own length, so its result does not depend on the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,6 +39,12 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+constexpr int64_t kSplitTokens = 256;  // context tokens per work item (rounded to whole blocks)
+
+struct Item {
+  int64_t seq, first_token, end_token;
+};
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor layer_cache, torch::Tensor block_tables,
@@ -38,6 +52,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor layer_cache,
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: [B, H, D] float32");
   TORCH_CHECK(layer_cache.dim() == 5 && layer_cache.scalar_type() == torch::kFloat32 && layer_cache.stride(4) == 1,
               "layer_cache: [num_blocks, 2, block_size, KVH, D] float32, last dim contiguous");
+  TORCH_CHECK(layer_cache.stride(3) == layer_cache.size(4), "layer_cache: a token's KVH x D row must be contiguous");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && block_tables.scalar_type() == torch::kInt64,
               "block_tables: [B, max_blocks] int64");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == torch::kInt64, "context_lens: [B] int64");
@@ -46,46 +61,80 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor layer_cache,
   TORCH_CHECK(layer_cache.size(4) == D && H % KVH == 0, "head dims do not match");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B, "batch sizes do not match");
   const int64_t G = H / KVH, max_blocks = block_tables.size(1);
-  const int64_t s_block = layer_cache.stride(0), s_kv = layer_cache.stride(1), s_tok = layer_cache.stride(2),
-                s_head = layer_cache.stride(3);
+  const int64_t s_block = layer_cache.stride(0), s_kv = layer_cache.stride(1), s_tok = layer_cache.stride(2);
   auto lens = context_lens.contiguous();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens_p[b] >= 1 && lens_p[b] <= max_blocks * block_size, "context length out of range");
-  auto out = torch::empty_like(q);
+
+  // Splits of a fixed number of whole blocks: a sequence's partials, and so its
+  // result, do not depend on what else is in the batch (batch-invariant).
+  const int64_t blocks_per_split = std::max<int64_t>(1, kSplitTokens / block_size);
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(B + 1);
+  for (int64_t b = 0; b < B; ++b) {
+    first_item[b] = static_cast<int64_t>(items.size());
+    for (int64_t start = 0; start < lens_p[b]; start += blocks_per_split * block_size)
+      items.push_back({b, start, std::min(lens_p[b], start + blocks_per_split * block_size)});
+  }
+  first_item[B] = static_cast<int64_t>(items.size());
+  const int64_t num_items = first_item[B];
+
+  // Per item and query head: running max, sum of exponentials, unnormalised output.
+  std::vector<float> maxes(num_items * H), sums(num_items * H), accs(num_items * H * D);
   const float* q_p = q.data_ptr<float>();
   const float* cache_p = layer_cache.data_ptr<float>();
   const int64_t* tables_p = block_tables.data_ptr<int64_t>();
-  float* out_p = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(G * D), acc(G * D), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH, ctx = lens_p[b];
-      const int64_t* table = tables_p + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = q_p[(b * H + h * G + g) * D + d] * fscale;
-      scores.assign(G * ctx, 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* k = cache_p + table[t / block_size] * s_block + (t % block_size) * s_tok + h * s_head;
-        for (int64_t g = 0; g < G; ++g) scores[g * ctx + t] = dot(qs.data() + g * D, k, D);
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(H * D), scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item item = items[i];
+      const int64_t n = item.end_token - item.first_token;
+      const int64_t* table = tables_p + item.seq * max_blocks;
+      for (int64_t j = 0; j < H * D; ++j) qs[j] = q_p[item.seq * H * D + j] * fscale;
+      scores.resize(H * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = item.first_token + t;
+        const float* k = cache_p + table[pos / block_size] * s_block + (pos % block_size) * s_tok;
+        for (int64_t h = 0; h < H; ++h) scores[h * n + t] = dot(qs.data() + h * D, k + (h / G) * D, D);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * ctx;
-        const float m = *std::max_element(s, s + ctx);
+      float* acc = accs.data() + i * H * D;
+      std::fill(acc, acc + H * D, 0.f);
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = scores.data() + h * n;
+        const float m = *std::max_element(s, s + n);
         float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) sum += (s[t] = std::exp(s[t] - m));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - m));
+        maxes[i * H + h] = m;
+        sums[i * H + h] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* v = cache_p + table[t / block_size] * s_block + s_kv + (t % block_size) * s_tok + h * s_head;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * ctx + t], v, acc.data() + g * D, D);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = item.first_token + t;
+        const float* v = cache_p + table[pos / block_size] * s_block + s_kv + (pos % block_size) * s_tok;
+        for (int64_t h = 0; h < H; ++h) axpy(scores[h * n + t], v + (h / G) * D, acc + h * D, D);
       }
-      for (int64_t g = 0; g < G; ++g)
-        std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, out_p + (b * H + h * G + g) * D);
+    }
+  });
+
+  auto out = torch::empty_like(q);
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i) m = std::max(m, maxes[i * H + h]);
+      float* o = out_p + bh * D;
+      std::fill(o, o + D, 0.f);
+      float sum = 0.f;
+      for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i) {
+        const float w = std::exp(maxes[i * H + h] - m);
+        sum += w * sums[i * H + h];
+        axpy(w, accs.data() + (i * H + h) * D, o, D);
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   });
   return out;

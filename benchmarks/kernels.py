@@ -1,0 +1,134 @@
+"""Kernels: the C++ CPU kernels against torch on the bench model's shapes.
+
+1. Linear layers: one decode step's worth of matrix products (every linear layer of
+   the `bench` preset's 12 layers and the LM head, 356 MB of float32 weights, so
+   nothing stays in cache between repeats) at M input rows, through
+   `torch.nn.functional.linear` (MKL) and through the C++ small-batch kernel
+   (`kernels/csrc/small_linear.cpp`, called directly, ignoring its MAX_ROWS
+   hand-over). This is how `kernels.cpu_linear.MAX_ROWS` is chosen: the largest M
+   where the C++ kernel is still faster.
+2. Decode attention over a paged cache, 12 layers: the torch reference
+   (`kernels.attention.decode_attention`) against the C++ kernel, at batch 1 with
+   a 2064-token context (the roofline's decode step) and at batches 16 and 64.
+
+Each row times the two implementations alternately (A/B, B/A), median of repeats,
+with achieved GB/s (bytes a step must read) and GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks import report
+
+HIDDEN, INTERMEDIATE, KV_HEADS, HEADS, HEAD_DIM, LAYERS, VOCAB = 768, 2304, 4, 12, 64, 12, 8192
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="input rows M for the linear layers")
+    parser.add_argument("--repeats", type=int, default=9)
+
+
+def alternate(first, second, repeats: int) -> tuple[float, float]:
+    """Median seconds of each, run alternately after a warm-up of each."""
+    first(), second()
+    times = ([], [])
+    for r in range(repeats):
+        order = (0, 1) if r % 2 == 0 else (1, 0)
+        for which in order:
+            fn = (first, second)[which]
+            started = time.perf_counter()
+            fn()
+            times[which].append(time.perf_counter() - started)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def linear_rows(args, cpu_linear) -> list[dict]:
+    import torch
+
+    torch.manual_seed(0)
+    shapes = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
+              (HIDDEN, INTERMEDIATE)]
+    weights = [torch.randn(n, k) for _ in range(LAYERS) for n, k in shapes] + [torch.randn(VOCAB, HIDDEN)]
+    weight_bytes = sum(w.numel() * 4 for w in weights)
+    flops_per_row = sum(2 * w.numel() for w in weights)
+    module = cpu_linear.load()
+    results = []
+    for m in [int(v) for v in args.rows.split(",")]:
+        inputs = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
+
+        def torch_step():
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+        def cpp_step():
+            for w in weights:
+                module.small_linear(inputs[w.shape[1]], w, None)
+
+        torch_s, cpp_s = alternate(torch_step, cpp_step, args.repeats)
+        results.append({"rows": m, "torch_s": torch_s, "cpp_s": cpp_s, "speedup": torch_s / cpp_s,
+                        "torch_gb_per_s": weight_bytes / torch_s / 1e9, "cpp_gb_per_s": weight_bytes / cpp_s / 1e9,
+                        "torch_gflop_per_s": m * flops_per_row / torch_s / 1e9,
+                        "cpp_gflop_per_s": m * flops_per_row / cpp_s / 1e9})
+        print(f"linear M={m}: torch {torch_s * 1e3:.1f} ms, C++ {cpp_s * 1e3:.1f} ms", flush=True)
+    return results
+
+
+def attention_rows(args, cpu_attention) -> list[dict]:
+    import torch
+
+    from kernels.attention import decode_attention
+
+    torch.manual_seed(1)
+    block_size, results = 16, []
+    for batch, context in ((1, 2064), (16, 192), (64, 300)):
+        blocks_each = -(-context // block_size)
+        cache = torch.randn(batch * blocks_each + 8, LAYERS, 2, block_size, KV_HEADS, HEAD_DIM)
+        tables = torch.randperm(cache.shape[0])[: batch * blocks_each].view(batch, blocks_each)
+        lens = torch.full((batch,), context)
+        q = torch.randn(batch, HEADS, HEAD_DIM)
+
+        def run(fn):
+            return lambda: [fn(q, cache[:, layer], tables, lens, HEAD_DIM**-0.5) for layer in range(LAYERS)]
+
+        torch_s, cpp_s = alternate(run(decode_attention), run(cpu_attention.paged_decode_attention), args.repeats)
+        kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+        results.append({"batch": batch, "context": context, "torch_s": torch_s, "cpp_s": cpp_s,
+                        "speedup": torch_s / cpp_s, "torch_gb_per_s": kv_bytes / torch_s / 1e9,
+                        "cpp_gb_per_s": kv_bytes / cpp_s / 1e9})
+        print(f"attention batch {batch} x {context}: torch {torch_s * 1e3:.1f} ms, C++ {cpp_s * 1e3:.1f} ms", flush=True)
+    return results
+
+
+def main(args: argparse.Namespace) -> None:
+    import torch
+
+    from kernels import cpu_attention, cpu_linear
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if cpu_linear.load() is None or cpu_attention.load() is None:
+        raise SystemExit(f"the C++ kernels do not build here: {cpu_linear.build_error() or cpu_attention.build_error()}")
+    linear = linear_rows(args, cpu_linear)
+    attention = attention_rows(args, cpu_attention)
+    report.print_table(
+        f"Linear layers of one bench-model decode step ({torch.get_num_threads()} threads; "
+        f"kernels.cpu_linear.MAX_ROWS = {cpu_linear.MAX_ROWS})",
+        ["rows M", "torch ms", "C++ ms", "C++ speed-up", "torch GB/s", "C++ GB/s", "torch GFLOP/s", "C++ GFLOP/s"],
+        [[r["rows"], r["torch_s"] * 1e3, r["cpp_s"] * 1e3, r["speedup"], r["torch_gb_per_s"], r["cpp_gb_per_s"],
+          r["torch_gflop_per_s"], r["cpp_gflop_per_s"]] for r in linear])
+    report.print_table(
+        "Decode attention, 12 layers, paged cache (block 16)",
+        ["batch", "context", "torch ms", "C++ ms", "C++ speed-up", "torch GB/s", "C++ GB/s"],
+        [[r["batch"], r["context"], r["torch_s"] * 1e3, r["cpp_s"] * 1e3, r["speedup"], r["torch_gb_per_s"],
+          r["cpp_gb_per_s"]] for r in attention])
+    batch_one = next(r for r in linear if r["rows"] == 1) if any(r["rows"] == 1 for r in linear) else linear[0]
+    faster_up_to = max((r["rows"] for r in linear if r["speedup"] > 1.0), default=0)
+    report.finish("kernels", args.out, {"threads": torch.get_num_threads(), "max_rows": cpu_linear.MAX_ROWS,
+                                        "linear": linear, "attention": attention, "machine": report.machine_info()},
+                  f"C++ linear {batch_one['speedup']:.2f}x torch at M={batch_one['rows']}, faster up to "
+                  f"M={faster_up_to}; decode attention {attention[0]['speedup']:.1f}x at batch 1",
+                  f"faster than torch up to MAX_ROWS={cpu_linear.MAX_ROWS}")

@@ -1,0 +1,26 @@
+"""Which linear-layer kernel a model uses.
+
+`select_linear("auto", device, dtype)` gives the C++ small-batch kernel
+(`kernels.cpu_linear`) for float32 on CPU where it builds, which hands larger
+inputs to torch; everywhere else, and with `"torch"`, it gives
+`torch.nn.functional.linear` (cuBLAS on GPUs already streams weights well).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+LINEAR_BACKENDS = ("auto", "torch")
+
+
+def select_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Callable:
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from kernels import cpu_linear
+
+        if cpu_linear.load() is not None:
+            return cpu_linear.linear
+    return torch.nn.functional.linear
