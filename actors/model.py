@@ -8,6 +8,9 @@ GEMM each, and `weights.py` maps the HF names onto their slices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -16,6 +19,16 @@ from actors.config import ModelConfig
 from kernels.attention import decode_attention, prefill_attention, write_kv_slots
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The attention functions the model calls. The model runner picks them per
+    device (`kernels.attention.select_prefill_attention`, `select_decode_attention`);
+    the defaults are the torch references."""
+
+    prefill: Callable = prefill_attention
+    decode: Callable = decode_attention
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +42,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: AttentionKernels = AttentionKernels()) -> None:
         super().__init__()
-        self.decode_attention = decode_attention_fn  # see kernels.attention.select_decode_attention
+        self.kernels = kernels
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -53,11 +66,11 @@ class Attention(nn.Module):
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             outputs.append(
-                prefill_attention(q[rows], k[rows], v[rows], layer_cache, span.block_table, span.ctx_len, self.scale)
+                self.kernels.prefill(q[rows], k[rows], v[rows], layer_cache, span.block_table, span.ctx_len, self.scale)
             )
         if meta.num_decodes:
             outputs.append(
-                self.decode_attention(
+                self.kernels.decode(
                     q[meta.num_prefill_tokens :],
                     layer_cache,
                     meta.decode_block_tables,
@@ -82,9 +95,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: AttentionKernels = AttentionKernels()) -> None:
         super().__init__()
-        self.self_attn = Attention(config, decode_attention_fn)
+        self.self_attn = Attention(config, kernels)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -95,10 +108,10 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: AttentionKernels = AttentionKernels()) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, decode_attention_fn) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)
@@ -117,10 +130,10 @@ class ForCausalLM(nn.Module):
     """The whole model. `forward` returns hidden states of every token of the step;
     `compute_logits` projects only the rows that will be sampled."""
 
-    def __init__(self, config: ModelConfig, decode_attention_fn=decode_attention) -> None:
+    def __init__(self, config: ModelConfig, kernels: AttentionKernels = AttentionKernels()) -> None:
         super().__init__()
         self.config = config
-        self.model = Model(config, decode_attention_fn)
+        self.model = Model(config, kernels)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
