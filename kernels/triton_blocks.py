@@ -9,7 +9,7 @@ Same contracts as the torch reference in `kernels/blocks.py`:
 worker's whole cache `[num_blocks, num_layers, 2, block_size, kvh, d]`, or one
 layer's view of it `[num_blocks, 2, block_size, kvh, d]` (blocks a stride apart).
 So a block is copied as a flat row of `block_numel` elements: one program per
-(listed block, span of BLOCK elements of it), each a masked load and a store, no
+(listed block, span of _SPAN elements of it), each a masked load and a store, no
 index arithmetic per element. Block ids must be distinct for a scatter (as for
 `index_copy_`, whose result is otherwise undefined).
 
