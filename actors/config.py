@@ -100,7 +100,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     enable_prefix_cache: bool = True
-    attention_backend: str = "auto"  # auto: the C++ CPU kernel where it applies; torch: the reference
+    attention_backend: str = "auto"  # auto: C++/Triton kernels where they apply; torch: the references
     linear_backend: str = "auto"  # auto: the C++ small-batch CPU kernel where it applies; torch: F.linear
     seed: int = 0
 

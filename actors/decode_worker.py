@@ -142,8 +142,7 @@ class DecodeWorker(WorkerBase):
             if not set(meta.dst_block_ids) <= set(pending.block_ids):
                 raise TransferFailed(f"request {meta.request_id}: chunk targets blocks outside its reservation")
             if meta.dst_block_ids:
-                index = torch.tensor(meta.dst_block_ids, dtype=torch.long, device=kv.device)
-                self.engine.runner.kv_cache.index_copy_(0, index, kv.to(self.engine.runner.kv_cache.device))
+                self.engine.runner.write_blocks(meta.dst_block_ids, kv)
             pending.next_chunk += 1
 
     async def _activate(self, meta: ChunkMeta) -> None:

@@ -195,7 +195,7 @@ class Engine:
         if new:
             block_ids = self.pool.allocate(len(new))
             kv = torch.stack([b.kv for b in new]).to(self.runner.kv_cache.device, self.runner.kv_cache.dtype)
-            self.runner.kv_cache.index_copy_(0, torch.tensor(block_ids, device=kv.device), kv)
+            self.runner.write_blocks(block_ids, kv)
             for block_id, block in zip(block_ids, new):
                 self.pool.register(block_id, block.key, block.token_ids)
             held += block_ids

@@ -8,8 +8,8 @@ GEMM each, and `weights.py` maps the HF names onto their slices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -25,9 +25,10 @@ from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 class ModelKernels:
     """The kernels a model calls where more than one implementation exists;
     `ModelRunner` picks them for its device and dtype (`kernels.attention.
-    select_decode_attention`, `kernels.linear.select_linear`). The defaults are the
-    torch references."""
+    select_prefill_attention` and `select_decode_attention`,
+    `kernels.linear.select_linear`). The defaults are the torch references."""
 
+    prefill_attention: Callable = prefill_attention
     decode_attention: Callable = decode_attention
     linear: Callable = nn.functional.linear
 
@@ -56,7 +57,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
-        self.decode_attention = kernels.decode_attention
+        self.kernels = kernels
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -78,11 +79,13 @@ class Attention(nn.Module):
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             outputs.append(
-                prefill_attention(q[rows], k[rows], v[rows], layer_cache, span.block_table, span.ctx_len, self.scale)
+                self.kernels.prefill_attention(
+                    q[rows], k[rows], v[rows], layer_cache, span.block_table, span.ctx_len, self.scale
+                )
             )
         if meta.num_decodes:
             outputs.append(
-                self.decode_attention(
+                self.kernels.decode_attention(
                     q[meta.num_prefill_tokens :],
                     layer_cache,
                     meta.decode_block_tables,

@@ -1,8 +1,9 @@
 """Turns a scheduler plan into tensors, runs the model, samples.
 
-Owns the model and the worker's KV cache tensor (layout in kernels/attention.py).
-The step's tokens are laid out multi-token chunks first (each a `PrefillSpan`), then
-every single-token chunk as one batched decode.
+Owns the model and the worker's KV cache tensor (layout in kernels/attention.py),
+and so the whole-block copies in and out of it that KV transfers make. The step's
+tokens are laid out multi-token chunks first (each a `PrefillSpan`), then every
+single-token chunk as one batched decode.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from actors.model import ForCausalLM, ModelKernels
 from actors.request import TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
-from kernels.attention import select_decode_attention
+from kernels.attention import select_decode_attention, select_prefill_attention
+from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.sampling import logprobs_of, sample
 
@@ -42,9 +44,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
         kernels = ModelKernels(
+            prefill_attention=select_prefill_attention(config.attention_backend, self.device),
             decode_attention=select_decode_attention(config.attention_backend, self.device, dtype),
             linear=select_linear(config.linear_backend, self.device, dtype),
         )
+        self.block_copy = select_block_copy(config.attention_backend, self.device)
         with torch.device(self.device):
             model = ForCausalLM(model_config, kernels)
         model.to(dtype=dtype)
@@ -66,6 +70,19 @@ class ModelRunner:
             device=self.device,
         )
         self.last_step_s = 0.0
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of these KV blocks, in this order, on the cache's device:
+        [n, num_layers, 2, block_size, kvh, d]. Any thread; the caller keeps the blocks
+        from being reused meanwhile."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.block_copy.gather(self.kv_cache, index)
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Overwrite these KV blocks (distinct ids) with `kv` ([n, num_layers, 2,
+        block_size, kvh, d], any device, the cache's dtype)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.block_copy.scatter(self.kv_cache, index, kv.to(self.device))
 
     def _metadata(self, chunks: list[ScheduledChunk]):
         block_size = self.config.block_size

@@ -22,7 +22,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import ray
-import torch
 
 from actors.engine import Engine, ExportedChunk, RequestOutput
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
@@ -116,8 +115,7 @@ class _PairSender:
                 self._drop(leftover, self.broken or f"channel {self.sender.name} closed")
 
     def _send(self, transfer: _Transfer) -> None:
-        cache = self.worker.engine.runner.kv_cache
-        kv = cache[torch.tensor(transfer.src_block_ids, dtype=torch.long)]
+        kv = self.worker.engine.runner.read_blocks(transfer.src_block_ids)
         meta = dataclasses.replace(transfer.meta, sent_s=time.time())
         ref = self.decode.receive_chunk.remote(meta, self.sender.name, self.sender.payload(kv))
         self.sender.push(kv)
@@ -223,14 +221,14 @@ class PrefillWorker(WorkerBase):
         from the send to D's completion signal. Uses D's real receive path."""
         self._ensure_started()
         pair = await self._pair_for(reservation, decode_handle, channel)
-        cache = self.engine.runner.kv_cache
+        runner = self.engine.runner
 
         def send_all() -> list[float]:
             seconds = []
             dst = reservation.block_ids
             for index, start in enumerate(range(0, len(dst), blocks_per_chunk)):
                 ids = dst[start : start + blocks_per_chunk]
-                kv = cache[torch.tensor(ids, dtype=torch.long)]
+                kv = runner.read_blocks(ids)
                 meta = ChunkMeta(reservation.request_id, index, ids, is_last=False)
                 began = time.perf_counter()
                 ref = decode_handle.receive_chunk.remote(meta, pair.sender.name, pair.sender.payload(kv))

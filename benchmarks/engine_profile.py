@@ -5,6 +5,7 @@ engine's own objects, nothing in the engine is edited.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -47,8 +48,9 @@ class PhaseTimer:
 
 def instrument(engine, timer: PhaseTimer):
     """Wrap the engine's phases and the model's kernels with `timer`: this engine's
-    objects, plus the kernel names `actors.model` calls (benchmark instrumentation,
-    nothing is edited). Returns a function that puts the kernel names back."""
+    objects (its attention modules' kernels among them), plus the kernel names
+    `actors.model` calls (benchmark instrumentation, nothing is edited). Returns a
+    function that puts the kernel names and the attention kernels back."""
     import actors.model as model_module
 
     engine.step = timer.wrap("step (total)", engine.step)
@@ -62,17 +64,26 @@ def instrument(engine, timer: PhaseTimer):
     model = runner.model
     model.forward = timer.wrap("model forward (total)", model.forward)
     model.compute_logits = timer.wrap("lm_head (compute_logits)", model.compute_logits)
-    kernels = ("decode_attention", "prefill_attention", "write_kv_slots", "apply_rope", "rms_norm")
+    kernels = ("write_kv_slots", "apply_rope", "rms_norm")
     originals = {name: getattr(model_module, name) for name in kernels}
     for name, fn in originals.items():
         setattr(model_module, name, timer.wrap(f"  {name}", fn))
+    attention = {layer.self_attn: layer.self_attn.kernels for layer in model.model.layers}  # the runner's picks
     for layer in model.model.layers:
+        picked = layer.self_attn.kernels
+        layer.self_attn.kernels = dataclasses.replace(
+            picked,
+            prefill_attention=timer.wrap("  prefill_attention", picked.prefill_attention),
+            decode_attention=timer.wrap("  decode_attention", picked.decode_attention),
+        )
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.forward = timer.wrap("  linear layers (qkv, o, gate_up, down)", linear.forward)
 
     def restore() -> None:
         for name, fn in originals.items():
             setattr(model_module, name, fn)
+        for module, picked in attention.items():
+            module.kernels = picked
 
     return restore
 

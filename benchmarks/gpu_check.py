@@ -5,9 +5,11 @@
 
 Steps, each recorded in `<out>/gpu_check.json` (a failing step is recorded and
 the others still run):
-1. `kernels`: the Triton decode-attention and slot-write kernels against the torch
-   reference (max abs error) for a few shapes and dtypes; on CUDA also their time
-   against the reference's at batch 64 x 1024-token contexts.
+1. `kernels` (`benchmarks/gpu_check_kernels.py`): every Triton kernel (decode and
+   prefill attention, KV slot writes, block gather and scatter) against its torch
+   reference (max abs error, or bit-exactness for copies) for a few shapes and
+   dtypes; on CUDA also each one's time beside torch's (the reference, SDPA alone,
+   torch indexing) at serving-sized shapes.
 2. `exactness`: greedy token ids of Tandem's engine against transformers'
    `generate`, float32, same device, same prompts.
 3. `roofline`: the device's measured peaks (matmul FLOP/s in the model dtype, copy
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -41,71 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--steps", default="kernels,exactness,roofline,pd")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-results"))
-
-
-# ---- 1. kernels ------------------------------------------------------------------
-def check_kernels(device: str) -> dict:
-    import torch
-
-    from kernels import triton_attention as ta
-    from kernels.attention import decode_attention, write_kv_slots
-
-    dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32, torch.float16]
-    rows = []
-    for num_heads, num_kv_heads, head_dim, block_size in ((14, 2, 64, 16), (12, 4, 64, 16), (32, 8, 128, 32)):
-        for dtype in dtypes:
-            lengths = [1, block_size + 1, 300, 1000]
-            num_blocks = sum(-(-n // block_size) for n in lengths) + 4
-            cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, device=device).to(dtype)
-            per_seq = max(-(-n // block_size) for n in lengths)
-            tables = torch.stack([torch.randperm(num_blocks, device=device)[:per_seq] for _ in lengths])
-            q = torch.randn(len(lengths), num_heads, head_dim, device=device).to(dtype)
-            lens = torch.tensor(lengths, device=device)
-            got = ta.paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5)
-            want = decode_attention(q.float(), cache.float(), tables, lens, head_dim ** -0.5)
-            rows.append({"heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
-                         "dtype": str(dtype), "decode_max_abs_err": (got.float() - want).abs().max().item()})
-    cache = torch.randn(16, 2, 16, 2, 64, device=device)
-    reference = cache.clone()
-    slots = torch.randperm(256, device=device)[:50]
-    k, v = torch.randn(50, 2, 64, device=device), torch.randn(50, 2, 64, device=device)
-    ta.write_kv_slots(cache, k, v, slots)
-    write_kv_slots(reference, k, v, slots)
-    result = {"decode": rows, "slot_writes_exact": bool(torch.equal(cache, reference))}
-    if device == "cuda":
-        result["timing_batch64_ctx1024"] = _time_kernels(torch, ta, decode_attention)
-    result["ok"] = result["slot_writes_exact"] and all(
-        r["decode_max_abs_err"] < (1e-4 if "float32" in r["dtype"] else 3e-2) for r in rows)
-    return result
-
-
-def _time_kernels(torch, ta, decode_attention) -> dict:
-    batch, context, heads, kv_heads, head_dim, block_size = 64, 1024, 14, 2, 64, 16
-    per_seq = context // block_size
-    cache = torch.randn(batch * per_seq, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    tables = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((batch,), context, device="cuda")
-    times = {}
-    for name, fn in (("triton", ta.paged_decode_attention), ("torch_reference", decode_attention)):
-        times[name] = _cuda_time_ms(torch, lambda fn=fn: fn(q, cache, tables, lens, 0.125))
-    kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
-    times["triton_gb_s"] = kv_bytes / (times["triton"] / 1e3) / 1e9
-    return times
-
-
-def _cuda_time_ms(torch, fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 # ---- 2. exactness ----------------------------------------------------------------
@@ -240,6 +176,12 @@ def check_pd(model_dir: Path, device: str, dtype: str) -> dict:
 
 
 # ---- driver ------------------------------------------------------------------------
+def _check_kernels(device: str) -> dict:
+    from benchmarks.gpu_check_kernels import check_kernels  # imports Triton: after TRITON_INTERPRET is set
+
+    return check_kernels(device)
+
+
 def main(args: argparse.Namespace) -> dict:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
@@ -252,7 +194,7 @@ def main(args: argparse.Namespace) -> dict:
     results: dict = {"device": args.device, "preset": preset, "dtype": dtype, "steps": {}}
     model_dir = ensure_checkpoint(preset, "qwen2")
     steps = {
-        "kernels": lambda: check_kernels(args.device),
+        "kernels": lambda: _check_kernels(args.device),
         "exactness": lambda: check_exactness(ensure_checkpoint("bench" if args.device == "cuda" else "tiny", "qwen2"),
                                              args.device),
         "roofline": lambda: check_roofline(model_dir, args.device, dtype, args.prefill_tokens, args.decode_batch),

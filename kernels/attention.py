@@ -19,7 +19,10 @@ Two entry points:
 Both support grouped-query attention (num_heads a multiple of num_kv_heads).
 `select_decode_attention` picks the C++ CPU kernel (`kernels/cpu_attention.py`) for
 float32 on CPU when it builds, the Triton kernel (`kernels/triton_attention.py`) on
-CUDA, this reference otherwise.
+CUDA, this reference otherwise. `select_prefill_attention` picks the Triton kernel
+(`kernels/triton_prefill.py`) on CUDA and this reference (SDPA over the gathered
+prefix) everywhere else. On CUDA both fall back to the reference, per call, for
+shapes the Triton kernels do not take.
 """
 
 from __future__ import annotations
@@ -150,8 +153,7 @@ def select_decode_attention(backend: str, device: torch.device, dtype: torch.dty
     """`auto`: the C++ kernel for float32 on CPU where it builds, the Triton kernel
     on CUDA where Triton is installed (per call, for the shapes it supports); the
     reference otherwise. `torch`: always the reference."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     kind = torch.device(device).type
     if backend == "auto" and kind == "cpu" and dtype == torch.float32:
         from kernels import cpu_attention
@@ -163,16 +165,44 @@ def select_decode_attention(backend: str, device: torch.device, dtype: torch.dty
             from kernels import triton_attention
         except ImportError:  # no Triton (the `gpu` extra): the reference
             return decode_attention
-        return _triton_where_supported(triton_attention)
+        return _triton_decode_where_supported(triton_attention)
     return decode_attention
 
 
-def _triton_where_supported(triton_attention) -> Callable:
+def select_prefill_attention(backend: str, device: torch.device) -> Callable:
+    """`auto`: the Triton kernel on CUDA where Triton is installed (per call, for the
+    shapes it supports); the reference otherwise. `torch`: always the reference."""
+    _check_backend(backend)
+    if backend == "auto" and torch.device(device).type == "cuda":
+        try:
+            from kernels import triton_prefill
+        except ImportError:  # no Triton (the `gpu` extra): the reference
+            return prefill_attention
+        return _triton_prefill_where_supported(triton_prefill)
+    return prefill_attention
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+
+def _triton_decode_where_supported(triton_attention) -> Callable:
     def attend(q, layer_cache, block_tables, context_lens, scale):
         shape = (q.shape[1], layer_cache.shape[3], q.shape[2], layer_cache.shape[2])
         if triton_attention.supports_decode(*shape):
             return triton_attention.paged_decode_attention(q, layer_cache, block_tables, context_lens, scale)
         return decode_attention(q, layer_cache, block_tables, context_lens, scale)
+
+    return attend
+
+
+def _triton_prefill_where_supported(triton_prefill) -> Callable:
+    def attend(q, k_new, v_new, layer_cache, block_table, ctx_len, scale):
+        shape = (q.shape[1], layer_cache.shape[3], q.shape[2], layer_cache.shape[2])
+        if triton_prefill.supports_prefill(*shape):
+            return triton_prefill.paged_prefill_attention(q, k_new, v_new, layer_cache, block_table, ctx_len, scale)
+        return prefill_attention(q, k_new, v_new, layer_cache, block_table, ctx_len, scale)
 
     return attend
 

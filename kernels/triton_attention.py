@@ -16,6 +16,10 @@ accumulate in float32; with a float32 cache the dot products use IEEE precision
 `write_kv_slots` runs one program per (token, KV head) and stores that head's K and
 V row at the token's slot.
 
+Prefill attention is in `kernels/triton_prefill.py`, block copies for transfers in
+`kernels/triton_blocks.py`. No speed is claimed for any of them: none has been
+timed on a GPU yet (`benchmarks/gpu_check_kernels.py` does that).
+
 This module imports Triton at import time: import it only where Triton is
 installed (the `gpu` extra). `supports_decode` says which shapes the kernel takes
 (power-of-two head_dim and block_size of at least 16); `kernels.attention`'s

@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from actors.config import CheckpointError, EngineConfig
 from actors.engine import Engine
@@ -163,6 +164,19 @@ def test_abort_frees_blocks(tiny_qwen2_dir):
     assert not engine.has_unfinished()
     engine.pool.check()
     assert engine.pool.num_used == 0
+
+
+def test_the_runner_reads_and_writes_whole_kv_blocks(tiny_qwen2_dir):
+    """A transfer's two ends: P reads listed blocks as one tensor, D writes such a
+    tensor into its own blocks; every other block stays as it was."""
+    runner = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=8)).runner
+    runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
+    before = runner.kv_cache.clone()
+    kv = runner.read_blocks([6, 1, 4])
+    assert kv.is_contiguous() and torch.equal(kv, before[[6, 1, 4]])
+    runner.write_blocks([0, 7, 2], kv)
+    assert torch.equal(runner.kv_cache[[0, 7, 2]], kv)
+    assert torch.equal(runner.kv_cache[[1, 3, 4, 5, 6]], before[[1, 3, 4, 5, 6]])
 
 
 def test_randomized_workload_keeps_block_accounting(tiny_qwen2_dir):

@@ -188,12 +188,34 @@ def test_cpu_linear_gives_a_row_the_same_result_in_any_batch():
 
 
 def test_backend_selection():
-    from kernels.attention import select_decode_attention
+    from kernels.attention import select_decode_attention, select_prefill_attention
+    from kernels.blocks import TORCH_BLOCK_COPY, select_block_copy
 
     assert select_decode_attention("torch", torch.device("cpu"), torch.float32) is decode_attention
     assert select_decode_attention("auto", torch.device("cpu"), torch.bfloat16) is decode_attention
+    for backend in ("auto", "torch"):  # CPU: the references, whatever the backend
+        assert select_prefill_attention(backend, torch.device("cpu")) is prefill_attention
+        assert select_block_copy(backend, torch.device("cpu")) is TORCH_BLOCK_COPY
+    assert select_prefill_attention("torch", torch.device("cuda")) is prefill_attention
+    assert select_block_copy("torch", torch.device("cuda")) is TORCH_BLOCK_COPY
     with pytest.raises(ValueError, match="attention_backend"):
         select_decode_attention("fast", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_prefill_attention("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_block_copy("fast", torch.device("cpu"))
+
+
+def test_block_copies_are_torch_indexing():
+    from kernels.blocks import gather_blocks, scatter_blocks
+
+    cache = torch.randn(6, NUM_LAYERS, 2, 4, KV_HEADS, HEAD_DIM)
+    block_ids = torch.tensor([5, 0, 3])
+    blocks = gather_blocks(cache, block_ids)
+    assert blocks.is_contiguous() and torch.equal(blocks[1], cache[0]) and torch.equal(blocks[0], cache[5])
+    target = torch.zeros_like(cache)
+    scatter_blocks(target, torch.tensor([1, 2, 4]), blocks)
+    assert torch.equal(target[[1, 2, 4]], blocks) and target[[0, 3, 5]].abs().sum() == 0
 
 
 def test_linear_backend_selection():

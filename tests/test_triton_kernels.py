@@ -1,6 +1,8 @@
-"""The Triton kernels (kernels/triton_attention.py) against the torch reference, on
-CPU under Triton's interpreter: `tests/triton_kernel_checks.py`, run in a process of
-its own with TRITON_INTERPRET=1. Skipped where Triton is not installed."""
+"""The Triton kernels (kernels/triton_attention.py, triton_prefill.py,
+triton_blocks.py) against the torch reference, on CPU under Triton's interpreter:
+`tests/triton_kernel_checks.py`, run in a process of its own with TRITON_INTERPRET=1.
+And the CUDA dispatchers' per-call fallbacks, which need no GPU. Skipped where
+Triton is not installed."""
 
 from __future__ import annotations
 
@@ -35,3 +37,37 @@ def test_the_cuda_dispatch_falls_back_to_the_reference_for_shapes_triton_does_no
     cache = torch.randn(8, 2, 16, 2, 80)
     q, tables, lens = torch.randn(2, 4, 80), torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 5])
     torch.testing.assert_close(attend(q, cache, tables, lens, 0.1), decode_attention(q, cache, tables, lens, 0.1))
+
+
+def test_the_cuda_prefill_dispatch_falls_back_to_the_reference_for_shapes_triton_does_not_take():
+    """As for decode: a block_size of 8 (under tl.dot's minimum) goes to the
+    reference, here run on CPU tensors."""
+    import torch
+
+    from kernels.attention import prefill_attention, select_prefill_attention
+
+    attend = select_prefill_attention("auto", torch.device("cuda"))
+    assert attend is not prefill_attention  # the Triton path, with its fallback
+    layer_cache, table = torch.randn(8, 2, 8, 2, 64), torch.tensor([3, 0, 5])
+    q, k_new, v_new = torch.randn(6, 4, 64), torch.randn(6, 2, 64), torch.randn(6, 2, 64)
+    args = (q, k_new, v_new, layer_cache, table, 20, 0.125)
+    torch.testing.assert_close(attend(*args), prefill_attention(*args))
+
+
+def test_the_cuda_block_copy_dispatch_falls_back_to_torch_indexing_for_tensors_triton_does_not_take():
+    """A cache whose blocks are not one span each (a slice inside the block), and a
+    non-contiguous source for a scatter, go to torch indexing, here on CPU tensors."""
+    import torch
+
+    from kernels.blocks import TORCH_BLOCK_COPY, select_block_copy
+
+    copy = select_block_copy("auto", torch.device("cuda"))
+    assert copy is not TORCH_BLOCK_COPY
+    full = torch.randn(6, 2, 2, 16, 2, 8)
+    cache, block_ids = full[:, :, :, :8], torch.tensor([4, 1])
+    assert torch.equal(copy.gather(cache, block_ids), cache[block_ids])
+    blocks = torch.randn(2, 2, 2, 2, 8, 8).transpose(3, 4)  # [2, 2, 2, 8, 2, 8], not contiguous
+    expected = full.clone()
+    expected[:, :, :, :8].index_copy_(0, block_ids, blocks)
+    copy.scatter(cache, block_ids, blocks)
+    assert torch.equal(full, expected)

@@ -15,7 +15,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.attention import decode_attention, write_kv_slots  # noqa: E402
+from kernels.attention import decode_attention, prefill_attention, write_kv_slots  # noqa: E402
+from kernels.blocks import gather_blocks, scatter_blocks  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -23,6 +24,20 @@ pytest.importorskip("triton")
 @pytest.fixture(scope="module")
 def triton_attention():
     import kernels.triton_attention as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def triton_prefill():
+    import kernels.triton_prefill as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def triton_blocks():
+    import kernels.triton_blocks as module
 
     return module
 
@@ -70,3 +85,67 @@ def test_slot_writes_match_the_reference(triton_attention):
     triton_attention.write_kv_slots(cache, k, v, slots)
     write_kv_slots(expected, k, v, slots)
     torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size, num_cached, q_len, dtype",
+    [(4, 2, 16, 16, 0, 5, torch.float32), (4, 2, 16, 16, 21, 13, torch.float32),
+     (14, 2, 32, 16, 37, 20, torch.float32), (8, 8, 16, 32, 32, 17, torch.float32),
+     (6, 2, 16, 16, 16, 16, torch.float32), (14, 2, 32, 16, 37, 20, torch.float16)],
+    ids=["no-prefix-gqa2", "prefix-gqa2", "prefix-gqa7", "mha-bs32-aligned-prefix", "block-aligned-gqa3",
+         "fp16-gqa7"],
+)
+def test_paged_prefill_matches_the_reference(triton_prefill, num_heads, num_kv_heads, head_dim, block_size,
+                                             num_cached, q_len, dtype):
+    """One chunk over a cached prefix in scattered blocks of a non-contiguous layer
+    view. bfloat16 is not checked here: the interpreter's tl.dot gets it wrong (the
+    decode kernel too); the GPU check covers it."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ctx_len = num_cached + q_len
+    num_blocks = 16
+    cache = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    table = torch.randperm(num_blocks, generator=generator)[: -(-ctx_len // block_size)]
+    k = torch.randn(ctx_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(ctx_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+    positions = torch.arange(ctx_len)
+    write_kv_slots(cache, k, v, table[positions // block_size] * block_size + positions % block_size)
+    q = torch.randn(q_len, num_heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim ** -0.5
+    got = triton_prefill.paged_prefill_attention(q, k[num_cached:], v[num_cached:], cache, table, ctx_len, scale)
+    want = prefill_attention(q.float(), k[num_cached:].float(), v[num_cached:].float(), cache.float(), table,
+                             ctx_len, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_prefill_takes_the_decode_kernels_shapes(triton_prefill):
+    assert triton_prefill.supports_prefill(14, 2, 64, 16)
+    assert not triton_prefill.supports_prefill(14, 2, 80, 16)
+    assert not triton_prefill.supports_prefill(4, 2, 64, 8)
+    assert not triton_prefill.supports_prefill(6, 4, 64, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("whole_cache", [True, False], ids=["all-layers", "layer-view"])
+def test_block_gather_and_scatter_match_torch_indexing(triton_blocks, dtype, whole_cache):
+    full = torch.randn(12, 3, 2, 16, 2, 16).to(dtype)  # [blocks, layers, K/V, block_size, kvh, d]
+    cache = full if whole_cache else full[:, 1]
+    block_ids = torch.randperm(12)[:5]
+    got = triton_blocks.gather_blocks(cache, block_ids)
+    assert got.is_contiguous() and torch.equal(got, gather_blocks(cache, block_ids))
+
+    blocks = torch.randn(5, *cache.shape[1:]).to(dtype)
+    expected = full.clone()
+    scatter_blocks(expected if whole_cache else expected[:, 1], block_ids, blocks)
+    triton_blocks.scatter_blocks(cache, block_ids, blocks)
+    assert torch.equal(full, expected)  # the listed blocks written, nothing else touched
+
+
+def test_block_copies_of_no_blocks_and_unsupported_tensors(triton_blocks):
+    cache = torch.randn(4, 2, 16, 2, 16)
+    none = torch.tensor([], dtype=torch.long)
+    assert triton_blocks.gather_blocks(cache, none).shape == (0, 2, 16, 2, 16)
+    triton_blocks.scatter_blocks(cache, none, torch.empty(0, 2, 16, 2, 16))
+    assert not triton_blocks.supports_blocks(cache[:, :, :8])  # a block that is not one span
+    assert not triton_blocks.supports_blocks(cache, torch.randn(2, 2, 16, 2, 16).half())
+    assert not triton_blocks.supports_blocks(cache, torch.randn(2, 16, 2, 2, 16).transpose(1, 2))

@@ -1,0 +1,220 @@
+"""The GPU check's `kernels` step (`benchmarks/gpu_check.py`): every Triton kernel
+against its torch reference and, on CUDA, each one's time beside torch's.
+
+Errors, for a few shapes and dtypes (attention: max abs difference from the
+reference computed in float32 from the same inputs; copies: bit-exact or not):
+- decode attention over contexts of 1 to 1000 tokens;
+- prefill attention of a chunk with no prefix and of one over a cached prefix,
+  neither aligned to blocks;
+- KV slot writes, block gather and block scatter against torch indexing.
+
+Times on CUDA (median of 20, CUDA events), bfloat16, at qwen2.5-0.5b's attention
+shape (14 heads, 2 KV heads, head_dim 64, blocks of 16), each beside what torch does
+in its place:
+- decode at batch 64 x 1024-token contexts: Triton, the torch reference; KV GB/s;
+- prefill of a 2048-token prompt and of a 512-token chunk over 3584 cached tokens:
+  Triton, the torch reference (gather + SDPA), and SDPA alone on K/V that are
+  already contiguous (the reference without its gather); attention TFLOP/s;
+- gather and scatter of 64 scattered blocks of a 24-layer cache: Triton, torch
+  indexing; GB/s moved (read + write).
+These are the figures that decide, per path, whether the Triton kernel or torch
+(SDPA, indexing) should run on a GPU. On CPU the kernels run under Triton's
+interpreter on smaller inputs and no times are taken.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+_SHAPES = ((14, 2, 64, 16), (12, 4, 64, 16), (32, 8, 128, 32))  # heads, KV heads, head_dim, block_size
+
+
+def check_kernels(device: str) -> dict:
+    from kernels import triton_attention, triton_blocks, triton_prefill
+
+    dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32, torch.float16]
+    decode = [_decode_error(triton_attention, device, shape, dtype) for shape in _SHAPES for dtype in dtypes]
+    num_cached = 1000 if device == "cuda" else 35
+    q_len = 300 if device == "cuda" else 21
+    prefill = [_prefill_error(triton_prefill, device, shape, dtype, cached, q_len)
+               for shape in _SHAPES for dtype in dtypes for cached in (0, num_cached)]
+    result = {"decode": decode, "prefill": prefill, "slot_writes_exact": _slot_writes_exact(triton_attention, device),
+              "block_copies_exact": _block_copies_exact(triton_blocks, device)}
+    if device == "cuda":
+        result["timing"] = {
+            "decode_batch64_ctx1024": _time_decode(triton_attention),
+            "prefill": _time_prefill(triton_prefill),
+            "block_copy_64_blocks": _time_block_copies(triton_blocks),
+        }
+    result["ok"] = result["slot_writes_exact"] and result["block_copies_exact"] and all(
+        _within_tolerance(row) for row in decode + prefill)
+    return result
+
+
+def _within_tolerance(row: dict) -> bool:
+    return row["max_abs_err"] < (1e-4 if "float32" in row["dtype"] else 3e-2)
+
+
+# ---- errors -------------------------------------------------------------------------
+def _decode_error(triton_attention, device: str, shape, dtype) -> dict:
+    from kernels.attention import decode_attention
+
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    lengths = [1, block_size + 1, 300, 1000]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 4
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, device=device).to(dtype)
+    per_seq = max(-(-n // block_size) for n in lengths)
+    tables = torch.stack([torch.randperm(num_blocks, device=device)[:per_seq] for _ in lengths])
+    q = torch.randn(len(lengths), num_heads, head_dim, device=device).to(dtype)
+    lens = torch.tensor(lengths, device=device)
+    got = triton_attention.paged_decode_attention(q, cache, tables, lens, head_dim ** -0.5)
+    want = decode_attention(q.float(), cache.float(), tables, lens, head_dim ** -0.5)
+    return _row(shape, dtype, max_abs_err=(got.float() - want).abs().max().item())
+
+
+def _prefill_error(triton_prefill, device: str, shape, dtype, num_cached: int, q_len: int) -> dict:
+    from kernels.attention import prefill_attention
+
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    ctx_len = num_cached + q_len
+    num_blocks = -(-ctx_len // block_size) + 4
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, device=device).to(dtype)
+    table = torch.randperm(num_blocks, device=device)[: -(-ctx_len // block_size)]
+    k_new, v_new = _chunk_kv(cache, table, num_cached, ctx_len)
+    q = torch.randn(q_len, num_heads, head_dim, device=device).to(dtype)
+    got = triton_prefill.paged_prefill_attention(q, k_new, v_new, cache, table, ctx_len, head_dim ** -0.5)
+    want = prefill_attention(q.float(), k_new.float(), v_new.float(), cache.float(), table, ctx_len, head_dim ** -0.5)
+    return _row(shape, dtype, num_cached=num_cached, q_len=q_len, max_abs_err=(got.float() - want).abs().max().item())
+
+
+def _chunk_kv(cache, table, num_cached: int, ctx_len: int):
+    """The chunk's own K/V, as the model has them: what the cache holds at its slots."""
+    from kernels.attention import gather_kv
+
+    k, v = gather_kv(cache, table, ctx_len)
+    return k[num_cached:], v[num_cached:]
+
+
+def _row(shape, dtype, **values) -> dict:
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    return {"heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim, "block_size": block_size,
+            "dtype": str(dtype), **values}
+
+
+def _slot_writes_exact(triton_attention, device: str) -> bool:
+    from kernels.attention import write_kv_slots
+
+    cache = torch.randn(16, 2, 16, 2, 64, device=device)
+    reference = cache.clone()
+    slots = torch.randperm(256, device=device)[:50]
+    k, v = torch.randn(50, 2, 64, device=device), torch.randn(50, 2, 64, device=device)
+    triton_attention.write_kv_slots(cache, k, v, slots)
+    write_kv_slots(reference, k, v, slots)
+    return bool(torch.equal(cache, reference))
+
+
+def _block_copies_exact(triton_blocks, device: str) -> bool:
+    from kernels.blocks import gather_blocks, scatter_blocks
+
+    cache = torch.randn(16, 3, 2, 16, 2, 64, device=device).to(torch.bfloat16)  # [blocks, layers, K/V, ...]
+    block_ids = torch.randperm(16, device=device)[:6]
+    gathered = triton_blocks.gather_blocks(cache, block_ids)
+    gathers_exactly = torch.equal(gathered, gather_blocks(cache, block_ids))
+    blocks = torch.randn_like(gathered)
+    reference = cache.clone()
+    triton_blocks.scatter_blocks(cache, block_ids, blocks)
+    scatter_blocks(reference, block_ids, blocks)
+    return bool(gathers_exactly and torch.equal(cache, reference))
+
+
+# ---- times (CUDA) ----------------------------------------------------------------------
+def _time_decode(triton_attention) -> dict:
+    from kernels.attention import decode_attention
+
+    batch, context, heads, kv_heads, head_dim, block_size = 64, 1024, 14, 2, 64, 16
+    per_seq = context // block_size
+    cache = torch.randn(batch * per_seq, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    tables = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((batch,), context, device="cuda")
+    times = {}
+    for name, fn in (("triton_ms", triton_attention.paged_decode_attention), ("torch_reference_ms", decode_attention)):
+        times[name] = _cuda_time_ms(lambda fn=fn: fn(q, cache, tables, lens, 0.125))
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
+    times["triton_gb_s"] = kv_bytes / (times["triton_ms"] / 1e3) / 1e9
+    return times
+
+
+def _time_prefill(triton_prefill) -> dict:
+    from kernels.attention import prefill_attention
+
+    heads, kv_heads, head_dim, block_size = 14, 2, 64, 16
+    scale = head_dim ** -0.5
+    rows = {}
+    for num_cached, q_len in ((0, 2048), (3584, 512)):
+        ctx_len = num_cached + q_len
+        num_blocks = -(-ctx_len // block_size)
+        cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(num_blocks, device="cuda")
+        q = torch.randn(q_len, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        k_new, v_new = _chunk_kv(cache, table, num_cached, ctx_len)
+        args = (q, k_new, v_new, cache, table, ctx_len, scale)
+        sdpa_only = _sdpa_on_contiguous_kv(q, cache, table, num_cached, ctx_len, scale)
+        times = {"triton_ms": _cuda_time_ms(lambda: triton_prefill.paged_prefill_attention(*args)),
+                 "torch_reference_ms": _cuda_time_ms(lambda: prefill_attention(*args)),
+                 "torch_sdpa_contiguous_kv_ms": _cuda_time_ms(sdpa_only)}
+        flops = 4 * heads * head_dim * (q_len * num_cached + q_len * (q_len + 1) // 2)
+        for name in list(times):
+            times[name.replace("_ms", "_tflop_s")] = flops / (times[name] / 1e3) / 1e12
+        rows[f"cached{num_cached}_chunk{q_len}"] = times
+    return rows
+
+
+def _sdpa_on_contiguous_kv(q, cache, table, num_cached: int, ctx_len: int, scale: float):
+    """The reference's SDPA call, with its K/V gathered (and its mask built) once
+    beforehand: what SDPA costs when no gather is needed."""
+    from kernels.attention import gather_kv
+
+    k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in gather_kv(cache, table, ctx_len))
+    query = q.transpose(0, 1).unsqueeze(0)
+    mask = None
+    if num_cached:
+        positions = torch.arange(ctx_len, device=q.device)
+        mask = positions[None, :] <= positions[num_cached:, None]
+    return lambda: F.scaled_dot_product_attention(query, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                  enable_gqa=True)
+
+
+def _time_block_copies(triton_blocks) -> dict:
+    from kernels.blocks import gather_blocks, scatter_blocks
+
+    num_layers, block_size, kv_heads, head_dim, num_blocks = 24, 16, 2, 64, 1024
+    cache = torch.randn(num_blocks, num_layers, 2, block_size, kv_heads, head_dim, device="cuda",
+                        dtype=torch.bfloat16)
+    block_ids = torch.randperm(num_blocks, device="cuda")[:64]
+    blocks = gather_blocks(cache, block_ids)
+    times = {"triton_gather_ms": _cuda_time_ms(lambda: triton_blocks.gather_blocks(cache, block_ids)),
+             "torch_gather_ms": _cuda_time_ms(lambda: gather_blocks(cache, block_ids)),
+             "triton_scatter_ms": _cuda_time_ms(lambda: triton_blocks.scatter_blocks(cache, block_ids, blocks)),
+             "torch_scatter_ms": _cuda_time_ms(lambda: scatter_blocks(cache, block_ids, blocks))}
+    moved_bytes = 2 * blocks.numel() * blocks.element_size()
+    for name in list(times):
+        times[name.replace("_ms", "_gb_s")] = moved_bytes / (times[name] / 1e3) / 1e9
+    return times
+
+
+def _cuda_time_ms(fn, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
