@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import check_kernel_backend
+
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,8 +102,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     enable_prefix_cache: bool = True
-    attention_backend: str = "auto"  # auto: C++/Triton kernels where they apply; torch: the references
-    linear_backend: str = "auto"  # auto: the C++ small-batch CPU kernel where it applies; torch: F.linear
+    kernel_backend: str = "auto"  # auto: C++ (CPU) / Triton (CUDA) kernels where they apply; torch: the references
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -112,10 +113,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.attention_backend not in ("auto", "torch"):
-            raise ValueError(f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}")
-        if self.linear_backend not in ("auto", "torch"):
-            raise ValueError(f"linear_backend must be 'auto' or 'torch', got {self.linear_backend!r}")
+        check_kernel_backend(self.kernel_backend)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
 

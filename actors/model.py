@@ -24,13 +24,14 @@ from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 @dataclass(frozen=True)
 class ModelKernels:
     """The kernels a model calls where more than one implementation exists;
-    `ModelRunner` picks them for its device and dtype (`kernels.attention.
-    select_prefill_attention` and `select_decode_attention`,
-    `kernels.linear.select_linear`). The defaults are the torch references."""
+    `ModelRunner` picks them for its device and dtype (the `select_*` functions of
+    `kernels`). The defaults are the torch references."""
 
     prefill_attention: Callable = prefill_attention
     decode_attention: Callable = decode_attention
     linear: Callable = nn.functional.linear
+    rms_norm: Callable = rms_norm
+    apply_rope: Callable = apply_rope
 
 
 class Linear(nn.Linear):
@@ -45,13 +46,14 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, kernel: Callable) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.kernel(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -70,8 +72,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.kernels.apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = self.kernels.apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv_slots(layer_cache, k, v, meta.slot_mapping)
 
@@ -114,8 +116,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, kernels)
         self.mlp = MLP(config, kernels)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
 
     def forward(self, x, cos, sin, layer_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, meta)
@@ -127,7 +129,7 @@ class Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)

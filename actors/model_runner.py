@@ -23,6 +23,8 @@ from actors.weights import load_weights
 from kernels.attention import select_decode_attention, select_prefill_attention
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
+from kernels.norm import select_rms_norm
+from kernels.rope import select_apply_rope
 from kernels.sampling import logprobs_of, sample
 
 
@@ -43,12 +45,15 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
+        backend = config.kernel_backend
         kernels = ModelKernels(
-            prefill_attention=select_prefill_attention(config.attention_backend, self.device),
-            decode_attention=select_decode_attention(config.attention_backend, self.device, dtype),
-            linear=select_linear(config.linear_backend, self.device, dtype),
+            prefill_attention=select_prefill_attention(backend, self.device),
+            decode_attention=select_decode_attention(backend, self.device, dtype),
+            linear=select_linear(backend, self.device, dtype),
+            rms_norm=select_rms_norm(backend, self.device, dtype),
+            apply_rope=select_apply_rope(backend, self.device, dtype),
         )
-        self.block_copy = select_block_copy(config.attention_backend, self.device)
+        self.block_copy = select_block_copy(backend, self.device)
         with torch.device(self.device):
             model = ForCausalLM(model_config, kernels)
         model.to(dtype=dtype)

@@ -48,9 +48,9 @@ class PhaseTimer:
 
 def instrument(engine, timer: PhaseTimer):
     """Wrap the engine's phases and the model's kernels with `timer`: this engine's
-    objects (its attention modules' kernels among them), plus the kernel names
-    `actors.model` calls (benchmark instrumentation, nothing is edited). Returns a
-    function that puts the kernel names and the attention kernels back."""
+    objects (the kernels its attention and norm modules hold among them), plus the
+    kernel names `actors.model` calls (benchmark instrumentation, nothing is edited).
+    Returns a function that puts the kernel names and the modules' kernels back."""
     import actors.model as model_module
 
     engine.step = timer.wrap("step (total)", engine.step)
@@ -64,10 +64,13 @@ def instrument(engine, timer: PhaseTimer):
     model = runner.model
     model.forward = timer.wrap("model forward (total)", model.forward)
     model.compute_logits = timer.wrap("lm_head (compute_logits)", model.compute_logits)
-    kernels = ("write_kv_slots", "apply_rope", "rms_norm")
-    originals = {name: getattr(model_module, name) for name in kernels}
+    originals = {"write_kv_slots": model_module.write_kv_slots}
     for name, fn in originals.items():
         setattr(model_module, name, timer.wrap(f"  {name}", fn))
+    norms = [module for module in model.modules() if isinstance(module, model_module.RMSNorm)]
+    norm_kernels = {norm: norm.kernel for norm in norms}
+    for norm in norms:
+        norm.kernel = timer.wrap("  rms_norm", norm.kernel)
     attention = {layer.self_attn: layer.self_attn.kernels for layer in model.model.layers}  # the runner's picks
     for layer in model.model.layers:
         picked = layer.self_attn.kernels
@@ -75,6 +78,7 @@ def instrument(engine, timer: PhaseTimer):
             picked,
             prefill_attention=timer.wrap("  prefill_attention", picked.prefill_attention),
             decode_attention=timer.wrap("  decode_attention", picked.decode_attention),
+            apply_rope=timer.wrap("  apply_rope", picked.apply_rope),
         )
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.forward = timer.wrap("  linear layers (qkv, o, gate_up, down)", linear.forward)
@@ -82,6 +86,8 @@ def instrument(engine, timer: PhaseTimer):
     def restore() -> None:
         for name, fn in originals.items():
             setattr(model_module, name, fn)
+        for norm, kernel in norm_kernels.items():
+            norm.kernel = kernel
         for module, picked in attention.items():
             module.kernels = picked
 

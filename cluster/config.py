@@ -69,8 +69,7 @@ class EngineSettings(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     enable_prefix_cache: bool = True
-    attention_backend: Literal["auto", "torch"] = "auto"
-    linear_backend: Literal["auto", "torch"] = "auto"
+    kernel_backend: Literal["auto", "torch"] = "auto"
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump())

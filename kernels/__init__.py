@@ -1,0 +1,11 @@
+"""Tensor kernels: torch references, and the C++ (CPU) and Triton (CUDA) kernels
+that replace them where they apply. Each `select_*` function picks one from the
+engine's `kernel_backend`: `auto` (the fastest kernel that applies on the device)
+or `torch` (always the reference, for debugging and comparison)."""
+
+KERNEL_BACKENDS = ("auto", "torch")
+
+
+def check_kernel_backend(backend: str) -> None:
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")

@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels import check_kernel_backend
+
 
 def write_kv_slots(
     layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -146,14 +148,11 @@ def _decode_group(q, layer_cache, block_tables, context_lens, max_len: int, scal
     return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(batch, num_heads, head_dim)
 
 
-ATTENTION_BACKENDS = ("auto", "torch")
-
-
 def select_decode_attention(backend: str, device: torch.device, dtype: torch.dtype) -> Callable:
     """`auto`: the C++ kernel for float32 on CPU where it builds, the Triton kernel
     on CUDA where Triton is installed (per call, for the shapes it supports); the
     reference otherwise. `torch`: always the reference."""
-    _check_backend(backend)
+    check_kernel_backend(backend)
     kind = torch.device(device).type
     if backend == "auto" and kind == "cpu" and dtype == torch.float32:
         from kernels import cpu_attention
@@ -172,7 +171,7 @@ def select_decode_attention(backend: str, device: torch.device, dtype: torch.dty
 def select_prefill_attention(backend: str, device: torch.device) -> Callable:
     """`auto`: the Triton kernel on CUDA where Triton is installed (per call, for the
     shapes it supports); the reference otherwise. `torch`: always the reference."""
-    _check_backend(backend)
+    check_kernel_backend(backend)
     if backend == "auto" and torch.device(device).type == "cuda":
         try:
             from kernels import triton_prefill
@@ -180,11 +179,6 @@ def select_prefill_attention(backend: str, device: torch.device) -> Callable:
             return prefill_attention
         return _triton_prefill_where_supported(triton_prefill)
     return prefill_attention
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
 
 
 def _triton_decode_where_supported(triton_attention) -> Callable:

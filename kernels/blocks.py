@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import ATTENTION_BACKENDS
+from kernels import check_kernel_backend
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -44,8 +44,7 @@ TORCH_BLOCK_COPY = BlockCopy(gather_blocks, scatter_blocks)
 def select_block_copy(backend: str, device: torch.device) -> BlockCopy:
     """`auto`: the Triton kernels on CUDA where Triton is installed (per call, for the
     tensors they take), the reference otherwise. `torch`: always the reference."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    check_kernel_backend(backend)
     if backend != "auto" or torch.device(device).type != "cuda":
         return TORCH_BLOCK_COPY
     try:

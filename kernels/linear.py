@@ -1,6 +1,6 @@
 """Which linear-layer kernel a model uses.
 
-`select_linear("auto", device, dtype)` gives the C++ small-batch kernel
+`select_linear("auto", device, dtype)` (the engine's `kernel_backend`) gives the C++ small-batch kernel
 (`kernels.cpu_linear`) for float32 on CPU where it builds, which hands larger
 inputs to torch; everywhere else, and with `"torch"`, it gives
 `torch.nn.functional.linear` (cuBLAS on GPUs already streams weights well).
@@ -12,12 +12,12 @@ from typing import Callable
 
 import torch
 
-LINEAR_BACKENDS = ("auto", "torch")
+from kernels import check_kernel_backend
+
 
 
 def select_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    check_kernel_backend(backend)
     if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
         from kernels import cpu_linear
 

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from kernels import check_kernel_backend
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
+    """`auto`: the C++ kernel (`kernels.cpu_norm_rope`) for float32 on CPU where it
+    builds; the reference otherwise. `torch`: always the reference."""
+    check_kernel_backend(backend)
+    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from kernels import cpu_norm_rope
+
+        if cpu_norm_rope.load() is not None:
+            return cpu_norm_rope.rms_norm
+    return rms_norm

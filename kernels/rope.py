@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from kernels import check_kernel_backend
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -51,3 +53,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos = cos.unsqueeze(1).to(x.dtype)
     sin = sin.unsqueeze(1).to(x.dtype)
     return x * cos + rotated * sin
+
+
+def select_apply_rope(backend: str, device: torch.device, dtype: torch.dtype):
+    """`auto`: the C++ kernel (`kernels.cpu_norm_rope`) for float32 on CPU where it
+    builds; the reference otherwise. `torch`: always the reference."""
+    check_kernel_backend(backend)
+    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from kernels import cpu_norm_rope
+
+        if cpu_norm_rope.load() is not None:
+            return cpu_norm_rope.apply_rope
+    return apply_rope

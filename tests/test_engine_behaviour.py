@@ -216,7 +216,6 @@ def test_kernel_backends_give_the_same_tokens(tiny_qwen2_dir):
     params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
     outputs = {}
     for backend in ("auto", "torch"):
-        llm = LLM(tiny_qwen2_dir, block_size=16, prefill_chunk_size=64, attention_backend=backend,
-                  linear_backend=backend)
+        llm = LLM(tiny_qwen2_dir, block_size=16, prefill_chunk_size=64, kernel_backend=backend)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["auto"] == outputs["torch"]

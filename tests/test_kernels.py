@@ -198,11 +198,11 @@ def test_backend_selection():
         assert select_block_copy(backend, torch.device("cpu")) is TORCH_BLOCK_COPY
     assert select_prefill_attention("torch", torch.device("cuda")) is prefill_attention
     assert select_block_copy("torch", torch.device("cuda")) is TORCH_BLOCK_COPY
-    with pytest.raises(ValueError, match="attention_backend"):
+    with pytest.raises(ValueError, match="kernel_backend"):
         select_decode_attention("fast", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="attention_backend"):
+    with pytest.raises(ValueError, match="kernel_backend"):
         select_prefill_attention("fast", torch.device("cpu"))
-    with pytest.raises(ValueError, match="attention_backend"):
+    with pytest.raises(ValueError, match="kernel_backend"):
         select_block_copy("fast", torch.device("cpu"))
 
 
@@ -218,11 +218,35 @@ def test_block_copies_are_torch_indexing():
     assert torch.equal(target[[1, 2, 4]], blocks) and target[[0, 3, 5]].abs().sum() == 0
 
 
-def test_linear_backend_selection():
+def test_linear_norm_and_rope_backend_selection():
     from kernels.linear import select_linear
+    from kernels.norm import rms_norm, select_rms_norm
+    from kernels.rope import apply_rope, select_apply_rope
 
-    assert select_linear("torch", torch.device("cpu"), torch.float32) is F.linear
-    assert select_linear("auto", torch.device("cpu"), torch.bfloat16) is F.linear
-    assert select_linear("auto", torch.device("cuda"), torch.float32) is F.linear
-    with pytest.raises(ValueError, match="linear_backend"):
-        select_linear("fast", torch.device("cpu"), torch.float32)
+    for select, reference in ((select_linear, F.linear), (select_rms_norm, rms_norm), (select_apply_rope, apply_rope)):
+        assert select("torch", torch.device("cpu"), torch.float32) is reference
+        assert select("auto", torch.device("cpu"), torch.bfloat16) is reference
+        assert select("auto", torch.device("cuda"), torch.float32) is reference
+        with pytest.raises(ValueError, match="kernel_backend"):
+            select("fast", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_cpu_norm_and_rope_match_the_references(rows):
+    """The C++ RMSNorm and RoPE against kernels.norm / kernels.rope, RoPE on strided
+    views of a fused QKV output as the model passes them."""
+    from kernels import cpu_norm_rope
+    from kernels.norm import rms_norm
+    from kernels.rope import apply_rope
+
+    if cpu_norm_rope.load() is None:
+        pytest.skip(f"no C++ toolchain here: {cpu_norm_rope.build_error()}")
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, 96) * 3, torch.randn(96)
+    torch.testing.assert_close(cpu_norm_rope.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6))
+    qkv = torch.randn(rows, 6 * 32 + 2 * 2 * 32)
+    q, k, _ = qkv.split([6 * 32, 2 * 32, 2 * 32], dim=-1)
+    angles = torch.rand(rows, 16) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    for x in (q.view(rows, 6, 32), k.view(rows, 2, 32)):
+        torch.testing.assert_close(cpu_norm_rope.apply_rope(x, cos, sin), apply_rope(x, cos, sin))

@@ -9,7 +9,7 @@
 // Returns [B, H, D].
 //
 // Work is split over (sequence, context split) items, flash-decoding style: a
-// sequence's blocks are cut into splits of about 256 tokens, so that even a batch
+// sequence's blocks are cut into splits of about 128 tokens, so that even a batch
 // of one with a long context keeps every thread busy. An item streams whole token rows (all KVH
 // heads, KVH * D contiguous floats) through two passes, K for the scores and V for
 // the output, so memory is read front to back; each K or V row is loaded once for
@@ -39,11 +39,58 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-constexpr int64_t kSplitTokens = 256;  // context tokens per work item (rounded to whole blocks)
+constexpr int64_t kSplitTokens = 128;  // context tokens per work item (rounded to whole blocks): enough items to balance two threads at batch 1
 
 struct Item {
   int64_t seq, first_token, end_token;
 };
+
+// Where one item's tokens live: a sequence's block table and a token range.
+struct Span {
+  const float* cache;
+  const int64_t* table;
+  int64_t block_size, s_block, s_kv, s_tok, first_token, end_token;
+
+  // fn(t, row) for every token t of the range (0-based), row = its K (kv = 0) or V
+  // (kv = 1) row of KVH * D floats; walks whole runs of a block, no per-token division.
+  template <typename Fn>
+  void for_rows(int64_t kv, Fn fn) const {
+    for (int64_t pos = first_token; pos < end_token;) {
+      const int64_t offset = pos % block_size, run = std::min(block_size - offset, end_token - pos);
+      const float* row = cache + table[pos / block_size] * s_block + kv * s_kv + offset * s_tok;
+      for (int64_t r = 0; r < run; ++r) fn(pos - first_token + r, row + r * s_tok);
+      pos += run;
+    }
+  }
+};
+
+// One item: scores of all H query heads over the span's K rows, their softmax
+// numerators (max and sum kept), then the weighted sum of V rows. D_FIXED is the
+// head size when known at compile time (fully unrolled dot products), 0 otherwise.
+template <int64_t D_FIXED>
+void attend_span(const Span& span, const float* qs, int64_t H, int64_t G, int64_t d_runtime, float* scores,
+                 float* max_out, float* sum_out, float* acc) {
+  const int64_t D = D_FIXED ? D_FIXED : d_runtime;
+  const int64_t n = span.end_token - span.first_token;
+  span.for_rows(0, [&](int64_t t, const float* k) {
+    for (int64_t h = 0; h < H; ++h) scores[h * n + t] = dot(qs + h * D, k + (h / G) * D, D);
+  });
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = scores + h * n;
+    const float m = *std::max_element(s, s + n);
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) s[t] = expf(s[t] - m);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) sum += s[t];
+    max_out[h] = m;
+    sum_out[h] = sum;
+  }
+  std::fill(acc, acc + H * D, 0.f);
+  span.for_rows(1, [&](int64_t t, const float* v) {
+    for (int64_t h = 0; h < H; ++h) axpy(scores[h * n + t], v + (h / G) * D, acc + h * D, D);
+  });
+}
 
 }  // namespace
 
@@ -91,30 +138,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor layer_cache,
     std::vector<float> qs(H * D), scores;
     for (int64_t i = begin; i < end; ++i) {
       const Item item = items[i];
-      const int64_t n = item.end_token - item.first_token;
-      const int64_t* table = tables_p + item.seq * max_blocks;
       for (int64_t j = 0; j < H * D; ++j) qs[j] = q_p[item.seq * H * D + j] * fscale;
-      scores.resize(H * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = item.first_token + t;
-        const float* k = cache_p + table[pos / block_size] * s_block + (pos % block_size) * s_tok;
-        for (int64_t h = 0; h < H; ++h) scores[h * n + t] = dot(qs.data() + h * D, k + (h / G) * D, D);
-      }
+      scores.resize(H * (item.end_token - item.first_token));
+      const Span span{cache_p, tables_p + item.seq * max_blocks, block_size, s_block, s_kv, s_tok,
+                      item.first_token, item.end_token};
       float* acc = accs.data() + i * H * D;
-      std::fill(acc, acc + H * D, 0.f);
-      for (int64_t h = 0; h < H; ++h) {
-        float* s = scores.data() + h * n;
-        const float m = *std::max_element(s, s + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - m));
-        maxes[i * H + h] = m;
-        sums[i * H + h] = sum;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = item.first_token + t;
-        const float* v = cache_p + table[pos / block_size] * s_block + s_kv + (pos % block_size) * s_tok;
-        for (int64_t h = 0; h < H; ++h) axpy(scores[h * n + t], v + (h / G) * D, acc + h * D, D);
-      }
+      float* max_p = maxes.data() + i * H;
+      float* sum_p = sums.data() + i * H;
+      if (D == 64) attend_span<64>(span, qs.data(), H, G, D, scores.data(), max_p, sum_p, acc);
+      else if (D == 128) attend_span<128>(span, qs.data(), H, G, D, scores.data(), max_p, sum_p, acc);
+      else attend_span<0>(span, qs.data(), H, G, D, scores.data(), max_p, sum_p, acc);
     }
   });
 
