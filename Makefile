@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: install serve test clean
+.PHONY: install kernels serve test clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,10 +17,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
+# Compile the C++ CPU kernels once (cached under ~/.cache/torch_extensions; seconds
+# when already built), so that no worker or test pays for it; never fails: a kernel
+# that does not build falls back to its torch reference.
+kernels: $(STAMP)
+	$(BIN)/python -m kernels.cpu_build
+
+serve: kernels
 	$(BIN)/serve run manifests/local.yaml
 
-test: $(STAMP)
+test: kernels
 	$(BIN)/python -m pytest -q tests
 
 clean:

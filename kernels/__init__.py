@@ -9,3 +9,12 @@ KERNEL_BACKENDS = ("auto", "torch")
 def check_kernel_backend(backend: str) -> None:
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+
+
+def wants_cpu_kernels(backend: str, device, dtype) -> bool:
+    """Whether `backend` asks for the C++ CPU kernels on this device and dtype: `auto`
+    and float32 on CPU (each caller still falls back when its kernel does not build)."""
+    import torch
+
+    check_kernel_backend(backend)
+    return backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32

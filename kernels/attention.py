@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import check_kernel_backend
+from kernels import check_kernel_backend, wants_cpu_kernels
 
 
 def write_kv_slots(
@@ -152,14 +152,12 @@ def select_decode_attention(backend: str, device: torch.device, dtype: torch.dty
     """`auto`: the C++ kernel for float32 on CPU where it builds, the Triton kernel
     on CUDA where Triton is installed (per call, for the shapes it supports); the
     reference otherwise. `torch`: always the reference."""
-    check_kernel_backend(backend)
-    kind = torch.device(device).type
-    if backend == "auto" and kind == "cpu" and dtype == torch.float32:
+    if wants_cpu_kernels(backend, device, dtype):
         from kernels import cpu_attention
 
         if cpu_attention.load() is not None:
             return cpu_attention.paged_decode_attention
-    if backend == "auto" and kind == "cuda":
+    if backend == "auto" and torch.device(device).type == "cuda":
         try:
             from kernels import triton_attention
         except ImportError:  # no Triton (the `gpu` extra): the reference

@@ -9,16 +9,25 @@ torch's own ops share one thread pool.
 
 The build is cached by torch (`~/.cache/torch_extensions`, or
 `TORCH_EXTENSIONS_DIR`) under a name that includes a hash of the source and of this
-CPU's instruction-set flags (the code is built for this CPU). When a kernel cannot
-be built (no compiler, no ninja, a build error), `load` returns None, says why once
-in the log, and the callers use the torch reference.
+CPU's instruction-set flags (the code is built for this CPU); processes that ask
+for the same kernel at once wait on torch's lock file while one of them builds.
+When a kernel cannot be built (no compiler, no ninja, a build error), `load`
+returns None, says why once in the log, and the callers use the torch reference.
+
+A first build takes about 15 s of one core per kernel (the sources include ATen
+and pybind11, not `torch/extension.h`'s whole C++ API). `python -m
+kernels.cpu_build` builds all of them at once, in parallel; `make serve` and
+`make test` run it after installing, so no worker or test pays for it later.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -26,7 +35,9 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
-_lock = threading.Lock()
+SOURCES = ("paged_decode_attention", "small_linear", "norm_rope")
+
+_locks = {name: threading.Lock() for name in SOURCES}
 _modules: dict[str, object] = {}
 _errors: dict[str, str] = {}
 
@@ -41,7 +52,7 @@ def _build_tag(source: Path) -> str:
 
 def load(source_name: str):
     """The compiled module of `csrc/<source_name>.cpp`, or None when it cannot be built here."""
-    with _lock:
+    with _locks[source_name]:
         if source_name not in _modules and source_name not in _errors:
             source = CSRC / f"{source_name}.cpp"
             try:
@@ -61,3 +72,24 @@ def load(source_name: str):
 def error(source_name: str) -> str | None:
     """Why `load(source_name)` returned None, if it did."""
     return _errors.get(source_name)
+
+
+def build_all() -> dict[str, str | None]:
+    """Build (or load from the cache) every kernel, in parallel; the error of each
+    that failed, None for those that built."""
+    with ThreadPoolExecutor(len(SOURCES)) as pool:
+        list(pool.map(load, SOURCES))
+    return {name: error(name) for name in SOURCES}
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    print(f"building the C++ CPU kernels ({', '.join(SOURCES)}); the first time takes about half a minute ...",
+          flush=True)
+    started = time.perf_counter()
+    failed = {name: why for name, why in build_all().items() if why}
+    for name, why in failed.items():
+        print(f"  {name}: not built, the torch reference will be used ({why.splitlines()[0][:200]})")
+    print(f"C++ CPU kernels: {len(SOURCES) - len(failed)} of {len(SOURCES)} ready in "
+          f"{time.perf_counter() - started:.0f} s")
+    sys.exit(0)  # a kernel that does not build is not an error: the references run instead

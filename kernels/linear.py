@@ -12,13 +12,11 @@ from typing import Callable
 
 import torch
 
-from kernels import check_kernel_backend
-
+from kernels import wants_cpu_kernels
 
 
 def select_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Callable:
-    check_kernel_backend(backend)
-    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+    if wants_cpu_kernels(backend, device, dtype):
         from kernels import cpu_linear
 
         if cpu_linear.load() is not None:

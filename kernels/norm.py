@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import check_kernel_backend
+from kernels import wants_cpu_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,8 +17,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
     """`auto`: the C++ kernel (`kernels.cpu_norm_rope`) for float32 on CPU where it
     builds; the reference otherwise. `torch`: always the reference."""
-    check_kernel_backend(backend)
-    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+    if wants_cpu_kernels(backend, device, dtype):
         from kernels import cpu_norm_rope
 
         if cpu_norm_rope.load() is not None:

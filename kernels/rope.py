@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kernels import check_kernel_backend
+from kernels import wants_cpu_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -58,8 +58,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def select_apply_rope(backend: str, device: torch.device, dtype: torch.dtype):
     """`auto`: the C++ kernel (`kernels.cpu_norm_rope`) for float32 on CPU where it
     builds; the reference otherwise. `torch`: always the reference."""
-    check_kernel_backend(backend)
-    if backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32:
+    if wants_cpu_kernels(backend, device, dtype):
         from kernels import cpu_norm_rope
 
         if cpu_norm_rope.load() is not None:

@@ -9,7 +9,8 @@
 //           views of the fused QKV output), cos, sin [N, d] -> [N, heads, d]
 //           out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
 // Rows run in parallel on torch's thread pool when there are enough of them.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with tensor casters, without torch/extension.h's whole C++ API
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -18,12 +19,12 @@ namespace {
 constexpr int64_t kRowGrain = 64;
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32, "x: [N, C] float32");
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x: [N, C] float32");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == torch::kFloat32, "weight: [C] float32");
+                  weight.scalar_type() == at::kFloat, "weight: [C] float32");
   const int64_t N = x.size(0), C = x.size(1), ldx = x.stride(0);
-  auto out = torch::empty({N, C}, x.options());
+  auto out = at::empty({N, C}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -43,15 +44,15 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.scalar_type() == torch::kFloat32,
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.scalar_type() == at::kFloat,
               "x: [N, heads, d] float32, each token's heads contiguous");
   const int64_t N = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2, ldx = x.stride(0);
   TORCH_CHECK(d % 2 == 0, "head size must be even");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == N && cos.size(1) == d &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32, "cos, sin: [N, d] float32 contiguous");
-  auto out = torch::empty({N, heads, d}, x.options());
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat, "cos, sin: [N, d] float32 contiguous");
+  auto out = at::empty({N, heads, d}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

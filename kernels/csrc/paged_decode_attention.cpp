@@ -17,7 +17,8 @@
 // (running max, sum of exponentials, weighted V sum) per query head; the partials of
 // a sequence are merged at the end (exact up to rounding). The splits depend only
 // on the sequence's own length, so its result does not depend on the batch.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with tensor casters, without torch/extension.h's whole C++ API
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -94,15 +95,15 @@ void attend_span(const Span& span, const float* qs, int64_t H, int64_t G, int64_
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor layer_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: [B, H, D] float32");
-  TORCH_CHECK(layer_cache.dim() == 5 && layer_cache.scalar_type() == torch::kFloat32 && layer_cache.stride(4) == 1,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor layer_cache, at::Tensor block_tables,
+                                     at::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat, "q: [B, H, D] float32");
+  TORCH_CHECK(layer_cache.dim() == 5 && layer_cache.scalar_type() == at::kFloat && layer_cache.stride(4) == 1,
               "layer_cache: [num_blocks, 2, block_size, KVH, D] float32, last dim contiguous");
   TORCH_CHECK(layer_cache.stride(3) == layer_cache.size(4), "layer_cache: a token's KVH x D row must be contiguous");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && block_tables.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
               "block_tables: [B, max_blocks] int64");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == torch::kInt64, "context_lens: [B] int64");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kLong, "context_lens: [B] int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = layer_cache.size(2), KVH = layer_cache.size(3);
   TORCH_CHECK(layer_cache.size(4) == D && H % KVH == 0, "head dims do not match");
@@ -151,7 +152,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor layer_cache,
     }
   });
 
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   float* out_p = out.data_ptr<float>();
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {

@@ -11,7 +11,8 @@
 // at a time with AVX2 FMAs (8 accumulators in registers). The output rows are
 // independent: an element's summation order depends only on K, never on M or on
 // the other rows, so a row's result does not depend on the batch it is in.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with tensor casters, without torch/extension.h's whole C++ API
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -61,12 +62,12 @@ void row_block(const float* x, int64_t K, const float* w, float* y, int64_t N, i
 
 }  // namespace
 
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: [M, K] float32 contiguous");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "w: [N, K] float32 contiguous");
+at::Tensor small_linear(at::Tensor x, at::Tensor w, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: [M, K] float32 contiguous");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kFloat, "w: [N, K] float32 contiguous");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -86,7 +87,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     }
   });
   if (bias) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32, "bias: [N] float32");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat, "bias: [N] float32");
     y.add_(*bias);
   }
   return y;
