@@ -3,6 +3,8 @@ that replace them where they apply. Each `select_*` function picks one from the
 engine's `kernel_backend`: `auto` (the fastest kernel that applies on the device)
 or `torch` (always the reference, for debugging and comparison)."""
 
+import torch
+
 KERNEL_BACKENDS = ("auto", "torch")
 
 
@@ -14,7 +16,5 @@ def check_kernel_backend(backend: str) -> None:
 def wants_cpu_kernels(backend: str, device, dtype) -> bool:
     """Whether `backend` asks for the C++ CPU kernels on this device and dtype: `auto`
     and float32 on CPU (each caller still falls back when its kernel does not build)."""
-    import torch
-
     check_kernel_backend(backend)
     return backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32

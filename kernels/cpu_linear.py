@@ -31,9 +31,10 @@ def build_error() -> str | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `torch.nn.functional.linear` for float32 CPU tensors:
-    x [..., K], weight [N, K], bias [N] or None -> [..., N]."""
+    x [..., K], weight [N, K], bias [N] or None -> [..., N]. More than MAX_ROWS rows,
+    or a weight that is not one contiguous block, go to torch."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > MAX_ROWS or rows.shape[0] == 0:
+    if not 0 < rows.shape[0] <= MAX_ROWS or not weight.is_contiguous():
         return torch.nn.functional.linear(x, weight, bias)
     assert x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
     out = load().small_linear(rows.contiguous(), weight, bias)

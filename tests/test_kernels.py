@@ -173,6 +173,8 @@ def test_cpu_linear_matches_torch(rows):
     torch.testing.assert_close(cpu_linear.linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
     leading = x.view(rows, 1, 100)  # any leading dimensions, as F.linear takes
     torch.testing.assert_close(cpu_linear.linear(leading, weight), F.linear(leading, weight), atol=1e-4, rtol=1e-5)
+    strided = torch.randn(100, 77).t()  # not one contiguous block: handed to torch
+    torch.testing.assert_close(cpu_linear.linear(x, strided), F.linear(x, strided), atol=1e-4, rtol=1e-5)
 
 
 def test_cpu_linear_gives_a_row_the_same_result_in_any_batch():
@@ -248,5 +250,6 @@ def test_cpu_norm_and_rope_match_the_references(rows):
     q, k, _ = qkv.split([6 * 32, 2 * 32, 2 * 32], dim=-1)
     angles = torch.rand(rows, 16) * 6
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-    for x in (q.view(rows, 6, 32), k.view(rows, 2, 32)):
+    heads_apart = torch.randn(rows, 32, 6).transpose(1, 2)  # a layout the kernel hands to the reference
+    for x in (q.view(rows, 6, 32), k.view(rows, 2, 32), heads_apart):
         torch.testing.assert_close(cpu_norm_rope.apply_rope(x, cos, sin), apply_rope(x, cos, sin))
