@@ -16,8 +16,20 @@ Backends:
   backend allows one torch.distributed world per process, so it cannot host a group
   per pair; see RAY_NOTES.md). `push` is a point-to-point send; D's `recv` fills a
   buffer of the shape the chunk metadata implies.
-- `nccl`: a `ray.util.collective` NCCL group per pair (cupy.cuda.nccl), CUDA tensors;
-  completion is signalled only after the stream is synchronised. Needs two GPUs.
+- `nccl`: a `ray.util.collective` NCCL group per pair (cupy.cuda.nccl), CUDA tensors.
+  Needs two GPUs; never run on a GPU in this project yet. How it orders (read from
+  Ray 2.60's `nccl_collective_group.py`, not measured): Ray runs each send/recv on
+  a stream of its own pool, created *blocking*, after an event recorded on cupy's
+  current stream (the legacy default stream, where the engine computes), and
+  `record_stream`s the tensor there. A blocking stream synchronises implicitly
+  with the legacy default stream, so the send starts after P's block gather, D's
+  block write and decode are ordered after the receive (correct), and for the same
+  reason the engine's later kernels wait for the transfer: no overlap with compute
+  on this path yet. `NcclPair.stream` carries no work of Ray's, so its synchronize
+  is not what makes completion safe; the implicit ordering is. Overlap needs the
+  engine on a non-blocking stream and cupy's current stream set to it around the
+  send, so Ray's event orders the send after the gather and nothing else; to be
+  built and measured where two GPUs are lent (issue: GPU path).
 - `store`: through the KV store's shared path (seed 002's store-based transfer): P
   writes each chunk as a checksummed file under `<shared>/transfer/<channel>/`, the
   payload is its name, D reads and deletes it. Needs a mount both nodes see; works
@@ -226,9 +238,11 @@ class NcclPair:
         self.stream = torch.cuda.Stream()
 
     def send(self, tensor: torch.Tensor) -> None:
+        # Ray enqueues on its own (blocking) NCCL stream, not on self.stream: see the
+        # module docstring for what orders the transfer.
         with torch.cuda.stream(self.stream):
             self._collective.send(tensor.contiguous(), 1 - self.rank, self.name)
-        self.stream.synchronize()  # enqueued is not sent: wait before signalling
+        self.stream.synchronize()
 
     def recv(self, tensor: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):

@@ -176,7 +176,10 @@ class GlobalScheduler:
     # ---- admission and pairing ----------------------------------------------------------
     def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset()) -> Prediction:
         """The pair to use, or SloRejected / ApiError(503)."""
-        hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
+        return self._plan(prompt_ids, block_hashes(prompt_ids, self.block_size, self.kv_seed), exclude)
+
+    def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str]) -> Prediction:
+        """`plan` with the prompt's block hashes already computed (once per request)."""
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
         needed_blocks = -(-(len(prompt_ids) + 1) // self.block_size)
         inflight: dict[str, int] = {}
@@ -248,10 +251,11 @@ class GlobalScheduler:
         timer = self.outcomes.timer(started)
         exclude: set[str] = set()
         outcome = "error"
+        hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         try:
             for attempt in range(2):
                 try:
-                    choice = self.plan(prompt_ids, exclude)
+                    choice = self._plan(prompt_ids, hashes, exclude)
                 except SloRejected as exc:
                     outcome = "rejected"
                     self.metrics.inc("rejections_total", "requests rejected early by SLO admission")
@@ -261,7 +265,8 @@ class GlobalScheduler:
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 self.num_routed[choice.decode_id] = self.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
-                run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, started)
+                run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, hashes,
+                                started)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
@@ -287,11 +292,10 @@ class GlobalScheduler:
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
             self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)
 
-    async def _run(self, request: GenerateRequest, choice: Prediction, started: float):
+    async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
                             request.params.max_new_tokens, choice.ttft_s)
         self.models.inflight[request.request_id] = inflight
-        hashes = block_hashes(request.prompt_token_ids, self.block_size, self.kv_seed)
         for worker_id in (choice.prefill_id, choice.decode_id):
             if worker_id in self.prefix:
                 self.prefix[worker_id].insert(hashes)
