@@ -125,10 +125,10 @@ def main(args: argparse.Namespace) -> None:
         ["batch", "context", "torch ms", "C++ ms", "C++ speed-up", "torch GB/s", "C++ GB/s"],
         [[r["batch"], r["context"], r["torch_s"] * 1e3, r["cpp_s"] * 1e3, r["speedup"], r["torch_gb_per_s"],
           r["cpp_gb_per_s"]] for r in attention])
-    batch_one = next(r for r in linear if r["rows"] == 1) if any(r["rows"] == 1 for r in linear) else linear[0]
+    fewest = min(linear, key=lambda r: r["rows"])
     faster_up_to = max((r["rows"] for r in linear if r["speedup"] > 1.0), default=0)
     report.finish("kernels", args.out, {"threads": torch.get_num_threads(), "max_rows": cpu_linear.MAX_ROWS,
                                         "linear": linear, "attention": attention, "machine": report.machine_info()},
-                  f"C++ linear {batch_one['speedup']:.2f}x torch at M={batch_one['rows']}, faster up to "
+                  f"C++ linear {fewest['speedup']:.2f}x torch at M={fewest['rows']}, faster up to "
                   f"M={faster_up_to}; decode attention {attention[0]['speedup']:.1f}x at batch 1",
                   f"faster than torch up to MAX_ROWS={cpu_linear.MAX_ROWS}")

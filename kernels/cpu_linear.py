@@ -5,7 +5,7 @@ where MKL's sgemm (which packs the weight on every call) leaves much of the
 bandwidth unused. `small_linear` streams each weight row once and multiplies it by
 all input rows while it is in cache. It is used up to `MAX_ROWS` input rows, where
 it measured faster than `torch.nn.functional.linear` on this project's machines
-(docs/benchmarks.md, `tandem bench linear`); above that (prefill chunks) MKL's
+(docs/benchmarks.md, `tandem bench kernels`); above that (prefill chunks) MKL's
 blocked sgemm is the better kernel and is used. Float32, AVX2 + FMA; built on
 first use by `kernels.cpu_build` (None from `load()` means torch's linear is used).
 """

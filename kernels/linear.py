@@ -1,14 +1,15 @@
 """Which linear-layer kernel a model uses.
 
-`select_linear("auto", device, dtype)` (the engine's `kernel_backend`) gives the C++ small-batch kernel
-(`kernels.cpu_linear`) for float32 on CPU where it builds, which hands larger
-inputs to torch; everywhere else, and with `"torch"`, it gives
-`torch.nn.functional.linear` (cuBLAS on GPUs already streams weights well).
+`select_linear("auto", device, dtype)` (`"auto"` being the engine's default
+`kernel_backend`) gives the C++ small-batch kernel (`kernels.cpu_linear`) for
+float32 on CPU where it builds, which hands larger inputs to torch; everywhere
+else, and with `"torch"`, it gives `torch.nn.functional.linear` (cuBLAS on GPUs;
+not measured against anything else here).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
