@@ -51,7 +51,11 @@ def _build_tag(source: Path) -> str:
 
 
 def load(source_name: str):
-    """The compiled module of `csrc/<source_name>.cpp`, or None when it cannot be built here."""
+    """The compiled module of `csrc/<source_name>.cpp`, or None when it cannot be built here.
+    Called on every kernel call: once built, a dict lookup without the lock."""
+    module = _modules.get(source_name)
+    if module is not None:
+        return module
     with _locks[source_name]:
         if source_name not in _modules and source_name not in _errors:
             source = CSRC / f"{source_name}.cpp"

@@ -44,6 +44,19 @@ def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size
 
 
 @triton.jit
+def online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION: tl.constexpr):
+    """Fold one cache block into a running softmax-weighted sum: scores [M, BLOCK_SIZE]
+    float32 (-inf where masked), v [BLOCK_SIZE, HEAD_DIM]; returns the new running
+    max, sum and acc [M, HEAD_DIM] (acc and sum rescaled to the new max)."""
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    probs = tl.exp(scores - new_max[:, None])
+    rescale = tl.exp(running_max - new_max)
+    running_sum = running_sum * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     stride_qb, stride_qh,
@@ -75,12 +88,7 @@ def _paged_decode_kernel(
         v = tl.load(rows + stride_ckv, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [G, BLOCK_SIZE], float32
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        probs = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(running_max - new_max)
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import supports_decode
+from kernels.triton_attention import online_softmax_step, supports_decode
 
 _MAX_BLOCK_M = 64  # rows (query token x head in group) per program
 
@@ -80,12 +80,8 @@ def _paged_prefill_kernel(
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
         visible = key_positions[None, :] <= positions[:, None]
         scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        probs = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(running_max - new_max)
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        running_max = new_max
+        running_max, running_sum, acc = online_softmax_step(scores, v.to(q.dtype), running_max, running_sum, acc,
+                                                            PRECISION)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=is_row[:, None])
