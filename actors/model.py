@@ -32,6 +32,7 @@ class ModelKernels:
     linear: Callable = nn.functional.linear
     rms_norm: Callable = rms_norm
     apply_rope: Callable = apply_rope
+    write_kv_slots: Callable = write_kv_slots
 
 
 class Linear(nn.Linear):
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         q = self.kernels.apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = self.kernels.apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_slots(layer_cache, k, v, meta.slot_mapping)
+        self.kernels.write_kv_slots(layer_cache, k, v, meta.slot_mapping)
 
         outputs = []
         for span in meta.prefills:

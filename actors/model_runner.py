@@ -3,7 +3,9 @@
 Owns the model and the worker's KV cache tensor (layout in kernels/attention.py),
 and so the whole-block copies in and out of it that KV transfers make. The step's
 tokens are laid out multi-token chunks first (each a `PrefillSpan`), then every
-single-token chunk as one batched decode.
+single-token chunk as one batched decode. On CUDA a step of decodes only replays a
+CUDA graph (`actors/decode_graphs.py`); the cache holds one block more than the
+block pool hands out, the scratch block that the graphs' padding rows write.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import torch
 
 from actors.attention_metadata import AttentionMetadata, PrefillSpan
 from actors.config import EngineConfig, ModelConfig
+from actors.decode_graphs import DecodeGraphs
 from actors.model import ForCausalLM, ModelKernels
 from actors.request import TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
-from kernels.attention import select_decode_attention, select_prefill_attention
+from kernels.attention import select_decode_attention, select_prefill_attention, select_write_kv_slots
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_rms_norm
@@ -52,6 +55,7 @@ class ModelRunner:
             linear=select_linear(backend, self.device, dtype),
             rms_norm=select_rms_norm(backend, self.device, dtype),
             apply_rope=select_apply_rope(backend, self.device, dtype),
+            write_kv_slots=select_write_kv_slots(backend, self.device),
         )
         self.block_copy = select_block_copy(backend, self.device)
         with torch.device(self.device):
@@ -64,8 +68,9 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_bytes // kv_bytes_per_block(model_config, config.block_size, dtype)
         )
+        self.scratch_block = self.num_blocks  # never handed out: padding rows write here
         self.kv_cache = torch.zeros(
-            self.num_blocks,
+            self.num_blocks + 1,
             model_config.num_layers,
             2,
             config.block_size,
@@ -75,6 +80,20 @@ class ModelRunner:
             device=self.device,
         )
         self.last_step_s = 0.0
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.decode_graphs = self.static_decode(capture=True)
+            if not self.decode_graphs.is_captured:
+                self.decode_graphs = None
+
+    def static_decode(self, capture: bool) -> DecodeGraphs:
+        """Static-shape decode steps over this runner's model and cache, for up to
+        max_num_seqs sequences of up to max_model_len tokens; `capture` records them
+        as CUDA graphs (CUDA only)."""
+        max_positions = self.model_config.max_position_embeddings
+        max_len = min(self.config.max_model_len or max_positions, max_positions)
+        max_blocks = -(-max_len // self.config.block_size)
+        return DecodeGraphs(self.model, self.kv_cache, self.scratch_block, self.config.max_num_seqs, max_blocks, capture)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of these KV blocks, in this order, on the cache's device:
@@ -89,8 +108,11 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.block_copy.scatter(self.kv_cache, index, kv.to(self.device))
 
+    def _slots(self, block_table: list[int], positions: range) -> list[int]:
+        size = self.config.block_size
+        return [block_table[p // size] * size + p % size for p in positions]
+
     def _metadata(self, chunks: list[ScheduledChunk]):
-        block_size = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -103,7 +125,7 @@ class ModelRunner:
             input_ids += request.all_token_ids[chunk.start : chunk.end]
             span_positions = range(chunk.start, chunk.end)
             positions += span_positions
-            slots += [table[p // block_size] * block_size + p % block_size for p in span_positions]
+            slots += self._slots(table, span_positions)
             if chunk.num_new_tokens == 1:
                 decode_tables.append(table)
                 decode_lens.append(chunk.end)
@@ -134,8 +156,12 @@ class ModelRunner:
         keyed by request id."""
         started = time.perf_counter()
         ordered = [c for c in chunks if c.num_new_tokens > 1] + [c for c in chunks if c.num_new_tokens == 1]
-        input_ids, positions, meta = self._metadata(ordered)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        only_decodes = bool(ordered) and ordered[0].num_new_tokens == 1
+        if self.decode_graphs is not None and only_decodes and self.decode_graphs.fits(len(ordered)):
+            hidden = self.run_static_decode(self.decode_graphs, ordered)
+        else:
+            input_ids, positions, meta = self._metadata(ordered)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
         ends, sampling, offset = [], [], 0
         for chunk in ordered:
             offset += chunk.num_new_tokens
@@ -148,6 +174,18 @@ class ModelRunner:
             result = self._sample(logits, sampling)
         self.last_step_s = time.perf_counter() - started
         return result
+
+    def run_static_decode(self, static: DecodeGraphs, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Hidden states of single-token chunks, through `static` (its padded
+        buffers, and its graphs when captured)."""
+        size = self.config.block_size
+        return static.run(
+            token_ids=[c.request.all_token_ids[c.start] for c in chunks],
+            positions=[c.start for c in chunks],
+            slot_mapping=[self._slots(c.request.block_table, range(c.start, c.end))[0] for c in chunks],
+            block_tables=[c.request.block_table[: -(-c.end // size)] for c in chunks],
+            context_lens=[c.end for c in chunks],
+        )
 
     def _sample(self, logits: torch.Tensor, requests) -> dict[str, SampledToken]:
         params = [r.params for r in requests]

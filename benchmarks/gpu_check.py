@@ -16,7 +16,11 @@ the others still run):
    bandwidth), prefill MFU on one `--prefill-tokens` prompt and decode MBU at batch
    `--decode-batch` (step time from two runs that differ only in decode steps);
    FLOPs and bytes counted as `tandem bench roofline` counts them.
-4. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
+4. `graphs`: decode steps replayed from CUDA graphs against the same engine
+   run eagerly (`cuda_graphs: false`): greedy tokens of a mixed batch (float32, so
+   they must agree), and the decode step time of each at batch 1 and
+   `--decode-batch`. On CPU the padded static step runs without capture (its twin).
+5. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
    (the object_store channel works within one GPU), against the engine alone.
 
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here
@@ -40,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the roofline and P/D steps on cuda")
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--decode-batch", type=int, default=64)
-    parser.add_argument("--steps", default="kernels,exactness,roofline,pd")
+    parser.add_argument("--steps", default="kernels,exactness,roofline,graphs,pd")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-results"))
 
 
@@ -95,21 +99,73 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     counts = model_counts(llm.engine.runner.model)
     prefill = prefill_flops(config, counts, prefill_tokens)
     prompt_len, steps = 128, 64
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(decode_batch)]
-    short = _timed(torch, device, lambda: llm.generate(prompts, [one] * decode_batch))
-    longer = SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True)
-    full = _timed(torch, device, lambda: llm.generate(prompts, [longer] * decode_batch))
-    step_s = (full - short) / steps
+    step_s = _decode_step_s(torch, llm, device, decode_batch, prompt_len, steps, rng)
     element = torch.tensor([], dtype=torch_dtype).element_size()
     step_bytes = counts["params_read_per_decode_step"] * element \
         + kv_bytes(config, decode_batch * (prompt_len + steps / 2), element)
     return {
+        "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "peaks": peaks, "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
         "prefill_mfu": prefill / prefill_s / peaks["matmul_flops"],
         "decode_batch": decode_batch, "decode_step_s": step_s,
         "decode_mbu": step_bytes / step_s / peaks["bandwidth_bytes_s"],
         "ok": True,
     }
+
+
+def _decode_step_s(torch, llm, device: str, batch: int, prompt_len: int, steps: int, rng) -> float:
+    """One decode step's time at `batch`: two runs that differ only in decode steps."""
+    from actors.sampling_params import SamplingParams
+
+    vocab = min(llm.engine.model_config.vocab_size, 8000)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    longer = SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True)
+    short = _timed(torch, device, lambda: llm.generate(prompts, [one] * batch))
+    full = _timed(torch, device, lambda: llm.generate(prompts, [longer] * batch))
+    return (full - short) / steps
+
+
+# ---- 4. CUDA graphs -----------------------------------------------------------------
+def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str, decode_batch: int) -> dict:
+    import random
+
+    import torch
+
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    def engine(model: Path, dtype: str, graphs: bool) -> LLM:
+        llm = LLM(model, device=device, dtype=dtype, kv_cache_bytes=2 * 2**30 if device == "cuda" else 128 * 2**20,
+                  max_num_seqs=max(decode_batch, 8), enable_prefix_cache=False, cuda_graphs=graphs)
+        runner = llm.engine.runner
+        if graphs and device != "cuda":  # the CPU twin: padded static steps, no capture
+            runner.decode_graphs = runner.static_decode(capture=False)
+        return llm
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(1, 150))] for _ in range(11)]
+    params = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0, ignore_eos=True) for _ in prompts]
+    tokens = {}
+    for graphs in (False, True):
+        llm = engine(exact_model_dir, "float32", graphs)
+        tokens[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+    identical = sum(a == b for a, b in zip(tokens[False], tokens[True]))
+    result = {"prompts": len(prompts), "identical": identical, "step_s": {}}
+    for graphs in (False, True):
+        llm = engine(model_dir, dtype, graphs)
+        if graphs:
+            graphs_used = llm.engine.runner.decode_graphs
+            result["captured"] = graphs_used is not None and graphs_used.is_captured
+        for batch in (1, decode_batch):
+            step_s = _decode_step_s(torch, llm, device, batch, 128, 32, random.Random(3))
+            result["step_s"][f"{'graphs' if graphs else 'eager'}_batch{batch}"] = step_s
+        del llm
+    for batch in (1, decode_batch):
+        result[f"speedup_batch{batch}"] = result["step_s"][f"eager_batch{batch}"] / result["step_s"][f"graphs_batch{batch}"]
+    result["ok"] = identical == len(prompts) and (result["captured"] or device != "cuda")
+    return result
 
 
 def _timed(torch, device: str, fn) -> float:
@@ -132,7 +188,7 @@ def _peaks(torch, device: str, dtype) -> dict:
     return {"matmul_flops": 2 * n**3 / matmul_s, "bandwidth_bytes_s": 2 * src.numel() * 4 / copy_s}
 
 
-# ---- 4. P and D on one device -------------------------------------------------------
+# ---- 5. P and D on one device -------------------------------------------------------
 def check_pd(model_dir: Path, device: str, dtype: str) -> dict:
     import asyncio
 
@@ -193,11 +249,12 @@ def main(args: argparse.Namespace) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": args.device, "preset": preset, "dtype": dtype, "steps": {}}
     model_dir = ensure_checkpoint(preset, "qwen2")
+    exact_model_dir = ensure_checkpoint("bench" if args.device == "cuda" else "tiny", "qwen2")
     steps = {
         "kernels": lambda: _check_kernels(args.device),
-        "exactness": lambda: check_exactness(ensure_checkpoint("bench" if args.device == "cuda" else "tiny", "qwen2"),
-                                             args.device),
+        "exactness": lambda: check_exactness(exact_model_dir, args.device),
         "roofline": lambda: check_roofline(model_dir, args.device, dtype, args.prefill_tokens, args.decode_batch),
+        "graphs": lambda: check_graphs(model_dir, exact_model_dir, args.device, dtype, args.decode_batch),
         "pd": lambda: check_pd(model_dir, args.device, dtype),
     }
     for name in [s.strip() for s in args.steps.split(",") if s.strip()]:

@@ -70,6 +70,7 @@ class EngineSettings(_Strict):
     device: str = "cpu"
     enable_prefix_cache: bool = True
     kernel_backend: Literal["auto", "torch"] = "auto"
+    cuda_graphs: bool = True
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump())

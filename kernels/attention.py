@@ -21,8 +21,9 @@ Both support grouped-query attention (num_heads a multiple of num_kv_heads).
 float32 on CPU when it builds, the Triton kernel (`kernels/triton_attention.py`) on
 CUDA, this reference otherwise. `select_prefill_attention` picks the Triton kernel
 (`kernels/triton_prefill.py`) on CUDA and this reference (SDPA over the gathered
-prefix) everywhere else. On CUDA both fall back to the reference, per call, for
-shapes the Triton kernels do not take.
+prefix) everywhere else; `select_write_kv_slots` the Triton slot write on CUDA. On
+CUDA each falls back to the reference, per call, for shapes the Triton kernels do
+not take.
 """
 
 from __future__ import annotations
@@ -177,6 +178,28 @@ def select_prefill_attention(backend: str, device: torch.device) -> Callable:
             return prefill_attention
         return _triton_prefill_where_supported(triton_prefill)
     return prefill_attention
+
+
+def select_write_kv_slots(backend: str, device: torch.device) -> Callable:
+    """`auto`: the Triton slot write on CUDA where Triton is installed (per call, for
+    the layouts it takes); the reference otherwise. `torch`: always the reference."""
+    check_kernel_backend(backend)
+    if backend == "auto" and torch.device(device).type == "cuda":
+        try:
+            from kernels import triton_attention
+        except ImportError:  # no Triton (the `gpu` extra): the reference
+            return write_kv_slots
+        return _triton_write_where_supported(triton_attention)
+    return write_kv_slots
+
+
+def _triton_write_where_supported(triton_attention) -> Callable:
+    def write(layer_cache, k, v, slot_mapping):
+        if triton_attention.supports_write(layer_cache, k, v):
+            return triton_attention.write_kv_slots(layer_cache, k, v, slot_mapping)
+        return write_kv_slots(layer_cache, k, v, slot_mapping)
+
+    return write
 
 
 def _triton_decode_where_supported(triton_attention) -> Callable:

@@ -137,12 +137,18 @@ def _write_slots_kernel(
     tl.store(row + stride_ckv, v.to(cache_ptr.dtype.element_ty))
 
 
+def supports_write(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Power-of-two head_dim, each head's row contiguous in the cache and in k and v."""
+    head_dim = k.shape[-1]
+    return head_dim & (head_dim - 1) == 0 and layer_cache.stride(4) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+
+
 def write_kv_slots(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """K and V of N tokens ([N, kvh, d] each) into their slots ([N] int)."""
+    """K and V of N tokens ([N, kvh, d] each) into their slots ([N] int). The layout
+    must pass `supports_write`."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), (k.shape, v.shape, slot_mapping.shape)
-    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
-    assert layer_cache.stride(4) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
+    assert supports_write(layer_cache, k, v), "power-of-two head_dim, contiguous rows"
     if num_tokens == 0:
         return
     _write_slots_kernel[(num_tokens, num_kv_heads)](

@@ -16,15 +16,17 @@ pytest.importorskip("triton")
 
 def test_gpu_check_steps_run_on_cpu(tmp_path):
     root = Path(__file__).parent.parent
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--steps", "kernels,exactness,roofline",
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--steps", "kernels,exactness,roofline,graphs",
            "--prefill-tokens", "128", "--decode-batch", "4", "--out-dir", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert done.returncode == 0 and results["ok"], (done.stdout[-2000:], done.stderr[-2000:], results)
-    assert set(results["steps"]) == {"kernels", "exactness", "roofline"}
+    assert set(results["steps"]) == {"kernels", "exactness", "roofline", "graphs"}
     assert results["steps"]["exactness"]["identical"] == results["steps"]["exactness"]["prompts"]
     roofline = results["steps"]["roofline"]
     assert roofline["prefill_mfu"] > 0 and roofline["decode_mbu"] > 0
+    graphs = results["steps"]["graphs"]  # on CPU: the padded static step, not captured
+    assert graphs["identical"] == graphs["prompts"] and not graphs["captured"]
 
 
 def test_gpu_check_script_says_what_it_needs_without_a_gpu(tmp_path):

@@ -1,0 +1,153 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a small model is hundreds of small kernels (a dozen a layer), and
+launching them from Python costs more than running them: on a GPU the step is
+bound by the host, not by memory. A CUDA graph records the step's launches once and
+replays them with one call. What a graph needs, and how this class gives it:
+
+- **Fixed shapes and addresses.** Inputs live in static buffers sized for
+  `max_batch` rows; a graph is captured per batch bucket (1, 2, 4, then multiples
+  of 8) and a step of `n` sequences replays the smallest bucket that holds it.
+  Block tables are `ceil(max_model_len / block_size)` wide, so any sequence fits;
+  only the columns a step uses are copied in.
+- **Padding rows that harm nothing.** A bucket's unused rows decode token 0 at
+  position 0 with a context of one token in the **scratch block**: a KV block the
+  model runner allocates beyond those the block pool hands out. Their K/V writes
+  land there, their attention reads only it, and their outputs are dropped.
+- **No host synchronisation inside the step.** The Triton decode attention reads
+  context lengths on the device; the torch reference (`.tolist()`) cannot be
+  captured, so when capture fails for any reason (that, an old driver, a kernel
+  that syncs) the runner logs it and runs decode steps eagerly, as before.
+- **One memory pool** for all buckets, captured largest first (vLLM and SGLang do
+  the same), so the graphs share their intermediate activations.
+
+Prefill and mixed steps run eagerly (their shapes vary with every chunk); sampling
+runs eagerly after the replay. With `capture=False` the same padded, static-shape
+step runs without graphs, on any device: that is how CPU tests check the padding
+(the C++ CPU kernels are batch-invariant, so padded rows must not change a real
+row's hidden state by a single bit).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from actors.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8, up to (and including) max_batch."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return buckets + [max_batch]
+
+
+class DecodeGraphs:
+    """Static-shape decode steps for up to `max_batch` sequences. Call `run` from the
+    engine's thread only (it owns the static buffers and the graphs)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        scratch_block: int,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.scratch_block = scratch_block
+        self.block_size = kv_cache.shape[3]
+        self.buckets = batch_buckets(max_batch)
+        device = kv_cache.device
+        long = dict(dtype=torch.long, device=device)
+        self.token_ids = torch.zeros(max_batch, **long)
+        self.positions = torch.zeros(max_batch, **long)
+        self.slot_mapping = torch.full((max_batch,), scratch_block * self.block_size, **long)
+        self.block_tables = torch.full((max_batch, max_blocks_per_seq), scratch_block, **long)
+        self.context_lens = torch.ones(max_batch, **long)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            self._capture()
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def is_captured(self) -> bool:
+        return bool(self._graphs)
+
+    def fits(self, batch: int) -> bool:
+        return 1 <= batch <= self.max_batch
+
+    def _bucket(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            prefills=(),
+            num_prefill_tokens=0,
+            decode_block_tables=self.block_tables[:batch],
+            decode_context_lens=self.context_lens[:batch],
+        )
+        return self.model(self.token_ids[:batch], self.positions[:batch], self.kv_cache, meta)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Capture every bucket, largest first, into one memory pool. The buffers
+        hold padding only, so capture and warm-up write nothing but the scratch
+        block."""
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for batch in reversed(self.buckets):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks
+                    self._forward(batch)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self._forward(batch)
+                self._graphs[batch] = (graph, hidden)
+        except Exception as exc:  # any kernel that cannot be captured: decode eagerly
+            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+            self._graphs.clear()
+        torch.cuda.synchronize()
+
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slot_mapping: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """The step's hidden states, [n, hidden] for n = len(token_ids) single-token
+        decodes (each row's block table covers its context_len). The result is a view
+        of the graph's output: read it before the next `run`."""
+        batch = len(token_ids)
+        assert self.fits(batch), (batch, self.max_batch)
+        bucket = self._bucket(batch)
+        width = max(len(table) for table in block_tables)
+        pad = bucket - batch
+        scratch_slot = self.scratch_block * self.block_size
+        tables = [list(table) + [self.scratch_block] * (width - len(table)) for table in block_tables]
+        tables += [[self.scratch_block] * width] * pad
+        self.token_ids[:bucket].copy_(torch.tensor(list(token_ids) + [0] * pad))
+        self.positions[:bucket].copy_(torch.tensor(list(positions) + [0] * pad))
+        self.slot_mapping[:bucket].copy_(torch.tensor(list(slot_mapping) + [scratch_slot] * pad))
+        self.context_lens[:bucket].copy_(torch.tensor(list(context_lens) + [1] * pad))
+        self.block_tables[:bucket, :width].copy_(torch.tensor(tables))
+        if bucket in self._graphs:
+            graph, hidden = self._graphs[bucket]
+            graph.replay()
+        else:
+            hidden = self._forward(bucket)
+        return hidden[:batch]
