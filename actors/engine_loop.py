@@ -67,6 +67,7 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        self.engine.runner.use_compute_stream()
         while not self._stopped.is_set():
             self._drain_calls(block=not self.engine.has_unfinished())
             if self._on_tick is not None:

@@ -17,19 +17,22 @@ Backends:
   per pair; see RAY_NOTES.md). `push` is a point-to-point send; D's `recv` fills a
   buffer of the shape the chunk metadata implies.
 - `nccl`: a `ray.util.collective` NCCL group per pair (cupy.cuda.nccl), CUDA tensors.
-  Needs two GPUs; never run on a GPU in this project yet. How it orders (read from
-  Ray 2.60's `nccl_collective_group.py`, not measured): Ray runs each send/recv on
-  a stream of its own pool, created *blocking*, after an event recorded on cupy's
-  current stream (the legacy default stream, where the engine computes), and
-  `record_stream`s the tensor there. A blocking stream synchronises implicitly
-  with the legacy default stream, so the send starts after P's block gather, D's
-  block write and decode are ordered after the receive (correct), and for the same
-  reason the engine's later kernels wait for the transfer: no overlap with compute
-  on this path yet. `NcclPair.stream` carries no work of Ray's, so its synchronize
-  is not what makes completion safe; the implicit ordering is. Overlap needs the
-  engine on a non-blocking stream and cupy's current stream set to it around the
-  send, so Ray's event orders the send after the gather and nothing else; to be
-  built and measured where two GPUs are lent (issue: GPU path).
+  Needs two GPUs; never run on a GPU in this project yet. How it is ordered (read
+  from Ray 2.60's `nccl_collective_group.py`): Ray runs each send/recv on a stream
+  of its own pool, created *blocking*, after an event recorded on cupy's current
+  stream, and `record_stream`s the tensor there so its memory outlives the
+  transfer. Both ends call from transfer threads, whose current stream (torch's and
+  cupy's) is the legacy default stream; a blocking stream synchronises implicitly
+  with that one, and with no other. So on P the send starts after the block gather
+  (`ModelRunner.read_blocks`, on the legacy stream, itself enqueued after the
+  chunk's compute event); on D the block write that follows the receive on the
+  legacy stream (`ModelRunner.write_blocks`) waits for it, and returns only once the
+  blocks hold the bytes. The engines compute on non-blocking streams of their own
+  (`ModelRunner.compute_stream`), which Ray's streams do not wait for nor hold up:
+  the transfer of one chunk overlaps the compute of the next on P, and decode steps
+  on D. (Before that stream existed the engines computed on the legacy stream too,
+  and every step waited for the transfers in flight.) The overlap is built, not yet
+  measured: that needs two GPUs (issue: GPU path).
 - `store`: through the KV store's shared path (seed 002's store-based transfer): P
   writes each chunk as a checksummed file under `<shared>/transfer/<channel>/`, the
   payload is its name, D reads and deletes it. Needs a mount both nodes see; works
@@ -235,19 +238,16 @@ class NcclPair:
         self.rank = rank
         self._collective = collective
         collective.init_collective_group(2, rank, backend="nccl", group_name=name)
-        self.stream = torch.cuda.Stream()
 
     def send(self, tensor: torch.Tensor) -> None:
-        # Ray enqueues on its own (blocking) NCCL stream, not on self.stream: see the
-        # module docstring for what orders the transfer.
-        with torch.cuda.stream(self.stream):
-            self._collective.send(tensor.contiguous(), 1 - self.rank, self.name)
-        self.stream.synchronize()
+        """Enqueue the send after the current stream's work (see the module
+        docstring); returns before it completes."""
+        self._collective.send(tensor.contiguous(), 1 - self.rank, self.name)
 
     def recv(self, tensor: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            self._collective.recv(tensor, 1 - self.rank, self.name)
-        self.stream.synchronize()
+        """Enqueue the receive; work enqueued after it on the legacy default stream
+        sees the bytes."""
+        self._collective.recv(tensor, 1 - self.rank, self.name)
 
     def close(self) -> None:
         self._collective.destroy_collective_group(self.name)

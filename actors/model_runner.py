@@ -6,6 +6,18 @@ tokens are laid out multi-token chunks first (each a `PrefillSpan`), then every
 single-token chunk as one batched decode. On CUDA a step of decodes only replays a
 CUDA graph (`actors/decode_graphs.py`); the cache holds one block more than the
 block pool hands out, the scratch block that the graphs' padding rows write.
+
+Streams, on CUDA. A worker's engine thread computes on `compute_stream`, a stream
+of its own created non-blocking, so it never waits implicitly for other work on
+the device (`use_compute_stream`, called once by the engine's thread; the offline
+`LLM` computes on whatever stream its caller uses). KV transfers run on other
+threads, on the legacy default stream, where Ray's NCCL streams (created blocking)
+order themselves implicitly: so a transfer and the next step's compute overlap.
+What orders the two is explicit: every step records `step_done` on the stream it
+ran on; `read_blocks` waits on the device for the step that computed the blocks
+(or the latest), `write_blocks` for the latest step (whose work may still touch
+blocks freed since) and, off the compute stream, returns only once the blocks hold
+the bytes, so a transfer's completion signal means what it says.
 """
 
 from __future__ import annotations
@@ -80,8 +92,11 @@ class ModelRunner:
             device=self.device,
         )
         self.last_step_s = 0.0
+        cuda = self.device.type == "cuda"
+        self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.step_done: torch.cuda.Event | None = None  # recorded after each step's work (CUDA)
         self.decode_graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and self.device.type == "cuda":
+        if config.cuda_graphs and cuda:
             self.decode_graphs = self.static_decode(capture=True)
             if not self.decode_graphs.is_captured:
                 self.decode_graphs = None
@@ -95,18 +110,39 @@ class ModelRunner:
         max_blocks = -(-max_len // self.config.block_size)
         return DecodeGraphs(self.model, self.kv_cache, self.scratch_block, self.config.max_num_seqs, max_blocks, capture)
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def use_compute_stream(self) -> None:
+        """Make the compute stream the calling thread's current stream (CUDA; the
+        engine's own thread calls this once, before its first step)."""
+        if self.compute_stream is not None:
+            torch.cuda.set_stream(self.compute_stream)
+
+    def _after(self, event: torch.cuda.Event | None) -> None:
+        """Order the current stream's next work after `event` (default: the latest
+        step)."""
+        event = event or self.step_done
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def read_blocks(self, block_ids: list[int], after: torch.cuda.Event | None = None) -> torch.Tensor:
         """A contiguous copy of these KV blocks, in this order, on the cache's device:
-        [n, num_layers, 2, block_size, kvh, d]. Any thread; the caller keeps the blocks
-        from being reused meanwhile."""
+        [n, num_layers, 2, block_size, kvh, d], enqueued (CUDA) after `after`, the
+        `step_done` of the step that computed them (default: the latest step). Any
+        thread; the caller keeps the blocks from being reused meanwhile."""
+        self._after(after)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return self.block_copy.gather(self.kv_cache, index)
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Overwrite these KV blocks (distinct ids) with `kv` ([n, num_layers, 2,
-        block_size, kvh, d], any device, the cache's dtype)."""
+        block_size, kvh, d], any device, the cache's dtype). Any thread; off the
+        compute stream it returns once the blocks hold `kv`."""
+        self._after(None)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.block_copy.scatter(self.kv_cache, index, kv.to(self.device))
+        if self.compute_stream is not None and torch.cuda.current_stream(self.device) != self.compute_stream:
+            written = torch.cuda.Event()
+            written.record()
+            written.synchronize()
 
     def _slots(self, block_table: list[int], positions: range) -> list[int]:
         size = self.config.block_size
@@ -172,6 +208,9 @@ class ModelRunner:
         if sampling:
             logits = self.model.compute_logits(hidden[ends])
             result = self._sample(logits, sampling)
+        if self.compute_stream is not None:
+            self.step_done = torch.cuda.Event()
+            self.step_done.record()
         self.last_step_s = time.perf_counter() - started
         return result
 

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import ray
+import torch
 
 from actors.engine import Engine, ExportedChunk, RequestOutput
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
@@ -55,6 +56,7 @@ class _Transfer:
     meta: ChunkMeta
     src_block_ids: list[int]
     compute_done_s: float
+    computed: torch.cuda.Event | None = None  # CUDA: the runner's step_done of the step that computed them
 
 
 class _PairSender:
@@ -115,7 +117,7 @@ class _PairSender:
                 self._drop(leftover, self.broken or f"channel {self.sender.name} closed")
 
     def _send(self, transfer: _Transfer) -> None:
-        kv = self.worker.engine.runner.read_blocks(transfer.src_block_ids)
+        kv = self.worker.engine.runner.read_blocks(transfer.src_block_ids, after=transfer.computed)
         meta = dataclasses.replace(transfer.meta, sent_s=time.time())
         ref = self.decode.receive_chunk.remote(meta, self.sender.name, self.sender.payload(kv))
         self.sender.push(kv)
@@ -276,7 +278,7 @@ class PrefillWorker(WorkerBase):
             self.engine.hold_blocks(src)
             job.next_block = send_upto
             job.next_chunk += 1
-            job.pair.submit(_Transfer(job, meta, src, now))
+            job.pair.submit(_Transfer(job, meta, src, now, self.engine.runner.step_done))
 
     def release_later(self, block_ids: list[int]) -> None:
         """Unpin blocks once sent (any thread)."""
