@@ -100,6 +100,8 @@ class ModelRunner:
             self.decode_graphs = self.static_decode(capture=True)
             if not self.decode_graphs.is_captured:
                 self.decode_graphs = None
+        if cuda:  # weights and the zeroed cache, written on this thread's stream, are in place
+            torch.cuda.synchronize(self.device)
 
     def static_decode(self, capture: bool) -> DecodeGraphs:
         """Static-shape decode steps over this runner's model and cache, for up to
