@@ -6,6 +6,11 @@ merge at window edges (sentencepiece's leading space) still give the exact text.
 window whose text ends in U+FFFD (an incomplete UTF-8 sequence) emits nothing until
 the next token completes the character; `flush` emits whatever is left at the end.
 The concatenated deltas equal `tokenizer.decode(all_ids)`.
+
+A fast (Rust) tokenizer whose wrapper adds nothing to its backend's decode (no
+`clean_up_tokenization_spaces`) is decoded by the backend directly: the same text,
+without the wrapper's per-call Python (which was most of the cost: 12 us a call,
+two calls a token, 1.8 ms of host time per decode step at batch 64).
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode_ids = backend.decode
+        else:
+            self._decode_ids = tokenizer.decode
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append a token; return the newly completed text (possibly empty)."""

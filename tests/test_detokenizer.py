@@ -38,3 +38,19 @@ def test_flush_emits_an_incomplete_tail(tiny_qwen2_dir):
         detok.add(token_id)
     detok.flush()
     assert detok.text == tokenizer.decode(ids[:-1])
+
+
+def test_random_token_streams_detokenize_as_the_tokenizer_decodes(tiny_model_dir):
+    """Any id sequence (special tokens and stray byte tokens included), both
+    architectures' tokenizers: the deltas, flushed, are `tokenizer.decode` of all
+    of them, as the Transformers wrapper computes it."""
+    import random
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rng = random.Random(3)
+    for skip in (True, False):
+        for _ in range(20):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 60))]
+            detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+            text = "".join(detok.add(t) for t in ids) + detok.flush()
+            assert text == tokenizer.decode(ids, skip_special_tokens=skip)
