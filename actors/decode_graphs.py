@@ -66,11 +66,12 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         device = kv_cache.device
         long = dict(dtype=torch.long, device=device)
-        self.token_ids = torch.zeros(max_batch, **long)
-        self.positions = torch.zeros(max_batch, **long)
-        self.slot_mapping = torch.full((max_batch,), scratch_block * self.block_size, **long)
+        # Rows: token ids, positions, slots, context lengths (one host-to-device copy).
+        self.step_inputs = torch.zeros(4, max_batch, **long)
+        self.step_inputs[2] = scratch_block * self.block_size
+        self.step_inputs[3] = 1
+        self.token_ids, self.positions, self.slot_mapping, self.context_lens = self.step_inputs.unbind(0)
         self.block_tables = torch.full((max_batch, max_blocks_per_seq), scratch_block, **long)
-        self.context_lens = torch.ones(max_batch, **long)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture()
@@ -121,6 +122,13 @@ class DecodeGraphs:
             self._graphs.clear()
         torch.cuda.synchronize()
 
+    def _copy_in(self, device_view: torch.Tensor, host: torch.Tensor) -> None:
+        """Host to device without stalling the host: from pinned memory, which
+        torch's caching host allocator keeps until the copy has run."""
+        if device_view.is_cuda:
+            host = host.pin_memory()
+        device_view.copy_(host, non_blocking=True)
+
     def run(
         self,
         token_ids: Sequence[int],
@@ -140,11 +148,14 @@ class DecodeGraphs:
         scratch_slot = self.scratch_block * self.block_size
         tables = [list(table) + [self.scratch_block] * (width - len(table)) for table in block_tables]
         tables += [[self.scratch_block] * width] * pad
-        self.token_ids[:bucket].copy_(torch.tensor(list(token_ids) + [0] * pad))
-        self.positions[:bucket].copy_(torch.tensor(list(positions) + [0] * pad))
-        self.slot_mapping[:bucket].copy_(torch.tensor(list(slot_mapping) + [scratch_slot] * pad))
-        self.context_lens[:bucket].copy_(torch.tensor(list(context_lens) + [1] * pad))
-        self.block_tables[:bucket, :width].copy_(torch.tensor(tables))
+        rows = [
+            list(token_ids) + [0] * pad,
+            list(positions) + [0] * pad,
+            list(slot_mapping) + [scratch_slot] * pad,
+            list(context_lens) + [1] * pad,
+        ]
+        self._copy_in(self.step_inputs[:, :bucket], torch.tensor(rows))
+        self._copy_in(self.block_tables[:bucket, :width], torch.tensor(tables))
         if bucket in self._graphs:
             graph, hidden = self._graphs[bucket]
             graph.replay()

@@ -14,8 +14,10 @@ the others still run):
    `generate`, float32, same device, same prompts.
 3. `roofline`: the device's measured peaks (matmul FLOP/s in the model dtype, copy
    bandwidth), prefill MFU on one `--prefill-tokens` prompt and decode MBU at batch
-   `--decode-batch` (step time from two runs that differ only in decode steps);
-   FLOPs and bytes counted as `tandem bench roofline` counts them.
+   `--decode-batch` (step time from two runs that differ only in decode steps),
+   and the decode forward's MBU alone (its CUDA graph replayed back to back: what
+   the kernels reach without the engine's host time per step); FLOPs and bytes
+   counted as `tandem bench roofline` counts them.
 4. `graphs`: decode steps replayed from CUDA graphs against the same engine
    run eagerly (`cuda_graphs: false`): greedy tokens of a mixed batch (float32, so
    they must agree), and the decode step time of each at batch 1 and
@@ -103,8 +105,14 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     element = torch.tensor([], dtype=torch_dtype).element_size()
     step_bytes = counts["params_read_per_decode_step"] * element \
         + kv_bytes(config, decode_batch * (prompt_len + steps / 2), element)
+    context = prompt_len + steps // 2
+    forward_s = _static_decode_step_s(torch, llm.engine.runner, device, decode_batch, context)
+    forward_bytes = (counts["params_read_per_decode_step"] - counts["params_lm_head"]) * element \
+        + kv_bytes(config, decode_batch * context, element)  # no LM head: logits are computed after the graph
     return {
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
+        "decode_forward_s": forward_s,
+        "decode_forward_mbu": forward_bytes / forward_s / peaks["bandwidth_bytes_s"],
         "peaks": peaks, "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
         "prefill_mfu": prefill / prefill_s / peaks["matmul_flops"],
         "decode_batch": decode_batch, "decode_step_s": step_s,
@@ -124,6 +132,23 @@ def _decode_step_s(torch, llm, device: str, batch: int, prompt_len: int, steps: 
     short = _timed(torch, device, lambda: llm.generate(prompts, [one] * batch))
     full = _timed(torch, device, lambda: llm.generate(prompts, [longer] * batch))
     return (full - short) / steps
+
+
+def _static_decode_step_s(torch, runner, device: str, batch: int, context_len: int, repeats: int = 50) -> float:
+    """The decode forward alone at `batch` sequences of `context_len` tokens: inputs
+    copied in and the step's graph replayed (the padded static step where there is
+    no graph), back to back; no scheduling, sampling or detokenizing. Writes K/V at
+    each sequence's last position in the first blocks of the cache (the engine is
+    idle, nothing there is in use)."""
+    static = runner.decode_graphs or runner.static_decode(capture=False)
+    size = runner.config.block_size
+    num_blocks = -(-context_len // size)
+    tables = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(batch)]
+    last = context_len - 1
+    inputs = dict(token_ids=[5] * batch, positions=[last] * batch, context_lens=[context_len] * batch,
+                  slot_mapping=[t[last // size] * size + last % size for t in tables], block_tables=tables)
+    static.run(**inputs)  # warm-up
+    return _timed(torch, device, lambda: [static.run(**inputs) for _ in range(repeats)]) / repeats
 
 
 # ---- 4. CUDA graphs -----------------------------------------------------------------
@@ -192,7 +217,10 @@ def _peaks(torch, device: str, dtype) -> dict:
 def check_pd(model_dir: Path, device: str, dtype: str) -> dict:
     import asyncio
 
-    import ray
+    try:
+        import ray
+    except ImportError:
+        return {"ok": True, "skipped": "Ray is not installed (benchmarks/gpu_wheels.sh gathers it for an offline machine)"}
 
     from actors.config import EngineConfig
     from actors.llm import LLM
@@ -265,8 +293,9 @@ def main(args: argparse.Namespace) -> dict:
             results["steps"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                       "traceback": traceback.format_exc()[-3000:]}
         results["steps"][name]["seconds"] = time.perf_counter() - started
-        print(f"{name}: {'ok' if results['steps'][name]['ok'] else 'FAILED'} "
-              f"({results['steps'][name]['seconds']:.1f} s)", flush=True)
+        step = results["steps"][name]
+        verdict = f"skipped: {step['skipped']}" if "skipped" in step else "ok" if step["ok"] else "FAILED"
+        print(f"{name}: {verdict} ({step['seconds']:.1f} s)", flush=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
     results["ok"] = all(step["ok"] for step in results["steps"].values())
     (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))

@@ -7,8 +7,9 @@
 # against transformers, prefill MFU and decode MBU against measured peaks, P and D as
 # two actors on the one GPU), then the NCCL channel tests where two GPUs are present.
 # Uses $PYTHON, else .venv/bin/python if it sees a GPU, else python3; that Python
-# needs the project's packages with a CUDA torch, Triton and cupy (`pip install -e
-# '.[gpu]'` on a machine with network; or wheels carried in, see the device notes).
+# needs a CUDA torch, Triton and transformers, and for the P/D step Ray (and cupy for
+# NCCL): `pip install -e '.[gpu]'` on a machine with network; on one without, a
+# stock CUDA PyTorch image plus the wheels `benchmarks/gpu_wheels.sh` gathers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -19,8 +20,8 @@ if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && \
   PY=.venv/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-if ! "$PY" -c "import torch, triton, ray, transformers, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-  echo "gpu_check: $PY needs a CUDA GPU and torch, triton, ray[serve], transformers (pip install -e '.[gpu]')" >&2
+if ! "$PY" -c "import torch, triton, transformers, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  echo "gpu_check: $PY needs a CUDA GPU and torch, triton, transformers (pip install -e '.[gpu]')" >&2
   exit 2
 fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true

@@ -24,7 +24,7 @@ def test_gpu_check_steps_run_on_cpu(tmp_path):
     assert set(results["steps"]) == {"kernels", "exactness", "roofline", "graphs"}
     assert results["steps"]["exactness"]["identical"] == results["steps"]["exactness"]["prompts"]
     roofline = results["steps"]["roofline"]
-    assert roofline["prefill_mfu"] > 0 and roofline["decode_mbu"] > 0
+    assert roofline["prefill_mfu"] > 0 and roofline["decode_mbu"] > 0 and roofline["decode_forward_mbu"] > 0
     graphs = results["steps"]["graphs"]  # on CPU: the padded static step, not captured
     assert graphs["identical"] == graphs["prompts"] and not graphs["captured"]
 
