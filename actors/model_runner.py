@@ -240,17 +240,19 @@ class ModelRunner:
         num_top = max((p.logprobs or 0) for p in params)
         wants_logprobs = any(p.logprobs is not None for p in params)
         chosen = top_ids = top_lps = None
-        if wants_logprobs:
+        if wants_logprobs:  # as lists: one device-to-host copy each, not one a row
             chosen, top_ids, top_lps = logprobs_of(logits, token_ids, num_top)
+            chosen = chosen.tolist()
+            if num_top:
+                top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
+        token_list = token_ids.tolist()
         result = {}
         for row, request in enumerate(requests):
-            token_id = int(token_ids[row])
+            token_id = token_list[row]
             logprob = None
             if request.params.logprobs is not None:
                 n = request.params.logprobs
-                top = []
-                if n:
-                    top = list(zip(top_ids[row, :n].tolist(), top_lps[row, :n].tolist()))
-                logprob = TokenLogprob(token_id, float(chosen[row]), top)
+                top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n else []
+                logprob = TokenLogprob(token_id, chosen[row], top)
             result[request.request_id] = SampledToken(token_id, logprob)
         return result

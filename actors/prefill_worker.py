@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from actors.config import EngineConfig
 from actors.engine import Engine, ExportedChunk, RequestOutput
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
 from actors.messages import ChunkMeta, ChunkTiming, GenerateRequest, PrefillResult, ReservationInfo, TransferFailed
@@ -133,6 +134,10 @@ class _PairSender:
 
 
 class PrefillWorker(WorkerBase):
+    def _engine_config(self, config: EngineConfig) -> EngineConfig:
+        # P samples one token a request and never decodes: no decode graphs to capture.
+        return dataclasses.replace(config, cuda_graphs=False)
+
     def _on_started(self) -> None:
         self._jobs: dict[str, _Job] = {}
         self._pairs: dict[str, _PairSender] = {}

@@ -80,7 +80,7 @@ class WorkerBase:
         self.worker_id = worker_id
         self.options = options or WorkerOptions()
         model_dir = model.resolve() if isinstance(model, ModelLocation) else model
-        self.engine = Engine(model_dir, engine_config)
+        self.engine = Engine(model_dir, self._engine_config(engine_config))
         self.startup = WorkerStartup(_process_started(init_started), init_started, time.time())
         self.node = _current_node_id()
         self.kv_store: KVStoreClient | None = None
@@ -94,6 +94,10 @@ class WorkerBase:
         self.loop: EngineLoop | None = None
         self.streams: TokenStreams | None = None
         self.aio: asyncio.AbstractEventLoop | None = None
+
+    def _engine_config(self, config: EngineConfig) -> EngineConfig:
+        """Hook: the engine settings this kind of worker runs with."""
+        return config
 
     # ---- start-up (on the actor's event loop) ---------------------------------
     def _ensure_started(self) -> None:
