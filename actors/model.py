@@ -16,6 +16,7 @@ from torch import nn
 
 from actors.attention_metadata import AttentionMetadata
 from actors.config import ModelConfig
+from kernels.activation import silu_and_mul
 from kernels.attention import decode_attention, prefill_attention, write_kv_slots
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -33,6 +34,7 @@ class ModelKernels:
     rms_norm: Callable = rms_norm
     apply_rope: Callable = apply_rope
     write_kv_slots: Callable = write_kv_slots
+    silu_and_mul: Callable = silu_and_mul
 
 
 class Linear(nn.Linear):
@@ -103,13 +105,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, kernels.linear)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, kernels.linear)
+        self.silu_and_mul = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -35,6 +35,7 @@ from actors.model import ForCausalLM, ModelKernels
 from actors.request import TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
+from kernels.activation import select_silu_and_mul
 from kernels.attention import select_decode_attention, select_prefill_attention, select_write_kv_slots
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
@@ -68,6 +69,7 @@ class ModelRunner:
             rms_norm=select_rms_norm(backend, self.device, dtype),
             apply_rope=select_apply_rope(backend, self.device, dtype),
             write_kv_slots=select_write_kv_slots(backend, self.device),
+            silu_and_mul=select_silu_and_mul(backend, self.device),
         )
         self.block_copy = select_block_copy(backend, self.device)
         with torch.device(self.device):

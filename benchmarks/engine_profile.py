@@ -64,14 +64,12 @@ def instrument(engine, timer: PhaseTimer):
     model = runner.model
     model.forward = timer.wrap("model forward (total)", model.forward)
     model.compute_logits = timer.wrap("lm_head (compute_logits)", model.compute_logits)
-    originals = {"write_kv_slots": model_module.write_kv_slots}
-    for name, fn in originals.items():
-        setattr(model_module, name, timer.wrap(f"  {name}", fn))
     norms = [module for module in model.modules() if isinstance(module, model_module.RMSNorm)]
     norm_kernels = {norm: norm.kernel for norm in norms}
     for norm in norms:
         norm.kernel = timer.wrap("  rms_norm", norm.kernel)
     attention = {layer.self_attn: layer.self_attn.kernels for layer in model.model.layers}  # the runner's picks
+    activations = {layer.mlp: layer.mlp.silu_and_mul for layer in model.model.layers}
     for layer in model.model.layers:
         picked = layer.self_attn.kernels
         layer.self_attn.kernels = dataclasses.replace(
@@ -79,13 +77,15 @@ def instrument(engine, timer: PhaseTimer):
             prefill_attention=timer.wrap("  prefill_attention", picked.prefill_attention),
             decode_attention=timer.wrap("  decode_attention", picked.decode_attention),
             apply_rope=timer.wrap("  apply_rope", picked.apply_rope),
+            write_kv_slots=timer.wrap("  write_kv_slots", picked.write_kv_slots),
         )
+        layer.mlp.silu_and_mul = timer.wrap("  silu_and_mul", layer.mlp.silu_and_mul)
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.forward = timer.wrap("  linear layers (qkv, o, gate_up, down)", linear.forward)
 
     def restore() -> None:
-        for name, fn in originals.items():
-            setattr(model_module, name, fn)
+        for mlp, activation in activations.items():
+            mlp.silu_and_mul = activation
         for norm, kernel in norm_kernels.items():
             norm.kernel = kernel
         for module, picked in attention.items():

@@ -6,7 +6,9 @@ reference computed in float32 from the same inputs; copies: bit-exact or not):
 - decode attention over contexts of 1 to 1000 tokens;
 - prefill attention of a chunk with no prefix and of one over a cached prefix,
   neither aligned to blocks;
-- KV slot writes, block gather and block scatter against torch indexing.
+- KV slot writes, block gather and block scatter against torch indexing;
+- RMSNorm, RoPE (on q as a view of the fused QKV rows) and SiLU-and-multiply
+  against their torch references (max abs difference, in the input's dtype).
 
 Times on CUDA (median of 20, CUDA events), bfloat16, at qwen2.5-0.5b's attention
 shape (14 heads, 2 KV heads, head_dim 64, blocks of 16), each beside what torch does
@@ -16,7 +18,9 @@ in its place:
   Triton, the torch reference (gather + SDPA), and SDPA alone on K/V that are
   already contiguous (the reference without its gather); attention TFLOP/s;
 - gather and scatter of 64 scattered blocks of a 24-layer cache: Triton, torch
-  indexing; GB/s moved (read + write).
+  indexing; GB/s moved (read + write);
+- RMSNorm, RoPE and SiLU-and-multiply at 64 and 4096 tokens of qwen2.5-0.5b's
+  sizes: Triton, the torch reference.
 These are the figures that decide, per path, whether the Triton kernel or torch
 (SDPA, indexing) should run on a GPU. On CPU the kernels run under Triton's
 interpreter on smaller inputs and no times are taken.
@@ -33,7 +37,7 @@ _SHAPES = ((14, 2, 64, 16), (12, 4, 64, 16), (32, 8, 128, 32))  # heads, KV head
 
 
 def check_kernels(device: str) -> dict:
-    from kernels import triton_attention, triton_blocks, triton_prefill
+    from kernels import triton_attention, triton_blocks, triton_elementwise, triton_prefill
 
     dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32, torch.float16]
     decode = [_decode_error(triton_attention, device, shape, dtype) for shape in _SHAPES for dtype in dtypes]
@@ -43,19 +47,25 @@ def check_kernels(device: str) -> dict:
                for shape in _SHAPES for dtype in dtypes for cached in (0, num_cached)]
     result = {"decode": decode, "prefill": prefill, "slot_writes_exact": _slot_writes_exact(triton_attention, device),
               "block_copies_exact": _block_copies_exact(triton_blocks, device)}
+    elementwise = [row for dtype in dtypes for row in _elementwise_errors(triton_elementwise, device, dtype)]
+    result["elementwise"] = elementwise
     if device == "cuda":
         result["timing"] = {
             "decode_batch64_ctx1024": _time_decode(triton_attention),
             "prefill": _time_prefill(triton_prefill),
             "block_copy_64_blocks": _time_block_copies(triton_blocks),
+            "elementwise": _time_elementwise(triton_elementwise),
         }
     result["ok"] = result["slot_writes_exact"] and result["block_copies_exact"] and all(
-        _within_tolerance(row) for row in decode + prefill)
+        _within_tolerance(row) for row in decode + prefill + elementwise)
     return result
 
 
 def _within_tolerance(row: dict) -> bool:
-    return row["max_abs_err"] < (1e-4 if "float32" in row["dtype"] else 3e-2)
+    """Attention outputs are averages (about 1 in size); elementwise ones carry their
+    own `scale`, the reference's largest magnitude."""
+    tolerance = 1e-4 if "float32" in row["dtype"] else 3e-2
+    return row["max_abs_err"] < tolerance * max(1.0, row.get("scale", 1.0))
 
 
 # ---- errors -------------------------------------------------------------------------
@@ -130,7 +140,51 @@ def _block_copies_exact(triton_blocks, device: str) -> bool:
     return bool(gathers_exactly and torch.equal(cache, reference))
 
 
+def _elementwise_inputs(device: str, dtype, num_tokens: int) -> dict:
+    """qwen2.5-0.5b's sizes: hidden 896, 14 heads of 64 (+2 KV heads), MLP 4864."""
+    from kernels.rope import rope_cos_sin, rope_inv_freq
+
+    cos_table, sin_table = rope_cos_sin(rope_inv_freq(64, 1e6), 4096)
+    positions = torch.randint(0, 4096, (num_tokens,))
+    qkv = torch.randn(num_tokens, (14 + 4) * 64, device=device).to(dtype)
+    return {"x": torch.randn(num_tokens, 896, device=device).to(dtype), "weight": torch.randn(896, device=device).to(dtype),
+            "q": qkv[:, : 14 * 64].view(num_tokens, 14, 64), "cos": cos_table[positions].to(device),
+            "sin": sin_table[positions].to(device), "gate_up": torch.randn(num_tokens, 2 * 4864, device=device).to(dtype)}
+
+
+def _elementwise_pairs(triton_elementwise, inputs: dict) -> dict:
+    """name -> (Triton call, reference call) over the same inputs."""
+    from kernels.activation import silu_and_mul
+    from kernels.norm import rms_norm
+    from kernels.rope import apply_rope
+
+    x, weight, q, cos, sin, gate_up = (inputs[k] for k in ("x", "weight", "q", "cos", "sin", "gate_up"))
+    return {
+        "rms_norm": (lambda: triton_elementwise.rms_norm(x, weight, 1e-6), lambda: rms_norm(x, weight, 1e-6)),
+        "rope": (lambda: triton_elementwise.apply_rope(q, cos, sin), lambda: apply_rope(q, cos, sin)),
+        "silu_and_mul": (lambda: triton_elementwise.silu_and_mul(gate_up), lambda: silu_and_mul(gate_up)),
+    }
+
+
+def _elementwise_errors(triton_elementwise, device: str, dtype) -> list[dict]:
+    rows = []
+    for name, (ours, reference) in _elementwise_pairs(triton_elementwise, _elementwise_inputs(device, dtype, 37)).items():
+        want = reference().float()
+        rows.append({"kernel": name, "dtype": str(dtype), "max_abs_err": (ours().float() - want).abs().max().item(),
+                     "scale": want.abs().max().item()})
+    return rows
+
+
 # ---- times (CUDA) ----------------------------------------------------------------------
+def _time_elementwise(triton_elementwise) -> dict:
+    times = {}
+    for num_tokens in (64, 4096):
+        pairs = _elementwise_pairs(triton_elementwise, _elementwise_inputs("cuda", torch.bfloat16, num_tokens))
+        for name, (ours, reference) in pairs.items():
+            times[f"{name}_{num_tokens}_triton_ms"] = _cuda_time_ms(ours)
+            times[f"{name}_{num_tokens}_torch_ms"] = _cuda_time_ms(reference)
+    return times
+
 def _time_decode(triton_attention) -> dict:
     from kernels.attention import decode_attention
 

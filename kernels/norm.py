@@ -16,10 +16,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
     """`auto`: the C++ kernel (`kernels.cpu_norm_rope`) for float32 on CPU where it
-    builds; the reference otherwise. `torch`: always the reference."""
+    builds, the Triton kernel (`kernels.triton_elementwise`) on CUDA where Triton is
+    installed (per call, for the layouts it takes); the reference otherwise.
+    `torch`: always the reference."""
     if wants_cpu_kernels(backend, device, dtype):
         from kernels import cpu_norm_rope
 
         if cpu_norm_rope.load() is not None:
             return cpu_norm_rope.rms_norm
+    if backend == "auto" and torch.device(device).type == "cuda":
+        try:
+            from kernels import triton_elementwise as triton
+        except ImportError:  # no Triton (the `gpu` extra): the reference
+            return rms_norm
+
+        def norm(x, weight, eps):
+            return triton.rms_norm(x, weight, eps) if triton.supports_rms_norm(x, weight) else rms_norm(x, weight, eps)
+
+        return norm
     return rms_norm

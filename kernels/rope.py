@@ -57,10 +57,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def select_apply_rope(backend: str, device: torch.device, dtype: torch.dtype):
     """`auto`: the C++ kernel (`kernels.cpu_norm_rope`) for float32 on CPU where it
-    builds; the reference otherwise. `torch`: always the reference."""
+    builds, the Triton kernel (`kernels.triton_elementwise`) on CUDA where Triton is
+    installed (per call, for the layouts it takes); the reference otherwise.
+    `torch`: always the reference."""
     if wants_cpu_kernels(backend, device, dtype):
         from kernels import cpu_norm_rope
 
         if cpu_norm_rope.load() is not None:
             return cpu_norm_rope.apply_rope
+    if backend == "auto" and torch.device(device).type == "cuda":
+        try:
+            from kernels import triton_elementwise as triton
+        except ImportError:  # no Triton (the `gpu` extra): the reference
+            return apply_rope
+
+        def rotate(x, cos, sin):
+            return triton.apply_rope(x, cos, sin) if triton.supports_rope(x, cos, sin) else apply_rope(x, cos, sin)
+
+        return rotate
     return apply_rope

@@ -225,10 +225,15 @@ def test_linear_norm_and_rope_backend_selection():
     from kernels.norm import rms_norm, select_rms_norm
     from kernels.rope import apply_rope, select_apply_rope
 
+    import importlib.util
+
+    has_triton = importlib.util.find_spec("triton") is not None
     for select, reference in ((select_linear, F.linear), (select_rms_norm, rms_norm), (select_apply_rope, apply_rope)):
         assert select("torch", torch.device("cpu"), torch.float32) is reference
+        assert select("torch", torch.device("cuda"), torch.float32) is reference
         assert select("auto", torch.device("cpu"), torch.bfloat16) is reference
-        assert select("auto", torch.device("cuda"), torch.float32) is reference
+        on_cuda_triton = has_triton and select is not select_linear  # cuBLAS stays for linear layers
+        assert (select("auto", torch.device("cuda"), torch.float32) is reference) is not on_cuda_triton
         with pytest.raises(ValueError, match="kernel_backend"):
             select("fast", torch.device("cpu"), torch.float32)
 

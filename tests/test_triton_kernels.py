@@ -1,5 +1,5 @@
 """The Triton kernels (kernels/triton_attention.py, triton_prefill.py,
-triton_blocks.py) against the torch reference, on CPU under Triton's interpreter:
+triton_blocks.py, triton_elementwise.py) against the torch reference, on CPU under Triton's interpreter:
 `tests/triton_kernel_checks.py`, run in a process of its own with TRITON_INTERPRET=1.
 And the CUDA dispatchers' per-call fallbacks, which need no GPU. Skipped where
 Triton is not installed."""
@@ -71,3 +71,24 @@ def test_the_cuda_block_copy_dispatch_falls_back_to_torch_indexing_for_tensors_t
     expected[:, :, :, :8].index_copy_(0, block_ids, blocks)
     copy.scatter(cache, block_ids, blocks)
     assert torch.equal(full, expected)
+
+
+def test_the_cuda_elementwise_dispatch_falls_back_to_the_references_for_layouts_triton_does_not_take():
+    """RMSNorm and SiLU-and-multiply over a strided last axis, and RoPE with a
+    head_dim of 80, go to the references, here on CPU tensors."""
+    import torch
+
+    from kernels.activation import select_silu_and_mul, silu_and_mul
+    from kernels.norm import rms_norm, select_rms_norm
+    from kernels.rope import apply_rope, select_apply_rope
+
+    cuda = torch.device("cuda")
+    norm, rotate, activate = select_rms_norm("auto", cuda, torch.float16), \
+        select_apply_rope("auto", cuda, torch.float16), select_silu_and_mul("auto", cuda)
+    assert norm is not rms_norm and rotate is not apply_rope and activate is not silu_and_mul
+    x, weight = torch.randn(16, 3).t(), torch.randn(16)  # [3, 16], last axis strided
+    torch.testing.assert_close(norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6))
+    q, cos, sin = torch.randn(3, 2, 80), torch.randn(3, 80), torch.randn(3, 80)
+    torch.testing.assert_close(rotate(q, cos, sin), apply_rope(q, cos, sin))
+    gate_up = torch.randn(8, 4).t()  # [4, 8], columns strided
+    torch.testing.assert_close(activate(gate_up), silu_and_mul(gate_up))

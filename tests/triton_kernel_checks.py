@@ -149,3 +149,57 @@ def test_block_copies_of_no_blocks_and_unsupported_tensors(triton_blocks):
     assert not triton_blocks.supports_blocks(cache[:, :, :8])  # a block that is not one span
     assert not triton_blocks.supports_blocks(cache, torch.randn(2, 2, 16, 2, 16).half())
     assert not triton_blocks.supports_blocks(cache, torch.randn(2, 16, 2, 2, 16).transpose(1, 2))
+
+
+# ---- elementwise: RMSNorm, RoPE, SiLU-and-multiply ---------------------------------
+@pytest.fixture(scope="module")
+def triton_elementwise():
+    import kernels.triton_elementwise as module
+
+    return module
+
+
+_HALF_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 896, 100])
+def test_rms_norm_matches_the_reference(triton_elementwise, dtype, hidden):
+    from kernels.norm import rms_norm
+
+    x = (torch.randn(7, hidden) * 3).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    tolerance = _HALF_TOLERANCE[dtype]
+    got = triton_elementwise.rms_norm(x, weight, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), rms_norm(x, weight, 1e-6).float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_matches_the_reference_on_a_strided_view(triton_elementwise, dtype):
+    """q and k as the model has them: views into the fused QKV projection's rows."""
+    from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 4, 2, 32
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    cos_table, sin_table = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 64)
+    positions = torch.randint(0, 64, (num_tokens,))
+    cos, sin = cos_table[positions], sin_table[positions]
+    tolerance = _HALF_TOLERANCE[dtype]
+    for x, heads in ((q, num_heads), (k, num_kv_heads)):
+        x = x.view(num_tokens, heads, head_dim)
+        got = triton_elementwise.apply_rope(x, cos, sin)
+        torch.testing.assert_close(got.float(), apply_rope(x, cos, sin).float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("size", [352, 4864, 5])
+def test_silu_and_mul_matches_the_reference(triton_elementwise, dtype, size):
+    from kernels.activation import silu_and_mul
+
+    x = (torch.randn(6, 2 * size) * 4).to(dtype)
+    tolerance = _HALF_TOLERANCE[dtype]
+    got = triton_elementwise.silu_and_mul(x)
+    assert got.shape == (6, size) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), silu_and_mul(x).float(), atol=tolerance, rtol=tolerance)

@@ -1,0 +1,34 @@
+"""The MLP's activation: silu(gate) * up over the fused gate/up projection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import check_kernel_backend
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, 2I] (gate, then up) -> [N, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def select_silu_and_mul(backend: str, device: torch.device) -> Callable:
+    """`auto`: the Triton kernel (`kernels.triton_elementwise`) on CUDA where Triton
+    is installed (per call, for the layouts it takes); the reference otherwise.
+    `torch`: always the reference."""
+    check_kernel_backend(backend)
+    if backend == "auto" and torch.device(device).type == "cuda":
+        try:
+            from kernels import triton_elementwise as triton
+        except ImportError:  # no Triton (the `gpu` extra): the reference
+            return silu_and_mul
+
+        def activate(x):
+            return triton.silu_and_mul(x) if triton.supports_silu_and_mul(x) else silu_and_mul(x)
+
+        return activate
+    return silu_and_mul

@@ -1,0 +1,125 @@
+"""RMSNorm, RoPE and SiLU-and-multiply in Triton: one kernel each on CUDA.
+
+Each torch reference is a chain of small ops (RMSNorm seven: cast, square, mean,
+add, rsqrt, multiply, cast and scale; RoPE six a call, two calls a layer; the MLP's
+activation two), and on a GPU a small model's step pays per kernel: in launch time
+when steps run eagerly (prefill), in each kernel's fixed cost inside a CUDA graph
+(decode). With these three a decoder layer runs 14 kernels instead of about 40.
+
+Same contracts and arithmetic as the references (`kernels/norm.py`,
+`kernels/rope.py`, `kernels/activation.py`): float32 inside, the result rounded to
+the input's dtype once (the references round after each op, so half-precision
+results may differ in the last bit; float32 agrees to rounding).
+
+- `rms_norm`: one program per row; the row must fit one block (hidden sizes up to
+  `MAX_HIDDEN`).
+- `apply_rope`: one program per (token, head), the rotate-half form Llama and Qwen2
+  use: out = x * cos + rotate_half(x) * sin, with cos and sin rounded to x's dtype
+  first, as the reference does. Reads q or k in place from the fused QKV output
+  (rows may be strided; each head's row contiguous).
+- `silu_and_mul`: silu(gate) * up of the fused gate/up projection [N, 2I] -> [N, I].
+
+Imports Triton at import time: import it only where Triton is installed (the `gpu`
+extra); on CPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, size, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / size + eps)
+    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dim() >= 1 and x.shape[-1] <= MAX_HIDDEN and x.stride(-1) == 1 and weight.is_contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H] (rows contiguous); returns a new tensor of x's shape and dtype."""
+    assert supports_rms_norm(x, weight), (x.shape, x.stride())
+    size = x.shape[-1]
+    rows = x.reshape(-1, size)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), size, float(eps),
+                                           BLOCK=triton.next_power_of_2(size))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
+                 HALF: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HALF)
+    row = x_ptr + token * stride_xn + head * stride_xh
+    x1 = tl.load(row + dims).to(tl.float32)
+    x2 = tl.load(row + HALF + dims).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    cos1 = tl.load(cos_ptr + token * stride_cn + dims).to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * stride_cn + dims).to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
+    out = out_ptr + token * stride_on + head * stride_oh
+    tl.store(out + dims, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty))
+    tl.store(out + HALF + dims, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty))
+
+
+def supports_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """[N, heads, d] with d a power of two of at least 2, each head's row contiguous;
+    cos and sin [N, d] with contiguous rows and the same strides."""
+    head_dim = x.shape[-1]
+    return (x.dim() == 3 and head_dim >= 2 and head_dim & (head_dim - 1) == 0 and x.stride(2) == 1
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1 and cos.shape == (x.shape[0], head_dim))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, d]; cos, sin: [N, d] float32. Returns a new contiguous tensor."""
+    assert supports_rope(x, cos, sin), (x.shape, x.stride(), cos.shape, cos.stride())
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        _rope_kernel[(num_tokens, num_heads)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0),
+                                              out.stride(0), out.stride(1), HALF=head_dim // 2)
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def supports_silu_and_mul(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, 2I] (gate, then up); returns [N, I] in x's dtype."""
+    assert supports_silu_and_mul(x), (x.shape, x.stride())
+    num_rows, size = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_rows, size, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(max(size, 1)))
+    if num_rows and size:
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(size, block))](x, out, x.stride(0), out.stride(0), size,
+                                                                   BLOCK=block)
+    return out
