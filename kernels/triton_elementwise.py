@@ -1,10 +1,11 @@
 """RMSNorm, RoPE and SiLU-and-multiply in Triton: one kernel each on CUDA.
 
-Each torch reference is a chain of small ops (RMSNorm seven: cast, square, mean,
-add, rsqrt, multiply, cast and scale; RoPE six a call, two calls a layer; the MLP's
-activation two), and on a GPU a small model's step pays per kernel: in launch time
-when steps run eagerly (prefill), in each kernel's fixed cost inside a CUDA graph
-(decode). With these three a decoder layer runs 14 kernels instead of about 40.
+Each torch reference is a chain of small ops (in bfloat16, RMSNorm eight kernels:
+cast, square, mean, add, rsqrt, multiply, cast, scale; RoPE seven a call, two calls
+a layer; the MLP's activation two), and on a GPU a small model's step pays per
+kernel: in launch time when steps run eagerly (prefill), in each kernel's fixed
+cost inside a CUDA graph (decode). With these three and the Triton slot write, a
+decoder layer runs 13 kernels (counted from the code, not profiled) instead of 44.
 
 Same contracts and arithmetic as the references (`kernels/norm.py`,
 `kernels/rope.py`, `kernels/activation.py`): float32 inside, the result rounded to
