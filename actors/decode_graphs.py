@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from actors.attention_metadata import AttentionMetadata
+from actors.host_tensors import padded_int64_rows
 
 logger = logging.getLogger(__name__)
 
@@ -143,19 +144,17 @@ class DecodeGraphs:
         batch = len(token_ids)
         assert self.fits(batch), (batch, self.max_batch)
         bucket = self._bucket(batch)
-        width = max(len(table) for table in block_tables)
         pad = bucket - batch
         scratch_slot = self.scratch_block * self.block_size
-        tables = [list(table) + [self.scratch_block] * (width - len(table)) for table in block_tables]
-        tables += [[self.scratch_block] * width] * pad
         rows = [
             list(token_ids) + [0] * pad,
             list(positions) + [0] * pad,
             list(slot_mapping) + [scratch_slot] * pad,
             list(context_lens) + [1] * pad,
         ]
-        self._copy_in(self.step_inputs[:, :bucket], torch.tensor(rows))
-        self._copy_in(self.block_tables[:bucket, :width], torch.tensor(tables))
+        tables = padded_int64_rows(list(block_tables) + [[]] * pad, pad=self.scratch_block)
+        self._copy_in(self.step_inputs[:, :bucket], padded_int64_rows(rows, pad=0))
+        self._copy_in(self.block_tables[:bucket, : tables.shape[1]], tables)
         if bucket in self._graphs:
             graph, hidden = self._graphs[bucket]
             graph.replay()

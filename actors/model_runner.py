@@ -31,6 +31,7 @@ import torch
 from actors.attention_metadata import AttentionMetadata, PrefillSpan
 from actors.config import EngineConfig, ModelConfig
 from actors.decode_graphs import DecodeGraphs
+from actors.host_tensors import int64_tensor, padded_int64_rows
 from actors.model import ForCausalLM, ModelKernels
 from actors.request import TokenLogprob
 from actors.scheduler import ScheduledChunk
@@ -171,24 +172,21 @@ class ModelRunner:
                 decode_lens.append(chunk.end)
             else:
                 q_start = len(input_ids) - chunk.num_new_tokens
-                block_table = torch.tensor(table, dtype=torch.long, device=self.device)
+                block_table = int64_tensor(table, self.device)
                 spans.append(PrefillSpan(q_start, chunk.num_new_tokens, chunk.end, block_table))
         num_prefill_tokens = sum(s.q_len for s in spans)
         tables = lens = None
         if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            tables = torch.tensor(padded, dtype=torch.long, device=self.device)
-            lens = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
+            tables = padded_int64_rows(decode_tables, pad=0, device=self.device)
+            lens = int64_tensor(decode_lens, self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=int64_tensor(slots, self.device),
             prefills=tuple(spans),
             num_prefill_tokens=num_prefill_tokens,
             decode_block_tables=tables,
             decode_context_lens=lens,
         )
-        to_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        return to_tensor(input_ids), to_tensor(positions), meta
+        return int64_tensor(input_ids, self.device), int64_tensor(positions, self.device), meta
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
