@@ -14,8 +14,8 @@ results may differ in the last bit; float32 agrees to rounding).
 
 - `rms_norm`: one program per row; the row must fit one block (hidden sizes up to
   `MAX_HIDDEN`).
-- `apply_rope`: one program per (token, head), the rotate-half form Llama and Qwen2
-  use: out = x * cos + rotate_half(x) * sin, with cos and sin rounded to x's dtype
+- `apply_rope`: one program per token, all its heads, the rotate-half form Llama and
+  Qwen2 use: out = x * cos + rotate_half(x) * sin, with cos and sin rounded to x's dtype
   first, as the reference does. Reads q or k in place from the fused QKV output
   (rows may be strided; each head's row contiguous).
 - `silu_and_mul`: silu(gate) * up of the fused gate/up projection [N, 2I] -> [N, I].
@@ -62,22 +62,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
-                 HALF: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
+                 HEADS: tl.constexpr, HALF: tl.constexpr):
     token = tl.program_id(0)
-    head = tl.program_id(1)
-    dims = tl.arange(0, HALF)
-    row = x_ptr + token * stride_xn + head * stride_xh
-    x1 = tl.load(row + dims).to(tl.float32)
-    x2 = tl.load(row + HALF + dims).to(tl.float32)
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    row = x_ptr + token * stride_xn + heads * stride_xh
+    x1 = tl.load(row + dims, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + dims, mask=mask, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
     cos1 = tl.load(cos_ptr + token * stride_cn + dims).to(dtype).to(tl.float32)
     cos2 = tl.load(cos_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
     sin1 = tl.load(sin_ptr + token * stride_cn + dims).to(dtype).to(tl.float32)
     sin2 = tl.load(sin_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
-    out = out_ptr + token * stride_on + head * stride_oh
-    tl.store(out + dims, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty))
-    tl.store(out + HALF + dims, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty))
+    out = out_ptr + token * stride_on + heads * stride_oh
+    tl.store(out + dims, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF + dims, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -94,8 +95,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     num_tokens, num_heads, head_dim = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens:
-        _rope_kernel[(num_tokens, num_heads)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0),
-                                              out.stride(0), out.stride(1), HALF=head_dim // 2)
+        _rope_kernel[(num_tokens,)](x, cos, sin, out, num_heads, x.stride(0), x.stride(1), cos.stride(0),
+                                    out.stride(0), out.stride(1), HEADS=triton.next_power_of_2(num_heads),
+                                    HALF=head_dim // 2)
     return out
 
 

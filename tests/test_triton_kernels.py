@@ -1,8 +1,9 @@
 """The Triton kernels (kernels/triton_attention.py, triton_prefill.py,
 triton_blocks.py, triton_elementwise.py) against the torch reference, on CPU under Triton's interpreter:
 `tests/triton_kernel_checks.py`, run in a process of its own with TRITON_INTERPRET=1.
-And the CUDA dispatchers' per-call fallbacks, which need no GPU. Skipped where
-Triton is not installed."""
+That they compile for a Hopper GPU (`tests/triton_compile_checks.py`, no GPU
+needed). And the CUDA dispatchers' per-call fallbacks, which need no GPU. Skipped
+where Triton is not installed."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(checks)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=checks.parent.parent)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
+def test_triton_kernels_compile_for_hopper_without_a_gpu():
+    """`tests/triton_compile_checks.py`: each kernel, launched by its real wrapper,
+    compiled to a cubin for sm_90 (what the interpreter never exercises)."""
+    checks = Path(__file__).with_name("triton_compile_checks.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default; silences its warning
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(checks)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=checks.parent.parent)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
 

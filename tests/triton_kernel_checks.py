@@ -180,7 +180,7 @@ def test_rope_matches_the_reference_on_a_strided_view(triton_elementwise, dtype)
     """q and k as the model has them: views into the fused QKV projection's rows."""
     from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
-    num_tokens, num_heads, num_kv_heads, head_dim = 9, 4, 2, 32
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 6, 2, 32  # 6 heads: a padded tile
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
     q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     cos_table, sin_table = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 64)
