@@ -163,7 +163,7 @@ class ModelRunner:
         for chunk in chunks:
             request = chunk.request
             table = request.block_table
-            input_ids += request.token_ids(chunk.start, chunk.end)
+            input_ids += request.token_ids_between(chunk.start, chunk.end)
             span_positions = range(chunk.start, chunk.end)
             positions += span_positions
             slots += self._slots(table, span_positions)
@@ -221,7 +221,7 @@ class ModelRunner:
         buffers, and its graphs when captured)."""
         size = self.config.block_size
         return static.run(
-            token_ids=[c.request.token_ids(c.start, c.end)[0] for c in chunks],
+            token_ids=[c.request.token_ids_between(c.start, c.end)[0] for c in chunks],
             positions=[c.start for c in chunks],
             slot_mapping=[self._slots(c.request.block_table, range(c.start, c.end))[0] for c in chunks],
             block_tables=[c.request.block_table[: -(-c.end // size)] for c in chunks],

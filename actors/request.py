@@ -68,7 +68,7 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_ids(self, start: int, end: int) -> list[int]:
+    def token_ids_between(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list."""
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
