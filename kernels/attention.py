@@ -20,8 +20,9 @@ Both support grouped-query attention (num_heads a multiple of num_kv_heads).
 `select_decode_attention` picks the C++ CPU kernel (`kernels/cpu_attention.py`) for
 float32 on CPU when it builds, the Triton kernel (`kernels/triton_attention.py`) on
 CUDA, this reference otherwise. `select_prefill_attention` picks the Triton kernel
-(`kernels/triton_prefill.py`) on CUDA and this reference (SDPA over the gathered
-prefix) everywhere else; `select_write_kv_slots` the Triton slot write on CUDA. On
+(`kernels/triton_prefill.py`) on CUDA for chunks over a cached prefix and this
+reference (SDPA: flash attention for a chunk with no prefix, in half precision on
+CUDA; over the gathered prefix otherwise) everywhere else; `select_write_kv_slots` the Triton slot write on CUDA. On
 CUDA each falls back to the reference, per call, for shapes the Triton kernels do
 not take.
 """
@@ -168,8 +169,9 @@ def select_decode_attention(backend: str, device: torch.device, dtype: torch.dty
 
 
 def select_prefill_attention(backend: str, device: torch.device) -> Callable:
-    """`auto`: the Triton kernel on CUDA where Triton is installed (per call, for the
-    shapes it supports); the reference otherwise. `torch`: always the reference."""
+    """`auto`: the Triton kernel on CUDA where Triton is installed, per call, for
+    chunks over a cached prefix of the shapes it supports; the reference otherwise.
+    `torch`: always the reference."""
     check_kernel_backend(backend)
     if backend == "auto" and torch.device(device).type == "cuda":
         try:
@@ -213,9 +215,17 @@ def _triton_decode_where_supported(triton_attention) -> Callable:
 
 
 def _triton_prefill_where_supported(triton_prefill) -> Callable:
+    """A chunk over a cached prefix goes to Triton (it reads the prefix in place; the
+    reference gathers it and passes SDPA a mask, which rules out its flash backend). A
+    chunk with no prefix goes to the reference: SDPA, causal with no mask, on the
+    chunk's own K/V, which in half precision is torch's flash-attention kernel
+    (grouped-query heads included), the kernel this untuned Triton one would have to
+    beat. The GPU check's `kernels` step times both on a prompt with no prefix."""
+
     def attend(q, k_new, v_new, layer_cache, block_table, ctx_len, scale):
         shape = (q.shape[1], layer_cache.shape[3], q.shape[2], layer_cache.shape[2])
-        if triton_prefill.supports_prefill(*shape):
+        has_prefix = ctx_len > q.shape[0]
+        if has_prefix and triton_prefill.supports_prefill(*shape):
             return triton_prefill.paged_prefill_attention(q, k_new, v_new, layer_cache, block_table, ctx_len, scale)
         return prefill_attention(q, k_new, v_new, layer_cache, block_table, ctx_len, scale)
 

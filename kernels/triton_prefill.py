@@ -17,9 +17,11 @@ running max is finite after the first block and no row divides by zero.
 Scores and the output accumulate in float32; with a float32 cache the dot products
 use IEEE precision (no TF32), so float32 results track the reference closely.
 
-Not tuned: one cache block per step of the walk and a fixed tile size. How it
-compares with torch SDPA over the gathered prefix on a GPU is for
-`benchmarks/gpu_check.py` to measure; it has not been measured yet.
+Not tuned: one cache block per step of the walk and a fixed tile size. The
+dispatcher (`kernels.attention.select_prefill_attention`) gives it only chunks over
+a cached prefix; a chunk with no prefix goes to SDPA (flash attention). How it
+compares with torch SDPA on a GPU is for `benchmarks/gpu_check.py` to measure; it
+has not been measured yet.
 
 Imports Triton at import time, like `kernels/triton_attention.py`; `supports_prefill`
 says which shapes the kernel takes and `kernels.attention`'s dispatcher falls back to

@@ -67,6 +67,21 @@ def test_the_cuda_prefill_dispatch_falls_back_to_the_reference_for_shapes_triton
     torch.testing.assert_close(attend(*args), prefill_attention(*args))
 
 
+def test_the_cuda_prefill_dispatch_leaves_a_chunk_with_no_prefix_to_sdpa():
+    """A supported shape, but no cached prefix: the reference (SDPA on the chunk's own
+    K/V, flash attention on a GPU) runs, not Triton (which, given CPU tensors here,
+    would raise)."""
+    import torch
+
+    from kernels.attention import prefill_attention, select_prefill_attention
+
+    attend = select_prefill_attention("auto", torch.device("cuda"))
+    layer_cache, table = torch.randn(8, 2, 16, 2, 64), torch.tensor([3, 0])
+    q, k_new, v_new = torch.randn(20, 4, 64), torch.randn(20, 2, 64), torch.randn(20, 2, 64)
+    args = (q, k_new, v_new, layer_cache, table, 20, 0.125)
+    torch.testing.assert_close(attend(*args), prefill_attention(*args))
+
+
 def test_the_cuda_block_copy_dispatch_falls_back_to_torch_indexing_for_tensors_triton_does_not_take():
     """A cache whose blocks are not one span each (a slice inside the block), and a
     non-contiguous source for a scatter, go to torch indexing, here on CPU tensors."""
