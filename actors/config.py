@@ -103,7 +103,7 @@ class EngineConfig:
     device: str = "cpu"
     enable_prefix_cache: bool = True
     kernel_backend: str = "auto"  # auto: C++ (CPU) / Triton (CUDA) kernels where they apply; torch: the references
-    cuda_graphs: bool = True  # on CUDA, decode steps of up to max_num_seqs sequences replay CUDA graphs
+    cuda_graphs: bool = True  # on CUDA, decode steps of up to min(max_num_seqs, 256) sequences replay CUDA graphs
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -6,8 +6,9 @@ bound by the host, not by memory. A CUDA graph records the step's launches once 
 replays them with one call. What a graph needs, and how this class gives it:
 
 - **Fixed shapes and addresses.** Inputs live in static buffers sized for
-  `max_batch` rows; a graph is captured per batch bucket (1, 2, 4, then multiples
-  of 8) and a step of `n` sequences replays the smallest bucket that holds it.
+  `max_batch` rows (at most `MAX_GRAPH_BATCH`); a graph is captured per batch
+  bucket (1, 2, 4, then multiples of 8) and a step of `n` sequences replays the
+  smallest bucket that holds it.
   Block tables are `ceil(max_model_len / block_size)` wide, so any sequence fits;
   only the columns a step uses are copied in.
 - **Padding rows that harm nothing.** A bucket's unused rows decode token 0 at
@@ -39,6 +40,10 @@ from actors.attention_metadata import AttentionMetadata
 from actors.host_tensors import padded_int64_rows
 
 logger = logging.getLogger(__name__)
+
+# Larger decode batches run eagerly: launches are amortised there, and every bucket
+# costs capture time at start-up (vLLM caps its capture sizes at 512 likewise).
+MAX_GRAPH_BATCH = 256
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -30,7 +30,7 @@ import torch
 
 from actors.attention_metadata import AttentionMetadata, PrefillSpan
 from actors.config import EngineConfig, ModelConfig
-from actors.decode_graphs import DecodeGraphs
+from actors.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from actors.host_tensors import int64_tensor, padded_int64_rows
 from actors.model import ForCausalLM, ModelKernels
 from actors.request import TokenLogprob
@@ -108,12 +108,13 @@ class ModelRunner:
 
     def static_decode(self, capture: bool) -> DecodeGraphs:
         """Static-shape decode steps over this runner's model and cache, for up to
-        max_num_seqs sequences of up to max_model_len tokens; `capture` records them
-        as CUDA graphs (CUDA only)."""
+        max_num_seqs (at most MAX_GRAPH_BATCH) sequences of up to max_model_len
+        tokens; `capture` records them as CUDA graphs (CUDA only)."""
         max_positions = self.model_config.max_position_embeddings
         max_len = min(self.config.max_model_len or max_positions, max_positions)
         max_blocks = -(-max_len // self.config.block_size)
-        return DecodeGraphs(self.model, self.kv_cache, self.scratch_block, self.config.max_num_seqs, max_blocks, capture)
+        max_batch = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
+        return DecodeGraphs(self.model, self.kv_cache, self.scratch_block, max_batch, max_blocks, capture)
 
     def use_compute_stream(self) -> None:
         """Make the compute stream the calling thread's current stream (CUDA; the
