@@ -3,6 +3,8 @@ that replace them where they apply. Each `select_*` function picks one from the
 engine's `kernel_backend`: `auto` (the fastest kernel that applies on the device)
 or `torch` (always the reference, for debugging and comparison)."""
 
+import importlib.util
+
 import torch
 
 KERNEL_BACKENDS = ("auto", "torch")
@@ -18,3 +20,11 @@ def wants_cpu_kernels(backend: str, device, dtype) -> bool:
     and float32 on CPU (each caller still falls back when its kernel does not build)."""
     check_kernel_backend(backend)
     return backend == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def wants_triton_kernels(backend: str, device) -> bool:
+    """Whether `backend` asks for the Triton kernels on this device: `auto` on CUDA
+    with Triton installed (the `gpu` extra); each caller still falls back, per call,
+    for the shapes its kernel does not take."""
+    check_kernel_backend(backend)
+    return backend == "auto" and torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None

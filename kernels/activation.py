@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import check_kernel_backend
+from kernels import wants_triton_kernels
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -20,12 +20,8 @@ def select_silu_and_mul(backend: str, device: torch.device) -> Callable:
     """`auto`: the Triton kernel (`kernels.triton_elementwise`) on CUDA where Triton
     is installed (per call, for the layouts it takes); the reference otherwise.
     `torch`: always the reference."""
-    check_kernel_backend(backend)
-    if backend == "auto" and torch.device(device).type == "cuda":
-        try:
-            from kernels import triton_elementwise as triton
-        except ImportError:  # no Triton (the `gpu` extra): the reference
-            return silu_and_mul
+    if wants_triton_kernels(backend, device):
+        from kernels import triton_elementwise as triton
 
         def activate(x):
             return triton.silu_and_mul(x) if triton.supports_silu_and_mul(x) else silu_and_mul(x)

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import check_kernel_backend, wants_cpu_kernels
+from kernels import wants_cpu_kernels, wants_triton_kernels
 
 
 def write_kv_slots(
@@ -159,11 +159,9 @@ def select_decode_attention(backend: str, device: torch.device, dtype: torch.dty
 
         if cpu_attention.load() is not None:
             return cpu_attention.paged_decode_attention
-    if backend == "auto" and torch.device(device).type == "cuda":
-        try:
-            from kernels import triton_attention
-        except ImportError:  # no Triton (the `gpu` extra): the reference
-            return decode_attention
+    if wants_triton_kernels(backend, device):
+        from kernels import triton_attention
+
         return _triton_decode_where_supported(triton_attention)
     return decode_attention
 
@@ -172,12 +170,9 @@ def select_prefill_attention(backend: str, device: torch.device) -> Callable:
     """`auto`: the Triton kernel on CUDA where Triton is installed, per call, for
     chunks over a cached prefix of the shapes it supports; the reference otherwise.
     `torch`: always the reference."""
-    check_kernel_backend(backend)
-    if backend == "auto" and torch.device(device).type == "cuda":
-        try:
-            from kernels import triton_prefill
-        except ImportError:  # no Triton (the `gpu` extra): the reference
-            return prefill_attention
+    if wants_triton_kernels(backend, device):
+        from kernels import triton_prefill
+
         return _triton_prefill_where_supported(triton_prefill)
     return prefill_attention
 
@@ -185,12 +180,9 @@ def select_prefill_attention(backend: str, device: torch.device) -> Callable:
 def select_write_kv_slots(backend: str, device: torch.device) -> Callable:
     """`auto`: the Triton slot write on CUDA where Triton is installed (per call, for
     the layouts it takes); the reference otherwise. `torch`: always the reference."""
-    check_kernel_backend(backend)
-    if backend == "auto" and torch.device(device).type == "cuda":
-        try:
-            from kernels import triton_attention
-        except ImportError:  # no Triton (the `gpu` extra): the reference
-            return write_kv_slots
+    if wants_triton_kernels(backend, device):
+        from kernels import triton_attention
+
         return _triton_write_where_supported(triton_attention)
     return write_kv_slots
 

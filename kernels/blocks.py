@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import check_kernel_backend
+from kernels import wants_triton_kernels
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -44,13 +44,9 @@ TORCH_BLOCK_COPY = BlockCopy(gather_blocks, scatter_blocks)
 def select_block_copy(backend: str, device: torch.device) -> BlockCopy:
     """`auto`: the Triton kernels on CUDA where Triton is installed (per call, for the
     tensors they take), the reference otherwise. `torch`: always the reference."""
-    check_kernel_backend(backend)
-    if backend != "auto" or torch.device(device).type != "cuda":
+    if not wants_triton_kernels(backend, device):
         return TORCH_BLOCK_COPY
-    try:
-        from kernels import triton_blocks
-    except ImportError:  # no Triton (the `gpu` extra): the reference
-        return TORCH_BLOCK_COPY
+    from kernels import triton_blocks
 
     def gather(cache, block_ids):
         if triton_blocks.supports_blocks(cache):

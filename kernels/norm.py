@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import wants_cpu_kernels
+from kernels import wants_cpu_kernels, wants_triton_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,11 +24,8 @@ def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
 
         if cpu_norm_rope.load() is not None:
             return cpu_norm_rope.rms_norm
-    if backend == "auto" and torch.device(device).type == "cuda":
-        try:
-            from kernels import triton_elementwise as triton
-        except ImportError:  # no Triton (the `gpu` extra): the reference
-            return rms_norm
+    if wants_triton_kernels(backend, device):
+        from kernels import triton_elementwise as triton
 
         def norm(x, weight, eps):
             return triton.rms_norm(x, weight, eps) if triton.supports_rms_norm(x, weight) else rms_norm(x, weight, eps)

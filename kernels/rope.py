@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kernels import wants_cpu_kernels
+from kernels import wants_cpu_kernels, wants_triton_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -65,11 +65,8 @@ def select_apply_rope(backend: str, device: torch.device, dtype: torch.dtype):
 
         if cpu_norm_rope.load() is not None:
             return cpu_norm_rope.apply_rope
-    if backend == "auto" and torch.device(device).type == "cuda":
-        try:
-            from kernels import triton_elementwise as triton
-        except ImportError:  # no Triton (the `gpu` extra): the reference
-            return apply_rope
+    if wants_triton_kernels(backend, device):
+        from kernels import triton_elementwise as triton
 
         def rotate(x, cos, sin):
             return triton.apply_rope(x, cos, sin) if triton.supports_rope(x, cos, sin) else apply_rope(x, cos, sin)
