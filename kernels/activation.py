@@ -21,10 +21,7 @@ def select_silu_and_mul(backend: str, device: torch.device) -> Callable:
     is installed (per call, for the layouts it takes); the reference otherwise.
     `torch`: always the reference."""
     if wants_triton_kernels(backend, device):
-        from kernels import triton_elementwise as triton
+        from kernels import triton_elementwise
 
-        def activate(x):
-            return triton.silu_and_mul(x) if triton.supports_silu_and_mul(x) else silu_and_mul(x)
-
-        return activate
+        return triton_elementwise.silu_and_mul
     return silu_and_mul

@@ -25,10 +25,7 @@ def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
         if cpu_norm_rope.load() is not None:
             return cpu_norm_rope.rms_norm
     if wants_triton_kernels(backend, device):
-        from kernels import triton_elementwise as triton
+        from kernels import triton_elementwise
 
-        def norm(x, weight, eps):
-            return triton.rms_norm(x, weight, eps) if triton.supports_rms_norm(x, weight) else rms_norm(x, weight, eps)
-
-        return norm
+        return triton_elementwise.rms_norm
     return rms_norm

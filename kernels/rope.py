@@ -66,10 +66,7 @@ def select_apply_rope(backend: str, device: torch.device, dtype: torch.dtype):
         if cpu_norm_rope.load() is not None:
             return cpu_norm_rope.apply_rope
     if wants_triton_kernels(backend, device):
-        from kernels import triton_elementwise as triton
+        from kernels import triton_elementwise
 
-        def rotate(x, cos, sin):
-            return triton.apply_rope(x, cos, sin) if triton.supports_rope(x, cos, sin) else apply_rope(x, cos, sin)
-
-        return rotate
+        return triton_elementwise.apply_rope
     return apply_rope

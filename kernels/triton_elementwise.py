@@ -20,8 +20,9 @@ results may differ in the last bit; float32 agrees to rounding).
   (rows may be strided; each head's row contiguous).
 - `silu_and_mul`: silu(gate) * up of the fused gate/up projection [N, 2I] -> [N, I].
 
-Imports Triton at import time: import it only where Triton is installed (the `gpu`
-extra); on CPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`).
+Like their C++ twins in `kernels/cpu_norm_rope.py`, the wrappers hand layouts their
+kernels do not take (the `supports_*` functions) to the references. Imports Triton
+at import time: import it only where Triton is installed (the `gpu` extra); on CPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels import activation as reference_activation
+from kernels import norm as reference_norm
+from kernels import rope as reference_rope
 
 MAX_HIDDEN = 16384
 
@@ -50,8 +55,10 @@ def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., H] (rows contiguous); returns a new tensor of x's shape and dtype."""
-    assert supports_rms_norm(x, weight), (x.shape, x.stride())
+    """x: [..., H]; returns a new tensor of x's shape and dtype. Layouts the kernel
+    does not take go to the reference."""
+    if not supports_rms_norm(x, weight):
+        return reference_norm.rms_norm(x, weight, eps)
     size = x.shape[-1]
     rows = x.reshape(-1, size)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
@@ -90,8 +97,10 @@ def supports_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, d]; cos, sin: [N, d] float32. Returns a new contiguous tensor."""
-    assert supports_rope(x, cos, sin), (x.shape, x.stride(), cos.shape, cos.stride())
+    """x: [N, heads, d]; cos, sin: [N, d] float32. Returns a new contiguous tensor.
+    Layouts the kernel does not take go to the reference."""
+    if not supports_rope(x, cos, sin):
+        return reference_rope.apply_rope(x, cos, sin)
     num_tokens, num_heads, head_dim = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens:
@@ -117,8 +126,10 @@ def supports_silu_and_mul(x: torch.Tensor) -> bool:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [N, 2I] (gate, then up); returns [N, I] in x's dtype."""
-    assert supports_silu_and_mul(x), (x.shape, x.stride())
+    """x: [N, 2I] (gate, then up); returns [N, I] in x's dtype. Layouts the kernel
+    does not take go to the reference."""
+    if not supports_silu_and_mul(x):
+        return reference_activation.silu_and_mul(x)
     num_rows, size = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_rows, size, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(max(size, 1)))
