@@ -112,6 +112,17 @@ def test_a_seeded_row_does_not_depend_on_its_neighbours():
     assert together[2] == alone[0]
 
 
+def test_sampling_keeps_every_tensor_on_the_logits_device():
+    """On the meta device any CPU tensor mixed in raises, as it does on CUDA (where
+    the default request, temperature 1.0, once crashed the step)."""
+    logits = torch.empty(3, 50, device="meta")
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    tokens = sample(logits, [1.0, 0.0, 0.7], [0, 0, 5], [1.0, 1.0, 0.9], gens)
+    assert tokens.device.type == "meta" and tokens.shape == (3,)
+    chosen, top_ids, _ = logprobs_of(logits, tokens, 2)
+    assert chosen.device.type == top_ids.device.type == "meta"
+
+
 def test_logprobs_are_log_softmax_of_raw_logits():
     logits = torch.randn(2, 20)
     chosen, top_ids, top_lps = logprobs_of(logits, torch.tensor([3, 7]), 4)
