@@ -104,6 +104,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     kernel_backend: str = "auto"  # auto: C++ (CPU) / Triton (CUDA) kernels where they apply; torch: the references
     cuda_graphs: bool = True  # on CUDA, decode steps of up to min(max_num_seqs, 256) sequences replay CUDA graphs
+    # Launch the next decode step before reading this one's tokens (actors/engine.py).
+    # None: on CUDA only, where the host then works while the device computes.
+    overlap_decode: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +124,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def overlaps_decode(self) -> bool:
+        if self.overlap_decode is None:
+            return torch.device(self.device).type == "cuda"
+        return self.overlap_decode
 
 
 @dataclass(frozen=True)

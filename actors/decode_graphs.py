@@ -137,28 +137,33 @@ class DecodeGraphs:
 
     def run(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int],
         slot_mapping: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
     ) -> torch.Tensor:
         """The step's hidden states, [n, hidden] for n = len(token_ids) single-token
-        decodes (each row's block table covers its context_len). The result is a view
-        of the graph's output: read it before the next `run`."""
+        decodes (each row's block table covers its context_len). `token_ids` may be
+        a tensor on the device (tokens the host has not read yet): copied in on the
+        device, after the host's rows. The result is a view of the graph's output:
+        read it before the next `run`."""
         batch = len(token_ids)
         assert self.fits(batch), (batch, self.max_batch)
         bucket = self._bucket(batch)
         pad = bucket - batch
         scratch_slot = self.scratch_block * self.block_size
+        on_device = isinstance(token_ids, torch.Tensor)
         rows = [
-            list(token_ids) + [0] * pad,
+            ([0] * batch if on_device else list(token_ids)) + [0] * pad,
             list(positions) + [0] * pad,
             list(slot_mapping) + [scratch_slot] * pad,
             list(context_lens) + [1] * pad,
         ]
         tables = padded_int64_rows(list(block_tables) + [[]] * pad, pad=self.scratch_block)
         self._copy_in(self.step_inputs[:, :bucket], padded_int64_rows(rows, pad=0))
+        if on_device:
+            self.token_ids[:batch].copy_(token_ids)
         self._copy_in(self.block_tables[:bucket, : tables.shape[1]], tables)
         if bucket in self._graphs:
             graph, hidden = self._graphs[bucket]

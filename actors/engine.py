@@ -3,6 +3,28 @@
 Not thread-safe: one caller drives `step()`; the Ray actors wrap it with their own
 loop. `add_request` validates and queues; `step` runs one batch and returns a
 `RequestOutput` for every request that got a token or finished in it.
+
+Overlapped decode (`EngineConfig.overlap_decode`, on by default on CUDA). A step's
+host work (reading the tokens, stop checks, detokenizing, outputs, planning the next
+step, building its inputs) takes about as long as a small model's decode step on a
+GPU; done in turn, the device idles through it. So while the batch only decodes and
+nothing else asks to be scheduled, `run_step` launches step N+1 before reading step
+N's tokens: N+1's input ids are N's sampled ids, still on the device, and N+1's
+positions and blocks follow from N's alone. Then it reads N's tokens, updates the
+requests and returns N's outputs while N+1 runs. SGLang's overlap scheduler and
+vLLM's async scheduling do the same; here the overlap is kept to runs of decode-only
+steps with a fixed batch, where it pays, and the rest of the engine is unchanged:
+- a request that N ends by length is left out of N+1 (its end is known);
+- one that N ends otherwise (a stop token, a stop string) or that is aborted while
+  N+1 runs wastes N+1's row: the token is dropped. Its blocks go back to the pool at
+  once: all device work runs in order on the engine's stream, so N+1 writes before
+  any later step does, and transfers wait for the latest step's event;
+- arrivals, prefills, activations and a short pool end the run: N is read before
+  anything is scheduled again (`schedule()` never runs with a step in flight);
+- sampling draws from each request's generator in the same order as without
+  overlap, so outputs are identical either way (the CPU tests hold them to it).
+On CPU the step runs while it is launched, so overlap saves nothing there and is off
+unless asked for.
 """
 
 from __future__ import annotations
@@ -19,11 +41,12 @@ import torch
 from actors.block_pool import BlockPool, block_hashes, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import IncrementalDetokenizer
+from actors.host_tensors import int64_tensor
 from actors.kv_tiers import StoredBlock
-from actors.model_runner import ModelRunner, SampledToken
+from actors.model_runner import LaunchedStep, ModelRunner, SampledToken
 from actors.request import FinishReason, Request, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
-from actors.scheduler import Scheduler
+from actors.scheduler import ScheduledChunk, Scheduler
 
 
 @dataclass(frozen=True)
@@ -46,6 +69,15 @@ class Reservation:
     request_id: str
     block_ids: list[int]
     num_cached_blocks: int
+
+
+@dataclass(frozen=True)
+class _StepInFlight:
+    """A launched step whose tokens the engine has not read yet."""
+
+    chunks: list[ScheduledChunk]
+    launched: LaunchedStep
+    decodes_only: bool  # every chunk a single-token decode that samples
 
 
 @dataclass
@@ -97,6 +129,8 @@ class Engine:
         self._seed_rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_steps_launched_ahead = 0  # overlapped decode steps, since start
+        self._in_flight: _StepInFlight | None = None
 
     # ---- requests ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -281,7 +315,7 @@ class Engine:
         return self._output(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -289,28 +323,69 @@ class Engine:
 
     def run_step(self) -> tuple[list[ExportedChunk], list[RequestOutput]]:
         """One step. Returns the chunks of `exports_kv` requests it computed, and an
-        output for every request that got a token or finished."""
-        plan = self.scheduler.schedule()
-        if not plan.chunks:
-            return [], []
-        sampled = self.runner.execute(plan.chunks)
-        self.scheduler.update(plan)
+        output for every request that got a token or finished. With overlapped
+        decode the step returned may be one launched by the previous call, and the
+        next one is then already running (see the module docstring)."""
+        step = self._in_flight
+        if step is None:
+            plan = self.scheduler.schedule()
+            if not plan.chunks:
+                return [], []
+            decodes_only = all(c.num_new_tokens == 1 and c.samples for c in plan.chunks)
+            step = _StepInFlight(plan.chunks, self.runner.launch(plan.chunks), decodes_only)
+        self._in_flight = self._launch_next_decodes(step) if self.config.overlaps_decode else None
+        return self._finish_step(step)
+
+    def _launch_next_decodes(self, step: _StepInFlight) -> _StepInFlight | None:
+        """Launch the decode step after `step` before its tokens are read, when the
+        batch only decodes, nobody else waits to be scheduled and the blocks are
+        there. Requests that `step` ends by length are left out."""
+        if not step.decodes_only or self.scheduler.waiting:
+            return None
+        in_step = {c.request.request_id for c in step.chunks}
+        if any(r.request_id not in in_step for r in self.scheduler.running):
+            return None
+        rows = [row for row, c in enumerate(step.chunks)
+                if not c.request.is_finished and not self._next_token_is_last(c.request)]
+        if not rows:
+            return None
+        plan = self.scheduler.schedule_next_decodes([step.chunks[row] for row in rows])
+        if plan is None:
+            return None
+        input_ids = step.launched.token_ids
+        if len(rows) < len(step.chunks):
+            input_ids = input_ids[int64_tensor(rows, input_ids.device)]
+        self.num_steps_launched_ahead += 1
+        return _StepInFlight(plan.chunks, self.runner.launch(plan.chunks, input_ids), decodes_only=True)
+
+    def _next_token_is_last(self, request: Request) -> bool:
+        """Whether the token being sampled for `request` ends it by length."""
+        return (len(request.output_token_ids) + 1 >= request.params.max_new_tokens
+                or request.num_tokens + 1 >= self.max_model_len)
+
+    def _finish_step(self, step: _StepInFlight) -> tuple[list[ExportedChunk], list[RequestOutput]]:
+        """Read a launched step's tokens and bring its requests up to date. Requests
+        aborted since its launch are skipped (their tokens dropped)."""
+        sampled = self.runner.collect(step.launched)
+        chunks = [c for c in step.chunks if not c.request.is_finished]
+        self.scheduler.update(chunks)
         if self.block_sink is not None and self.config.enable_prefix_cache:
-            self._save_computed_blocks(plan.chunks)
+            self._save_computed_blocks(chunks)
         self.num_steps += 1
         blocks_for = lambda end: -(-end // self.pool.block_size)  # noqa: E731
         exported = [
             ExportedChunk(c.request.request_id, c.start, c.end, c.request.block_table[: blocks_for(c.end)])
-            for c in plan.chunks
+            for c in chunks
             if c.request.exports_kv
         ]
         now = time.monotonic()
         outputs = []
-        for request_id, token in sampled.items():
-            request = self.requests[request_id]
+        for request, token in sampled:
+            if request.is_finished:
+                continue
             self._append_token(request, token, now)
             if request.is_finished:
-                del self.requests[request_id]
+                del self.requests[request.request_id]
             outputs.append(self._output(request))
         return exported, outputs
 

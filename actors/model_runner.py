@@ -23,7 +23,7 @@ the bytes, so a transfer's completion signal means what it says.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from actors.config import EngineConfig, ModelConfig
 from actors.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from actors.host_tensors import int64_tensor, padded_int64_rows
 from actors.model import ForCausalLM, ModelKernels
-from actors.request import TokenLogprob
+from actors.request import Request, TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
 from kernels.activation import select_silu_and_mul
@@ -189,71 +189,118 @@ class ModelRunner:
         )
         return int64_tensor(input_ids, self.device), int64_tensor(positions, self.device), meta
 
+    def execute(self, chunks: list[ScheduledChunk]) -> list[tuple[Request, SampledToken]]:
+        """Run one step; return the sampled token of every chunk that samples."""
+        return self.collect(self.launch(chunks))
+
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
-        """Run one step; return the sampled token of every chunk that samples,
-        keyed by request id."""
+    def launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None) -> LaunchedStep:
+        """Enqueue one step, sampling included, without waiting for the device (on
+        CUDA; on CPU it runs here). `input_ids`: a step of single-token decodes
+        whose tokens the host does not know yet, given on the device instead (the
+        previous step's `LaunchedStep.token_ids`, one row a chunk, in order); every
+        such chunk samples."""
         started = time.perf_counter()
         ordered = [c for c in chunks if c.num_new_tokens > 1] + [c for c in chunks if c.num_new_tokens == 1]
         only_decodes = bool(ordered) and ordered[0].num_new_tokens == 1
+        assert input_ids is None or (only_decodes and len(input_ids) == len(ordered)), "input_ids: decodes only"
         if self.decode_graphs is not None and only_decodes and self.decode_graphs.fits(len(ordered)):
-            hidden = self.run_static_decode(self.decode_graphs, ordered)
+            hidden = self.run_static_decode(self.decode_graphs, ordered, input_ids)
         else:
-            input_ids, positions, meta = self._metadata(ordered)
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            known_ids, positions, meta = self._metadata(ordered)
+            hidden = self.model(known_ids if input_ids is None else input_ids, positions, self.kv_cache, meta)
         ends, sampling, offset = [], [], 0
         for chunk in ordered:
             offset += chunk.num_new_tokens
-            if chunk.samples:
+            if input_ids is not None or chunk.samples:
                 ends.append(offset - 1)
                 sampling.append(chunk.request)
-        result: dict[str, SampledToken] = {}
+        step = LaunchedStep(sampling, started)
         if sampling:
-            logits = self.model.compute_logits(hidden[ends])
-            result = self._sample(logits, sampling)
+            rows = hidden[: len(ends)] if ends[-1] == len(ends) - 1 else hidden[int64_tensor(ends, self.device)]
+            self._sample(self.model.compute_logits(rows), step)
         if self.compute_stream is not None:
             self.step_done = torch.cuda.Event()
             self.step_done.record()
-        self.last_step_s = time.perf_counter() - started
+            step.ready = self.step_done
+        return step
+
+    def collect(self, step: LaunchedStep) -> list[tuple[Request, SampledToken]]:
+        """The tokens a launched step sampled, once the device has them (waits)."""
+        result = step.tokens()
+        self.last_step_s = time.perf_counter() - step.started
         return result
 
-    def run_static_decode(self, static: DecodeGraphs, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def run_static_decode(
+        self, static: DecodeGraphs, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Hidden states of single-token chunks, through `static` (its padded
-        buffers, and its graphs when captured)."""
+        buffers, and its graphs when captured); `input_ids` as in `launch`."""
         size = self.config.block_size
         return static.run(
-            token_ids=[c.request.token_ids_between(c.start, c.end)[0] for c in chunks],
+            token_ids=[c.request.token_ids_between(c.start, c.end)[0] for c in chunks] if input_ids is None
+            else input_ids,
             positions=[c.start for c in chunks],
             slot_mapping=[self._slots(c.request.block_table, range(c.start, c.end))[0] for c in chunks],
             block_tables=[c.request.block_table[: -(-c.end // size)] for c in chunks],
             context_lens=[c.end for c in chunks],
         )
 
-    def _sample(self, logits: torch.Tensor, requests) -> dict[str, SampledToken]:
-        params = [r.params for r in requests]
-        token_ids = sample(
+    def _sample(self, logits: torch.Tensor, step: LaunchedStep) -> None:
+        """Sample the step's rows on the device; start copying what the host reads."""
+        params = [r.params for r in step.requests]
+        step.token_ids = sample(
             logits,
             [p.temperature for p in params],
             [p.top_k for p in params],
             [p.top_p for p in params],
-            [r.generator for r in requests],
+            [r.generator for r in step.requests],
         )
         num_top = max((p.logprobs or 0) for p in params)
-        wants_logprobs = any(p.logprobs is not None for p in params)
-        chosen = top_ids = top_lps = None
-        if wants_logprobs:  # as lists: one device-to-host copy each, not one a row
-            chosen, top_ids, top_lps = logprobs_of(logits, token_ids, num_top)
-            chosen = chosen.tolist()
-            if num_top:
-                top_ids, top_lps = top_ids.tolist(), top_lps.tolist()
-        token_list = token_ids.tolist()
-        result = {}
-        for row, request in enumerate(requests):
+        outputs = [step.token_ids]
+        if any(p.logprobs is not None for p in params):
+            chosen, top_ids, top_lps = logprobs_of(logits, step.token_ids, num_top)
+            outputs += [chosen] + ([top_ids, top_lps] if num_top else [])
+        step.host = [to_host(t) for t in outputs]
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host; from CUDA an asynchronous one into pinned memory (read it
+    after the step's `ready` event)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device: the requests it samples for, in row order, and
+    their tokens once the device has them. `token_ids` stays on the device: the
+    next step's input, before the host has seen it."""
+
+    requests: list[Request]
+    started: float
+    token_ids: torch.Tensor | None = None  # [rows] int64, on the device
+    host: list[torch.Tensor] = field(default_factory=list)  # token ids[, chosen logprobs[, top ids, top logprobs]]
+    ready: torch.cuda.Event | None = None  # recorded after the copies to `host` (CUDA)
+
+    def tokens(self) -> list[tuple[Request, SampledToken]]:
+        """(request, sampled token) a row; waits for the device (as lists: one copy
+        each, not one a row)."""
+        if not self.requests:
+            return []
+        if self.ready is not None:
+            self.ready.synchronize()
+        token_list, *logprob_tensors = (t.tolist() for t in self.host)
+        chosen, top_ids, top_lps = (logprob_tensors + [None, None, None])[:3]
+        result = []
+        for row, request in enumerate(self.requests):
             token_id = token_list[row]
             logprob = None
             if request.params.logprobs is not None:
                 n = request.params.logprobs
                 top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n else []
                 logprob = TokenLogprob(token_id, chosen[row], top)
-            result[request.request_id] = SampledToken(token_id, logprob)
+            result.append((request, SampledToken(token_id, logprob)))
         return result

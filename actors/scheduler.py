@@ -180,10 +180,22 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def schedule_next_decodes(self, decodes: list[ScheduledChunk]) -> SchedulerOutput | None:
+        """One more decode for each of these decode chunks' requests, planned while
+        the chunks are still running (their new tokens unknown here): each next
+        chunk starts at the previous one's end. None when that needs more blocks
+        than are free: a full `schedule()` after the step decides who waits."""
+        needed = sum(self.blocks_needed(c.request, c.end + 1) for c in decodes)
+        if needed > self.pool.num_available:
+            return None
+        for chunk in decodes:
+            self._grow(chunk.request, chunk.end + 1)
+        return SchedulerOutput([ScheduledChunk(c.request, 1, c.end) for c in decodes])
+
     # ---- after the step ------------------------------------------------------
-    def update(self, out: SchedulerOutput) -> None:
-        """Advance counters for a plan that ran, and publish newly full blocks."""
-        for chunk in out.chunks:
+    def update(self, chunks: list[ScheduledChunk]) -> None:
+        """Advance counters for chunks that ran, and publish newly full blocks."""
+        for chunk in chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.end
             if self.config.enable_prefix_cache:

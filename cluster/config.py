@@ -71,6 +71,7 @@ class EngineSettings(_Strict):
     enable_prefix_cache: bool = True
     kernel_backend: Literal["auto", "torch"] = "auto"
     cuda_graphs: bool = True
+    overlap_decode: bool | None = None  # None: on CUDA only
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump())

@@ -19,13 +19,6 @@ from __future__ import annotations
 import torch
 
 
-def _on_device(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def sample(
     logits: torch.Tensor,
     temperatures: list[float],
@@ -44,11 +37,15 @@ def sample(
     vocab = logits.shape[1]
     draws = [float(torch.rand((), generator=generators[i])) for i in random_rows]
     # One row a setting: row index, temperature, top-k, top-p, draw.
-    settings = _on_device(
+    settings = torch.tensor(
         [random_rows, [temperatures[i] for i in random_rows], [top_ks[i] or vocab for i in random_rows],
          [top_ps[i] for i in random_rows], draws],
-        torch.float64, logits.device,
+        dtype=torch.float64,
     )
+    if logits.device.type == "cuda":
+        settings = settings.pin_memory().to(logits.device, non_blocking=True)
+    else:
+        settings = settings.to(logits.device)
     rows, ks = settings[0].long(), settings[2].long()
     temps, ps, draws = settings[1].float(), settings[3].float(), settings[4].float()
     scaled = logits[rows].float() / temps[:, None]

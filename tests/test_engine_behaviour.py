@@ -179,12 +179,13 @@ def test_the_runner_reads_and_writes_whole_kv_blocks(tiny_qwen2_dir):
     assert torch.equal(runner.kv_cache[[1, 3, 4, 5, 6]], before[[1, 3, 4, 5, 6]])
 
 
-def test_randomized_workload_keeps_block_accounting(tiny_qwen2_dir):
-    """Arrivals, aborts and preemption at random; invariants after every step."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_randomized_workload_keeps_block_accounting(tiny_qwen2_dir, overlap):
+    """Arrivals, aborts and preemption at random; invariants after every step (with
+    overlapped decode, a step may be in flight then)."""
     rng = random.Random(7)
-    engine = Engine(
-        tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=40, prefill_chunk_size=40, max_num_batched_tokens=96)
-    )
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=40, prefill_chunk_size=40,
+                                                 max_num_batched_tokens=96, overlap_decode=overlap))
     live: list[str] = []
     for step in range(300):
         if rng.random() < 0.3:
@@ -206,6 +207,7 @@ def test_randomized_workload_keeps_block_accounting(tiny_qwen2_dir):
     engine.pool.check()
     assert engine.pool.num_used == 0
     assert engine.scheduler.num_preemptions > 0
+    assert (engine.num_steps_launched_ahead > 0) == overlap
 
 
 def test_kernel_backends_give_the_same_tokens(tiny_qwen2_dir):

@@ -1,0 +1,130 @@
+"""Overlapped decode (actors/engine.py) changes when the host reads a step's tokens,
+never what they are. On CPU a launched step has already run, so these tests check
+the bookkeeping the GPU relies on: the same scripted traffic (arrivals mid-run, stop
+tokens and strings, seeded sampling, logprobs, aborts, a reused request id, a pool
+short enough to preempt) gives identical outputs with and without overlap, through
+both the eager step and the static one CUDA graphs replay; steps really are launched
+ahead; and no block leaks. (Timing needs a GPU: `benchmarks/gpu_check.py`.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.config import EngineConfig
+from actors.engine import Engine
+from actors.sampling_params import SamplingParams
+
+
+def _params(rng: random.Random, **overrides) -> SamplingParams:
+    settings = dict(
+        max_new_tokens=rng.randint(1, 30),
+        temperature=rng.choice([0.0, 0.0, 0.8]),
+        top_p=rng.choice([1.0, 0.9]),
+        seed=rng.randrange(1000),
+        logprobs=rng.choice([None, 0, 2]),
+        ignore_eos=True,
+    )
+    settings.update(overrides)
+    return SamplingParams(**settings)
+
+
+def _script(seed: int, stop_token: int) -> dict[int, list[tuple]]:
+    """Actions before each `step()` call: ('add', id, prompt, params) or ('abort', id)."""
+    rng = random.Random(seed)
+    script: dict[int, list[tuple]] = {}
+    ids = iter(range(1000))
+
+    def add(call, **overrides):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 40))]
+        script.setdefault(call, []).append(("add", f"r{next(ids)}", prompt, _params(rng, **overrides)))
+
+    for _ in range(6):
+        add(0)
+    add(0, max_new_tokens=40, stop_token_ids=[stop_token])
+    add(0, max_new_tokens=40, stop=[" "])
+    for call in (12, 13, 30):
+        add(call)
+    script.setdefault(8, []).append(("abort", "r2"))
+    script.setdefault(9, []).append(("add", "r2", [7, 8, 9], _params(rng, max_new_tokens=12)))  # the id again
+    script.setdefault(20, []).append(("abort", "r3"))
+    return script
+
+
+def _run(engine: Engine, script: dict[int, list[tuple]]) -> dict[tuple[str, int], tuple]:
+    """Every request's final output, keyed by (id, the call that added it)."""
+    results: dict[tuple[str, int], tuple] = {}
+    added: dict[str, int] = {}
+    call = 0
+    while engine.has_unfinished() or call <= max(script):
+        for action in script.get(call, []):
+            if action[0] == "add":
+                _, request_id, prompt, params = action
+                engine.add_request(prompt, params, request_id)
+                added[request_id] = call
+            else:
+                out = engine.abort(action[1])
+                results[(out.request_id, added[out.request_id])] = (out.token_ids, out.logprobs, out.finish_reason)
+        for out in engine.step():
+            if out.finished:
+                key = (out.request_id, added[out.request_id])
+                results[key] = (out.token_ids, out.text, out.logprobs, out.finish_reason)
+        engine.pool.check()
+        call += 1
+    assert engine.pool.num_used == 0
+    return results
+
+
+def _engine(model_dir, overlap: bool, static: bool, **config) -> Engine:
+    engine = Engine(model_dir, EngineConfig(block_size=16, prefill_chunk_size=32, max_num_batched_tokens=128,
+                                            enable_prefix_cache=False, overlap_decode=overlap, **config))
+    if static:
+        engine.runner.decode_graphs = engine.runner.static_decode(capture=False)
+    return engine
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_overlap_gives_the_same_outputs(tiny_qwen2_dir, static):
+    probe = _engine(tiny_qwen2_dir, overlap=False, static=False)
+    probe.add_request([11, 12, 13], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True), "probe")
+    while probe.has_unfinished():
+        outputs = probe.step()
+    stop_token = outputs[0].token_ids[5]  # a token greedy decoding reaches mid-way
+    script = _script(3, stop_token)
+
+    runs = {}
+    for overlap in (False, True):
+        engine = _engine(tiny_qwen2_dir, overlap, static)
+        runs[overlap] = _run(engine, script)
+        if overlap:
+            assert engine.num_steps_launched_ahead > 10
+        else:
+            assert engine.num_steps_launched_ahead == 0
+    assert runs[True] == runs[False]
+    reasons = {key: result[-1].value for key, result in runs[True].items()}
+    assert {"stop", "length", "abort"} <= set(reasons.values())
+    assert reasons[("r2", 0)] == "abort" and ("r2", 9) in reasons
+
+
+def test_overlap_under_preemption(tiny_qwen2_dir):
+    """A pool too small for the batch: planning the next decodes ahead finds no
+    block, the engine reads the step first and `schedule()` preempts, as without
+    overlap."""
+    rng = random.Random(1)
+    script = {0: [("add", f"r{i}", [rng.randrange(3, 500) for _ in range(30)],
+                   SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)) for i in range(6)]}
+    runs, preemptions = {}, {}
+    for overlap in (False, True):
+        engine = _engine(tiny_qwen2_dir, overlap, static=True, num_kv_blocks=14)
+        runs[overlap] = _run(engine, script)
+        preemptions[overlap] = engine.scheduler.num_preemptions
+    assert runs[True] == runs[False]
+    assert preemptions[True] == preemptions[False] > 0
+
+
+def test_overlap_is_on_for_cuda_only_by_default():
+    assert not EngineConfig().overlaps_decode
+    assert EngineConfig(device="cuda").overlaps_decode
+    assert not EngineConfig(device="cuda", overlap_decode=False).overlaps_decode
+    assert EngineConfig(overlap_decode=True).overlaps_decode
