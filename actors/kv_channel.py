@@ -10,12 +10,14 @@ A transfer is always driven from P's sender thread, one at a time per pair:
 
 `ref` is the completion signal: it resolves only once the bytes are in D's blocks.
 Backends:
-- `object_store`: the KV rides in `payload` through Ray's object store; no group;
-  works across nodes. `push` is a no-op.
+- `object_store`: the KV rides in `payload` through Ray's object store, as a host
+  copy (a pickled CUDA tensor would come back on the sender's device index); no
+  group; works across nodes. `push` is a no-op.
 - `gloo`: one `ProcessGroupGloo` per P-D pair over its own TCPStore (Ray's gloo
   backend allows one torch.distributed world per process, so it cannot host a group
   per pair; see RAY_NOTES.md). `push` is a point-to-point send; D's `recv` fills a
-  buffer of the shape the chunk metadata implies.
+  buffer of the shape the chunk metadata implies. Gloo moves host memory: from a GPU
+  the chunk goes through a host copy on each side.
 - `nccl`: a `ray.util.collective` NCCL group per pair (cupy.cuda.nccl), CUDA tensors.
   Needs two GPUs; never run on a GPU in this project yet. How it is ordered (read
   from Ray 2.60's `nccl_collective_group.py`): Ray runs each send/recv on a stream
@@ -90,7 +92,7 @@ class ObjectStoreSender(KVSender):
         self.name = name
 
     def payload(self, kv: torch.Tensor):
-        return kv
+        return kv.cpu()  # a CUDA tensor would be rebuilt on the sender's device index
 
     def push(self, kv: torch.Tensor) -> None:
         return None
@@ -181,8 +183,10 @@ class GlooPair:
         return store, store.port
 
     def send(self, tensor: torch.Tensor) -> None:
+        """Gloo moves host memory only: a chunk gathered on a GPU goes through a host
+        copy (which also waits for the gather)."""
         with self._lock:
-            self.group.send([tensor.contiguous()], 1 - self.rank, 0).wait()
+            self.group.send([tensor.cpu().contiguous()], 1 - self.rank, 0).wait()
 
     def recv(self, tensor: torch.Tensor) -> None:
         with self._lock:

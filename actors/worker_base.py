@@ -216,7 +216,7 @@ class WorkerBase:
 
     async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of these KV blocks (for tests and debugging)."""
-        return await self.call(lambda e: e.runner.kv_cache[torch.tensor(block_ids, dtype=torch.long)].clone())
+        return await self.call(lambda e: e.runner.kv_cache[torch.tensor(block_ids, dtype=torch.long)].cpu())
 
     async def prefix_block_ids(self, prompt_token_ids: list[int]) -> list[int]:
         """Ids of this worker's cached blocks for a prompt's prefix (tests, routing)."""

@@ -218,6 +218,14 @@ class AppSettings(_Strict):
             raise ValueError("channel: store moves KV through the shared path: set kv_store.shared_path")
         if self.colocated.autoscales:
             raise ValueError("colocated.min_replicas/max_replicas: only the prefill and decode pools autoscale")
+        if self.engine.device.startswith("cuda"):
+            pools = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+            gpuless = [name for name in pools if getattr(self, name).num_gpus <= 0]
+            if gpuless:
+                raise ValueError(f"engine.device {self.engine.device!r} needs num_gpus > 0 in the "
+                                 f"{' and '.join(gpuless)} pool settings (Ray shows an actor only the GPUs it asks for)")
+        elif self.channel == "nccl":
+            raise ValueError("channel: nccl moves KV between GPUs: set engine.device: cuda (or use gloo on CPU)")
         if self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9):
             raise ValueError("limits.max_prompt_tokens must leave room for one new token within engine.max_model_len")
         return self

@@ -230,6 +230,6 @@ def reference_attention(q, k, v, scale: float) -> torch.Tensor:
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
-    causal = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(k.shape[0] - q.shape[0])
+    causal = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril(k.shape[0] - q.shape[0])
     scores = scores.masked_fill(~causal, float("-inf"))
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v.float()).to(q.dtype)

@@ -50,6 +50,10 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "kv_store": {"host_gib": 0}}, "at least one tier"),
         ({"model": {"preset": "tiny"}, "kv_store": {"low_watermark": 0.95}}, "must not exceed"),
         ({"model": {"preset": "tiny"}, "kv_store": {"disk_gib": -1}}, "disk_gib"),
+        ({"model": {"preset": "tiny"}, "engine": {"device": "cuda"}, "decode": {"num_gpus": 1}}, "prefill pool"),
+        ({"model": {"preset": "tiny"}, "mode": "colocated", "colocated": {"replicas": 1},
+          "engine": {"device": "cuda:0"}}, "num_gpus > 0 in the colocated"),
+        ({"model": {"preset": "tiny"}, "channel": "nccl"}, "channel: nccl"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
