@@ -18,10 +18,13 @@ the others still run):
    and the decode forward's MBU alone (its CUDA graph replayed back to back: what
    the kernels reach without the engine's host time per step); FLOPs and bytes
    counted as `tandem bench roofline` counts them.
-4. `graphs`: decode steps replayed from CUDA graphs against the same engine
-   run eagerly (`cuda_graphs: false`): greedy tokens of a mixed batch (float32, so
-   they must agree), and the decode step time of each at batch 1 and
-   `--decode-batch`. On CPU the padded static step runs without capture (its twin).
+4. `graphs`: decode steps three ways: eager (`cuda_graphs: false`), replayed from
+   CUDA graphs, and graphs with overlapped decode (`overlap_decode`, the step after
+   launched before this one's tokens are read): greedy tokens of a mixed batch
+   (float32, so all three must agree), seeded sampling with logprobs (graphs with
+   and without overlap must agree), and the decode step time of each at batch 1
+   and `--decode-batch`. On CPU the padded static step runs without capture (its
+   twin) and overlap saves nothing (a CPU step runs while it is launched).
 5. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
    (the object_store channel works within one GPU), against the engine alone.
 
@@ -151,7 +154,14 @@ def _static_decode_step_s(torch, runner, device: str, batch: int, context_len: i
     return _timed(torch, device, lambda: [static.run(**inputs) for _ in range(repeats)]) / repeats
 
 
-# ---- 4. CUDA graphs -----------------------------------------------------------------
+# ---- 4. CUDA graphs and overlapped decode -------------------------------------------
+DECODE_MODES = {  # engine settings of each way to run decode steps, slowest first
+    "eager": dict(cuda_graphs=False, overlap_decode=False),
+    "graphs": dict(cuda_graphs=True, overlap_decode=False),
+    "graphs+overlap": dict(cuda_graphs=True, overlap_decode=True),
+}
+
+
 def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str, decode_batch: int) -> dict:
     import random
 
@@ -160,36 +170,52 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
     from actors.llm import LLM
     from actors.sampling_params import SamplingParams
 
-    def engine(model: Path, dtype: str, graphs: bool) -> LLM:
+    def engine(model: Path, dtype: str, mode: str) -> LLM:
+        settings = DECODE_MODES[mode]
         llm = LLM(model, device=device, dtype=dtype, kv_cache_bytes=2 * 2**30 if device == "cuda" else 128 * 2**20,
-                  max_num_seqs=max(decode_batch, 8), enable_prefix_cache=False, cuda_graphs=graphs)
+                  max_num_seqs=max(decode_batch, 8), enable_prefix_cache=False, **settings)
         runner = llm.engine.runner
-        if graphs and device != "cuda":  # the CPU twin: padded static steps, no capture
+        if settings["cuda_graphs"] and device != "cuda":  # the CPU twin: padded static steps, no capture
             runner.decode_graphs = runner.static_decode(capture=False)
         return llm
 
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(1, 150))] for _ in range(11)]
-    params = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0, ignore_eos=True) for _ in prompts]
-    tokens = {}
-    for graphs in (False, True):
-        llm = engine(exact_model_dir, "float32", graphs)
-        tokens[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+    greedy = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0, ignore_eos=True) for _ in prompts]
+    sampled = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0.8, top_p=0.95, seed=i,
+                              ignore_eos=True, logprobs=2) for i, _ in enumerate(prompts)]
+    tokens, sampled_tokens = {}, {}
+    for mode in DECODE_MODES:
+        llm = engine(exact_model_dir, "float32", mode)
+        tokens[mode] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        if mode != "eager":  # the same kernels: seeded sampling must agree too
+            sampled_tokens[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sampled)]
         del llm
-    identical = sum(a == b for a, b in zip(tokens[False], tokens[True]))
-    result = {"prompts": len(prompts), "identical": identical, "step_s": {}}
-    for graphs in (False, True):
-        llm = engine(model_dir, dtype, graphs)
-        if graphs:
+    result = {
+        "prompts": len(prompts),
+        "identical_greedy": {mode: sum(a == b for a, b in zip(tokens["eager"], tokens[mode])) for mode in DECODE_MODES},
+        "identical_sampled_with_overlap": sum(a == b for a, b in zip(*sampled_tokens.values())),
+        "step_s": {},
+    }
+    for mode in DECODE_MODES:
+        llm = engine(model_dir, dtype, mode)
+        if mode == "graphs":
             graphs_used = llm.engine.runner.decode_graphs
             result["captured"] = graphs_used is not None and graphs_used.is_captured
         for batch in (1, decode_batch):
             step_s = _decode_step_s(torch, llm, device, batch, 128, 32, random.Random(3))
-            result["step_s"][f"{'graphs' if graphs else 'eager'}_batch{batch}"] = step_s
+            result["step_s"][f"{mode}_batch{batch}"] = step_s
+        if mode == "graphs+overlap":
+            result["steps_launched_ahead"] = llm.engine.num_steps_launched_ahead
         del llm
     for batch in (1, decode_batch):
-        result[f"speedup_batch{batch}"] = result["step_s"][f"eager_batch{batch}"] / result["step_s"][f"graphs_batch{batch}"]
-    result["ok"] = identical == len(prompts) and (result["captured"] or device != "cuda")
+        times = {mode: result["step_s"][f"{mode}_batch{batch}"] for mode in DECODE_MODES}
+        result[f"speedup_batch{batch}"] = times["eager"] / times["graphs"]
+        result[f"overlap_speedup_batch{batch}"] = times["graphs"] / times["graphs+overlap"]
+    result["ok"] = (all(n == len(prompts) for n in result["identical_greedy"].values())
+                    and result["identical_sampled_with_overlap"] == len(prompts)
+                    and result["steps_launched_ahead"] > 0
+                    and (result["captured"] or device != "cuda"))
     return result
 
 

@@ -26,7 +26,8 @@ def test_gpu_check_steps_run_on_cpu(tmp_path):
     roofline = results["steps"]["roofline"]
     assert roofline["prefill_mfu"] > 0 and roofline["decode_mbu"] > 0 and roofline["decode_forward_mbu"] > 0
     graphs = results["steps"]["graphs"]  # on CPU: the padded static step, not captured
-    assert graphs["identical"] == graphs["prompts"] and not graphs["captured"]
+    assert set(graphs["identical_greedy"].values()) == {graphs["prompts"]} and not graphs["captured"]
+    assert graphs["identical_sampled_with_overlap"] == graphs["prompts"] and graphs["steps_launched_ahead"] > 0
 
 
 def test_gpu_check_script_says_what_it_needs_without_a_gpu(tmp_path):
