@@ -60,7 +60,8 @@ def instrument(engine, timer: PhaseTimer):
     engine._output = timer.wrap("engine._output (RequestOutput)", engine._output)
     runner = engine.runner
     runner._metadata = timer.wrap("runner._metadata (step tensors)", runner._metadata)
-    runner._sample = timer.wrap("runner._sample", runner._sample)
+    runner._sample = timer.wrap("runner._sample (on the device)", runner._sample)
+    runner.collect = timer.wrap("runner.collect (tokens to the host)", runner.collect)
     model = runner.model
     model.forward = timer.wrap("model forward (total)", model.forward)
     model.compute_logits = timer.wrap("lm_head (compute_logits)", model.compute_logits)
