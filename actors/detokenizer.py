@@ -10,10 +10,19 @@ The concatenated deltas equal `tokenizer.decode(all_ids)`.
 A fast (Rust) tokenizer whose wrapper adds nothing to its backend's decode (no
 `clean_up_tokenization_spaces`) is decoded by the backend directly: the same text,
 without the wrapper's per-call Python (which was most of the cost: 12 us a call,
-two calls a token, 1.8 ms of host time per decode step at batch 64).
+two calls a token, 1.8 ms of host time per decode step at batch 64). Where the
+`tokenizers` library has `DecodeStream` (0.21 on), the same two-window algorithm
+runs inside it, in one call a token: 1.4 us a token instead of 5.5 (random ids,
+tiny preset's tokenizer; the host time of a decode step counts every token of the
+batch). `flush` then decodes the whole output once.
 """
 
 from __future__ import annotations
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 
 class IncrementalDetokenizer:
@@ -25,8 +34,12 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self.text = ""
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
         if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
             self._decode_ids = backend.decode
+            if DecodeStream is not None:
+                self._backend = backend
+                self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         else:
             self._decode_ids = tokenizer.decode
 
@@ -36,6 +49,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append a token; return the newly completed text (possibly empty)."""
         self.token_ids.append(token_id)
+        if self._stream is not None:
+            delta = self._stream.step(self._backend, token_id) or ""
+            self.text += delta
+            return delta
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -48,6 +65,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: emit the held-back tail (an incomplete character included)."""
+        if self._stream is not None:
+            delta = self._decode(self.token_ids)[len(self.text):]
+            self._stream = None  # the stream's state ends here; later calls decode in windows
+            self.read_offset = self.prefix_offset = len(self.token_ids)
+            self.text += delta
+            return delta
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         delta = self._decode(self.token_ids[self.prefix_offset :])[len(prefix_text) :]
         self.read_offset = self.prefix_offset = len(self.token_ids)

@@ -426,8 +426,9 @@ class Engine:
         else:
             # Hold back what could still become the start of a stop string.
             text = request.detokenizer.text
-            hold = max((len(s) for s in request.params.stop), default=1) - 1
-            text = text[: len(text) - hold] if hold else text
+            if request.params.stop:
+                hold = max(len(s) for s in request.params.stop) - 1
+                text = text[: len(text) - hold] if hold else text
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
