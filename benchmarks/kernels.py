@@ -10,6 +10,11 @@
 2. Decode attention over a paged cache, 12 layers: the torch reference
    (`kernels.attention.decode_attention`) against the C++ kernel, at batch 1 with
    a 2064-token context (the roofline's decode step) and at batches 16 and 64.
+3. Sampling a batch of 64 rows (`kernels.sampling`): sorting the whole vocabulary
+   for every random row (`reference_sample`) against `sample` (no sort for an
+   unfiltered row, a window of the best for a filtered one), for the bench
+   model's vocabulary and Qwen2.5's, with a temperature alone (the default
+   request), top_k 50 and top_p 0.9 (over peaked logits, as a trained model's are).
 
 Each row times the two implementations alternately (A/B, B/A), median of repeats,
 with achieved GB/s (bytes a step must read) and GFLOP/s.
@@ -30,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="input rows M for the linear layers")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--sections", default="linear,attention,sampling", help="which tables to run")
 
 
 def alternate(first, second, repeats: int) -> tuple[float, float]:
@@ -103,6 +109,30 @@ def attention_rows(args, cpu_attention) -> list[dict]:
     return results
 
 
+def sampling_rows(args) -> list[dict]:
+    import torch
+
+    from kernels.sampling import reference_sample, sample
+
+    torch.manual_seed(2)
+    batch, results = 64, []
+    for vocab in (VOCAB, 151_936):
+        logits = torch.randn(batch, vocab) * 4  # peaked: a few tokens hold most of the mass
+        for name, top_k, top_p in (("temperature 1", 0, 1.0), ("top_k 50", 50, 1.0), ("top_p 0.9", 0, 0.9)):
+            columns = ([1.0] * batch, [top_k] * batch, [top_p] * batch)
+
+            def run(fn):
+                generators = [torch.Generator().manual_seed(i) for i in range(batch)]
+                return lambda: fn(logits, *columns, generators)
+
+            sort_s, ours_s = alternate(run(reference_sample), run(sample), max(3, args.repeats // 3))
+            results.append({"vocab": vocab, "setting": name, "full_sort_s": sort_s, "sample_s": ours_s,
+                            "speedup": sort_s / ours_s})
+            print(f"sampling {name}, vocab {vocab}: full sort {sort_s * 1e3:.1f} ms, sample {ours_s * 1e3:.1f} ms",
+                  flush=True)
+    return results
+
+
 def main(args: argparse.Namespace) -> None:
     import torch
 
@@ -110,25 +140,41 @@ def main(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if cpu_linear.load() is None or cpu_attention.load() is None:
+    sections = {name.strip() for name in args.sections.split(",") if name.strip()}
+    results: dict = {"threads": torch.get_num_threads(), "max_rows": cpu_linear.MAX_ROWS,
+                     "machine": report.machine_info()}
+    headline = []
+    if sections & {"linear", "attention"} and (cpu_linear.load() is None or cpu_attention.load() is None):
         raise SystemExit(f"the C++ kernels do not build here: {cpu_linear.build_error() or cpu_attention.build_error()}")
-    linear = linear_rows(args, cpu_linear)
-    attention = attention_rows(args, cpu_attention)
-    report.print_table(
-        f"Linear layers of one bench-model decode step ({torch.get_num_threads()} threads; "
-        f"kernels.cpu_linear.MAX_ROWS = {cpu_linear.MAX_ROWS})",
-        ["rows M", "torch ms", "C++ ms", "C++ speed-up", "torch GB/s", "C++ GB/s", "torch GFLOP/s", "C++ GFLOP/s"],
-        [[r["rows"], r["torch_s"] * 1e3, r["cpp_s"] * 1e3, r["speedup"], r["torch_gb_per_s"], r["cpp_gb_per_s"],
-          r["torch_gflop_per_s"], r["cpp_gflop_per_s"]] for r in linear])
-    report.print_table(
-        "Decode attention, 12 layers, paged cache (block 16)",
-        ["batch", "context", "torch ms", "C++ ms", "C++ speed-up", "torch GB/s", "C++ GB/s"],
-        [[r["batch"], r["context"], r["torch_s"] * 1e3, r["cpp_s"] * 1e3, r["speedup"], r["torch_gb_per_s"],
-          r["cpp_gb_per_s"]] for r in attention])
-    fewest = min(linear, key=lambda r: r["rows"])
-    faster_up_to = max((r["rows"] for r in linear if r["speedup"] > 1.0), default=0)
-    report.finish("kernels", args.out, {"threads": torch.get_num_threads(), "max_rows": cpu_linear.MAX_ROWS,
-                                        "linear": linear, "attention": attention, "machine": report.machine_info()},
-                  f"C++ linear {fewest['speedup']:.2f}x torch at M={fewest['rows']}, faster up to "
-                  f"M={faster_up_to}; decode attention {attention[0]['speedup']:.1f}x at batch 1",
-                  f"faster than torch up to MAX_ROWS={cpu_linear.MAX_ROWS}")
+    if "linear" in sections:
+        linear = results["linear"] = linear_rows(args, cpu_linear)
+        report.print_table(
+            f"Linear layers of one bench-model decode step ({torch.get_num_threads()} threads; "
+            f"kernels.cpu_linear.MAX_ROWS = {cpu_linear.MAX_ROWS})",
+            ["rows M", "torch ms", "C++ ms", "C++ speed-up", "torch GB/s", "C++ GB/s", "torch GFLOP/s",
+             "C++ GFLOP/s"],
+            [[r["rows"], r["torch_s"] * 1e3, r["cpp_s"] * 1e3, r["speedup"], r["torch_gb_per_s"], r["cpp_gb_per_s"],
+              r["torch_gflop_per_s"], r["cpp_gflop_per_s"]] for r in linear])
+        fewest = min(linear, key=lambda r: r["rows"])
+        faster_up_to = max((r["rows"] for r in linear if r["speedup"] > 1.0), default=0)
+        headline.append(f"C++ linear {fewest['speedup']:.2f}x torch at M={fewest['rows']}, faster up to "
+                        f"M={faster_up_to}")
+    if "attention" in sections:
+        attention = results["attention"] = attention_rows(args, cpu_attention)
+        report.print_table(
+            "Decode attention, 12 layers, paged cache (block 16)",
+            ["batch", "context", "torch ms", "C++ ms", "C++ speed-up", "torch GB/s", "C++ GB/s"],
+            [[r["batch"], r["context"], r["torch_s"] * 1e3, r["cpp_s"] * 1e3, r["speedup"], r["torch_gb_per_s"],
+              r["cpp_gb_per_s"]] for r in attention])
+        headline.append(f"decode attention {attention[0]['speedup']:.1f}x at batch 1")
+    if "sampling" in sections:
+        sampling = results["sampling"] = sampling_rows(args)
+        report.print_table(
+            "Sampling 64 rows: a full sort a row against sample()",
+            ["vocab", "setting", "full sort ms", "sample ms", "speed-up"],
+            [[r["vocab"], r["setting"], r["full_sort_s"] * 1e3, r["sample_s"] * 1e3, r["speedup"]] for r in sampling])
+        default = next(r for r in sampling if r["vocab"] != VOCAB and r["setting"] == "temperature 1")
+        headline.append(f"sampling {default['speedup']:.1f}x a full sort at a 152k vocabulary")
+    goal = (f"faster than torch up to MAX_ROWS={cpu_linear.MAX_ROWS}" if "linear" in sections
+            else "faster than a full sort, the same tokens for filtered rows")
+    report.finish("kernels", args.out, results, "; ".join(headline), goal)

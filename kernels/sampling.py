@@ -3,7 +3,22 @@
 Each row carries its own temperature, top-k, top-p and random generator, so a row's
 result depends only on its logits and its own generator: the same seed gives the same
 tokens whatever else shares the batch. A random row draws exactly one uniform number
-from its generator per token (inverse-CDF sampling over the filtered distribution).
+from its generator per token and inverts the CDF of its (filtered) distribution.
+
+No full sort of the vocabulary where it can be avoided: sorting a 152k-token
+vocabulary costs about 9 ms a row on this machine's CPU (565 ms a step at batch 64,
+four times the bench model's forward), so
+- a row with no filter (top_k 0, top_p 1: the default request) inverts the CDF
+  of its probabilities in vocabulary order (a softmax and a prefix sum);
+- a filtered row inverts it over its best candidates, in descending order, from
+  `topk` over a window: the largest top_k of the batch's filtered rows, or, when a
+  row filters by top_p alone, a window that grows (x4 from 1024) until it holds
+  that row's top_p of the mass (on CPU, where checking costs nothing; on CUDA
+  checking would wait for the device, so such a batch sorts the whole vocabulary,
+  which a GPU does quickly).
+The kept set and its order are those of a full descending sort, so a filtered row
+samples the same token as sorting everything would (`reference_sample`;
+tests/test_kernels.py holds it to that). `tandem bench kernels` times both.
 
 Devices. The generators are CPU generators whatever the logits' device: a seed then
 draws the same numbers on every device, and a generator's state can travel between
@@ -18,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+FIRST_WINDOW = 1024  # candidates a top_p-only row starts from (CPU)
+
 
 def sample(
     logits: torch.Tensor,
@@ -28,40 +45,100 @@ def sample(
 ) -> torch.Tensor:
     """Pick one token per row. logits: [B, V] float32. Temperature 0 means greedy;
     top_k 0 and top_p 1.0 mean no filtering. Returns [B] int64 on the logits' device."""
-    batch = logits.shape[0]
+    batch, vocab = logits.shape
     assert len(temperatures) == len(top_ks) == len(top_ps) == len(generators) == batch
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not random_rows:
         return tokens
-    vocab = logits.shape[1]
+    ks = [top_ks[i] if 0 < top_ks[i] < vocab else vocab for i in random_rows]
     draws = [float(torch.rand((), generator=generators[i])) for i in random_rows]
     # One row a setting: row index, temperature, top-k, top-p, draw.
     settings = torch.tensor(
-        [random_rows, [temperatures[i] for i in random_rows], [top_ks[i] or vocab for i in random_rows],
-         [top_ps[i] for i in random_rows], draws],
+        [random_rows, [temperatures[i] for i in random_rows], ks, [top_ps[i] for i in random_rows], draws],
         dtype=torch.float64,
     )
     if logits.device.type == "cuda":
         settings = settings.pin_memory().to(logits.device, non_blocking=True)
     else:
         settings = settings.to(logits.device)
-    rows, ks = settings[0].long(), settings[2].long()
-    temps, ps, draws = settings[1].float(), settings[3].float(), settings[4].float()
-    scaled = logits[rows].float() / temps[:, None]
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    keep = rank < ks[:, None]
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep &= (mass_before < ps[:, None]) | (rank == 0)
-    probs = probs * keep
+    vocab_order = [n for n, k in enumerate(ks) if k == vocab and top_ps[random_rows[n]] >= 1.0]
+    best_first = [n for n in range(len(random_rows)) if n not in vocab_order]
+    for members in (vocab_order, best_first):
+        if not members:
+            continue
+        part = settings[:, members] if len(members) < len(random_rows) else settings
+        rows = part[0].long()
+        every_row = len(members) == batch  # then no gather: a copy of [B, V] costs as much as the softmax
+        scaled = (logits if every_row else logits[rows]).float() / part[1].float()[:, None]
+        if members is vocab_order:
+            tokens[rows] = _invert_cdf(scaled.softmax(dim=-1), part[4].float())
+        else:
+            needs_mass = any(ks[n] == vocab for n in members)  # a row filters by top_p alone
+            tokens[rows] = _sample_best_first(scaled, part[2].long(), part[3].float(), part[4].float(),
+                                              max((ks[n] for n in members if ks[n] < vocab), default=0), needs_mass)
+    return tokens
+
+
+def _invert_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index where the running sum of `probs` passes `draws` of
+    the row's total (a zero-probability entry is never picked)."""
     cdf = probs.cumsum(dim=-1)
     picks = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)
-    picks = picks.clamp_(max=vocab - 1)
+    return picks.clamp_(max=probs.shape[1] - 1).squeeze(1)
+
+
+def _sample_best_first(scaled, ks, ps, draws, max_k: int, needs_mass: bool) -> torch.Tensor:
+    """Sample each row among its kept candidates (the best `k`, then the fewest whose
+    mass before them is under `p`), taken in descending order from a window of the
+    best `width` (see the module docstring)."""
+    vocab = scaled.shape[1]
+    probs = scaled.softmax(dim=-1)
+    width = max_k  # every row's k fits: enough unless a row filters by top_p alone
+    if needs_mass:
+        width = vocab if probs.is_cuda else min(vocab, max(max_k, FIRST_WINDOW))
+    while True:
+        top_probs, top_ids = probs.topk(width, dim=-1) if width < vocab else probs.sort(dim=-1, descending=True)
+        # Enough when every row keeps at most `width`: its k fits, or its p of the mass does.
+        if not needs_mass or width == vocab or bool(((ks <= width) | (top_probs.sum(dim=-1) >= ps)).all()):
+            break
+        width = min(vocab, width * 4)
+    rank = torch.arange(width, device=scaled.device)[None, :]
+    mass_before = top_probs.cumsum(dim=-1) - top_probs
+    keep = (rank < ks[:, None]) & ((mass_before < ps[:, None]) | (rank == 0))
+    picks = _invert_cdf(top_probs * keep, draws)
     # A pick past the kept set can only come from rounding at the top of the CDF.
-    num_kept = keep.sum(dim=-1, keepdim=True)
-    picks = torch.minimum(picks, num_kept - 1)
+    picks = torch.minimum(picks, keep.sum(dim=-1) - 1)
+    return top_ids.gather(1, picks[:, None]).squeeze(1)
+
+
+def reference_sample(
+    logits: torch.Tensor,
+    temperatures: list[float],
+    top_ks: list[int],
+    top_ps: list[float],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """The reference for `sample` (and what it was before the windows): every random
+    row sorts the whole vocabulary and inverts the CDF in descending order. Filtered
+    rows pick what `sample` picks, draw for draw; unfiltered rows the same
+    distribution in another order. CPU, for tests and `tandem bench kernels`."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, t in enumerate(temperatures) if t > 0]
+    if not random_rows:
+        return tokens
+    rows = torch.tensor(random_rows)
+    temps = torch.tensor([temperatures[i] for i in random_rows], dtype=torch.float32)
+    sorted_probs, sorted_ids = (logits[rows].float() / temps[:, None]).softmax(-1).sort(dim=-1, descending=True)
+    rank = torch.arange(sorted_probs.shape[1])[None, :]
+    ks = torch.tensor([top_ks[i] or sorted_probs.shape[1] for i in random_rows])
+    ps = torch.tensor([top_ps[i] for i in random_rows], dtype=torch.float32)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (rank < ks[:, None]) & ((mass_before < ps[:, None]) | (rank == 0))
+    cdf = (sorted_probs * keep).cumsum(dim=-1)
+    draws = torch.stack([torch.rand((), generator=generators[i]) for i in random_rows])
+    picks = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).clamp_(max=sorted_probs.shape[1] - 1)
+    picks = torch.minimum(picks, keep.sum(dim=-1, keepdim=True) - 1)
     tokens[rows] = sorted_ids.gather(1, picks).squeeze(1)
     return tokens
 

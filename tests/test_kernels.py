@@ -12,7 +12,7 @@ from kernels.attention import (
     reference_attention,
     write_kv_slots,
 )
-from kernels.sampling import logprobs_of, sample
+from kernels.sampling import logprobs_of, reference_sample, sample
 
 NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 
@@ -110,6 +110,34 @@ def test_a_seeded_row_does_not_depend_on_its_neighbours():
     gens = [torch.Generator().manual_seed(s) for s in (1, 2, 7, 3)]
     together = sample(batch, [0.5, 0.0, 0.9, 1.3], [0, 5, 0, 0], [1.0, 1.0, 0.95, 0.5], gens)
     assert together[2] == alone[0]
+
+
+@pytest.mark.parametrize("spread", ["peaked", "flat", "top_k rows flat"])
+def test_filtered_rows_sample_what_a_full_sort_samples(spread):
+    """Top-k and top-p rows take their candidates from a window of the best (grown
+    until it holds a top_p-only row's mass; the whole vocabulary when the
+    distribution is flat); the tokens are those of sorting everything, draw for
+    draw, whatever else shares the batch."""
+    torch.manual_seed(0)
+    vocab = 20_000
+    settings = [(0.8, 0, 0.9), (1.0, 40, 1.0), (1.2, 3000, 0.95), (0.7, 0, 0.5), (1.0, 0, 1.0), (0.0, 0, 1.0)]
+    rows = [settings[i % len(settings)] for i in range(len(settings) * 8)]
+    scale = {"peaked": lambda row: 8.0, "flat": lambda row: 0.05,
+             "top_k rows flat": lambda row: 0.05 if row[1] else 8.0}[spread]
+    logits = torch.randn(len(rows), vocab) * torch.tensor([scale(row) for row in rows])[:, None]
+    columns = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    tokens = sample(logits, *columns, [torch.Generator().manual_seed(i) for i in range(len(rows))])
+    expected = reference_sample(logits, *columns, [torch.Generator().manual_seed(i) for i in range(len(rows))])
+    filtered = [i for i, (temperature, top_k, top_p) in enumerate(rows) if temperature == 0 or top_k or top_p < 1]
+    assert tokens[filtered].tolist() == expected[filtered].tolist()
+
+
+def test_unfiltered_rows_never_pick_an_impossible_token():
+    logits = torch.randn(4, 5000)
+    logits[:, ::2] = float("-inf")
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    picks = torch.stack([sample(logits, [1.0] * 4, [0] * 4, [1.0] * 4, gens) for _ in range(200)])
+    assert (picks % 2 == 1).all()
 
 
 def test_sampling_keeps_every_tensor_on_the_logits_device():
