@@ -19,8 +19,10 @@ steps with a fixed batch, where it pays, and the rest of the engine is unchanged
   N+1 runs wastes N+1's row: the token is dropped. Its blocks go back to the pool at
   once: all device work runs in order on the engine's stream, so N+1 writes before
   any later step does, and transfers wait for the latest step's event;
-- arrivals, prefills, activations and a short pool end the run: N is read before
-  anything is scheduled again (`schedule()` never runs with a step in flight);
+- a decode worker's activations (prompt KV received, first token known) join the
+  next step with their token from the host; arrivals that need a prefill, and a
+  short pool, end the run: N is read before anything is scheduled again
+  (`schedule()` never runs with a step in flight);
 - sampling draws from each request's generator in the same order as without
   overlap, so outputs are identical either way (the CPU tests hold them to it).
 On CPU the step runs while it is launched, so overlap saves nothing there and is off
@@ -338,23 +340,30 @@ class Engine:
 
     def _launch_next_decodes(self, step: _StepInFlight) -> _StepInFlight | None:
         """Launch the decode step after `step` before its tokens are read, when the
-        batch only decodes, nobody else waits to be scheduled and the blocks are
-        there. Requests that `step` ends by length are left out."""
+        batch only decodes, nobody waits to be admitted and the blocks are there.
+        Requests that `step` ends by length are left out; running requests that
+        were not in it and have one token pending (a decode worker's activations)
+        join, their input token from the host."""
         if not step.decodes_only or self.scheduler.waiting:
             return None
-        in_step = {c.request.request_id for c in step.chunks}
-        if any(r.request_id not in in_step for r in self.scheduler.running):
-            return None
+        in_step = {id(c.request) for c in step.chunks}
+        joining = [r for r in self.scheduler.running if id(r) not in in_step]
+        if any(r.num_pending_tokens != 1 for r in joining):
+            return None  # a prompt still being computed: a full schedule
         rows = [row for row, c in enumerate(step.chunks)
                 if not c.request.is_finished and not self._next_token_is_last(c.request)]
-        if not rows:
-            return None
-        plan = self.scheduler.schedule_next_decodes([step.chunks[row] for row in rows])
+        starts = [(step.chunks[row].request, step.chunks[row].end) for row in rows]
+        starts += [(r, r.num_computed_tokens) for r in joining]
+        plan = self.scheduler.schedule_next_decodes(starts) if starts else None
         if plan is None:
             return None
+        device = step.launched.token_ids.device
         input_ids = step.launched.token_ids
         if len(rows) < len(step.chunks):
-            input_ids = input_ids[int64_tensor(rows, input_ids.device)]
+            input_ids = input_ids[int64_tensor(rows, device)]
+        if joining:
+            known = int64_tensor([r.token_ids_between(r.num_computed_tokens, r.num_tokens)[0] for r in joining], device)
+            input_ids = torch.cat([input_ids, known])
         self.num_steps_launched_ahead += 1
         return _StepInFlight(plan.chunks, self.runner.launch(plan.chunks, input_ids), decodes_only=True)
 

@@ -180,17 +180,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def schedule_next_decodes(self, decodes: list[ScheduledChunk]) -> SchedulerOutput | None:
-        """One more decode for each of these decode chunks' requests, planned while
-        the chunks are still running (their new tokens unknown here): each next
-        chunk starts at the previous one's end. None when that needs more blocks
-        than are free: a full `schedule()` after the step decides who waits."""
-        needed = sum(self.blocks_needed(c.request, c.end + 1) for c in decodes)
-        if needed > self.pool.num_available:
+    def schedule_next_decodes(self, starts: list[tuple[Request, int]]) -> SchedulerOutput | None:
+        """A decode chunk for each (request, position), planned while the step before
+        is still running (the tokens it samples unknown here): a request of that
+        step decodes at its chunk's end, a request that joins at its first pending
+        token. None when that needs more blocks than are free or more tokens than
+        a step's budget: a full `schedule()` after the step decides who waits."""
+        if len(starts) > self.config.max_num_batched_tokens:
             return None
-        for chunk in decodes:
-            self._grow(chunk.request, chunk.end + 1)
-        return SchedulerOutput([ScheduledChunk(c.request, 1, c.end) for c in decodes])
+        if sum(self.blocks_needed(request, start + 1) for request, start in starts) > self.pool.num_available:
+            return None
+        for request, start in starts:
+            self._grow(request, start + 1)
+        return SchedulerOutput([ScheduledChunk(request, 1, start) for request, start in starts])
 
     # ---- after the step ------------------------------------------------------
     def update(self, chunks: list[ScheduledChunk]) -> None:

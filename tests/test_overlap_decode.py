@@ -128,3 +128,61 @@ def test_overlap_is_on_for_cuda_only_by_default():
     assert EngineConfig(device="cuda").overlaps_decode
     assert not EngineConfig(device="cuda", overlap_decode=False).overlaps_decode
     assert EngineConfig(overlap_decode=True).overlaps_decode
+
+
+def _prefill(engine: Engine, prompt: list[int], params: SamplingParams, request_id: str):
+    """What a prefill worker hands a decode worker: the first token, the prompt's KV
+    blocks, the generator state after the first draw (as actors/prefill_worker.py)."""
+    import dataclasses
+
+    one = dataclasses.replace(params, max_new_tokens=1, ignore_eos=True, stop=(), stop_token_ids=())
+    engine.add_request(prompt, one, request_id, exports_kv=True)
+    request = engine.requests[request_id]
+    blocks = None
+    while blocks is None:
+        exported, outputs = engine.run_step()
+        blocks = next((c.block_ids for c in exported if c.end == len(prompt)), None)
+    first = next(o for o in outputs if o.request_id == request_id)
+    kv = engine.runner.read_blocks(blocks).clone()
+    return first, kv, request.generator.get_state()
+
+
+def test_activations_join_an_overlapped_run(tiny_qwen2_dir):
+    """A decode worker's requests arrive with their prompt KV and first token while
+    others decode: they join the step launched ahead instead of ending the run, and
+    every output is what the engine gives without overlap."""
+    from actors.model_runner import SampledToken
+
+    rng = random.Random(4)
+    prefill = _engine(tiny_qwen2_dir, overlap=False, static=False)
+    arrivals = {}  # call -> [(id, prompt, params, (first, kv, state))]
+    for index, call in enumerate((0, 0, 0, 3, 4, 4, 9, 15)):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(5, 60))]
+        params = _params(rng, max_new_tokens=rng.randint(5, 25))
+        request_id = f"d{index}"
+        arrivals.setdefault(call, []).append((request_id, prompt, params, _prefill(prefill, prompt, params, request_id)))
+
+    runs = {}
+    for overlap in (False, True):
+        engine = _engine(tiny_qwen2_dir, overlap, static=True)
+        finished, call = {}, 0
+        while engine.has_unfinished() or call <= max(arrivals):
+            for request_id, prompt, params, (first, kv, state) in arrivals.get(call, []):
+                reservation = engine.reserve(prompt, params, request_id)
+                engine.runner.write_blocks(reservation.block_ids[: len(kv)], kv)
+                token = SampledToken(first.token_ids[0], first.logprobs[0] if first.logprobs else None)
+                out = engine.activate(request_id, token, state)
+                if out.finished:
+                    finished[request_id] = (out.token_ids, out.text, out.logprobs)
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = (out.token_ids, out.text, out.logprobs)
+            engine.pool.check()
+            call += 1
+        assert engine.pool.num_used == 0
+        runs[overlap] = (finished, engine.num_steps, engine.num_steps_launched_ahead)
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 8
+    # The batch never empties in this script: every step but the first is launched
+    # ahead (28 of 32 when an activation ends the run instead of joining it).
+    (_, steps, ahead), (_, _, in_turn_ahead) = runs[True], runs[False]
+    assert ahead == steps - 1 and in_turn_ahead == 0
