@@ -63,21 +63,26 @@ def sample(
     else:
         settings = settings.to(logits.device)
     vocab_order = [n for n, k in enumerate(ks) if k == vocab and top_ps[random_rows[n]] >= 1.0]
-    best_first = [n for n in range(len(random_rows)) if n not in vocab_order]
-    for members in (vocab_order, best_first):
-        if not members:
-            continue
-        part = settings[:, members] if len(members) < len(random_rows) else settings
-        rows = part[0].long()
-        every_row = len(members) == batch  # then no gather: a copy of [B, V] costs as much as the softmax
-        scaled = (logits if every_row else logits[rows]).float() / part[1].float()[:, None]
-        if members is vocab_order:
-            tokens[rows] = _invert_cdf(scaled.softmax(dim=-1), part[4].float())
-        else:
-            needs_mass = any(ks[n] == vocab for n in members)  # a row filters by top_p alone
-            tokens[rows] = _sample_best_first(scaled, part[2].long(), part[3].float(), part[4].float(),
-                                              max((ks[n] for n in members if ks[n] < vocab), default=0), needs_mass)
+    best_first = sorted(set(range(len(random_rows))) - set(vocab_order))
+    if vocab_order:
+        rows, scaled, part = _scaled_rows(logits, settings, vocab_order)
+        tokens[rows] = _invert_cdf(scaled.softmax(dim=-1), part[4].float())
+    if best_first:
+        rows, scaled, part = _scaled_rows(logits, settings, best_first)
+        max_k = max((ks[n] for n in best_first if ks[n] < vocab), default=0)
+        needs_mass = any(ks[n] == vocab for n in best_first)  # a row filters by top_p alone
+        tokens[rows] = _sample_best_first(scaled, part[2].long(), part[3].float(), part[4].float(), max_k, needs_mass)
     return tokens
+
+
+def _scaled_rows(logits: torch.Tensor, settings: torch.Tensor, members: list[int]):
+    """The rows of `members` (indexes into the settings' columns): their row ids,
+    their logits over their temperatures, and their settings."""
+    part = settings[:, members] if len(members) < settings.shape[1] else settings
+    rows = part[0].long()
+    every_row = len(members) == logits.shape[0]  # then no gather: a copy of [B, V] costs as much as a softmax
+    scaled = (logits if every_row else logits[rows]).float() / part[1].float()[:, None]
+    return rows, scaled, part
 
 
 def _invert_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
