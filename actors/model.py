@@ -18,7 +18,7 @@ from actors.attention_metadata import AttentionMetadata
 from actors.config import ModelConfig
 from kernels.activation import silu_and_mul
 from kernels.attention import decode_attention, prefill_attention, write_kv_slots
-from kernels.norm import rms_norm
+from kernels.norm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -32,6 +32,7 @@ class ModelKernels:
     decode_attention: Callable = decode_attention
     linear: Callable = nn.functional.linear
     rms_norm: Callable = rms_norm
+    add_rms_norm: Callable = add_rms_norm
     apply_rope: Callable = apply_rope
     write_kv_slots: Callable = write_kv_slots
     silu_and_mul: Callable = silu_and_mul
@@ -49,14 +50,20 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, kernel: Callable) -> None:
+    """RMSNorm of `x`, or, given the residual stream, of `x + residual` (one fused
+    kernel where there is one): then returns (normalised, x + residual)."""
+
+    def __init__(self, size: int, eps: float, kernel: Callable, add_kernel: Callable = add_rms_norm) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.kernel = kernel
+        self.add_kernel = add_kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.kernel(x, self.weight, self.eps)
+        return self.add_kernel(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -118,12 +125,20 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, kernels)
         self.mlp = MLP(config, kernels)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
+        norm = dict(kernel=kernels.rms_norm, add_kernel=kernels.add_rms_norm)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
 
-    def forward(self, x, cos, sin, layer_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, layer_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings, with residual None, for
+        the first layer). Returns this layer's MLP output and the residual stream
+        before it: each residual add is fused into the RMSNorm after it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, layer_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class Model(nn.Module):
@@ -131,18 +146,18 @@ class Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm, kernels.add_rms_norm)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, input_ids, positions, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[:, index], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache[:, index], meta)
+        return self.norm(x, residual)[0]
 
 
 class ForCausalLM(nn.Module):

@@ -40,7 +40,7 @@ from kernels.activation import select_silu_and_mul
 from kernels.attention import select_decode_attention, select_prefill_attention, select_write_kv_slots
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
-from kernels.norm import select_rms_norm
+from kernels.norm import select_add_rms_norm, select_rms_norm
 from kernels.rope import select_apply_rope
 from kernels.sampling import logprobs_of, sample
 
@@ -68,6 +68,7 @@ class ModelRunner:
             decode_attention=select_decode_attention(backend, self.device, dtype),
             linear=select_linear(backend, self.device, dtype),
             rms_norm=select_rms_norm(backend, self.device, dtype),
+            add_rms_norm=select_add_rms_norm(backend, self.device, dtype),
             apply_rope=select_apply_rope(backend, self.device, dtype),
             write_kv_slots=select_write_kv_slots(backend, self.device),
             silu_and_mul=select_silu_and_mul(backend, self.device),

@@ -66,9 +66,10 @@ def instrument(engine, timer: PhaseTimer):
     model.forward = timer.wrap("model forward (total)", model.forward)
     model.compute_logits = timer.wrap("lm_head (compute_logits)", model.compute_logits)
     norms = [module for module in model.modules() if isinstance(module, model_module.RMSNorm)]
-    norm_kernels = {norm: norm.kernel for norm in norms}
+    norm_kernels = {norm: (norm.kernel, norm.add_kernel) for norm in norms}
     for norm in norms:
-        norm.kernel = timer.wrap("  rms_norm", norm.kernel)
+        norm.kernel = timer.wrap("  rms_norm (and the residual add)", norm.kernel)
+        norm.add_kernel = timer.wrap("  rms_norm (and the residual add)", norm.add_kernel)
     attention = {layer.self_attn: layer.self_attn.kernels for layer in model.model.layers}  # the runner's picks
     activations = {layer.mlp: layer.mlp.silu_and_mul for layer in model.model.layers}
     for layer in model.model.layers:
@@ -87,8 +88,8 @@ def instrument(engine, timer: PhaseTimer):
     def restore() -> None:
         for mlp, activation in activations.items():
             mlp.silu_and_mul = activation
-        for norm, kernel in norm_kernels.items():
-            norm.kernel = kernel
+        for norm, (kernel, add_kernel) in norm_kernels.items():
+            norm.kernel, norm.add_kernel = kernel, add_kernel
         for module, picked in attention.items():
             module.kernels = picked
 

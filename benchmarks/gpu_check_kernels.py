@@ -155,12 +155,14 @@ def _elementwise_inputs(device: str, dtype, num_tokens: int) -> dict:
 def _elementwise_pairs(triton_elementwise, inputs: dict) -> dict:
     """name -> (Triton call, reference call) over the same inputs."""
     from kernels.activation import silu_and_mul
-    from kernels.norm import rms_norm
+    from kernels.norm import add_rms_norm, rms_norm
     from kernels.rope import apply_rope
 
     x, weight, q, cos, sin, gate_up = (inputs[k] for k in ("x", "weight", "q", "cos", "sin", "gate_up"))
     return {
         "rms_norm": (lambda: triton_elementwise.rms_norm(x, weight, 1e-6), lambda: rms_norm(x, weight, 1e-6)),
+        "add_rms_norm": (lambda: triton_elementwise.add_rms_norm(x, x, weight, 1e-6)[0],
+                         lambda: add_rms_norm(x, x, weight, 1e-6)[0]),
         "rope": (lambda: triton_elementwise.apply_rope(q, cos, sin), lambda: apply_rope(q, cos, sin)),
         "silu_and_mul": (lambda: triton_elementwise.silu_and_mul(gate_up), lambda: silu_and_mul(gate_up)),
     }

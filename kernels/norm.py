@@ -1,4 +1,7 @@
-"""RMSNorm, computed in float32 as the Llama/Qwen2 reference implementations do."""
+"""RMSNorm, computed in float32 as the Llama/Qwen2 reference implementations do, and
+RMSNorm fused with the residual add before it (`add_rms_norm`): a decoder layer
+adds each sublayer's output to the residual stream and normalises the sum, two
+kernels on a GPU that one does (`kernels.triton_elementwise`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the sum in x's dtype, as `x + residual`."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
 
 
 def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
@@ -29,3 +40,22 @@ def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
 
         return triton_elementwise.rms_norm
     return rms_norm
+
+
+def select_add_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
+    """`auto` on CUDA with Triton: one fused kernel (`kernels.triton_elementwise`);
+    elsewhere the add, then the RMSNorm `select_rms_norm` picks (on CPU the add is
+    one op whatever it is fused with)."""
+    if wants_triton_kernels(backend, device):
+        from kernels import triton_elementwise
+
+        return triton_elementwise.add_rms_norm
+    norm = select_rms_norm(backend, device, dtype)
+    if norm is rms_norm:
+        return add_rms_norm
+
+    def add_then_norm(x, residual, weight, eps):
+        summed = x + residual
+        return norm(summed, weight, eps), summed
+
+    return add_then_norm

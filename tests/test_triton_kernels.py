@@ -107,7 +107,7 @@ def test_the_cuda_elementwise_dispatch_falls_back_to_the_references_for_layouts_
     import torch
 
     from kernels.activation import select_silu_and_mul, silu_and_mul
-    from kernels.norm import rms_norm, select_rms_norm
+    from kernels.norm import add_rms_norm, rms_norm, select_add_rms_norm, select_rms_norm
     from kernels.rope import apply_rope, select_apply_rope
 
     cuda = torch.device("cuda")
@@ -116,6 +116,10 @@ def test_the_cuda_elementwise_dispatch_falls_back_to_the_references_for_layouts_
     assert norm is not rms_norm and rotate is not apply_rope and activate is not silu_and_mul
     x, weight = torch.randn(16, 3).t(), torch.randn(16)  # [3, 16], last axis strided
     torch.testing.assert_close(norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6))
+    add_norm = select_add_rms_norm("auto", cuda, torch.float16)
+    assert add_norm is not add_rms_norm
+    for got, expected in zip(add_norm(x, x, weight, 1e-6), add_rms_norm(x, x, weight, 1e-6)):
+        torch.testing.assert_close(got, expected)
     q, cos, sin = torch.randn(3, 2, 80), torch.randn(3, 80), torch.randn(3, 80)
     torch.testing.assert_close(rotate(q, cos, sin), apply_rope(q, cos, sin))
     gate_up = torch.randn(8, 4).t()  # [4, 8], columns strided

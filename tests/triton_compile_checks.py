@@ -109,14 +109,18 @@ def test_block_copy_and_elementwise_kernels_compile_for_hopper(hopper, dtype):
     from kernels import triton_blocks, triton_elementwise
 
     (copy,) = hopper(triton_blocks, "_copy_blocks_kernel")
-    norm, rope, activation = hopper(triton_elementwise, "_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel")
+    norm, add_norm, rope, activation = hopper(triton_elementwise, "_rms_norm_kernel", "_add_rms_norm_kernel",
+                                              "_rope_kernel", "_silu_and_mul_kernel")
     cache = torch.zeros(8, 3, 2, 16, 2, 64, dtype=dtype)
     ids = torch.tensor([3, 1])
     triton_blocks.gather_blocks(cache, ids)
     triton_blocks.scatter_blocks(cache, ids, torch.zeros(2, *cache.shape[1:], dtype=dtype))
     triton_elementwise.rms_norm(torch.zeros(4, 896, dtype=dtype), torch.zeros(896, dtype=dtype), 1e-6)
+    hidden = torch.zeros(4, 896, dtype=dtype)
+    triton_elementwise.add_rms_norm(hidden, hidden, torch.zeros(896, dtype=dtype), 1e-6)
     qkv = torch.zeros(4, 18 * 64, dtype=dtype)
     cos = torch.zeros(4, 64)
     triton_elementwise.apply_rope(qkv[:, : 14 * 64].view(4, 14, 64), cos, cos)
     triton_elementwise.silu_and_mul(torch.zeros(4, 2 * 4864, dtype=dtype))
-    assert len(copy.compiled) == 2 and len(norm.compiled) == len(rope.compiled) == len(activation.compiled) == 1
+    assert len(copy.compiled) == 2
+    assert len(norm.compiled) == len(add_norm.compiled) == len(rope.compiled) == len(activation.compiled) == 1

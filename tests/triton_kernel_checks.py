@@ -176,6 +176,28 @@ def test_rms_norm_matches_the_reference(triton_elementwise, dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [896, 100])
+def test_add_rms_norm_matches_the_reference(triton_elementwise, dtype, hidden):
+    """The residual add fused into RMSNorm: the sum exactly `x + residual` in the
+    model's dtype (in bfloat16 within one unit in the last place: the interpreter
+    casts float32 to bfloat16 by truncating, a GPU rounds to nearest like torch),
+    the norm as the reference's over that sum."""
+    from kernels.norm import add_rms_norm
+
+    x, residual = (torch.randn(7, hidden) * 3).to(dtype), (torch.randn(7, hidden) * 5).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    normed, summed = triton_elementwise.add_rms_norm(x, residual, weight, 1e-6)
+    expected_normed, expected_sum = add_rms_norm(x, residual, weight, 1e-6)
+    assert normed.dtype == summed.dtype == dtype
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(summed.float(), expected_sum.float(), atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(summed, expected_sum)
+    tolerance = _HALF_TOLERANCE[dtype]
+    torch.testing.assert_close(normed.float(), expected_normed.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rope_matches_the_reference_on_a_strided_view(triton_elementwise, dtype):
     """q and k as the model has them: views into the fused QKV projection's rows."""
     from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
