@@ -81,10 +81,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.kernels.apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = self.kernels.apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q's and k's heads are adjacent in each row: one RoPE call rotates them all.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = self.kernels.apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         self.kernels.write_kv_slots(layer_cache, k, v, meta.slot_mapping)
 
         outputs = []

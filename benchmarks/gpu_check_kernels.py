@@ -141,14 +141,15 @@ def _block_copies_exact(triton_blocks, device: str) -> bool:
 
 
 def _elementwise_inputs(device: str, dtype, num_tokens: int) -> dict:
-    """qwen2.5-0.5b's sizes: hidden 896, 14 heads of 64 (+2 KV heads), MLP 4864."""
+    """qwen2.5-0.5b's sizes: hidden 896, 14 heads of 64 (+2 KV heads; RoPE rotates q's
+    and k's 16 heads in one call), MLP 4864."""
     from kernels.rope import rope_cos_sin, rope_inv_freq
 
     cos_table, sin_table = rope_cos_sin(rope_inv_freq(64, 1e6), 4096)
     positions = torch.randint(0, 4096, (num_tokens,))
     qkv = torch.randn(num_tokens, (14 + 4) * 64, device=device).to(dtype)
     return {"x": torch.randn(num_tokens, 896, device=device).to(dtype), "weight": torch.randn(896, device=device).to(dtype),
-            "q": qkv[:, : 14 * 64].view(num_tokens, 14, 64), "cos": cos_table[positions].to(device),
+            "q": qkv[:, : 16 * 64].view(num_tokens, 16, 64), "cos": cos_table[positions].to(device),
             "sin": sin_table[positions].to(device), "gate_up": torch.randn(num_tokens, 2 * 4864, device=device).to(dtype)}
 
 

@@ -4,9 +4,9 @@ Each torch reference is a chain of small ops (in bfloat16, RMSNorm eight kernels
 cast, square, mean, add, rsqrt, multiply, cast, scale; RoPE seven a call, two calls
 a layer; the MLP's activation two), and on a GPU a small model's step pays per
 kernel: in launch time when steps run eagerly (prefill), in each kernel's fixed
-cost inside a CUDA graph (decode). With these, the fused residual add and the
-Triton slot write, a decoder layer runs 11 kernels (counted from the code, not
-profiled) instead of 44.
+cost inside a CUDA graph (decode). With these (RoPE once a layer, over q's and
+k's heads together), the fused residual add and the Triton slot write, a decoder
+layer runs 10 kernels (counted from the code, not profiled) instead of 44.
 
 Same contracts and arithmetic as the references (`kernels/norm.py`,
 `kernels/rope.py`, `kernels/activation.py`): float32 inside, the result rounded to
@@ -17,10 +17,11 @@ results may differ in the last bit; float32 agrees to rounding).
   `MAX_HIDDEN`). `add_rms_norm` the same after adding the residual, which it
   also writes (the sum rounded to the model's dtype, then normalised, as the
   reference's `x + residual` then RMSNorm).
-- `apply_rope`: one program per token, all its heads, the rotate-half form Llama and
-  Qwen2 use: out = x * cos + rotate_half(x) * sin, with cos and sin rounded to x's dtype
-  first, as the reference does. Reads q or k in place from the fused QKV output
-  (rows may be strided; each head's row contiguous).
+- `apply_rope`: one program per token, all its heads (the model passes q's and k's
+  together), the rotate-half form Llama and Qwen2 use: out = x * cos +
+  rotate_half(x) * sin, with cos and sin rounded to x's dtype first, as the
+  reference does. Reads the heads in place from the fused QKV output (rows may be
+  strided; each head's row contiguous).
 - `silu_and_mul`: silu(gate) * up of the fused gate/up projection [N, 2I] -> [N, I].
 
 Like their C++ twins in `kernels/cpu_norm_rope.py`, the wrappers hand layouts their

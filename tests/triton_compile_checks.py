@@ -120,7 +120,7 @@ def test_block_copy_and_elementwise_kernels_compile_for_hopper(hopper, dtype):
     triton_elementwise.add_rms_norm(hidden, hidden, torch.zeros(896, dtype=dtype), 1e-6)
     qkv = torch.zeros(4, 18 * 64, dtype=dtype)
     cos = torch.zeros(4, 64)
-    triton_elementwise.apply_rope(qkv[:, : 14 * 64].view(4, 14, 64), cos, cos)
+    triton_elementwise.apply_rope(qkv[:, : 16 * 64].view(4, 16, 64), cos, cos)
     triton_elementwise.silu_and_mul(torch.zeros(4, 2 * 4864, dtype=dtype))
     assert len(copy.compiled) == 2
     assert len(norm.compiled) == len(add_norm.compiled) == len(rope.compiled) == len(activation.compiled) == 1
