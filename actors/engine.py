@@ -82,19 +82,46 @@ class _StepInFlight:
     decodes_only: bool  # every chunk a single-token decode that samples
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestOutput:
+    """A request as of one step: its first `num_tokens` output tokens (with their
+    logprobs and arrival times) and its text. The lists are not copied when the
+    output is made: it holds the request's own lists, which only ever grow, and
+    cuts them at `num_tokens` when read. So an output costs the same at any length
+    (copying them every step made a request's outputs cost O(n^2) in its length),
+    and reading one from another thread is safe. `new_token_ids(start)` and
+    `new_logprobs(start)` read a tail without copying the rest."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    num_tokens: int
     text: str
-    logprobs: list[TokenLogprob] | None
     finished: bool
     finish_reason: FinishReason | None
     num_cached_tokens: int
     arrival_s: float
     first_token_s: float | None
-    token_times_s: list[float] = field(default_factory=list)
+    _token_ids: list[int] = field(repr=False)
+    _logprobs: list[TokenLogprob] | None = field(repr=False)
+    _token_times_s: list[float] = field(repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._token_ids[: self.num_tokens]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return None if self._logprobs is None else self._logprobs[: self.num_tokens]
+
+    @property
+    def token_times_s(self) -> list[float]:
+        return self._token_times_s[: self.num_tokens]
+
+    def new_token_ids(self, start: int) -> list[int]:
+        return self._token_ids[start : self.num_tokens]
+
+    def new_logprobs(self, start: int) -> list[TokenLogprob] | None:
+        return None if self._logprobs is None else self._logprobs[start : self.num_tokens]
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -441,13 +468,14 @@ class Engine:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            num_tokens=len(request.output_token_ids),
             text=text,
-            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             arrival_s=request.arrival_s,
             first_token_s=request.first_token_s,
-            token_times_s=list(request.token_times_s),
+            _token_ids=request.output_token_ids,
+            _logprobs=request.logprobs if request.params.logprobs is not None else None,
+            _token_times_s=request.token_times_s,
         )

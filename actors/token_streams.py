@@ -41,10 +41,10 @@ class TokenStreams:
         stream = self._streams.get(output.request_id)
         if stream is None or stream.closed:
             return
-        new_ids = output.token_ids[stream.num_tokens_sent :]
+        new_ids = output.new_token_ids(stream.num_tokens_sent)
         new_text = output.text[stream.num_chars_sent :]
-        logprobs = output.logprobs[stream.num_tokens_sent :] if output.logprobs is not None else None
-        stream.num_tokens_sent = len(output.token_ids)
+        logprobs = output.new_logprobs(stream.num_tokens_sent)
+        stream.num_tokens_sent = output.num_tokens
         stream.num_chars_sent = len(output.text)
         stream.closed = output.finished
         event = TokenEvent(

@@ -221,3 +221,20 @@ def test_kernel_backends_give_the_same_tokens(tiny_qwen2_dir):
         llm = LLM(tiny_qwen2_dir, block_size=16, prefill_chunk_size=64, kernel_backend=backend)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["auto"] == outputs["torch"]
+
+
+def test_an_output_keeps_what_it_said_as_the_request_goes_on(llm):
+    """Outputs share the request's growing lists (no copy a step): each must still
+    read as of its own step afterwards, and `new_token_ids` give the tail."""
+    engine = llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=12, temperature=0.5, seed=1, logprobs=1), "snap")
+    seen = []
+    while engine.has_unfinished():
+        seen += [(out, out.token_ids, out.logprobs, out.token_times_s) for out in engine.step()]
+    final = seen[-1][0]
+    assert final.finished and final.num_tokens == 12
+    for out, token_ids, logprobs, times in seen:
+        assert out.token_ids == token_ids == final.token_ids[: out.num_tokens]
+        assert out.logprobs == logprobs and out.token_times_s == times and len(times) == out.num_tokens
+        assert final.new_token_ids(out.num_tokens) == final.token_ids[out.num_tokens :]
+        assert final.new_logprobs(out.num_tokens) == final.logprobs[out.num_tokens :]
