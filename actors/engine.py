@@ -439,10 +439,12 @@ class Engine:
         )
         if is_stop_token:
             return self._finish(request, FinishReason.STOP)
-        request.detokenizer.add(token.token_id)
-        if params.stop:
-            text = request.detokenizer.text
-            stop_at = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=None)
+        delta = request.detokenizer.add(token.token_id)
+        if params.stop and delta:
+            # Only a match that ends in the new text is new: search from where one could start.
+            text, new_from = request.detokenizer.text, len(request.detokenizer.text) - len(delta)
+            found = (text.find(s, max(0, new_from - len(s) + 1)) for s in params.stop)
+            stop_at = min((i for i in found if i >= 0), default=None)
             if stop_at is not None:
                 return self._finish(request, FinishReason.STOP, text[:stop_at])
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:

@@ -87,6 +87,24 @@ def test_stop_strings_cut_the_text(llm):
     assert stop not in out.text
 
 
+def test_stop_strings_anywhere_end_at_the_first_match(llm):
+    """Stop strings cut across token boundaries at random offsets (several at once):
+    the text ends right before the earliest match in the whole output (the search
+    only looks at where a new match can end, so this pins that it misses none)."""
+    rng = random.Random(5)
+    prompts = [f"stop {i}" for i in range(6)]
+    base = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    for prompt, free in zip(prompts, llm.generate(prompts, base)):
+        text = free.text
+        stops = []
+        for _ in range(3):
+            start = rng.randrange(1, len(text) - 1)
+            stops.append(text[start : start + rng.randint(1, 6)])
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=stops))[0]
+        first = min(text.find(s) for s in stops)
+        assert out.finish_reason is FinishReason.STOP and out.text == text[:first], (text, stops, out.text)
+
+
 def test_text_equals_decoding_the_tokens(llm):
     params = SamplingParams(max_new_tokens=40, temperature=1.5, seed=3, ignore_eos=True)
     for out in llm.generate(["héllo wörld 中文 🙂", "plain"], params):
