@@ -10,7 +10,9 @@ replays them with one call. What a graph needs, and how this class gives it:
   bucket (1, 2, 4, then multiples of 8) and a step of `n` sequences replays the
   smallest bucket that holds it.
   Block tables are `ceil(max_model_len / block_size)` wide, so any sequence fits;
-  only the columns a step uses are copied in.
+  only the columns a step uses are copied in, from a host mirror that keeps each
+  row from step to step (`actors/block_table_rows.py`: a step adds only the
+  blocks appended since the last).
 - **Padding rows that harm nothing.** A bucket's unused rows decode token 0 at
   position 0 with a context of one token in the **scratch block**: a KV block the
   model runner allocates beyond those the block pool hands out. Their K/V writes
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from actors.attention_metadata import AttentionMetadata
+from actors.block_table_rows import BlockTableRows
 from actors.host_tensors import padded_int64_rows
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class DecodeGraphs:
         self.step_inputs[3] = 1
         self.token_ids, self.positions, self.slot_mapping, self.context_lens = self.step_inputs.unbind(0)
         self.block_tables = torch.full((max_batch, max_blocks_per_seq), scratch_block, **long)
+        self.host_block_tables = BlockTableRows(max_batch, max_blocks_per_seq, pad=scratch_block)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture()
@@ -140,11 +144,14 @@ class DecodeGraphs:
         token_ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int],
         slot_mapping: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[list[int]],
         context_lens: Sequence[int],
     ) -> torch.Tensor:
         """The step's hidden states, [n, hidden] for n = len(token_ids) single-token
-        decodes (each row's block table covers its context_len). `token_ids` may be
+        decodes. `block_tables`: each sequence's block table (the list itself: a row
+        whose list is the last step's copies only the new blocks), covering at least
+        its context_len; the step reads ceil(context_len / block_size) blocks of it.
+        `token_ids` may be
         a tensor on the device (tokens the host has not read yet): copied in on the
         device, after the host's rows. The result is a view of the graph's output:
         read it before the next `run`."""
@@ -160,11 +167,13 @@ class DecodeGraphs:
             list(slot_mapping) + [scratch_slot] * pad,
             list(context_lens) + [1] * pad,
         ]
-        tables = padded_int64_rows(list(block_tables) + [[]] * pad, pad=self.scratch_block)
+        num_blocks = [-(-n // self.block_size) for n in context_lens]
+        width = self.host_block_tables.update(block_tables, num_blocks, bucket)
+        tables = torch.from_numpy(self.host_block_tables.array[:bucket, :width])
         self._copy_in(self.step_inputs[:, :bucket], padded_int64_rows(rows, pad=0))
         if on_device:
             self.token_ids[:batch].copy_(token_ids)
-        self._copy_in(self.block_tables[:bucket, : tables.shape[1]], tables)
+        self._copy_in(self.block_tables[:bucket, :width], tables)
         if bucket in self._graphs:
             graph, hidden = self._graphs[bucket]
             graph.replay()

@@ -15,6 +15,10 @@
    unfiltered row, a window of the best for a filtered one), for the bench
    model's vocabulary and Qwen2.5's, with a temperature alone (the default
    request), top_k 50 and top_p 0.9 (over peaked logits, as a trained model's are).
+4. The block tables of a static decode step, host side, 64 sequences of 8, 64 and
+   256 blocks in steady decoding: every table converted afresh
+   (`padded_int64_rows`) against the rows kept from step to step
+   (`actors.block_table_rows`).
 
 Each row times the two implementations alternately (A/B, B/A), median of repeats,
 with achieved GB/s (bytes a step must read) and GFLOP/s.
@@ -35,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="input rows M for the linear layers")
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--sections", default="linear,attention,sampling", help="which tables to run")
+    parser.add_argument("--sections", default="linear,attention,sampling,block_tables", help="which tables to run")
 
 
 def alternate(first, second, repeats: int) -> tuple[float, float]:
@@ -133,6 +137,34 @@ def sampling_rows(args) -> list[dict]:
     return results
 
 
+def block_table_rows(args) -> list[dict]:
+    import random
+
+    from actors.block_table_rows import BlockTableRows
+    from actors.host_tensors import padded_int64_rows
+
+    rng, batch, results = random.Random(3), 64, []
+    for blocks in (8, 64, 256):
+        tables = [[rng.randrange(100_000) for _ in range(blocks)] for _ in range(batch)]
+        used = [blocks] * batch
+        kept = BlockTableRows(batch, blocks, pad=0)
+        kept.update(tables, used, batch)
+
+        def rebuild():
+            for _ in range(100):
+                padded_int64_rows([t[:blocks] for t in tables], pad=0)
+
+        def keep():
+            for _ in range(100):
+                kept.update(tables, used, batch)
+
+        rebuilt_s, kept_s = (t / 100 for t in alternate(rebuild, keep, args.repeats))
+        results.append({"blocks": blocks, "rebuilt_s": rebuilt_s, "kept_s": kept_s, "speedup": rebuilt_s / kept_s})
+        print(f"block tables, {batch} x {blocks} blocks: rebuilt {rebuilt_s * 1e3:.3f} ms, kept {kept_s * 1e3:.3f} ms",
+              flush=True)
+    return results
+
+
 def main(args: argparse.Namespace) -> None:
     import torch
 
@@ -175,6 +207,13 @@ def main(args: argparse.Namespace) -> None:
             [[r["vocab"], r["setting"], r["full_sort_s"] * 1e3, r["sample_s"] * 1e3, r["speedup"]] for r in sampling])
         default = next(r for r in sampling if r["vocab"] != VOCAB and r["setting"] == "temperature 1")
         headline.append(f"sampling {default['speedup']:.1f}x a full sort at a 152k vocabulary")
+    if "block_tables" in sections:
+        tables = results["block_tables"] = block_table_rows(args)
+        report.print_table(
+            "Block tables of a static decode step, host side, 64 sequences",
+            ["blocks a sequence", "rebuilt ms", "kept ms", "speed-up"],
+            [[r["blocks"], r["rebuilt_s"] * 1e3, r["kept_s"] * 1e3, r["speedup"]] for r in tables])
+        headline.append(f"block tables kept {tables[-1]['speedup']:.0f}x faster at {tables[-1]['blocks']} blocks")
     goal = (f"faster than torch up to MAX_ROWS={cpu_linear.MAX_ROWS}" if "linear" in sections
             else "faster than a full sort, the same tokens for filtered rows")
     report.finish("kernels", args.out, results, "; ".join(headline), goal)

@@ -6,8 +6,9 @@ tokens whatever else shares the batch. A random row draws exactly one uniform nu
 from its generator per token and inverts the CDF of its (filtered) distribution.
 
 No full sort of the vocabulary where it can be avoided: sorting a 152k-token
-vocabulary costs about 9 ms a row on this machine's CPU (565 ms a step at batch 64,
-four times the bench model's forward), so
+vocabulary costs about 10 ms a row on this machine's CPU (590-680 ms a step at
+batch 64 in `tandem bench kernels --sections sampling`, four times the bench
+model's forward), so
 - a row with no filter (top_k 0, top_p 1: the default request) inverts the CDF
   of its probabilities in vocabulary order (a softmax and a prefix sum);
 - a filtered row inverts it over its best candidates, in descending order, from

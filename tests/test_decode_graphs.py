@@ -7,7 +7,9 @@ import random
 
 import torch
 
+from actors.block_table_rows import BlockTableRows
 from actors.decode_graphs import batch_buckets
+from actors.host_tensors import padded_int64_rows
 from actors.llm import LLM
 from actors.sampling_params import SamplingParams
 
@@ -18,6 +20,35 @@ def test_batch_buckets():
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_block_table_rows_equal_the_tables_rebuilt_each_step():
+    """The host mirror of the static step's block tables, against converting every
+    table afresh: sequences that keep their rows and grow, swap rows, leave, come
+    back as a new list (preempted, re-admitted), and padding rows."""
+    rng = random.Random(8)
+    pad, max_rows, max_blocks = 99_999, 8, 40
+    rows = BlockTableRows(max_rows, max_blocks, pad)
+    tables = [[rng.randrange(1000) for _ in range(rng.randint(1, 5))] for _ in range(12)]
+    batch = tables[:5]
+    for _ in range(300):
+        for table in batch:  # decoding: now and then a block more
+            if rng.random() < 0.3 and len(table) < max_blocks:
+                table.append(rng.randrange(1000))
+        event = rng.random()
+        if event < 0.1:
+            batch = rng.sample(tables, rng.randint(1, max_rows))  # another batch
+        elif event < 0.15:
+            index = rng.randrange(len(tables))
+            tables[index] = [rng.randrange(1000) for _ in range(rng.randint(1, 3))]  # a new list
+            batch = [t for t in batch if any(t is u for u in tables)] or [tables[index]]
+        used = [rng.randint(max(1, len(t) - 1), len(t)) for t in batch]  # the step reads a prefix
+        bucket = rng.randint(len(batch), max_rows)
+        width = rows.update(batch, used, bucket)
+        expected = padded_int64_rows([t[:n] for t, n in zip(batch, used)] + [[]] * (bucket - len(batch)), pad=pad)
+        assert width == expected.shape[1]
+        assert (rows.array[:bucket, :width] == expected.numpy()).all()
+        assert (rows.array[:bucket, width:] == pad).all()
 
 
 def test_padded_static_decode_matches_eager_bit_for_bit(tiny_qwen2_dir):
