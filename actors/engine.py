@@ -355,7 +355,7 @@ class Engine:
         output for every request that got a token or finished. With overlapped
         decode the step returned may be one launched by the previous call, and the
         next one is then already running (see the module docstring)."""
-        step = self._in_flight
+        step, self._in_flight = self._in_flight, None  # read once, even if what follows raises
         if step is None:
             plan = self.scheduler.schedule()
             if not plan.chunks:
