@@ -45,8 +45,8 @@ from kernels.rope import select_apply_rope
 from kernels.sampling import logprobs_of, sample
 
 
-@dataclass(frozen=True)
-class SampledToken:
+@dataclass(slots=True)
+class SampledToken:  # not frozen: one a request a step, and frozen construction costs 3x
     token_id: int
     logprob: TokenLogprob | None
 
