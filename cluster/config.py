@@ -67,7 +67,8 @@ class EngineSettings(_Strict):
     prefill_chunk_size: int = Field(256, ge=1)
     max_model_len: int | None = Field(None, ge=2)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
+    # Under Ray an actor sees the GPUs it asked for (num_gpus) from index 0: "cuda".
+    device: Literal["cpu", "cuda", "cuda:0"] = "cpu"
     enable_prefix_cache: bool = True
     kernel_backend: Literal["auto", "torch"] = "auto"
     cuda_graphs: bool = True

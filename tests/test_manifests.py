@@ -54,6 +54,7 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "mode": "colocated", "colocated": {"replicas": 1},
           "engine": {"device": "cuda:0"}}, "num_gpus > 0 in the colocated"),
         ({"model": {"preset": "tiny"}, "channel": "nccl"}, "channel: nccl"),
+        ({"model": {"preset": "tiny"}, "engine": {"device": "cuda:1"}}, "engine.device"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
