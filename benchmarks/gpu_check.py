@@ -22,8 +22,8 @@ the others still run):
    CUDA graphs, and graphs with overlapped decode (`overlap_decode`, the step after
    launched before this one's tokens are read): greedy tokens of a mixed batch
    (float32, so all three must agree), seeded sampling with logprobs (graphs with
-   and without overlap must agree), and the decode step time of each at batch 1
-   and `--decode-batch`. On CPU the padded static step runs without capture (its
+   and without overlap must agree), the decode step time of each at batch 1
+   and `--decode-batch`, and (CUDA) the host syncs in overlapped decode steps. On CPU the padded static step runs without capture (its
    twin) and overlap saves nothing (a CPU step runs while it is launched).
 5. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
    (the object_store channel works within one GPU), against the engine alone.
@@ -207,6 +207,8 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
             result["step_s"][f"{mode}_batch{batch}"] = step_s
         if mode == "graphs+overlap":
             result["steps_launched_ahead"] = llm.engine.num_steps_launched_ahead
+            if device == "cuda":
+                result["decode_host_syncs"] = _decode_host_syncs(torch, llm, decode_batch)
         del llm
     for batch in (1, decode_batch):
         times = {mode: result["step_s"][f"{mode}_batch{batch}"] for mode in DECODE_MODES}
@@ -217,6 +219,42 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
                     and result["steps_launched_ahead"] > 0
                     and (result["captured"] or device != "cuda"))
     return result
+
+
+def _decode_host_syncs(torch, llm, batch: int) -> dict:
+    """Where decode steps make the host wait for the device, other than reading a
+    step's tokens (an event, which torch does not report): torch's sync debug mode
+    warns on every synchronising op (`.item()`, a blocking copy, ...). Any in the
+    launch path would undo overlapped decode. Counted over 16 decode steps at
+    `batch` after the prefills; a diagnostic, so its own failure is recorded, not
+    raised."""
+    import random
+    import warnings
+
+    from actors.sampling_params import SamplingParams
+
+    try:
+        rng = random.Random(4)
+        engine = llm.engine
+        params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request([rng.randrange(3, 2000) for _ in range(64)], params)
+        while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+            engine.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(16):
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        while engine.has_unfinished():
+            engine.step()
+        messages = sorted({str(w.message)[:200] for w in caught})
+        return {"steps": 16, "warnings": len(caught), "distinct": messages[:5]}
+    except Exception as exc:  # a diagnostic: record it, keep the step's results
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _timed(torch, device: str, fn) -> float:
