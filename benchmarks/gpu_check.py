@@ -23,8 +23,9 @@ the others still run):
    launched before this one's tokens are read): greedy tokens of a mixed batch
    (float32, so all three must agree), seeded sampling with logprobs (graphs with
    and without overlap must agree), the decode step time of each at batch 1
-   and `--decode-batch`, and (CUDA) the host syncs in overlapped decode steps. On CPU the padded static step runs without capture (its
-   twin) and overlap saves nothing (a CPU step runs while it is launched).
+   and `--decode-batch`, and (CUDA) the host syncs in overlapped decode steps.
+   On CPU the padded static step runs without capture (its twin) and overlap
+   saves nothing (a CPU step runs while it is launched).
 5. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
    (the object_store channel works within one GPU), against the engine alone.
 
