@@ -5,11 +5,9 @@
 tokens, every step. numpy converts a list of ints about ten times faster, and
 `torch.from_numpy` takes its buffer without copying.
 
-To a CUDA device they go from pinned memory without blocking: a blocking copy from
-pageable memory waits for the stream's queued work, so building the next step's
-inputs would wait for the step still running (see the overlapped decode in
-`actors/engine.py`). Torch's caching host allocator keeps the pinned buffer until
-the copy has run.
+To a CUDA device they go from pinned memory without blocking (`kernels.to_device`),
+so building the next step's inputs never waits for the step still running (see the
+overlapped decode in `actors/engine.py`).
 """
 
 from __future__ import annotations
@@ -19,14 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-
-def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """`host` (a CPU tensor) on `device`; to CUDA through pinned memory, without
-    waiting for the device."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+from kernels import to_device
 
 
 def int64_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -28,3 +28,14 @@ def wants_triton_kernels(backend: str, device) -> bool:
     for the shapes its kernel does not take."""
     check_kernel_backend(backend)
     return backend == "auto" and torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`; to CUDA from pinned memory without waiting:
+    a blocking copy from pageable memory waits for the stream's queued work (a step
+    still running). Torch's caching host allocator keeps the pinned buffer until the
+    copy has run."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

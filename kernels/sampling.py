@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import to_device
+
 FIRST_WINDOW = 1024  # candidates a top_p-only row starts from (CPU)
 
 
@@ -55,14 +57,10 @@ def sample(
     ks = [top_ks[i] if 0 < top_ks[i] < vocab else vocab for i in random_rows]
     draws = [float(torch.rand((), generator=generators[i])) for i in random_rows]
     # One row a setting: row index, temperature, top-k, top-p, draw.
-    settings = torch.tensor(
+    settings = to_device(torch.tensor(
         [random_rows, [temperatures[i] for i in random_rows], ks, [top_ps[i] for i in random_rows], draws],
         dtype=torch.float64,
-    )
-    if logits.device.type == "cuda":
-        settings = settings.pin_memory().to(logits.device, non_blocking=True)
-    else:
-        settings = settings.to(logits.device)
+    ), logits.device)
     vocab_order = [n for n, k in enumerate(ks) if k == vocab and top_ps[random_rows[n]] >= 1.0]
     best_first = sorted(set(range(len(random_rows))) - set(vocab_order))
     if vocab_order:
