@@ -79,7 +79,11 @@ class _StepInFlight:
 
     chunks: list[ScheduledChunk]
     launched: LaunchedStep
-    decodes_only: bool  # every chunk a single-token decode that samples
+
+    @property
+    def decodes_only(self) -> bool:
+        """Every chunk a single-token decode that samples (one sampled row each)."""
+        return len(self.launched.requests) == len(self.chunks) and all(c.num_new_tokens == 1 for c in self.chunks)
 
 
 @dataclass(slots=True)
@@ -362,8 +366,7 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return [], []
-            decodes_only = all(c.num_new_tokens == 1 and c.samples for c in plan.chunks)
-            step = _StepInFlight(plan.chunks, self.runner.launch(plan.chunks), decodes_only)
+            step = _StepInFlight(plan.chunks, self.runner.launch(plan.chunks))
         self._in_flight = self._launch_next_decodes(step) if self.config.overlaps_decode else None
         return self._finish_step(step)
 
@@ -394,7 +397,7 @@ class Engine:
             known = int64_tensor([r.token_ids_between(r.num_computed_tokens, r.num_tokens)[0] for r in joining], device)
             input_ids = torch.cat([input_ids, known])
         self.num_steps_launched_ahead += 1
-        return _StepInFlight(plan.chunks, self.runner.launch(plan.chunks, input_ids), decodes_only=True)
+        return _StepInFlight(plan.chunks, self.runner.launch(plan.chunks, input_ids))
 
     def _next_token_is_last(self, request: Request) -> bool:
         """Whether the token being sampled for `request` ends it by length."""

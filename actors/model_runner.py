@@ -190,10 +190,6 @@ class ModelRunner:
         )
         return int64_tensor(input_ids, self.device), int64_tensor(positions, self.device), meta
 
-    def execute(self, chunks: list[ScheduledChunk]) -> list[tuple[Request, SampledToken]]:
-        """Run one step; return the sampled token of every chunk that samples."""
-        return self.collect(self.launch(chunks))
-
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None) -> LaunchedStep:
         """Enqueue one step, sampling included, without waiting for the device (on

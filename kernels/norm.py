@@ -5,6 +5,8 @@ kernels on a GPU that one does (`kernels.triton_elementwise`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import wants_cpu_kernels, wants_triton_kernels
@@ -18,11 +20,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, norm=rms_norm
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): the sum in x's dtype, as `x + residual`."""
+    """(norm(x + residual), x + residual): the sum in x's dtype, as `x + residual`;
+    `norm` an RMSNorm kernel (the reference by default)."""
     summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+    return norm(summed, weight, eps), summed
 
 
 def select_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
@@ -51,11 +54,4 @@ def select_add_rms_norm(backend: str, device: torch.device, dtype: torch.dtype):
 
         return triton_elementwise.add_rms_norm
     norm = select_rms_norm(backend, device, dtype)
-    if norm is rms_norm:
-        return add_rms_norm
-
-    def add_then_norm(x, residual, weight, eps):
-        summed = x + residual
-        return norm(summed, weight, eps), summed
-
-    return add_then_norm
+    return add_rms_norm if norm is rms_norm else functools.partial(add_rms_norm, norm=norm)
