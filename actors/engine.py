@@ -35,7 +35,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ from actors.detokenizer import IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
 from actors.kv_tiers import StoredBlock
 from actors.model_runner import LaunchedStep, ModelRunner, SampledToken
-from actors.request import FinishReason, Request, TokenLogprob
+from actors.request import FinishReason, Request, RequestOutput
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
 
@@ -84,50 +84,6 @@ class _StepInFlight:
     def decodes_only(self) -> bool:
         """Every chunk a single-token decode that samples (one sampled row each)."""
         return len(self.launched.requests) == len(self.chunks) and all(c.num_new_tokens == 1 for c in self.chunks)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request as of one step (a plain record, not frozen: one is made for every
-    request every step, and a frozen dataclass's constructor costs three times as
-    much: 3.2 us against 1 for this one): its first `num_tokens` output tokens (with their
-    logprobs and arrival times) and its text. The lists are not copied when the
-    output is made: it holds the request's own lists, which only ever grow, and
-    cuts them at `num_tokens` when read. So an output costs the same at any length
-    (copying them every step made a request's outputs cost O(n^2) in its length),
-    and reading one from another thread is safe. `new_token_ids(start)` and
-    `new_logprobs(start)` read a tail without copying the rest."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    num_tokens: int
-    text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    num_cached_tokens: int
-    arrival_s: float
-    first_token_s: float | None
-    _token_ids: list[int] = field(repr=False)
-    _logprobs: list[TokenLogprob] | None = field(repr=False)
-    _token_times_s: list[float] = field(repr=False)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._token_ids[: self.num_tokens]
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        return None if self._logprobs is None else self._logprobs[: self.num_tokens]
-
-    @property
-    def token_times_s(self) -> list[float]:
-        return self._token_times_s[: self.num_tokens]
-
-    def new_token_ids(self, start: int) -> list[int]:
-        return self._token_ids[start : self.num_tokens]
-
-    def new_logprobs(self, start: int) -> list[TokenLogprob] | None:
-        return None if self._logprobs is None else self._logprobs[start : self.num_tokens]
 
 
 def load_tokenizer(model_dir: str | Path):

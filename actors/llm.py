@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from actors.config import EngineConfig
-from actors.engine import Engine, RequestOutput
+from actors.engine import Engine
+from actors.request import RequestOutput
 from actors.sampling_params import SamplingParams
 
 

@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from actors.engine import RequestOutput
+from actors.request import RequestOutput
 from actors.messages import TokenEvent
 
 
