@@ -12,9 +12,9 @@ A fast (Rust) tokenizer whose wrapper adds nothing to its backend's decode (no
 without the wrapper's per-call Python (which was most of the cost: 12 us a call,
 two calls a token, 1.8 ms of host time per decode step at batch 64). Where the
 `tokenizers` library has `DecodeStream` (0.21 on), the same two-window algorithm
-runs inside it, in one call a token: 1.4 us a token instead of 5.5 (random ids,
-tiny preset's tokenizer; the host time of a decode step counts every token of the
-batch). `flush` then decodes the whole output once.
+runs inside it, in one call a token: 1.4 us a token instead of 5.5 (a one-off
+probe: random ids, the tiny preset's tokenizer; in `tandem bench engine --profile`
+appending tokens went 0.41 -> 0.34 ms a decode step, docs/benchmarks.md). `flush` then decodes the whole output once.
 """
 
 from __future__ import annotations
