@@ -16,8 +16,11 @@ the others still run):
    bandwidth), prefill MFU on one `--prefill-tokens` prompt and decode MBU at batch
    `--decode-batch` (step time from two runs that differ only in decode steps),
    and the decode forward's MBU alone (its CUDA graph replayed back to back: what
-   the kernels reach without the engine's host time per step); FLOPs and bytes
-   counted as `tandem bench roofline` counts them.
+   the kernels reach without the engine's host time per step), both at 128-token
+   prompts (the weights are most of the bytes) and 1024-token ones
+   (`decode_long_context`: the KV cache about as many bytes as the weights, the
+   decode attention kernel's share); FLOPs and bytes counted as `tandem bench
+   roofline` counts them.
 4. `graphs`: decode steps three ways: eager (`cuda_graphs: false`), replayed from
    CUDA graphs, and graphs with overlapped decode (`overlap_decode`, the step after
    launched before this one's tokens are read): greedy tokens of a mixed batch
@@ -88,7 +91,7 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
 
     from actors.llm import LLM
     from actors.sampling_params import SamplingParams
-    from benchmarks.roofline import kv_bytes, model_counts, prefill_flops
+    from benchmarks.roofline import model_counts, prefill_flops
 
     torch_dtype = getattr(torch, dtype)
     peaks = _peaks(torch, device, torch_dtype)
@@ -104,25 +107,36 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     prefill_s = min(_timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
     counts = model_counts(llm.engine.runner.model)
     prefill = prefill_flops(config, counts, prefill_tokens)
-    prompt_len, steps = 128, 64
-    step_s = _decode_step_s(torch, llm, device, decode_batch, prompt_len, steps, rng)
     element = torch.tensor([], dtype=torch_dtype).element_size()
-    step_bytes = counts["params_read_per_decode_step"] * element \
-        + kv_bytes(config, decode_batch * (prompt_len + steps / 2), element)
-    context = prompt_len + steps // 2
-    forward_s = _static_decode_step_s(torch, llm.engine.runner, device, decode_batch, context)
-    forward_bytes = (counts["params_read_per_decode_step"] - counts["params_lm_head"]) * element \
-        + kv_bytes(config, decode_batch * context, element)  # no LM head: logits are computed after the graph
+    decode = {prompt_len: _decode_mbus(torch, llm, device, decode_batch, prompt_len, rng, counts, element, peaks)
+              for prompt_len in (128, 1024 if device == "cuda" else 160)}
+    short, long = decode.values()
     return {
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
-        "decode_forward_s": forward_s,
-        "decode_forward_mbu": forward_bytes / forward_s / peaks["bandwidth_bytes_s"],
         "peaks": peaks, "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
         "prefill_mfu": prefill / prefill_s / peaks["matmul_flops"],
-        "decode_batch": decode_batch, "decode_step_s": step_s,
-        "decode_mbu": step_bytes / step_s / peaks["bandwidth_bytes_s"],
+        "decode_batch": decode_batch, **short, "decode_long_context": long,
         "ok": True,
     }
+
+
+def _decode_mbus(torch, llm, device: str, batch: int, prompt_len: int, rng, counts: dict, element: int,
+                 peaks: dict, steps: int = 64) -> dict:
+    """Decode MBU at `batch` prompts of `prompt_len` tokens: the engine's step (64
+    steps, so about prompt_len + 32 tokens of context) and the decode forward alone.
+    The bytes a step reads are the weights plus the KV cache it attends to."""
+    from benchmarks.roofline import kv_bytes
+
+    config = llm.engine.model_config
+    context = prompt_len + steps // 2
+    step_s = _decode_step_s(torch, llm, device, batch, prompt_len, steps, rng)
+    step_bytes = counts["params_read_per_decode_step"] * element + kv_bytes(config, batch * context, element)
+    forward_s = _static_decode_step_s(torch, llm.engine.runner, device, batch, context)
+    forward_bytes = (counts["params_read_per_decode_step"] - counts["params_lm_head"]) * element \
+        + kv_bytes(config, batch * context, element)  # no LM head: logits are computed after the graph
+    bandwidth = peaks["bandwidth_bytes_s"]
+    return {"decode_prompt_tokens": prompt_len, "decode_step_s": step_s, "decode_mbu": step_bytes / step_s / bandwidth,
+            "decode_forward_s": forward_s, "decode_forward_mbu": forward_bytes / forward_s / bandwidth}
 
 
 def _decode_step_s(torch, llm, device: str, batch: int, prompt_len: int, steps: int, rng) -> float:

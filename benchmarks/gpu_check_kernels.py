@@ -13,7 +13,9 @@ reference computed in float32 from the same inputs; copies: bit-exact or not):
 Times on CUDA (median of 20, CUDA events), bfloat16, at qwen2.5-0.5b's attention
 shape (14 heads, 2 KV heads, head_dim 64, blocks of 16), each beside what torch does
 in its place:
-- decode at batch 64 x 1024-token contexts: Triton, the torch reference; KV GB/s;
+- decode at batch 64 x 1024-token contexts, 8 x 4096 and 1 x 8192: Triton as
+  dispatched (split-K where the batch leaves SMs idle), Triton unsplit, the torch
+  reference; KV GB/s;
 - prefill of a 2048-token prompt and of a 512-token chunk over 3584 cached tokens:
   Triton, the torch reference (gather + SDPA), and SDPA alone on K/V that are
   already contiguous (the reference without its gather); attention TFLOP/s;
@@ -51,7 +53,7 @@ def check_kernels(device: str) -> dict:
     result["elementwise"] = elementwise
     if device == "cuda":
         result["timing"] = {
-            "decode_batch64_ctx1024": _time_decode(triton_attention),
+            "decode": _time_decode(triton_attention),
             "prefill": _time_prefill(triton_prefill),
             "block_copy_64_blocks": _time_block_copies(triton_blocks),
             "elementwise": _time_elementwise(triton_elementwise),
@@ -189,20 +191,28 @@ def _time_elementwise(triton_elementwise) -> dict:
     return times
 
 def _time_decode(triton_attention) -> dict:
+    """Each batch x context: Triton as dispatched (split where the batch leaves SMs
+    idle), Triton with one program per (sequence, KV head), and the torch reference."""
     from kernels.attention import decode_attention
 
-    batch, context, heads, kv_heads, head_dim, block_size = 64, 1024, 14, 2, 64, 16
-    per_seq = context // block_size
-    cache = torch.randn(batch * per_seq, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    tables = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((batch,), context, device="cuda")
-    times = {}
-    for name, fn in (("triton_ms", triton_attention.paged_decode_attention), ("torch_reference_ms", decode_attention)):
-        times[name] = _cuda_time_ms(lambda fn=fn: fn(q, cache, tables, lens, 0.125))
-    kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
-    times["triton_gb_s"] = kv_bytes / (times["triton_ms"] / 1e3) / 1e9
-    return times
+    heads, kv_heads, head_dim, block_size = 14, 2, 64, 16
+    rows = {}
+    for batch, context in ((64, 1024), (8, 4096), (1, 8192)):
+        per_seq = context // block_size
+        cache = torch.randn(batch * per_seq, 2, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        tables = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
+        q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        lens = torch.full((batch,), context, device="cuda")
+        unsplit = lambda *args: triton_attention.paged_decode_attention(*args, splits=1)  # noqa: E731
+        times = {"splits": triton_attention.num_splits(batch, kv_heads)}
+        for name, fn in (("triton_ms", triton_attention.paged_decode_attention), ("triton_unsplit_ms", unsplit),
+                         ("torch_reference_ms", decode_attention)):
+            times[name] = _cuda_time_ms(lambda fn=fn: fn(q, cache, tables, lens, 0.125))
+        kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
+        for name in ("triton_ms", "triton_unsplit_ms"):
+            times[name.replace("_ms", "_gb_s")] = kv_bytes / (times[name] / 1e3) / 1e9
+        rows[f"batch{batch}_ctx{context}"] = times
+    return rows
 
 
 def _time_prefill(triton_prefill) -> dict:

@@ -5,20 +5,40 @@ Same layouts and contracts as the torch reference in `kernels/attention.py`:
     layer_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]  (K at 0, V at 1)
     slot = block_id * block_size + offset
 
-`paged_decode_attention` runs one program per (sequence, KV head). The program
-loads the query heads that share that KV head (grouped-query attention: K and V are
-read once per group, never copied per query head), then walks the sequence's block
-table one block at a time with an online softmax (running max and sum), so no
-score matrix over the whole context is ever materialised. Scores and the output
-accumulate in float32; with a float32 cache the dot products use IEEE precision
-(no TF32), so float32 results track the reference closely.
+`paged_decode_attention` gives each (sequence, KV head) one program, or several
+when the batch is too small to fill the GPU (split-K, "flash decoding"). A program
+loads the query heads that share its KV head (grouped-query attention: K and V are
+read once per group, never copied per query head) and walks its share of the
+sequence's keys a tile of `TILE` keys at a time (several cache blocks: each key's
+block is looked up in the block table), with an online softmax (running max and
+sum), so no score matrix over the whole context is ever materialised. Scores and the
+output accumulate in float32; with a float32 cache the dot products use IEEE
+precision (no TF32), so float32 results track the reference closely.
+
+Why splits: one program per (sequence, KV head) is 2 programs for Qwen2.5-0.5B at
+batch 1, on a GPU of 132 SMs; a 4k-token context is then read by 2 SMs, a few
+percent of the memory bandwidth, and attention, not the weights, sets the step
+time. So `num_splits(batch, num_kv_heads)` allows up to `SMs // (batch * KV heads)`
+programs per (sequence, KV head) (a power of two, at most `MAX_SPLITS`); 1 from
+batch 34 up for that model on an H200, so a large batch pays nothing for it. Each
+sequence then uses `min(allowed, ceil(length / MIN_SPLIT_KEYS))` of them, from its
+own length, so short sequences are never split. Split programs write their running
+max, sum and unnormalised output; `_combine_splits_kernel` rescales them to a common
+max and adds them up (the log-sum-exp merge of flash decoding; vLLM's paged
+attention v2 and SGLang's Triton decode backend do the same). A sequence read by
+one program gets its output from it directly, bit for bit what it gets in any other
+batch; one that is split depends on how many splits the batch allows (a different
+float32 summation order, not a different result beyond rounding). The grid depends
+only on the batch size, so the CUDA-graph decode step (captured per batch size)
+replays it for any lengths.
 
 `write_kv_slots` runs one program per (token, KV head) and stores that head's K and
 V row at the token's slot.
 
 Prefill attention is in `kernels/triton_prefill.py`, block copies for transfers in
 `kernels/triton_blocks.py`. No speed is claimed for any of them: none has been
-timed on a GPU yet (`benchmarks/gpu_check_kernels.py` does that).
+timed on a GPU yet (`benchmarks/gpu_check_kernels.py` does that, the decode kernel
+with and without splits).
 
 This module imports Triton at import time: import it only where Triton is
 installed (the `gpu` extra). `supports_decode` says which shapes the kernel takes
@@ -30,11 +50,17 @@ which is how the tests check them against the reference without a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 _MIN_DOT = 16  # tl.dot's smallest dimension
+MAX_SPLITS = 64  # programs per (sequence, KV head) at most
+MIN_SPLIT_KEYS = 128  # a sequence is split only into shares of at least this many keys
+_TILE_BYTES = 8192  # K (or V) bytes of one KV head a step of the walk reads, at 2 bytes an element
+_STAND_IN_SMS = 132  # an H200's SM count, for splitting tensors that are not on a GPU (the interpreter)
 
 
 def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -43,11 +69,30 @@ def supports_decode(num_heads: int, num_kv_heads: int, head_dim: int, block_size
         and block_size >= _MIN_DOT
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _STAND_IN_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda") -> int:
+    """Programs allowed per (sequence, KV head): as many as fill the GPU's SMs once,
+    rounded down to a power of two, between 1 and MAX_SPLITS."""
+    per_sequence = _multiprocessor_count(torch.device(device)) // max(1, batch * num_kv_heads)
+    return min(MAX_SPLITS, 1 << max(0, per_sequence.bit_length() - 1))
+
+
+def tile_keys(head_dim: int) -> int:
+    """Keys a step of the walk reads: 64 at head_dim 64, 32 at 128."""
+    return max(_MIN_DOT, _TILE_BYTES // (2 * head_dim))
+
+
 @triton.jit
 def online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION: tl.constexpr):
-    """Fold one cache block into a running softmax-weighted sum: scores [M, BLOCK_SIZE]
-    float32 (-inf where masked), v [BLOCK_SIZE, HEAD_DIM]; returns the new running
-    max, sum and acc [M, HEAD_DIM] (acc and sum rescaled to the new max)."""
+    """Fold one tile of keys into a running softmax-weighted sum: scores [M, N]
+    float32 (-inf where masked), v [N, HEAD_DIM]; returns the new running max, sum
+    and acc [M, HEAD_DIM] (acc and sum rescaled to the new max)."""
     new_max = tl.maximum(running_max, tl.max(scores, 1))
     probs = tl.exp(scores - new_max[:, None])
     rescale = tl.exp(running_max - new_max)
@@ -57,65 +102,128 @@ def online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION: tl.
 
 
 @triton.jit
+def _splits_used(context_len, SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
+    """How many programs read a sequence of `context_len` keys: by its own length,
+    at most what the batch allows."""
+    return tl.minimum(SPLITS, tl.cdiv(context_len, MIN_SPLIT_KEYS))
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+    q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, scale, num_heads,
     stride_qb, stride_qh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     stride_tb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     context_len = tl.load(lens_ptr + seq)
-    group = tl.arange(0, PADDED_GROUP)
-    in_group = group < GROUP
-    heads = kv_head * GROUP + group
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=in_group[:, None],
-                other=0.0)
-    q = (q.to(tl.float32) * scale).to(q.dtype)
-    running_max = tl.full([PADDED_GROUP], float("-inf"), tl.float32)
-    running_sum = tl.zeros([PADDED_GROUP], tl.float32)
-    acc = tl.zeros([PADDED_GROUP, HEAD_DIM], tl.float32)
-    offsets = tl.arange(0, BLOCK_SIZE)
-    for index in range(0, tl.cdiv(context_len, BLOCK_SIZE)):
-        block = tl.load(tables_ptr + seq * stride_tb + index)
-        valid = index * BLOCK_SIZE + offsets < context_len
-        rows = cache_ptr + block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
-        k = tl.load(rows, mask=valid[:, None], other=0.0)
-        v = tl.load(rows + stride_ckv, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [G, BLOCK_SIZE], float32
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        running_max, running_sum, acc = online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION)
-    out = acc / running_sum[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+    splits_used = _splits_used(context_len, SPLITS, MIN_SPLIT_KEYS)
+    if split < splits_used:
+        # This program's share: whole tiles, split after split (the last ones may get none).
+        tiles_per_split = tl.cdiv(tl.cdiv(context_len, TILE), splits_used)
+        start = split * tiles_per_split * TILE
+        end = tl.minimum(context_len, start + tiles_per_split * TILE)
+        group = tl.arange(0, PADDED_GROUP)
+        in_group = group < GROUP
+        heads = kv_head * GROUP + group
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=in_group[:, None],
+                    other=0.0)
+        q = (q.to(tl.float32) * scale).to(q.dtype)
+        running_max = tl.full([PADDED_GROUP], float("-inf"), tl.float32)
+        running_sum = tl.zeros([PADDED_GROUP], tl.float32)
+        acc = tl.zeros([PADDED_GROUP, HEAD_DIM], tl.float32)
+        for tile_start in range(start, end, TILE):
+            keys = tile_start + tl.arange(0, TILE)
+            valid = keys < end
+            blocks = tl.load(tables_ptr + seq * stride_tb + keys // BLOCK_SIZE, mask=valid, other=0)
+            rows = (cache_ptr + blocks[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * stride_cs
+                    + kv_head * stride_ch + dims[None, :])
+            k = tl.load(rows, mask=valid[:, None], other=0.0)
+            v = tl.load(rows + stride_ckv, mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [G, TILE], float32
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            running_max, running_sum, acc = online_softmax_step(scores, v, running_max, running_sum, acc,
+                                                                PRECISION)
+        if splits_used == 1:
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                     (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+        else:
+            # Partials are [batch, heads, SPLITS(, HEAD_DIM)], contiguous, float32.
+            slots = (seq * num_heads + heads) * SPLITS + split
+            tl.store(split_max_ptr + slots, running_max, mask=in_group)
+            tl.store(split_sum_ptr + slots, running_sum, mask=in_group)
+            tl.store(split_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], acc, mask=in_group[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    lens_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, out_ptr, num_heads,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
+):
+    """One program per (sequence, query head): the split partials rescaled to their
+    common max and summed. Splits that got no keys hold max -inf and weigh 0."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits_used = _splits_used(tl.load(lens_ptr + seq), SPLITS, MIN_SPLIT_KEYS)
+    if splits_used > 1:
+        splits = tl.arange(0, SPLITS)
+        used = splits < splits_used
+        slots = (seq * num_heads + head) * SPLITS + splits
+        maxes = tl.load(split_max_ptr + slots, mask=used, other=float("-inf"))
+        weights = tl.exp(maxes - tl.max(maxes, 0))
+        sums = tl.load(split_sum_ptr + slots, mask=used, other=0.0)
+        dims = tl.arange(0, HEAD_DIM)
+        acc = tl.load(split_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
+        out = tl.sum(acc * weights[:, None], 0) / tl.sum(sums * weights, 0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """q: [B, H, d]; block_tables: [B, max_blocks] int; context_lens: [B] int, each
-    >= 1. Returns [B, H, d] in q's dtype. Shapes must pass `supports_decode`."""
+    >= 1. Returns [B, H, d] in q's dtype. Shapes must pass `supports_decode`.
+    `splits`: programs allowed per (sequence, KV head), a power of two; by default
+    `num_splits` for this batch on q's device."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     assert supports_decode(num_heads, num_kv_heads, head_dim, block_size), (q.shape, layer_cache.shape)
     assert layer_cache.stride(4) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    splits = splits or num_splits(batch, num_kv_heads, q.device)
+    assert splits & (splits - 1) == 0, splits
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, layer_cache, block_tables, context_lens, out, float(scale),
+    split_acc = split_max = split_sum = out  # one program per sequence: the kernel writes no partials
+    if splits > 1:
+        split_acc = torch.empty(batch, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
+        split_max = torch.empty(batch, num_heads, splits, device=q.device, dtype=torch.float32)
+        split_sum = torch.empty_like(split_max)
+    _paged_decode_kernel[(batch, num_kv_heads, splits)](
+        q, layer_cache, block_tables, context_lens, out, split_acc, split_max, split_sum, float(scale), num_heads,
         q.stride(0), q.stride(1),
         layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, PADDED_GROUP=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HEAD_DIM=head_dim, TILE=tile_keys(head_dim), SPLITS=splits, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    if splits > 1:
+        _combine_splits_kernel[(batch, num_heads)](
+            context_lens, split_acc, split_max, split_sum, out, num_heads,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS=splits, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
+        )
     return out
 
 

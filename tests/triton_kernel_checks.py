@@ -69,6 +69,34 @@ def test_paged_decode_matches_the_reference(triton_attention, num_heads, num_kv_
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (14, 2, 32)], ids=["gqa2", "gqa7"])
+def test_split_decode_matches_the_reference(triton_attention, num_heads, num_kv_heads, head_dim):
+    """Split-K: sequences longer than MIN_SPLIT_KEYS read by several programs (some
+    splits left with no keys at head_dim 16, whose tile is 256 keys) and combined;
+    those that fit one split come out bit for bit as they do unsplit."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    block_size, lengths = 16, [1, 100, 129, 300, 700]
+    max_blocks = max(-(-n // block_size) for n in lengths)
+    cache = _cache(sum(-(-n // block_size) for n in lengths) + 4, block_size, num_kv_heads, head_dim, torch.float32)
+    tables = torch.stack([torch.randperm(cache.shape[0], generator=generator)[:max_blocks] for _ in lengths])
+    q = 3 * torch.randn(len(lengths), num_heads, head_dim, generator=generator)  # peaked softmax: maxes matter
+    context_lens = torch.tensor(lengths)
+    want = decode_attention(q, cache, tables, context_lens, head_dim ** -0.5)
+    unsplit = triton_attention.paged_decode_attention(q, cache, tables, context_lens, head_dim ** -0.5, splits=1)
+    for splits in (2, 8, 64):
+        got = triton_attention.paged_decode_attention(q, cache, tables, context_lens, head_dim ** -0.5, splits=splits)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[:2], unsplit[:2]), splits  # 1 and 100 keys: one program either way
+
+
+def test_splits_fill_the_gpu_once_and_never_exceed_the_cap(triton_attention):
+    """132 SMs (an H200; the stand-in off a GPU): Qwen2.5-0.5B's 2 KV heads."""
+    splits = lambda batch, kv_heads: triton_attention.num_splits(batch, kv_heads, "cpu")  # noqa: E731
+    assert splits(1, 2) == triton_attention.MAX_SPLITS == 64
+    assert [splits(b, 2) for b in (8, 16, 32, 33, 64, 256)] == [8, 4, 2, 2, 1, 1]
+    assert splits(16, 8) == 1
+
+
 def test_unsupported_shapes_are_reported(triton_attention):
     assert triton_attention.supports_decode(14, 2, 64, 16)
     assert not triton_attention.supports_decode(14, 2, 80, 16)  # head_dim not a power of two
