@@ -9,17 +9,18 @@ head are laid out as rows, token-major (`row = token * GROUP + head_in_group`), 
 one program takes a tile of BLOCK_M consecutive rows for one KV head. So each K/V
 block is read once per tile for all the query heads of its group, and a group size
 that is not a power of two (Qwen2.5-0.5B's 7) wastes no rows except at the chunk's
-end. The program walks the sequence's block table one cache block at a time, up to
-the last position any of its rows may see, reading K and V in place from the cache
-(no gather copy), with an online softmax (running max and sum per row), so no
-score matrix over the whole context is materialised. Every row sees key 0, so the
+end. The program walks the sequence's keys a tile at a time (the decode kernel's
+`tile_keys`: 64 keys at head_dim 64, several cache blocks, each key's block looked
+up in the table), up to the last position any of its rows may see, reading K and V
+in place from the cache (no gather copy), with an online softmax (running max and
+sum per row), so no score matrix over the whole context is materialised. Every row sees key 0, so the
 running max is finite after the first block and no row divides by zero.
 Scores and the output accumulate in float32; with a float32 cache the dot products
 use IEEE precision (no TF32), so float32 results track the reference closely.
 
-Not tuned: one cache block per step of the walk and a fixed tile size. The
-dispatcher (`kernels.attention.select_prefill_attention`) gives it only chunks over
-a cached prefix; a chunk with no prefix goes to SDPA (flash attention). How it
+Not tuned: fixed tile sizes. The dispatcher
+(`kernels.attention.select_prefill_attention`) gives it only chunks over a cached
+prefix; a chunk with no prefix goes to SDPA (flash attention). How it
 compares with torch SDPA on a GPU is for `benchmarks/gpu_check.py` to measure; it
 has not been measured yet.
 
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import online_softmax_step, supports_decode
+from kernels.triton_attention import online_softmax_step, supports_decode, tile_keys
 
 _MAX_BLOCK_M = 64  # rows (query token x head in group) per program
 
@@ -53,7 +54,7 @@ def _paged_prefill_kernel(
     stride_table,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,16 +71,16 @@ def _paged_prefill_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    offsets = tl.arange(0, BLOCK_SIZE)
     last_position = tl.max(positions, 0)
-    for index in range(0, last_position // BLOCK_SIZE + 1):
-        block = tl.load(table_ptr + index * stride_table)
-        key_positions = index * BLOCK_SIZE + offsets
-        slots = cache_ptr + block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
+    for tile_start in range(0, last_position + 1, TILE):
+        key_positions = tile_start + tl.arange(0, TILE)
         in_context = key_positions < ctx_len
+        blocks = tl.load(table_ptr + (key_positions // BLOCK_SIZE) * stride_table, mask=in_context, other=0)
+        slots = (cache_ptr + blocks[:, None] * stride_cb + (key_positions % BLOCK_SIZE)[:, None] * stride_cs
+                 + kv_head * stride_ch + dims[None, :])
         k = tl.load(slots, mask=in_context[:, None], other=0.0)
         v = tl.load(slots + stride_ckv, mask=in_context[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
         visible = key_positions[None, :] <= positions[:, None]
         scores = tl.where(visible, scores, float("-inf"))
         running_max, running_sum, acc = online_softmax_step(scores, v.to(q.dtype), running_max, running_sum, acc,
@@ -119,7 +120,7 @@ def paged_prefill_attention(
         layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3),
         block_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, TILE=tile_keys(head_dim),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

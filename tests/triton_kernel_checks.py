@@ -119,9 +119,10 @@ def test_slot_writes_match_the_reference(triton_attention):
     "num_heads, num_kv_heads, head_dim, block_size, num_cached, q_len, dtype",
     [(4, 2, 16, 16, 0, 5, torch.float32), (4, 2, 16, 16, 21, 13, torch.float32),
      (14, 2, 32, 16, 37, 20, torch.float32), (8, 8, 16, 32, 32, 17, torch.float32),
-     (6, 2, 16, 16, 16, 16, torch.float32), (14, 2, 32, 16, 37, 20, torch.float16)],
+     (6, 2, 16, 16, 16, 16, torch.float32), (14, 2, 32, 16, 37, 20, torch.float16),
+     (14, 2, 64, 16, 150, 20, torch.float32)],
     ids=["no-prefix-gqa2", "prefix-gqa2", "prefix-gqa7", "mha-bs32-aligned-prefix", "block-aligned-gqa3",
-         "fp16-gqa7"],
+         "fp16-gqa7", "three-tiles-gqa7"],
 )
 def test_paged_prefill_matches_the_reference(triton_prefill, num_heads, num_kv_heads, head_dim, block_size,
                                              num_cached, q_len, dtype):
