@@ -13,4 +13,5 @@ BENCHMARKS = {
     "soak": "benchmarks.soak",
     "autoscale": "benchmarks.autoscale",
     "kernels": "benchmarks.kernels",
+    "host": "benchmarks.host_step",
 }

@@ -1,0 +1,129 @@
+"""Host: the Python a decode step costs, the part of a step a GPU does not run.
+
+On a GPU, a small model's decode step is shorter than the host work around it
+(reading the sampled tokens, stop checks, detokenizing, building outputs, planning
+the next step and copying its inputs in, launching the sampling), so that work, not
+the memory bandwidth, sets the step time: overlapped decode hides it only up to the
+device step's length (docs/benchmarks.md, GPU check). This measures it without a
+GPU: the engine decodes `--batch` requests in steady state through the static decode
+step (the one CUDA graphs replay; uncaptured here) with overlapped decode on, and a
+step's host time is its wall time less the model's forward and LM head (timed by
+wrapping them). Sampling counts as host time: on the tiny preset's 2048-token
+vocabulary its work is small beside the Python that launches it.
+
+Workloads, alternated within each repeat (medians over `--repeats`):
+- `greedy`: temperature 0 (what the GPU check's decode MBU runs);
+- `sampled`: temperature 0.8, seeded (the default request samples with a
+  temperature alone; a top_p row would add a CPU top-k over the vocabulary, device
+  work on a GPU, which would swamp the host figure here);
+- `sampled+logprobs+stop`: the same with 2 top logprobs a token and a stop string
+  that never matches (the heaviest per-token path).
+
+The goal is a derived one: at 0.7 of an H200's bandwidth the Qwen2.5-0.5B preset's
+decode step at batch 64 and about 160 tokens of context (1.1 GB read) takes about
+0.33 ms, so the host work must fit in that for overlap to hide it. This machine's
+CPU is slower than a GPU server's, so read the figure as an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from benchmarks import report
+
+WORKLOADS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.8),
+    "sampled+logprobs+stop": dict(temperature=0.8, logprobs=2, stop=["\u2603never"]),
+}
+GOAL_MS = 0.33
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", help="model preset (tiny: the device work is small)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200, help="decode steps timed per workload and repeat")
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+
+
+class DeviceTimer:
+    """Seconds spent inside the wrapped callables (the model's forward and LM head)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        return timed
+
+
+def host_ms_per_step(llm, settings: dict, args, seed: int) -> float:
+    """Add `batch` requests, run them into steady decoding, then time `steps` steps."""
+    from actors.sampling_params import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    warmup = 5
+    params = SamplingParams(max_new_tokens=args.steps + warmup + 2, ignore_eos=True, seed=seed, **settings)
+    for _ in range(args.batch):
+        engine.add_request([rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], params)
+    while not all(r.output_token_ids for r in engine.requests.values()):  # every prompt prefilled
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    timer = DeviceTimer()
+    model = engine.runner.model
+    model.forward, model.compute_logits = timer.wrap(model.forward), timer.wrap(model.compute_logits)
+    try:
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        wall = time.perf_counter() - started
+    finally:
+        del model.forward, model.compute_logits  # the class's methods again
+    while engine.has_unfinished():
+        engine.step()
+    return (wall - timer.seconds) / args.steps * 1e3
+
+
+def main(args: argparse.Namespace) -> None:
+    import torch
+
+    from actors.llm import LLM
+    from actors.model_builder import ensure_checkpoint
+
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_checkpoint(args.preset, "qwen2")
+    llm = LLM(model_dir, max_num_seqs=args.batch, enable_prefix_cache=False, overlap_decode=True,
+              max_num_batched_tokens=max(2048, args.prompt_tokens * 4))
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.static_decode(capture=False)  # the CUDA-graph step's host path
+    times: dict[str, list[float]] = {name: [] for name in WORKLOADS}
+    for repeat in range(args.repeats):
+        names = list(WORKLOADS) if repeat % 2 == 0 else list(reversed(WORKLOADS))
+        for name in names:
+            times[name].append(host_ms_per_step(llm, WORKLOADS[name], args, seed=repeat))
+    summary = {name: report.spread(values) for name, values in times.items()}
+    report.print_table(
+        f"Host time of a decode step, batch {args.batch}, {args.steps} steps, median of {args.repeats}",
+        ["workload", "host ms / step", "min", "max", "us / sequence"],
+        [[name, s["median"], s["min"], s["max"], s["median"] * 1e3 / args.batch] for name, s in summary.items()],
+    )
+    greedy = summary["greedy"]["median"]
+    report.finish(
+        "host", args.out,
+        {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "model_dir": model_dir, "host_ms_per_step": summary,
+         "machine": report.machine_info()},
+        f"{greedy:.2f} ms a greedy decode step at batch {args.batch}", f"<= {GOAL_MS} ms (fits a 0.5B step at 0.7 MBU)",
+    )
