@@ -149,9 +149,8 @@ class DecodeWorker(WorkerBase):
         with self._pending_lock:
             self._pending.pop(meta.request_id, None)
         first = SampledToken(meta.first_token_id, meta.first_logprob)
-        state = torch.frombuffer(bytearray(meta.generator_state), dtype=torch.uint8) if meta.generator_state else None
         # Published on the engine thread, like every later token: one writer per stream.
-        await self.call(lambda e: self.streams.publish(e.activate(meta.request_id, first, state)))
+        await self.call(lambda e: self.streams.publish(e.activate(meta.request_id, first, meta.seed)))
 
     # ---- tokens -----------------------------------------------------------------
     async def stream(self, request_id: str):

@@ -23,8 +23,9 @@ steps with a fixed batch, where it pays, and the rest of the engine is unchanged
   next step with their token from the host; arrivals that need a prefill, and a
   short pool, end the run: N is read before anything is scheduled again
   (`schedule()` never runs with a step in flight);
-- sampling draws from each request's generator in the same order as without
-  overlap, so outputs are identical either way (the CPU tests hold them to it).
+- a request's draws follow from its seed and the index of the token being
+  sampled (`kernels.sampling.uniform_draws`), never from the order of the calls,
+  so outputs are identical either way (the CPU tests hold them to it).
 On CPU the step runs while it is launched, so overlap saves nothing there and is off
 unless asked for.
 """
@@ -159,7 +160,7 @@ class Engine:
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
-            generator=torch.Generator().manual_seed(seed),
+            seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
         )
 
@@ -272,15 +273,13 @@ class Engine:
         request.block_table = []
         return True
 
-    def activate(
-        self, request_id: str, first_token: SampledToken, generator_state: torch.Tensor | None
-    ) -> RequestOutput:
+    def activate(self, request_id: str, first_token: SampledToken, seed: int | None) -> RequestOutput:
         """The prompt's KV is in the reserved blocks: start decoding after the first
-        token (sampled by the prefill worker)."""
+        token (sampled by the prefill worker, with `seed`: the draws go on from it)."""
         request = self.reservations.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
-        if generator_state is not None:
-            request.generator.set_state(generator_state)
+        if seed is not None:
+            request.seed = seed
         if self.config.enable_prefix_cache:
             self.scheduler.publish_full_blocks(request, 0)
         self.requests[request_id] = request

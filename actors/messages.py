@@ -1,7 +1,7 @@
 """Plain-data messages that cross the actor boundary (P <-> D <-> scheduler).
 
-Small frozen dataclasses only: no tensors except the generator state and the KV
-payload of the object-store channel, no handles except where a field says so.
+Small frozen dataclasses only: no tensors except the KV payload of the
+object-store channel, no handles except where a field says so.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class ChunkMeta:
     is_last: bool
     first_token_id: int | None = None
     first_logprob: TokenLogprob | None = None
-    generator_state: bytes | None = None
+    seed: int | None = None  # of the request's draws: D samples on from the same one
     sent_s: float = 0.0  # wall clock (time.time) when P started the send
 
 

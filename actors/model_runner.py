@@ -42,7 +42,7 @@ from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
 from kernels.rope import select_apply_rope
-from kernels.sampling import logprobs_of, sample
+from kernels.sampling import logprobs_of, sample, uniform_draws
 
 
 @dataclass(slots=True)
@@ -206,16 +206,17 @@ class ModelRunner:
         else:
             known_ids, positions, meta = self._metadata(ordered)
             hidden = self.model(known_ids if input_ids is None else input_ids, positions, self.kv_cache, meta)
-        ends, sampling, offset = [], [], 0
+        ends, sampling, token_indexes, offset = [], [], [], 0
         for chunk in ordered:
             offset += chunk.num_new_tokens
             if input_ids is not None or chunk.samples:
                 ends.append(offset - 1)
                 sampling.append(chunk.request)
+                token_indexes.append(chunk.end - chunk.request.num_prompt_tokens)  # of the token it samples
         step = LaunchedStep(sampling, started)
         if sampling:
             rows = hidden[: len(ends)] if ends[-1] == len(ends) - 1 else hidden[int64_tensor(ends, self.device)]
-            self._sample(self.model.compute_logits(rows), step)
+            self._sample(self.model.compute_logits(rows), step, token_indexes)
         if self.compute_stream is not None:
             self.step_done = torch.cuda.Event()
             self.step_done.record()
@@ -242,16 +243,14 @@ class ModelRunner:
             context_lens=[c.end for c in chunks],
         )
 
-    def _sample(self, logits: torch.Tensor, step: LaunchedStep) -> None:
-        """Sample the step's rows on the device; start copying what the host reads."""
+    def _sample(self, logits: torch.Tensor, step: LaunchedStep, token_indexes: list[int]) -> None:
+        """Sample the step's rows on the device (row i draws for output token
+        `token_indexes[i]` of its request); start copying what the host reads."""
         params = [r.params for r in step.requests]
-        step.token_ids = sample(
-            logits,
-            [p.temperature for p in params],
-            [p.top_k for p in params],
-            [p.top_p for p in params],
-            [r.generator for r in step.requests],
-        )
+        temperatures = [p.temperature for p in params]
+        draws = (uniform_draws([r.seed for r in step.requests], token_indexes) if any(t > 0 for t in temperatures)
+                 else [0.0] * len(params))  # greedy rows read no draw
+        step.token_ids = sample(logits, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws)
         num_top = max((p.logprobs or 0) for p in params)
         outputs = [step.token_ids]
         if any(p.logprobs is not None for p in params):

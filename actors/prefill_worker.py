@@ -5,7 +5,7 @@ computes.
 After every engine step (on the engine thread) the blocks a chunk completed are
 pinned (`hold_blocks`) and queued to the pair's sender thread; the trailing partial
 block goes with the last chunk, together with the first sampled token, its logprob
-and the sampling generator's state, so D continues exactly where P stopped. Blocks
+and the request's sampling seed, so D samples on exactly as P would have. Blocks
 D already holds (`num_cached_blocks` from the handshake) are never sent. The sender
 moves one chunk at a time per pair and waits for D's completion ref before the next;
 pinned blocks are released once their chunk arrived (or failed).
@@ -273,12 +273,11 @@ class PrefillWorker(WorkerBase):
             meta = ChunkMeta(job.request.request_id, job.next_chunk, job.reservation.block_ids[job.next_block : send_upto], is_last)
             if is_last:
                 first = firsts[chunk.request_id]
-                state = job.engine_request.generator.get_state()
                 meta = dataclasses.replace(
                     meta,
                     first_token_id=first.token_ids[0],
                     first_logprob=first.logprobs[0] if first.logprobs else None,
-                    generator_state=bytes(state.numpy()),
+                    seed=job.engine_request.seed,
                 )
                 job.first_token_s = now
             self.engine.hold_blocks(src)

@@ -14,7 +14,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 from actors.detokenizer import IncrementalDetokenizer
 from actors.sampling_params import SamplingParams
@@ -44,7 +43,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # of its draws (`kernels.sampling.uniform_draws`): params.seed, or one the engine picked
     detokenizer: IncrementalDetokenizer | None = None
     arrival_s: float = field(default_factory=time.monotonic)
 

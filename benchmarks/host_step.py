@@ -7,9 +7,11 @@ the memory bandwidth, sets the step time: overlapped decode hides it only up to 
 device step's length (docs/benchmarks.md, GPU check). This measures it without a
 GPU: the engine decodes `--batch` requests in steady state through the static decode
 step (the one CUDA graphs replay; uncaptured here) with overlapped decode on, and a
-step's host time is its wall time less the model's forward and LM head (timed by
-wrapping them). Sampling counts as host time: on the tiny preset's 2048-token
-vocabulary its work is small beside the Python that launches it.
+step's host time is its wall time less the model's forward and LM head and less
+sampling (each timed by wrapping it). Sampling is reported on its own: it is
+device work (an argmax, a softmax and a prefix sum over the vocabulary) plus host
+work (launching those, one draw from each request's generator), which a CPU run
+cannot separate.
 
 Workloads, alternated within each repeat (medians over `--repeats`):
 - `greedy`: temperature 0 (what the GPU check's decode MBU runs);
@@ -50,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
 
 
-class DeviceTimer:
-    """Seconds spent inside the wrapped callables (the model's forward and LM head)."""
+class Stopwatch:
+    """Seconds spent inside the callables it wraps."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -67,8 +69,10 @@ class DeviceTimer:
         return timed
 
 
-def host_ms_per_step(llm, settings: dict, args, seed: int) -> float:
-    """Add `batch` requests, run them into steady decoding, then time `steps` steps."""
+def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:
+    """Add `batch` requests, run them into steady decoding, then time `steps` steps:
+    per step, the host time, the sampling calls and the model (forward, LM head)."""
+    import actors.model_runner as runner_module
     from actors.sampling_params import SamplingParams
 
     engine = llm.engine
@@ -82,9 +86,11 @@ def host_ms_per_step(llm, settings: dict, args, seed: int) -> float:
         engine.step()
     for _ in range(warmup):
         engine.step()
-    timer = DeviceTimer()
+    model_time, sampling_time = Stopwatch(), Stopwatch()
     model = engine.runner.model
-    model.forward, model.compute_logits = timer.wrap(model.forward), timer.wrap(model.compute_logits)
+    sample, logprobs_of = runner_module.sample, runner_module.logprobs_of
+    model.forward, model.compute_logits = model_time.wrap(model.forward), model_time.wrap(model.compute_logits)
+    runner_module.sample, runner_module.logprobs_of = sampling_time.wrap(sample), sampling_time.wrap(logprobs_of)
     try:
         started = time.perf_counter()
         for _ in range(args.steps):
@@ -92,9 +98,12 @@ def host_ms_per_step(llm, settings: dict, args, seed: int) -> float:
         wall = time.perf_counter() - started
     finally:
         del model.forward, model.compute_logits  # the class's methods again
+        runner_module.sample, runner_module.logprobs_of = sample, logprobs_of
     while engine.has_unfinished():
         engine.step()
-    return (wall - timer.seconds) / args.steps * 1e3
+    per_step = lambda seconds: seconds / args.steps * 1e3  # noqa: E731
+    return {"host": per_step(wall - model_time.seconds - sampling_time.seconds),
+            "sampling": per_step(sampling_time.seconds), "model": per_step(model_time.seconds)}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -109,21 +118,24 @@ def main(args: argparse.Namespace) -> None:
               max_num_batched_tokens=max(2048, args.prompt_tokens * 4))
     runner = llm.engine.runner
     runner.decode_graphs = runner.static_decode(capture=False)  # the CUDA-graph step's host path
-    times: dict[str, list[float]] = {name: [] for name in WORKLOADS}
+    times: dict[str, list[dict]] = {name: [] for name in WORKLOADS}
     for repeat in range(args.repeats):
         names = list(WORKLOADS) if repeat % 2 == 0 else list(reversed(WORKLOADS))
         for name in names:
-            times[name].append(host_ms_per_step(llm, WORKLOADS[name], args, seed=repeat))
-    summary = {name: report.spread(values) for name, values in times.items()}
+            times[name].append(decode_step_ms(llm, WORKLOADS[name], args, seed=repeat))
+    summary = {name: {part: report.spread([run[part] for run in runs]) for part in runs[0]}
+               for name, runs in times.items()}
     report.print_table(
-        f"Host time of a decode step, batch {args.batch}, {args.steps} steps, median of {args.repeats}",
-        ["workload", "host ms / step", "min", "max", "us / sequence"],
-        [[name, s["median"], s["min"], s["max"], s["median"] * 1e3 / args.batch] for name, s in summary.items()],
+        f"Host time of a decode step, batch {args.batch}, {args.steps} steps, median of {args.repeats} (ms a step)",
+        ["workload", "host", "host min", "host max", "host us / sequence", "sampling (host + CPU work)",
+         "model (CPU)"],
+        [[name, s["host"]["median"], s["host"]["min"], s["host"]["max"], s["host"]["median"] * 1e3 / args.batch,
+          s["sampling"]["median"], s["model"]["median"]] for name, s in summary.items()],
     )
-    greedy = summary["greedy"]["median"]
+    greedy = summary["greedy"]["host"]["median"]
     report.finish(
         "host", args.out,
-        {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "model_dir": model_dir, "host_ms_per_step": summary,
+        {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "model_dir": model_dir, "ms_per_step": summary,
          "machine": report.machine_info()},
         f"{greedy:.2f} ms a greedy decode step at batch {args.batch}", f"<= {GOAL_MS} ms (fits a 0.5B step at 0.7 MBU)",
     )

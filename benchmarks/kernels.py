@@ -116,7 +116,7 @@ def attention_rows(args, cpu_attention) -> list[dict]:
 def sampling_rows(args) -> list[dict]:
     import torch
 
-    from kernels.sampling import reference_sample, sample
+    from kernels.sampling import reference_sample, sample, uniform_draws
 
     torch.manual_seed(2)
     batch, results = 64, []
@@ -125,9 +125,10 @@ def sampling_rows(args) -> list[dict]:
         for name, top_k, top_p in (("temperature 1", 0, 1.0), ("top_k 50", 50, 1.0), ("top_p 0.9", 0, 0.9)):
             columns = ([1.0] * batch, [top_k] * batch, [top_p] * batch)
 
+            draws = uniform_draws(range(batch), [0] * batch)
+
             def run(fn):
-                generators = [torch.Generator().manual_seed(i) for i in range(batch)]
-                return lambda: fn(logits, *columns, generators)
+                return lambda: fn(logits, *columns, draws)
 
             sort_s, ours_s = alternate(run(reference_sample), run(sample), max(3, args.repeats // 3))
             results.append({"vocab": vocab, "setting": name, "full_sort_s": sort_s, "sample_s": ours_s,

@@ -12,7 +12,7 @@ from kernels.attention import (
     reference_attention,
     write_kv_slots,
 )
-from kernels.sampling import logprobs_of, reference_sample, sample
+from kernels.sampling import logprobs_of, reference_sample, sample, uniform_draws
 
 NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 
@@ -70,17 +70,48 @@ def test_decode_batch_of_different_lengths_matches_dense():
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
+def _splitmix64(state: int) -> tuple[int, int]:
+    """SplitMix64 as published (Steele, Lea and Flood 2014), in Python integers:
+    (next state, output)."""
+    mask = 2**64 - 1
+    state = (state + 0x9E3779B97F4A7C15) & mask
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return state, z ^ (z >> 31)
+
+
+def test_uniform_draws_are_splitmix64_outputs_keyed_by_the_seed():
+    """Draw i of a seed is the i-th output of SplitMix64 started from the seed's
+    key (the mix of the seed); numpy's wrapping uint64 arithmetic must match."""
+    for seed in (0, 1, 2**63 - 1, 123456789):
+        key = (_splitmix64((seed - 0x9E3779B97F4A7C15) % 2**64)[1])  # the mix of the seed itself
+        state, expected = key, []
+        for _ in range(5):
+            state, out = _splitmix64(state)
+            expected.append((out >> 11) * 2.0**-53)
+        assert uniform_draws([seed] * 5, range(5)) == expected
+
+
+def test_uniform_draws_are_uniform_across_indexes_and_neighbouring_seeds():
+    by_index = torch.tensor(uniform_draws([42] * 50_000, range(50_000)))
+    by_seed = torch.tensor(uniform_draws(range(50_000), [0] * 50_000))
+    for draws in (by_index, by_seed):
+        assert 0 <= draws.min() and draws.max() < 1
+        counts = torch.histc(draws, bins=10, min=0, max=1)
+        assert (counts - 5000).abs().max() < 300  # about 4 standard deviations
+    assert abs(torch.corrcoef(torch.stack([by_seed[:-1], by_seed[1:]]))[0, 1]) < 0.02
+
+
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(3, 50)
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    out = sample(logits, [0.0] * 3, [0] * 3, [1.0] * 3, gens)
+    out = sample(logits, [0.0] * 3, [0] * 3, [1.0] * 3, uniform_draws(range(3), [0] * 3))
     assert torch.equal(out, logits.argmax(-1))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(4, 100)
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    out = sample(logits, [1.0] * 4, [1, 1, 0, 0], [1.0, 1.0, 1e-6, 1e-6], gens)
+    out = sample(logits, [1.0] * 4, [1, 1, 0, 0], [1.0, 1.0, 1e-6, 1e-6], uniform_draws(range(4), [0] * 4))
     assert torch.equal(out, logits.argmax(-1))
 
 
@@ -88,27 +119,25 @@ def test_top_k_restricts_to_the_k_best():
     torch.manual_seed(0)
     logits = torch.randn(1, 30)
     allowed = set(logits[0].topk(3).indices.tolist())
-    gen = torch.Generator().manual_seed(0)
-    picks = {int(sample(logits, [5.0], [3], [1.0], [gen])[0]) for _ in range(200)}
+    picks = {int(sample(logits, [5.0], [3], [1.0], uniform_draws([0], [i]))[0]) for i in range(200)}
     assert picks <= allowed and len(picks) > 1
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(3)
-    for _ in range(3000):
-        counts[sample(logits, [1.0], [0], [1.0], [gen])[0]] += 1
+    for index in range(3000):
+        counts[sample(logits, [1.0], [0], [1.0], uniform_draws([0], [index]))[0]] += 1
     torch.testing.assert_close(counts / counts.sum(), torch.tensor([0.5, 0.3, 0.2]), atol=0.03, rtol=0)
 
 
 def test_a_seeded_row_does_not_depend_on_its_neighbours():
     torch.manual_seed(0)
     row = torch.randn(1, 64)
-    alone = sample(row, [0.9], [0], [0.95], [torch.Generator().manual_seed(7)])
+    alone = sample(row, [0.9], [0], [0.95], uniform_draws([7], [12]))
     batch = torch.cat([torch.randn(2, 64), row, torch.randn(1, 64)])
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 7, 3)]
-    together = sample(batch, [0.5, 0.0, 0.9, 1.3], [0, 5, 0, 0], [1.0, 1.0, 0.95, 0.5], gens)
+    draws = uniform_draws([1, 2, 7, 3], [0, 5, 12, 9])
+    together = sample(batch, [0.5, 0.0, 0.9, 1.3], [0, 5, 0, 0], [1.0, 1.0, 0.95, 0.5], draws)
     assert together[2] == alone[0]
 
 
@@ -126,8 +155,9 @@ def test_filtered_rows_sample_what_a_full_sort_samples(spread):
              "top_k rows flat": lambda row: 0.05 if row[1] else 8.0}[spread]
     logits = torch.randn(len(rows), vocab) * torch.tensor([scale(row) for row in rows])[:, None]
     columns = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
-    tokens = sample(logits, *columns, [torch.Generator().manual_seed(i) for i in range(len(rows))])
-    expected = reference_sample(logits, *columns, [torch.Generator().manual_seed(i) for i in range(len(rows))])
+    draws = uniform_draws(range(len(rows)), [0] * len(rows))
+    tokens = sample(logits, *columns, draws)
+    expected = reference_sample(logits, *columns, draws)
     filtered = [i for i, (temperature, top_k, top_p) in enumerate(rows) if temperature == 0 or top_k or top_p < 1]
     assert tokens[filtered].tolist() == expected[filtered].tolist()
 
@@ -135,8 +165,8 @@ def test_filtered_rows_sample_what_a_full_sort_samples(spread):
 def test_unfiltered_rows_never_pick_an_impossible_token():
     logits = torch.randn(4, 5000)
     logits[:, ::2] = float("-inf")
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    picks = torch.stack([sample(logits, [1.0] * 4, [0] * 4, [1.0] * 4, gens) for _ in range(200)])
+    picks = torch.stack([sample(logits, [1.0] * 4, [0] * 4, [1.0] * 4, uniform_draws(range(4), [i] * 4))
+                         for i in range(200)])
     assert (picks % 2 == 1).all()
 
 
@@ -144,8 +174,7 @@ def test_sampling_keeps_every_tensor_on_the_logits_device():
     """On the meta device any CPU tensor mixed in raises, as it does on CUDA (where
     the default request, temperature 1.0, once crashed the step)."""
     logits = torch.empty(3, 50, device="meta")
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    tokens = sample(logits, [1.0, 0.0, 0.7], [0, 0, 5], [1.0, 1.0, 0.9], gens)
+    tokens = sample(logits, [1.0, 0.0, 0.7], [0, 0, 5], [1.0, 1.0, 0.9], uniform_draws(range(3), [0] * 3))
     assert tokens.device.type == "meta" and tokens.shape == (3,)
     chosen, top_ids, _ = logprobs_of(logits, tokens, 2)
     assert chosen.device.type == top_ids.device.type == "meta"

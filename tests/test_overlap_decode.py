@@ -132,7 +132,7 @@ def test_overlap_is_on_for_cuda_only_by_default():
 
 def _prefill(engine: Engine, prompt: list[int], params: SamplingParams, request_id: str):
     """What a prefill worker hands a decode worker: the first token, the prompt's KV
-    blocks, the generator state after the first draw (as actors/prefill_worker.py)."""
+    blocks, the request's sampling seed (as actors/prefill_worker.py)."""
     import dataclasses
 
     one = dataclasses.replace(params, max_new_tokens=1, ignore_eos=True, stop=(), stop_token_ids=())
@@ -144,7 +144,7 @@ def _prefill(engine: Engine, prompt: list[int], params: SamplingParams, request_
         blocks = next((c.block_ids for c in exported if c.end == len(prompt)), None)
     first = next(o for o in outputs if o.request_id == request_id)
     kv = engine.runner.read_blocks(blocks).clone()
-    return first, kv, request.generator.get_state()
+    return first, kv, request.seed
 
 
 def test_activations_join_an_overlapped_run(tiny_qwen2_dir):
@@ -155,7 +155,7 @@ def test_activations_join_an_overlapped_run(tiny_qwen2_dir):
 
     rng = random.Random(4)
     prefill = _engine(tiny_qwen2_dir, overlap=False, static=False)
-    arrivals = {}  # call -> [(id, prompt, params, (first, kv, state))]
+    arrivals = {}  # call -> [(id, prompt, params, (first, kv, seed))]
     for index, call in enumerate((0, 0, 0, 3, 4, 4, 9, 15)):
         prompt = [rng.randrange(3, 500) for _ in range(rng.randint(5, 60))]
         params = _params(rng, max_new_tokens=rng.randint(5, 25))
@@ -167,11 +167,11 @@ def test_activations_join_an_overlapped_run(tiny_qwen2_dir):
         engine = _engine(tiny_qwen2_dir, overlap, static=True)
         finished, call = {}, 0
         while engine.has_unfinished() or call <= max(arrivals):
-            for request_id, prompt, params, (first, kv, state) in arrivals.get(call, []):
+            for request_id, prompt, params, (first, kv, seed) in arrivals.get(call, []):
                 reservation = engine.reserve(prompt, params, request_id)
                 engine.runner.write_blocks(reservation.block_ids[: len(kv)], kv)
                 token = SampledToken(first.token_ids[0], first.logprobs[0] if first.logprobs else None)
-                out = engine.activate(request_id, token, state)
+                out = engine.activate(request_id, token, seed)
                 if out.finished:
                     finished[request_id] = (out.token_ids, out.text, out.logprobs)
             for out in engine.step():
