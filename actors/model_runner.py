@@ -234,13 +234,15 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Hidden states of single-token chunks, through `static` (its padded
         buffers, and its graphs when captured); `input_ids` as in `launch`."""
+        size = self.config.block_size
+        positions = [c.start for c in chunks]
         return static.run(
             token_ids=[c.request.token_ids_between(c.start, c.end)[0] for c in chunks] if input_ids is None
             else input_ids,
-            positions=[c.start for c in chunks],
-            slot_mapping=[self._slots(c.request.block_table, range(c.start, c.end))[0] for c in chunks],
+            positions=positions,
+            slot_mapping=[c.request.block_table[p // size] * size + p % size for c, p in zip(chunks, positions)],
             block_tables=[c.request.block_table for c in chunks],
-            context_lens=[c.end for c in chunks],
+            context_lens=[p + 1 for p in positions],
         )
 
     def _sample(self, logits: torch.Tensor, step: LaunchedStep, token_indexes: list[int]) -> None:

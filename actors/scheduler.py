@@ -188,10 +188,12 @@ class Scheduler:
         a step's budget: a full `schedule()` after the step decides who waits."""
         if len(starts) > self.config.max_num_batched_tokens:
             return None
-        if sum(self.blocks_needed(request, start + 1) for request, start in starts) > self.pool.num_available:
+        # A block only when a sequence crosses into a new one (one step in block_size).
+        growing = [(request, needed) for request, start in starts if (needed := self.blocks_needed(request, start + 1))]
+        if sum(needed for _, needed in growing) > self.pool.num_available:
             return None
-        for request, start in starts:
-            self._grow(request, start + 1)
+        for request, needed in growing:
+            request.block_table += self.pool.allocate(needed)
         return SchedulerOutput([ScheduledChunk(request, 1, start) for request, start in starts])
 
     # ---- after the step ------------------------------------------------------
