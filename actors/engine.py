@@ -399,14 +399,18 @@ class Engine:
         )
         if is_stop_token:
             return self._finish(request, FinishReason.STOP)
-        delta = request.detokenizer.add(token.token_id)
+        detokenizer = request.detokenizer
+        delta = detokenizer.add(token.token_id)
         if params.stop and delta:
             # Only a match that ends in the new text is new: search from where one could start.
-            text, new_from = request.detokenizer.text, len(request.detokenizer.text) - len(delta)
-            found = (text.find(s, max(0, new_from - len(s) + 1)) for s in params.stop)
+            end = detokenizer.num_chars
+            new_from = end - len(delta)
+            window_from = max(0, new_from - max(len(s) for s in params.stop) + 1)
+            window = detokenizer.text_between(window_from, end)
+            found = (window.find(s, max(0, new_from - len(s) + 1 - window_from)) for s in params.stop)
             stop_at = min((i for i in found if i >= 0), default=None)
             if stop_at is not None:
-                return self._finish(request, FinishReason.STOP, text[:stop_at])
+                return self._finish(request, FinishReason.STOP, detokenizer.text_between(0, window_from + stop_at))
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, FinishReason.LENGTH)
 
@@ -419,19 +423,20 @@ class Engine:
         self.scheduler.finish(request)
 
     def _output(self, request: Request) -> RequestOutput:
-        if request.is_finished:
-            text = request.output_text
-        else:
+        detokenizer = request.detokenizer
+        final_text = request.output_text if request.is_finished else None
+        if final_text is not None:
+            num_chars = len(final_text)
+        elif request.params.stop:
             # Hold back what could still become the start of a stop string.
-            text = request.detokenizer.text
-            if request.params.stop:
-                hold = max(len(s) for s in request.params.stop) - 1
-                text = text[: len(text) - hold] if hold else text
+            num_chars = max(0, detokenizer.num_chars - max(len(s) for s in request.params.stop) + 1)
+        else:
+            num_chars = detokenizer.num_chars
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             num_tokens=len(request.output_token_ids),
-            text=text,
+            num_chars=num_chars,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
@@ -440,4 +445,7 @@ class Engine:
             _token_ids=request.output_token_ids,
             _logprobs=request.logprobs if request.params.logprobs is not None else None,
             _token_times_s=request.token_times_s,
+            _text_pieces=detokenizer.pieces,
+            _piece_ends=detokenizer.piece_ends,
+            _final_text=final_text,
         )

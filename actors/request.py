@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 
-from actors.detokenizer import IncrementalDetokenizer
+from actors.detokenizer import IncrementalDetokenizer, text_between
 from actors.sampling_params import SamplingParams
 
 
@@ -103,12 +103,14 @@ class Request:
 @dataclass(slots=True)
 class RequestOutput:
     """A request as of one step: its first `num_tokens` output tokens (with their
-    logprobs and arrival times) and its text. The lists are not copied when the
-    output is made: it holds the request's own lists, which only ever grow, and
-    cuts them at `num_tokens` when read. So an output costs the same at any length
-    (copying them every step made a request's outputs cost O(n^2) in its length),
-    and reading one from another thread is safe. `new_token_ids(start)` and
-    `new_logprobs(start)` read a tail without copying the rest. A plain record, not
+    logprobs and arrival times) and the first `num_chars` characters of its text.
+    The lists are not copied when the output is made: it holds the request's own
+    lists (the text as the detokenizer's pieces), which only ever grow, and cuts
+    them when read. So an output costs the same at any length (copying them every
+    step made a request's outputs cost O(n^2) in its length), and reading one from
+    another thread is safe. `new_token_ids(start)`, `new_logprobs(start)` and
+    `new_text(start)` read a tail without copying the rest. A finished request's
+    text is its final one (a stop string may have cut it). A plain record, not
     frozen: one is made for every request every step, and a frozen dataclass's
     constructor costs about four times as much (3.2 us against 0.74, a one-off
     probe)."""
@@ -116,7 +118,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     num_tokens: int
-    text: str
+    num_chars: int
     finished: bool
     finish_reason: FinishReason | None
     num_cached_tokens: int
@@ -125,6 +127,18 @@ class RequestOutput:
     _token_ids: list[int] = field(repr=False)
     _logprobs: list[TokenLogprob] | None = field(repr=False)
     _token_times_s: list[float] = field(repr=False)
+    _text_pieces: list[str] = field(repr=False)
+    _piece_ends: list[int] = field(repr=False)
+    _final_text: str | None = field(repr=False)  # once finished
+
+    @property
+    def text(self) -> str:
+        return self.new_text(0)
+
+    def new_text(self, start: int) -> str:
+        if self._final_text is not None:
+            return self._final_text[start:]
+        return text_between(self._text_pieces, self._piece_ends, start, self.num_chars)
 
     @property
     def token_ids(self) -> list[int]:

@@ -42,10 +42,10 @@ class TokenStreams:
         if stream is None or stream.closed:
             return
         new_ids = output.new_token_ids(stream.num_tokens_sent)
-        new_text = output.text[stream.num_chars_sent :]
+        new_text = output.new_text(stream.num_chars_sent)
         logprobs = output.new_logprobs(stream.num_tokens_sent)
         stream.num_tokens_sent = output.num_tokens
-        stream.num_chars_sent = len(output.text)
+        stream.num_chars_sent = output.num_chars
         stream.closed = output.finished
         event = TokenEvent(
             request_id=output.request_id,

@@ -54,3 +54,42 @@ def test_random_token_streams_detokenize_as_the_tokenizer_decodes(tiny_model_dir
             detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
             text = "".join(detok.add(t) for t in ids) + detok.flush()
             assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_any_range_of_the_text_reads_as_a_slice_of_the_whole(tiny_qwen2_dir):
+    """The text is kept as pieces (never one string re-copied every token);
+    `text_between` joins only the pieces a range overlaps."""
+    import random
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    ids = tokenizer.encode("naïve café — 中文字符 and emoji 🙂🚀 mixed with ASCII, twice: naïve café 🙂.",
+                           add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    for token_id in ids:
+        detok.add(token_id)
+    detok.flush()
+    whole = detok.text
+    assert len(detok.pieces) > 10 and detok.num_chars == len(whole) == detok.piece_ends[-1]
+    rng = random.Random(0)
+    ranges = [(0, len(whole)), (0, 0), (len(whole), len(whole))] + [
+        tuple(sorted(rng.randrange(len(whole) + 1) for _ in range(2))) for _ in range(300)]
+    for start, end in ranges:
+        assert detok.text_between(start, end) == whole[start:end], (start, end)
+
+
+def test_an_output_keeps_the_text_of_its_step(tiny_qwen2_dir):
+    """Outputs share the request's growing text; each reads it as of its own step."""
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    engine = LLM(tiny_qwen2_dir).engine
+    engine.add_request("hello there", SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and final.text == engine.tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    for earlier in outputs[:-1]:
+        assert final.text.startswith(earlier.text) and len(earlier.text) == earlier.num_chars
+        assert earlier.new_text(2) == earlier.text[2:]
+    assert [len(o.text) for o in outputs] == sorted(len(o.text) for o in outputs)
