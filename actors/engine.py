@@ -399,18 +399,18 @@ class Engine:
         )
         if is_stop_token:
             return self._finish(request, FinishReason.STOP)
-        detokenizer = request.detokenizer
-        delta = detokenizer.add(token.token_id)
+        delta = request.detokenizer.add(token.token_id)
         if params.stop and delta:
-            # Only a match that ends in the new text is new: search from where one could start.
-            end = detokenizer.num_chars
-            new_from = end - len(delta)
-            window_from = max(0, new_from - max(len(s) for s in params.stop) + 1)
-            window = detokenizer.text_between(window_from, end)
-            found = (window.find(s, max(0, new_from - len(s) + 1 - window_from)) for s in params.stop)
+            # Only a match that ends in the new text is new: search the tail before it
+            # (as long as the longest stop string, less one) and the new text.
+            window = request.stop_tail + delta
+            new_from = len(request.stop_tail)
+            found = (window.find(s, max(0, new_from - len(s) + 1)) for s in params.stop)
             stop_at = min((i for i in found if i >= 0), default=None)
             if stop_at is not None:
-                return self._finish(request, FinishReason.STOP, detokenizer.text_between(0, window_from + stop_at))
+                cut = request.detokenizer.num_chars - len(window) + stop_at
+                return self._finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
+            request.stop_tail = window[max(0, len(window) - max(map(len, params.stop)) + 1):]
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, FinishReason.LENGTH)
 
@@ -429,7 +429,7 @@ class Engine:
             num_chars = len(final_text)
         elif request.params.stop:
             # Hold back what could still become the start of a stop string.
-            num_chars = max(0, detokenizer.num_chars - max(len(s) for s in request.params.stop) + 1)
+            num_chars = max(0, detokenizer.num_chars - max(map(len, request.params.stop)) + 1)
         else:
             num_chars = detokenizer.num_chars
         return RequestOutput(

@@ -57,6 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     output_text: str = ""
+    stop_tail: str = ""  # the text's last characters a stop string could still begin in
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker

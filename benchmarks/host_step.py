@@ -137,5 +137,6 @@ def main(args: argparse.Namespace) -> None:
         "host", args.out,
         {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "model_dir": model_dir, "ms_per_step": summary,
          "machine": report.machine_info()},
-        f"{greedy:.2f} ms a greedy decode step at batch {args.batch}", f"<= {GOAL_MS} ms (fits a 0.5B step at 0.7 MBU)",
+        f"{greedy:.2f} ms a greedy decode step at batch {args.batch}",
+        f"<= {GOAL_MS} ms (fits a 0.5B step at 0.7 MBU)",
     )

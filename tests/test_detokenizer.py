@@ -62,8 +62,8 @@ def test_any_range_of_the_text_reads_as_a_slice_of_the_whole(tiny_qwen2_dir):
     import random
 
     tokenizer = load_tokenizer(tiny_qwen2_dir)
-    ids = tokenizer.encode("naïve café — 中文字符 and emoji 🙂🚀 mixed with ASCII, twice: naïve café 🙂.",
-                           add_special_tokens=False)
+    text = "naïve café — 中文字符 and emoji 🙂🚀 mixed with ASCII, twice: naïve café 🙂."
+    ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
     for token_id in ids:
         detok.add(token_id)
