@@ -17,9 +17,10 @@ from torch import nn
 from actors.attention_metadata import AttentionMetadata
 from actors.config import ModelConfig
 from kernels.activation import silu_and_mul
-from kernels.attention import decode_attention, prefill_attention, write_kv_slots
+from kernels.attention import decode_attention, prefill_attention
 from kernels.norm import add_rms_norm, rms_norm
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from kernels.rope import rope_cos_sin, rope_inv_freq
+from kernels.rope_cache import rope_and_write_kv
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,7 @@ class ModelKernels:
     linear: Callable = nn.functional.linear
     rms_norm: Callable = rms_norm
     add_rms_norm: Callable = add_rms_norm
-    apply_rope: Callable = apply_rope
-    write_kv_slots: Callable = write_kv_slots
+    rope_and_write_kv: Callable = rope_and_write_kv
     silu_and_mul: Callable = silu_and_mul
 
 
@@ -82,11 +82,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q's and k's heads are adjacent in each row: one RoPE call rotates them all.
+        # q's and k's heads are adjacent in each row: one call rotates them all, and
+        # writes k's and v's heads to the cache.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = self.kernels.apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.kernels.write_kv_slots(layer_cache, k, v, meta.slot_mapping)
+        rotated = self.kernels.rope_and_write_kv(qk, v, cos, sin, layer_cache, meta.slot_mapping)
+        q, k = rotated.split([self.num_heads, self.num_kv_heads], dim=1)
 
         outputs = []
         for span in meta.prefills:

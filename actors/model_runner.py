@@ -37,11 +37,11 @@ from actors.request import Request, TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
 from kernels.activation import select_silu_and_mul
-from kernels.attention import select_decode_attention, select_prefill_attention, select_write_kv_slots
+from kernels.attention import select_decode_attention, select_prefill_attention
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
-from kernels.rope import select_apply_rope
+from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, sample, uniform_draws
 
 
@@ -69,8 +69,7 @@ class ModelRunner:
             linear=select_linear(backend, self.device, dtype),
             rms_norm=select_rms_norm(backend, self.device, dtype),
             add_rms_norm=select_add_rms_norm(backend, self.device, dtype),
-            apply_rope=select_apply_rope(backend, self.device, dtype),
-            write_kv_slots=select_write_kv_slots(backend, self.device),
+            rope_and_write_kv=select_rope_and_write_kv(backend, self.device, dtype),
             silu_and_mul=select_silu_and_mul(backend, self.device),
         )
         self.block_copy = select_block_copy(backend, self.device)

@@ -78,8 +78,7 @@ def instrument(engine, timer: PhaseTimer):
             picked,
             prefill_attention=timer.wrap("  prefill_attention", picked.prefill_attention),
             decode_attention=timer.wrap("  decode_attention", picked.decode_attention),
-            apply_rope=timer.wrap("  apply_rope", picked.apply_rope),
-            write_kv_slots=timer.wrap("  write_kv_slots", picked.write_kv_slots),
+            rope_and_write_kv=timer.wrap("  apply_rope and write_kv_slots", picked.rope_and_write_kv),
         )
         layer.mlp.silu_and_mul = timer.wrap("  silu_and_mul", layer.mlp.silu_and_mul)
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):

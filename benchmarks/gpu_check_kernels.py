@@ -7,8 +7,9 @@ reference computed in float32 from the same inputs; copies: bit-exact or not):
 - prefill attention of a chunk with no prefix and of one over a cached prefix,
   neither aligned to blocks;
 - KV slot writes, block gather and block scatter against torch indexing;
-- RMSNorm, RoPE (on q as a view of the fused QKV rows) and SiLU-and-multiply
-  against their torch references (max abs difference, in the input's dtype).
+- RMSNorm, RoPE (on q as a view of the fused QKV rows), RoPE with the KV cache
+  write (`rope_and_write_kv`, one kernel) and SiLU-and-multiply against their
+  torch references (max abs difference, in the input's dtype).
 
 Times on CUDA (median of 20, CUDA events), bfloat16, at qwen2.5-0.5b's attention
 shape (14 heads, 2 KV heads, head_dim 64, blocks of 16), each beside what torch does
@@ -21,8 +22,9 @@ in its place:
   already contiguous (the reference without its gather); attention TFLOP/s;
 - gather and scatter of 64 scattered blocks of a 24-layer cache: Triton, torch
   indexing; GB/s moved (read + write);
-- RMSNorm, RoPE and SiLU-and-multiply at 64 and 4096 tokens of qwen2.5-0.5b's
-  sizes: Triton, the torch reference.
+- RMSNorm, RoPE, RoPE with the KV write and SiLU-and-multiply at 64 and 4096
+  tokens of qwen2.5-0.5b's sizes: Triton, the torch reference (and for the fused
+  RoPE and KV write, the two Triton kernels it replaces, in turn).
 These are the figures that decide, per path, whether the Triton kernel or torch
 (SDPA, indexing) should run on a GPU. On CPU the kernels run under Triton's
 interpreter on smaller inputs and no times are taken.
@@ -150,9 +152,13 @@ def _elementwise_inputs(device: str, dtype, num_tokens: int) -> dict:
     cos_table, sin_table = rope_cos_sin(rope_inv_freq(64, 1e6), 4096)
     positions = torch.randint(0, 4096, (num_tokens,))
     qkv = torch.randn(num_tokens, (14 + 4) * 64, device=device).to(dtype)
+    num_blocks = num_tokens // 16 + 2
     return {"x": torch.randn(num_tokens, 896, device=device).to(dtype), "weight": torch.randn(896, device=device).to(dtype),
             "q": qkv[:, : 16 * 64].view(num_tokens, 16, 64), "cos": cos_table[positions].to(device),
-            "sin": sin_table[positions].to(device), "gate_up": torch.randn(num_tokens, 2 * 4864, device=device).to(dtype)}
+            "sin": sin_table[positions].to(device), "gate_up": torch.randn(num_tokens, 2 * 4864, device=device).to(dtype),
+            "v": qkv[:, 16 * 64 :].view(num_tokens, 2, 64),
+            "cache": torch.zeros(num_blocks, 2, 16, 2, 64, device=device, dtype=dtype),
+            "slots": torch.randperm(num_blocks * 16, device=device)[:num_tokens]}
 
 
 def _elementwise_pairs(triton_elementwise, inputs: dict) -> dict:
@@ -160,14 +166,18 @@ def _elementwise_pairs(triton_elementwise, inputs: dict) -> dict:
     from kernels.activation import silu_and_mul
     from kernels.norm import add_rms_norm, rms_norm
     from kernels.rope import apply_rope
+    from kernels.rope_cache import rope_and_write_kv
 
     x, weight, q, cos, sin, gate_up = (inputs[k] for k in ("x", "weight", "q", "cos", "sin", "gate_up"))
+    cache_args = (inputs["v"], cos, sin, inputs["cache"], inputs["slots"])
     return {
         "rms_norm": (lambda: triton_elementwise.rms_norm(x, weight, 1e-6), lambda: rms_norm(x, weight, 1e-6)),
         "add_rms_norm": (lambda: triton_elementwise.add_rms_norm(x, x, weight, 1e-6)[0],
                          lambda: add_rms_norm(x, x, weight, 1e-6)[0]),
         "rope": (lambda: triton_elementwise.apply_rope(q, cos, sin), lambda: apply_rope(q, cos, sin)),
         "silu_and_mul": (lambda: triton_elementwise.silu_and_mul(gate_up), lambda: silu_and_mul(gate_up)),
+        "rope_and_write_kv": (lambda: triton_elementwise.rope_and_write_kv(q, *cache_args),
+                              lambda: rope_and_write_kv(q, *cache_args)),
     }
 
 
@@ -182,12 +192,20 @@ def _elementwise_errors(triton_elementwise, device: str, dtype) -> list[dict]:
 
 # ---- times (CUDA) ----------------------------------------------------------------------
 def _time_elementwise(triton_elementwise) -> dict:
+    """Each kernel beside its torch reference; the fused RoPE and KV write also
+    beside the two Triton kernels it replaces, in turn."""
+    from kernels import triton_attention
+    from kernels.rope_cache import rope_and_write_kv
+
     times = {}
     for num_tokens in (64, 4096):
-        pairs = _elementwise_pairs(triton_elementwise, _elementwise_inputs("cuda", torch.bfloat16, num_tokens))
-        for name, (ours, reference) in pairs.items():
+        inputs = _elementwise_inputs("cuda", torch.bfloat16, num_tokens)
+        for name, (ours, reference) in _elementwise_pairs(triton_elementwise, inputs).items():
             times[f"{name}_{num_tokens}_triton_ms"] = _cuda_time_ms(ours)
             times[f"{name}_{num_tokens}_torch_ms"] = _cuda_time_ms(reference)
+        args = (inputs["q"], inputs["v"], inputs["cos"], inputs["sin"], inputs["cache"], inputs["slots"])
+        times[f"rope_and_write_kv_{num_tokens}_two_triton_kernels_ms"] = _cuda_time_ms(
+            lambda: rope_and_write_kv(*args, rope=triton_elementwise.apply_rope, write=triton_attention.write_kv_slots))
     return times
 
 def _time_decode(triton_attention) -> dict:

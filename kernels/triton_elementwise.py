@@ -1,12 +1,14 @@
-"""RMSNorm, RoPE and SiLU-and-multiply in Triton: one kernel each on CUDA.
+"""RMSNorm, RoPE (alone, and with the KV cache write) and SiLU-and-multiply in
+Triton: one kernel each on CUDA.
 
 Each torch reference is a chain of small ops (in bfloat16, RMSNorm eight kernels:
 cast, square, mean, add, rsqrt, multiply, cast, scale; RoPE seven a call, two calls
 a layer; the MLP's activation two), and on a GPU a small model's step pays per
 kernel: in launch time when steps run eagerly (prefill), in each kernel's fixed
 cost inside a CUDA graph (decode). With these (RoPE once a layer, over q's and
-k's heads together), the fused residual add and the Triton slot write, a decoder
-layer runs 10 kernels (counted from the code, not profiled) instead of 44.
+k's heads together, writing k and v to the cache as it goes) and the fused
+residual add, a decoder layer runs 9 kernels (counted from the code, not
+profiled) instead of 44.
 
 Same contracts and arithmetic as the references (`kernels/norm.py`,
 `kernels/rope.py`, `kernels/activation.py`): float32 inside, the result rounded to
@@ -21,7 +23,10 @@ results may differ in the last bit; float32 agrees to rounding).
   together), the rotate-half form Llama and Qwen2 use: out = x * cos +
   rotate_half(x) * sin, with cos and sin rounded to x's dtype first, as the
   reference does. Reads the heads in place from the fused QKV output (rows may be
-  strided; each head's row contiguous).
+  strided; each head's row contiguous). `rope_and_write_kv` also stores the
+  token's rotated k heads and its v heads at its cache slot
+  (`kernels/rope_cache.py`): the slot write's kernel, and its reading k back,
+  saved.
 - `silu_and_mul`: silu(gate) * up of the fused gate/up projection [N, 2I] -> [N, I].
 
 Like their C++ twins in `kernels/cpu_norm_rope.py`, the wrappers hand layouts their
@@ -109,12 +114,11 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
-                 HEADS: tl.constexpr, HALF: tl.constexpr):
-    token = tl.program_id(0)
-    heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
+def _rotated_halves(x_ptr, cos_ptr, sin_ptr, token, heads, dims, mask, stride_xn, stride_xh, stride_cn,
+                    HALF: tl.constexpr):
+    """A token's heads rotated (rotate-half RoPE), in float32: the first and the
+    second half of each head's row. cos and sin are rounded to x's dtype first,
+    as the reference rounds them."""
     row = x_ptr + token * stride_xn + heads * stride_xh
     x1 = tl.load(row + dims, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + dims, mask=mask, other=0.0).to(tl.float32)
@@ -123,9 +127,52 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xn, stride_
     cos2 = tl.load(cos_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
     sin1 = tl.load(sin_ptr + token * stride_cn + dims).to(dtype).to(tl.float32)
     sin2 = tl.load(sin_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
+                 HEADS: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0)
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    first, second = _rotated_halves(x_ptr, cos_ptr, sin_ptr, token, heads, dims, mask, stride_xn, stride_xh,
+                                    stride_cn, HALF)
     out = out_ptr + token * stride_on + heads * stride_oh
-    tl.store(out + dims, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + HALF + dims, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + dims, first.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + HALF + dims, second.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(x_ptr, v_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slots_ptr, num_heads, num_kv_heads,
+                          stride_xn, stride_xh, stride_vn, stride_vh, stride_cn, stride_on, stride_oh,
+                          stride_cb, stride_ckv, stride_cs, stride_ch,
+                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """`_rope_kernel`, and the token's rotated k heads (the last `num_kv_heads` of
+    its heads) and its v heads stored at its slot of the cache."""
+    token = tl.program_id(0)
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    first, second = _rotated_halves(x_ptr, cos_ptr, sin_ptr, token, heads, dims, mask, stride_xn, stride_xh,
+                                    stride_cn, HALF)
+    first, second = first.to(out_ptr.dtype.element_ty), second.to(out_ptr.dtype.element_ty)
+    out = out_ptr + token * stride_on + heads * stride_oh
+    tl.store(out + dims, first, mask=mask)
+    tl.store(out + HALF + dims, second, mask=mask)
+    slot = tl.load(slots_ptr + token)
+    row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    kv_head = heads - (num_heads - num_kv_heads)  # negative for q's heads, which are masked out
+    is_k = mask & (kv_head >= 0)
+    cache_type = cache_ptr.dtype.element_ty
+    tl.store(row + kv_head * stride_ch + dims, first.to(cache_type), mask=is_k)
+    tl.store(row + kv_head * stride_ch + HALF + dims, second.to(cache_type), mask=is_k)
+    v_heads = tl.arange(0, KV_HEADS)[:, None]
+    v_dims = tl.arange(0, 2 * HALF)[None, :]
+    is_v = v_heads < num_kv_heads
+    v = tl.load(v_ptr + token * stride_vn + v_heads * stride_vh + v_dims, mask=is_v, other=0.0)
+    tl.store(row + stride_ckv + v_heads * stride_ch + v_dims, v.to(cache_type), mask=is_v)
 
 
 def supports_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -147,6 +194,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         _rope_kernel[(num_tokens,)](x, cos, sin, out, num_heads, x.stride(0), x.stride(1), cos.stride(0),
                                     out.stride(0), out.stride(1), HEADS=triton.next_power_of_2(num_heads),
                                     HALF=head_dim // 2)
+    return out
+
+
+def rope_and_write_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      layer_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`kernels.rope_cache.rope_and_write_kv` in one kernel: qk [N, q_heads +
+    kv_heads, d] rotated into a new tensor, its k heads and v ([N, kv_heads, d])
+    written to the cache at the slots. Layouts the kernel does not take go to the
+    reference."""
+    from kernels import rope_cache
+
+    num_tokens, num_heads, head_dim = qk.shape
+    num_kv_heads = v.shape[1]
+    if not (supports_rope(qk, cos, sin) and v.shape == (num_tokens, num_kv_heads, head_dim) and v.stride(2) == 1
+            and layer_cache.stride(4) == 1 and layer_cache.shape[3:] == (num_kv_heads, head_dim)):
+        return rope_cache.rope_and_write_kv(qk, v, cos, sin, layer_cache, slot_mapping)
+    out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+    if num_tokens:
+        _rope_write_kv_kernel[(num_tokens,)](
+            qk, v, cos, sin, out, layer_cache, slot_mapping, num_heads, num_kv_heads,
+            qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+            layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3),
+            HEADS=triton.next_power_of_2(num_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
+            HALF=head_dim // 2, BLOCK_SIZE=layer_cache.shape[2],
+        )
     return out
 
 

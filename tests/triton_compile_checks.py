@@ -111,8 +111,9 @@ def test_block_copy_and_elementwise_kernels_compile_for_hopper(hopper, dtype):
     from kernels import triton_blocks, triton_elementwise
 
     (copy,) = hopper(triton_blocks, "_copy_blocks_kernel")
-    norm, add_norm, rope, activation = hopper(triton_elementwise, "_rms_norm_kernel", "_add_rms_norm_kernel",
-                                              "_rope_kernel", "_silu_and_mul_kernel")
+    norm, add_norm, rope, rope_write, activation = hopper(triton_elementwise, "_rms_norm_kernel",
+                                                          "_add_rms_norm_kernel", "_rope_kernel",
+                                                          "_rope_write_kv_kernel", "_silu_and_mul_kernel")
     cache = torch.zeros(8, 3, 2, 16, 2, 64, dtype=dtype)
     ids = torch.tensor([3, 1])
     triton_blocks.gather_blocks(cache, ids)
@@ -123,6 +124,10 @@ def test_block_copy_and_elementwise_kernels_compile_for_hopper(hopper, dtype):
     qkv = torch.zeros(4, 18 * 64, dtype=dtype)
     cos = torch.zeros(4, 64)
     triton_elementwise.apply_rope(qkv[:, : 16 * 64].view(4, 16, 64), cos, cos)
+    layer_cache = torch.zeros(8, 2, 2, 16, 2, 64, dtype=dtype)[:, 1]
+    triton_elementwise.rope_and_write_kv(qkv[:, : 16 * 64].view(4, 16, 64), qkv[:, 16 * 64 :].view(4, 2, 64), cos,
+                                         cos, layer_cache, torch.arange(4))
     triton_elementwise.silu_and_mul(torch.zeros(4, 2 * 4864, dtype=dtype))
     assert len(copy.compiled) == 2
     assert len(norm.compiled) == len(add_norm.compiled) == len(rope.compiled) == len(activation.compiled) == 1
+    assert len(rope_write.compiled) == 1

@@ -245,6 +245,36 @@ def test_rope_matches_the_reference_on_a_strided_view(triton_elementwise, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (14, 2), (4, 4)], ids=["gqa3", "gqa7", "mha"])
+def test_rope_and_kv_write_in_one_kernel_match_the_two_in_turn(triton_elementwise, dtype, num_heads, num_kv_heads):
+    """q's and k's heads rotated in one new tensor, k's rotated heads and v at the
+    tokens' slots of a layer's view of the cache (the rest of the cache untouched),
+    as `kernels.rope_cache.rope_and_write_kv` (torch's RoPE, then torch indexing)."""
+    from kernels.rope import rope_cos_sin, rope_inv_freq
+    from kernels.rope_cache import rope_and_write_kv
+
+    num_tokens, head_dim, block_size = 9, 32, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    cos_table, sin_table = rope_cos_sin(rope_inv_freq(head_dim, 10000.0), 64)
+    positions = torch.randint(0, 64, (num_tokens,))
+    cos, sin = cos_table[positions], sin_table[positions]
+    cache = _cache(6, block_size, num_kv_heads, head_dim, dtype)
+    expected_cache = cache.clone()
+    slots = torch.randperm(6 * block_size)[:num_tokens]
+    got = triton_elementwise.rope_and_write_kv(qk, v, cos, sin, cache, slots)
+    want = rope_and_write_kv(qk, v, cos, sin, expected_cache, slots)
+    tolerance = _HALF_TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(cache.float(), expected_cache.float(), atol=tolerance, rtol=tolerance)
+    written = torch.zeros(cache.shape[0] * block_size, dtype=torch.bool)
+    written[slots] = True
+    untouched = ~written.view(cache.shape[0], block_size)
+    assert torch.equal(cache.transpose(1, 2)[untouched], expected_cache.transpose(1, 2)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("size", [352, 4864, 5])
 def test_silu_and_mul_matches_the_reference(triton_elementwise, dtype, size):
     from kernels.activation import silu_and_mul
