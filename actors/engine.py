@@ -410,7 +410,8 @@ class Engine:
             if stop_at is not None:
                 cut = request.detokenizer.num_chars - len(window) + stop_at
                 return self._finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
-            request.stop_tail = window[max(0, len(window) - max(map(len, params.stop)) + 1):]
+            longest = max(map(len, params.stop))
+            request.stop_tail = window[max(0, len(window) - longest + 1) :]
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, FinishReason.LENGTH)
 

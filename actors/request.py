@@ -14,7 +14,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-
 from actors.detokenizer import IncrementalDetokenizer, text_between
 from actors.sampling_params import SamplingParams
 

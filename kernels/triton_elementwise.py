@@ -114,11 +114,15 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rotated_halves(x_ptr, cos_ptr, sin_ptr, token, heads, dims, mask, stride_xn, stride_xh, stride_cn,
-                    HALF: tl.constexpr):
-    """A token's heads rotated (rotate-half RoPE), in float32: the first and the
-    second half of each head's row. cos and sin are rounded to x's dtype first,
-    as the reference rounds them."""
+def _rope_token(x_ptr, cos_ptr, sin_ptr, out_ptr, token, num_heads, stride_xn, stride_xh, stride_cn, stride_on,
+                stride_oh, HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Rotate one token's heads (rotate-half RoPE, in float32, cos and sin rounded
+    to x's dtype first, as the reference rounds them) into `out`. Returns the
+    rotated halves of each head's row (in out's dtype), the head and dimension
+    indexes, and the mask of real heads."""
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
     row = x_ptr + token * stride_xn + heads * stride_xh
     x1 = tl.load(row + dims, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + dims, mask=mask, other=0.0).to(tl.float32)
@@ -127,21 +131,19 @@ def _rotated_halves(x_ptr, cos_ptr, sin_ptr, token, heads, dims, mask, stride_xn
     cos2 = tl.load(cos_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
     sin1 = tl.load(sin_ptr + token * stride_cn + dims).to(dtype).to(tl.float32)
     sin2 = tl.load(sin_ptr + token * stride_cn + HALF + dims).to(dtype).to(tl.float32)
-    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+    first = (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty)
+    second = (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty)
+    out = out_ptr + token * stride_on + heads * stride_oh
+    tl.store(out + dims, first, mask=mask)
+    tl.store(out + HALF + dims, second, mask=mask)
+    return first, second, heads, dims, mask
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
                  HEADS: tl.constexpr, HALF: tl.constexpr):
-    token = tl.program_id(0)
-    heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
-    first, second = _rotated_halves(x_ptr, cos_ptr, sin_ptr, token, heads, dims, mask, stride_xn, stride_xh,
-                                    stride_cn, HALF)
-    out = out_ptr + token * stride_on + heads * stride_oh
-    tl.store(out + dims, first.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + HALF + dims, second.to(out_ptr.dtype.element_ty), mask=mask)
+    _rope_token(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), num_heads, stride_xn, stride_xh, stride_cn,
+                stride_on, stride_oh, HEADS, HALF)
 
 
 @triton.jit
@@ -152,15 +154,8 @@ def _rope_write_kv_kernel(x_ptr, v_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, sl
     """`_rope_kernel`, and the token's rotated k heads (the last `num_kv_heads` of
     its heads) and its v heads stored at its slot of the cache."""
     token = tl.program_id(0)
-    heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
-    first, second = _rotated_halves(x_ptr, cos_ptr, sin_ptr, token, heads, dims, mask, stride_xn, stride_xh,
-                                    stride_cn, HALF)
-    first, second = first.to(out_ptr.dtype.element_ty), second.to(out_ptr.dtype.element_ty)
-    out = out_ptr + token * stride_on + heads * stride_oh
-    tl.store(out + dims, first, mask=mask)
-    tl.store(out + HALF + dims, second, mask=mask)
+    first, second, heads, dims, mask = _rope_token(x_ptr, cos_ptr, sin_ptr, out_ptr, token, num_heads, stride_xn,
+                                                   stride_xh, stride_cn, stride_on, stride_oh, HEADS, HALF)
     slot = tl.load(slots_ptr + token)
     row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     kv_head = heads - (num_heads - num_kv_heads)  # negative for q's heads, which are masked out
