@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self.pieces: list[str] = []
         self.piece_ends: list[int] = []
+        self.num_chars = 0
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = None
         if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -56,10 +57,6 @@ class IncrementalDetokenizer:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     @property
-    def num_chars(self) -> int:
-        return self.piece_ends[-1] if self.piece_ends else 0
-
-    @property
     def text(self) -> str:
         return "".join(self.pieces)
 
@@ -68,8 +65,9 @@ class IncrementalDetokenizer:
 
     def _emit(self, delta: str) -> str:
         if delta:
+            self.num_chars += len(delta)
             self.pieces.append(delta)
-            self.piece_ends.append(self.num_chars + len(delta))
+            self.piece_ends.append(self.num_chars)
         return delta
 
     def add(self, token_id: int) -> str:

@@ -162,6 +162,7 @@ class Engine:
             params=params,
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            stop_hold=max(map(len, params.stop), default=1) - 1,
         )
 
     def add_request(
@@ -410,8 +411,7 @@ class Engine:
             if stop_at is not None:
                 cut = request.detokenizer.num_chars - len(window) + stop_at
                 return self._finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
-            longest = max(map(len, params.stop))
-            request.stop_tail = window[max(0, len(window) - longest + 1) :]
+            request.stop_tail = window[max(0, len(window) - request.stop_hold) :]
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, FinishReason.LENGTH)
 
@@ -430,7 +430,7 @@ class Engine:
             num_chars = len(final_text)
         elif request.params.stop:
             # Hold back what could still become the start of a stop string.
-            num_chars = max(0, detokenizer.num_chars - max(map(len, request.params.stop)) + 1)
+            num_chars = max(0, detokenizer.num_chars - request.stop_hold)
         else:
             num_chars = detokenizer.num_chars
         return RequestOutput(

@@ -56,7 +56,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     output_text: str = ""
-    stop_tail: str = ""  # the text's last characters a stop string could still begin in
+    stop_hold: int = 0  # the longest stop string's length less one: what could still begin one
+    stop_tail: str = ""  # the text's last `stop_hold` characters, where a stop string could begin
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker
