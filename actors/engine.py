@@ -50,6 +50,7 @@ from actors.model_runner import LaunchedStep, ModelRunner, SampledToken
 from actors.request import FinishReason, Request, RequestOutput
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
+from actors.stop_strings import StopStrings
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class Engine:
             params=params,
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            stop_hold=max(map(len, params.stop), default=1) - 1,
+            stop_strings=StopStrings(params.stop) if params.stop else None,
         )
 
     def add_request(
@@ -401,17 +402,11 @@ class Engine:
         if is_stop_token:
             return self._finish(request, FinishReason.STOP)
         delta = request.detokenizer.add(token.token_id)
-        if params.stop and delta:
-            # Only a match that ends in the new text is new: search the tail before it
-            # (as long as the longest stop string, less one) and the new text.
-            window = request.stop_tail + delta
-            new_from = len(request.stop_tail)
-            found = (window.find(s, max(0, new_from - len(s) + 1)) for s in params.stop)
-            stop_at = min((i for i in found if i >= 0), default=None)
-            if stop_at is not None:
-                cut = request.detokenizer.num_chars - len(window) + stop_at
+        if request.stop_strings is not None and delta:
+            dropped = request.stop_strings.feed(delta)
+            if dropped is not None:
+                cut = request.detokenizer.num_chars - dropped
                 return self._finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
-            request.stop_tail = window[max(0, len(window) - request.stop_hold) :]
         if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, FinishReason.LENGTH)
 
@@ -428,9 +423,9 @@ class Engine:
         final_text = request.output_text if request.is_finished else None
         if final_text is not None:
             num_chars = len(final_text)
-        elif request.params.stop:
+        elif request.stop_strings is not None:
             # Hold back what could still become the start of a stop string.
-            num_chars = max(0, detokenizer.num_chars - request.stop_hold)
+            num_chars = max(0, detokenizer.num_chars - request.stop_strings.hold)
         else:
             num_chars = detokenizer.num_chars
         return RequestOutput(

@@ -26,10 +26,9 @@ import torch
 
 from actors.config import EngineConfig
 from actors.engine import Engine, ExportedChunk
-from actors.request import RequestOutput
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
 from actors.messages import ChunkMeta, ChunkTiming, GenerateRequest, PrefillResult, ReservationInfo, TransferFailed
-from actors.request import Request
+from actors.request import Request, RequestOutput
 from actors.worker_base import WorkerBase
 
 

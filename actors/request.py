@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from actors.detokenizer import IncrementalDetokenizer, text_between
 from actors.sampling_params import SamplingParams
+from actors.stop_strings import StopStrings
 
 
 class RequestStatus(enum.Enum):
@@ -56,8 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     output_text: str = ""
-    stop_hold: int = 0  # the longest stop string's length less one: what could still begin one
-    stop_tail: str = ""  # the text's last `stop_hold` characters, where a stop string could begin
+    stop_strings: StopStrings | None = None  # its params' stop strings, searched as its text grows
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker

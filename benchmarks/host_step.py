@@ -52,28 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
 
 
-class Stopwatch:
-    """Seconds spent inside the callables it wraps."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
-
-        return timed
-
-
 def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:
     """Add `batch` requests, run them into steady decoding, then time `steps` steps:
     per step, the host time, the sampling calls and the model (forward, LM head)."""
     import actors.model_runner as runner_module
     from actors.sampling_params import SamplingParams
+    from benchmarks.engine_profile import PhaseTimer
 
     engine = llm.engine
     rng = random.Random(seed)
@@ -86,11 +70,12 @@ def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:
         engine.step()
     for _ in range(warmup):
         engine.step()
-    model_time, sampling_time = Stopwatch(), Stopwatch()
+    timer = PhaseTimer()
     model = engine.runner.model
     sample, logprobs_of = runner_module.sample, runner_module.logprobs_of
-    model.forward, model.compute_logits = model_time.wrap(model.forward), model_time.wrap(model.compute_logits)
-    runner_module.sample, runner_module.logprobs_of = sampling_time.wrap(sample), sampling_time.wrap(logprobs_of)
+    model.forward, model.compute_logits = timer.wrap("model", model.forward), timer.wrap("model", model.compute_logits)
+    runner_module.sample = timer.wrap("sampling", sample)
+    runner_module.logprobs_of = timer.wrap("sampling", logprobs_of)
     try:
         started = time.perf_counter()
         for _ in range(args.steps):
@@ -101,9 +86,10 @@ def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:
         runner_module.sample, runner_module.logprobs_of = sample, logprobs_of
     while engine.has_unfinished():
         engine.step()
-    per_step = lambda seconds: seconds / args.steps * 1e3  # noqa: E731
-    return {"host": per_step(wall - model_time.seconds - sampling_time.seconds),
-            "sampling": per_step(sampling_time.seconds), "model": per_step(model_time.seconds)}
+    seconds = {part: timer.totals.get(("all", part), 0.0) for part in ("model", "sampling")}
+    per_step = lambda s: s / args.steps * 1e3  # noqa: E731
+    return {"host": per_step(wall - seconds["model"] - seconds["sampling"]), "sampling": per_step(seconds["sampling"]),
+            "model": per_step(seconds["model"])}
 
 
 def main(args: argparse.Namespace) -> None:
