@@ -8,11 +8,11 @@ from actors.worker_base import WorkerBase
 
 
 class ColocatedWorker(WorkerBase):
-    async def generate(self, request: GenerateRequest):
-        """Token events from the first token to the end. A consumer that goes away
-        cancels the request."""
+    async def submit(self, request: GenerateRequest, subscription: str) -> None:
+        """Queue a request; its token events, from the first token to the end, go
+        to `subscription`'s feed (`WorkerBase.feed`)."""
         self._ensure_started()
-        self.streams.open(request.request_id)
+        self.streams.open(request.request_id, subscription)
         try:
             held = await self.import_prefix(request.prompt_token_ids)
             await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id,
@@ -20,11 +20,3 @@ class ColocatedWorker(WorkerBase):
         except Exception:
             self.streams.forget(request.request_id)
             raise
-        finished = False
-        try:
-            async for event in self.streams.events(request.request_id):
-                finished = event.finished
-                yield event
-        finally:
-            if not finished:
-                await self.call(lambda e: e.abort(request.request_id))

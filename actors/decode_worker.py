@@ -54,9 +54,11 @@ class DecodeWorker(WorkerBase):
         self.aio.create_task(self._watchdog())
 
     # ---- handshake --------------------------------------------------------------
-    async def reserve(self, request: GenerateRequest, prefill_handle=None) -> ReservationInfo:
+    async def reserve(self, request: GenerateRequest, subscription: str, prefill_handle=None) -> ReservationInfo:
+        """Hold blocks for `request`; its token events will go to `subscription`'s
+        feed (`WorkerBase.feed`)."""
         self._ensure_started()
-        self.streams.open(request.request_id)
+        self.streams.open(request.request_id, subscription)
         try:
             held = await self.import_prefix(request.prompt_token_ids)
             reservation = await self.call(
@@ -150,27 +152,12 @@ class DecodeWorker(WorkerBase):
             self._pending.pop(meta.request_id, None)
         first = SampledToken(meta.first_token_id, meta.first_logprob)
         # Published on the engine thread, like every later token: one writer per stream.
-        await self.call(lambda e: self.streams.publish(e.activate(meta.request_id, first, meta.seed)))
-
-    # ---- tokens -----------------------------------------------------------------
-    async def stream(self, request_id: str):
-        """Token events of a reserved request, from its first token to the end. A
-        consumer that goes away cancels the request."""
-        self._ensure_started()
-        finished = False
-        try:
-            async for event in self.streams.events(request_id):
-                finished = event.finished
-                yield event
-        finally:
-            if not finished:
-                await self._drop(request_id, "stream cancelled")
+        await self.call(lambda e: self.streams.publish([e.activate(meta.request_id, first, meta.seed)]))
 
     async def _drop(self, request_id: str, reason: str) -> None:
         with self._pending_lock:
             self._pending.pop(request_id, None)
-        await self.call(lambda e: e.abort(request_id) or e.cancel_reservation(request_id))
-        self.streams.fail(request_id, reason)
+        await super()._drop(request_id, reason)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         self._ensure_started()

@@ -1,7 +1,20 @@
-"""Per-request token streams from the engine thread to the actor's event loop.
+"""Token events from the engine thread to a worker's consumers, one batch a wake-up.
 
-The engine thread publishes cumulative `RequestOutput`s; each stream turns them into
-`TokenEvent` deltas on an asyncio queue that a streaming actor method drains.
+A consumer (a scheduler replica, a test, a benchmark) subscribes once to a worker
+(`WorkerBase.feed`) and names its subscription when it starts a request there; every
+event of the requests it started comes back on that one Ray stream, as lists. Not a
+Ray stream a request: a streamed Ray item costs about half a millisecond of CPU
+between the two processes (a one-off probe: an async actor yielding 64 x 200 small
+events on 64 streams took 7.0 s, the same events as 200 lists of 64 on one stream
+0.27 s), so per-request streams cost a decode worker at batch 64 more than its step
+(docs/benchmarks.md, `tandem bench feed`). SGLang (scheduler to detokenizer) and
+vLLM v1 (engine core to front end) likewise send one message a step for the batch.
+
+The engine thread publishes a step's `RequestOutput`s at once: they become
+`TokenEvent` deltas, grouped by subscription, handed to the event loop in one
+`call_soon_threadsafe` (a wake-up of the loop is a write to its self-pipe, so one a
+step, not one a token). A subscription whose consumer is slow gathers events until
+it reads: later batches are larger, never more of them.
 """
 
 from __future__ import annotations
@@ -10,25 +23,43 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from actors.request import RequestOutput
 from actors.messages import TokenEvent
+from actors.request import RequestOutput
 
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    subscription: str
     num_tokens_sent: int = 0
     num_chars_sent: int = 0
     closed: bool = False
+
+
+@dataclass
+class _Subscription:
+    events: list[TokenEvent] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SubscriptionClosed(RuntimeError):
+    """A request named a subscription whose consumer has gone."""
 
 
 class TokenStreams:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._streams: dict[str, _Stream] = {}
+        self._subscriptions: dict[str, _Subscription] = {}
+        self._closed_subscriptions: set[str] = set()
 
-    def open(self, request_id: str) -> None:
-        self._streams[request_id] = _Stream()
+    # ---- on the event loop ----------------------------------------------------
+    def open(self, request_id: str, subscription: str) -> None:
+        """Deliver `request_id`'s events to `subscription` (opened here if its feed
+        has not started yet)."""
+        if subscription in self._closed_subscriptions:
+            raise SubscriptionClosed(f"subscription {subscription!r} is closed: its consumer went away")
+        self._subscriptions.setdefault(subscription, _Subscription())
+        self._streams[request_id] = _Stream(subscription)
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -36,49 +67,71 @@ class TokenStreams:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def publish(self, output: RequestOutput) -> None:
-        """Called from the engine thread."""
-        stream = self._streams.get(output.request_id)
-        if stream is None or stream.closed:
-            return
-        new_ids = output.new_token_ids(stream.num_tokens_sent)
-        new_text = output.new_text(stream.num_chars_sent)
-        logprobs = output.new_logprobs(stream.num_tokens_sent)
-        stream.num_tokens_sent = output.num_tokens
-        stream.num_chars_sent = output.num_chars
-        stream.closed = output.finished
-        event = TokenEvent(
-            request_id=output.request_id,
-            token_ids=new_ids,
-            text=new_text,
-            logprobs=logprobs,
-            finished=output.finished,
-            finish_reason=output.finish_reason.value if output.finish_reason else None,
-            time_s=time.time(),
-            num_cached_tokens=output.num_cached_tokens,
-        )
-        self._loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+    async def batches(self, subscription: str):
+        """The subscription's events, a list each time there are some, until the
+        consumer cancels; a request's stream is forgotten after its last event."""
+        if subscription in self._closed_subscriptions:
+            raise SubscriptionClosed(f"subscription {subscription!r} is closed")
+        sub = self._subscriptions.setdefault(subscription, _Subscription())
+        while True:
+            await sub.ready.wait()
+            sub.ready.clear()
+            batch, sub.events = sub.events, []
+            for event in batch:
+                if event.finished:
+                    self._streams.pop(event.request_id, None)
+            yield batch
+
+    def close(self, subscription: str) -> list[str]:
+        """End a subscription (its consumer went away). Returns its requests that
+        had not finished: the caller aborts them."""
+        self._closed_subscriptions.add(subscription)
+        self._subscriptions.pop(subscription, None)
+        orphans = [rid for rid, s in self._streams.items() if s.subscription == subscription and not s.closed]
+        for rid in orphans:
+            self._streams.pop(rid, None)
+        return orphans
+
+    def _deliver(self, events: list[TokenEvent], subscriptions: list[str]) -> None:
+        for event, name in zip(events, subscriptions):
+            sub = self._subscriptions.get(name)
+            if sub is not None:
+                sub.events.append(event)
+                sub.ready.set()
+
+    # ---- on any thread (the engine's, mostly) ---------------------------------------
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, as each request's new tokens and text since its last
+        event; one hand-over to the event loop."""
+        events, subscriptions = [], []
+        now = time.time()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None or stream.closed:
+                continue
+            start = stream.num_tokens_sent
+            events.append(TokenEvent(
+                request_id=output.request_id,
+                token_ids=output.new_token_ids(start),
+                text=output.new_text(stream.num_chars_sent),
+                logprobs=output.new_logprobs(start),
+                finished=output.finished,
+                finish_reason=output.finish_reason.value if output.finish_reason else None,
+                time_s=now,
+                num_cached_tokens=output.num_cached_tokens,
+            ))
+            subscriptions.append(stream.subscription)
+            stream.num_tokens_sent = output.num_tokens
+            stream.num_chars_sent = output.num_chars
+            stream.closed = output.finished
+        if events:
+            self._loop.call_soon_threadsafe(self._deliver, events, subscriptions)
 
     def fail(self, request_id: str, error: str) -> None:
-        """End a stream with an error event (any thread)."""
+        """End a request's stream with an error event."""
         stream = self._streams.get(request_id)
         if stream is None or stream.closed:
             return
         stream.closed = True
         event = TokenEvent(request_id, [], "", None, True, "error", time.time(), error=error)
-        self._loop.call_soon_threadsafe(stream.queue.put_nowait, event)
-
-    async def events(self, request_id: str):
-        """Yield the request's events until the finishing one; then forget it."""
-        stream = self._streams[request_id]
-        try:
-            while True:
-                event = await stream.queue.get()
-                yield event
-                if event.finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-
-    def pending_ids(self) -> list[str]:
-        return [rid for rid, s in self._streams.items() if not s.closed]
+        self._loop.call_soon_threadsafe(self._deliver, [event], [stream.subscription])

@@ -151,8 +151,7 @@ class WorkerBase:
 
     # ---- engine-thread hooks ----------------------------------------------------
     def _on_step(self, exported, outputs) -> None:
-        for output in outputs:
-            self.streams.publish(output)
+        self.streams.publish(outputs)
 
     def _on_tick(self, engine: Engine) -> None:
         pass
@@ -179,6 +178,25 @@ class WorkerBase:
     async def node_id(self) -> str:
         """The Ray node this worker runs on (placement checks)."""
         return self.node
+
+    # ---- token events ---------------------------------------------------------------
+    async def feed(self, subscription: str):
+        """Every token event of the requests started here for `subscription`, as
+        lists (`actors.token_streams`): a consumer's one Ray stream from this
+        worker. Runs until the consumer cancels it or goes away; its requests
+        still running then are aborted."""
+        self._ensure_started()
+        try:
+            async for batch in self.streams.batches(subscription):
+                yield batch
+        finally:
+            for request_id in self.streams.close(subscription):
+                await self._drop(request_id, "the consumer's feed closed")
+
+    async def _drop(self, request_id: str, reason: str) -> None:
+        """Cancel a request nobody will read: free what it holds."""
+        await self.call(lambda e: e.abort(request_id) or e.cancel_reservation(request_id))
+        self.streams.fail(request_id, reason)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Cancel a request wherever it is on this worker; frees its blocks. Its

@@ -43,15 +43,15 @@ async def _first_token_s(events, started: float) -> float:
 
 
 def _colocated_ttft(worker, request) -> float:
+    from cluster.token_feeds import TokenFeeds, colocated_events
+
     async def run():
         started = time.perf_counter()
-        stream = worker.generate.options(num_returns="streaming").remote(request)
-
-        async def events():
-            async for ref in stream:
-                yield await ref
-
-        return await _first_token_s(events(), started)
+        feeds = TokenFeeds()  # subscribing is timed, as a disaggregated call's is
+        try:
+            return await _first_token_s(colocated_events(feeds, worker, request), started)
+        finally:
+            await feeds.close()
 
     return asyncio.run(run())
 
@@ -143,7 +143,7 @@ def _bandwidth(args, model_dir, config) -> tuple[list, dict]:
             runs = []
             for repeat in range(args.repeats + 1):  # the first is a warm-up
                 request = GenerateRequest(f"bw-{channel}-{label}-{repeat}", [7] * num_tokens, SamplingParams(max_new_tokens=1))
-                reservation = ray.get(decode.reserve.remote(request, prefill))
+                reservation = ray.get(decode.reserve.remote(request, "unread", prefill))  # no events read
                 seconds = ray.get(prefill.measure_send.remote(reservation, decode, channel, per_chunk))
                 ray.get(decode.abort.remote(request.request_id))
                 runs.append(sum(seconds))

@@ -1,13 +1,14 @@
 """One request through a prefill/decode pair, as the global scheduler drives it.
 
-    call = DisaggregatedCall(prefill, decode, request, channel="gloo")
+    call = DisaggregatedCall(prefill, decode, request, channel="gloo", feeds=feeds)
     async for event in call.events():   # TokenEvents from D, first token included
         ...
     call.prefill_result                  # P's timeline: chunks computed, sent, arrived
 
-Steps: handshake (D reserves blocks, naming P so it can watch for P's death), open
-D's token stream, start P's prefill; P's chunk transfers resolve as the blocks land
-and the last one activates the request on D. If P fails before that, D is told to
+Steps: listen for the request's events on D's feed (`cluster.token_feeds`; without
+`feeds` the call subscribes for itself), handshake (D reserves blocks, naming the
+feed, and P so it can watch for P's death), start P's prefill; P's chunk transfers
+resolve as the blocks land and the last one activates the request on D. If P fails before that, D is told to
 drop the request and the stream ends with an error event (after it, D goes on);
 if the consumer stops early, both sides are cancelled and free what they hold.
 """
@@ -18,12 +19,14 @@ import asyncio
 
 import ray
 
-from actors.messages import GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, TokenEvent, WorkerDied
+from actors.messages import GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, WorkerDied
+from cluster.token_feeds import TokenFeeds
 
 
 class DisaggregatedCall:
     def __init__(
-        self, prefill, decode, request: GenerateRequest, channel: str = "gloo", handshake_timeout_s: float = 10.0
+        self, prefill, decode, request: GenerateRequest, channel: str = "gloo", handshake_timeout_s: float = 10.0,
+        feeds: TokenFeeds | None = None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -33,38 +36,42 @@ class DisaggregatedCall:
         self.reservation: ReservationInfo | None = None
         self.prefill_result: PrefillResult | None = None
         self.prefill_error: BaseException | None = None
+        self.feeds = feeds
 
     async def events(self):
         request_id = self.request.request_id
-        try:
-            self.reservation = await asyncio.wait_for(
-                self.decode.reserve.remote(self.request, self.prefill), self.handshake_timeout_s
-            )
-        except asyncio.TimeoutError:
-            await asyncio.gather(self.decode.abort.remote(request_id, "handshake timed out"), return_exceptions=True)
-            raise ReservationRefused(f"handshake with the decode worker timed out after {self.handshake_timeout_s}s") from None
-        except ray.exceptions.RayActorError as exc:
-            raise WorkerDied(f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})") from None
-        stream = self.decode.stream.options(num_returns="streaming").remote(request_id)
-        prefill_task = asyncio.ensure_future(self._run_prefill())
+        feeds = self.feeds or TokenFeeds()
+        feed = feeds.of(self.decode)
+        prefill_task = None
         finished = False
         try:
-            try:
-                async for ref in stream:
-                    event: TokenEvent = await ref
+            with feed.expect(request_id) as stream:
+                try:
+                    self.reservation = await asyncio.wait_for(
+                        self.decode.reserve.remote(self.request, feed.subscription, self.prefill),
+                        self.handshake_timeout_s,
+                    )
+                except asyncio.TimeoutError:
+                    raise ReservationRefused(
+                        f"handshake with the decode worker timed out after {self.handshake_timeout_s}s") from None
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerDied(
+                        f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})"
+                    ) from None
+                prefill_task = asyncio.ensure_future(self._run_prefill())
+                async for event in stream:  # raises WorkerDied if D dies
                     finished = event.finished
                     yield event
-                    if finished:
-                        break
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerDied(f"request {request_id}: decode worker died ({type(exc).__name__})") from None
-            await prefill_task
+                await prefill_task
         finally:
             if not finished:
-                prefill_task.cancel()
+                if prefill_task is not None:
+                    prefill_task.cancel()
                 await asyncio.gather(
                     self.prefill.abort.remote(request_id), self.decode.abort.remote(request_id), return_exceptions=True
                 )
+            if self.feeds is None:
+                await feeds.close()
 
     async def _run_prefill(self) -> None:
         try:

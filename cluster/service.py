@@ -31,6 +31,7 @@ from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy, match_any
 from cluster.scaling_signals import OutcomeRecorder
 from cluster.store_index import StoreIndex
+from cluster.token_feeds import TokenFeeds, colocated_events
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -55,6 +56,7 @@ class GlobalScheduler:
         self.ready = False
         self._ids = itertools.count()
         self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
+        self.feeds = TokenFeeds()  # this replica's subscription to each worker's token events
 
     # ---- membership and load ------------------------------------------------------
     async def refresh(self) -> None:
@@ -319,28 +321,25 @@ class GlobalScheduler:
             self.models.inflight.pop(request.request_id, None)
 
     async def _events(self, request: GenerateRequest, choice: Prediction):
+        call = None
         if choice.prefill_id is None:
-            worker = self.members[choice.decode_id].handle
-            stream = worker.generate.options(num_returns="streaming").remote(request)
-            try:
-                async for ref in stream:
-                    yield await ref
-            except ray.exceptions.RayActorError:
-                await self._report_dead(choice.decode_id)
-                yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error="worker died")
-            return
-        prefill = self.members[choice.prefill_id].handle
-        decode = self.members[choice.decode_id].handle
-        call = DisaggregatedCall(prefill, decode, request, self.settings.channel, self.settings.timeouts.handshake_s)
+            events = colocated_events(self.feeds, self.members[choice.decode_id].handle, request)
+        else:
+            prefill = self.members[choice.prefill_id].handle
+            decode = self.members[choice.decode_id].handle
+            call = DisaggregatedCall(prefill, decode, request, self.settings.channel,
+                                     self.settings.timeouts.handshake_s, self.feeds)
+            events = call.events()
         try:
-            async for event in call.events():
-                yield event
+            async with contextlib.aclosing(events):  # a request not read to its end is aborted now
+                async for event in events:
+                    yield event
         except ReservationRefused as exc:
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
         except WorkerDied as exc:
             await self._report_dead(choice.decode_id)
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
-        if call.prefill_error is not None and isinstance(call.prefill_error, ray.exceptions.RayActorError):
+        if call is not None and isinstance(call.prefill_error, ray.exceptions.RayActorError):
             await self._report_dead(choice.prefill_id)
 
 

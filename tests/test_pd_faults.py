@@ -94,7 +94,7 @@ def test_prefill_dies_mid_transfer(ray_local, tiny_qwen2_dir):
 def test_decode_frees_a_reservation_when_its_prefill_dies(ray_local, tiny_qwen2_dir):
     """No driver tells D: it notices P's death by itself, well before the TTL."""
     p, d = start("prefill", "p-gone", tiny_qwen2_dir), start("decode", "d-watch", tiny_qwen2_dir)
-    ray.get(d.reserve.remote(GenerateRequest("orphan", LONG_PROMPT[:300], SHORT.params), p))
+    ray.get(d.reserve.remote(GenerateRequest("orphan", LONG_PROMPT[:300], SHORT.params), "unread", p))
     assert ray.get(d.stats.remote()).num_reserved == 1
     ray.kill(p)
     started = time.monotonic()
@@ -164,9 +164,9 @@ def test_a_full_decode_worker_refuses_clearly_and_keeps_serving(ray_local, tiny_
     p = start("prefill", "p-full", tiny_qwen2_dir)
     d = start_worker("decode", "d-full", tiny_qwen2_dir, small, OPTIONS)
     hold = GenerateRequest("hold", list(range(1, 150)), SamplingParams(max_new_tokens=4))  # 10 blocks
-    ray.get(d.reserve.remote(hold, p))
+    ray.get(d.reserve.remote(hold, "unread", p))
     with pytest.raises(ReservationRefused, match="cannot hold"):
-        ray.get(d.reserve.remote(GenerateRequest("too-much", list(range(1, 60)), SHORT.params), p))
+        ray.get(d.reserve.remote(GenerateRequest("too-much", list(range(1, 60)), SHORT.params), "unread", p))
     assert ray.get(d.stats.remote()).num_used_blocks == 10  # the refusal took nothing
     ray.get(d.abort.remote("hold"))
     wait_idle(d)

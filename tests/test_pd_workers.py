@@ -13,6 +13,7 @@ from actors.config import EngineConfig
 from actors.messages import GenerateRequest
 from actors.sampling_params import SamplingParams
 from cluster.pd_request import DisaggregatedCall
+from cluster.token_feeds import TokenFeeds, colocated_events
 from cluster.workers import start_worker
 from tests.conftest import hf_greedy
 
@@ -39,7 +40,11 @@ async def disaggregated(p, d, request, channel):
 
 
 async def colocated(c, request):
-    return [await ref async for ref in c.generate.options(num_returns="streaming").remote(request)]
+    feeds = TokenFeeds()
+    try:
+        return [event async for event in colocated_events(feeds, c, request)]
+    finally:
+        await feeds.close()
 
 
 def tokens(events) -> list[int]:

@@ -1,0 +1,146 @@
+"""A consumer's side of the workers' token feeds: one Ray stream a worker, routed to
+each request's queue.
+
+    feeds = TokenFeeds()                      # one a process (a scheduler replica)
+    feed = feeds.of(worker)                   # subscribes on first use
+    with feed.expect(request_id) as events:   # before the request is started
+        await worker.submit.remote(request, feed.subscription)
+        async for event in events:            # its TokenEvents, up to the finishing one
+            ...
+    await feeds.close()
+
+A worker sends a batch of events a wake-up for all the requests this process runs
+there (`actors.token_streams`), so the per-item cost of a Ray stream is paid once a
+step, not once a token and request. The events a request's iterator yields are
+those of one Ray stream, so in order. If the worker dies (or the feed fails) every
+request waiting on it ends with `WorkerDied`. Closing the feed (or this process
+going away) makes the worker abort the requests it still runs for it; a consumer
+that stops reading one request early aborts it itself (`worker.abort`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import ray
+
+from actors.messages import GenerateRequest, TokenEvent, WorkerDied
+
+_ENDED = object()  # a queue's marker: the feed is gone
+
+
+class RequestEvents:
+    """One request's events from a feed; an async iterator that ends after the
+    finishing event. Use as a context manager: leaving it stops the routing."""
+
+    def __init__(self, feed: TokenFeed, request_id: str) -> None:
+        self._feed = feed
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __enter__(self) -> RequestEvents:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._feed._queues.pop(self.request_id, None)
+
+    def __aiter__(self) -> RequestEvents:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        if event is _ENDED:
+            raise WorkerDied(f"request {self.request_id}: {self._feed.error}")
+        self.finished = event.finished
+        return event
+
+
+class TokenFeed:
+    """This process's subscription to one worker."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.subscription = uuid.uuid4().hex
+        self.error: str | None = None  # why the feed ended, once it has
+        self._queues: dict[str, RequestEvents] = {}
+        self._stream = worker.feed.options(num_returns="streaming").remote(self.subscription)
+        self._task = asyncio.ensure_future(self._route())
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    def expect(self, request_id: str) -> RequestEvents:
+        """Route `request_id`'s events here from now on (call before starting it)."""
+        if self.error is not None:
+            raise WorkerDied(f"request {request_id}: {self.error}")
+        events = RequestEvents(self, request_id)
+        self._queues[request_id] = events
+        return events
+
+    async def _route(self) -> None:
+        try:
+            async for ref in self._stream:
+                for event in await ref:
+                    events = self._queues.get(event.request_id)
+                    if events is not None:
+                        events.queue.put_nowait(event)
+            self.error = "the worker's feed ended"
+        except ray.exceptions.RayActorError as exc:
+            self.error = f"worker died ({type(exc).__name__})"
+        except asyncio.CancelledError:
+            self.error = "the feed was closed"
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure ends every request on it, said
+            self.error = f"the worker's feed failed: {type(exc).__name__}: {exc}"
+        finally:
+            for events in list(self._queues.values()):
+                events.queue.put_nowait(_ENDED)
+
+    async def close(self) -> None:
+        """Unsubscribe: the worker aborts the requests it still runs for this feed."""
+        ray.cancel(self._stream)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+class TokenFeeds:
+    """The feeds of one process, one a worker actor (subscribed on first use, again
+    after a feed ended)."""
+
+    def __init__(self) -> None:
+        self._feeds: dict[str, TokenFeed] = {}
+
+    def of(self, worker) -> TokenFeed:
+        key = worker._actor_id.hex()
+        feed = self._feeds.get(key)
+        if feed is None or not feed.alive:
+            feed = self._feeds[key] = TokenFeed(worker)
+        return feed
+
+    async def close(self) -> None:
+        feeds, self._feeds = list(self._feeds.values()), {}
+        await asyncio.gather(*(feed.close() for feed in feeds), return_exceptions=True)
+
+
+async def colocated_events(feeds: TokenFeeds, worker, request: GenerateRequest):
+    """A request's events from a colocated worker, submitted through its feed; one
+    not read to its finishing event is aborted there. Raises `WorkerDied`."""
+    feed = feeds.of(worker)
+    finished = False
+    try:
+        with feed.expect(request.request_id) as events:
+            try:
+                await worker.submit.remote(request, feed.subscription)
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerDied(f"request {request.request_id}: worker died ({type(exc).__name__})") from None
+            async for event in events:
+                finished = event.finished
+                yield event
+    finally:
+        if not finished:
+            await asyncio.gather(worker.abort.remote(request.request_id), return_exceptions=True)
