@@ -14,4 +14,5 @@ BENCHMARKS = {
     "autoscale": "benchmarks.autoscale",
     "kernels": "benchmarks.kernels",
     "host": "benchmarks.host_step",
+    "delivery": "benchmarks.delivery",
 }

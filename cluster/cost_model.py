@@ -4,7 +4,9 @@
     decode_step_s = a + b * batch_size + c * kv_tokens
 
 Each is seeded by a start-up profile (a few real timings from the worker) and
-refitted as timings arrive. Plain numpy; a prediction never goes below the smallest
+refitted as timings arrive: on the next prediction after them, not on each one (a
+scheduler observes a token gap a request every few tokens; a least-squares fit of
+the window each time cost it a sixth of its CPU at batch 64, a py-spy sample). Plain numpy; a prediction never goes below the smallest
 time seen (a fit can extrapolate to negative values for tiny inputs).
 """
 
@@ -21,17 +23,19 @@ class LinearCostModel:
         self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
         self._coef: np.ndarray | None = None
         self._floor = 0.0
+        self._stale = False  # observations since the last fit
 
     @property
     def is_fitted(self) -> bool:
-        return self._coef is not None
+        return bool(self._rows)
 
     def observe(self, features: tuple[float, ...], seconds: float) -> None:
         assert len(features) == self.num_features
         self._rows.append((tuple(float(f) for f in features), float(seconds)))
-        self._fit()
+        self._stale = True
 
     def _fit(self) -> None:
+        self._stale = False
         x = np.array([(1.0, *f) for f, _ in self._rows])
         y = np.array([s for _, s in self._rows])
         coef, *_ = np.linalg.lstsq(x, y, rcond=None)
@@ -39,8 +43,10 @@ class LinearCostModel:
         self._floor = float(y.min())
 
     def predict(self, features: tuple[float, ...]) -> float:
-        if self._coef is None:
+        if not self._rows:
             raise RuntimeError("cost model has no observations yet")
+        if self._stale:
+            self._fit()
         value = float(self._coef @ np.array((1.0, *features)))
         return max(value, self._floor * 0.5)
 

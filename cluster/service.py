@@ -35,6 +35,11 @@ from cluster.token_feeds import TokenFeeds, colocated_events
 
 log = logging.getLogger("tandem.scheduler")
 
+# A request's token gaps reach D's decode model as their mean over this many: the
+# model's load features (batch, KV tokens) change little between, and one
+# observation a token and request cost the scheduler O(batch) work each.
+GAPS_PER_OBSERVATION = 8
+
 
 class GlobalScheduler:
     def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int, kv_seed: bytes) -> None:
@@ -302,18 +307,21 @@ class GlobalScheduler:
             if worker_id in self.prefix:
                 self.prefix[worker_id].insert(hashes)
         last_s = None
+        gaps_from_s, num_gaps = None, 0  # the decode model learns a mean gap every GAPS_PER_OBSERVATION
         try:
             async for event in self._events(request, choice):
                 now = time.monotonic()
                 if event.token_ids:
                     if inflight.first_token_s is None:
-                        inflight.first_token_s = now
+                        inflight.first_token_s = gaps_from_s = now
                         self.metrics.observe("ttft_seconds", "time to first token", now - started)
                         self.models.observe_ttft(choice, now - inflight.admitted_s)
                     elif last_s is not None:
-                        gap = (now - last_s) / len(event.token_ids)
-                        self.metrics.observe("tbt_seconds", "time between tokens", gap)
-                        self.models.observe_token_gap(choice.decode_id, gap)
+                        self.metrics.observe("tbt_seconds", "time between tokens", (now - last_s) / len(event.token_ids))
+                        num_gaps += len(event.token_ids)
+                        if num_gaps >= GAPS_PER_OBSERVATION:
+                            self.models.observe_token_gap(choice.decode_id, (now - gaps_from_s) / num_gaps)
+                            gaps_from_s, num_gaps = now, 0
                     inflight.num_generated += len(event.token_ids)
                     last_s = now
                 yield event

@@ -21,6 +21,7 @@ that stops reading one request early aborts it itself (`worker.abort`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import ray
@@ -50,13 +51,28 @@ class RequestEvents:
         return self
 
     async def __anext__(self) -> TokenEvent:
+        """The next event; if more have arrived since, all of them as one (a reader
+        that falls behind reads fewer, larger events, and catches up)."""
         if self.finished:
             raise StopAsyncIteration
         event = await self.queue.get()
+        while event is not _ENDED and not event.finished and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if later is _ENDED:  # the last item ever queued: keep it for the next call
+                self.queue.put_nowait(later)
+                break
+            event = _merged(event, later)
         if event is _ENDED:
             raise WorkerDied(f"request {self.request_id}: {self._feed.error}")
         self.finished = event.finished
         return event
+
+
+def _merged(event: TokenEvent, later: TokenEvent) -> TokenEvent:
+    logprobs = None if event.logprobs is None and later.logprobs is None else \
+        (event.logprobs or []) + (later.logprobs or [])
+    return dataclasses.replace(later, token_ids=event.token_ids + later.token_ids, text=event.text + later.text,
+                               logprobs=logprobs)
 
 
 class TokenFeed:

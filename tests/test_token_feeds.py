@@ -1,0 +1,170 @@
+"""Token events from workers to consumers: a worker's per-subscription batches
+(`actors/token_streams.py`) and a consumer's feed routing them to requests
+(`cluster/token_feeds.py`), alone and against a real colocated worker."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from actors.config import EngineConfig
+from actors.messages import GenerateRequest, TokenEvent, WorkerDied
+from actors.request import FinishReason, RequestOutput
+from actors.sampling_params import SamplingParams
+from actors.token_streams import SubscriptionClosed, TokenStreams
+from cluster.token_feeds import RequestEvents, TokenFeeds, _ENDED, colocated_events
+from cluster.workers import start_worker
+
+
+def output(request_id: str, token_ids: list[int], text: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id, prompt_token_ids=[1], num_tokens=len(token_ids), num_chars=len(text),
+        finished=finished, finish_reason=FinishReason.LENGTH if finished else None, num_cached_tokens=0,
+        arrival_s=0.0, first_token_s=None, _token_ids=token_ids, _logprobs=None, _token_times_s=[],
+        _text_pieces=[text], _piece_ends=[len(text)], _final_text=text if finished else None,
+    )
+
+
+def test_a_step_reaches_each_subscription_as_one_batch_of_deltas():
+    async def run():
+        streams = TokenStreams(asyncio.get_running_loop())
+        for rid, sub in (("a", "s1"), ("b", "s1"), ("c", "s2")):
+            streams.open(rid, sub)
+        s1, s2 = streams.batches("s1"), streams.batches("s2")
+
+        def engine_thread():  # two steps, published from another thread as the engine's are
+            streams.publish([output("a", [5], "x"), output("b", [6], "y"), output("c", [7], "z")])
+            streams.publish([output("a", [5, 8], "xw", finished=True), output("unknown", [1], "q")])
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        first = await asyncio.wait_for(s1.__anext__(), 5)
+        assert [(e.request_id, e.token_ids, e.text, e.finished) for e in first] == [
+            ("a", [5], "x", False), ("b", [6], "y", False), ("a", [8], "w", True)]  # gathered, deltas only
+        assert [(e.request_id, e.token_ids) for e in await asyncio.wait_for(s2.__anext__(), 5)] == [("c", [7])]
+        assert "a" not in streams and "b" in streams  # a finished stream is forgotten once read
+        streams.fail("b", "boom")
+        (failed,) = await asyncio.wait_for(s1.__anext__(), 5)
+        assert failed.finished and failed.error == "boom" and failed.finish_reason == "error"
+        streams.publish([output("b", [6, 9], "yv")])  # after its last event: nothing more
+        assert streams.close("s2") == ["c"]  # the unfinished request of a consumer that went away
+        with pytest.raises(SubscriptionClosed):
+            streams.open("d", "s2")
+        pending = asyncio.ensure_future(s1.__anext__())
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        pending.cancel()
+
+    asyncio.run(run())
+
+
+class _Feed:  # what RequestEvents needs of its feed
+    error = "worker died (test)"
+    _queues: dict = {}
+
+
+def test_a_reader_that_fell_behind_gets_the_queued_events_as_one():
+    async def run():
+        events = RequestEvents(_Feed(), "r")
+        for i, (ids, text) in enumerate([([1], "a"), ([2, 3], "bc"), ([4], "d")]):
+            events.queue.put_nowait(TokenEvent("r", ids, text, None, False, None, float(i)))
+        merged = await events.__anext__()
+        assert (merged.token_ids, merged.text, merged.time_s, merged.finished) == ([1, 2, 3, 4], "abcd", 2.0, False)
+        events.queue.put_nowait(TokenEvent("r", [5], "e", None, False, None, 3.0))
+        events.queue.put_nowait(_ENDED)
+        assert (await events.__anext__()).token_ids == [5]  # what came before the feed ended still arrives
+        with pytest.raises(WorkerDied, match="worker died"):
+            await events.__anext__()
+        done = RequestEvents(_Feed(), "s")
+        done.queue.put_nowait(TokenEvent("s", [1], "a", None, True, "stop", 0.0))
+        done.queue.put_nowait(TokenEvent("s", [2], "b", None, False, None, 1.0))  # never read past the end
+        assert [e.token_ids async for e in done] == [[1]]
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_local, tiny_qwen2_dir):
+    worker = start_worker("colocated", "feeds-c", tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=256))
+    ray_local.get(worker.ping.remote())
+    yield worker
+    ray_local.kill(worker)
+
+
+def wait_idle(ray, worker, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get(worker.stats.remote())
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_used_blocks == 0:
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
+def test_many_requests_share_one_feed_and_each_gets_all_its_tokens(ray_local, colocated):
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        feeds = TokenFeeds()
+        try:
+            async def one(i):
+                request = GenerateRequest(f"many-{i}", [3 + i, 4, 5, 6], params)
+                return [e async for e in colocated_events(feeds, colocated, request)]
+
+            results = await asyncio.gather(*(one(i) for i in range(12)))
+            assert len(feeds._feeds) == 1
+            return results
+        finally:
+            await feeds.close()
+
+    for events in asyncio.run(run()):
+        assert sum(len(e.token_ids) for e in events) == 20
+        assert events[-1].finished and events[-1].finish_reason == "length"
+        assert not any(e.finished for e in events[:-1])
+
+
+def test_a_closed_feed_aborts_what_its_worker_still_runs_for_it(ray_local, colocated):
+    long = SamplingParams(max_new_tokens=5000, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        feeds = TokenFeeds()
+        feed = feeds.of(colocated)
+        with feed.expect("orphan") as events:
+            await colocated.submit.remote(GenerateRequest("orphan", [5, 6, 7], long), feed.subscription)
+            first = await asyncio.wait_for(events.__anext__(), 30)
+            assert first.token_ids
+        await feeds.close()  # the consumer goes away without aborting
+        with pytest.raises(WorkerDied):
+            feed.expect("late")
+
+    asyncio.run(run())
+    wait_idle(ray_local, colocated)  # the worker aborted it by itself
+
+
+def test_a_dead_worker_ends_every_request_waiting_on_its_feed(ray_local, tiny_qwen2_dir):
+    worker = start_worker("colocated", "feeds-dies", tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=256))
+    ray_local.get(worker.ping.remote())
+    long = SamplingParams(max_new_tokens=5000, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        feeds = TokenFeeds()
+        got = []
+
+        async def one(i):
+            async for event in colocated_events(feeds, worker, GenerateRequest(f"dies-{i}", [5, i + 3], long)):
+                got.append(event)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(3)]
+        while len(got) < 3:
+            await asyncio.sleep(0.05)
+        ray_local.kill(worker)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        await feeds.close()
+        return results
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, WorkerDied) for r in results), results
