@@ -15,6 +15,12 @@ The engine thread publishes a step's `RequestOutput`s at once: they become
 `call_soon_threadsafe` (a wake-up of the loop is a write to its self-pipe, so one a
 step, not one a token). A subscription whose consumer is slow gathers events until
 it reads: later batches are larger, never more of them.
+
+`stream_interval` (SGLang's setting of that name): a request's event waits until it
+has that many new tokens (its first and its last go at once). Every hop after the
+worker (Ray, the scheduler replica, Serve's proxy, the client) costs CPU an event,
+so fewer, larger events deliver more tokens a second from the same cores, at the
+price of coarser streaming (docs/benchmarks.md, `tandem bench delivery`).
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ class SubscriptionClosed(RuntimeError):
 
 
 class TokenStreams:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream_interval: int = 1) -> None:
         self._loop = loop
+        self.stream_interval = stream_interval
         self._streams: dict[str, _Stream] = {}
         self._subscriptions: dict[str, _Subscription] = {}
         self._closed_subscriptions: set[str] = set()
@@ -110,6 +117,8 @@ class TokenStreams:
             if stream is None or stream.closed:
                 continue
             start = stream.num_tokens_sent
+            if start and not output.finished and output.num_tokens - start < self.stream_interval:
+                continue
             events.append(TokenEvent(
                 request_id=output.request_id,
                 token_ids=output.new_token_ids(start),

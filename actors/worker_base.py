@@ -36,6 +36,7 @@ class WorkerOptions:
     watchdog_interval_s: float = 0.5  # how often D checks its pending reservations
     pipelined_transfer: bool = True  # False: P sends all KV after its last chunk (to compare)
     kv_store: KVStoreSettings | None = None  # None: no tiers behind the device pool
+    stream_interval: int = 1  # new tokens a request's token event waits for (`actors.token_streams`)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class WorkerBase:
         if self.loop is not None:
             return
         self.aio = asyncio.get_running_loop()
-        self.streams = TokenStreams(self.aio)
+        self.streams = TokenStreams(self.aio, self.options.stream_interval)
         self.loop = EngineLoop(self.engine, self._on_step, self._on_tick, self._on_engine_error)
         self.loop.start()
         self._on_started()

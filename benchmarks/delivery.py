@@ -8,6 +8,8 @@ what clients receive can fall well short of what the engine computes. This runs
 `--batch` streaming `/generate` requests at once (greedy, `ignore_eos`, equal
 lengths) against each system, in turn, and the same requests through the engine
 alone (`actors.llm.LLM`, in this process, on one thread, like a worker's one core).
+A third system, disaggregated with `--stream-interval` tokens an event (the
+`stream_interval` setting), shows what fewer, larger events buy.
 
 Steady decode rate, both sides measured the same way: the tokens that arrive
 between the moment the last request got its first token and the moment the first
@@ -48,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="rounds (each system and the engine once a round)")
     parser.add_argument("--kv-cache-mib", type=int, default=256)
+    parser.add_argument("--stream-interval", type=int, default=4,
+                        help="also run disaggregated with this stream_interval (tokens an event gathers); 0: not")
 
 
 def steady_rate(token_times: list[list[float]]) -> float:
@@ -135,11 +139,14 @@ def main(args: argparse.Namespace) -> None:
         "colocated": app_settings(settings, mode="colocated", colocated=1),
         "disaggregated": app_settings(settings, mode="disaggregated"),
     }
+    if args.stream_interval:
+        systems[f"disaggregated-interval-{args.stream_interval}"] = {
+            **app_settings(settings, mode="disaggregated"), "stream_interval": args.stream_interval}
     for system in systems.values():
         system["engine"]["max_num_seqs"] = args.batch
     rates: dict[str, list[float]] = {name: [] for name in ("engine alone", *systems)}
     cpu_us: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-    with ServeCluster(num_cpus=4) as cluster:
+    with ServeCluster(num_cpus=8) as cluster:  # logical CPUs: one a worker
         urls = cluster.deploy(systems)
         for name in systems:  # warm-up: each system's first HTTP requests
             _over_http(urls[name], _requests(args, vocab, seed=-1)[:4])

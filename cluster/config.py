@@ -205,6 +205,7 @@ class AppSettings(_Strict):
     limits: LimitSettings = LimitSettings()
     timeouts: TimeoutSettings = TimeoutSettings()
     kv_store: KVStoreSection | None = None
+    stream_interval: int = Field(1, ge=1)  # tokens a streamed event gathers (first and last at once)
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
 

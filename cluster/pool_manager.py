@@ -59,6 +59,7 @@ class PoolManager:
             transfer_timeout_s=self.settings.timeouts.transfer_s,
             reservation_ttl_s=self.settings.timeouts.reservation_ttl_s,
             kv_store=self.settings.kv_store.store_settings() if self.settings.kv_store else None,
+            stream_interval=self.settings.stream_interval,
         )
         self.scaler = PoolAutoscaler(self, self.settings, self._roles())
         for role in self._roles():

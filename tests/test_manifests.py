@@ -55,6 +55,7 @@ def test_local_profile_binds_to_loopback():
           "engine": {"device": "cuda:0"}}, "num_gpus > 0 in the colocated"),
         ({"model": {"preset": "tiny"}, "channel": "nccl"}, "channel: nccl"),
         ({"model": {"preset": "tiny"}, "engine": {"device": "cuda:1"}}, "engine.device"),
+        ({"model": {"preset": "tiny"}, "stream_interval": 0}, "stream_interval"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):

@@ -62,6 +62,20 @@ def test_a_step_reaches_each_subscription_as_one_batch_of_deltas():
     asyncio.run(run())
 
 
+def test_a_stream_interval_gathers_tokens_but_sends_the_first_and_last_at_once():
+    async def run():
+        streams = TokenStreams(asyncio.get_running_loop(), stream_interval=3)
+        streams.open("r", "s")
+        batches = streams.batches("s")
+        for n in range(1, 8):  # tokens 1..7, the 7th the last
+            streams.publish([output("r", list(range(n)), "x" * n, finished=n == 7)])
+        await asyncio.sleep(0)
+        events = await asyncio.wait_for(batches.__anext__(), 5)
+        return [(len(e.token_ids), e.finished) for e in events]
+
+    assert asyncio.run(run()) == [(1, False), (3, False), (3, True)]
+
+
 class _Feed:  # what RequestEvents needs of its feed
     error = "worker died (test)"
     _queues: dict = {}
