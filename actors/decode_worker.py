@@ -18,7 +18,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import ray
 import torch
 
 from actors.kv_channel import (
@@ -189,7 +188,7 @@ class DecodeWorker(WorkerBase):
             handles = {id(p.prefill_handle): p.prefill_handle for _, p in pending if p.prefill_handle is not None}
             handles.update({id(h): h for h in self._channel_owners.values()})
             for key, handle in handles.items():
-                if not await self._is_dead(handle):
+                if not await self._is_dead(handle.ping.remote()):  # the reservation TTL still bounds a slow one
                     continue
                 for rid, p in pending:
                     if id(p.prefill_handle) == key:
@@ -197,12 +196,3 @@ class DecodeWorker(WorkerBase):
                 for name, owner in list(self._channel_owners.items()):
                     if id(owner) == key:
                         await self.close_channel(name)
-
-    async def _is_dead(self, handle) -> bool:
-        try:
-            await asyncio.wait_for(handle.ping.remote(), timeout=self.options.watchdog_interval_s * 4)
-        except ray.exceptions.RayActorError:
-            return True
-        except (asyncio.TimeoutError, ray.exceptions.RayError):
-            return False  # busy or unreachable for now: the TTL still bounds it
-        return False

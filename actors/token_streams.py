@@ -45,6 +45,7 @@ class _Stream:
 class _Subscription:
     events: list[TokenEvent] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False  # its consumer is gone: the feed returns
 
 
 class SubscriptionClosed(RuntimeError):
@@ -76,18 +77,29 @@ class TokenStreams:
 
     async def batches(self, subscription: str):
         """The subscription's events, a list each time there are some, until the
-        consumer cancels; a request's stream is forgotten after its last event."""
+        consumer cancels or `end` is called; a request's stream is forgotten after
+        its last event."""
         if subscription in self._closed_subscriptions:
             raise SubscriptionClosed(f"subscription {subscription!r} is closed")
         sub = self._subscriptions.setdefault(subscription, _Subscription())
         while True:
             await sub.ready.wait()
             sub.ready.clear()
+            if sub.ended:
+                return
             batch, sub.events = sub.events, []
             for event in batch:
                 if event.finished:
                     self._streams.pop(event.request_id, None)
             yield batch
+
+    def end(self, subscription: str) -> None:
+        """Make the subscription's `batches` return (its consumer died without
+        cancelling it)."""
+        sub = self._subscriptions.get(subscription)
+        if sub is not None:
+            sub.ended = True
+            sub.ready.set()
 
     def close(self, subscription: str) -> list[str]:
         """End a subscription (its consumer went away). Returns its requests that

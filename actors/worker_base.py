@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import ray
 import torch
 
 from actors.config import EngineConfig, ModelLocation
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class WorkerOptions:
     transfer_timeout_s: float = 30.0  # one chunk's transfer, end to end
     reservation_ttl_s: float = 60.0  # a reservation never filled is freed after this
-    watchdog_interval_s: float = 0.5  # how often D checks its pending reservations
+    watchdog_interval_s: float = 0.5  # how often D checks its pending reservations, any worker its feeds' owners
     pipelined_transfer: bool = True  # False: P sends all KV after its last chunk (to compare)
     kv_store: KVStoreSettings | None = None  # None: no tiers behind the device pool
     stream_interval: int = 1  # new tokens a request's token event waits for (`actors.token_streams`)
@@ -108,6 +109,8 @@ class WorkerBase:
         self.streams = TokenStreams(self.aio, self.options.stream_interval)
         self.loop = EngineLoop(self.engine, self._on_step, self._on_tick, self._on_engine_error)
         self.loop.start()
+        self._feed_owners: dict[str, object] = {}  # subscription -> its consumer's actor handle
+        self.aio.create_task(self._watch_feed_owners())
         self._on_started()
 
     def _on_started(self) -> None:
@@ -181,18 +184,42 @@ class WorkerBase:
         return self.node
 
     # ---- token events ---------------------------------------------------------------
-    async def feed(self, subscription: str):
+    async def feed(self, subscription: str, owner=None):
         """Every token event of the requests started here for `subscription`, as
         lists (`actors.token_streams`): a consumer's one Ray stream from this
-        worker. Runs until the consumer cancels it or goes away; its requests
-        still running then are aborted."""
+        worker. Runs until the consumer cancels it or, when it names itself as
+        `owner` (its actor handle), dies: Ray does not cancel a stream whose
+        caller was killed, so without this a dead scheduler replica's requests
+        would decode to their end. Its requests still running then are aborted."""
         self._ensure_started()
+        if owner is not None:
+            self._feed_owners[subscription] = owner
         try:
             async for batch in self.streams.batches(subscription):
                 yield batch
         finally:
+            self._feed_owners.pop(subscription, None)
             for request_id in self.streams.close(subscription):
                 await self._drop(request_id, "the consumer's feed closed")
+
+    async def _watch_feed_owners(self) -> None:
+        interval = self.options.watchdog_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            for subscription, owner in list(self._feed_owners.items()):
+                if await self._is_dead(owner.__ray_ready__.remote()):
+                    self.streams.end(subscription)
+
+    async def _is_dead(self, probe) -> bool:
+        """Whether the actor a probe call (an ObjectRef) went to is dead; a slow or
+        unreachable one is not (yet)."""
+        try:
+            await asyncio.wait_for(probe, timeout=self.options.watchdog_interval_s * 4)
+        except ray.exceptions.RayActorError:
+            return True
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            return False  # busy or unreachable for now
+        return False
 
     async def _drop(self, request_id: str, reason: str) -> None:
         """Cancel a request nobody will read: free what it holds."""

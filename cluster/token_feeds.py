@@ -83,7 +83,7 @@ class TokenFeed:
         self.subscription = uuid.uuid4().hex
         self.error: str | None = None  # why the feed ended, once it has
         self._queues: dict[str, RequestEvents] = {}
-        self._stream = worker.feed.options(num_returns="streaming").remote(self.subscription)
+        self._stream = worker.feed.options(num_returns="streaming").remote(self.subscription, _current_actor())
         self._task = asyncio.ensure_future(self._route())
 
     @property
@@ -122,6 +122,15 @@ class TokenFeed:
         ray.cancel(self._stream)
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _current_actor():
+    """This process's actor handle (a Serve replica's), for the worker to watch;
+    None in a driver (not an actor)."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
 
 
 class TokenFeeds:

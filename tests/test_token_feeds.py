@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import ray
 
 from actors.config import EngineConfig
 from actors.messages import GenerateRequest, TokenEvent, WorkerDied
@@ -157,6 +158,34 @@ def test_a_closed_feed_aborts_what_its_worker_still_runs_for_it(ray_local, coloc
 
     asyncio.run(run())
     wait_idle(ray_local, colocated)  # the worker aborted it by itself
+
+
+@ray.remote
+class _Consumer:
+    """A consumer actor, as a scheduler replica is."""
+
+    async def start(self, worker, num_requests: int) -> None:
+        self.feeds = TokenFeeds()
+        params = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
+
+        async def one(i):
+            async for _ in colocated_events(self.feeds, worker, GenerateRequest(f"owned-{i}", [5, i + 3], params)):
+                pass
+
+        self.tasks = [asyncio.ensure_future(one(i)) for i in range(num_requests)]
+
+
+def test_a_killed_consumer_actor_has_its_requests_aborted(ray_local, colocated):
+    """Ray does not cancel a stream whose caller was killed: the worker notices
+    the feed's owner is dead by itself."""
+    consumer = _Consumer.remote()
+    ray_local.get(consumer.start.remote(colocated, 16))
+    deadline = time.monotonic() + 30
+    while ray_local.get(colocated.stats.remote()).num_running < 16:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ray_local.kill(consumer)
+    wait_idle(ray_local, colocated, timeout_s=5.0)  # 16 x 2000 tokens would take far longer
 
 
 def test_a_dead_worker_ends_every_request_waiting_on_its_feed(ray_local, tiny_qwen2_dir):
