@@ -8,9 +8,10 @@
 Steps: listen for the request's events on D's feed (`cluster.token_feeds`; without
 `feeds` the call subscribes for itself), handshake (D reserves blocks, naming the
 feed, and P so it can watch for P's death), start P's prefill; P's chunk transfers
-resolve as the blocks land and the last one activates the request on D. If P fails before that, D is told to
-drop the request and the stream ends with an error event (after it, D goes on);
-if the consumer stops early, both sides are cancelled and free what they hold.
+resolve as the blocks land and the last one activates the request on D. If P fails
+before that, D is told to drop the request and the stream ends with an error event
+(after it, D goes on); if the consumer stops early, both sides are cancelled and
+free what they hold.
 """
 
 from __future__ import annotations

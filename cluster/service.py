@@ -317,7 +317,8 @@ class GlobalScheduler:
                         self.metrics.observe("ttft_seconds", "time to first token", now - started)
                         self.models.observe_ttft(choice, now - inflight.admitted_s)
                     elif last_s is not None:
-                        self.metrics.observe("tbt_seconds", "time between tokens", (now - last_s) / len(event.token_ids))
+                        gap = (now - last_s) / len(event.token_ids)
+                        self.metrics.observe("tbt_seconds", "time between tokens", gap)
                         num_gaps += len(event.token_ids)
                         if num_gaps >= GAPS_PER_OBSERVATION:
                             self.models.observe_token_gap(choice.decode_id, (now - gaps_from_s) / num_gaps)

@@ -138,13 +138,13 @@ class TokenFeeds:
     after a feed ended)."""
 
     def __init__(self) -> None:
-        self._feeds: dict[str, TokenFeed] = {}
+        self._feeds: dict[object, TokenFeed] = {}  # by actor handle (equal handles: the same actor)
 
     def of(self, worker) -> TokenFeed:
-        key = worker._actor_id.hex()
-        feed = self._feeds.get(key)
+        feed = self._feeds.get(worker)
         if feed is None or not feed.alive:
-            feed = self._feeds[key] = TokenFeed(worker)
+            self._feeds = {w: f for w, f in self._feeds.items() if f.alive}  # dead and removed workers' go
+            feed = self._feeds[worker] = TokenFeed(worker)
         return feed
 
     async def close(self) -> None:
