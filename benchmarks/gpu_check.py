@@ -30,7 +30,10 @@ the others still run):
    On CPU the padded static step runs without capture (its twin) and overlap
    saves nothing (a CPU step runs while it is launched).
 5. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
-   (the object_store channel works within one GPU), against the engine alone.
+   (the object_store channel works within one GPU), against the engine alone: the
+   same tokens for one request, then the decode rate `--decode-batch` requests
+   get from the pair through one token feed (`cluster/token_feeds.py`), as
+   `tandem bench delivery` measures it (no HTTP), beside the engine alone's.
 
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here
 before Triton is imported) and times are not taken; the step plumbing is what the
@@ -293,7 +296,7 @@ def _peaks(torch, device: str, dtype) -> dict:
 
 
 # ---- 5. P and D on one device -------------------------------------------------------
-def check_pd(model_dir: Path, device: str, dtype: str) -> dict:
+def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dict:
     import asyncio
 
     try:
@@ -305,13 +308,21 @@ def check_pd(model_dir: Path, device: str, dtype: str) -> dict:
     from actors.llm import LLM
     from actors.messages import GenerateRequest
     from actors.sampling_params import SamplingParams
+    from benchmarks.delivery import steady_rate
     from cluster.pd_request import DisaggregatedCall
+    from cluster.token_feeds import TokenFeeds
     from cluster.workers import start_worker
 
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     prompt = list(range(3, 300))
-    config = EngineConfig(device=device, dtype=dtype, kv_cache_bytes=512 * 2**20)
-    expected = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=512 * 2**20).generate([prompt], [params])[0]
+    config = EngineConfig(device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
+    llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
+    expected = llm.generate([prompt], [params])[0]
+    batch_params = SamplingParams(max_new_tokens=256, temperature=0, ignore_eos=True)
+    batch = [[3 + (i * 7 + j) % 1000 for j in range(128)] for i in range(decode_batch)]
+    llm.generate(batch[:2], batch_params)  # warm-up
+    alone = steady_rate([out._token_times_s for out in llm.generate(batch, batch_params)])
+    del llm
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(num_cpus=4, num_gpus=1 if device == "cuda" else 0, include_dashboard=False, log_to_driver=False)
@@ -330,9 +341,29 @@ def check_pd(model_dir: Path, device: str, dtype: str) -> dict:
                 tokens += event.token_ids
             return tokens, call.prefill_result
 
+        async def delivered() -> float:
+            feeds = TokenFeeds()
+            try:
+                async def one(i, prompt_ids):
+                    call = DisaggregatedCall(p, d, GenerateRequest(f"gpu-batch-{i}", prompt_ids, batch_params),
+                                             "object_store", feeds=feeds)
+                    times = []
+                    async for event in call.events():
+                        if event.error:
+                            raise RuntimeError(event.error)
+                        times += [time.perf_counter()] * len(event.token_ids)
+                    return times
+
+                return steady_rate(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(batch))))
+            finally:
+                await feeds.close()
+
         tokens, result = asyncio.run(run())
+        rate = asyncio.run(delivered())
         return {"identical_to_engine": tokens == expected.token_ids, "tokens": len(tokens),
-                "bytes_sent": result.num_bytes_sent, "ok": tokens == expected.token_ids}
+                "bytes_sent": result.num_bytes_sent, "batch": decode_batch,
+                "delivered_tokens_per_s": rate, "engine_alone_tokens_per_s": alone,
+                "delivered_over_engine": rate / alone, "ok": tokens == expected.token_ids}
     finally:
         if started_ray:
             ray.shutdown()
@@ -362,7 +393,7 @@ def main(args: argparse.Namespace) -> dict:
         "exactness": lambda: check_exactness(exact_model_dir, args.device),
         "roofline": lambda: check_roofline(model_dir, args.device, dtype, args.prefill_tokens, args.decode_batch),
         "graphs": lambda: check_graphs(model_dir, exact_model_dir, args.device, dtype, args.decode_batch),
-        "pd": lambda: check_pd(model_dir, args.device, dtype),
+        "pd": lambda: check_pd(model_dir, args.device, dtype, args.decode_batch),
     }
     for name in [s.strip() for s in args.steps.split(",") if s.strip()]:
         started = time.perf_counter()
