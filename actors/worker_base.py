@@ -215,10 +215,12 @@ class WorkerBase:
         unreachable one is not (yet)."""
         try:
             await asyncio.wait_for(probe, timeout=self.options.watchdog_interval_s * 4)
+        except ray.exceptions.ActorUnavailableError:
+            return False  # unreachable for now, may come back
         except ray.exceptions.RayActorError:
             return True
         except (asyncio.TimeoutError, ray.exceptions.RayError):
-            return False  # busy or unreachable for now
+            return False  # busy for now
         return False
 
     async def _drop(self, request_id: str, reason: str) -> None:
