@@ -76,9 +76,9 @@ class TokenStreams:
         return request_id in self._streams
 
     async def batches(self, subscription: str):
-        """The subscription's events, a list each time there are some, until the
-        consumer cancels or `end` is called; a request's stream is forgotten after
-        its last event."""
+        """The subscription's events, a list each time there are some, as plain
+        tuples (`TokenEvent._make` rebuilds them), until the consumer cancels or
+        `end` is called; a request's stream is forgotten after its last event."""
         if subscription in self._closed_subscriptions:
             raise SubscriptionClosed(f"subscription {subscription!r} is closed")
         sub = self._subscriptions.setdefault(subscription, _Subscription())
@@ -91,7 +91,7 @@ class TokenStreams:
             for event in batch:
                 if event.finished:
                     self._streams.pop(event.request_id, None)
-            yield batch
+            yield [tuple(event) for event in batch]  # plain tuples pickle fast (`TokenEvent`)
 
     def end(self, subscription: str) -> None:
         """Make the subscription's `batches` return (its consumer died without

@@ -21,7 +21,6 @@ that stops reading one request early aborts it itself (`worker.abort`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 
 import ray
@@ -71,8 +70,8 @@ class RequestEvents:
 def _merged(event: TokenEvent, later: TokenEvent) -> TokenEvent:
     logprobs = None if event.logprobs is None and later.logprobs is None else \
         (event.logprobs or []) + (later.logprobs or [])
-    return dataclasses.replace(later, token_ids=event.token_ids + later.token_ids, text=event.text + later.text,
-                               logprobs=logprobs)
+    return later._replace(token_ids=event.token_ids + later.token_ids, text=event.text + later.text,
+                          logprobs=logprobs)
 
 
 class TokenFeed:
@@ -101,10 +100,10 @@ class TokenFeed:
     async def _route(self) -> None:
         try:
             async for ref in self._stream:
-                for event in await ref:
-                    events = self._queues.get(event.request_id)
+                for row in await ref:  # a TokenEvent as a plain tuple
+                    events = self._queues.get(row[0])  # its request id
                     if events is not None:
-                        events.queue.put_nowait(event)
+                        events.queue.put_nowait(TokenEvent._make(row))
             self.error = "the worker's feed ended"
         except ray.exceptions.RayActorError as exc:
             self.error = f"worker died ({type(exc).__name__})"

@@ -29,6 +29,10 @@ def output(request_id: str, token_ids: list[int], text: str, finished: bool = Fa
     )
 
 
+async def next_batch(batches) -> list[TokenEvent]:
+    return [TokenEvent._make(row) for row in await asyncio.wait_for(batches.__anext__(), 5)]  # tuples on the wire
+
+
 def test_a_step_reaches_each_subscription_as_one_batch_of_deltas():
     async def run():
         streams = TokenStreams(asyncio.get_running_loop())
@@ -43,13 +47,13 @@ def test_a_step_reaches_each_subscription_as_one_batch_of_deltas():
         thread = threading.Thread(target=engine_thread)
         thread.start()
         thread.join()
-        first = await asyncio.wait_for(s1.__anext__(), 5)
+        first = await next_batch(s1)
         assert [(e.request_id, e.token_ids, e.text, e.finished) for e in first] == [
             ("a", [5], "x", False), ("b", [6], "y", False), ("a", [8], "w", True)]  # gathered, deltas only
-        assert [(e.request_id, e.token_ids) for e in await asyncio.wait_for(s2.__anext__(), 5)] == [("c", [7])]
+        assert [(e.request_id, e.token_ids) for e in await next_batch(s2)] == [("c", [7])]
         assert "a" not in streams and "b" in streams  # a finished stream is forgotten once read
         streams.fail("b", "boom")
-        (failed,) = await asyncio.wait_for(s1.__anext__(), 5)
+        (failed,) = await next_batch(s1)
         assert failed.finished and failed.error == "boom" and failed.finish_reason == "error"
         streams.publish([output("b", [6, 9], "yv")])  # after its last event: nothing more
         assert streams.close("s2") == ["c"]  # the unfinished request of a consumer that went away
@@ -71,7 +75,7 @@ def test_a_stream_interval_gathers_tokens_but_sends_the_first_and_last_at_once()
         for n in range(1, 8):  # tokens 1..7, the 7th the last
             streams.publish([output("r", list(range(n)), "x" * n, finished=n == 7)])
         await asyncio.sleep(0)
-        events = await asyncio.wait_for(batches.__anext__(), 5)
+        events = await next_batch(batches)
         return [(len(e.token_ids), e.finished) for e in events]
 
     assert asyncio.run(run()) == [(1, False), (3, False), (3, True)]
