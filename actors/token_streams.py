@@ -7,7 +7,7 @@ Ray stream a request: a streamed Ray item costs about half a millisecond of CPU
 between the two processes (a one-off probe: an async actor yielding 64 x 200 small
 events on 64 streams took 7.0 s, the same events as 200 lists of 64 on one stream
 0.27 s), so per-request streams cost a decode worker at batch 64 more than its step
-(docs/benchmarks.md, `tandem bench feed`). SGLang (scheduler to detokenizer) and
+(docs/benchmarks.md, `tandem bench delivery`). SGLang (scheduler to detokenizer) and
 vLLM v1 (engine core to front end) likewise send one message a step for the batch.
 
 The engine thread publishes a step's `RequestOutput`s at once: they become

@@ -6,8 +6,9 @@
 Each is seeded by a start-up profile (a few real timings from the worker) and
 refitted as timings arrive: on the next prediction after them, not on each one (a
 scheduler observes a token gap a request every few tokens; a least-squares fit of
-the window each time cost it a sixth of its CPU at batch 64, a py-spy sample). Plain numpy; a prediction never goes below the smallest
-time seen (a fit can extrapolate to negative values for tiny inputs).
+the window each time cost it a sixth of its CPU at batch 64, a py-spy sample).
+Plain numpy; a prediction never goes below the smallest time seen (a fit can
+extrapolate to negative values for tiny inputs).
 """
 
 from __future__ import annotations
