@@ -220,7 +220,8 @@ class Scheduler:
         if body.stream:
             return self._sse(self._generate_chunks(events, len(prompt_ids)))
         text, ids, reason, cached, logprobs = await _collect(events)
-        return {"text": text, "output_ids": ids, "meta_info": self._meta(len(prompt_ids), ids, reason, cached, logprobs)}
+        return {"text": text, "output_ids": ids,
+                "meta_info": self._meta(len(prompt_ids), len(ids), reason, cached, logprobs)}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionBody):
@@ -266,8 +267,8 @@ class Scheduler:
             raise ApiError(503, f"request failed: {first.error}", kind="service_unavailable")
         return _prepend(first, events)
 
-    def _meta(self, num_prompt, ids, reason, cached, logprobs) -> dict:
-        meta = {"id": None, "prompt_tokens": num_prompt, "completion_tokens": len(ids), "cached_tokens": cached,
+    def _meta(self, num_prompt, num_tokens, reason, cached, logprobs) -> dict:
+        meta = {"id": None, "prompt_tokens": num_prompt, "completion_tokens": num_tokens, "cached_tokens": cached,
                 "finish_reason": {"type": reason}}
         if logprobs is not None:
             meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in logprobs]
@@ -277,15 +278,14 @@ class Scheduler:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _generate_chunks(self, events, num_prompt):
-        text, ids = "", []
+        chunks = fmt.CumulativeChunks()  # SGLang's chunks carry the text and ids so far
         async for event in events:
             if event.error:
                 yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
                 break
-            text += event.text
-            ids += event.token_ids
+            chunks.add(event.text, event.token_ids)
             reason = event.finish_reason if event.finished else None
-            yield fmt.sse({"text": text, "output_ids": ids, "meta_info": self._meta(num_prompt, ids, reason, event.num_cached_tokens, None)})
+            yield chunks.sse(self._meta(num_prompt, chunks.num_tokens, reason, event.num_cached_tokens, None))
         yield fmt.sse("[DONE]")
 
     async def _openai_chunks(self, events, request_id, chat, num_prompt, include_usage):
