@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import os
 import random
+import time
 
 from benchmarks import report
 
@@ -112,12 +113,39 @@ def _over_http(url: str, requests) -> tuple[float, dict[str, float]]:
     return steady_rate([[r.sent_s + t for t in r.token_times_s] for r in records]), cpu_us
 
 
-def _engine_alone(llm, requests) -> float:
+def engine_rate(llm, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """The steady rate of a batch through the engine alone (greedy, `ignore_eos`)."""
     from actors.sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=requests[0].max_new_tokens, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate([r.prompt_ids for r in requests], params)
-    return steady_rate([list(out._token_times_s) for out in outputs])
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    return steady_rate([list(out._token_times_s) for out in llm.generate(prompts, params)])
+
+
+async def feed_rate(prefill, decode, prompts: list[list[int]], max_new_tokens: int, channel: str) -> float:
+    """The steady rate of a batch through a P/D pair, read from D's token feed in
+    this process (no HTTP; greedy, `ignore_eos`)."""
+    from actors.messages import GenerateRequest
+    from actors.sampling_params import SamplingParams
+    from cluster.pd_request import DisaggregatedCall
+    from cluster.token_feeds import TokenFeeds
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    feeds = TokenFeeds()
+
+    async def token_times(i: int, prompt_ids: list[int]) -> list[float]:
+        call = DisaggregatedCall(prefill, decode, GenerateRequest(f"feed-rate-{i}", prompt_ids, params), channel,
+                                 feeds=feeds)
+        times = []
+        async for event in call.events():
+            if event.error:
+                raise RuntimeError(event.error)
+            times += [time.perf_counter()] * len(event.token_ids)
+        return times
+
+    try:
+        return steady_rate(await asyncio.gather(*(token_times(i, ids) for i, ids in enumerate(prompts))))
+    finally:
+        await feeds.close()
 
 
 def main(args: argparse.Namespace) -> None:
@@ -150,14 +178,14 @@ def main(args: argparse.Namespace) -> None:
         urls = cluster.deploy(systems)
         for name in systems:  # warm-up: each system's first HTTP requests
             _over_http(urls[name], _requests(args, vocab, seed=-1)[:4])
-        _engine_alone(llm, _requests(args, vocab, seed=-1)[:4])
+        engine_rate(llm, [r.prompt_ids for r in _requests(args, vocab, seed=-1)[:4]], args.output_tokens)
         for repeat in range(args.repeats):
             order = ["engine alone", *systems]
             order = order[repeat % len(order):] + order[: repeat % len(order)]
             for name in order:
                 requests = _requests(args, vocab, seed=repeat)
                 if name == "engine alone":
-                    rate = _engine_alone(llm, requests)
+                    rate = engine_rate(llm, [r.prompt_ids for r in requests], args.output_tokens)
                 else:
                     rate, cpu = _over_http(urls[name], requests)
                     cpu_us[name].append(cpu)

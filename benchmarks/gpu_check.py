@@ -308,9 +308,8 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
     from actors.llm import LLM
     from actors.messages import GenerateRequest
     from actors.sampling_params import SamplingParams
-    from benchmarks.delivery import steady_rate
+    from benchmarks.delivery import engine_rate, feed_rate
     from cluster.pd_request import DisaggregatedCall
-    from cluster.token_feeds import TokenFeeds
     from cluster.workers import start_worker
 
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
@@ -318,10 +317,9 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
     config = EngineConfig(device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
     llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
     expected = llm.generate([prompt], [params])[0]
-    batch_params = SamplingParams(max_new_tokens=256, temperature=0, ignore_eos=True)
     batch = [[3 + (i * 7 + j) % 1000 for j in range(128)] for i in range(decode_batch)]
-    llm.generate(batch[:2], batch_params)  # warm-up
-    alone = steady_rate([out._token_times_s for out in llm.generate(batch, batch_params)])
+    engine_rate(llm, batch[:2], 256)  # warm-up
+    alone = engine_rate(llm, batch, 256)
     del llm
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -341,25 +339,8 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
                 tokens += event.token_ids
             return tokens, call.prefill_result
 
-        async def delivered() -> float:
-            feeds = TokenFeeds()
-            try:
-                async def one(i, prompt_ids):
-                    call = DisaggregatedCall(p, d, GenerateRequest(f"gpu-batch-{i}", prompt_ids, batch_params),
-                                             "object_store", feeds=feeds)
-                    times = []
-                    async for event in call.events():
-                        if event.error:
-                            raise RuntimeError(event.error)
-                        times += [time.perf_counter()] * len(event.token_ids)
-                    return times
-
-                return steady_rate(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(batch))))
-            finally:
-                await feeds.close()
-
         tokens, result = asyncio.run(run())
-        rate = asyncio.run(delivered())
+        rate = asyncio.run(feed_rate(p, d, batch, 256, "object_store"))
         return {"identical_to_engine": tokens == expected.token_ids, "tokens": len(tokens),
                 "bytes_sent": result.num_bytes_sent, "batch": decode_batch,
                 "delivered_tokens_per_s": rate, "engine_alone_tokens_per_s": alone,
