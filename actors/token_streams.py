@@ -64,10 +64,15 @@ class TokenStreams:
     def open(self, request_id: str, subscription: str) -> None:
         """Deliver `request_id`'s events to `subscription` (opened here if its feed
         has not started yet)."""
-        if subscription in self._closed_subscriptions:
-            raise SubscriptionClosed(f"subscription {subscription!r} is closed: its consumer went away")
-        self._subscriptions.setdefault(subscription, _Subscription())
+        self._subscription(subscription)
         self._streams[request_id] = _Stream(subscription)
+
+    def _subscription(self, name: str) -> _Subscription:
+        """A subscription, made on first use (a request may name it before its feed
+        starts); a closed one is refused."""
+        if name in self._closed_subscriptions:
+            raise SubscriptionClosed(f"subscription {name!r} is closed: its consumer went away")
+        return self._subscriptions.setdefault(name, _Subscription())
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -79,9 +84,7 @@ class TokenStreams:
         """The subscription's events, a list each time there are some, as plain
         tuples (`TokenEvent._make` rebuilds them), until the consumer cancels or
         `end` is called; a request's stream is forgotten after its last event."""
-        if subscription in self._closed_subscriptions:
-            raise SubscriptionClosed(f"subscription {subscription!r} is closed")
-        sub = self._subscriptions.setdefault(subscription, _Subscription())
+        sub = self._subscription(subscription)
         while True:
             await sub.ready.wait()
             sub.ready.clear()

@@ -22,9 +22,8 @@ class LinearCostModel:
     def __init__(self, num_features: int, window: int = 256) -> None:
         self.num_features = num_features
         self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
-        self._coef: np.ndarray | None = None
+        self._coef: np.ndarray | None = None  # None: not fitted since the last observation
         self._floor = 0.0
-        self._stale = False  # observations since the last fit
 
     @property
     def is_fitted(self) -> bool:
@@ -33,10 +32,9 @@ class LinearCostModel:
     def observe(self, features: tuple[float, ...], seconds: float) -> None:
         assert len(features) == self.num_features
         self._rows.append((tuple(float(f) for f in features), float(seconds)))
-        self._stale = True
+        self._coef = None
 
     def _fit(self) -> None:
-        self._stale = False
         x = np.array([(1.0, *f) for f, _ in self._rows])
         y = np.array([s for _, s in self._rows])
         coef, *_ = np.linalg.lstsq(x, y, rcond=None)
@@ -46,7 +44,7 @@ class LinearCostModel:
     def predict(self, features: tuple[float, ...]) -> float:
         if not self._rows:
             raise RuntimeError("cost model has no observations yet")
-        if self._stale:
+        if self._coef is None:
             self._fit()
         value = float(self._coef @ np.array((1.0, *features)))
         return max(value, self._floor * 0.5)
