@@ -1,8 +1,10 @@
-"""Shared fixtures: the built-in tiny checkpoints and their Hugging Face twins."""
+"""Shared fixtures: the built-in tiny checkpoints and their Hugging Face twins; and
+`wait_idle`, for tests of worker actors."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -131,3 +133,18 @@ def undeploy_app(name: str, pool_name: str) -> None:
         ray.kill(pool)
     except ValueError:
         pass
+
+
+def wait_idle(actor, within_s: float = 10.0):
+    """A worker actor's block accounting back to full, nothing reserved, running or
+    waiting, within a bounded time; returns its stats."""
+    import ray
+
+    deadline = time.monotonic() + within_s
+    while True:
+        stats = ray.get(actor.check_accounting.remote())
+        if stats.num_used_blocks == 0 and stats.num_reserved == 0 and stats.num_running == 0 \
+                and stats.num_waiting == 0:
+            return stats
+        assert time.monotonic() < deadline, f"still holding: {stats}"
+        time.sleep(0.1)

@@ -16,6 +16,7 @@ from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerOptions
 from cluster.pd_request import DisaggregatedCall
 from cluster.workers import start_worker
+from tests.conftest import wait_idle
 
 # Small chunks make a long prompt's transfer last long enough to interrupt.
 CONFIG = EngineConfig(block_size=16, prefill_chunk_size=16, max_num_batched_tokens=64, num_kv_blocks=400)
@@ -28,17 +29,6 @@ def start(kind, name, model_dir):
     actor = start_worker(kind, name, model_dir, CONFIG, OPTIONS)
     ray.get(actor.ping.remote())
     return actor
-
-
-def wait_idle(actor, within_s: float = 10.0):
-    """Block accounting back to full (and nothing reserved) within a bounded time."""
-    deadline = time.monotonic() + within_s
-    while True:
-        stats = ray.get(actor.check_accounting.remote())
-        if stats.num_used_blocks == 0 and stats.num_reserved == 0 and stats.num_running == 0:
-            return stats
-        assert time.monotonic() < deadline, f"still holding: {stats}"
-        time.sleep(0.1)
 
 
 async def consume(call: DisaggregatedCall, stop_after: int | None = None):

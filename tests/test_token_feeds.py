@@ -18,6 +18,7 @@ from actors.sampling_params import SamplingParams
 from actors.token_streams import SubscriptionClosed, TokenStreams
 from cluster.token_feeds import RequestEvents, TokenFeeds, _ENDED, colocated_events
 from cluster.workers import start_worker
+from tests.conftest import wait_idle
 
 
 def output(request_id: str, token_ids: list[int], text: str, finished: bool = False) -> RequestOutput:
@@ -114,16 +115,6 @@ def colocated(ray_local, tiny_qwen2_dir):
     ray_local.kill(worker)
 
 
-def wait_idle(ray, worker, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = ray.get(worker.stats.remote())
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_used_blocks == 0:
-            return
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.1)
-
-
 def test_many_requests_share_one_feed_and_each_gets_all_its_tokens(ray_local, colocated):
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -161,7 +152,7 @@ def test_a_closed_feed_aborts_what_its_worker_still_runs_for_it(ray_local, coloc
             feed.expect("late")
 
     asyncio.run(run())
-    wait_idle(ray_local, colocated)  # the worker aborted it by itself
+    wait_idle(colocated)  # the worker aborted it by itself
 
 
 @ray.remote
@@ -189,7 +180,7 @@ def test_a_killed_consumer_actor_has_its_requests_aborted(ray_local, colocated):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     ray_local.kill(consumer)
-    wait_idle(ray_local, colocated, timeout_s=5.0)  # 16 x 2000 tokens would take far longer
+    wait_idle(colocated, within_s=5.0)  # 16 x 2000 tokens would take far longer
 
 
 def test_a_dead_worker_ends_every_request_waiting_on_its_feed(ray_local, tiny_qwen2_dir):
