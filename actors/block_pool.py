@@ -15,12 +15,14 @@ block's tokens too, so a hash collision can never serve the wrong KV.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from actors.event_log import CacheEvents, Cursor, EventLog
 
 KV_LAYOUT_VERSION = "page-first-v1"  # [blocks, layers, 2, block_size, kv_heads, head_dim]
 
@@ -67,10 +69,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self._num_cached = 0  # free blocks that still hold a findable hash
-        # Cache events for the global scheduler's prefix index: (True, hash) when a
-        # block becomes findable, (False, hash) when it is evicted. Drained by
-        # `drain_events`; bounded so an undrained pool cannot grow without limit.
-        self._events: deque[tuple[bool, bytes]] = deque(maxlen=8 * num_blocks)
+        # Cache events for the global scheduler's prefix indexes: (True, hash) when a
+        # block becomes findable, (False, hash) when it is evicted; each scheduler
+        # replica reads them from its own cursor (`events_since`).
+        self._events = EventLog(capacity=8 * num_blocks)
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -112,7 +114,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self._num_cached -= 1
                 del self._by_hash[block.block_hash]
-                self._events.append((False, block.block_hash))
+                self._events.append(False, block.block_hash)
                 block.block_hash = block.token_ids = None
             block.ref_count = 1
             block_ids.append(block_id)
@@ -149,23 +151,20 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block_id
         self._num_cached += block.ref_count == 0
-        self._events.append((True, block_hash))
+        self._events.append(True, block_hash)
 
-    def drain_events(self) -> list[tuple[bool, bytes]]:
-        """Cache events since the last drain, oldest first. Safe to call from
-        another thread than the engine's (deque appends and pops are atomic)."""
-        events = []
-        while True:
-            try:
-                events.append(self._events.popleft())
-            except IndexError:
-                return events
+    def events_since(self, cursor: Cursor | None) -> CacheEvents:
+        """Cache events after `cursor`, oldest first, or a snapshot of the findable
+        hashes (see actors/event_log.py). Safe to call from another thread than the
+        engine's."""
+        return self._events.since(cursor, lambda: self._by_hash)
 
     def reset_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
         for block in self.blocks:
             block.block_hash = block.token_ids = None
-        self._events.extend((False, h) for h in self._by_hash)
+        for block_hash in list(self._by_hash):
+            self._events.append(False, block_hash)
         self._by_hash.clear()
         self._num_cached = 0
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from actors.event_log import CacheEvents, Cursor
 from actors.kv_tiers import DiskTier, MemoryTier, StoredBlock, Tier, TierPolicy
 
 GIB = 1 << 30
@@ -166,13 +167,12 @@ class KVStore:
         with self._lock:
             return sum(t.expire() for t in self.tiers)
 
-    def drain_events(self) -> dict[str, list[tuple[bool, bytes]]]:
-        """Each tier's entry events since the last drain, oldest first."""
+    def events_since(self, cursors: dict[str, Cursor] | None = None) -> dict[str, CacheEvents]:
+        """Each tier's entry events after the reader's cursor for it (the cursors
+        from its last call; none: a snapshot of each tier), oldest first."""
+        cursors = cursors or {}
         with self._lock:
-            drained = {t.name: list(t.events) for t in self.tiers}
-            for tier in self.tiers:
-                tier.events.clear()
-            return drained
+            return {t.name: t.events_since(cursors.get(t.name)) for t in self.tiers}
 
     def stats(self) -> StoreStats:
         with self._lock:

@@ -33,12 +33,14 @@ import os
 import struct
 import uuid
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from actors.event_log import CacheEvents, Cursor, EventLog
 
 MAGIC = b"TANDEMKV1\n"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
@@ -92,12 +94,18 @@ class Tier(ABC):
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self.num_bytes = 0
         # (True, key) when an entry appears, (False, key) when it goes: the global
-        # scheduler's view of the tier, for routing. Bounded; drained by the store.
-        self.events: deque[tuple[bool, bytes]] = deque(maxlen=1 << 16)
+        # scheduler's view of the tier, for routing; each scheduler replica reads
+        # from its own cursor (actors/event_log.py).
+        self.events = EventLog(capacity=1 << 16)
 
     @property
     def num_entries(self) -> int:
         return len(self._entries)
+
+    def events_since(self, cursor: Cursor | None) -> CacheEvents:
+        """Entry events after `cursor`, or a snapshot of the keys held (see
+        actors/event_log.py)."""
+        return self.events.since(cursor, lambda: self._entries)
 
     def contains(self, key: bytes) -> bool:
         return self._live(key) is not None
@@ -129,14 +137,14 @@ class Tier(ABC):
             return []
         self._entries[block.key] = entry
         self.num_bytes += entry.num_bytes
-        self.events.append((True, block.key))
+        self.events.append(True, block.key)
         return self._evict(keep_evicted)
 
     def remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.num_bytes -= entry.num_bytes
-            self.events.append((False, key))
+            self.events.append(False, key)
             self._delete(key)
 
     def expire(self) -> int:
@@ -241,7 +249,7 @@ class DiskTier(Tier):
         for mtime, key, size in sorted(found):
             self._entries[key] = _Entry(size, mtime)
             self.num_bytes += size
-            self.events.append((True, key))
+            self.events.append(True, key)
 
     def _adopt(self, key: bytes) -> _Entry | None:
         try:
@@ -250,7 +258,7 @@ class DiskTier(Tier):
             return None
         entry = self._entries[key] = _Entry(stat.st_size, stat.st_mtime)
         self.num_bytes += entry.num_bytes
-        self.events.append((True, key))
+        self.events.append(True, key)
         return entry
 
     def _write(self, block: StoredBlock) -> _Entry | None:

@@ -22,6 +22,7 @@ import torch
 from actors.config import EngineConfig, ModelLocation
 from actors.engine import Engine
 from actors.engine_loop import EngineLoop
+from actors.event_log import CacheEvents, Cursor
 from actors.kv_store import KVStoreSettings, StoreStats
 from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
 from actors.profiler import EngineProfile, profile_engine
@@ -282,12 +283,13 @@ class WorkerBase:
         the KV store keeps its copies."""
         await self.call(lambda e: e.pool.reset_cache())
 
-    async def cache_events(self) -> list[tuple[bool, bytes]]:
-        """Prefix-cache events since the last call: (True, hash) stored, (False,
-        hash) evicted. The global scheduler's prefix index consumes them. Drained
-        here, not on the engine thread, for the same reason as `stats`."""
+    async def cache_events(self, cursor: Cursor | None = None) -> CacheEvents:
+        """Prefix-cache events after the caller's `cursor`: (True, hash) stored,
+        (False, hash) evicted; or a snapshot (see actors/event_log.py). Each global
+        scheduler replica keeps its own cursor and prefix index. Read here, not on
+        the engine thread, for the same reason as `stats`."""
         self._ensure_started()
-        return self.engine.pool.drain_events()
+        return self.engine.pool.events_since(cursor)
 
     async def profile(self) -> EngineProfile:
         """A short start-up profile (prefill and decode-step timings) for cost models."""

@@ -9,7 +9,9 @@ what clients receive can fall well short of what the engine computes. This runs
 lengths) against each system, in turn, and the same requests through the engine
 alone (`actors.llm.LLM`, in this process, on one thread, like a worker's one core).
 A third system, disaggregated with `--stream-interval` tokens an event (the
-`stream_interval` setting), shows what fewer, larger events buy.
+`stream_interval` setting), shows what fewer, larger events buy; a fourth, with
+`--scheduler-replicas` Serve replicas of the scheduler, what more front-end
+processes buy (nothing where the cores are already busy, as on two).
 
 Steady decode rate, both sides measured the same way: the tokens that arrive
 between the moment the last request got its first token and the moment the first
@@ -53,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=256)
     parser.add_argument("--stream-interval", type=int, default=4,
                         help="also run disaggregated with this stream_interval (tokens an event gathers); 0: not")
+    parser.add_argument("--scheduler-replicas", type=int, default=0,
+                        help="also run disaggregated with this many scheduler (Serve) replicas; 0: not")
 
 
 def steady_rate(token_times: list[list[float]]) -> float:
@@ -170,6 +174,9 @@ def main(args: argparse.Namespace) -> None:
     if args.stream_interval:
         systems[f"disaggregated-interval-{args.stream_interval}"] = {
             **app_settings(settings, mode="disaggregated"), "stream_interval": args.stream_interval}
+    if args.scheduler_replicas:
+        systems[f"disaggregated-{args.scheduler_replicas}-schedulers"] = {
+            **app_settings(settings, mode="disaggregated"), "scheduler_replicas": args.scheduler_replicas}
     for system in systems.values():
         system["engine"]["max_num_seqs"] = args.batch
     rates: dict[str, list[float]] = {name: [] for name in ("engine alone", *systems)}

@@ -10,6 +10,13 @@ within the SLO is rejected before any prefill compute is spent on it.
 The models start from each worker's start-up profile (pure compute) and then learn
 from what the scheduler observes: every gap between tokens refits D's step model,
 and every first token updates P's TTFT bias (see `observe_token_gap`, `observe_ttft`).
+
+With several scheduler replicas each admits its own requests, so each adds the
+others' load (`peers`, from the pool manager's answer to its latest report, at most
+a refresh interval old) to what it knows: their prompt tokens still in prefill on a
+worker, as one more prefill queued there, and their decoding requests and KV tokens
+on a D, as part of its batch from now on. Without it, N replicas would each admit
+as if the workers were theirs alone.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.cost_model import LinearCostModel, decode_features, prefill_features
+from cluster.scaling_signals import PeerLoad
 
 
 @dataclass
@@ -79,6 +87,7 @@ class WorkerModels:
         self.prefill: dict[str, LinearCostModel] = {}
         self.decode: dict[str, LinearCostModel] = {}
         self.inflight: dict[str, InFlight] = {}
+        self.peers = PeerLoad()  # the other scheduler replicas' load per worker
         self.transfer_bytes_per_s = 1e9
         self.block_bytes = 0
         self.ttft_bias_s: dict[str, float] = {}  # per P (or colocated worker), see observe_ttft
@@ -106,9 +115,11 @@ class WorkerModels:
 
     # ---- observations ---------------------------------------------------------------
     def decode_load(self, decode_id: str) -> tuple[int, int]:
-        """D's batch and KV tokens now, as far as this scheduler knows."""
+        """D's batch and KV tokens now, as far as the schedulers know."""
         decoding = [r for r in self.inflight.values() if r.decode_id == decode_id and not r.in_prefill]
-        return max(len(decoding), 1), sum(r.num_prompt_tokens + r.num_generated for r in decoding)
+        batch = len(decoding) + self.peers.decoding.get(decode_id, 0)
+        kv_tokens = sum(r.num_prompt_tokens + r.num_generated for r in decoding)
+        return max(batch, 1), kv_tokens + self.peers.decoding_kv_tokens.get(decode_id, 0)
 
     def observe_token_gap(self, decode_id: str, seconds: float) -> None:
         """A gap between tokens as the scheduler saw it: D's step plus everything on
@@ -137,16 +148,19 @@ class WorkerModels:
         queue ends with the latest predicted first token (a max, not a sum). A
         request past its predicted first token is not done: it is taken to need as
         long again as it is already late, and it delays everything behind it by as
-        much, so the most overdue request's lateness is added to what is left."""
+        much, so the most overdue request's lateness is added to what is left.
+        The other replicas' prompts still in prefill there add their prefill time."""
         now = time.monotonic()
         left = [
             r.admitted_s + r.predicted_ttft_s - now
             for r in self.inflight.values()
             if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill  # colocated: no prefill_id
         ]
+        peers_tokens = self.peers.backlog_tokens.get(worker_id, 0)
+        peers_s = self.prefill_s(worker_id, peers_tokens, 0) if peers_tokens else 0.0
         if not left:
-            return 0.0
-        return max(max(left), 0.0) + max(-min(left), 0.0)
+            return peers_s
+        return max(max(left), 0.0) + max(-min(left), 0.0) + peers_s
 
     def tbt_at(self, decode_id: str, at_s: float, extra_kv_tokens: int) -> float:
         """Predicted decode step time on D `at_s` seconds from now, with one more
@@ -155,8 +169,11 @@ class WorkerModels:
         if not model.is_fitted:
             return 0.0
         now = time.monotonic()
-        batch, kv_tokens = 1, extra_kv_tokens
-        step_now = model.predict(decode_features(1 + sum(1 for r in self.inflight.values() if r.decode_id == decode_id), 0))
+        # The other replicas' decoding requests are taken to last past `at_s`.
+        batch = 1 + self.peers.decoding.get(decode_id, 0)
+        kv_tokens = extra_kv_tokens + self.peers.decoding_kv_tokens.get(decode_id, 0)
+        mine = sum(1 for r in self.inflight.values() if r.decode_id == decode_id)
+        step_now = model.predict(decode_features(batch + mine, 0))
         for request in self.inflight.values():
             if request.decode_id != decode_id:
                 continue

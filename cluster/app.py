@@ -312,4 +312,4 @@ class Scheduler:
 def build_app(args: dict):
     """Serve's application builder: `import_path: cluster.app:build_app`."""
     settings = AppSettings.model_validate(args)
-    return Scheduler.bind(settings.model_dump())
+    return Scheduler.options(num_replicas=settings.scheduler_replicas).bind(settings.model_dump())

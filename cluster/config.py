@@ -13,6 +13,7 @@ Serve boundary; cross-field checks here, frozen engine dataclasses inside).
       autoscaling: {scale_down_cooldown_s: 60, kv_usage_up: 0.8}   # see AutoscalingSettings
       limits: {max_prompt_tokens: 1536, max_new_tokens: 512}
       kv_store: {host_gib: 2, disk_path: /var/tmp/tandem-kv, shared_path: /mnt/kv}   # optional
+      scheduler_replicas: 2                   # the global scheduler's Serve replicas (default 1)
 
 A pool's `replicas` is its initial size; it autoscales between `min_replicas` and
 `max_replicas` (both default to `replicas`: a fixed pool) - see cluster/autoscaling.py.
@@ -206,6 +207,7 @@ class AppSettings(_Strict):
     timeouts: TimeoutSettings = TimeoutSettings()
     kv_store: KVStoreSection | None = None
     stream_interval: int = Field(1, ge=1)  # tokens a streamed event gathers (first and last at once)
+    scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
 

@@ -27,7 +27,7 @@ import ray
 from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
 from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
-from cluster.scaling_signals import SchedulerReport
+from cluster.scaling_signals import PeerLoad, SchedulerReport
 from cluster.workers import start_worker
 
 ROLES = ("prefill", "decode", "colocated")
@@ -152,10 +152,12 @@ class PoolManager:
         self.scaler.record(member.role, "replaced", worker_id, reason=f"dead; replaced by {replacement.worker_id}")
         return replacement
 
-    async def report(self, report: SchedulerReport) -> None:
-        """A scheduler replica's figures since its last report (each refresh)."""
+    async def report(self, report: SchedulerReport) -> PeerLoad:
+        """A scheduler replica's figures since its last report (each refresh);
+        answered with the load the other replicas put on each worker."""
         self._ensure_health_loop()
         self.scaler.on_report(report)
+        return self.scaler.signals.peer_load(report.replica_id, self.scaler.clock())
 
     async def drain(self, worker_id: str, reason: str = "requested") -> bool:
         """Stop routing new requests to this worker, let what it holds finish, then

@@ -10,7 +10,9 @@ Pool manager side: `SignalBook`. TTFT outcomes judge the prefill pool and TBT
 outcomes the decode pool, each request's figure against the SLO, over a time
 window; an early rejection counts as a miss of the figure that was predicted to
 miss. From each replica's latest report it also keeps the backlog and the requests
-in flight per worker; a replica silent for `stale_after_s` is forgotten.
+in flight per worker; a replica silent for `stale_after_s` is forgotten. Each
+report is answered with the other replicas' load (`PeerLoad`), which the replica's
+cost models add to its own (see cluster/admission.py).
 
 Definitions:
 - TTFT: from the scheduler taking the request to its first token, retries
@@ -19,8 +21,10 @@ Definitions:
 - TBT of a request: (last token time - first token time) / (tokens - 1), the mean,
   as the benchmarks judge it (`benchmarks/serving_metrics.py`); a request with
   fewer than two tokens has none.
-- Backlog of a prefill worker: the prompt tokens of the requests admitted to it
-  whose first token has not come yet (queued or in prefill).
+- Backlog of a prefill (or colocated) worker: the prompt tokens of the requests
+  admitted to it whose first token has not come yet (queued or in prefill).
+- Decoding on a decode (or colocated) worker: the requests past their first token,
+  and their KV tokens (prompt plus generated).
 - Blocks awaiting KV on a decode worker: what it reserved in the handshake for
   requests still in prefill (prompt plus one token, in whole blocks). The decode
   policy subtracts them from the blocks in use: they measure the prefill backlog,
@@ -38,13 +42,26 @@ FIGURES = ("ttft", "tbt")
 
 
 @dataclass(frozen=True)
+class PeerLoad:
+    """The load the other scheduler replicas put on each worker, from their latest
+    reports (at most a refresh interval old). Empty with one replica."""
+
+    backlog_tokens: dict[str, int] = field(default_factory=dict)
+    decoding: dict[str, int] = field(default_factory=dict)
+    decoding_kv_tokens: dict[str, int] = field(default_factory=dict)
+    inflight: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SchedulerReport:
     replica_id: str
     ttft_s: tuple[float, ...] = ()  # math.inf: failed before its first token
     tbt_s: tuple[float, ...] = ()
     num_rejected_ttft: int = 0  # early rejections whose predicted TTFT missed the SLO
     num_rejected_tbt: int = 0
-    backlog_tokens: dict[str, int] = field(default_factory=dict)  # prefill worker -> tokens
+    backlog_tokens: dict[str, int] = field(default_factory=dict)  # prefill (or colocated) worker -> tokens
+    decoding: dict[str, int] = field(default_factory=dict)  # decode (or colocated) worker -> requests
+    decoding_kv_tokens: dict[str, int] = field(default_factory=dict)  # decode (or colocated) worker -> KV tokens
     inflight: dict[str, int] = field(default_factory=dict)  # worker -> requests in flight there now
     routed: dict[str, int] = field(default_factory=dict)  # worker -> requests sent there since the last report
     awaiting_kv_blocks: dict[str, int] = field(default_factory=dict)  # decode worker -> blocks reserved for prefills
@@ -111,21 +128,30 @@ class OutcomeRecorder:
         backlog: dict[str, int] = {}
         counts: dict[str, int] = {}
         awaiting: dict[str, int] = {}
+        decoding: dict[str, int] = {}
+        decoding_kv: dict[str, int] = {}
         for request in inflight:
-            if request.in_prefill and request.prefill_id is not None:
-                backlog[request.prefill_id] = backlog.get(request.prefill_id, 0) + request.num_prompt_tokens
-                blocks = -(-(request.num_prompt_tokens + 1) // block_size)
-                awaiting[request.decode_id] = awaiting.get(request.decode_id, 0) + blocks
+            if request.in_prefill:
+                _add(backlog, request.prefill_id or request.decode_id, request.num_prompt_tokens)
+                if request.prefill_id is not None:
+                    _add(awaiting, request.decode_id, -(-(request.num_prompt_tokens + 1) // block_size))
+            else:
+                _add(decoding, request.decode_id, 1)
+                _add(decoding_kv, request.decode_id, request.num_prompt_tokens + request.num_generated)
             for worker_id in {request.prefill_id if request.in_prefill else None, request.decode_id} - {None}:
-                counts[worker_id] = counts.get(worker_id, 0) + 1
+                _add(counts, worker_id, 1)
         report = SchedulerReport(
             self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
             num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
-            backlog_tokens=backlog, inflight=counts, routed=dict(self._routed), draining=frozenset(draining),
-            awaiting_kv_blocks=awaiting)
+            backlog_tokens=backlog, decoding=decoding, decoding_kv_tokens=decoding_kv, inflight=counts,
+            routed=dict(self._routed), draining=frozenset(draining), awaiting_kv_blocks=awaiting)
         self._ttft, self._tbt, self._routed = [], [], {}
         self._rejected = {"ttft": 0, "tbt": 0}
         return report
+
+
+def _add(counter: dict[str, int], key: str, value: int) -> None:
+    counter[key] = counter.get(key, 0) + value
 
 
 @dataclass
@@ -183,6 +209,22 @@ class SignalBook:
     def inflight(self, worker_id: str, now_s: float) -> int:
         self._prune(now_s)
         return sum(rep.report.inflight.get(worker_id, 0) for rep in self._replicas.values())
+
+    def peer_load(self, replica_id: str, now_s: float, fresh_s: float = 5.0) -> PeerLoad:
+        """The load of every replica but `replica_id` that reported within `fresh_s`
+        (a replica that stopped reporting, e.g. one Serve replaced, stops counting
+        long before it is forgotten)."""
+        self._prune(now_s)
+        load = PeerLoad()
+        for other_id, rep in self._replicas.items():
+            if other_id == replica_id or now_s - rep.last_s > fresh_s:
+                continue
+            for total, part in ((load.backlog_tokens, rep.report.backlog_tokens), (load.decoding, rep.report.decoding),
+                                (load.decoding_kv_tokens, rep.report.decoding_kv_tokens),
+                                (load.inflight, rep.report.inflight)):
+                for worker_id, value in part.items():
+                    _add(total, worker_id, value)
+        return load
 
     def released(self, worker_id: str, now_s: float) -> bool:
         """True when every live replica reports the worker as draining (so routes

@@ -1,11 +1,15 @@
 """The global scheduler's core, free of HTTP: validate and tokenize, admit or reject
 early, pair P with D, run the request, retry once before the first token.
 
-One instance per Serve replica. Worker membership comes from the pool manager; load
-figures from the workers' stats (polled) and from this scheduler's own bookkeeping
-of what it admitted (`WorkerModels.inflight`). Draining members get no new requests.
+One instance per Serve replica (`scheduler_replicas`). Worker membership comes from
+the pool manager; load figures from the workers' stats (polled), from this
+scheduler's own bookkeeping of what it admitted (`WorkerModels.inflight`) and from
+the other replicas' (`WorkerModels.peers`). Draining members get no new requests.
 Each refresh sends the pool manager a report for its autoscaler
-(cluster/scaling_signals.py): SLO outcomes, backlog and requests in flight.
+(cluster/scaling_signals.py): SLO outcomes, backlog and requests in flight; the
+answer is the other replicas' load. Each replica reads every worker's prefix-cache
+events from a cursor of its own (actors/event_log.py), so all of them route by the
+whole cache.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import uuid
 import ray
 
 from actors.block_pool import block_hashes
+from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied
 from actors.sampling_params import SamplingParams
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
@@ -29,7 +34,7 @@ from cluster.cost_model import decode_features, prefill_features
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy, match_any
-from cluster.scaling_signals import OutcomeRecorder
+from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
 from cluster.token_feeds import TokenFeeds, colocated_events
 
@@ -55,6 +60,7 @@ class GlobalScheduler:
         self.members: dict[str, object] = {}  # worker_id -> Member
         self.stats: dict[str, object] = {}  # worker_id -> WorkerStats
         self.prefix: dict[str, PrefixIndex] = {}
+        self.cache_cursors: dict[str, Cursor] = {}  # worker_id -> where this replica read its cache events to
         self.store_index = StoreIndex(kv_seed, settings.kv_store.store_settings()) if settings.kv_store else None
         self.profiled: set[str] = set()
         self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
@@ -81,12 +87,14 @@ class GlobalScheduler:
                                  worker=member.worker_id, role=member.role)
                 self.metrics.set("queue_depth", "requests waiting or running per worker",
                                  stats.num_waiting + stats.num_running, worker=member.worker_id, role=member.role)
-        events = await asyncio.gather(
-            *(m.handle.cache_events.remote() for m in members if m.worker_id in self.prefix), return_exceptions=True
+        indexed = [m for m in members if m.worker_id in self.prefix]
+        batches = await asyncio.gather(
+            *(m.handle.cache_events.remote(self.cache_cursors.get(m.worker_id)) for m in indexed),
+            return_exceptions=True,
         )
-        for member, batch in zip([m for m in members if m.worker_id in self.prefix], events):
+        for member, batch in zip(indexed, batches):
             if not isinstance(batch, BaseException):
-                self.prefix[member.worker_id].apply(batch)
+                self._apply_cache_events(member.worker_id, batch)
         if self.store_index is not None:
             await self.store_index.refresh({s.node_id for s in self.stats.values() if s.node_id})
         await self._profile_new(members)
@@ -96,10 +104,20 @@ class GlobalScheduler:
         draining = [m.worker_id for m in members if m.draining]
         try:
             report = self.outcomes.report(list(self.models.inflight.values()), draining, self.block_size)
-            await self.pool.report.remote(report)
+            peers = await self.pool.report.remote(report)
+            self.models.peers = peers if isinstance(peers, PeerLoad) else PeerLoad()
         except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on
             # AttributeError: a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
+
+    def _apply_cache_events(self, worker_id: str, batch: CacheEvents) -> None:
+        """A worker's prefix-cache events since this replica's cursor, or a snapshot
+        of its cache (a first read, or one that fell behind its log): then the
+        index starts again from it."""
+        if batch.reset:
+            self.prefix[worker_id] = PrefixIndex(self.prefix[worker_id].capacity)
+        self.prefix[worker_id].apply(batch.events)
+        self.cache_cursors[worker_id] = batch.cursor
 
     def replace_pool(self, pool) -> None:
         """A new pool manager replaced a dead one: its workers are new processes
@@ -115,6 +133,7 @@ class GlobalScheduler:
         """Drop everything learned about one worker."""
         self.stats.pop(worker_id, None)
         self.prefix.pop(worker_id, None)
+        self.cache_cursors.pop(worker_id, None)
         self.profiled.discard(worker_id)
         self.num_routed.pop(worker_id, None)
         self.models.forget(worker_id)
@@ -189,7 +208,7 @@ class GlobalScheduler:
         """`plan` with the prompt's block hashes already computed (once per request)."""
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
         needed_blocks = -(-(len(prompt_ids) + 1) // self.block_size)
-        inflight: dict[str, int] = {}
+        inflight = dict(self.models.peers.inflight)  # the other scheduler replicas' requests, then ours
         for request in self.models.inflight.values():
             for worker_id in {request.prefill_id, request.decode_id} - {None}:
                 inflight[worker_id] = inflight.get(worker_id, 0) + 1

@@ -9,6 +9,7 @@ import pytest
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
 from cluster.cost_model import LinearCostModel, decode_features, prefill_features
 from cluster.router import CacheAware, LeastLoad, PrefixIndex, RoundRobin, make_policy
+from cluster.scaling_signals import PeerLoad
 
 
 def test_cost_model_recovers_a_linear_law():
@@ -203,6 +204,31 @@ def test_a_decode_worker_too_busy_for_the_tbt_slo_rejects():
             f"r{index}", "p0", "d0", 10, 1000, 0.0, first_token_s=time.monotonic())
     with pytest.raises(SloRejected, match="predicted TBT"):
         scheduler.plan(list(range(32)))
+
+
+def test_other_replicas_load_counts_in_the_predictions_and_the_routing():
+    """Another scheduler replica's prefills queue on p0 and its decodes batch on d0:
+    a prediction adds them to this replica's own, and the tie-break counts them."""
+    alone = _scheduler(ttft_ms=10_000, tbt_ms=1000, decodes=("d0", "d1"))
+    shared = _scheduler(ttft_ms=10_000, tbt_ms=1000, decodes=("d0", "d1"))
+    for scheduler in (alone, shared):
+        for batch in (1, 4, 16):  # d1 as fast as d0
+            scheduler.models.decode_model("d1").observe(decode_features(batch, 0), 0.01 * batch)
+    shared.models.peers = PeerLoad(backlog_tokens={"p0": 2000}, decoding={"d0": 9}, decoding_kv_tokens={"d0": 900},
+                                   inflight={"p0": 3, "d0": 12})
+    prompt = list(range(300))
+    assert alone.models.queued_prefill_s("p0") == 0.0
+    assert shared.models.queued_prefill_s("p0") == pytest.approx(2.0, abs=0.1)  # 2000 tokens at 1 ms a token
+    assert shared.models.decode_load("d0") == (9, 900)
+    assert shared.models.tbt_at("d0", 0.0, 300) == pytest.approx(0.1, abs=0.01)  # batch 10
+    assert alone.models.tbt_at("d0", 0.0, 300) == pytest.approx(0.01, abs=0.01)
+    assert alone.plan(prompt).decode_id == "d0"  # idle equals: the first
+    assert shared.plan(prompt).decode_id == "d1"  # d0 is busy with the other replica's requests
+    assert shared.plan(prompt).ttft_s == pytest.approx(alone.plan(prompt).ttft_s + 2.0, abs=0.1)
+    with pytest.raises(SloRejected, match="predicted TTFT"):
+        strict = _scheduler(ttft_ms=1000)
+        strict.models.peers = shared.models.peers
+        strict.plan(prompt)
 
 
 def test_a_request_past_its_deadline_ends_with_an_error_and_is_closed():

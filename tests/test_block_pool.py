@@ -108,18 +108,39 @@ def test_randomized_workload_keeps_accounting():
     assert pool.num_used == 0
 
 
-def test_cache_events_report_stores_and_evictions():
+def test_cache_events_report_stores_and_evictions_to_every_reader():
     pool = BlockPool(2, 2)
     tokens = [1, 2, 3, 4]
     hashes = block_hashes(tokens, 2)
+    first = pool.events_since(None)  # a new reader: a snapshot of an empty cache
+    assert first.reset and first.events == []
     table = pool.allocate(2)
     pool.register(table[0], hashes[0], tokens[:2])
     pool.register(table[1], hashes[1], tokens[2:])
-    assert pool.drain_events() == [(True, hashes[0]), (True, hashes[1])]
-    assert pool.drain_events() == []
+    a = pool.events_since(first.cursor)
+    assert not a.reset and a.events == [(True, hashes[0]), (True, hashes[1])]
+    assert pool.events_since(a.cursor).events == []
+    late = pool.events_since(None)  # a reader that starts now gets what the cache holds
+    assert late.reset and sorted(late.events) == sorted([(True, h) for h in hashes])
     pool.release(table)
     pool.allocate(1)  # evicts the tail block first
-    assert pool.drain_events() == [(False, hashes[1])]
+    for cursor in (a.cursor, late.cursor):  # each reader, at its own pace
+        assert pool.events_since(cursor) == ((a.cursor[0], a.cursor[1] + 1), False, [(False, hashes[1])])
+    assert pool.events_since(first.cursor).events == [(True, hashes[0]), (True, hashes[1]), (False, hashes[1])]
+
+
+def test_a_reader_that_falls_behind_the_log_or_comes_from_another_pool_gets_a_snapshot():
+    pool = BlockPool(1, 2)  # the log keeps 8 events a block
+    cursor = pool.events_since(None).cursor
+    for round_ in range(6):  # 12 events: a register and an eviction a round
+        tokens = [round_, round_]
+        (block,) = pool.allocate(1)
+        pool.register(block, block_hashes(tokens, 2)[0], tokens)
+        pool.release([block])
+    behind = pool.events_since(cursor)
+    assert behind.reset and behind.events == [(True, block_hashes([5, 5], 2)[0])]
+    assert not pool.events_since(behind.cursor).reset
+    assert pool.events_since(BlockPool(1, 2).events_since(None).cursor).reset  # another pool's cursor
 
 
 def test_kv_namespace_depends_on_what_makes_kv_compatible(tmp_path):

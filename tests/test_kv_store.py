@@ -164,10 +164,16 @@ def test_settings_are_checked():
 def test_events_say_which_tier_holds_what(tmp_path):
     store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=4 * BLOCK_BYTES, disk_path=str(tmp_path),
                                                high_watermark=0.9, low_watermark=0.5))
+    start = {tier: batch.cursor for tier, batch in store.events_since().items()}
     blocks = make_blocks(4)
     store.save(blocks)  # the 4th put evicts blocks 0 and 1 down to disk
-    events = store.drain_events()
+    events = {tier: batch.events for tier, batch in store.events_since(start).items()}
     host_now = {k for stored, k in events["host"] if stored} - {k for stored, k in events["host"] if not stored}
     assert host_now == {b.key for b in blocks[2:]}
     assert [k for stored, k in events["disk"] if stored] == [b.key for b in blocks[:2]]
-    assert store.drain_events() == {"host": [], "disk": []}
+    cursors = {tier: batch.cursor for tier, batch in store.events_since(start).items()}
+    assert {tier: batch.events for tier, batch in store.events_since(cursors).items()} == {"host": [], "disk": []}
+    snapshot = store.events_since()  # a reader that starts now: what each tier holds
+    assert all(batch.reset for batch in snapshot.values())
+    assert {k for _, k in snapshot["host"].events} == host_now
+    assert {k for _, k in snapshot["disk"].events} == {b.key for b in blocks[:2]}

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from cluster.admission import InFlight
-from cluster.scaling_signals import OutcomeRecorder, SchedulerReport, SignalBook
+from cluster.scaling_signals import OutcomeRecorder, PeerLoad, SchedulerReport, SignalBook
 
 
 def test_a_request_gives_its_ttft_and_mean_tbt():
@@ -89,3 +89,25 @@ def test_a_worker_is_released_once_every_replica_knows_it_drains_and_has_nothing
     assert not book.released("d1", 2.5)
     book.add(SchedulerReport("r2", draining=frozenset({"d1"})), 3.0)
     assert book.released("d1", 3.5)
+
+
+def test_report_counts_what_decodes_and_colocated_prefills():
+    inflight = [InFlight("a", None, "c0", 100, 10, 0.1), InFlight("b", None, "c0", 40, 10, 0.1, first_token_s=1.0,
+                                                                   num_generated=5),
+                InFlight("c", "p0", "d0", 30, 10, 0.1, first_token_s=1.0, num_generated=2)]
+    report = OutcomeRecorder("r1").report(inflight, block_size=16)
+    assert report.backlog_tokens == {"c0": 100} and report.awaiting_kv_blocks == {}
+    assert report.decoding == {"c0": 1, "d0": 1} and report.decoding_kv_tokens == {"c0": 45, "d0": 32}
+
+
+def test_each_replica_is_told_the_others_fresh_load():
+    book = _book()
+    book.add(SchedulerReport("r1", backlog_tokens={"p0": 100}, decoding={"d0": 2}, decoding_kv_tokens={"d0": 300},
+                             inflight={"p0": 1, "d0": 2}), 0.0)
+    book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, decoding={"d0": 1}, decoding_kv_tokens={"d0": 50},
+                             inflight={"d0": 1}), 3.0)
+    book.add(SchedulerReport("r3"), 4.0)
+    assert book.peer_load("r3", 4.0) == PeerLoad({"p0": 110}, {"d0": 3}, {"d0": 350}, {"p0": 1, "d0": 3})
+    assert book.peer_load("r1", 4.0) == PeerLoad({"p0": 10}, {"d0": 1}, {"d0": 50}, {"d0": 1})
+    assert book.peer_load("r3", 6.0) == PeerLoad({"p0": 10}, {"d0": 1}, {"d0": 50}, {"d0": 1})  # r1 not fresh
+    assert book.peer_load("only", 4.0, fresh_s=0.5) == PeerLoad()

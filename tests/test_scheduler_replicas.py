@@ -1,0 +1,80 @@
+"""Several global scheduler replicas over one pool (Serve `num_replicas`, the
+`scheduler_replicas` setting): each routes by the whole of every worker's prefix
+cache, a replica that starts late included, and each counts the others' load.
+Two schedulers in this process stand for two replicas (tests/scheduler_driver.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import ray
+
+from actors.sampling_params import SamplingParams
+from cluster.config import AppSettings
+from cluster.pool_manager import get_or_create_pool
+from tests.scheduler_driver import build_scheduler, complete, refreshing, wait_ready
+
+SETTINGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "mode": "colocated",
+    "colocated": {"replicas": 1},
+    "engine": {"block_size": 16, "prefill_chunk_size": 128, "max_num_batched_tokens": 256, "num_kv_blocks": 256},
+    "slo": {"early_rejection": False},
+    "pool_name": "test-pool-scheduler-replicas",
+}
+SHORT = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=1500, temperature=0, ignore_eos=True)
+
+
+async def _until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s} s")
+        await asyncio.sleep(0.1)
+
+
+def _cached(scheduler, prompt: list[int]) -> int:
+    choice = scheduler.plan(prompt)
+    return len(prompt) - choice.uncached_tokens
+
+
+async def _scenario(pool, settings):
+    first_prompt, second_prompt = list(range(3, 99)), list(range(500, 596))  # 96 tokens: 5 blocks can hit
+    a = build_scheduler(settings, pool)
+    async with refreshing(a, interval_s=0.3):
+        await wait_ready(a, timeout_s=180)
+        assert (await complete(a, first_prompt, SHORT))[1] is None
+        await _until(lambda: _cached(a, first_prompt) == 80, 10, "A routes by the prefix it sent")
+        b = build_scheduler(settings, pool)  # starts after A has read the cache events
+        async with refreshing(b, interval_s=0.3):
+            await wait_ready(b, timeout_s=120)
+            await _until(lambda: _cached(b, first_prompt) == 80, 10, "B sees a prefix cached before it started")
+            assert (await complete(b, second_prompt, SHORT))[1] is None
+            await _until(lambda: _cached(a, second_prompt) == 80 and _cached(b, second_prompt) == 80, 10,
+                         "both see the second prefix")
+
+            (worker,) = a.members
+            long_request = asyncio.ensure_future(complete(a, list(range(1000, 1040)), LONG))
+            await _until(lambda: b.models.peers.decoding.get(worker) == 1, 30, "B sees A's decoding request")
+            batch, kv_tokens = b.models.decode_load(worker)
+            inflight_b = len(b.models.inflight)
+            long_request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await long_request
+            await _until(lambda: not b.models.peers.decoding, 10, "B sees A's request end")
+    return dict(batch=batch, kv_tokens=kv_tokens, inflight_b=inflight_b)
+
+
+def test_replicas_share_the_cache_view_and_count_each_others_load(ray_local, tiny_qwen2_dir):
+    settings = AppSettings.model_validate(SETTINGS)
+    pool = get_or_create_pool(settings)
+    try:
+        r = asyncio.run(_scenario(pool, settings))
+    finally:
+        ray.get(pool.shutdown.remote())
+        ray.kill(pool)
+    assert r["inflight_b"] == 0  # the request is A's, and B counts it all the same
+    assert r["batch"] == 1 and r["kv_tokens"] > 40
