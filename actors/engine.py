@@ -23,6 +23,8 @@ steps with a fixed batch, where it pays, and the rest of the engine is unchanged
   next step with their token from the host; arrivals that need a prefill, and a
   short pool, end the run: N is read before anything is scheduled again
   (`schedule()` never runs with a step in flight);
+- a step with a penalised row (kernels/penalties.py: its logits depend on the
+  tokens before) is read before the next is launched;
 - a request's draws follow from its seed and the index of the token being
   sampled (`kernels.sampling.uniform_draws`), never from the order of the calls,
   so outputs are identical either way (the CPU tests hold them to it).
@@ -333,7 +335,7 @@ class Engine:
         Requests that `step` ends by length are left out; running requests that
         were not in it and have one token pending (a decode worker's activations)
         join, their input token from the host."""
-        if not step.decodes_only or self.scheduler.waiting:
+        if not step.decodes_only or self.scheduler.waiting or step.launched.penalised:
             return None
         in_step = {id(c.request) for c in step.chunks}
         joining = [r for r in self.scheduler.running if id(r) not in in_step]

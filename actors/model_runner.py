@@ -41,6 +41,7 @@ from kernels.attention import select_decode_attention, select_prefill_attention
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
+from kernels.penalties import TokenCounts, apply_penalties
 from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, sample, uniform_draws
 
@@ -251,13 +252,34 @@ class ModelRunner:
         temperatures = [p.temperature for p in params]
         draws = (uniform_draws([r.seed for r in step.requests], token_indexes) if any(t > 0 for t in temperatures)
                  else [0.0] * len(params))  # greedy rows read no draw
-        step.token_ids = sample(logits, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws)
+        penalised = [row for row, p in enumerate(params) if p.has_penalties]
+        step.penalised = bool(penalised)
+        scores = logits if not penalised else apply_penalties(
+            logits, penalised,
+            [_token_counts(step.requests[row], token_indexes[row]) for row in penalised],
+            [params[row].repetition_penalty for row in penalised],
+            [params[row].frequency_penalty for row in penalised],
+            [params[row].presence_penalty for row in penalised])
+        step.token_ids = sample(scores, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws)
         num_top = max((p.logprobs or 0) for p in params)
         outputs = [step.token_ids]
         if any(p.logprobs is not None for p in params):
             chosen, top_ids, top_lps = logprobs_of(logits, step.token_ids, num_top)
             outputs += [chosen] + ([top_ids, top_lps] if num_top else [])
         step.host = [to_host(t) for t in outputs]
+
+
+def _token_counts(request: Request, num_output: int) -> TokenCounts:
+    """The request's token counts over its prompt and its first `num_output` output
+    tokens (those before the one being sampled), brought up to date from the
+    last step's."""
+    counts = request.token_counts
+    if counts is None or counts.num_output > num_output:  # a first step, or fewer tokens than counted
+        counts = request.token_counts = TokenCounts(
+            request.prompt_token_ids if request.params.repetition_penalty != 1 else ())
+    for token in request.output_token_ids[counts.num_output : num_output]:
+        counts.add_output(token)
+    return counts
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -280,6 +302,7 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [rows] int64, on the device
     host: list[torch.Tensor] = field(default_factory=list)  # token ids[, chosen logprobs[, top ids, top logprobs]]
     ready: torch.cuda.Event | None = None  # recorded after the copies to `host` (CUDA)
+    penalised: bool = False  # a row's penalties count the tokens before it: the next step needs them on the host
 
     def tokens(self) -> list[tuple[Request, SampledToken]]:
         """(request, sampled token) a row; waits for the device (as lists: one copy

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from actors.detokenizer import IncrementalDetokenizer, text_between
 from actors.sampling_params import SamplingParams
 from actors.stop_strings import StopStrings
+from kernels.penalties import TokenCounts
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +62,7 @@ class Request:
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker
+    token_counts: TokenCounts | None = None  # its penalties' view of its tokens (kernels/penalties.py), if any
     # Blocks imported from the KV store for this prompt, held (one reference each)
     # until the scheduler admits the request and takes its own references.
     pinned_block_ids: list[int] = field(default_factory=list)

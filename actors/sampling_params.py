@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class InvalidRequestError(ValueError):
@@ -21,6 +21,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the token's and n best
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0  # 1.0: off; see kernels/penalties.py
+    frequency_penalty: float = 0.0  # 0: off
+    presence_penalty: float = 0.0  # 0: off
+    has_penalties: bool = field(init=False, repr=False, compare=False, default=False)  # set from the three
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +45,15 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10] (1 disables it), "
+                                      f"got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)!r}")
+        # A plain field, read for every row of every step.
+        object.__setattr__(self, "has_penalties", (self.repetition_penalty != 1 or self.frequency_penalty != 0
+                                                   or self.presence_penalty != 0))
 
     @property
     def is_greedy(self) -> bool:

@@ -2,13 +2,14 @@
 
 Each body turns into (prompt, SamplingParams) through `sampling_params()`; range
 checks live in `SamplingParams` (one place), shape checks here. Anything the server
-does not support (n > 1, echo, best_of) is refused with a clear 400 rather than
-silently ignored.
+does not support (n > 1, echo, best_of, and the fields other servers take that
+change what is generated: constrained output, tools, logit_bias, ...) is refused
+with a clear 400 rather than silently ignored. Other unknown fields are ignored.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -37,9 +38,27 @@ def _stop_tuple(stop) -> tuple[str, ...]:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # Fields SGLang, vLLM or OpenAI take that change what is generated, which Tandem
+    # does not implement: a request that sets one (to anything but the values that
+    # mean "off") is refused instead of being served as if it had not.
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, off in cls.UNSUPPORTED.items():
+                if name in data and data[name] not in off:
+                    raise ValueError(f"{name} is not supported")
+        return data
 
 
 class SglangSamplingParams(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
+        "min_new_tokens": (None, 0), "n": (None, 1), "logit_bias": (None, {}),
+    }
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -50,6 +69,9 @@ class SglangSamplingParams(_Body):
     skip_special_tokens: bool = True
     seed: int | None = None  # the sampling seed (SGLang: sampling_seed)
     sampling_seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 class GenerateBody(_Body):
@@ -65,6 +87,9 @@ class GenerateBody(_Body):
     top_k: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
@@ -84,6 +109,8 @@ class GenerateBody(_Body):
         top_level = {
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "stop": self.stop, "seed": self.seed,
+            "repetition_penalty": self.repetition_penalty, "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
         }
         merged = base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
         return SamplingParams(
@@ -97,10 +124,20 @@ class GenerateBody(_Body):
             skip_special_tokens=merged.skip_special_tokens,
             seed=merged.seed if merged.seed is not None else merged.sampling_seed,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
+            repetition_penalty=merged.repetition_penalty,
+            frequency_penalty=merged.frequency_penalty,
+            presence_penalty=merged.presence_penalty,
         )
 
 
 class _OpenAIBody(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+        "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+        "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+        "min_tokens": (None, 0),
+    }
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -112,6 +149,9 @@ class _OpenAIBody(_Body):
     seed: int | None = None
     top_k: int = Field(0, ge=0)  # extension (vLLM-style)
     ignore_eos: bool = False  # extension
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (vLLM-style)
     user: str | None = None
 
     @model_validator(mode="after")
@@ -134,10 +174,15 @@ class _OpenAIBody(_Body):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
         )
 
 
 class CompletionBody(_OpenAIBody):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, "")}
+
     prompt: str | list[int]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

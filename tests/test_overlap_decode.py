@@ -1,7 +1,7 @@
 """Overlapped decode (actors/engine.py) changes when the host reads a step's tokens,
 never what they are. On CPU a launched step has already run, so these tests check
 the bookkeeping the GPU relies on: the same scripted traffic (arrivals mid-run, stop
-tokens and strings, seeded sampling, logprobs, aborts, a reused request id, a pool
+tokens and strings, seeded sampling, logprobs, penalties, aborts, a reused request id, a pool
 short enough to preempt) gives identical outputs with and without overlap, through
 both the eager step and the static one CUDA graphs replay; steps really are launched
 ahead; and no block leaks. (Timing needs a GPU: `benchmarks/gpu_check.py`.)"""
@@ -44,6 +44,7 @@ def _script(seed: int, stop_token: int) -> dict[int, list[tuple]]:
         add(0)
     add(0, max_new_tokens=40, stop_token_ids=[stop_token])
     add(0, max_new_tokens=40, stop=[" "])
+    add(12, max_new_tokens=20, repetition_penalty=1.4, frequency_penalty=0.5)  # overlap pauses while it runs
     for call in (12, 13, 30):
         add(call)
     script.setdefault(8, []).append(("abort", "r2"))

@@ -118,9 +118,13 @@ def test_delta_transfer_sends_only_missing_blocks(ray_local, workers):
     assert_idle(ray_local, p, d)
 
 
-def test_seeded_sampling_continues_on_decode(ray_local, workers):
+@pytest.mark.parametrize("penalties", [{}, dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.3)],
+                         ids=["plain", "penalised"])
+def test_seeded_sampling_continues_on_decode(ray_local, workers, penalties):
+    """P samples the first token, D the rest, from the seed alone; penalties count
+    the prompt on P and the prompt and output on D."""
     p, d, c = workers
-    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    request = GenerateRequest("seeded", list(range(40, 120)), params)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True, **penalties)
+    request = GenerateRequest(f"seeded-{bool(penalties)}", list(range(40, 120)), params)
     _, events = asyncio.run(disaggregated(p, d, request, "gloo"))
     assert tokens(events) == tokens(asyncio.run(colocated(c, request)))

@@ -69,6 +69,22 @@ def test_sglang_sampling_params_and_input_ids(base_url):
     assert len(response.json()["output_ids"]) == 4
 
 
+def test_penalties_over_http_equal_the_offline_engine(base_url, client):
+    llm = LLM(ensure_checkpoint("tiny", "qwen2"), **ENGINE)
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9]
+    (offline,) = llm.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, **penalties))
+    (plain,) = llm.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    assert offline.token_ids != plain.token_ids
+    response = httpx.post(f"{base_url}/generate", json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, **penalties}})
+    assert response.json()["output_ids"] == offline.token_ids
+    completion = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, max_tokens=16, temperature=0,
+                                           frequency_penalty=1.0, presence_penalty=0.5,
+                                           extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
+    assert completion.choices[0].text == offline.text
+
+
 def test_greedy_over_http_equals_the_offline_engine(base_url, client):
     llm = LLM(ensure_checkpoint("tiny", "qwen2"), **ENGINE)
     prompts = ["The quick brown fox", "Serving models on Ray", "a" * 300, "中文 and émoji 🙂"]
@@ -163,6 +179,17 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
         ("/v1/chat/completions", {"messages": "hello"}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": -2.5},
+         "presence_penalty"),
+        ("/generate", {"text": "x", "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias is not supported"),
+        ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}}, "response_format is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema is not supported"),
     ],
 )
 def test_bad_input_is_a_clear_400(base_url, path, body, message):
