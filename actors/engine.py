@@ -140,6 +140,9 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "
@@ -398,13 +401,13 @@ class Engine:
             request.first_token_s = now
         request.token_times_s.append(now)
 
-        is_stop_token = token.token_id in params.stop_token_ids or (
-            not params.ignore_eos and token.token_id in self.model_config.eos_token_ids
-        )
+        may_stop = len(request.output_token_ids) > params.min_new_tokens
+        is_stop_token = may_stop and (token.token_id in params.stop_token_ids or (
+            not params.ignore_eos and token.token_id in self.model_config.eos_token_ids))
         if is_stop_token:
             return self._finish(request, FinishReason.STOP)
         delta = request.detokenizer.add(token.token_id)
-        if request.stop_strings is not None and delta:
+        if request.stop_strings is not None and delta and may_stop:
             dropped = request.stop_strings.feed(delta)
             if dropped is not None:
                 cut = request.detokenizer.num_chars - dropped

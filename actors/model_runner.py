@@ -22,6 +22,7 @@ the bytes, so a transfer's completion signal means what it says.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,8 @@ from kernels.attention import select_decode_attention, select_prefill_attention
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
-from kernels.penalties import TokenCounts, apply_penalties
+from kernels.logit_bias import add_logit_bias_
+from kernels.penalties import TokenCounts, penalise_
 from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, sample, uniform_draws
 
@@ -252,14 +254,8 @@ class ModelRunner:
         temperatures = [p.temperature for p in params]
         draws = (uniform_draws([r.seed for r in step.requests], token_indexes) if any(t > 0 for t in temperatures)
                  else [0.0] * len(params))  # greedy rows read no draw
-        penalised = [row for row, p in enumerate(params) if p.has_penalties]
-        step.penalised = bool(penalised)
-        scores = logits if not penalised else apply_penalties(
-            logits, penalised,
-            [_token_counts(step.requests[row], token_indexes[row]) for row in penalised],
-            [params[row].repetition_penalty for row in penalised],
-            [params[row].frequency_penalty for row in penalised],
-            [params[row].presence_penalty for row in penalised])
+        processed = [row for row, p in enumerate(params) if p.processes_logits]
+        scores = self._process_logits(logits, step, processed, token_indexes) if processed else logits
         step.token_ids = sample(scores, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws)
         num_top = max((p.logprobs or 0) for p in params)
         outputs = [step.token_ids]
@@ -267,6 +263,31 @@ class ModelRunner:
             chosen, top_ids, top_lps = logprobs_of(logits, step.token_ids, num_top)
             outputs += [chosen] + ([top_ids, top_lps] if num_top else [])
         step.host = [to_host(t) for t in outputs]
+
+
+    def _process_logits(self, logits: torch.Tensor, step: LaunchedStep, rows: list[int],
+                        token_indexes: list[int]) -> torch.Tensor:
+        """A copy of `logits` with the given rows' logit bias, their stop tokens
+        banned while under `min_new_tokens` (kernels/logit_bias.py), then their
+        penalties (kernels/penalties.py). The raw logits stay for logprobs."""
+        scores = logits.clone(memory_format=torch.contiguous_format)
+        eos = self.model_config.eos_token_ids
+        biases = []
+        for row in rows:
+            params = step.requests[row].params
+            bias = list(params.logit_bias)
+            if token_indexes[row] < params.min_new_tokens:
+                stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+                bias += [(token, -math.inf) for token in sorted(stops)]
+            biases.append(bias)
+        add_logit_bias_(scores, rows, biases)
+        penalised = [row for row in rows if step.requests[row].params.has_penalties]
+        step.penalised = bool(penalised)
+        penalties = [step.requests[row].params for row in penalised]
+        penalise_(scores, penalised, [_token_counts(step.requests[row], token_indexes[row]) for row in penalised],
+                  [p.repetition_penalty for p in penalties], [p.frequency_penalty for p in penalties],
+                  [p.presence_penalty for p in penalties])
+        return scores
 
 
 def _token_counts(request: Request, num_output: int) -> TokenCounts:

@@ -204,8 +204,9 @@ class PrefillWorker(WorkerBase):
         pair = await self._pair_for(reservation, decode_handle, channel)
         job = _Job(request, reservation, pair, self.aio.create_future(), next_block=reservation.num_cached_blocks)
         self._jobs[request.request_id] = job
-        # P samples exactly one token; stop conditions are D's business.
-        params = dataclasses.replace(request.params, max_new_tokens=1, ignore_eos=True, stop=(), stop_token_ids=())
+        # P samples exactly one token; stop conditions are D's business. The stop
+        # token ids stay: min_new_tokens bans them from the first token too.
+        params = dataclasses.replace(request.params, max_new_tokens=1, stop=())
 
         try:
             held = await self.import_prefix(request.prompt_token_ids)

@@ -24,7 +24,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0: off; see kernels/penalties.py
     frequency_penalty: float = 0.0  # 0: off
     presence_penalty: float = 0.0  # 0: off
-    has_penalties: bool = field(init=False, repr=False, compare=False, default=False)  # set from the three
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's, as pairs
+    min_new_tokens: int = 0  # no EOS, stop token or stop string before this many tokens (vLLM's min_tokens)
+    # Set from the fields above; plain fields, read for every row of every step.
+    has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
+    processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,9 +55,17 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)!r}")
-        # A plain field, read for every row of every step.
-        object.__setattr__(self, "has_penalties", (self.repetition_penalty != 1 or self.frequency_penalty != 0
-                                                   or self.presence_penalty != 0))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            raise InvalidRequestError("logit_bias names a token twice")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise InvalidRequestError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        has_penalties = self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+        object.__setattr__(self, "has_penalties", has_penalties)
+        object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0)
 
     @property
     def is_greedy(self) -> bool:

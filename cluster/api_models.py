@@ -3,7 +3,7 @@
 Each body turns into (prompt, SamplingParams) through `sampling_params()`; range
 checks live in `SamplingParams` (one place), shape checks here. Anything the server
 does not support (n > 1, echo, best_of, and the fields other servers take that
-change what is generated: constrained output, tools, logit_bias, ...) is refused
+change what is generated: constrained output, tools, ...) is refused
 with a clear 400 rather than silently ignored. Other unknown fields are ignored.
 """
 
@@ -56,7 +56,7 @@ class _Body(BaseModel):
 class SglangSamplingParams(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
-        "min_new_tokens": (None, 0), "n": (None, 1), "logit_bias": (None, {}),
+        "n": (None, 1),
     }
 
     max_new_tokens: int = 128
@@ -72,6 +72,8 @@ class SglangSamplingParams(_Body):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
 
 class GenerateBody(_Body):
@@ -127,15 +129,16 @@ class GenerateBody(_Body):
             repetition_penalty=merged.repetition_penalty,
             frequency_penalty=merged.frequency_penalty,
             presence_penalty=merged.presence_penalty,
+            min_new_tokens=merged.min_new_tokens,
+            logit_bias=tuple((merged.logit_bias or {}).items()),
         )
 
 
 class _OpenAIBody(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+        "response_format": (None, {"type": "text"}), "tools": (None, []),
         "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-        "min_tokens": (None, 0),
     }
 
     model: str | None = None
@@ -152,6 +155,8 @@ class _OpenAIBody(_Body):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (vLLM-style)
+    min_tokens: int = 0  # extension (vLLM-style)
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
     user: str | None = None
 
     @model_validator(mode="after")
@@ -177,6 +182,8 @@ class _OpenAIBody(_Body):
             repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
+            min_new_tokens=self.min_tokens,
+            logit_bias=tuple((self.logit_bias or {}).items()),
         )
 
 

@@ -56,21 +56,20 @@ class TokenCounts:
         self.num_output += 1
 
 
-def apply_penalties(
+def penalise_(
     logits: torch.Tensor,
     rows: Sequence[int],
     tokens: Sequence[TokenCounts],
     repetition: Sequence[float],
     frequency: Sequence[float],
     presence: Sequence[float],
-) -> torch.Tensor:
-    """A copy of `logits` [B, V] with row `rows[i]` penalised by `tokens[i]` (its
-    prompt's tokens there only if its repetition penalty is on) and its three
-    penalties. Only the entries of tokens that appeared are touched: one gather
-    and one scatter of them, never a pass over the vocabulary."""
-    out = logits.clone(memory_format=torch.contiguous_format)  # the raw logits stay for logprobs
+) -> None:
+    """Penalise row `rows[i]` of `logits` [B, V] (contiguous; in place) by
+    `tokens[i]` (its prompt's tokens there only if its repetition penalty is on)
+    and its three penalties. Only the entries of tokens that appeared are touched:
+    one gather and one scatter of them, never a pass over the vocabulary."""
     if not rows:
-        return out
+        return
     lengths = [len(t.ids) for t in tokens]
     keys = (np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths)
             + np.concatenate([t.ids for t in tokens]))  # flat indexes into [B, V]
@@ -78,15 +77,14 @@ def apply_penalties(
     subtract = np.repeat(frequency, lengths) * counts + np.repeat(presence, lengths) * (counts > 0)
     factors = torch.from_numpy(np.stack([np.repeat(repetition, lengths), subtract])).float()
     keys, factors = to_device(torch.from_numpy(keys), logits.device), to_device(factors, logits.device)
-    flat = out.view(-1)
+    flat = logits.view(-1)
     x = flat[keys].float()
-    flat[keys] = (torch.where(x > 0, x / factors[0], x * factors[0]) - factors[1]).to(out.dtype)
-    return out
+    flat[keys] = (torch.where(x > 0, x / factors[0], x * factors[0]) - factors[1]).to(logits.dtype)
 
 
 def reference_penalties(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], repetition: float,
                         frequency: float, presence: float) -> torch.Tensor:
-    """One row [V], token by token: what `apply_penalties` must equal (tests)."""
+    """One row [V], token by token: what `penalise_` must make of it (tests)."""
     row = logits.clone().float()
     for token in set(prompt) | set(output):
         row[token] = row[token] / repetition if row[token] > 0 else row[token] * repetition

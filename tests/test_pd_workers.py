@@ -128,3 +128,16 @@ def test_seeded_sampling_continues_on_decode(ray_local, workers, penalties):
     request = GenerateRequest(f"seeded-{bool(penalties)}", list(range(40, 120)), params)
     _, events = asyncio.run(disaggregated(p, d, request, "gloo"))
     assert tokens(events) == tokens(asyncio.run(colocated(c, request)))
+
+
+def test_min_new_tokens_bans_stop_tokens_from_the_prefill_workers_token_too(ray_local, workers):
+    """A bias forces token 7 and 7 stops the request, but not before 3 tokens: P
+    samples the first of them, so it must ban 7 too."""
+    p, d, c = workers
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(7,), min_new_tokens=3,
+                            logit_bias={7: 100.0})
+    request = GenerateRequest("min-tokens", list(range(40, 90)), params)
+    _, events = asyncio.run(disaggregated(p, d, request, "gloo"))
+    got = tokens(events)
+    assert len(got) == 4 and 7 not in got[:3] and got[3] == 7 and events[-1].finish_reason == "stop"
+    assert got == tokens(asyncio.run(colocated(c, request)))

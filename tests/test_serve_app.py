@@ -85,6 +85,16 @@ def test_penalties_over_http_equal_the_offline_engine(base_url, client):
     assert completion.choices[0].text == offline.text
 
 
+def test_logit_bias_and_min_tokens_over_http(client):
+    forced = client.completions.create(model="tandem-tiny-qwen2", prompt=[5, 6, 7], max_tokens=6, temperature=0,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, temperature=0, logit_bias={"42": 100},
+                                          extra_body={"min_tokens": 6})
+    assert forced.usage.completion_tokens == 6 and chat.usage.completion_tokens == 6
+    assert forced.choices[0].text == chat.choices[0].message.content
+
+
 def test_greedy_over_http_equals_the_offline_engine(base_url, client):
     llm = LLM(ensure_checkpoint("tiny", "qwen2"), **ENGINE)
     prompts = ["The quick brown fox", "Serving models on Ray", "a" * 300, "中文 and émoji 🙂"]
@@ -183,7 +193,10 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": -2.5},
          "presence_penalty"),
         ("/generate", {"text": "x", "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias is not supported"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias values"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_new_tokens"),
         ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "response_format": {"type": "json_object"}}, "response_format is not supported"),

@@ -1,0 +1,31 @@
+"""Per-request additive logit bias, and the bans built on it.
+
+OpenAI's `logit_bias` adds a fixed number (-100 to 100) to chosen tokens' logits
+before sampling; a ban adds minus infinity, which is how `min_new_tokens` keeps a
+request's stop tokens (EOS included) out until it has that many tokens (vLLM's
+`min_tokens` does the same). A token named twice for a row (a bias on a banned
+token) gets the sum: banned either way. Applied before the penalties
+(kernels/penalties.py) and the temperature; logprobs stay those of the raw logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kernels import to_device
+
+
+def add_logit_bias_(logits: torch.Tensor, rows: Sequence[int], biases: Sequence[Sequence[tuple[int, float]]]) -> None:
+    """Add `biases[i]` ((token id, bias) pairs) to row `rows[i]` of `logits`
+    [B, V] (contiguous; in place): one scatter-add of the named entries."""
+    lengths = [len(b) for b in biases]
+    if not sum(lengths):
+        return
+    pairs = np.array([pair for bias in biases for pair in bias], dtype=np.float64)  # [n, 2]: token, bias
+    keys = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths) + pairs[:, 0].astype(np.int64)
+    keys = to_device(torch.from_numpy(keys), logits.device)
+    values = to_device(torch.from_numpy(pairs[:, 1]).to(logits.dtype), logits.device)
+    logits.view(-1).index_add_(0, keys, values)

@@ -1,0 +1,78 @@
+"""logit_bias (OpenAI's) and min_new_tokens (vLLM's min_tokens): the scatter-add
+kernel against plain indexing, and what the engine does with them (a token forced
+or banned, stop tokens and strings held off until the minimum), also through P/D."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from actors.config import EngineConfig
+from actors.engine import Engine
+from actors.sampling_params import InvalidRequestError, SamplingParams
+from kernels.logit_bias import add_logit_bias_
+
+GREEDY = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_bias_adds_to_the_named_entries_and_a_repeated_token_gets_the_sum():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    want = logits.clone()
+    want[1, 3] += 5.0
+    want[1, 7] -= 2.5
+    want[3, 0] = -math.inf
+    out = logits.clone()
+    add_logit_bias_(out, [1, 2, 3], [[(3, 5.0), (7, -2.5)], [], [(0, 100.0), (0, -math.inf)]])
+    assert torch.equal(out, want)
+
+
+def test_bad_bias_and_minimum_are_refused(tiny_qwen2_dir):
+    with pytest.raises(InvalidRequestError, match="logit_bias values"):
+        SamplingParams(logit_bias={5: 101})
+    with pytest.raises(InvalidRequestError, match="min_new_tokens"):
+        SamplingParams(min_new_tokens=-1)
+    engine = Engine(tiny_qwen2_dir, EngineConfig(num_kv_blocks=32))
+    with pytest.raises(InvalidRequestError, match="logit_bias token id 99999"):
+        engine.add_request([1, 2, 3], SamplingParams(logit_bias={99999: 1.0}))
+
+
+def _greedy(engine: Engine, prompt: list[int], **params) -> tuple[list[int], str, str]:
+    request_id = engine.add_request(prompt, SamplingParams(**{**GREEDY, **params}))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                result = (out.token_ids, out.text, out.finish_reason.value)
+    return result
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_bias_forces_or_bans_a_token(tiny_qwen2_dir, overlap):
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, overlap_decode=overlap))
+    prompt = [11, 12, 13, 14]
+    plain, _, _ = _greedy(engine, prompt)
+    forced, _, _ = _greedy(engine, prompt, logit_bias={42: 100.0})
+    assert forced == [42] * len(plain)
+    banned, _, _ = _greedy(engine, prompt, logit_bias={t: -100.0 for t in set(plain)})
+    assert not set(banned) & set(plain)
+    engine.pool.check()
+
+
+def test_stop_tokens_and_strings_wait_for_min_new_tokens(tiny_qwen2_dir):
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16))
+    prompt = [21, 22, 23]
+    plain, plain_text, _ = _greedy(engine, prompt, max_new_tokens=30)
+    stop_token = plain[2]
+    early, _, reason = _greedy(engine, prompt, max_new_tokens=30, stop_token_ids=[stop_token])
+    assert reason == "stop" and len(early) == plain.index(stop_token) + 1
+    held, _, _ = _greedy(engine, prompt, max_new_tokens=30, stop_token_ids=[stop_token], min_new_tokens=8)
+    assert len(held) > 8 and stop_token not in held[:8]  # banned until 8 tokens are out
+    assert held[-1] == stop_token or len(held) == 30
+    # A stop string found in the first tokens' text does not end the request either.
+    stop_string = plain_text[:3]
+    cut, text, reason = _greedy(engine, prompt, max_new_tokens=30, stop=[stop_string])
+    assert reason == "stop" and len(cut) < 30
+    kept, kept_text, _ = _greedy(engine, prompt, max_new_tokens=30, stop=[stop_string], min_new_tokens=10)
+    assert len(kept) >= 10 and kept[:10] == plain[:10]
+    engine.pool.check()
