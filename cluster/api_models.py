@@ -2,13 +2,14 @@
 
 Each body turns into (prompt, SamplingParams) through `sampling_params()`; range
 checks live in `SamplingParams` (one place), shape checks here. Anything the server
-does not support (n > 1, echo, best_of, and the fields other servers take that
-change what is generated: constrained output, tools, ...) is refused
+does not support (echo, best_of, n > 1 on /generate, and the fields other servers
+take that change what is generated: constrained output, tools, ...) is refused
 with a clear 400 rather than silently ignored. Other unknown fields are ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -134,6 +135,18 @@ class GenerateBody(_Body):
         )
 
 
+MAX_CHOICES = 16  # OpenAI's `n`, at most
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One request's params per choice: a seeded request's choices draw from seed,
+    seed + 1, ... (reproducible and different); unseeded ones each from their own."""
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**63)
+            for i in range(n)]
+
+
 class _OpenAIBody(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "response_format": (None, {"type": "text"}), "tools": (None, []),
@@ -145,7 +158,7 @@ class _OpenAIBody(_Body):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
@@ -158,12 +171,6 @@ class _OpenAIBody(_Body):
     min_tokens: int = 0  # extension (vLLM-style)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
     user: str | None = None
-
-    @model_validator(mode="after")
-    def _supported(self):
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        return self
 
     @property
     def include_usage(self) -> bool:

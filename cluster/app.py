@@ -12,6 +12,7 @@ oversized body, 429 with Retry-After for an early SLO rejection, 503 while not r
 
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -29,7 +30,7 @@ from actors.engine import load_tokenizer
 from actors.sampling_params import InvalidRequestError
 from cluster import openai_format as fmt
 from cluster.admission import SloRejected
-from cluster.api_models import ApiError, ChatBody, CompletionBody, GenerateBody
+from cluster.api_models import choice_params, ApiError, ChatBody, CompletionBody, GenerateBody
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.service import GlobalScheduler
@@ -124,6 +125,8 @@ class RequestGuard:
 app.add_middleware(RequestGuard)
 
 
+# Module-level helpers the deployment calls come before it: Serve pickles the class
+# as it is decorated, so a function defined below it is missing in the replica.
 async def _prepend(first, rest):
     yield first
     async for event in rest:
@@ -143,6 +146,42 @@ async def _collect(events):
         if event.finished:
             reason = event.finish_reason
     return text, ids, reason, cached, logprobs
+
+
+async def _merged(streams):
+    """(index, event) from several event streams as each arrives; closing this
+    closes them all (their requests are aborted)."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, stream):
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+        except Exception as exc:  # handed to the reader
+            await queue.put((index, exc))
+        else:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
+            if event is None:
+                open_streams -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
@@ -238,6 +277,11 @@ class Scheduler:
 
     # ---- helpers ------------------------------------------------------------------------
     async def _openai(self, body, prompt, chat: bool):
+        """One request per choice (`n`). The first is admitted and prefilled alone;
+        the others start once it has its first token, when its prompt's KV is in its
+        workers' prefix caches, so they prefill only what the cache lacks (vLLM and
+        SGLang prefill once and fork instead). All are admitted before any response
+        starts."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} not found; this server serves {self.model_name!r}",
                            kind="model_not_found")
@@ -245,14 +289,24 @@ class Scheduler:
         await self._require_ready()
         prompt_ids = self.service.prepare(prompt, params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        events = await self._start(prompt_ids, params, request_id)
+        per_choice = choice_params(params, body.n)
+        streams = [await self._start(prompt_ids, per_choice[0], request_id)]
+        if body.n > 1:
+            rest = await asyncio.gather(*(self._start(prompt_ids, p, f"{request_id}-{i}")
+                                          for i, p in enumerate(per_choice[1:], 1)), return_exceptions=True)
+            streams += [r for r in rest if not isinstance(r, BaseException)]
+            failed = next((r for r in rest if isinstance(r, BaseException)), None)
+            if failed is not None:
+                await asyncio.gather(*(s.aclose() for s in streams))
+                raise failed
         if body.stream:
-            return self._sse(self._openai_chunks(events, request_id, chat, len(prompt_ids), body.include_usage))
-        text, ids, reason, cached, logprobs = await _collect(events)
+            return self._sse(self._openai_chunks(streams, request_id, chat, len(prompt_ids), body.include_usage))
+        results = await asyncio.gather(*(_collect(s) for s in streams))
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
-        return fmt.completion_body(request_id, self.model_name, text, fmt.finish_reason(reason),
-                                   as_logprobs(self.tokenizer, logprobs), fmt.usage(len(prompt_ids), len(ids), cached),
-                                   chat)
+        choices = [(text, fmt.finish_reason(reason), as_logprobs(self.tokenizer, logprobs))
+                   for text, _, reason, _, logprobs in results]
+        usage = fmt.usage(len(prompt_ids), sum(len(ids) for _, ids, _, _, _ in results), results[0][3])
+        return fmt.completion_body(request_id, self.model_name, choices, usage, chat)
 
     async def _start(self, prompt_ids, params, request_id):
         """Admission happens here, before any response starts: rejections and
@@ -288,20 +342,23 @@ class Scheduler:
             yield chunks.sse(self._meta(num_prompt, chunks.num_tokens, reason, event.num_cached_tokens, None))
         yield fmt.sse("[DONE]")
 
-    async def _openai_chunks(self, events, request_id, chat, num_prompt, include_usage):
+    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage):
+        """Every choice's events as they come, each chunk naming its choice."""
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
-        num_tokens, cached, first = 0, 0, True
-        async for event in events:
-            if event.error:
-                yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
-                break
-            num_tokens += len(event.token_ids)
-            cached = event.num_cached_tokens
-            reason = fmt.finish_reason(event.finish_reason) if event.finished else None
-            if event.text or reason or first:
-                yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, event.text, reason,
-                                                   as_logprobs(self.tokenizer, event.logprobs), chat, first))
-                first = False
+        num_tokens, cached, first = 0, 0, [True] * len(streams)
+        async with contextlib.aclosing(_merged(streams)) as events:
+            async for index, event in events:
+                if event.error:
+                    yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
+                    break
+                num_tokens += len(event.token_ids)
+                cached = event.num_cached_tokens if index == 0 else cached
+                reason = fmt.finish_reason(event.finish_reason) if event.finished else None
+                if event.text or reason or first[index]:
+                    yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, event.text, reason,
+                                                       as_logprobs(self.tokenizer, event.logprobs), chat,
+                                                       first[index], index))
+                    first[index] = False
         if include_usage:
             yield fmt.sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": int(time.time()), "model": self.model_name, "choices": [],

@@ -78,28 +78,32 @@ def chat_logprobs(tokenizer, logprobs) -> dict | None:
     return {"content": content}
 
 
-def completion_body(request_id, model, text, finish_reason, logprobs, usage_dict, chat: bool) -> dict:
+def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: bool) -> dict:
+    """A whole response; `choices`: (text, finish reason, logprobs) each, in index order."""
     created = int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                  "logprobs": logprobs}
         return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage_dict}
-    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                             "finish_reason": reason, "logprobs": logprobs}
+                            for i, (text, reason, logprobs) in enumerate(choices)],
+                "usage": usage_dict}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_dict}
+            "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
+                        for i, (text, reason, logprobs) in enumerate(choices)],
+            "usage": usage_dict}
 
 
-def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False) -> dict:
+def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False,
+                     index: int = 0) -> dict:
     created = int(time.time())
     if chat:
         delta = {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
-    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+    choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 

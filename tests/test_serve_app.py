@@ -85,6 +85,32 @@ def test_penalties_over_http_equal_the_offline_engine(base_url, client):
     assert completion.choices[0].text == offline.text
 
 
+def test_n_choices_each_a_request_seeded_apart(client):
+    kwargs = dict(model="tandem-tiny-qwen2", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5,
+                  extra_body={"ignore_eos": True})
+    three = client.completions.create(n=3, **kwargs)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.usage.completion_tokens == 24 and three.usage.prompt_tokens > 0
+    # Choice i draws from seed + i: the same text as a one-choice request with that seed.
+    for i, choice in enumerate(three.choices):
+        alone = client.completions.create(**{**kwargs, "seed": 5 + i})
+        assert choice.text == alone.choices[0].text
+    assert len({c.text for c in three.choices}) > 1
+    streamed = {}
+    for chunk in client.chat.completions.create(model="tandem-tiny-qwen2", n=2, stream=True, max_tokens=6,
+                                                temperature=0, messages=[{"role": "user", "content": "hi"}],
+                                                stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            streamed.setdefault(choice.index, []).append(choice.delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert sorted(streamed) == [0, 1] and "".join(streamed[0]) == "".join(streamed[1])  # greedy: the same
+    whole = client.chat.completions.create(model="tandem-tiny-qwen2", n=2, max_tokens=6, temperature=0,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert [c.message.content for c in whole.choices] == ["".join(streamed[0])] * 2
+    assert usage.completion_tokens == whole.usage.completion_tokens > 0  # both choices', counted once
+
+
 def test_logit_bias_and_min_tokens_over_http(client):
     forced = client.completions.create(model="tandem-tiny-qwen2", prompt=[5, 6, 7], max_tokens=6, temperature=0,
                                        logit_bias={"42": 100}, extra_body={"ignore_eos": True})
@@ -174,7 +200,9 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/generate", {"input_ids": [99999999]}, "token ids"),
         ("/generate", {"text": "x", "max_new_tokens": 5000}, "limit of 200"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c"]}, "stop sequences"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n=1"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/generate", {"text": "x", "sampling_params": {"n": 2}}, "n is not supported"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/completions", {"prompt": {"nested": 1}}, "prompt"),
@@ -252,8 +280,9 @@ def test_still_serving_after_the_bad_requests(base_url):
     assert response.status_code == 200
 
 
-def test_client_disconnect_frees_both_workers(base_url):
-    body = {"prompt": "keep going", "max_tokens": 200, "stream": True, "ignore_eos": True}
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_frees_both_workers(base_url, n):
+    body = {"prompt": "keep going", "max_tokens": 200, "stream": True, "ignore_eos": True, "n": n}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as response:
         for index, _ in enumerate(response.iter_lines()):
             if index >= 4:

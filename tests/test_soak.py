@@ -108,9 +108,9 @@ def test_non_streaming_bodies_are_checked_field_by_field():
     assert judge(generate, RawResponse(http_status=200, body="<html>")).outcome is Outcome.FAILED
 
     completions = request(Endpoint.COMPLETIONS, max_new_tokens=4)
-    done = fmt.completion_body("cmpl-1", "m", "abc", "stop", None, fmt.usage(8, 2), chat=False)
+    done = fmt.completion_body("cmpl-1", "m", [("abc", "stop", None)], fmt.usage(8, 2), chat=False)
     assert judge(completions, RawResponse(http_status=200, body=json.dumps(done))).outcome is Outcome.OK
-    cut = fmt.completion_body("cmpl-1", "m", "abc", None, None, fmt.usage(8, 2), chat=False)  # an aborted request
+    cut = fmt.completion_body("cmpl-1", "m", [("abc", None, None)], fmt.usage(8, 2), chat=False)  # an aborted request
     assert judge(completions, RawResponse(http_status=200, body=json.dumps(cut))).outcome is Outcome.FAILED
 
 
