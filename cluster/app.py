@@ -128,9 +128,12 @@ app.add_middleware(RequestGuard)
 # Module-level helpers the deployment calls come before it: Serve pickles the class
 # as it is decorated, so a function defined below it is missing in the replica.
 async def _prepend(first, rest):
-    yield first
-    async for event in rest:
-        yield event
+    try:
+        yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()  # closing this closes the request's events (it is aborted)
 
 
 async def _collect(events):
@@ -152,8 +155,11 @@ async def _merged(streams):
     """(index, event) from several event streams as each arrives; closing this
     closes them all (their requests are aborted)."""
     if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
+        try:
+            async for event in streams[0]:
+                yield 0, event
+        finally:
+            await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -301,7 +307,12 @@ class Scheduler:
                 raise failed
         if body.stream:
             return self._sse(self._openai_chunks(streams, request_id, chat, len(prompt_ids), body.include_usage))
-        results = await asyncio.gather(*(_collect(s) for s in streams))
+        collecting = [asyncio.ensure_future(_collect(s)) for s in streams]
+        try:
+            results = await asyncio.gather(*collecting)
+        finally:  # one choice failed (or the client left): the others stop too
+            for task in collecting:
+                task.cancel()
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
         choices = [(text, fmt.finish_reason(reason), as_logprobs(self.tokenizer, logprobs))
                    for text, _, reason, _, logprobs in results]
