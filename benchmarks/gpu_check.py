@@ -200,8 +200,12 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(1, 150))] for _ in range(11)]
     greedy = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0, ignore_eos=True) for _ in prompts]
+    # Some rows also penalised, biased, or held to a minimum (kernels/penalties.py,
+    # kernels/logit_bias.py: their gathers and scatters on the device too).
+    extras = [{}, dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3),
+              dict(logit_bias={5: 3.0, 6: -100.0}, min_new_tokens=3)]
     sampled = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0.8, top_p=0.95, seed=i,
-                              ignore_eos=True, logprobs=2) for i, _ in enumerate(prompts)]
+                              ignore_eos=True, logprobs=2, **extras[i % 3]) for i, _ in enumerate(prompts)]
     tokens, sampled_tokens = {}, {}
     for mode in DECODE_MODES:
         llm = engine(exact_model_dir, "float32", mode)
