@@ -9,13 +9,28 @@ import asyncio
 import contextlib
 import logging
 
+import ray
+
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
 from actors.engine import load_tokenizer
 from cluster.config import AppSettings
+from cluster.pool_manager import get_or_create_pool
 from cluster.service import GlobalScheduler
 
 log = logging.getLogger("tests.scheduler_driver")
+
+
+def run_with_pool(settings: dict, scenario):
+    """`await scenario(pool, settings)` against a new pool manager for `settings`,
+    shut down (its workers killed) afterwards."""
+    app_settings = AppSettings.model_validate(settings)
+    pool = get_or_create_pool(app_settings)
+    try:
+        return asyncio.run(scenario(pool, app_settings))
+    finally:
+        ray.get(pool.shutdown.remote())
+        ray.kill(pool)
 
 
 def build_scheduler(settings: AppSettings, pool) -> GlobalScheduler:

@@ -6,12 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-import ray
-
 from actors.sampling_params import SamplingParams
-from cluster.config import AppSettings
-from cluster.pool_manager import get_or_create_pool
-from tests.scheduler_driver import build_scheduler, complete, refreshing, wait_ready
+from tests.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
@@ -65,13 +61,7 @@ async def _scenario(pool, settings):
 
 
 def test_a_draining_decode_worker_finishes_its_request_then_goes(ray_local, tiny_qwen2_dir):
-    settings = AppSettings.model_validate(SETTINGS)
-    pool = get_or_create_pool(settings)
-    try:
-        r = asyncio.run(_scenario(pool, settings))
-    finally:
-        ray.get(pool.shutdown.remote())
-        ray.kill(pool)
+    r = run_with_pool(SETTINGS, _scenario)
     assert r["picks"] == {r["other"]}  # new requests go to the other decode worker only
     assert all(error is None and len(tokens) == 4 for tokens, error in r["shorts"])
     assert r["error"] is None and len(r["tokens"]) == 800  # the in-flight request completed

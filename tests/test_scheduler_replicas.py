@@ -9,12 +9,8 @@ import asyncio
 import contextlib
 import time
 
-import ray
-
 from actors.sampling_params import SamplingParams
-from cluster.config import AppSettings
-from cluster.pool_manager import get_or_create_pool
-from tests.scheduler_driver import build_scheduler, complete, refreshing, wait_ready
+from tests.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
@@ -69,12 +65,6 @@ async def _scenario(pool, settings):
 
 
 def test_replicas_share_the_cache_view_and_count_each_others_load(ray_local, tiny_qwen2_dir):
-    settings = AppSettings.model_validate(SETTINGS)
-    pool = get_or_create_pool(settings)
-    try:
-        r = asyncio.run(_scenario(pool, settings))
-    finally:
-        ray.get(pool.shutdown.remote())
-        ray.kill(pool)
+    r = run_with_pool(SETTINGS, _scenario)
     assert r["inflight_b"] == 0  # the request is A's, and B counts it all the same
     assert r["batch"] == 1 and r["kv_tokens"] > 40
