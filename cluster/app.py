@@ -30,7 +30,7 @@ from actors.engine import load_tokenizer
 from actors.sampling_params import InvalidRequestError
 from cluster import openai_format as fmt
 from cluster.admission import SloRejected
-from cluster.api_models import choice_params, ApiError, ChatBody, CompletionBody, GenerateBody
+from cluster.api_models import ApiError, ChatBody, CompletionBody, GenerateBody, choice_params
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.service import GlobalScheduler
