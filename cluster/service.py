@@ -358,17 +358,34 @@ class GlobalScheduler:
             call = DisaggregatedCall(prefill, decode, request, self.settings.channel,
                                      self.settings.timeouts.handshake_s, self.feeds)
             events = call.events()
+        counted = False
         try:
             async with contextlib.aclosing(events):  # a request not read to its end is aborted now
                 async for event in events:
+                    if call is None and not counted and event.token_ids:
+                        self._count_prompt(len(request.prompt_token_ids), event.num_cached_tokens)
+                        counted = True
                     yield event
         except ReservationRefused as exc:
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
         except WorkerDied as exc:
             await self._report_dead(choice.decode_id)
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
+        if call is not None and call.prefill_result is not None:
+            result = call.prefill_result
+            self._count_prompt(result.num_prompt_tokens, result.num_prompt_tokens - result.num_computed_tokens)
+            help_text = "prompt KV blocks a decode worker needed: sent by the prefill worker, or already held"
+            self.metrics.inc("kv_transfer_blocks_total", help_text, result.num_blocks_sent, kind="sent")
+            self.metrics.inc("kv_transfer_blocks_total", help_text, call.reservation.num_cached_blocks, kind="held")
         if call is not None and isinstance(call.prefill_error, ray.exceptions.RayActorError):
             await self._report_dead(choice.prefill_id)
+
+    def _count_prompt(self, num_prompt: int, num_cached: int) -> None:
+        """Prompt tokens the prefilling worker found in its prefix cache (device or
+        KV store) against those it computed: the hit rate cache-aware routing buys."""
+        help_text = "prompt tokens by where the prefilling worker got their KV"
+        self.metrics.inc("prompt_tokens_total", help_text, num_cached, source="cache")
+        self.metrics.inc("prompt_tokens_total", help_text, num_prompt - num_cached, source="computed")
 
 
 async def _until(events, deadline: float, request_id: str):

@@ -111,6 +111,25 @@ def test_n_choices_each_a_request_seeded_apart(client):
     assert usage.completion_tokens == whole.usage.completion_tokens > 0  # both choices', counted once
 
 
+def _counter(base_url, series: str) -> float:
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_later_choices_prefill_from_the_first_ones_cache(base_url, client):
+    """Two prefill workers, cache-aware routing: choices 2 and 3 start after the
+    first has its first token, go to the P that holds the prompt, and find all of
+    it but the last block there (the metric every prefill reports)."""
+    prompt = list(range(300, 460))  # 160 tokens: 9 full blocks can hit
+    series = 'tandem_prompt_tokens_total{source="cache"}'
+    before = _counter(base_url, series)
+    client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, n=3, max_tokens=4, temperature=0.7, seed=1,
+                              extra_body={"ignore_eos": True})
+    assert _counter(base_url, series) - before == 2 * 144
+
+
 def test_logit_bias_and_min_tokens_over_http(client):
     forced = client.completions.create(model="tandem-tiny-qwen2", prompt=[5, 6, 7], max_tokens=6, temperature=0,
                                        logit_bias={"42": 100}, extra_body={"ignore_eos": True})
@@ -182,6 +201,8 @@ def test_models_health_metrics_openapi(base_url, client):
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'tandem_requests_total{outcome="ok"}' in metrics
     assert "tandem_ttft_seconds_bucket" in metrics and "tandem_kv_blocks_used" in metrics
+    assert 'tandem_prompt_tokens_total{source="computed"}' in metrics
+    assert 'tandem_kv_transfer_blocks_total{kind="sent"}' in metrics
     schema = httpx.get(f"{base_url}/openapi.json").json()
     assert {"/generate", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
 
