@@ -50,8 +50,14 @@ async def _api_error(_: Request, exc: ApiError):
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError):
-    details = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors())
-    return _error(ApiError(400, details or "invalid request body"))
+    return _error(ApiError(400, "; ".join(_problem(e) for e in exc.errors()) or "invalid request body"))
+
+
+def _problem(error: dict) -> str:
+    """One pydantic error as `field: message` (the body's own checks: the message)."""
+    where = ".".join(str(p) for p in error["loc"] if p != "body")
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 @app.exception_handler(StarletteHTTPException)
