@@ -168,7 +168,7 @@ class Engine:
             params=params,
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            stop_strings=StopStrings(params.stop) if params.stop else None,
+            stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
         )
 
     def add_request(

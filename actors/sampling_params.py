@@ -26,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's, as pairs
     min_new_tokens: int = 0  # no EOS, stop token or stop string before this many tokens (vLLM's min_tokens)
+    include_stop_str_in_output: bool = False  # a stop string ends the text instead of being cut off
     # Set from the fields above; plain fields, read for every row of every step.
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     processes_logits: bool = field(init=False, repr=False, compare=False, default=False)

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 
 class StopStrings:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], keep: bool = False) -> None:
         self.stops = stops
+        self.keep = keep  # the text ends with the stop string (vLLM's include_stop_str_in_output)
         self.hold = max(map(len, stops)) - 1
         self._tail = ""  # the text's last `hold` characters
 
     def feed(self, new_text: str) -> int | None:
         """Search the text as extended by `new_text`. On a match, the number of the
-        text's last characters to drop (the earliest match and all after it); else
-        None."""
+        text's last characters to drop (from the earliest match on; kept, from the
+        end of the match that ends first); else None."""
         window = self._tail + new_text
         new_from = len(self._tail)
-        found = (window.find(s, max(0, new_from - len(s) + 1)) for s in self.stops)
-        stop_at = min((i for i in found if i >= 0), default=None)
+        found = ((window.find(s, max(0, new_from - len(s) + 1)), len(s)) for s in self.stops)
+        matches = [(i, i + n) for i, n in found if i >= 0]  # (start, end) in the window
         self._tail = window[max(0, len(window) - self.hold) :]
-        return None if stop_at is None else len(window) - stop_at
+        if not matches:
+            return None
+        # Cut before the earliest match; kept, end with the match that ends first.
+        cut = min(end for _, end in matches) if self.keep else min(start for start, _ in matches)
+        return len(window) - cut

@@ -75,6 +75,7 @@ class SglangSamplingParams(_Body):
     presence_penalty: float = 0.0
     min_new_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    no_stop_trim: bool = False  # keep the stop string at the end of the text
 
 
 class GenerateBody(_Body):
@@ -132,6 +133,7 @@ class GenerateBody(_Body):
             presence_penalty=merged.presence_penalty,
             min_new_tokens=merged.min_new_tokens,
             logit_bias=tuple((merged.logit_bias or {}).items()),
+            include_stop_str_in_output=merged.no_stop_trim,
         )
 
 
@@ -169,6 +171,8 @@ class _OpenAIBody(_Body):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (vLLM-style)
     min_tokens: int = 0  # extension (vLLM-style)
+    include_stop_str_in_output: bool = False  # extension (vLLM-style)
+    skip_special_tokens: bool = True  # extension (vLLM-style)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
     user: str | None = None
 
@@ -191,6 +195,8 @@ class _OpenAIBody(_Body):
             presence_penalty=self.presence_penalty,
             min_new_tokens=self.min_tokens,
             logit_bias=tuple((self.logit_bias or {}).items()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -235,3 +241,20 @@ class ChatBody(_OpenAIBody):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, default_max, logprobs)
+
+
+class TokenizeBody(_Body):
+    """vLLM's /tokenize: a completion prompt or chat messages."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        return self
+
+
+class DetokenizeBody(_Body):
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -3,7 +3,8 @@
     serve run manifests/local.yaml      # import_path: cluster.app:build_app
 
 Endpoints: POST /generate (SGLang-style), POST /v1/completions, POST
-/v1/chat/completions (streaming SSE ending in [DONE]), GET /v1/models, GET /health
+/v1/chat/completions (streaming SSE ending in [DONE]), POST /tokenize and
+/detokenize (vLLM's), GET /v1/models, GET /health
 (200 only when both pools are ready), GET /metrics (Prometheus text), and the
 OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
 "code"}}; 400 for bad input, 401 for a missing or wrong API key, 413 for an
@@ -30,7 +31,8 @@ from actors.engine import load_tokenizer
 from actors.sampling_params import InvalidRequestError
 from cluster import openai_format as fmt
 from cluster.admission import SloRejected
-from cluster.api_models import ApiError, ChatBody, CompletionBody, GenerateBody, choice_params
+from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody,
+                                choice_params)
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.service import GlobalScheduler
@@ -280,12 +282,29 @@ class Scheduler:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatBody):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return await self._openai(body, self._chat_prompt(body.messages), chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeBody):
+        """The token ids a completion (`prompt`) or chat (`messages`) request would
+        give the model, as vLLM's /tokenize answers (count them before sending)."""
+        prompt = self._chat_prompt(body.messages) if body.messages is not None else body.prompt
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.service.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeBody):
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _chat_prompt(self, messages) -> str:
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                                      tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # a template error is the client's messages
             raise ApiError(400, f"cannot apply the chat template: {exc}") from None
-        return await self._openai(body, prompt, chat=True)
 
     # ---- helpers ------------------------------------------------------------------------
     async def _openai(self, body, prompt, chat: bool):

@@ -103,6 +103,11 @@ def test_stop_strings_anywhere_end_at_the_first_match(llm):
         out = llm.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=stops))[0]
         first = min(text.find(s) for s in stops)
         assert out.finish_reason is FinishReason.STOP and out.text == text[:first], (text, stops, out.text)
+        # Kept (include_stop_str_in_output): the text ends with the match that ends first.
+        kept = llm.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=stops,
+                                                     include_stop_str_in_output=True))[0]
+        end = min(text.find(s) + len(s) for s in stops if s in text)
+        assert kept.text == text[:end] and kept.token_ids == out.token_ids, (text, stops, kept.text)
 
 
 def test_text_equals_decoding_the_tokens(llm):

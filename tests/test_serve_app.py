@@ -130,6 +130,39 @@ def test_later_choices_prefill_from_the_first_ones_cache(base_url, client):
     assert _counter(base_url, series) - before == 2 * 144
 
 
+def test_tokenize_gives_the_ids_requests_use(base_url, client):
+    tokens = httpx.post(f"{base_url}/tokenize", json={"prompt": "The quick brown fox"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    by_text = httpx.post(f"{base_url}/generate", json={"text": "The quick brown fox", "max_new_tokens": 6,
+                                                       "temperature": 0}).json()
+    by_ids = httpx.post(f"{base_url}/generate", json={"input_ids": tokens["tokens"], "max_new_tokens": 6,
+                                                      "temperature": 0}).json()
+    assert by_ids["output_ids"] == by_text["output_ids"]
+    assert by_text["meta_info"]["prompt_tokens"] == tokens["count"]
+    messages = [{"role": "user", "content": "hi there"}]
+    chat_tokens = httpx.post(f"{base_url}/tokenize", json={"messages": messages}).json()
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens == chat_tokens["count"]
+    text = httpx.post(f"{base_url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "The quick brown fox"
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "x", "messages": messages}),
+                       ("/detokenize", {"tokens": [10**9]}), ("/detokenize", {"tokens": "abc"})):
+        response = httpx.post(f"{base_url}{path}", json=body)
+        assert response.status_code == 400 and "message" in response.json()["error"], (path, body)
+
+
+def test_stop_strings_can_stay_in_the_text(client):
+    free = client.completions.create(model="tandem-tiny-qwen2", prompt="Stop here", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[5:7]
+    cut, kept = (client.completions.create(model="tandem-tiny-qwen2", prompt="Stop here", max_tokens=20,
+                                           temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True, "include_stop_str_in_output": keep})
+                 for keep in (False, True))
+    assert cut.choices[0].text == free[: free.find(stop)]
+    assert kept.choices[0].text == free[: free.find(stop) + len(stop)]
+
+
 def test_logit_bias_and_min_tokens_over_http(client):
     forced = client.completions.create(model="tandem-tiny-qwen2", prompt=[5, 6, 7], max_tokens=6, temperature=0,
                                        logit_bias={"42": 100}, extra_body={"ignore_eos": True})
