@@ -151,7 +151,8 @@ class DecodeWorker(WorkerBase):
             self._pending.pop(meta.request_id, None)
         first = SampledToken(meta.first_token_id, meta.first_logprob)
         # Published on the engine thread, like every later token: one writer per stream.
-        await self.call(lambda e: self.streams.publish([e.activate(meta.request_id, first, meta.seed)]))
+        await self.call(lambda e: self.streams.publish([e.activate(meta.request_id, first, meta.seed,
+                                                                   meta.prompt_logprobs)]))
 
     async def _drop(self, request_id: str, reason: str) -> None:
         with self._pending_lock:

@@ -169,6 +169,7 @@ class Engine:
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
 
     def add_request(
@@ -280,10 +281,14 @@ class Engine:
         request.block_table = []
         return True
 
-    def activate(self, request_id: str, first_token: SampledToken, seed: int | None) -> RequestOutput:
+    def activate(self, request_id: str, first_token: SampledToken, seed: int | None,
+                 prompt_logprobs: list | None = None) -> RequestOutput:
         """The prompt's KV is in the reserved blocks: start decoding after the first
-        token (sampled by the prefill worker, with `seed`: the draws go on from it)."""
+        token (sampled by the prefill worker, with `seed`: the draws go on from it;
+        the prompt's logprobs, if asked for, computed there too)."""
         request = self.reservations.pop(request_id)
+        if prompt_logprobs is not None:
+            request.prompt_logprobs = prompt_logprobs
         request.num_computed_tokens = request.num_prompt_tokens
         if seed is not None:
             request.seed = seed
@@ -449,4 +454,5 @@ class Engine:
             _text_pieces=detokenizer.pieces,
             _piece_ends=detokenizer.piece_ends,
             _final_text=final_text,
+            prompt_logprobs=request.prompt_logprobs,
         )

@@ -55,6 +55,7 @@ class ChunkMeta:
     first_token_id: int | None = None
     first_logprob: TokenLogprob | None = None
     seed: int | None = None  # of the request's draws: D samples on from the same one
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # computed by P, if the request asks
     sent_s: float = 0.0  # wall clock (time.time) when P started the send
 
 
@@ -100,3 +101,4 @@ class TokenEvent(NamedTuple):
     time_s: float  # wall clock
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first event, if asked for

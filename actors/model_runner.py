@@ -216,6 +216,8 @@ class ModelRunner:
                 sampling.append(chunk.request)
                 token_indexes.append(chunk.end - chunk.request.num_prompt_tokens)  # of the token it samples
         step = LaunchedStep(sampling, started)
+        if input_ids is None:  # (a step launched ahead only decodes)
+            step.prompt_parts = list(self._prompt_logprobs(hidden, ordered))
         if sampling:
             rows = hidden[: len(ends)] if ends[-1] == len(ends) - 1 else hidden[int64_tensor(ends, self.device)]
             self._sample(self.model.compute_logits(rows), step, token_indexes)
@@ -264,6 +266,20 @@ class ModelRunner:
             outputs += [chosen] + ([top_ids, top_lps] if num_top else [])
         step.host = [to_host(t) for t in outputs]
 
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]):
+        """For each chunk of a prompt whose request wants its logprobs: (request, first
+        position, host copies of the logprobs of the prompt tokens its positions
+        predict[, top ids, top logprobs]). `hidden` has a row per token of `ordered`."""
+        offset = 0
+        for chunk in ordered:
+            request, wanted = chunk.request, chunk.request.params.prompt_logprobs
+            last = min(chunk.end, request.num_prompt_tokens - 1)  # positions from here on predict output
+            if wanted is not None and chunk.start < last:
+                targets = int64_tensor(request.prompt_token_ids[chunk.start + 1 : last + 1], self.device)
+                logits = self.model.compute_logits(hidden[offset : offset + last - chunk.start])
+                yield request, chunk.start, [to_host(t) for t in logprobs_of(logits, targets, wanted) if t is not None]
+            offset += chunk.num_new_tokens
 
     def _process_logits(self, logits: torch.Tensor, step: LaunchedStep, rows: list[int],
                         token_indexes: list[int]) -> torch.Tensor:
@@ -324,14 +340,22 @@ class LaunchedStep:
     host: list[torch.Tensor] = field(default_factory=list)  # token ids[, chosen logprobs[, top ids, top logprobs]]
     ready: torch.cuda.Event | None = None  # recorded after the copies to `host` (CUDA)
     penalised: bool = False  # a row's penalties count the tokens before it: the next step needs them on the host
+    prompt_parts: list = field(default_factory=list)  # prompt logprobs computed (see `_prompt_logprobs`)
 
     def tokens(self) -> list[tuple[Request, SampledToken]]:
         """(request, sampled token) a row; waits for the device (as lists: one copy
-        each, not one a row)."""
+        each, not one a row). Fills in the prompt logprobs the step computed."""
+        if self.ready is not None and (self.requests or self.prompt_parts):
+            self.ready.synchronize()
+        for request, first, host in self.prompt_parts:
+            chosen, *top = (t.tolist() for t in host)
+            num_top = request.params.prompt_logprobs
+            for i, logprob in enumerate(chosen):
+                position = first + i + 1  # the prompt token it is the logprob of
+                best = list(zip(top[0][i][:num_top], top[1][i][:num_top])) if top else []
+                request.prompt_logprobs[position] = TokenLogprob(request.prompt_token_ids[position], logprob, best)
         if not self.requests:
             return []
-        if self.ready is not None:
-            self.ready.synchronize()
         token_list, *logprob_tensors = (t.tolist() for t in self.host)
         chosen, top_ids, top_lps = (logprob_tensors + [None, None, None])[:3]
         result = []

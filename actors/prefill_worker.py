@@ -278,6 +278,7 @@ class PrefillWorker(WorkerBase):
                     first_token_id=first.token_ids[0],
                     first_logprob=first.logprobs[0] if first.logprobs else None,
                     seed=job.engine_request.seed,
+                    prompt_logprobs=first.prompt_logprobs,
                 )
                 job.first_token_s = now
             self.engine.hold_blocks(src)

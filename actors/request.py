@@ -63,6 +63,9 @@ class Request:
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker
     token_counts: TokenCounts | None = None  # its penalties' view of its tokens (kernels/penalties.py), if any
+    # With params.prompt_logprobs: entry p is prompt token p's logprob given the
+    # tokens before it (None for p = 0, and until computed).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Blocks imported from the KV store for this prompt, held (one reference each)
     # until the scheduler admits the request and takes its own references.
     pinned_block_ids: list[int] = field(default_factory=list)
@@ -133,6 +136,7 @@ class RequestOutput:
     _text_pieces: list[str] = field(repr=False)
     _piece_ends: list[int] = field(repr=False)
     _final_text: str | None = field(repr=False)  # once finished
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)  # if asked for
 
     @property
     def text(self) -> str:

@@ -27,6 +27,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's, as pairs
     min_new_tokens: int = 0  # no EOS, stop token or stop string before this many tokens (vLLM's min_tokens)
     include_stop_str_in_output: bool = False  # a stop string ends the text instead of being cut off
+    prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob and its n best
     # Set from the fields above; plain fields, read for every row of every step.
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
@@ -46,6 +47,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:

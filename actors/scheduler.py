@@ -72,8 +72,9 @@ class Scheduler:
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the request's longest cached prefix, never covering its last
-        token (whose logits are needed). Takes no references."""
-        if not self.config.enable_prefix_cache:
+        token (whose logits are needed). Takes no references. None for a request
+        that wants its prompt's logprobs: they come from computing every position."""
+        if not self.config.enable_prefix_cache or request.params.prompt_logprobs is not None:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         return self.pool.lookup(request.block_hashes[:max_hit_blocks], request.all_token_ids)

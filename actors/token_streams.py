@@ -143,6 +143,7 @@ class TokenStreams:
                 finish_reason=output.finish_reason.value if output.finish_reason else None,
                 time_s=now,
                 num_cached_tokens=output.num_cached_tokens,
+                prompt_logprobs=output.prompt_logprobs if not start else None,
             ))
             subscriptions.append(stream.subscription)
             stream.num_tokens_sent = output.num_tokens

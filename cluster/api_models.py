@@ -2,7 +2,7 @@
 
 Each body turns into (prompt, SamplingParams) through `sampling_params()`; range
 checks live in `SamplingParams` (one place), shape checks here. Anything the server
-does not support (echo, best_of, n > 1 on /generate, and the fields other servers
+does not support (best_of, n > 1 on /generate, and the fields other servers
 take that change what is generated: constrained output, tools, ...) is refused
 with a clear 400 rather than silently ignored. Other unknown fields are ignored.
 """
@@ -96,6 +96,7 @@ class GenerateBody(_Body):
     presence_penalty: float | None = None
     stream: bool = False
     return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)  # >= 0: the prompt's logprobs too, from this position
     top_logprobs_num: int = Field(0, ge=0, le=20)
     rid: str | None = Field(None, max_length=128)
 
@@ -128,6 +129,7 @@ class GenerateBody(_Body):
             skip_special_tokens=merged.skip_special_tokens,
             seed=merged.seed if merged.seed is not None else merged.sampling_seed,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
+            prompt_logprobs=self.top_logprobs_num if self.return_logprob and self.logprob_start_len >= 0 else None,
             repetition_penalty=merged.repetition_penalty,
             frequency_penalty=merged.frequency_penalty,
             presence_penalty=merged.presence_penalty,
@@ -209,15 +211,24 @@ class CompletionBody(_OpenAIBody):
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _no_echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+    def _supported_echo(self):
         if self.best_of not in (None, 1):
             raise ValueError("best_of is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (the prompt's text and logprobs alone)")
         return self
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt's text and logprobs, no completion (how
+        evaluation harnesses score a text: one token is generated and dropped)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling(self, default_max: int) -> SamplingParams:
-        return self._sampling(self.max_tokens, default_max, self.logprobs)
+        params = self._sampling(1 if self.prompt_only else self.max_tokens, default_max, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class ChatMessage(_Body):

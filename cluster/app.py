@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
 from actors.engine import load_tokenizer
+from actors.request import TokenLogprob
 from actors.sampling_params import InvalidRequestError
 from cluster import openai_format as fmt
 from cluster.admission import SloRejected
@@ -144,8 +146,19 @@ async def _prepend(first, rest):
         await rest.aclose()  # closing this closes the request's events (it is aborted)
 
 
-async def _collect(events):
-    text, ids, reason, cached, logprobs = "", [], None, 0, None
+class Collected(NamedTuple):
+    """A whole request's events, read to the end."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list | None
+    prompt_logprobs: list | None
+
+
+async def _collect(events) -> Collected:
+    text, ids, reason, cached, logprobs, prompt_logprobs = "", [], None, 0, None, None
     async for event in events:
         if event.error:
             raise ApiError(503, f"request failed: {event.error}", kind="service_unavailable")
@@ -154,9 +167,10 @@ async def _collect(events):
         cached = event.num_cached_tokens
         if event.logprobs is not None:
             logprobs = (logprobs or []) + list(event.logprobs)
+        prompt_logprobs = prompt_logprobs or event.prompt_logprobs
         if event.finished:
             reason = event.finish_reason
-    return text, ids, reason, cached, logprobs
+    return Collected(text, ids, reason, cached, logprobs, prompt_logprobs)
 
 
 async def _merged(streams):
@@ -272,9 +286,15 @@ class Scheduler:
         events = await self._start(prompt_ids, params, body.rid)
         if body.stream:
             return self._sse(self._generate_chunks(events, len(prompt_ids)))
-        text, ids, reason, cached, logprobs = await _collect(events)
-        return {"text": text, "output_ids": ids,
-                "meta_info": self._meta(len(prompt_ids), len(ids), reason, cached, logprobs)}
+        out = await _collect(events)
+        meta = self._meta(len(prompt_ids), len(out.token_ids), out.finish_reason, out.num_cached_tokens, out.logprobs)
+        if out.prompt_logprobs is not None:  # SGLang's: [logprob, id] a position (None for the first), from the start
+            wanted = out.prompt_logprobs[body.logprob_start_len:]
+            meta["input_token_logprobs"] = [[lp.logprob if lp else None, prompt_ids[body.logprob_start_len + i]]
+                                            for i, lp in enumerate(wanted)]
+            if body.top_logprobs_num:
+                meta["input_top_logprobs"] = [[[v, t] for t, v in lp.top] if lp else None for lp in wanted]
+        return {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionBody):
@@ -331,18 +351,37 @@ class Scheduler:
                 await asyncio.gather(*(s.aclose() for s in streams))
                 raise failed
         if body.stream:
-            return self._sse(self._openai_chunks(streams, request_id, chat, len(prompt_ids), body.include_usage))
+            echo = (lambda event: self._echoed(prompt, prompt_ids, event, body.prompt_only)) if (
+                not chat and body.echo) else None
+            return self._sse(self._openai_chunks(streams, request_id, chat, len(prompt_ids), body.include_usage, echo))
         collecting = [asyncio.ensure_future(_collect(s)) for s in streams]
         try:
             results = await asyncio.gather(*collecting)
         finally:  # one choice failed (or the client left): the others stop too
             for task in collecting:
                 task.cancel()
+        if not chat and body.echo:
+            results = [self._echoed(prompt, prompt_ids, out, body.prompt_only) for out in results]
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
-        choices = [(text, fmt.finish_reason(reason), as_logprobs(self.tokenizer, logprobs))
-                   for text, _, reason, _, logprobs in results]
-        usage = fmt.usage(len(prompt_ids), sum(len(ids) for _, ids, _, _, _ in results), results[0][3])
+        choices = [(out.text, fmt.finish_reason(out.finish_reason), as_logprobs(self.tokenizer, out.logprobs))
+                   for out in results]
+        usage = fmt.usage(len(prompt_ids), sum(len(out.token_ids) for out in results), results[0].num_cached_tokens)
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat)
+
+    def _echoed(self, prompt, prompt_ids: list[int], out, prompt_only: bool):
+        """A completion (a `Collected`, or a streamed choice's first `TokenEvent`)
+        with its prompt in front, OpenAI's echo: the prompt's text and, with
+        logprobs, its tokens' (None for the first); prompt_only drops the one token
+        generated."""
+        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+        if prompt_only:
+            out = out._replace(text="", token_ids=[], finish_reason="length",
+                               logprobs=[] if out.logprobs is not None else None)
+        logprobs = out.logprobs
+        if logprobs is not None:
+            first = TokenLogprob(prompt_ids[0], None, [])
+            logprobs = [first, *(out.prompt_logprobs or [])[1:], *logprobs]
+        return out._replace(text=prompt_text + out.text, logprobs=logprobs)
 
     async def _start(self, prompt_ids, params, request_id):
         """Admission happens here, before any response starts: rejections and
@@ -378,8 +417,9 @@ class Scheduler:
             yield chunks.sse(self._meta(num_prompt, chunks.num_tokens, reason, event.num_cached_tokens, None))
         yield fmt.sse("[DONE]")
 
-    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage):
-        """Every choice's events as they come, each chunk naming its choice."""
+    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None):
+        """Every choice's events as they come, each chunk naming its choice; `echo`
+        rewrites each choice's first event (see `_echoed`)."""
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
         num_tokens, cached, first = 0, 0, [True] * len(streams)
         async with contextlib.aclosing(_merged(streams)) as events:
@@ -387,6 +427,8 @@ class Scheduler:
                 if event.error:
                     yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
                     break
+                if first[index] and echo is not None:
+                    event = echo(event)
                 num_tokens += len(event.token_ids)
                 cached = event.num_cached_tokens if index == 0 else cached
                 reason = fmt.finish_reason(event.finish_reason) if event.finished else None

@@ -54,8 +54,9 @@ def completion_logprobs(tokenizer, logprobs) -> dict | None:
     tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{tokenizer.decode([t]): v for t, v in lp.top} for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],  # None: an echoed prompt's first token
+        "top_logprobs": [None if lp.logprob is None else {tokenizer.decode([t]): v for t, v in lp.top}
+                         for lp in logprobs],
         "text_offset": [],
     }
 

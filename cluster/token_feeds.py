@@ -71,7 +71,7 @@ def _merged(event: TokenEvent, later: TokenEvent) -> TokenEvent:
     logprobs = None if event.logprobs is None and later.logprobs is None else \
         (event.logprobs or []) + (later.logprobs or [])
     return later._replace(token_ids=event.token_ids + later.token_ids, text=event.text + later.text,
-                          logprobs=logprobs)
+                          logprobs=logprobs, prompt_logprobs=event.prompt_logprobs or later.prompt_logprobs)
 
 
 class TokenFeed:

@@ -106,3 +106,27 @@ def test_preemption_by_recompute_still_matches(tiny_model_dir):
         assert out.token_ids == want
     engine.pool.check()
     assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("config", [dict(prefill_chunk_size=64), dict(prefill_chunk_size=50, max_num_batched_tokens=70),
+                                    dict(prefill_chunk_size=1024)], ids=["chunks-64", "chunks-50-budget-70", "whole"])
+def test_prompt_logprobs_match_hf_log_softmax(tiny_model_dir, config):
+    """Each prompt token's logprob given the ones before (vLLM's prompt_logprobs,
+    SGLang's input logprobs), with its 2 best, whatever the chunking; a prompt
+    whose blocks are cached is computed again for them."""
+    prompts, _ = _reference(tiny_model_dir)
+    engine = Engine(tiny_model_dir, EngineConfig(block_size=16, **config))
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    for prompt in prompts[2::5] + prompts[2::5]:  # the second time, their blocks are in the prefix cache
+        request_id = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == request_id and out.finished:
+                    result = out
+        assert result.num_cached_tokens == 0
+        first, *rest = result.prompt_logprobs
+        assert first is None and [lp.token_id for lp in rest] == prompt[1:]
+        ours = torch.tensor([lp.logprob for lp in rest])
+        torch.testing.assert_close(ours, hf_logprobs(tiny_model_dir, prompt[:1], prompt[1:]), atol=1e-4, rtol=0)
+        assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in rest)
+    engine.pool.check()

@@ -141,3 +141,17 @@ def test_min_new_tokens_bans_stop_tokens_from_the_prefill_workers_token_too(ray_
     got = tokens(events)
     assert len(got) == 4 and 7 not in got[:3] and got[3] == 7 and events[-1].finish_reason == "stop"
     assert got == tokens(asyncio.run(colocated(c, request)))
+
+
+def test_prompt_logprobs_come_from_the_prefill_worker(ray_local, workers):
+    p, d, c = workers
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    request = GenerateRequest("prompt-logprobs", list(range(100, 170)), params)  # 70 tokens: three chunks on P
+    _, events = asyncio.run(disaggregated(p, d, request, "gloo"))
+    colocated_events_ = asyncio.run(colocated(c, request))
+    pd_logprobs, co_logprobs = events[0].prompt_logprobs, colocated_events_[0].prompt_logprobs
+    assert len(pd_logprobs) == 70 and pd_logprobs[0] is None and all(lp is not None for lp in pd_logprobs[1:])
+    assert [lp.token_id for lp in pd_logprobs[1:]] == request.prompt_token_ids[1:]
+    assert [lp.logprob for lp in pd_logprobs[1:]] == pytest.approx([lp.logprob for lp in co_logprobs[1:]], abs=1e-5)
+    assert all(e.prompt_logprobs is None for e in events[1:])
+    assert_idle(ray_local, p, d, c)

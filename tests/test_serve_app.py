@@ -151,6 +151,32 @@ def test_tokenize_gives_the_ids_requests_use(base_url, client):
         assert response.status_code == 400 and "message" in response.json()["error"], (path, body)
 
 
+def test_prompt_logprobs_by_echo_and_by_logprob_start_len(base_url, client):
+    """How evaluation harnesses score a text: echo, logprobs, max_tokens 0 (OpenAI),
+    or SGLang's logprob_start_len; both give each prompt token's logprob."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = httpx.post(f"{base_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    sglang = httpx.post(f"{base_url}/generate", json={
+        "text": prompt, "max_new_tokens": 1, "temperature": 0, "return_logprob": True, "logprob_start_len": 0,
+        "top_logprobs_num": 2}).json()["meta_info"]
+    assert [t for _, t in sglang["input_token_logprobs"]] == ids and sglang["input_token_logprobs"][0][0] is None
+    assert sglang["input_top_logprobs"][0] is None and len(sglang["input_top_logprobs"][1]) == 2
+    scored = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, echo=True, max_tokens=0,
+                                       logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in sglang["input_token_logprobs"][1:]],
+                                                               abs=1e-5)
+    echoed = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, echo=True, max_tokens=4,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tandem-tiny-qwen2", prompt=prompt, echo=True, max_tokens=4, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert echoed.choices[0].text.startswith(prompt) and streamed == echoed.choices[0].text
+    assert echoed.usage.completion_tokens == 4
+
+
 def test_stop_strings_can_stay_in_the_text(client):
     free = client.completions.create(model="tandem-tiny-qwen2", prompt="Stop here", max_tokens=20, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -257,7 +283,8 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
         ("/generate", {"text": "x", "sampling_params": {"n": 2}}, "n is not supported"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens 0 needs echo"),
+        ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/completions", {"prompt": {"nested": 1}}, "prompt"),
         ("/generate", {"text": 42}, "text"),
