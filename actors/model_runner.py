@@ -59,6 +59,9 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
     return elements * torch.empty((), dtype=dtype).element_size()
 
 
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path) -> None:
         self.model_config = model_config
@@ -266,7 +269,6 @@ class ModelRunner:
             outputs += [chosen] + ([top_ids, top_lps] if num_top else [])
         step.host = [to_host(t) for t in outputs]
 
-
     def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]):
         """For each chunk of a prompt whose request wants its logprobs: (request, first
         position, host copies of the logprobs of the prompt tokens its positions
@@ -275,10 +277,13 @@ class ModelRunner:
         for chunk in ordered:
             request, wanted = chunk.request, chunk.request.params.prompt_logprobs
             last = min(chunk.end, request.num_prompt_tokens - 1)  # positions from here on predict output
-            if wanted is not None and chunk.start < last:
-                targets = int64_tensor(request.prompt_token_ids[chunk.start + 1 : last + 1], self.device)
-                logits = self.model.compute_logits(hidden[offset : offset + last - chunk.start])
-                yield request, chunk.start, [to_host(t) for t in logprobs_of(logits, targets, wanted) if t is not None]
+            # In slices: a 2048-token chunk's logits over a 152k vocabulary are 1.2 GB in float32.
+            for start in range(chunk.start, last, PROMPT_LOGPROB_ROWS) if wanted is not None else ():
+                end = min(start + PROMPT_LOGPROB_ROWS, last)
+                targets = int64_tensor(request.prompt_token_ids[start + 1 : end + 1], self.device)
+                rows = hidden[offset + start - chunk.start : offset + end - chunk.start]
+                logprobs = logprobs_of(self.model.compute_logits(rows), targets, wanted)
+                yield request, start, [to_host(t) for t in logprobs if t is not None]
             offset += chunk.num_new_tokens
 
     def _process_logits(self, logits: torch.Tensor, step: LaunchedStep, rows: list[int],
