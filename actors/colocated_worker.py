@@ -14,7 +14,9 @@ class ColocatedWorker(WorkerBase):
         self._ensure_started()
         self.streams.open(request.request_id, subscription)
         try:
-            held = await self.import_prefix(request.prompt_token_ids)
+            held = []
+            if request.params.prompt_logprobs is None:  # computed for its logprobs, it uses no stored prefix
+                held = await self.import_prefix(request.prompt_token_ids)
             await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id,
                                                     pinned_block_ids=held))
         except Exception:

@@ -262,7 +262,7 @@ class Engine:
         finally:
             self.pool.release(pinned_block_ids or [])  # the prefix lookup below re-takes them
         self.scheduler.prepare(request)
-        hits = self.scheduler.cached_prefix(request)
+        hits = self.scheduler.cached_prefix(request, computes_prompt=False)
         self.pool.take(hits)
         needed = -(-(request.num_prompt_tokens + 1) // self.pool.block_size) - len(hits)
         if needed > self.pool.num_available:

@@ -209,7 +209,9 @@ class PrefillWorker(WorkerBase):
         params = dataclasses.replace(request.params, max_new_tokens=1, stop=())
 
         try:
-            held = await self.import_prefix(request.prompt_token_ids)
+            held = []
+            if request.params.prompt_logprobs is None:  # computed for its logprobs, it uses no stored prefix
+                held = await self.import_prefix(request.prompt_token_ids)
 
             def add(engine: Engine) -> None:
                 engine.add_request(request.prompt_token_ids, params, request.request_id, exports_kv=True,

@@ -70,11 +70,12 @@ class Scheduler:
         self.prepare(request)
         self.waiting.append(request)
 
-    def cached_prefix(self, request: Request) -> list[int]:
+    def cached_prefix(self, request: Request, computes_prompt: bool = True) -> list[int]:
         """Block ids of the request's longest cached prefix, never covering its last
         token (whose logits are needed). Takes no references. None for a request
-        that wants its prompt's logprobs: they come from computing every position."""
-        if not self.config.enable_prefix_cache or request.params.prompt_logprobs is not None:
+        whose prompt is computed here for its logprobs: they come from computing
+        every position (a decode worker's reservation still reuses its cache)."""
+        if not self.config.enable_prefix_cache or (computes_prompt and request.params.prompt_logprobs is not None):
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         return self.pool.lookup(request.block_hashes[:max_hit_blocks], request.all_token_ids)

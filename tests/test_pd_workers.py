@@ -154,4 +154,9 @@ def test_prompt_logprobs_come_from_the_prefill_worker(ray_local, workers):
     assert [lp.token_id for lp in pd_logprobs[1:]] == request.prompt_token_ids[1:]
     assert [lp.logprob for lp in pd_logprobs[1:]] == pytest.approx([lp.logprob for lp in co_logprobs[1:]], abs=1e-5)
     assert all(e.prompt_logprobs is None for e in events[1:])
+    # Again: P computes the whole prompt for its logprobs, D reuses the blocks it holds.
+    again = GenerateRequest("prompt-logprobs-again", request.prompt_token_ids, params)
+    call, events = asyncio.run(disaggregated(p, d, again, "gloo"))
+    assert call.reservation.num_cached_blocks == 4 and call.prefill_result.num_computed_tokens == 70
+    assert [lp.logprob for lp in events[0].prompt_logprobs[1:]] == [lp.logprob for lp in pd_logprobs[1:]]
     assert_idle(ray_local, p, d, c)
