@@ -140,6 +140,7 @@ class GenerateBody(_Body):
 
 
 MAX_CHOICES = 16  # OpenAI's `n`, at most
+MAX_BATCH_REQUESTS = 64  # prompts x n in one completions call
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -205,7 +206,7 @@ class _OpenAIBody(_Body):
 class CompletionBody(_OpenAIBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, "")}
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -216,7 +217,15 @@ class CompletionBody(_OpenAIBody):
             raise ValueError("best_of is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 needs echo (the prompt's text and logprobs alone)")
+        if len(self.prompts()) * self.n > MAX_BATCH_REQUESTS:
+            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} is more than {MAX_BATCH_REQUESTS} requests")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a string or a list of token ids is one prompt."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt) or [[]]  # an empty list: one empty prompt (refused as such)
 
     @property
     def prompt_only(self) -> bool:

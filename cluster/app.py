@@ -298,11 +298,11 @@ class Scheduler:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionBody):
-        return await self._openai(body, body.prompt, chat=False)
+        return await self._openai(body, body.prompts(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatBody):
-        return await self._openai(body, self._chat_prompt(body.messages), chat=True)
+        return await self._openai(body, [self._chat_prompt(body.messages)], chat=True)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):
@@ -327,46 +327,61 @@ class Scheduler:
             raise ApiError(400, f"cannot apply the chat template: {exc}") from None
 
     # ---- helpers ------------------------------------------------------------------------
-    async def _openai(self, body, prompt, chat: bool):
-        """One request per choice (`n`). The first is admitted and prefilled alone;
-        the others start once it has its first token, when its prompt's KV is in its
-        workers' prefix caches, so they prefill only what the cache lacks (vLLM and
-        SGLang prefill once and fork instead). All are admitted before any response
-        starts."""
+    async def _openai(self, body, prompts: list, chat: bool):
+        """One request per prompt and choice (`n`), choice k being prompt k // n's
+        choice k % n, as OpenAI numbers them. Each prompt's first choice is admitted
+        and prefilled first; its others start once it has its first token, when the
+        prompt's KV is in its workers' prefix caches, so they prefill only what the
+        cache lacks (vLLM and SGLang prefill once and fork instead). All are admitted
+        before any response starts."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} not found; this server serves {self.model_name!r}",
                            kind="model_not_found")
         params = body.sampling(default_max=16 if not chat else self.settings.limits.max_new_tokens)
         await self._require_ready()
-        prompt_ids = self.service.prepare(prompt, params)
+        prompt_ids = [self.service.prepare(prompt, params) for prompt in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        per_choice = choice_params(params, body.n)
-        streams = [await self._start(prompt_ids, per_choice[0], request_id)]
-        if body.n > 1:
-            rest = await asyncio.gather(*(self._start(prompt_ids, p, f"{request_id}-{i}")
-                                          for i, p in enumerate(per_choice[1:], 1)), return_exceptions=True)
-            streams += [r for r in rest if not isinstance(r, BaseException)]
-            failed = next((r for r in rest if isinstance(r, BaseException)), None)
-            if failed is not None:
-                await asyncio.gather(*(s.aclose() for s in streams))
-                raise failed
+        per_choice, n = choice_params(params, body.n), body.n
+        rid = lambda k: request_id if k == 0 else f"{request_id}-{k}"  # noqa: E731
+        streams = dict(zip(range(0, len(prompts) * n, n), await self._start_all(
+            [(ids, per_choice[0], rid(i * n)) for i, ids in enumerate(prompt_ids)])))
+        if n > 1:
+            later = [k for k in range(len(prompts) * n) if k % n]
+            try:
+                started = await self._start_all([(prompt_ids[k // n], per_choice[k % n], rid(k)) for k in later])
+            except BaseException:
+                await asyncio.gather(*(s.aclose() for s in streams.values()))
+                raise
+            streams.update(zip(later, started))
+        streams = [streams[k] for k in range(len(streams))]
+        num_prompt = sum(len(ids) for ids in prompt_ids)
+        echo = [(lambda out, k=k: self._echoed(prompts[k // n], prompt_ids[k // n], out, body.prompt_only))
+                for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
-            echo = (lambda event: self._echoed(prompt, prompt_ids, event, body.prompt_only)) if (
-                not chat and body.echo) else None
-            return self._sse(self._openai_chunks(streams, request_id, chat, len(prompt_ids), body.include_usage, echo))
+            return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo))
         collecting = [asyncio.ensure_future(_collect(s)) for s in streams]
         try:
             results = await asyncio.gather(*collecting)
         finally:  # one choice failed (or the client left): the others stop too
             for task in collecting:
                 task.cancel()
-        if not chat and body.echo:
-            results = [self._echoed(prompt, prompt_ids, out, body.prompt_only) for out in results]
+        if echo is not None:
+            results = [echo[k](out) for k, out in enumerate(results)]
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
         choices = [(out.text, fmt.finish_reason(out.finish_reason), as_logprobs(self.tokenizer, out.logprobs))
                    for out in results]
-        usage = fmt.usage(len(prompt_ids), sum(len(out.token_ids) for out in results), results[0].num_cached_tokens)
+        usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), results[0].num_cached_tokens)
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat)
+
+    async def _start_all(self, requests: list[tuple]) -> list:
+        """`_start` each (prompt ids, params, request id) at once; if one is refused,
+        the others are closed (their requests aborted) and its error raised."""
+        started = await asyncio.gather(*(self._start(*request) for request in requests), return_exceptions=True)
+        failed = next((r for r in started if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(s.aclose() for s in started if not isinstance(s, BaseException)))
+            raise failed
+        return started
 
     def _echoed(self, prompt, prompt_ids: list[int], out, prompt_only: bool):
         """A completion (a `Collected`, or a streamed choice's first `TokenEvent`)
@@ -418,8 +433,8 @@ class Scheduler:
         yield fmt.sse("[DONE]")
 
     async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None):
-        """Every choice's events as they come, each chunk naming its choice; `echo`
-        rewrites each choice's first event (see `_echoed`)."""
+        """Every choice's events as they come, each chunk naming its choice; `echo[k]`
+        rewrites choice k's first event (see `_echoed`)."""
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
         num_tokens, cached, first = 0, 0, [True] * len(streams)
         async with contextlib.aclosing(_merged(streams)) as events:
@@ -428,7 +443,7 @@ class Scheduler:
                     yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
                     break
                 if first[index] and echo is not None:
-                    event = echo(event)
+                    event = echo[index](event)
                 num_tokens += len(event.token_ids)
                 cached = event.num_cached_tokens if index == 0 else cached
                 reason = fmt.finish_reason(event.finish_reason) if event.finished else None

@@ -118,6 +118,23 @@ def _counter(base_url, series: str) -> float:
     return 0.0
 
 
+def test_a_batch_of_prompts_numbers_its_choices_prompt_major(client):
+    kwargs = dict(model="tandem-tiny-qwen2", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs) for p in ("Once upon", [5, 6, 7])]
+    batch = client.completions.create(prompt=["Once upon", "x"], n=2, echo=True, **kwargs)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices[:2]] == ["Once upon" + alone[0].choices[0].text] * 2
+    assert all(c.text.startswith("x") for c in batch.choices[2:])
+    ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kwargs)
+    assert ids.choices[0].text == alone[1].choices[0].text and len(ids.choices) == 2
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 10
+    streamed = {}
+    for chunk in client.completions.create(prompt=[[5, 6, 7], [5, 6, 7]], stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: alone[1].choices[0].text, 1: alone[1].choices[0].text}
+
+
 def test_later_choices_prefill_from_the_first_ones_cache(base_url, client):
     """Two prefill workers, cache-aware routing: choices 2 and 3 start after the
     first has its first token, go to the P that holds the prompt, and find all of
@@ -281,6 +298,8 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/generate", {"text": "x", "max_new_tokens": 5000}, "limit of 200"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c"]}, "stop sequences"),
         ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": ["x"] * 33, "n": 2}, "more than 64 requests"),
+        ("/v1/completions", {"prompt": ["x", ""]}, "prompt is empty"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
         ("/generate", {"text": "x", "sampling_params": {"n": 2}}, "n is not supported"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens 0 needs echo"),
