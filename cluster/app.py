@@ -17,7 +17,6 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +36,7 @@ from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBo
                                 choice_params)
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
+from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
 
 log = logging.getLogger("tandem.app")
@@ -135,83 +135,6 @@ class RequestGuard:
 app.add_middleware(RequestGuard)
 
 
-# Module-level helpers the deployment calls come before it: Serve pickles the class
-# as it is decorated, so a function defined below it is missing in the replica.
-async def _prepend(first, rest):
-    try:
-        yield first
-        async for event in rest:
-            yield event
-    finally:
-        await rest.aclose()  # closing this closes the request's events (it is aborted)
-
-
-class Collected(NamedTuple):
-    """A whole request's events, read to the end."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_cached_tokens: int
-    logprobs: list | None
-    prompt_logprobs: list | None
-
-
-async def _collect(events) -> Collected:
-    text, ids, reason, cached, logprobs, prompt_logprobs = "", [], None, 0, None, None
-    async for event in events:
-        if event.error:
-            raise ApiError(503, f"request failed: {event.error}", kind="service_unavailable")
-        text += event.text
-        ids += event.token_ids
-        cached = event.num_cached_tokens
-        if event.logprobs is not None:
-            logprobs = (logprobs or []) + list(event.logprobs)
-        prompt_logprobs = prompt_logprobs or event.prompt_logprobs
-        if event.finished:
-            reason = event.finish_reason
-    return Collected(text, ids, reason, cached, logprobs, prompt_logprobs)
-
-
-async def _merged(streams):
-    """(index, event) from several event streams as each arrives; closing this
-    closes them all (their requests are aborted)."""
-    if len(streams) == 1:
-        try:
-            async for event in streams[0]:
-                yield 0, event
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index, stream):
-        try:
-            async for event in stream:
-                await queue.put((index, event))
-        except Exception as exc:  # handed to the reader
-            await queue.put((index, exc))
-        else:
-            await queue.put((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        open_streams = len(streams)
-        while open_streams:
-            index, event = await queue.get()
-            if isinstance(event, Exception):
-                raise event
-            if event is None:
-                open_streams -= 1
-            else:
-                yield index, event
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
 @serve.ingress(app)
 class Scheduler:
@@ -286,7 +209,7 @@ class Scheduler:
         events = await self._start(prompt_ids, params, body.rid)
         if body.stream:
             return self._sse(self._generate_chunks(events, len(prompt_ids)))
-        out = await _collect(events)
+        out = await collect(events)
         meta = self._meta(len(prompt_ids), len(out.token_ids), out.finish_reason, out.num_cached_tokens, out.logprobs)
         if out.prompt_logprobs is not None:  # SGLang's: [logprob, id] a position (None for the first), from the start
             wanted = out.prompt_logprobs[body.logprob_start_len:]
@@ -342,24 +265,23 @@ class Scheduler:
         prompt_ids = [self.service.prepare(prompt, params) for prompt in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
-        rid = lambda k: request_id if k == 0 else f"{request_id}-{k}"  # noqa: E731
-        streams = dict(zip(range(0, len(prompts) * n, n), await self._start_all(
-            [(ids, per_choice[0], rid(i * n)) for i, ids in enumerate(prompt_ids)])))
-        if n > 1:
-            later = [k for k in range(len(prompts) * n) if k % n]
+        keys = range(len(prompts) * n)
+        started: dict[int, object] = {}  # choice k -> its events
+        for group in ([k for k in keys if k % n == 0], [k for k in keys if k % n]):  # firsts, then the rest
             try:
-                started = await self._start_all([(prompt_ids[k // n], per_choice[k % n], rid(k)) for k in later])
+                events = await self._start_all([(prompt_ids[k // n], per_choice[k % n],
+                                                 f"{request_id}-{k}" if k else request_id) for k in group])
             except BaseException:
-                await asyncio.gather(*(s.aclose() for s in streams.values()))
+                await asyncio.gather(*(s.aclose() for s in started.values()))
                 raise
-            streams.update(zip(later, started))
-        streams = [streams[k] for k in range(len(streams))]
+            started.update(zip(group, events))
+        streams = [started[k] for k in range(len(started))]
         num_prompt = sum(len(ids) for ids in prompt_ids)
         echo = [(lambda out, k=k: self._echoed(prompts[k // n], prompt_ids[k // n], out, body.prompt_only))
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
             return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo))
-        collecting = [asyncio.ensure_future(_collect(s)) for s in streams]
+        collecting = [asyncio.ensure_future(collect(s)) for s in streams]
         try:
             results = await asyncio.gather(*collecting)
         finally:  # one choice failed (or the client left): the others stop too
@@ -409,7 +331,7 @@ class Scheduler:
         if first.error:
             await events.aclose()
             raise ApiError(503, f"request failed: {first.error}", kind="service_unavailable")
-        return _prepend(first, events)
+        return prepend(first, events)
 
     def _meta(self, num_prompt, num_tokens, reason, cached, logprobs) -> dict:
         meta = {"id": None, "prompt_tokens": num_prompt, "completion_tokens": num_tokens, "cached_tokens": cached,
@@ -437,7 +359,7 @@ class Scheduler:
         rewrites choice k's first event (see `_echoed`)."""
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
         num_tokens, cached, first = 0, 0, [True] * len(streams)
-        async with contextlib.aclosing(_merged(streams)) as events:
+        async with contextlib.aclosing(merged(streams)) as events:
             async for index, event in events:
                 if event.error:
                     yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
