@@ -36,11 +36,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from actors.attention_metadata import AttentionMetadata
 from actors.block_table_rows import BlockTableRows
-from actors.host_tensors import padded_int64_rows
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class DecodeGraphs:
         self.token_ids, self.positions, self.slot_mapping, self.context_lens = self.step_inputs.unbind(0)
         self.block_tables = torch.full((max_batch, max_blocks_per_seq), scratch_block, **long)
         self.host_block_tables = BlockTableRows(max_batch, max_blocks_per_seq, pad=scratch_block)
+        # A padding row's inputs: token 0 at position 0, the scratch slot, one token of context.
+        self._padding_column = np.array([[0], [0], [scratch_block * self.block_size], [1]], dtype=np.int64)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture()
@@ -143,36 +145,34 @@ class DecodeGraphs:
         self,
         token_ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int],
-        slot_mapping: Sequence[int],
         block_tables: Sequence[list[int]],
-        context_lens: Sequence[int],
     ) -> torch.Tensor:
-        """The step's hidden states, [n, hidden] for n = len(token_ids) single-token
-        decodes. `block_tables`: each sequence's block table (the list itself: a row
-        whose list is the last step's copies only the new blocks), covering at least
-        its context_len; the step reads ceil(context_len / block_size) blocks of it.
-        `token_ids` may be
-        a tensor on the device (tokens the host has not read yet): copied in on the
-        device, after the host's rows. The result is a view of the graph's output:
+        """The step's hidden states, [n, hidden] for n single-token decodes: sequence
+        i's token at `positions[i]`, its KV written to and its context read from
+        `block_tables[i]` (the list itself: a row whose list is the last step's
+        copies only the new blocks; it covers the position). `token_ids` may be a
+        tensor on the device (tokens the host has not read yet): copied in on the
+        device. The slots and context lengths follow from the positions, computed
+        for the whole batch at once. The result is a view of the graph's output:
         read it before the next `run`."""
-        batch = len(token_ids)
+        batch = len(block_tables)
         assert self.fits(batch), (batch, self.max_batch)
         bucket = self._bucket(batch)
-        pad = bucket - batch
-        scratch_slot = self.scratch_block * self.block_size
+        size = self.block_size
+        position = np.asarray(positions, dtype=np.int64)
+        block_index = position // size
+        width = self.host_block_tables.update(block_tables, (block_index + 1).tolist(), bucket)
         on_device = isinstance(token_ids, torch.Tensor)
-        rows = [
-            ([0] * batch if on_device else list(token_ids)) + [0] * pad,
-            list(positions) + [0] * pad,
-            list(slot_mapping) + [scratch_slot] * pad,
-            list(context_lens) + [1] * pad,
-        ]
-        num_blocks = [-(-n // self.block_size) for n in context_lens]
-        width = self.host_block_tables.update(block_tables, num_blocks, bucket)
-        tables = torch.from_numpy(self.host_block_tables.array[:bucket, :width])
-        self._copy_in(self.step_inputs[:, :bucket], padded_int64_rows(rows, pad=0))
+        inputs = np.empty((4, bucket), dtype=np.int64)  # token ids, positions, slots, context lengths
+        inputs[:, batch:] = self._padding_column
+        inputs[0, :batch] = 0 if on_device else token_ids
+        inputs[1, :batch] = position
+        inputs[2, :batch] = self.host_block_tables.array[np.arange(batch), block_index] * size + position % size
+        inputs[3, :batch] = position + 1
+        self._copy_in(self.step_inputs[:, :bucket], torch.from_numpy(inputs))
         if on_device:
             self.token_ids[:batch].copy_(token_ids)
+        tables = torch.from_numpy(self.host_block_tables.array[:bucket, :width])
         self._copy_in(self.block_tables[:bucket, :width], tables)
         if bucket in self._graphs:
             graph, hidden = self._graphs[bucket]

@@ -30,7 +30,7 @@ from actors.kv_channel import (
     StoreReceiver,
 )
 from actors.messages import ChunkMeta, GenerateRequest, ReservationInfo, ReservationRefused, TransferFailed
-from actors.model_runner import SampledToken
+from actors.request import SampledToken
 from actors.worker_base import WorkerBase
 
 

@@ -48,8 +48,8 @@ from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
 from actors.kv_tiers import StoredBlock
-from actors.model_runner import LaunchedStep, ModelRunner, SampledToken
-from actors.request import FinishReason, Request, RequestOutput
+from actors.model_runner import LaunchedStep, ModelRunner
+from actors.request import FinishReason, Request, RequestOutput, SampledToken, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
 from actors.stop_strings import StopStrings
@@ -169,6 +169,8 @@ class Engine:
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
+            stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
+                                                                  else self.model_config.eos_token_ids),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
 
@@ -296,7 +298,7 @@ class Engine:
             self.scheduler.publish_full_blocks(request, 0)
         self.requests[request_id] = request
         self.scheduler.add_running(request)
-        self._append_token(request, first_token, time.monotonic())
+        self._append_token(request, first_token.token_id, first_token.logprob, time.monotonic())
         if request.is_finished:
             del self.requests[request_id]
         return self._output(request)
@@ -345,14 +347,24 @@ class Engine:
         join, their input token from the host."""
         if not step.decodes_only or self.scheduler.waiting or step.launched.penalised:
             return None
-        in_step = {id(c.request) for c in step.chunks}
-        joining = [r for r in self.scheduler.running if id(r) not in in_step]
-        if any(r.num_pending_tokens != 1 for r in joining):
-            return None  # a prompt still being computed: a full schedule
-        rows = [row for row, c in enumerate(step.chunks)
-                if not c.request.is_finished and not self._next_token_is_last(c.request)]
-        starts = [(step.chunks[row].request, step.chunks[row].end) for row in rows]
-        starts += [(r, r.num_computed_tokens) for r in joining]
+        rows, starts, num_unfinished = [], [], 0
+        for row, chunk in enumerate(step.chunks):
+            request = chunk.request
+            if request.is_finished:
+                continue
+            num_unfinished += 1
+            if not self._next_token_is_last(request):
+                rows.append(row)
+                starts.append((request, chunk.end))
+        # The step's unfinished requests are running (nothing is preempted while a
+        # step is in flight): any other running request joins.
+        joining = []
+        if len(self.scheduler.running) > num_unfinished:
+            in_step = {id(c.request) for c in step.chunks}
+            joining = [r for r in self.scheduler.running if id(r) not in in_step]
+            if any(r.num_pending_tokens != 1 for r in joining):
+                return None  # a prompt still being computed: a full schedule
+            starts += [(r, r.num_computed_tokens) for r in joining]
         plan = self.scheduler.schedule_next_decodes(starts) if starts else None
         if plan is None:
             return None
@@ -374,7 +386,7 @@ class Engine:
     def _finish_step(self, step: _StepInFlight) -> tuple[list[ExportedChunk], list[RequestOutput]]:
         """Read a launched step's tokens and bring its requests up to date. Requests
         aborted since its launch are skipped (their tokens dropped)."""
-        sampled = self.runner.collect(step.launched)
+        token_ids, logprobs = self.runner.collect(step.launched)
         chunks = [c for c in step.chunks if not c.request.is_finished]
         self.scheduler.update(chunks)
         if self.block_sink is not None and self.config.enable_prefix_cache:
@@ -388,36 +400,35 @@ class Engine:
         ]
         now = time.monotonic()
         outputs = []
-        for request, token in sampled:
+        for row, request in enumerate(step.launched.requests):
             if request.is_finished:
                 continue
-            self._append_token(request, token, now)
+            self._append_token(request, token_ids[row], None if logprobs is None else logprobs[row], now)
             if request.is_finished:
                 del self.requests[request.request_id]
             outputs.append(self._output(request))
         return exported, outputs
 
-    def _append_token(self, request: Request, token: SampledToken, now: float) -> None:
+    def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
         params = request.params
-        request.output_token_ids.append(token.token_id)
-        if token.logprob is not None:
-            request.logprobs.append(token.logprob)
+        output_ids = request.output_token_ids
+        output_ids.append(token_id)
+        if logprob is not None:
+            request.logprobs.append(logprob)
         if request.first_token_s is None:
             request.first_token_s = now
         request.token_times_s.append(now)
 
-        may_stop = len(request.output_token_ids) > params.min_new_tokens
-        is_stop_token = may_stop and (token.token_id in params.stop_token_ids or (
-            not params.ignore_eos and token.token_id in self.model_config.eos_token_ids))
-        if is_stop_token:
+        may_stop = len(output_ids) > params.min_new_tokens
+        if may_stop and token_id in request.stop_token_ids:
             return self._finish(request, FinishReason.STOP)
-        delta = request.detokenizer.add(token.token_id)
+        delta = request.detokenizer.add(token_id)
         if request.stop_strings is not None and delta and may_stop:
             dropped = request.stop_strings.feed(delta)
             if dropped is not None:
                 cut = request.detokenizer.num_chars - dropped
                 return self._finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
-        if len(request.output_token_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
+        if len(output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, FinishReason.LENGTH)
 
     def _finish(self, request: Request, reason: FinishReason, text: str | None = None) -> None:

@@ -48,12 +48,6 @@ from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, sample, uniform_draws
 
 
-@dataclass(slots=True)
-class SampledToken:  # not frozen: one a request a step, and frozen construction costs 3x
-    token_id: int
-    logprob: TokenLogprob | None
-
-
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elements = model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim
     return elements * torch.empty((), dtype=dtype).element_size()
@@ -230,8 +224,9 @@ class ModelRunner:
             step.ready = self.step_done
         return step
 
-    def collect(self, step: LaunchedStep) -> list[tuple[Request, SampledToken]]:
-        """The tokens a launched step sampled, once the device has them (waits)."""
+    def collect(self, step: LaunchedStep) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """The tokens a launched step sampled, once the device has them (waits): see
+        `LaunchedStep.tokens`."""
         result = step.tokens()
         self.last_step_s = time.perf_counter() - step.started
         return result
@@ -241,15 +236,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Hidden states of single-token chunks, through `static` (its padded
         buffers, and its graphs when captured); `input_ids` as in `launch`."""
-        size = self.config.block_size
-        positions = [c.start for c in chunks]
         return static.run(
             token_ids=[c.request.token_ids_between(c.start, c.end)[0] for c in chunks] if input_ids is None
             else input_ids,
-            positions=positions,
-            slot_mapping=[c.request.block_table[p // size] * size + p % size for c, p in zip(chunks, positions)],
+            positions=[c.start for c in chunks],
             block_tables=[c.request.block_table for c in chunks],
-            context_lens=[p + 1 for p in positions],
         )
 
     def _sample(self, logits: torch.Tensor, step: LaunchedStep, token_indexes: list[int]) -> None:
@@ -347,9 +338,11 @@ class LaunchedStep:
     penalised: bool = False  # a row's penalties count the tokens before it: the next step needs them on the host
     prompt_parts: list = field(default_factory=list)  # prompt logprobs computed (see `_prompt_logprobs`)
 
-    def tokens(self) -> list[tuple[Request, SampledToken]]:
-        """(request, sampled token) a row; waits for the device (as lists: one copy
-        each, not one a row). Fills in the prompt logprobs the step computed."""
+    def tokens(self) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """The token id of each row (`requests`' order) and, when any row asked for
+        logprobs, each row's `TokenLogprob` (None for rows that did not); waits for
+        the device. Plain lists, not a record a row: this runs for every request
+        every step. Fills in the prompt logprobs the step computed."""
         if self.ready is not None and (self.requests or self.prompt_parts):
             self.ready.synchronize()
         for request, first, host in self.prompt_parts:
@@ -360,16 +353,14 @@ class LaunchedStep:
                 best = list(zip(top[0][i][:num_top], top[1][i][:num_top])) if top else []
                 request.prompt_logprobs[position] = TokenLogprob(request.prompt_token_ids[position], logprob, best)
         if not self.requests:
-            return []
-        token_list, *logprob_tensors = (t.tolist() for t in self.host)
-        chosen, top_ids, top_lps = (logprob_tensors + [None, None, None])[:3]
-        result = []
+            return [], None
+        token_ids, *logprob_lists = (t.tolist() for t in self.host)
+        if not logprob_lists:
+            return token_ids, None
+        chosen, top_ids, top_lps = (logprob_lists + [None, None])[:3]
+        logprobs: list[TokenLogprob | None] = []
         for row, request in enumerate(self.requests):
-            token_id = token_list[row]
-            logprob = None
-            if request.params.logprobs is not None:
-                n = request.params.logprobs
-                top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n else []
-                logprob = TokenLogprob(token_id, chosen[row], top)
-            result.append((request, SampledToken(token_id, logprob)))
-        return result
+            n = request.params.logprobs
+            top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n else []
+            logprobs.append(None if n is None else TokenLogprob(token_ids[row], chosen[row], top))
+        return token_ids, logprobs

@@ -32,11 +32,25 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+# `is_finished` is read a few times a request a step: through a module global it
+# costs half what it does through the enum class (0.12 us against 0.26, a one-off
+# probe).
+_FINISHED = RequestStatus.FINISHED
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A token sampled elsewhere and handed over: a prefill worker's first token."""
+
+    token_id: int
+    logprob: TokenLogprob | None
 
 
 @dataclass
@@ -59,6 +73,7 @@ class Request:
     finish_reason: FinishReason | None = None
     output_text: str = ""
     stop_strings: StopStrings | None = None  # its params' stop strings, searched as its text grows
+    stop_token_ids: frozenset[int] = frozenset()  # its params' stop tokens, and EOS unless ignore_eos
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker
@@ -103,7 +118,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is _FINISHED
 
 
 @dataclass(slots=True)

@@ -190,8 +190,11 @@ class Scheduler:
         a step's budget: a full `schedule()` after the step decides who waits."""
         if len(starts) > self.config.max_num_batched_tokens:
             return None
-        # A block only when a sequence crosses into a new one (one step in block_size).
-        growing = [(request, needed) for request, start in starts if (needed := self.blocks_needed(request, start + 1))]
+        # A block only when a sequence crosses into a new one (one step in block_size):
+        # position `start` lies in block start // size.
+        size = self.block_size
+        growing = [(request, needed) for request, start in starts
+                   if (needed := start // size + 1 - len(request.block_table)) > 0]
         if sum(needed for _, needed in growing) > self.pool.num_available:
             return None
         for request, needed in growing:

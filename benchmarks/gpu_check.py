@@ -166,8 +166,7 @@ def _static_decode_step_s(torch, runner, device: str, batch: int, context_len: i
     num_blocks = -(-context_len // size)
     tables = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(batch)]
     last = context_len - 1
-    inputs = dict(token_ids=[5] * batch, positions=[last] * batch, context_lens=[context_len] * batch,
-                  slot_mapping=[t[last // size] * size + last % size for t in tables], block_tables=tables)
+    inputs = dict(token_ids=[5] * batch, positions=[last] * batch, block_tables=tables)
     static.run(**inputs)  # warm-up
     return _timed(torch, device, lambda: [static.run(**inputs) for _ in range(repeats)]) / repeats
 

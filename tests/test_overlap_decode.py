@@ -152,7 +152,7 @@ def test_activations_join_an_overlapped_run(tiny_qwen2_dir):
     """A decode worker's requests arrive with their prompt KV and first token while
     others decode: they join the step launched ahead instead of ending the run, and
     every output is what the engine gives without overlap."""
-    from actors.model_runner import SampledToken
+    from actors.request import SampledToken
 
     rng = random.Random(4)
     prefill = _engine(tiny_qwen2_dir, overlap=False, static=False)
