@@ -26,6 +26,7 @@ from actors.event_log import CacheEvents, Cursor
 from actors.kv_store import KVStoreSettings, StoreStats
 from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
 from actors.profiler import EngineProfile, profile_engine
+from actors.startup_heap import freeze_startup_heap
 from actors.token_streams import TokenStreams
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class WorkerBase:
         self.loop: EngineLoop | None = None
         self.streams: TokenStreams | None = None
         self.aio: asyncio.AbstractEventLoop | None = None
+        freeze_startup_heap()  # last: a full collection must never walk the engine (actors/startup_heap.py)
 
     def _engine_config(self, config: EngineConfig) -> EngineConfig:
         """Hook: the engine settings this kind of worker runs with."""

@@ -14,5 +14,6 @@ BENCHMARKS = {
     "autoscale": "benchmarks.autoscale",
     "kernels": "benchmarks.kernels",
     "host": "benchmarks.host_step",
+    "gc": "benchmarks.gc_pauses",
     "delivery": "benchmarks.delivery",
 }

@@ -30,6 +30,7 @@ from actors.config import ModelConfig
 from actors.engine import load_tokenizer
 from actors.request import TokenLogprob
 from actors.sampling_params import InvalidRequestError
+from actors.startup_heap import freeze_startup_heap
 from cluster import openai_format as fmt
 from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody,
@@ -150,6 +151,7 @@ class Scheduler:
         self.model_name = self.settings.model.served_name
         app.state.settings = self.settings
         self._refresher: asyncio.Task | None = None
+        freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
 
     # ---- background membership refresh ----------------------------------------------
     def _ensure_refreshing(self) -> None:
