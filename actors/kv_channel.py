@@ -44,6 +44,7 @@ Backends:
 from __future__ import annotations
 
 import datetime
+import importlib
 import re
 import shutil
 import threading
@@ -224,7 +225,7 @@ class GlooReceiver(KVReceiver):
 # ---- nccl ------------------------------------------------------------------------
 def nccl_available() -> bool:
     try:
-        import cupy  # noqa: F401
+        importlib.import_module("cupy")  # importable: its CUDA libraries load
     except ImportError:
         return False
     return torch.cuda.is_available()

@@ -272,7 +272,8 @@ class PrefillWorker(WorkerBase):
             src = chunk.block_ids[job.next_block : send_upto]
             if not src and not is_last:
                 continue
-            meta = ChunkMeta(job.request.request_id, job.next_chunk, job.reservation.block_ids[job.next_block : send_upto], is_last)
+            dst = job.reservation.block_ids[job.next_block : send_upto]
+            meta = ChunkMeta(job.request.request_id, job.next_chunk, dst, is_last)
             if is_last:
                 first = firsts[chunk.request_id]
                 meta = dataclasses.replace(

@@ -75,7 +75,8 @@ def run_phase(engine, settings: dict, args, rng: random.Random) -> dict:
         engine.step()
     result = {"wall_s": wall_s}
     for generation, passes in timer.passes.items():
-        result[f"gen{generation}"] = {"passes": len(passes), "total_ms": sum(passes), "max_ms": max(passes, default=0.0)}
+        result[f"gen{generation}"] = {"passes": len(passes), "total_ms": sum(passes),
+                                      "max_ms": max(passes, default=0.0)}
     return result
 
 

@@ -55,8 +55,8 @@ class ServeCluster:
             for name in list(self.apps):
                 try:
                     self.undeploy(name)
-                except Exception as exc:  # keep tearing down the rest
-                    print(f"undeploying {name} failed: {type(exc).__name__}: {exc}", flush=True)
+                except Exception as error:  # keep tearing down the rest
+                    print(f"undeploying {name} failed: {type(error).__name__}: {error}", flush=True)
         finally:
             serve.shutdown()
             ray.shutdown()
