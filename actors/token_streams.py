@@ -134,16 +134,17 @@ class TokenStreams:
             start = stream.num_tokens_sent
             if start and not output.finished and output.num_tokens - start < self.stream_interval:
                 continue
-            events.append(TokenEvent(
-                request_id=output.request_id,
-                token_ids=output.new_token_ids(start),
-                text=output.new_text(stream.num_chars_sent),
-                logprobs=output.new_logprobs(start),
-                finished=output.finished,
-                finish_reason=output.finish_reason.value if output.finish_reason else None,
-                time_s=now,
-                num_cached_tokens=output.num_cached_tokens,
-                prompt_logprobs=output.prompt_logprobs if not start else None,
+            events.append(TokenEvent(  # by position: by keyword costs twice as much (1.1 us against 0.6)
+                output.request_id,
+                output.new_token_ids(start),
+                output.new_text(stream.num_chars_sent),
+                output.new_logprobs(start),
+                output.finished,
+                output.finish_reason.value if output.finish_reason else None,
+                now,
+                output.num_cached_tokens,
+                None,  # error
+                output.prompt_logprobs if not start else None,
             ))
             subscriptions.append(stream.subscription)
             stream.num_tokens_sent = output.num_tokens

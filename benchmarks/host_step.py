@@ -11,7 +11,9 @@ step's host time is its wall time less the model's forward and LM head and less
 sampling (each timed by wrapping it). Sampling is reported on its own: it is
 device work (an argmax, a softmax and a prefix sum over the vocabulary) plus host
 work (launching those, one draw from each request's generator), which a CPU run
-cannot separate.
+cannot separate. A worker's engine thread also turns each step's outputs into token
+events (`TokenStreams.publish`, actors/token_streams.py) before the next step: that
+has a column of its own, `publish`, outside the host figure.
 
 Workloads, alternated within each repeat (medians over `--repeats`):
 - `greedy`: temperature 0 (what the GPU check's decode MBU runs);
@@ -54,9 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:
     """Add `batch` requests, run them into steady decoding, then time `steps` steps:
-    per step, the host time, the sampling calls and the model (forward, LM head)."""
+    per step, the host time, the sampling calls and the model (forward, LM head),
+    and the worker's publishing of the step's outputs as token events (timed apart,
+    not in the host figure)."""
+    import asyncio
+
     import actors.model_runner as runner_module
     from actors.sampling_params import SamplingParams
+    from actors.token_streams import TokenStreams
     from benchmarks.engine_profile import PhaseTimer
 
     engine = llm.engine
@@ -64,8 +71,12 @@ def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:
     vocab = engine.model_config.vocab_size
     warmup = 5
     params = SamplingParams(max_new_tokens=args.steps + warmup + 2, ignore_eos=True, seed=seed, **settings)
+    events_loop = asyncio.new_event_loop()
+    streams = TokenStreams(events_loop)
+    feed = streams.batches("bench")
     for _ in range(args.batch):
-        engine.add_request([rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], params)
+        request_id = engine.add_request([rng.randrange(3, vocab) for _ in range(args.prompt_tokens)], params)
+        streams.open(request_id, "bench")
     while not all(r.output_token_ids for r in engine.requests.values()):  # every prompt prefilled
         engine.step()
     for _ in range(warmup):
@@ -76,20 +87,28 @@ def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:
     model.forward, model.compute_logits = timer.wrap("model", model.forward), timer.wrap("model", model.compute_logits)
     runner_module.sample = timer.wrap("sampling", sample)
     runner_module.logprobs_of = timer.wrap("sampling", logprobs_of)
+    publish = timer.wrap("publish", streams.publish)
+    # The events go to the loop as in a worker; a consumer's feed takes them (this
+    # benchmark's own work, timed apart and left out of every figure).
+    take_events = timer.wrap("feed", lambda: events_loop.run_until_complete(anext(feed)))
     try:
         started = time.perf_counter()
         for _ in range(args.steps):
-            engine.step()
+            publish(engine.step())
+            take_events()
         wall = time.perf_counter() - started
     finally:
         del model.forward, model.compute_logits  # the class's methods again
         runner_module.sample, runner_module.logprobs_of = sample, logprobs_of
+        events_loop.run_until_complete(feed.aclose())
+        events_loop.close()
     while engine.has_unfinished():
         engine.step()
-    seconds = {part: timer.totals.get(("all", part), 0.0) for part in ("model", "sampling")}
+    seconds = {part: timer.totals.get(("all", part), 0.0) for part in ("model", "sampling", "publish", "feed")}
     per_step = lambda s: s / args.steps * 1e3  # noqa: E731
-    return {"host": per_step(wall - seconds["model"] - seconds["sampling"]), "sampling": per_step(seconds["sampling"]),
-            "model": per_step(seconds["model"])}
+    host = wall - seconds["model"] - seconds["sampling"] - seconds["publish"] - seconds["feed"]
+    return {"host": per_step(host), "sampling": per_step(seconds["sampling"]), "model": per_step(seconds["model"]),
+            "publish": per_step(seconds["publish"])}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -97,6 +116,7 @@ def main(args: argparse.Namespace) -> None:
 
     from actors.llm import LLM
     from actors.model_builder import ensure_checkpoint
+    from actors.startup_heap import freeze_startup_heap
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_checkpoint(args.preset, "qwen2")
@@ -104,6 +124,7 @@ def main(args: argparse.Namespace) -> None:
               max_num_batched_tokens=max(2048, args.prompt_tokens * 4))
     runner = llm.engine.runner
     runner.decode_graphs = runner.static_decode(capture=False)  # the CUDA-graph step's host path
+    freeze_startup_heap()  # as a worker does: no full collection walks the start-up heap
     times: dict[str, list[dict]] = {name: [] for name in WORKLOADS}
     for repeat in range(args.repeats):
         names = list(WORKLOADS) if repeat % 2 == 0 else list(reversed(WORKLOADS))
@@ -114,9 +135,9 @@ def main(args: argparse.Namespace) -> None:
     report.print_table(
         f"Host time of a decode step, batch {args.batch}, {args.steps} steps, median of {args.repeats} (ms a step)",
         ["workload", "host", "host min", "host max", "host us / sequence", "sampling (host + CPU work)",
-         "model (CPU)"],
+         "model (CPU)", "publish (a worker's token events)"],
         [[name, s["host"]["median"], s["host"]["min"], s["host"]["max"], s["host"]["median"] * 1e3 / args.batch,
-          s["sampling"]["median"], s["model"]["median"]] for name, s in summary.items()],
+          s["sampling"]["median"], s["model"]["median"], s["publish"]["median"]] for name, s in summary.items()],
     )
     greedy = summary["greedy"]["host"]["median"]
     report.finish(

@@ -73,6 +73,7 @@ def test_any_range_of_the_text_reads_as_a_slice_of_the_whole(tiny_qwen2_dir):
     rng = random.Random(0)
     ranges = [(0, len(whole)), (0, 0), (len(whole), len(whole))] + [
         tuple(sorted(rng.randrange(len(whole) + 1) for _ in range(2))) for _ in range(300)]
+    ranges += [(start, len(whole)) for start in [0] + detok.piece_ends]  # the last piece alone among them
     for start, end in ranges:
         assert detok.text_between(start, end) == whole[start:end], (start, end)
 
