@@ -8,13 +8,13 @@ rare in serving: CPython runs one once the objects promoted since the last reach
 quarter of the long-lived ones, and a decode engine keeps request state alive
 (logprobs, token lists) long enough to be promoted. `tandem bench gc`
 (benchmarks/gc_pauses.py, docs/benchmarks.md) decodes logprobs requests, replaced
-as they end, in a process with that heap: six full passes in 3000 steps, up to
-118 ms each.
+as they end, in a process with that heap: five full passes in 3000 steps, up to
+126 ms each.
 
 Nothing built at start-up becomes garbage while the process serves, so
 `freeze_startup_heap` moves it to the collector's permanent generation, which
 passes skip: the same run's full passes then walk only the live request state
-(15 ms at most, 53 ms in all against 652). vLLM freezes its engine-core, worker and
+(15 ms at most, 55 ms in all against 598). vLLM freezes its engine-core, worker and
 API-server heaps after start-up for the same reason. Reference counting still frees
 every frozen object that stops being used; only a cycle among them would be kept.
 A process that builds engines again and again (the offline `LLM` in a test run)
