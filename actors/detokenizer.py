@@ -101,7 +101,7 @@ def text_between(pieces: list[str], piece_ends: list[int], start: int, end: int)
     overlap them (`piece_ends[i]`: where piece i ends in the text)."""
     if start >= end:
         return ""
-    if end == piece_ends[-1] and start == (piece_ends[-2] if len(piece_ends) > 1 else 0):
+    if piece_ends and end == piece_ends[-1] and start == (piece_ends[-2] if len(piece_ends) > 1 else 0):
         return pieces[-1]  # a stream's usual read: the one piece since its last (0.16 us against 0.8)
     first = bisect.bisect_right(piece_ends, start)  # the piece holding character `start`
     last = bisect.bisect_left(piece_ends, end)  # the piece holding character end - 1
