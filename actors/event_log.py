@@ -9,8 +9,9 @@ each replica would see a random part of each cache. Instead the log numbers its
 events and keeps the latest `capacity` of them; a reader passes the cursor it got
 last time and receives what came after it. A reader that is new (no cursor), fell
 further behind than the log keeps, or holds a cursor from another log (a cursor
-names its log: a restarted worker or store has a new one) gets a snapshot instead: every key the cache holds now, with `reset` set,
-so it rebuilds its index rather than patching a stale one. A replica that starts
+names its log: a restarted worker or store has a new one) gets a snapshot instead:
+every key the cache holds now, with `reset` set, so it rebuilds its index rather
+than patching a stale one. A replica that starts
 late therefore sees what the caches already hold too. (Dynamo's KV router and
 SGLang's cache-aware router keep the same per-worker view; there the events reach
 one router process.)

@@ -283,14 +283,12 @@ class ModelRunner:
         banned while under `min_new_tokens` (kernels/logit_bias.py), then their
         penalties (kernels/penalties.py). The raw logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
-        eos = self.model_config.eos_token_ids
         biases = []
         for row in rows:
-            params = step.requests[row].params
-            bias = list(params.logit_bias)
-            if token_indexes[row] < params.min_new_tokens:
-                stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-                bias += [(token, -math.inf) for token in sorted(stops)]
+            request = step.requests[row]
+            bias = list(request.params.logit_bias)
+            if token_indexes[row] < request.params.min_new_tokens:
+                bias += [(token, -math.inf) for token in sorted(request.stop_token_ids)]
             biases.append(bias)
         add_logit_bias_(scores, rows, biases)
         penalised = [row for row in rows if step.requests[row].params.has_penalties]

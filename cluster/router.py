@@ -21,6 +21,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from actors.event_log import CacheEvents
 from cluster.admission import Prediction
 
 
@@ -48,6 +49,13 @@ class PrefixIndex:
                 self.insert([block_hash])
             else:
                 self._hashes.pop(block_hash, None)
+
+    def update(self, batch: CacheEvents) -> None:
+        """Events read from a cache's log (actors/event_log.py); a snapshot replaces
+        what the index held."""
+        if batch.reset:
+            self._hashes.clear()
+        self.apply(batch.events)
 
     def insert(self, hashes: Sequence[bytes]) -> None:
         for block_hash in hashes:

@@ -112,11 +112,8 @@ class GlobalScheduler:
 
     def _apply_cache_events(self, worker_id: str, batch: CacheEvents) -> None:
         """A worker's prefix-cache events since this replica's cursor, or a snapshot
-        of its cache (a first read, or one that fell behind its log): then the
-        index starts again from it."""
-        if batch.reset:
-            self.prefix[worker_id] = PrefixIndex(self.prefix[worker_id].capacity)
-        self.prefix[worker_id].apply(batch.events)
+        of its cache (a first read, or one that fell behind its log)."""
+        self.prefix[worker_id].update(batch)
         self.cache_cursors[worker_id] = batch.cursor
 
     def replace_pool(self, pool) -> None:

@@ -61,10 +61,7 @@ class StoreIndex:
         tiers = self.node_tiers.setdefault(node_id, {})
         for tier, batch in batches.items():
             if tier == "shared":
-                index = self.shared
+                self.shared.apply(batch.events)
             else:
-                if batch.reset:
-                    tiers.pop(tier, None)
-                index = tiers.setdefault(tier, PrefixIndex(INDEX_CAPACITY_BLOCKS))
-            index.apply(batch.events)
+                tiers.setdefault(tier, PrefixIndex(INDEX_CAPACITY_BLOCKS)).update(batch)
         self._cursors[node_id] = {tier: batch.cursor for tier, batch in batches.items()}
