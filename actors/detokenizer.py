@@ -16,6 +16,20 @@ runs inside it, in one call a token: 1.4 us a token instead of 5.5 (a one-off
 probe: random ids, the tiny preset's tokenizer; in `tandem bench engine --profile`
 appending tokens went 0.41 -> 0.34 ms a decode step, docs/benchmarks.md). `flush` then decodes the whole output once.
 
+Byte-level BPE tokenizers (GPT-2's scheme: Qwen2, Llama 3, the built-in presets)
+need no window at all. Their decoder maps every token to bytes on its own (each
+character of the token through GPT-2's byte <-> character table, or the token's
+UTF-8 when a character is not in it, as an added token's may be) and decodes the
+concatenation lossily. So `ByteLevelTables` lists each id's bytes once per
+tokenizer, and a stream keeps only the bytes of a character not yet complete:
+a token is one list index, one concatenation and one `bytes.decode` (0.1-0.16 us
+a token against DecodeStream's 0.55-0.9, a one-off probe on the tiny and
+qwen2.5-0.5b presets' tokenizers, corpus text and random ids). Python's lossy
+UTF-8 decode replaces each maximal invalid subpart with one U+FFFD, as Rust's
+`from_utf8_lossy` does, and a decode resumes cleanly after any replaced run or
+complete character, so the deltas concatenate to the backend's decode exactly
+(tests/test_detokenizer.py holds random id streams to it).
+
 The text is kept as the list of its deltas (`pieces`, with `piece_ends`: where each
 ends), never concatenated as it grows: appending a delta to one string copies the
 whole string every token, so a token cost 7.4 us at 100k characters of output
@@ -26,6 +40,7 @@ a range of characters overlaps; `text` joins them all (at the end).
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -33,8 +48,46 @@ except ImportError:  # tokenizers < 0.21
     DecodeStream = None
 
 
+@dataclass(frozen=True)
+class ByteLevelTables:
+    """The bytes each token id decodes to, for a tokenizer whose decoder is
+    ByteLevel alone: `with_special` and `without_special` (special tokens as b"",
+    for skip_special_tokens)."""
+
+    with_special: list[bytes]
+    without_special: list[bytes]
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int = 0) -> ByteLevelTables | None:
+        """The tables, or None when the tokenizer decodes otherwise (another decoder,
+        a slow tokenizer, spaces cleaned up after decoding). They cover `vocab_size`
+        ids (a model's, where it has more rows than its tokenizer has tokens: ids
+        past the tokenizer's decode to nothing, as in the backend's decode)."""
+        from tokenizers.decoders import ByteLevel
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False)
+                or type(backend.decoder) is not ByteLevel):
+            return None
+        byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        with_special = []
+        for token_id in range(max(vocab_size, backend.get_vocab_size(with_added_tokens=True))):
+            token = backend.id_to_token(token_id) or ""
+            if all(char in byte_of for char in token):
+                with_special.append(bytes(byte_of[char] for char in token))
+            else:
+                with_special.append(token.encode())
+        without_special = [b"" if i in special else data for i, data in enumerate(with_special)]
+        return cls(with_special, without_special)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True,
+                 byte_level: ByteLevelTables | None = None) -> None:
+        """`byte_level`: the tokenizer's tables (`ByteLevelTables.of`, built once by
+        the caller), for the byte path; without them, DecodeStream or windows."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
@@ -43,6 +96,10 @@ class IncrementalDetokenizer:
         self.pieces: list[str] = []
         self.piece_ends: list[int] = []
         self.num_chars = 0
+        self._token_bytes = None
+        if byte_level is not None:
+            self._token_bytes = byte_level.without_special if skip_special_tokens else byte_level.with_special
+            self._incomplete = b""  # the bytes of a character the next token may complete
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = None
         if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -73,6 +130,13 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append a token; return the newly completed text (possibly empty)."""
         self.token_ids.append(token_id)
+        if self._token_bytes is not None:
+            data = self._incomplete + self._token_bytes[token_id]
+            try:
+                text, self._incomplete = data.decode(), b""
+            except UnicodeDecodeError:
+                text, self._incomplete = _decode_complete(data)
+            return self._emit(text)
         if self._stream is not None:
             return self._emit(self._stream.step(self._backend, token_id) or "")
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
@@ -85,6 +149,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: emit the held-back tail (an incomplete character included)."""
+        if self._token_bytes is not None:
+            tail, self._incomplete = self._incomplete.decode(errors="replace"), b""
+            return self._emit(tail)
         if self._stream is not None:
             delta = self._decode(self.token_ids)[self.num_chars :]
             self._stream = None  # the stream's state ends here; later calls decode in windows
@@ -94,6 +161,23 @@ class IncrementalDetokenizer:
         delta = self._decode(self.token_ids[self.prefix_offset :])[len(prefix_text) :]
         self.read_offset = self.prefix_offset = len(self.token_ids)
         return self._emit(delta)
+
+
+def _decode_complete(data: bytes) -> tuple[str, bytes]:
+    """`data` decoded up to an incomplete character at its end (returned as bytes,
+    for the next token to complete); invalid bytes elsewhere read as U+FFFD, one a
+    maximal invalid subpart, as a lossy decode of the whole output reads them."""
+    text = []
+    while True:
+        try:
+            text.append(data.decode())
+            return "".join(text), b""
+        except UnicodeDecodeError as error:
+            if error.end == len(data) and error.reason == "unexpected end of data":
+                text.append(data[: error.start].decode())
+                return "".join(text), data[error.start :]
+            text.append(data[: error.end].decode(errors="replace"))
+            data = data[error.end :]
 
 
 def text_between(pieces: list[str], piece_ends: list[int], start: int, end: int) -> str:

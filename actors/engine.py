@@ -45,7 +45,7 @@ import torch
 
 from actors.block_pool import BlockPool, block_hashes, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
-from actors.detokenizer import IncrementalDetokenizer
+from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
 from actors.kv_tiers import StoredBlock
 from actors.model_runner import LaunchedStep, ModelRunner
@@ -107,6 +107,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.model_config = ModelConfig.from_hf(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        self.byte_level = ByteLevelTables.of(self.tokenizer, self.model_config.vocab_size)  # fast detokenizing
         self.runner = ModelRunner(self.model_config, self.config, model_dir)
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
@@ -167,7 +168,7 @@ class Engine:
             prompt_token_ids=prompt_ids,
             params=params,
             seed=seed,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.byte_level),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
             stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
                                                                   else self.model_config.eos_token_ids),

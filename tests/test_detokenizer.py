@@ -1,23 +1,46 @@
-"""Incremental detokenization never splits a multi-byte character."""
+"""Incremental detokenization never splits a multi-byte character.
+
+Every test runs both ways a tokenizer is detokenized: `bytes` (the byte-level
+tables the engine builds for a ByteLevel decoder) and `stream` (DecodeStream, or
+windows where the tokenizers library has none)."""
 
 from __future__ import annotations
 
-from actors.detokenizer import IncrementalDetokenizer
+import random
+
+import pytest
+
+from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.engine import load_tokenizer
 
 
-def test_deltas_concatenate_to_the_full_decode(tiny_qwen2_dir):
+@pytest.fixture(params=["bytes", "stream"])
+def detokenizer_of(request):
+    """A factory: `detokenizer_of(tokenizer, skip_special_tokens=True)` on this
+    test's path."""
+
+    def make(tokenizer, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        tables = None
+        if request.param == "bytes":
+            tables = ByteLevelTables.of(tokenizer, len(tokenizer) + 8)
+            assert tables is not None
+        return IncrementalDetokenizer(tokenizer, skip_special_tokens, tables)
+
+    return make
+
+
+def test_deltas_concatenate_to_the_full_decode(tiny_qwen2_dir, detokenizer_of):
     tokenizer = load_tokenizer(tiny_qwen2_dir)
     text = "naïve café — 中文字符 and emoji 🙂🚀 mixed with ASCII."
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = detokenizer_of(tokenizer)
     deltas = [detok.add(token_id) for token_id in ids]
     deltas.append(detok.flush())
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_byte_tokens_of_one_character_emit_once_complete(tiny_qwen2_dir):
+def test_byte_tokens_of_one_character_emit_once_complete(tiny_qwen2_dir, detokenizer_of):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     tokenizer = load_tokenizer(tiny_qwen2_dir)
@@ -25,42 +48,71 @@ def test_byte_tokens_of_one_character_emit_once_complete(tiny_qwen2_dir):
     # The four bytes of one emoji, one byte-level token each.
     ids = [tokenizer.convert_tokens_to_ids(byte_chars[b]) for b in "🙂".encode()]
     assert len(ids) == 4
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = detokenizer_of(tokenizer)
     emitted = [detok.add(t) for t in ids]
     assert emitted == ["", "", "", "🙂"]
 
 
-def test_flush_emits_an_incomplete_tail(tiny_qwen2_dir):
+def test_flush_emits_an_incomplete_tail(tiny_qwen2_dir, detokenizer_of):
     tokenizer = load_tokenizer(tiny_qwen2_dir)
     ids = tokenizer.encode("ok 🙂", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = detokenizer_of(tokenizer)
     for token_id in ids[:-1]:
         detok.add(token_id)
     detok.flush()
     assert detok.text == tokenizer.decode(ids[:-1])
 
 
-def test_random_token_streams_detokenize_as_the_tokenizer_decodes(tiny_model_dir):
-    """Any id sequence (special tokens and stray byte tokens included), both
-    architectures' tokenizers: the deltas, flushed, are `tokenizer.decode` of all
-    of them, as the Transformers wrapper computes it."""
-    import random
-
+def test_random_token_streams_detokenize_as_the_tokenizer_decodes(tiny_model_dir, detokenizer_of):
+    """Any id sequence (special tokens, stray byte tokens and ids past the
+    tokenizer's vocabulary, as a model with padded rows may sample, included), both
+    architectures' tokenizers: the deltas, flushed, are `tokenizer.decode` of all of
+    them, as the Transformers wrapper computes it, and never end inside a character
+    a later token completes."""
     tokenizer = load_tokenizer(tiny_model_dir)
     rng = random.Random(3)
     for skip in (True, False):
-        for _ in range(20):
-            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 60))]
-            detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
-            text = "".join(detok.add(t) for t in ids) + detok.flush()
-            assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+        for _ in range(60):
+            ids = [rng.randrange(len(tokenizer) + 8) for _ in range(rng.randint(1, 60))]
+            detok = detokenizer_of(tokenizer, skip_special_tokens=skip)
+            deltas = [detok.add(t) for t in ids]
+            whole = tokenizer.decode(ids, skip_special_tokens=skip)
+            assert "".join(deltas) + detok.flush() == whole
+            assert whole.startswith("".join(deltas))
+
+
+def test_added_tokens_outside_the_byte_alphabet_decode_as_their_text(tiny_qwen2_dir, detokenizer_of):
+    """An added token whose characters are not byte symbols (a real tokenizer's
+    added words may be) decodes as its own UTF-8, special or not."""
+    from tokenizers import AddedToken
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    tokenizer.add_tokens([AddedToken("✓ok", special=False), AddedToken("<tool→>", special=True)])
+    plain, special = tokenizer.convert_tokens_to_ids(["✓ok", "<tool→>"])
+    ids = tokenizer.encode("one ", add_special_tokens=False) + [plain, special] + tokenizer.encode(" two 🙂")
+    for skip in (True, False):
+        detok = detokenizer_of(tokenizer, skip_special_tokens=skip)
+        text = "".join(detok.add(t) for t in ids) + detok.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=skip) and "✓ok" in text
+
+
+def test_other_decoders_take_the_stream_path(tiny_qwen2_dir):
+    """Tables only where a ByteLevel decoder alone decodes: a tokenizer whose
+    wrapper cleans spaces after decoding, or with another decoder, has none."""
+    from tokenizers import decoders
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    assert ByteLevelTables.of(tokenizer) is not None
+    tokenizer.clean_up_tokenization_spaces = True
+    assert ByteLevelTables.of(tokenizer) is None
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
+    assert ByteLevelTables.of(tokenizer) is None
 
 
 def test_any_range_of_the_text_reads_as_a_slice_of_the_whole(tiny_qwen2_dir):
     """The text is kept as pieces (never one string re-copied every token);
     `text_between` joins only the pieces a range overlaps."""
-    import random
-
     tokenizer = load_tokenizer(tiny_qwen2_dir)
     text = "naïve café — 中文字符 and emoji 🙂🚀 mixed with ASCII, twice: naïve café 🙂."
     ids = tokenizer.encode(text, add_special_tokens=False)
