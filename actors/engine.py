@@ -37,22 +37,21 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from actors.block_pool import BlockPool, block_hashes, kv_namespace
+from actors.block_pool import BlockPool, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
-from actors.kv_tiers import StoredBlock
 from actors.model_runner import LaunchedStep, ModelRunner
 from actors.request import FinishReason, Request, RequestOutput, SampledToken, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
 from actors.stop_strings import StopStrings
+from actors.store_bridge import StoreBridge
 
 
 @dataclass(frozen=True)
@@ -114,12 +113,11 @@ class Engine:
             self.model_config.max_position_embeddings,
         )
         self.pool = BlockPool(self.runner.num_blocks, self.config.block_size)
-        hash_seed = kv_namespace(model_dir, self.config.dtype, self.config.block_size)
-        self.kv_namespace = hash_seed
-        self.scheduler = Scheduler(self.config, self.pool, hash_seed)
-        # Write-through to a KV store: called on the engine thread with the prompt
-        # blocks each step completed (copies), see `_save_computed_blocks`.
-        self.block_sink: Callable[[list[StoredBlock]], None] | None = None
+        self.kv_namespace = kv_namespace(model_dir, self.config.dtype, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.pool, self.kv_namespace)
+        # Between the pool and a KV store: prefix imports, write-through (its `sink`).
+        self.store_bridge = StoreBridge(self.pool, self.runner, self.kv_namespace,
+                                        self.config.enable_prefix_cache)
         self.requests: dict[str, Request] = {}
         self.reservations: dict[str, Request] = {}  # decode side: awaiting their KV
         self._seed_rng = random.Random(self.config.seed)
@@ -184,7 +182,7 @@ class Engine:
         exports_kv: bool = False,
         pinned_block_ids: list[int] | None = None,
     ) -> str:
-        """Queue a request. `pinned_block_ids` come from `import_prefix`: the engine
+        """Queue a request. `pinned_block_ids` come from `StoreBridge.import_prefix`: the engine
         takes over their hold (released once the request is admitted or ends)."""
         try:
             request = self._new_request(prompt, params, request_id)
@@ -197,68 +195,12 @@ class Engine:
         self.scheduler.add(request)
         return request.request_id
 
-    # ---- KV store -------------------------------------------------------------
-    def prefix_plan(self, prompt_ids: list[int]) -> tuple[list[bytes], int]:
-        """For a store lookup: the hashes of the prompt's blocks a prefix hit may
-        cover (never the last token's), and how many leading ones the device pool
-        holds now."""
-        if not self.config.enable_prefix_cache:
-            return [], 0
-        max_hit_blocks = (len(prompt_ids) - 1) // self.pool.block_size
-        hashes = block_hashes(prompt_ids[: max_hit_blocks * self.pool.block_size], self.pool.block_size,
-                              self.kv_namespace)
-        return hashes, len(self.pool.lookup(hashes, prompt_ids))
-
-    def import_prefix(self, prompt_ids: list[int], first_block: int, blocks: list[StoredBlock]) -> list[int]:
-        """Copy blocks loaded from the store (the prompt's blocks `first_block`,
-        `first_block + 1`, ...) into the pool and make them findable. Returns the
-        whole prefix's block ids, each held by one reference for the caller to pass
-        to `add_request` or `reserve`; [] when the device prefix before
-        `first_block` went meanwhile or no block is free. Blocks whose tokens are
-        not this prompt's are refused."""
-        size = self.pool.block_size
-        hashes, _ = self.prefix_plan(prompt_ids)
-        blocks = blocks[: max(0, len(hashes) - first_block)]
-        for offset, block in enumerate(blocks):
-            index = first_block + offset
-            if block.key != hashes[index] or block.token_ids != tuple(prompt_ids[index * size : (index + 1) * size]):
-                blocks = blocks[:offset]
-                break
-        held = self.pool.lookup(hashes[: first_block + len(blocks)], prompt_ids)
-        if len(held) < first_block:
-            return []
-        self.pool.take(held)
-        new = blocks[len(held) - first_block :][: self.pool.num_available]
-        if new:
-            block_ids = self.pool.allocate(len(new))
-            kv = torch.stack([b.kv for b in new]).to(self.runner.kv_cache.device, self.runner.kv_cache.dtype)
-            self.runner.write_blocks(block_ids, kv)
-            for block_id, block in zip(block_ids, new):
-                self.pool.register(block_id, block.key, block.token_ids)
-            held += block_ids
-        return held
-
-    def _save_computed_blocks(self, chunks) -> None:
-        """Hand the prompt blocks this step completed to `block_sink`, as copies."""
-        size = self.pool.block_size
-        picked: list[tuple[bytes, tuple[int, ...], int]] = []
-        for chunk in chunks:
-            request = chunk.request
-            last_full = min(chunk.end, request.num_prompt_tokens) // size
-            for index in range(chunk.start // size, min(last_full, len(request.block_hashes))):
-                tokens = tuple(request.prompt_token_ids[index * size : (index + 1) * size])
-                picked.append((request.block_hashes[index], tokens, request.block_table[index]))
-        if picked:
-            cache = self.runner.kv_cache
-            self.block_sink([StoredBlock(key, tokens, cache[block_id].to("cpu", copy=True))
-                             for key, tokens, block_id in picked])
-
     # ---- decode side of a P/D pair -------------------------------------------
     def reserve(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, pinned_block_ids: list[int] | None = None
     ) -> Reservation | None:
         """Hold blocks for the prompt plus the first output token, reusing what the
-        prefix cache already has (including `pinned_block_ids` from `import_prefix`,
+        prefix cache already has (including `pinned_block_ids` from `StoreBridge.import_prefix`,
         whose hold this ends). None when the pool cannot hold it now."""
         try:
             request = self._new_request(prompt_ids, params, request_id)
@@ -390,8 +332,7 @@ class Engine:
         token_ids, logprobs = self.runner.collect(step.launched)
         chunks = [c for c in step.chunks if not c.request.is_finished]
         self.scheduler.update(chunks)
-        if self.block_sink is not None and self.config.enable_prefix_cache:
-            self._save_computed_blocks(chunks)
+        self.store_bridge.save_computed(chunks)
         self.num_steps += 1
         blocks_for = lambda end: -(-end // self.pool.block_size)  # noqa: E731
         exported = [

@@ -93,7 +93,7 @@ class WorkerBase:
         if self.options.kv_store is not None:
             self.kv_store = open_kv_store(self.engine.kv_namespace, self.options.kv_store)
             self.store_writer = StoreWriter(self.kv_store)
-            self.engine.block_sink = self.store_writer.submit
+            self.engine.store_bridge.sink = self.store_writer.submit
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{worker_id}-io")
         self.loop: EngineLoop | None = None
         self.streams: TokenStreams | None = None
@@ -135,7 +135,7 @@ class WorkerBase:
         ids, held for `add_request(pinned_block_ids=...)` or `reserve`."""
         if self.kv_store is None:
             return []
-        hashes, first = await self.call(lambda e: e.prefix_plan(prompt_ids))
+        hashes, first = await self.call(lambda e: e.store_bridge.prefix_plan(prompt_ids))
         if first >= len(hashes):
             return []
         try:
@@ -145,7 +145,7 @@ class WorkerBase:
             return []
         if not blocks:
             return []
-        held = await self.call(lambda e: e.import_prefix(prompt_ids, first, blocks))
+        held = await self.call(lambda e: e.store_bridge.import_prefix(prompt_ids, first, blocks))
         self.num_store_loaded_blocks += max(0, len(held) - first)
         return held
 

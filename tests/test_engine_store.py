@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 def make_engine(model_dir, store=None, num_blocks=64):
     engine = Engine(model_dir, EngineConfig(block_size=16, prefill_chunk_size=48, num_kv_blocks=num_blocks))
     if store is not None:
-        engine.block_sink = store.save
+        engine.store_bridge.sink = store.save
     return engine
 
 
@@ -34,8 +34,8 @@ def run(engine, prompt, request_id, pinned=None):
 
 
 def import_from(engine, store, prompt):
-    hashes, first = engine.prefix_plan(prompt)
-    return engine.import_prefix(prompt, first, store.load(hashes[first:]))
+    hashes, first = engine.store_bridge.prefix_plan(prompt)
+    return engine.store_bridge.import_prefix(prompt, first, store.load(hashes[first:]))
 
 
 @pytest.fixture()
@@ -64,10 +64,10 @@ def test_blocks_of_other_tokens_are_refused(tiny_qwen2_dir, prompt):
     store = KVStore(b"unused", KVStoreSettings())
     run(make_engine(tiny_qwen2_dir, store), prompt, "a")
     reader = make_engine(tiny_qwen2_dir)
-    hashes, _ = reader.prefix_plan(prompt)
+    hashes, _ = reader.store_bridge.prefix_plan(prompt)
     blocks = store.load(hashes)
     forged = [blocks[0], StoredBlock(blocks[1].key, tuple(t + 1 for t in blocks[1].token_ids), blocks[1].kv)]
-    held = reader.import_prefix(prompt, 0, forged + blocks[2:])
+    held = reader.store_bridge.import_prefix(prompt, 0, forged + blocks[2:])
     assert len(held) == 1  # stops at the forged block
     reader.pool.release(held)
     assert reader.pool.num_used == 0

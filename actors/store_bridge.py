@@ -1,0 +1,89 @@
+"""The engine's side of the KV store (docs/kv-store.md): between its device pool
+and the store's tiers.
+
+- `prefix_plan`: for a store lookup, the hashes of the prompt's blocks a prefix hit
+  may cover and how many leading ones the device pool holds now;
+- `import_prefix`: blocks loaded from the store copied into the pool and made
+  findable (their keys and tokens checked against the prompt's first);
+- `save_computed`: the prompt blocks a step completed, copied off the device and
+  handed to `sink` (a worker's write-through thread; None: nothing is saved).
+
+All of it runs on the engine thread, between steps; the store's own I/O does not
+(a worker loads off the thread and saves through a queue, actors/kv_store_client.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from actors.block_pool import BlockPool, block_hashes
+from actors.kv_tiers import StoredBlock
+
+
+class StoreBridge:
+    def __init__(self, pool: BlockPool, runner, kv_namespace: bytes, enabled: bool) -> None:
+        """`runner`: the engine's ModelRunner (its KV cache, `write_blocks`);
+        `enabled`: the engine's prefix cache is on (off: nothing is found or saved)."""
+        self.pool = pool
+        self.runner = runner
+        self.kv_namespace = kv_namespace
+        self.enabled = enabled
+        self.sink: Callable[[list[StoredBlock]], None] | None = None
+
+    def prefix_plan(self, prompt_ids: list[int]) -> tuple[list[bytes], int]:
+        """The hashes of the prompt's blocks a prefix hit may cover (never the last
+        token's), and how many leading ones the device pool holds now."""
+        if not self.enabled:
+            return [], 0
+        max_hit_blocks = (len(prompt_ids) - 1) // self.pool.block_size
+        hashes = block_hashes(prompt_ids[: max_hit_blocks * self.pool.block_size], self.pool.block_size,
+                              self.kv_namespace)
+        return hashes, len(self.pool.lookup(hashes, prompt_ids))
+
+    def import_prefix(self, prompt_ids: list[int], first_block: int, blocks: list[StoredBlock]) -> list[int]:
+        """Copy blocks loaded from the store (the prompt's blocks `first_block`,
+        `first_block + 1`, ...) into the pool and make them findable. Returns the
+        whole prefix's block ids, each held by one reference for the caller to pass
+        to `Engine.add_request` or `Engine.reserve`; [] when the device prefix
+        before `first_block` went meanwhile or no block is free. Blocks whose tokens
+        are not this prompt's are refused."""
+        size = self.pool.block_size
+        hashes, _ = self.prefix_plan(prompt_ids)
+        blocks = blocks[: max(0, len(hashes) - first_block)]
+        for offset, block in enumerate(blocks):
+            index = first_block + offset
+            if block.key != hashes[index] or block.token_ids != tuple(prompt_ids[index * size : (index + 1) * size]):
+                blocks = blocks[:offset]
+                break
+        held = self.pool.lookup(hashes[: first_block + len(blocks)], prompt_ids)
+        if len(held) < first_block:
+            return []
+        self.pool.take(held)
+        new = blocks[len(held) - first_block :][: self.pool.num_available]
+        if new:
+            block_ids = self.pool.allocate(len(new))
+            kv = torch.stack([b.kv for b in new]).to(self.runner.kv_cache.device, self.runner.kv_cache.dtype)
+            self.runner.write_blocks(block_ids, kv)
+            for block_id, block in zip(block_ids, new):
+                self.pool.register(block_id, block.key, block.token_ids)
+            held += block_ids
+        return held
+
+    def save_computed(self, chunks) -> None:
+        """Hand the prompt blocks these chunks (a step's, computed) completed to
+        `sink`, as copies."""
+        if self.sink is None or not self.enabled:
+            return
+        size = self.pool.block_size
+        picked: list[tuple[bytes, tuple[int, ...], int]] = []
+        for chunk in chunks:
+            request = chunk.request
+            last_full = min(chunk.end, request.num_prompt_tokens) // size
+            for index in range(chunk.start // size, min(last_full, len(request.block_hashes))):
+                tokens = tuple(request.prompt_token_ids[index * size : (index + 1) * size])
+                picked.append((request.block_hashes[index], tokens, request.block_table[index]))
+        if picked:
+            cache = self.runner.kv_cache
+            self.sink([StoredBlock(key, tokens, cache[block_id].to("cpu", copy=True)) for key, tokens, block_id in picked])
