@@ -1,7 +1,8 @@
 """Engine-side configuration: frozen dataclasses, built once at start-up.
 
 `ModelConfig.from_hf` is the one place that absorbs Hugging Face config quirks
-(field names that differ by family, optional fields, rope_scaling spellings).
+(field names that differ by family, optional fields, rope_scaling spellings, end
+tokens split between config.json and generation_config.json).
 Values measured at run time (the number of KV blocks) live on runtime objects.
 """
 
@@ -39,6 +40,8 @@ class ModelConfig:
     rope_scaling: dict | None
     tie_word_embeddings: bool
     qkv_bias: bool
+    # Every id that ends a turn: config.json's eos_token_id, then any more that
+    # generation_config.json lists (`_eos_ids`).
     eos_token_ids: tuple[int, ...]
 
     @classmethod
@@ -59,8 +62,6 @@ class ModelConfig:
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             rope_params = raw.get("rope_parameters") or {}
             scaling = raw.get("rope_scaling") or (
                 rope_params if rope_params.get("rope_type", "default") != "default" else None
@@ -82,10 +83,40 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "qwen2")),
                 # Qwen2 always carries q/k/v biases; Llama only with attention_bias.
                 qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-                eos_token_ids=eos_ids,
+                eos_token_ids=_eos_ids(raw, Path(model_dir)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: invalid config field ({exc!r})") from None
+
+
+def _ids(value) -> tuple[int, ...]:
+    """An `eos_token_id` field: one id, a list of them, or null."""
+    if value is None:
+        return ()
+    return tuple(int(i) for i in value) if isinstance(value, list) else (int(value),)
+
+
+def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:
+    """config.json's end tokens, then generation_config.json's others. Instruct
+    checkpoints often declare their end of turn only in the latter (Llama 3
+    Instruct: `<|end_of_text|>` in config.json, `<|eot_id|>` as well in
+    generation_config.json; the built-in presets, like Qwen2.5 Instruct:
+    `<|endoftext|>`, then `<|im_end|>`): reading config.json alone, a chat answer
+    would run past its end to max_tokens. transformers' `generate`, vLLM and SGLang
+    all stop at the union."""
+    ids = _ids(raw.get("eos_token_id"))
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ids
+    try:
+        generation = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable generation config ({exc})") from None
+    try:
+        more = _ids(generation.get("eos_token_id"))
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: invalid eos_token_id ({exc!r})") from None
+    return ids + tuple(dict.fromkeys(i for i in more if i not in ids))
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,26 @@ def test_eos_ends_the_request_unless_ignored(llm, tiny_qwen2_dir, tmp_path):
     assert ignored.token_ids == free.token_ids
 
 
+def test_generation_config_end_tokens_end_the_request_too(llm, tiny_qwen2_dir, tmp_path):
+    """An end token listed only in generation_config.json (an instruct model's end
+    of turn, Llama 3's `<|eot_id|>`) stops a request as config.json's does, as
+    transformers' generate stops; `ignore_eos` ignores both."""
+    free = llm.generate(["End of turn"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    end_of_turn = free.token_ids[3]
+    for item in tiny_qwen2_dir.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    generation["eos_token_id"] = [0, end_of_turn]
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    chat_llm = LLM(tmp_path, block_size=16)
+    assert chat_llm.engine.model_config.eos_token_ids == (0, end_of_turn)  # config.json's first
+    stopped = chat_llm.generate(["End of turn"], SamplingParams(max_new_tokens=12, temperature=0))[0]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(end_of_turn) + 1]
+    assert stopped.finish_reason is FinishReason.STOP
+    ignored = chat_llm.generate(["End of turn"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert ignored.token_ids == free.token_ids
+
+
 def test_stop_strings_cut_the_text(llm):
     free = llm.generate(["Stop string"], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))[0]
     text = free.text
@@ -168,6 +188,12 @@ def test_missing_and_corrupt_checkpoints(tmp_path, tiny_qwen2_dir):
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="safetensors"):
+        Engine(broken)
+    (broken / "generation_config.json").write_text('{"eos_token_id": "end"}')
+    with pytest.raises(CheckpointError, match="generation_config.json: invalid eos_token_id"):
+        Engine(broken)
+    (broken / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="generation_config.json: unreadable"):
         Engine(broken)
     (broken / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config"):
