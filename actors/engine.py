@@ -98,6 +98,17 @@ def load_tokenizer(model_dir: str | Path):
         raise CheckpointError(f"{model_dir}: cannot load tokenizer ({type(exc).__name__}: {exc})") from None
 
 
+def encode_prompt(tokenizer, prompt: str | list[int], *, templated: bool = False) -> list[int]:
+    """A prompt's token ids. Text gets the tokenizer's special tokens (a BOS where
+    the model has one: Llama 3's `<|begin_of_text|>`; Qwen2 has none), as
+    transformers' `tokenizer(text)`, vLLM's completions and SGLang's /generate give
+    it; text a chat template wrote (`templated`) gets none: the template wrote them,
+    and a second BOS changes what the model says. Ids are used as they are."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=not templated)
+    return [int(t) for t in prompt]
+
+
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         model_dir = Path(model_dir)
@@ -128,9 +139,7 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return [int(t) for t in prompt]
+        return encode_prompt(self.tokenizer, prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

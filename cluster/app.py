@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
-from actors.engine import load_tokenizer
+from actors.engine import encode_prompt, load_tokenizer
 from actors.request import TokenLogprob
 from actors.sampling_params import InvalidRequestError
 from actors.startup_heap import freeze_startup_heap
@@ -233,8 +233,8 @@ class Scheduler:
     async def tokenize(self, body: TokenizeBody):
         """The token ids a completion (`prompt`) or chat (`messages`) request would
         give the model, as vLLM's /tokenize answers (count them before sending)."""
-        prompt = self._chat_prompt(body.messages) if body.messages is not None else body.prompt
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        chat = body.messages is not None
+        ids = encode_prompt(self.tokenizer, self._chat_prompt(body.messages) if chat else body.prompt, templated=chat)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.service.max_model_len}
 
     @app.post("/detokenize")
@@ -264,7 +264,7 @@ class Scheduler:
                            kind="model_not_found")
         params = body.sampling(default_max=16 if not chat else self.settings.limits.max_new_tokens)
         await self._require_ready()
-        prompt_ids = [self.service.prepare(prompt, params) for prompt in prompts]
+        prompt_ids = [self.service.prepare(prompt, params, templated=chat) for prompt in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
         keys = range(len(prompts) * n)

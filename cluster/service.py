@@ -24,6 +24,7 @@ import uuid
 import ray
 
 from actors.block_pool import block_hashes
+from actors.engine import encode_prompt
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied
 from actors.sampling_params import SamplingParams
@@ -175,9 +176,11 @@ class GlobalScheduler:
                 if m.role == role and not m.draining and w in self.profiled and w not in exclude]
 
     # ---- validation -----------------------------------------------------------------
-    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *, templated: bool = False) -> list[int]:
+        """A request's prompt ids, checked against the limits (`templated`: text a
+        chat template wrote, see `encode_prompt`)."""
         limits = self.settings.limits
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        ids = encode_prompt(self.tokenizer, prompt, templated=templated)
         if not ids:
             raise ApiError(400, "prompt is empty")
         vocab = len(self.tokenizer)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.config import CheckpointError, EngineConfig
-from actors.engine import Engine
+from actors.engine import Engine, encode_prompt, load_tokenizer
 from actors.llm import LLM
 from actors.request import FinishReason
 from actors.sampling_params import InvalidRequestError, SamplingParams
@@ -94,6 +94,35 @@ def test_generation_config_end_tokens_end_the_request_too(llm, tiny_qwen2_dir, t
     assert stopped.finish_reason is FinishReason.STOP
     ignored = chat_llm.generate(["End of turn"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
     assert ignored.token_ids == free.token_ids
+
+
+def test_text_prompts_get_the_tokenizers_bos_and_templated_ones_do_not(tmp_path):
+    """A tokenizer that puts a BOS before every text (Llama 3's does): a text
+    prompt gets it, offline and through `encode_prompt` (what the Serve app runs for
+    completions and /generate), as transformers gives it; text a chat template
+    wrote does not (the template wrote its own); ids stay as they are."""
+    from actors.model_builder import ensure_checkpoint
+
+    for item in ensure_checkpoint("tiny", "llama").iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    tokenizer_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    tokenizer_json["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    tokenizer = load_tokenizer(tmp_path)
+    bare = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    assert encode_prompt(tokenizer, "Once upon a time") == [1] + bare == tokenizer("Once upon a time").input_ids
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert encode_prompt(tokenizer, chat, templated=True) == tokenizer.encode(chat, add_special_tokens=False)
+    assert encode_prompt(tokenizer, bare) == bare
+    out = LLM(tmp_path, block_size=16).generate(["Once upon a time"], SamplingParams(max_new_tokens=2))[0]
+    assert out.prompt_token_ids == [1] + bare
 
 
 def test_stop_strings_cut_the_text(llm):
