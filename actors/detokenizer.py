@@ -90,18 +90,19 @@ class IncrementalDetokenizer:
         the caller), for the byte path; without them, DecodeStream or windows."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
         self.pieces: list[str] = []
         self.piece_ends: list[int] = []
         self.num_chars = 0
         self._token_bytes = None
+        self._stream = None
         if byte_level is not None:
             self._token_bytes = byte_level.without_special if skip_special_tokens else byte_level.with_special
             self._incomplete = b""  # the bytes of a character the next token may complete
+            return
+        self.token_ids: list[int] = []  # the windows' and the stream's flush read them
+        self.prefix_offset = 0
+        self.read_offset = 0
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._stream = None
         if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
             self._decode_ids = backend.decode
             if DecodeStream is not None:
@@ -129,7 +130,6 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append a token; return the newly completed text (possibly empty)."""
-        self.token_ids.append(token_id)
         if self._token_bytes is not None:
             data = self._incomplete + self._token_bytes[token_id]
             try:
@@ -137,6 +137,7 @@ class IncrementalDetokenizer:
             except UnicodeDecodeError:
                 text, self._incomplete = _decode_complete(data)
             return self._emit(text)
+        self.token_ids.append(token_id)
         if self._stream is not None:
             return self._emit(self._stream.step(self._backend, token_id) or "")
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])

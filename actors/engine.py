@@ -52,6 +52,7 @@ from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
 from actors.stop_strings import StopStrings
 from actors.store_bridge import StoreBridge
+from actors.tokenization import encode_prompt, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -87,26 +88,6 @@ class _StepInFlight:
     def decodes_only(self) -> bool:
         """Every chunk a single-token decode that samples (one sampled row each)."""
         return len(self.launched.requests) == len(self.chunks) and all(c.num_new_tokens == 1 for c in self.chunks)
-
-
-def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:  # transformers raises many types for a bad folder
-        raise CheckpointError(f"{model_dir}: cannot load tokenizer ({type(exc).__name__}: {exc})") from None
-
-
-def encode_prompt(tokenizer, prompt: str | list[int], *, templated: bool = False) -> list[int]:
-    """A prompt's token ids. Text gets the tokenizer's special tokens (a BOS where
-    the model has one: Llama 3's `<|begin_of_text|>`; Qwen2 has none), as
-    transformers' `tokenizer(text)`, vLLM's completions and SGLang's /generate give
-    it; text a chat template wrote (`templated`) gets none: the template wrote them,
-    and a second BOS changes what the model says. Ids are used as they are."""
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=not templated)
-    return [int(t) for t in prompt]
 
 
 class Engine:

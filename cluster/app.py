@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
-from actors.engine import encode_prompt, load_tokenizer
+from actors.tokenization import encode_prompt, load_tokenizer
 from actors.request import TokenLogprob
 from actors.sampling_params import InvalidRequestError
 from actors.startup_heap import freeze_startup_heap

@@ -24,7 +24,7 @@ import uuid
 import ray
 
 from actors.block_pool import block_hashes
-from actors.engine import encode_prompt
+from actors.tokenization import encode_prompt
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied
 from actors.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import ray
 
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
-from actors.engine import load_tokenizer
+from actors.tokenization import load_tokenizer
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.service import GlobalScheduler

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
-from actors.engine import load_tokenizer
+from actors.tokenization import load_tokenizer
 
 
 @pytest.fixture(params=["bytes", "stream"])

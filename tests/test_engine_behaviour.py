@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from actors.config import CheckpointError, EngineConfig
-from actors.engine import Engine, encode_prompt, load_tokenizer
+from actors.engine import Engine
 from actors.llm import LLM
 from actors.request import FinishReason
 from actors.sampling_params import InvalidRequestError, SamplingParams
+from actors.tokenization import encode_prompt, load_tokenizer
 
 
 @pytest.fixture(scope="module")

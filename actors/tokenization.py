@@ -1,0 +1,27 @@
+"""A model folder's tokenizer, and the token ids a prompt is given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from actors.config import CheckpointError
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a bad folder
+        raise CheckpointError(f"{model_dir}: cannot load tokenizer ({type(exc).__name__}: {exc})") from None
+
+
+def encode_prompt(tokenizer, prompt: str | list[int], *, templated: bool = False) -> list[int]:
+    """A prompt's token ids. Text gets the tokenizer's special tokens (a BOS where
+    the model has one: Llama 3's `<|begin_of_text|>`; Qwen2 has none), as
+    transformers' `tokenizer(text)`, vLLM's completions and SGLang's /generate give
+    it; text a chat template wrote (`templated`) gets none: the template wrote them,
+    and a second BOS changes what the model says. Ids are used as they are."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=not templated)
+    return [int(t) for t in prompt]
