@@ -14,9 +14,7 @@ class ColocatedWorker(WorkerBase):
         self._ensure_started()
         self.streams.open(request.request_id, subscription)
         try:
-            held = []
-            if request.params.prompt_logprobs is None:  # computed for its logprobs, it uses no stored prefix
-                held = await self.import_prefix(request.prompt_token_ids)
+            held = await self.import_prefix(request)
             await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id,
                                                     pinned_block_ids=held))
         except Exception:

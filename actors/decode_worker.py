@@ -59,7 +59,7 @@ class DecodeWorker(WorkerBase):
         self._ensure_started()
         self.streams.open(request.request_id, subscription)
         try:
-            held = await self.import_prefix(request.prompt_token_ids)
+            held = await self.import_prefix(request, computes_prompt=False)  # its reservation reuses any prefix
             reservation = await self.call(
                 lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id, held)
             )

@@ -209,9 +209,7 @@ class PrefillWorker(WorkerBase):
         params = dataclasses.replace(request.params, max_new_tokens=1, stop=())
 
         try:
-            held = []
-            if request.params.prompt_logprobs is None:  # computed for its logprobs, it uses no stored prefix
-                held = await self.import_prefix(request.prompt_token_ids)
+            held = await self.import_prefix(request)
 
             def add(engine: Engine) -> None:
                 engine.add_request(request.prompt_token_ids, params, request.request_id, exports_kv=True,

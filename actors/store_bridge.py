@@ -86,4 +86,5 @@ class StoreBridge:
                 picked.append((request.block_hashes[index], tokens, request.block_table[index]))
         if picked:
             cache = self.runner.kv_cache
-            self.sink([StoredBlock(key, tokens, cache[block_id].to("cpu", copy=True)) for key, tokens, block_id in picked])
+            self.sink([StoredBlock(key, tokens, cache[block_id].to("cpu", copy=True))
+                       for key, tokens, block_id in picked])

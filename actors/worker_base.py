@@ -25,6 +25,7 @@ from actors.engine_loop import EngineLoop
 from actors.event_log import CacheEvents, Cursor
 from actors.kv_store import KVStoreSettings, StoreStats
 from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
+from actors.messages import GenerateRequest
 from actors.profiler import EngineProfile, profile_engine
 from actors.startup_heap import freeze_startup_heap
 from actors.token_streams import TokenStreams
@@ -128,13 +129,16 @@ class WorkerBase:
         self._ensure_started()
         return await self.aio.run_in_executor(self.executor, fn, *args)
 
-    async def import_prefix(self, prompt_ids: list[int]) -> list[int]:
+    async def import_prefix(self, request: GenerateRequest, computes_prompt: bool = True) -> list[int]:
         """Warm the device prefix cache from the KV store before a request starts:
         find the prompt's blocks past what the pool holds, load them (off the engine
         thread, while it keeps stepping) and copy them in. Returns the prefix's block
-        ids, held for `add_request(pinned_block_ids=...)` or `reserve`."""
-        if self.kv_store is None:
+        ids, held for `add_request(pinned_block_ids=...)` or `reserve`. Nothing for
+        a request whose prompt this worker computes (`computes_prompt`) for its
+        logprobs: they come from every position, as `Scheduler.cached_prefix`."""
+        if self.kv_store is None or (computes_prompt and request.params.prompt_logprobs is not None):
             return []
+        prompt_ids = request.prompt_token_ids
         hashes, first = await self.call(lambda e: e.store_bridge.prefix_plan(prompt_ids))
         if first >= len(hashes):
             return []

@@ -27,10 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
-from actors.tokenization import encode_prompt, load_tokenizer
 from actors.request import TokenLogprob
 from actors.sampling_params import InvalidRequestError
 from actors.startup_heap import freeze_startup_heap
+from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
 from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody,

@@ -40,8 +40,9 @@ async def collect(events) -> Collected:
         text += event.text
         ids += event.token_ids
         cached = event.num_cached_tokens
-        if event.logprobs is not None:
-            logprobs = (logprobs or []) + list(event.logprobs)
+        if event.logprobs is not None:  # extended in place: a copy an event would be quadratic in the length
+            logprobs = logprobs if logprobs is not None else []
+            logprobs.extend(event.logprobs)
         prompt_logprobs = prompt_logprobs or event.prompt_logprobs
         if event.finished:
             reason = event.finish_reason

@@ -24,10 +24,10 @@ import uuid
 import ray
 
 from actors.block_pool import block_hashes
-from actors.tokenization import encode_prompt
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied
 from actors.sampling_params import SamplingParams
+from actors.tokenization import encode_prompt
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
