@@ -105,18 +105,31 @@ def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:
     would run past its end to max_tokens. transformers' `generate`, vLLM and SGLang
     all stop at the union."""
     ids = _ids(raw.get("eos_token_id"))
-    path = model_dir / "generation_config.json"
+    try:
+        more = _ids(read_generation_config(model_dir).get("eos_token_id"))
+    except (TypeError, ValueError) as exc:
+        path = model_dir / GENERATION_CONFIG
+        raise CheckpointError(f"{path}: invalid eos_token_id ({exc!r})") from None
+    return ids + tuple(dict.fromkeys(i for i in more if i not in ids))
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_config(model_dir: str | Path) -> dict:
+    """A checkpoint's generation_config.json as a dict ({} where there is none):
+    its end tokens (`_eos_ids`) and its authors' sampling defaults
+    (actors/sampling_defaults.py)."""
+    path = Path(model_dir) / GENERATION_CONFIG
     if not path.is_file():
-        return ids
+        return {}
     try:
         generation = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable generation config ({exc})") from None
-    try:
-        more = _ids(generation.get("eos_token_id"))
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: invalid eos_token_id ({exc!r})") from None
-    return ids + tuple(dict.fromkeys(i for i in more if i not in ids))
+    if not isinstance(generation, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return generation
 
 
 @dataclass(frozen=True)

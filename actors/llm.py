@@ -6,26 +6,38 @@
     llm = LLM("models/tiny", block_size=16, prefill_chunk_size=256)
     for out in llm.generate(["Hello"], SamplingParams(max_new_tokens=8, temperature=0)):
         print(out.token_ids, out.text)
+
+`generate` without params samples as the checkpoint's generation_config.json says
+(`default_sampling_params`, actors/sampling_defaults.py); explicit SamplingParams
+are used as they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 from actors.config import EngineConfig
 from actors.engine import Engine
 from actors.request import RequestOutput
+from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model_dir: str | Path, **engine_args) -> None:
         self.engine = Engine(model_dir, EngineConfig(**engine_args))
+        self.sampling_defaults = SamplingDefaults.load(model_dir)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def default_sampling_params(self, **fields) -> SamplingParams:
+        """SamplingParams with the checkpoint's sampling defaults, `fields` on top
+        (as vLLM's `LLM.get_default_sampling_params`)."""
+        return SamplingParams(**{**dataclasses.asdict(self.sampling_defaults), **fields})
 
     def generate(
         self,
@@ -38,7 +50,7 @@ class LLM:
         All prompts are validated before any is queued."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -1,10 +1,14 @@
 """HTTP request bodies: SGLang-style /generate and OpenAI completions and chat.
 
-Each body turns into (prompt, SamplingParams) through `sampling_params()`; range
+Each body turns into (prompt, SamplingParams) through `sampling()`; range
 checks live in `SamplingParams` (one place), shape checks here. Anything the server
 does not support (best_of, n > 1 on /generate, and the fields other servers
 take that change what is generated: constrained output, tools, ...) is refused
 with a clear 400 rather than silently ignored. Other unknown fields are ignored.
+
+The sampling fields a model may have defaults for (temperature, top_p, top_k,
+repetition_penalty: actors/sampling_defaults.py) are None when omitted, so the
+model's default fills exactly those the request left out.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
 
 
@@ -61,16 +66,16 @@ class SglangSamplingParams(_Body):
     }
 
     max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = Field(-1, ge=-1)  # SGLang's -1 means off
+    temperature: float | None = None  # None: the model's default
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1)  # SGLang's -1 means off
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None  # the sampling seed (SGLang: sampling_seed)
     sampling_seed: int | None = None
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_new_tokens: int = 0
@@ -109,7 +114,7 @@ class GenerateBody(_Body):
     def prompt(self) -> str | list[int]:
         return self.text if self.text is not None else self.input_ids
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, defaults: SamplingDefaults) -> SamplingParams:
         base = self.sampling_params or SglangSamplingParams()
         top_level = {
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -118,11 +123,13 @@ class GenerateBody(_Body):
             "presence_penalty": self.presence_penalty,
         }
         merged = base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
+        model = defaults.fill(temperature=merged.temperature, top_p=merged.top_p, top_k=merged.top_k,
+                              repetition_penalty=merged.repetition_penalty)
         return SamplingParams(
             max_new_tokens=merged.max_new_tokens,
-            temperature=merged.temperature,
-            top_p=merged.top_p,
-            top_k=max(merged.top_k, 0),
+            temperature=model["temperature"],
+            top_p=model["top_p"],
+            top_k=max(model["top_k"], 0),
             stop=_stop_tuple(merged.stop),
             stop_token_ids=tuple(merged.stop_token_ids or ()),
             ignore_eos=merged.ignore_eos,
@@ -130,7 +137,7 @@ class GenerateBody(_Body):
             seed=merged.seed if merged.seed is not None else merged.sampling_seed,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
             prompt_logprobs=self.top_logprobs_num if self.return_logprob and self.logprob_start_len >= 0 else None,
-            repetition_penalty=merged.repetition_penalty,
+            repetition_penalty=model["repetition_penalty"],
             frequency_penalty=merged.frequency_penalty,
             presence_penalty=merged.presence_penalty,
             min_new_tokens=merged.min_new_tokens,
@@ -161,18 +168,18 @@ class _OpenAIBody(_Body):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the model's default
+    top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    top_k: int = Field(0, ge=0)  # extension (vLLM-style)
+    top_k: int | None = Field(None, ge=0)  # extension (vLLM-style)
     ignore_eos: bool = False  # extension
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # extension (vLLM-style)
+    repetition_penalty: float | None = None  # extension (vLLM-style)
     min_tokens: int = 0  # extension (vLLM-style)
     include_stop_str_in_output: bool = False  # extension (vLLM-style)
     skip_special_tokens: bool = True  # extension (vLLM-style)
@@ -183,17 +190,16 @@ class _OpenAIBody(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None,
+                  defaults: SamplingDefaults) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else default_max,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            **defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                            repetition_penalty=self.repetition_penalty),
             stop=_stop_tuple(self.stop),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             min_new_tokens=self.min_tokens,
@@ -233,8 +239,8 @@ class CompletionBody(_OpenAIBody):
         evaluation harnesses score a text: one token is generated and dropped)."""
         return self.echo and self.max_tokens == 0
 
-    def sampling(self, default_max: int) -> SamplingParams:
-        params = self._sampling(1 if self.prompt_only else self.max_tokens, default_max, self.logprobs)
+    def sampling(self, default_max: int, defaults: SamplingDefaults) -> SamplingParams:
+        params = self._sampling(1 if self.prompt_only else self.max_tokens, default_max, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
         return params
@@ -257,10 +263,10 @@ class ChatBody(_OpenAIBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def sampling(self, default_max: int) -> SamplingParams:
+    def sampling(self, default_max: int, defaults: SamplingDefaults) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, default_max, logprobs)
+        return self._sampling(max_tokens, default_max, logprobs, defaults)
 
 
 class TokenizeBody(_Body):

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
 from actors.request import TokenLogprob
+from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError
 from actors.startup_heap import freeze_startup_heap
 from actors.tokenization import encode_prompt, load_tokenizer
@@ -143,6 +144,7 @@ class Scheduler:
         self.settings = AppSettings.model_validate(settings)
         model_dir = self.settings.model.location().resolve()
         self.tokenizer = load_tokenizer(model_dir)
+        self.sampling_defaults = SamplingDefaults.load(model_dir, self.settings.sampling_defaults)
         model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
         max_model_len = min(self.settings.engine.max_model_len or model_len, model_len)
         self.pool = get_or_create_pool(self.settings)
@@ -205,7 +207,7 @@ class Scheduler:
 
     @app.post("/generate")
     async def generate(self, body: GenerateBody):
-        params = body.sampling()
+        params = body.sampling(self.sampling_defaults)
         await self._require_ready()
         prompt_ids = self.service.prepare(body.prompt(), params)
         events = await self._start(prompt_ids, params, body.rid)
@@ -262,7 +264,7 @@ class Scheduler:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} not found; this server serves {self.model_name!r}",
                            kind="model_not_found")
-        params = body.sampling(default_max=16 if not chat else self.settings.limits.max_new_tokens)
+        params = body.sampling(16 if not chat else self.settings.limits.max_new_tokens, self.sampling_defaults)
         await self._require_ready()
         prompt_ids = [self.service.prepare(prompt, params, templated=chat) for prompt in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

@@ -14,6 +14,7 @@ Serve boundary; cross-field checks here, frozen engine dataclasses inside).
       limits: {max_prompt_tokens: 1536, max_new_tokens: 512}
       kv_store: {host_gib: 2, disk_path: /var/tmp/tandem-kv, shared_path: /mnt/kv}   # optional
       scheduler_replicas: 2                   # the global scheduler's Serve replicas (default 1)
+      sampling_defaults: model                # omitted sampling fields: generation_config.json's, or openai
 
 A pool's `replicas` is its initial size; it autoscales between `min_replicas` and
 `max_replicas` (both default to `replicas`: a fixed pool) - see cluster/autoscaling.py.
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config import EngineConfig, ModelLocation
 from actors.kv_store import GIB, KVStoreSettings
+from actors.sampling_defaults import SamplingDefaultsSource
 
 
 class _Strict(BaseModel):
@@ -207,6 +209,9 @@ class AppSettings(_Strict):
     timeouts: TimeoutSettings = TimeoutSettings()
     kv_store: KVStoreSection | None = None
     stream_interval: int = Field(1, ge=1)  # tokens a streamed event gathers (first and last at once)
+    # What a request's omitted temperature/top_p/top_k/repetition_penalty take: the
+    # checkpoint's generation_config.json (`model`) or OpenAI's (actors/sampling_defaults.py).
+    sampling_defaults: SamplingDefaultsSource = "model"
     scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name

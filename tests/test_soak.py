@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from actors.sampling_defaults import SamplingDefaults
 from benchmarks.soak_probes import MIB, memory_growth, slope_bytes_per_min
 from benchmarks.soak_traffic import Endpoint, RawResponse, SoakRequest, draw_request
 from benchmarks.soak_verdict import Outcome, judge
@@ -28,7 +29,8 @@ def test_the_mix_is_seeded_and_valid_for_the_api():
     for request in requests:
         body = models[request.endpoint.path].model_validate(request.body)
         assert body.stream == request.endpoint.is_stream
-        params = body.sampling() if isinstance(body, GenerateBody) else body.sampling(default_max=16)
+        openai = SamplingDefaults()
+        params = body.sampling(openai) if isinstance(body, GenerateBody) else body.sampling(16, openai)
         assert params.max_new_tokens == request.max_new_tokens and params.stop == request.stop
         assert len(request.stop) <= 8  # manifests/local.yaml: max_stop_sequences
         assert (request.num_prompt_tokens or 0) <= 1024
