@@ -252,7 +252,8 @@ class ModelRunner:
                  else [0.0] * len(params))  # greedy rows read no draw
         processed = [row for row, p in enumerate(params) if p.processes_logits]
         scores = self._process_logits(logits, step, processed, token_indexes) if processed else logits
-        step.token_ids = sample(scores, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws)
+        step.token_ids = sample(scores, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws,
+                                [p.min_p for p in params])
         num_top = max((p.logprobs or 0) for p in params)
         outputs = [step.token_ids]
         if any(p.logprobs is not None for p in params):

@@ -9,11 +9,11 @@ values of the fields an HTTP request omits, and a field the request sets wins, e
 when it sets OpenAI's default (`temperature: 1.0` is 1.0). Tandem does the same:
 the manifest's `sampling_defaults: model` (the default), or `openai` for OpenAI's
 defaults whatever the checkpoint says (`temperature` 1, `top_p` 1, no `top_k`, no
-repetition penalty).
+`min_p`, no repetition penalty).
 
 What is read, and what is not:
-- `temperature`, `top_p`, `top_k`, `repetition_penalty`, where the file names them
-  (null or absent: OpenAI's default). A value no request could carry (top_p 0, a
+- `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, where the file
+  names them (null or absent: OpenAI's default). A value no request could carry (top_p 0, a
   negative temperature, a string) is a CheckpointError at start-up, not a 400 on
   every request that left the field out.
 - not `do_sample`: transformers' own default is false, so reading it would make
@@ -21,8 +21,6 @@ What is read, and what is not:
   default; vLLM and SGLang ignore it too.
 - not `max_new_tokens` (vLLM caps a request's default at it; SGLang does not): the
   endpoints keep their own (16 for completions, `limits.max_new_tokens` for chat).
-- not `min_p`, which Tandem does not sample with; a checkpoint that sets it gets a
-  warning at start-up, and its other defaults still apply.
 """
 
 from __future__ import annotations
@@ -46,6 +44,7 @@ class SamplingDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
 
     @classmethod
@@ -55,8 +54,6 @@ class SamplingDefaults:
             return cls()
         path = Path(model_dir) / GENERATION_CONFIG
         generation = read_generation_config(model_dir)
-        if generation.get("min_p"):
-            log.warning("%s: min_p %s is not supported and is ignored", path, generation["min_p"])
         fields = {}
         for field in dataclasses.fields(cls):
             value = generation.get(field.name)

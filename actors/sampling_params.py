@@ -15,6 +15,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0: off; else a token needs min_p x the best token's probability (kernels/sampling.py)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -43,6 +44,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

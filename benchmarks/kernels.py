@@ -14,7 +14,8 @@
    for every random row (`reference_sample`) against `sample` (no sort for an
    unfiltered row, a window of the best for a filtered one), for the bench
    model's vocabulary and Qwen2.5's, with a temperature alone (the default
-   request), top_k 50 and top_p 0.9 (over peaked logits, as a trained model's are).
+   request), top_k 50, top_p 0.9, top_k 20 with top_p 0.8 (Qwen2.5 Instruct's
+   defaults) and min_p 0.05 alone (over peaked logits, as a trained model's are).
 4. The block tables of a static decode step, host side, 64 sequences of 8, 64 and
    256 blocks in steady decoding: every table converted afresh
    (`padded_int64_rows`) against the rows kept from step to step
@@ -113,6 +114,12 @@ def attention_rows(args, cpu_attention) -> list[dict]:
     return results
 
 
+SAMPLING_SETTINGS = [  # name, top_k, top_p, min_p
+    ("temperature 1", 0, 1.0, 0.0), ("top_k 50", 50, 1.0, 0.0), ("top_p 0.9", 0, 0.9, 0.0),
+    ("top_k 20 + top_p 0.8", 20, 0.8, 0.0), ("min_p 0.05", 0, 1.0, 0.05),
+]
+
+
 def sampling_rows(args) -> list[dict]:
     import torch
 
@@ -122,13 +129,12 @@ def sampling_rows(args) -> list[dict]:
     batch, results = 64, []
     for vocab in (VOCAB, 151_936):
         logits = torch.randn(batch, vocab) * 4  # peaked: a few tokens hold most of the mass
-        for name, top_k, top_p in (("temperature 1", 0, 1.0), ("top_k 50", 50, 1.0), ("top_p 0.9", 0, 0.9)):
+        for name, top_k, top_p, min_p in SAMPLING_SETTINGS:
             columns = ([1.0] * batch, [top_k] * batch, [top_p] * batch)
-
             draws = uniform_draws(range(batch), [0] * batch)
 
             def run(fn):
-                return lambda: fn(logits, *columns, draws)
+                return lambda: fn(logits, *columns, draws, [min_p] * batch)
 
             sort_s, ours_s = alternate(run(reference_sample), run(sample), max(3, args.repeats // 3))
             results.append({"vocab": vocab, "setting": name, "full_sort_s": sort_s, "sample_s": ours_s,

@@ -7,8 +7,8 @@ take that change what is generated: constrained output, tools, ...) is refused
 with a clear 400 rather than silently ignored. Other unknown fields are ignored.
 
 The sampling fields a model may have defaults for (temperature, top_p, top_k,
-repetition_penalty: actors/sampling_defaults.py) are None when omitted, so the
-model's default fills exactly those the request left out.
+min_p, repetition_penalty: actors/sampling_defaults.py) are None when omitted, so
+the model's default fills exactly those the request left out.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class SglangSamplingParams(_Body):
     temperature: float | None = None  # None: the model's default
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1)  # SGLang's -1 means off
+    min_p: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -94,6 +95,7 @@ class GenerateBody(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
@@ -118,18 +120,19 @@ class GenerateBody(_Body):
         base = self.sampling_params or SglangSamplingParams()
         top_level = {
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "stop": self.stop, "seed": self.seed,
+            "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "seed": self.seed,
             "repetition_penalty": self.repetition_penalty, "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
         }
         merged = base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
         model = defaults.fill(temperature=merged.temperature, top_p=merged.top_p, top_k=merged.top_k,
-                              repetition_penalty=merged.repetition_penalty)
+                              min_p=merged.min_p, repetition_penalty=merged.repetition_penalty)
         return SamplingParams(
             max_new_tokens=merged.max_new_tokens,
             temperature=model["temperature"],
             top_p=model["top_p"],
             top_k=max(model["top_k"], 0),
+            min_p=model["min_p"],
             stop=_stop_tuple(merged.stop),
             stop_token_ids=tuple(merged.stop_token_ids or ()),
             ignore_eos=merged.ignore_eos,
@@ -176,6 +179,7 @@ class _OpenAIBody(_Body):
     stop: str | list[str] | None = None
     seed: int | None = None
     top_k: int | None = Field(None, ge=0)  # extension (vLLM-style)
+    min_p: float | None = None  # extension (vLLM-style)
     ignore_eos: bool = False  # extension
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -194,7 +198,7 @@ class _OpenAIBody(_Body):
                   defaults: SamplingDefaults) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else default_max,
-            **defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            **defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                             repetition_penalty=self.repetition_penalty),
             stop=_stop_tuple(self.stop),
             seed=self.seed,

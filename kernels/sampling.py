@@ -1,8 +1,16 @@
 """Token sampling and log-probabilities over a batch of logits rows.
 
-Each row carries its own temperature, top-k, top-p and draw, a uniform number in
-[0, 1) at which it inverts the CDF of its (filtered) distribution, so a row's result
-depends only on its logits and its draw. The draws come from `uniform_draws`: a
+Each row carries its own temperature, top-k, top-p, min-p and draw, a uniform
+number in [0, 1) at which it inverts the CDF of its (filtered) distribution, so a
+row's result depends only on its logits and its draw.
+
+The filters chain as transformers' warpers do (the reference a checkpoint's
+recommended settings were tuned against): temperature, then top-k, then top-p over
+the top-k's own mass (renormalised: with top_k 20 and top_p 0.8, Qwen2.5
+Instruct's defaults, the fewest of the 20 best that hold 0.8 of those 20's mass),
+then min-p (a token stays if its probability is at least min_p times the best
+one's). vLLM renormalises top-p over top-k too; SGLang's torch path takes top-p of
+the whole mass. The draws come from `uniform_draws`: a
 counter-based generator, one number per (seed, index of the token being sampled),
 the same on every device and in every batch. So a request's tokens depend on its
 seed alone, whatever shares the batch, whichever worker samples them (a prefill
@@ -17,16 +25,18 @@ vocabulary costs about 10 ms a row on this machine's CPU (590-680 ms a step at
 batch 64 in `tandem bench kernels --sections sampling`, four times the bench
 model's forward), so
 - a row with no filter (top_k 0, top_p 1: the default request) inverts the CDF
-  of its probabilities in vocabulary order (a softmax and a prefix sum);
+  of its probabilities in vocabulary order (a softmax and a prefix sum); a min_p
+  alone zeroes the probabilities under its threshold first (a max and a compare);
 - a filtered row inverts it over its best candidates, in descending order, from
   `topk` over a window: the largest top_k of the batch's filtered rows, or, when a
   row filters by top_p alone, a window that grows (x4 from 1024) until it holds
   that row's top_p of the mass (on CPU, where checking costs nothing; on CUDA
   checking would wait for the device, so such a batch sorts the whole vocabulary,
   which a GPU does quickly).
-The kept set and its order are those of a full descending sort, so a filtered row
-samples the same token as sorting everything would (`reference_sample`;
-tests/test_kernels.py holds it to that). `tandem bench kernels` times both.
+The kept set and its order are those of a full descending sort, so a top-k or
+top-p row samples the same token as sorting everything would (`reference_sample`;
+tests/test_kernels.py holds it to that, and the reference's kept set to
+transformers' warpers). `tandem bench kernels` times both.
 
 Devices. The draws are made on the host. Every tensor the sampling makes sits on
 the logits' device; the per-row settings and the draws go there in one copy from
@@ -72,33 +82,40 @@ def sample(
     top_ks: list[int],
     top_ps: list[float],
     draws: Sequence[float],
+    min_ps: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Pick one token per row. logits: [B, V] float32. Temperature 0 means greedy;
-    top_k 0 and top_p 1.0 mean no filtering; `draws` (from `uniform_draws`) are read
-    for the rows that sample. Returns [B] int64 on the logits' device."""
+    top_k 0, top_p 1.0 and min_p 0 (None: every row's) mean no filtering; `draws`
+    (from `uniform_draws`) are read for the rows that sample. Returns [B] int64 on
+    the logits' device."""
     batch, vocab = logits.shape
-    assert len(temperatures) == len(top_ks) == len(top_ps) == len(draws) == batch
+    min_ps = min_ps or [0.0] * batch
+    assert len(temperatures) == len(top_ks) == len(top_ps) == len(draws) == len(min_ps) == batch
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not random_rows:
         return tokens
     ks = [top_ks[i] if 0 < top_ks[i] < vocab else vocab for i in random_rows]
-    # One row a setting: row index, temperature, top-k, top-p, draw.
+    # One row a setting: row index, temperature, top-k, top-p, draw, min-p.
     settings = to_device(torch.tensor(
         [random_rows, [temperatures[i] for i in random_rows], ks, [top_ps[i] for i in random_rows],
-         [draws[i] for i in random_rows]],
+         [draws[i] for i in random_rows], [min_ps[i] for i in random_rows]],
         dtype=torch.float64,
     ), logits.device)
     vocab_order = [n for n, k in enumerate(ks) if k == vocab and top_ps[random_rows[n]] >= 1.0]
     best_first = sorted(set(range(len(random_rows))) - set(vocab_order))
     if vocab_order:
         rows, scaled, part = _scaled_rows(logits, settings, vocab_order)
-        tokens[rows] = _invert_cdf(scaled.softmax(dim=-1), part[4].float())
+        probs = scaled.softmax(dim=-1)
+        if any(min_ps[random_rows[n]] > 0 for n in vocab_order):
+            probs.masked_fill_(probs < part[5].float()[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        tokens[rows] = _invert_cdf(probs, part[4].float())
     if best_first:
         rows, scaled, part = _scaled_rows(logits, settings, best_first)
         max_k = max((ks[n] for n in best_first if ks[n] < vocab), default=0)
         needs_mass = any(ks[n] == vocab for n in best_first)  # a row filters by top_p alone
-        tokens[rows] = _sample_best_first(scaled, part[2].long(), part[3].float(), part[4].float(), max_k, needs_mass)
+        tokens[rows] = _sample_best_first(scaled, part[2].long(), part[3].float(), part[5].float(), part[4].float(),
+                                          max_k, needs_mass)
     return tokens
 
 
@@ -120,10 +137,9 @@ def _invert_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     return picks.clamp_(max=probs.shape[1] - 1).squeeze(1)
 
 
-def _sample_best_first(scaled, ks, ps, draws, max_k: int, needs_mass: bool) -> torch.Tensor:
-    """Sample each row among its kept candidates (the best `k`, then the fewest whose
-    mass before them is under `p`), taken in descending order from a window of the
-    best `width` (see the module docstring)."""
+def _sample_best_first(scaled, ks, ps, min_ps, draws, max_k: int, needs_mass: bool) -> torch.Tensor:
+    """Sample each row among its kept candidates (`_kept`), taken in descending
+    order from a window of the best `width` (see the module docstring)."""
     vocab = scaled.shape[1]
     probs = scaled.softmax(dim=-1)
     width = max_k  # every row's k fits: enough unless a row filters by top_p alone
@@ -135,13 +151,26 @@ def _sample_best_first(scaled, ks, ps, draws, max_k: int, needs_mass: bool) -> t
         if not needs_mass or width == vocab or bool(((ks <= width) | (top_probs.sum(dim=-1) >= ps)).all()):
             break
         width = min(vocab, width * 4)
-    rank = torch.arange(width, device=scaled.device)[None, :]
-    mass_before = top_probs.cumsum(dim=-1) - top_probs
-    keep = (rank < ks[:, None]) & ((mass_before < ps[:, None]) | (rank == 0))
+    keep = _kept(top_probs, ks, ps, min_ps, vocab)
     picks = _invert_cdf(top_probs * keep, draws)
     # A pick past the kept set can only come from rounding at the top of the CDF.
     picks = torch.minimum(picks, keep.sum(dim=-1) - 1)
     return top_ids.gather(1, picks[:, None]).squeeze(1)
+
+
+def _kept(probs_desc: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, min_ps: torch.Tensor,
+          vocab: int) -> torch.Tensor:
+    """Which of each row's best candidates (`probs_desc`: descending, the first
+    columns of a full sort) survive transformers' chain: the best k; of those, the
+    fewest whose mass before them is under p of the k's mass; of those, every one
+    at least min_p of the best. The best always survives."""
+    rank = torch.arange(probs_desc.shape[1], device=probs_desc.device)[None, :]
+    in_top_k = rank < ks[:, None]
+    # A row without top_k: the whole vocabulary's mass (1), which a window need not hold.
+    k_mass = torch.where(ks < vocab, (probs_desc * in_top_k).sum(dim=-1), 1.0)
+    mass_before = probs_desc.cumsum(dim=-1) - probs_desc
+    in_top_p = (mass_before < ps[:, None] * k_mass[:, None]) | (rank == 0)
+    return in_top_k & in_top_p & (probs_desc >= min_ps[:, None] * probs_desc[:, :1])
 
 
 def reference_sample(
@@ -150,23 +179,24 @@ def reference_sample(
     top_ks: list[int],
     top_ps: list[float],
     draws: Sequence[float],
+    min_ps: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """The reference for `sample` (and what it was before the windows): every random
-    row sorts the whole vocabulary and inverts the CDF in descending order. Filtered
-    rows pick what `sample` picks, draw for draw; unfiltered rows the same
+    row sorts the whole vocabulary and inverts the CDF in descending order. Top-k
+    and top-p rows pick what `sample` picks, draw for draw; the others the same
     distribution in another order. CPU, for tests and `tandem bench kernels`."""
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not random_rows:
         return tokens
+    vocab = logits.shape[1]
     rows = torch.tensor(random_rows)
     temps = torch.tensor([temperatures[i] for i in random_rows], dtype=torch.float32)
     sorted_probs, sorted_ids = (logits[rows].float() / temps[:, None]).softmax(-1).sort(dim=-1, descending=True)
-    rank = torch.arange(sorted_probs.shape[1])[None, :]
-    ks = torch.tensor([top_ks[i] or sorted_probs.shape[1] for i in random_rows])
+    ks = torch.tensor([top_ks[i] if 0 < top_ks[i] < vocab else vocab for i in random_rows])
     ps = torch.tensor([top_ps[i] for i in random_rows], dtype=torch.float32)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < ks[:, None]) & ((mass_before < ps[:, None]) | (rank == 0))
+    min_p = torch.tensor([min_ps[i] if min_ps else 0.0 for i in random_rows], dtype=torch.float32)
+    keep = _kept(sorted_probs, ks, ps, min_p, vocab)
     cdf = (sorted_probs * keep).cumsum(dim=-1)
     row_draws = torch.tensor([draws[i] for i in random_rows], dtype=torch.float32)
     picks = torch.searchsorted(cdf, (row_draws * cdf[:, -1])[:, None], right=True).clamp_(max=sorted_probs.shape[1] - 1)

@@ -149,17 +149,62 @@ def test_filtered_rows_sample_what_a_full_sort_samples(spread):
     draw, whatever else shares the batch."""
     torch.manual_seed(0)
     vocab = 20_000
-    settings = [(0.8, 0, 0.9), (1.0, 40, 1.0), (1.2, 3000, 0.95), (0.7, 0, 0.5), (1.0, 0, 1.0), (0.0, 0, 1.0)]
+    settings = [(0.8, 0, 0.9, 0), (1.0, 40, 1.0, 0), (1.2, 3000, 0.95, 0), (0.7, 0, 0.5, 0), (1.0, 0, 1.0, 0),
+                (0.0, 0, 1.0, 0), (0.7, 20, 0.8, 0), (1.0, 50, 0.9, 0.05), (0.9, 0, 0.95, 0.1), (1.0, 0, 1.0, 0.1)]
     rows = [settings[i % len(settings)] for i in range(len(settings) * 8)]
     scale = {"peaked": lambda row: 8.0, "flat": lambda row: 0.05,
              "top_k rows flat": lambda row: 0.05 if row[1] else 8.0}[spread]
     logits = torch.randn(len(rows), vocab) * torch.tensor([scale(row) for row in rows])[:, None]
-    columns = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    temperatures, top_ks, top_ps, min_ps = ([r[n] for r in rows] for n in range(4))
     draws = uniform_draws(range(len(rows)), [0] * len(rows))
-    tokens = sample(logits, *columns, draws)
-    expected = reference_sample(logits, *columns, draws)
-    filtered = [i for i, (temperature, top_k, top_p) in enumerate(rows) if temperature == 0 or top_k or top_p < 1]
+    tokens = sample(logits, temperatures, top_ks, top_ps, draws, min_ps)
+    expected = reference_sample(logits, temperatures, top_ks, top_ps, draws, min_ps)
+    filtered = [i for i, (temperature, top_k, top_p, _) in enumerate(rows) if temperature == 0 or top_k or top_p < 1]
     assert tokens[filtered].tolist() == expected[filtered].tolist()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 20, 0.8, 0.0), (0.7, 20, 0.8, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 5, 1.0, 0.0), (1.0, 0, 1.0, 0.1),
+    (0.6, 40, 0.95, 0.05), (1.3, 0, 0.7, 0.2), (1.0, 1, 0.5, 0.5),
+])
+def test_the_kept_candidates_are_transformers_warpers(temperature, top_k, top_p, min_p):
+    """Temperature, top-k, top-p over the top-k's renormalised mass, min-p: the
+    tokens transformers' warpers leave finite are the ones the sampler keeps."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    from kernels.sampling import _kept
+
+    torch.manual_seed(3)
+    vocab = 500
+    logits = torch.randn(16, vocab) * torch.linspace(0.5, 6, 16)[:, None]  # flat to peaked
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+    for warper in warpers + ([MinPLogitsWarper(min_p)] if min_p else []):
+        warped = warper(None, warped)
+    probs, ids = (logits / temperature).softmax(dim=-1).sort(dim=-1, descending=True)
+    ks, ps, min_ps = torch.tensor([top_k or vocab] * 16), torch.full((16,), top_p), torch.full((16,), min_p)
+    keep = _kept(probs, ks, ps, min_ps, vocab)
+    for row in range(16):
+        assert set(ids[row][keep[row]].tolist()) == set(torch.isfinite(warped[row]).nonzero().flatten().tolist())
+
+
+def test_top_p_after_top_k_is_of_the_top_ks_mass():
+    """The two best hold 0.3 and 0.2: of their 0.5, the best alone holds 0.6, past a
+    top_p of 0.5, so only it is kept (of the whole vocabulary's mass, 0.3 would not be)."""
+    logits = torch.log(torch.tensor([[0.3, 0.2] + [0.1] * 5]))
+    picks = {int(sample(logits, [1.0], [2], [0.5], uniform_draws([0], [i]))[0]) for i in range(300)}
+    assert picks == {0}
+
+
+def test_min_p_alone_keeps_what_holds_min_p_of_the_best():
+    """0.2 of the best (0.5) is 0.1: the 0.05 token goes, the rest keep their shares."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    counts = torch.zeros(4)
+    for index in range(3000):
+        counts[sample(logits, [1.0], [0], [1.0], uniform_draws([0], [index]), [0.2])[0]] += 1
+    assert counts[3] == 0
+    torch.testing.assert_close(counts / counts.sum(), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95, atol=0.03, rtol=0)
 
 
 def test_unfiltered_rows_never_pick_an_impossible_token():

@@ -5,7 +5,6 @@ same over real HTTP and offline."""
 from __future__ import annotations
 
 import json
-import logging
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from tests.conftest import deploy_app, undeploy_app
 # Qwen2.5 Instruct's generation_config.json, less its token ids.
 QWEN_INSTRUCT = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
 MODEL = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+MODEL_MIN_P = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05)
 
 
 def with_generation_config(folder, **fields):
@@ -42,6 +42,8 @@ def test_the_fields_the_file_names_are_the_defaults(tmp_path):
     assert SamplingDefaults.load(tmp_path, "openai") == SamplingDefaults()
     partial = with_generation_config(tmp_path, temperature=0.6, top_p=0.9, top_k=None, max_new_tokens=64)
     assert SamplingDefaults.load(partial) == SamplingDefaults(temperature=0.6, top_p=0.9)
+    min_p = with_generation_config(tmp_path, temperature=0.6, top_p=0.95, top_k=20, min_p=0.05)
+    assert SamplingDefaults.load(min_p) == MODEL_MIN_P
 
 
 def test_do_sample_and_a_missing_file_change_nothing(tmp_path, tiny_qwen2_dir):
@@ -59,6 +61,7 @@ def test_do_sample_and_a_missing_file_change_nothing(tmp_path, tiny_qwen2_dir):
     ({"top_k": True}, "top_k must be a number"),
     ({"top_k": 2.5}, "top_k must be an integer"),
     ({"repetition_penalty": 0}, "repetition_penalty must be in"),
+    ({"min_p": 1.5}, "min_p must be in"),
 ])
 def test_defaults_no_request_could_carry_are_a_checkpoint_error(tmp_path, fields, message):
     with pytest.raises(CheckpointError, match=f"generation_config.json: {message}"):
@@ -71,16 +74,9 @@ def test_a_file_that_is_not_an_object_is_a_checkpoint_error(tmp_path):
         SamplingDefaults.load(tmp_path)
 
 
-def test_min_p_is_not_supported_and_says_so(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="actors.sampling_defaults"):
-        defaults = SamplingDefaults.load(with_generation_config(tmp_path, min_p=0.05, temperature=0.6))
-    assert defaults == SamplingDefaults(temperature=0.6)
-    assert "min_p 0.05 is not supported" in caplog.text
-
-
 # ---- the HTTP bodies ----------------------------------------------------------------------
 def sampled(params: SamplingParams) -> tuple:
-    return params.temperature, params.top_p, params.top_k, params.repetition_penalty
+    return params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty
 
 
 @pytest.mark.parametrize("make", [
@@ -90,11 +86,18 @@ def sampled(params: SamplingParams) -> tuple:
     lambda **f: GenerateBody(text="hi", sampling_params=f).sampling(MODEL),
 ], ids=["chat", "completions", "generate", "generate-sampling_params"])
 def test_an_omitted_field_takes_the_models_default_and_a_set_one_wins(make):
-    assert sampled(make()) == (0.7, 0.8, 20, 1.05)
+    assert sampled(make()) == (0.7, 0.8, 20, 0.0, 1.05)
     # OpenAI's own values, set: they are what the request asked for, not "unset"
-    assert sampled(make(temperature=1.0, top_p=1.0, repetition_penalty=1.0)) == (1.0, 1.0, 20, 1.0)
-    assert sampled(make(temperature=0, top_k=5)) == (0, 0.8, 5, 1.05)
+    assert sampled(make(temperature=1.0, top_p=1.0, repetition_penalty=1.0)) == (1.0, 1.0, 20, 0.0, 1.0)
+    assert sampled(make(temperature=0, top_k=5, min_p=0.1)) == (0, 0.8, 5, 0.1, 1.05)
     assert make(temperature=0.5).seed is None and make(seed=3).temperature == 0.7
+
+
+def test_a_models_min_p_fills_an_omitted_min_p():
+    messages = [{"role": "user", "content": "hi"}]
+    assert sampled(ChatBody(messages=messages).sampling(16, MODEL_MIN_P)) == (0.6, 0.95, 20, 0.05, 1.0)
+    assert ChatBody(messages=messages, min_p=0).sampling(16, MODEL_MIN_P).min_p == 0
+    assert GenerateBody(text="hi", min_p=0.2).sampling(MODEL_MIN_P).min_p == 0.2
 
 
 def test_sglangs_top_k_minus_one_turns_the_models_top_k_off():
@@ -147,6 +150,8 @@ def test_served_requests_take_the_checkpoints_defaults(base_url, model_dir):
 
     assert generate() == generate() == penalised.token_ids
     assert generate(temperature=0, repetition_penalty=1.0) == plain.token_ids
+    # min_p 1 keeps only the best token: sampling at temperature 1 is greedy
+    assert generate(temperature=1.0, min_p=1.0) == penalised.token_ids
     completion = httpx.post(f"{base_url}/v1/completions", timeout=60, json={
         "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True}).json()
     assert completion["choices"][0]["text"] == penalised.text
