@@ -16,12 +16,13 @@ def load_tokenizer(model_dir: str | Path):
         raise CheckpointError(f"{model_dir}: cannot load tokenizer ({type(exc).__name__}: {exc})") from None
 
 
-def encode_prompt(tokenizer, prompt: str | list[int], *, templated: bool = False) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
     """A prompt's token ids. Text gets the tokenizer's special tokens (a BOS where
     the model has one: Llama 3's `<|begin_of_text|>`; Qwen2 has none), as
     transformers' `tokenizer(text)`, vLLM's completions and SGLang's /generate give
-    it; text a chat template wrote (`templated`) gets none: the template wrote them,
-    and a second BOS changes what the model says. Ids are used as they are."""
+    it. Text a chat template wrote should get none (`add_special_tokens=False`,
+    the chat bodies' default, as vLLM's): the template wrote them, and a second
+    BOS changes what the model says. Ids are used as they are."""
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=not templated)
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return [int(t) for t in prompt]

@@ -217,6 +217,7 @@ class CompletionBody(_OpenAIBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, "")}
 
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
+    add_special_tokens: bool = True  # extension (vLLM's): a text prompt gets the tokenizer's BOS
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
@@ -261,7 +262,26 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatBody(_OpenAIBody):
+class _ChatTemplateFields(_Body):
+    """How messages become a prompt (vLLM's fields, its defaults): the chat
+    template, then an assistant turn opened (`add_generation_prompt`), or the last
+    message, an assistant's, left open for the model to continue
+    (`continue_final_message`: a prefilled answer); the template's text gets no
+    BOS of the tokenizer's unless `add_special_tokens`."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the last message is "
+                             "continued instead of a new turn opened)")
+        return self
+
+
+class ChatBody(_ChatTemplateFields, _OpenAIBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -273,16 +293,21 @@ class ChatBody(_OpenAIBody):
         return self._sampling(max_tokens, default_max, logprobs, defaults)
 
 
-class TokenizeBody(_Body):
-    """vLLM's /tokenize: a completion prompt or chat messages."""
+class TokenizeBody(_ChatTemplateFields):
+    """vLLM's /tokenize: a completion prompt or chat messages, with the fields of
+    the body it stands for (`add_special_tokens`: a prompt's default true, chat's
+    false)."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of `prompt` or `messages`")
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.messages is None
         return self
 
 

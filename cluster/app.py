@@ -229,14 +229,14 @@ class Scheduler:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatBody):
-        return await self._openai(body, [self._chat_prompt(body.messages)], chat=True)
+        return await self._openai(body, [self._chat_prompt(body)], chat=True)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):
         """The token ids a completion (`prompt`) or chat (`messages`) request would
         give the model, as vLLM's /tokenize answers (count them before sending)."""
-        chat = body.messages is not None
-        ids = encode_prompt(self.tokenizer, self._chat_prompt(body.messages) if chat else body.prompt, templated=chat)
+        prompt = self._chat_prompt(body) if body.messages is not None else body.prompt
+        ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.service.max_model_len}
 
     @app.post("/detokenize")
@@ -246,10 +246,17 @@ class Scheduler:
             raise ApiError(400, f"token ids must be in [0, {vocab})")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
-    def _chat_prompt(self, messages) -> str:
+    def _chat_prompt(self, body) -> str:
+        """The chat template's text for a body's messages (cluster/api_models.py
+        `_ChatTemplateFields`: an assistant turn opened, or the last one continued)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if body.continue_final_message and messages[-1]["role"] != "assistant":
+            raise ApiError(400, "continue_final_message continues an assistant's message: the last message's role "
+                                f"is {messages[-1]['role']!r}")
         try:
-            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                      tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      continue_final_message=body.continue_final_message)
         except Exception as exc:  # a template error is the client's messages
             raise ApiError(400, f"cannot apply the chat template: {exc}") from None
 
@@ -266,7 +273,8 @@ class Scheduler:
                            kind="model_not_found")
         params = body.sampling(16 if not chat else self.settings.limits.max_new_tokens, self.sampling_defaults)
         await self._require_ready()
-        prompt_ids = [self.service.prepare(prompt, params, templated=chat) for prompt in prompts]
+        prompt_ids = [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens)
+                      for prompt in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
         keys = range(len(prompts) * n)

@@ -176,11 +176,10 @@ class GlobalScheduler:
                 if m.role == role and not m.draining and w in self.profiled and w not in exclude]
 
     # ---- validation -----------------------------------------------------------------
-    def prepare(self, prompt: str | list[int], params: SamplingParams, *, templated: bool = False) -> list[int]:
-        """A request's prompt ids, checked against the limits (`templated`: text a
-        chat template wrote, see `encode_prompt`)."""
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *, add_special_tokens: bool = True) -> list[int]:
+        """A request's prompt ids (see `encode_prompt`), checked against the limits."""
         limits = self.settings.limits
-        ids = encode_prompt(self.tokenizer, prompt, templated=templated)
+        ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
         if not ids:
             raise ApiError(400, "prompt is empty")
         vocab = len(self.tokenizer)

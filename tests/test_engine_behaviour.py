@@ -101,7 +101,8 @@ def test_text_prompts_get_the_tokenizers_bos_and_templated_ones_do_not(tmp_path)
     """A tokenizer that puts a BOS before every text (Llama 3's does): a text
     prompt gets it, offline and through `encode_prompt` (what the Serve app runs for
     completions and /generate), as transformers gives it; text a chat template
-    wrote does not (the template wrote its own); ids stay as they are."""
+    wrote does not (the template wrote its own: the chat bodies' default), nor a
+    completion that says `add_special_tokens: false`; ids stay as they are."""
     from actors.model_builder import ensure_checkpoint
 
     for item in ensure_checkpoint("tiny", "llama").iterdir():
@@ -120,7 +121,8 @@ def test_text_prompts_get_the_tokenizers_bos_and_templated_ones_do_not(tmp_path)
     assert encode_prompt(tokenizer, "Once upon a time") == [1] + bare == tokenizer("Once upon a time").input_ids
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                          add_generation_prompt=True)
-    assert encode_prompt(tokenizer, chat, templated=True) == tokenizer.encode(chat, add_special_tokens=False)
+    assert encode_prompt(tokenizer, chat, add_special_tokens=False) == tokenizer.encode(chat, add_special_tokens=False)
+    assert encode_prompt(tokenizer, "Once upon a time", add_special_tokens=False) == bare
     assert encode_prompt(tokenizer, bare) == bare
     out = LLM(tmp_path, block_size=16).generate(["Once upon a time"], SamplingParams(max_new_tokens=2))[0]
     assert out.prompt_token_ids == [1] + bare

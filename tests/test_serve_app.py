@@ -168,6 +168,25 @@ def test_tokenize_gives_the_ids_requests_use(base_url, client):
         assert response.status_code == 400 and "message" in response.json()["error"], (path, body)
 
 
+def test_chat_can_continue_a_prefilled_answer(base_url, client):
+    """`continue_final_message` (vLLM's): the assistant's last message is left
+    open, no end of turn after it, and the model writes on from it; /tokenize with
+    the same fields gives the ids the request is served from."""
+    from actors.tokenization import load_tokenizer
+
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "Well, the"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    text = load_tokenizer(ensure_checkpoint("tiny", "qwen2")).apply_chat_template(messages, tokenize=False, **fields)
+    assert text.endswith("<|im_start|>assistant\nWell, the")
+    tokens = httpx.post(f"{base_url}/tokenize", json={"messages": messages, **fields}).json()["tokens"]
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={**fields, "ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(tokens)
+    (offline,) = LLM(ensure_checkpoint("tiny", "qwen2"), block_size=16).generate(
+        [tokens], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    assert chat.choices[0].message.content == offline.text
+
+
 def test_prompt_logprobs_by_echo_and_by_logprob_start_len(base_url, client):
     """How evaluation harnesses score a text: echo, logprobs, max_tokens 0 (OpenAI),
     or SGLang's logprob_start_len; both give each prompt token's logprob."""
@@ -331,6 +350,11 @@ def test_models_health_metrics_openapi(base_url, client):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema is not supported"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+         "continue_final_message needs add_generation_prompt: false"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+                                  "add_generation_prompt": False}, "continues an assistant's message"),
     ],
 )
 def test_bad_input_is_a_clear_400(base_url, path, body, message):
