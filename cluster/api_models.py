@@ -88,6 +88,10 @@ class GenerateBody(_Body):
     """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, or
     SGLang's `sampling_params` object; `input_ids` instead of `text`."""
 
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "lora_path": (None,), "image_data": (None,), "input_embeds": (None,), "custom_logit_processor": (None,),
+    }
+
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SglangSamplingParams | None = None
@@ -167,6 +171,10 @@ class _OpenAIBody(_Body):
         "response_format": (None, {"type": "text"}), "tools": (None, []),
         "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+        # vLLM's extensions that change the output
+        "structured_outputs": (None,), "use_beam_search": (None, False), "allowed_token_ids": (None,),
+        "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
+        "prompt_logprobs": (None,),
     }
 
     model: str | None = None
@@ -177,6 +185,7 @@ class _OpenAIBody(_Body):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM-style)
     seed: int | None = None
     top_k: int | None = Field(None, ge=0)  # extension (vLLM-style)
     min_p: float | None = None  # extension (vLLM-style)
@@ -201,6 +210,7 @@ class _OpenAIBody(_Body):
             **defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                             repetition_penalty=self.repetition_penalty),
             stop=_stop_tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -282,6 +292,8 @@ class _ChatTemplateFields(_Body):
 
 
 class ChatBody(_ChatTemplateFields, _OpenAIBody):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "echo": (None, False)}  # vLLM's chat echo
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -225,6 +225,15 @@ def test_stop_strings_can_stay_in_the_text(client):
     assert kept.choices[0].text == free[: free.find(stop) + len(stop)]
 
 
+def test_stop_token_ids_end_an_openai_request(base_url, client):
+    ids = httpx.post(f"{base_url}/generate", json={"text": "Stop here", "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+    stopped = client.completions.create(model="tandem-tiny-qwen2", prompt="Stop here", max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": False, "stop_token_ids": [ids[3]]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == ids.index(ids[3]) + 1
+
+
 def test_logit_bias_and_min_tokens_over_http(client):
     forced = client.completions.create(model="tandem-tiny-qwen2", prompt=[5, 6, 7], max_tokens=6, temperature=0,
                                        logit_bias={"42": 100}, extra_body={"ignore_eos": True})
@@ -351,6 +360,12 @@ def test_models_health_metrics_openapi(base_url, client):
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema is not supported"),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search is not supported"),
+        ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [5]},
+         "allowed_token_ids is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo is not supported"),
+        ("/generate", {"text": "x", "lora_path": "adapter"}, "lora_path is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
          "continue_final_message needs add_generation_prompt: false"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
