@@ -1,0 +1,142 @@
+"""Bad input over real HTTP: every refusal is a 4xx with a JSON message that says
+what to change, malformed and oversized bodies included, and the server goes on
+serving. A colocated deployment (what is refused is refused before any worker);
+the disaggregated app's own checks, and the schema fuzzing, are in
+tests/test_serve_app.py."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import deploy_app, undeploy_app
+
+ARGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "mode": "colocated",
+    "colocated": {"replicas": 1, "num_cpus": 1},
+    "engine": {"block_size": 16, "num_kv_blocks": 256},
+    "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200, "max_stop_sequences": 2, "max_body_bytes": 100_000},
+    "pool_name": "test-pool-bad-input",
+}
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_port):
+    url = deploy_app("bad-input", ARGS, serve_port)
+    yield url
+    undeploy_app("bad-input", ARGS["pool_name"])
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/generate", {"text": "", "max_new_tokens": 4}, "prompt is empty"),
+        ("/generate", {"max_new_tokens": 4}, "exactly one of"),
+        ("/generate", {"text": "x", "max_new_tokens": 0}, "max_new_tokens"),
+        ("/generate", {"text": "x", "temperature": -1}, "temperature"),
+        ("/generate", {"text": "x", "sampling_params": {"seed": -2**63 - 1}}, "seed"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed"),
+        ("/generate", {"text": "x", "top_p": 0}, "top_p"),
+        ("/generate", {"text": "x" * 2000}, "limit is 600"),
+        ("/generate", {"input_ids": [99999999]}, "token ids"),
+        ("/generate", {"text": "x", "max_new_tokens": 5000}, "limit of 200"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c"]}, "stop sequences"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": ["x"] * 33, "n": 2}, "more than 64 requests"),
+        ("/v1/completions", {"prompt": ["x", ""]}, "prompt is empty"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/generate", {"text": "x", "sampling_params": {"n": 2}}, "n is not supported"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens 0 needs echo"),
+        ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", {"prompt": {"nested": 1}}, "prompt"),
+        ("/generate", {"text": 42}, "text"),
+        ("/generate", {"text": "x", "max_new_tokens": "many"}, "max_new_tokens"),
+        ("/generate", {"text": "x", "max_new_tokens": -3}, "max_new_tokens"),
+        ("/generate", {"text": "x", "stream": "sometimes"}, "stream"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, "limit"),
+        ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": -2.5},
+         "presence_penalty"),
+        ("/generate", {"text": "x", "sampling_params": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias values"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_new_tokens"),
+        ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}}, "response_format is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema is not supported"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search is not supported"),
+        ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [5]},
+         "allowed_token_ids is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo is not supported"),
+        ("/generate", {"text": "x", "lora_path": "adapter"}, "lora_path is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+         "continue_final_message needs add_generation_prompt: false"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+                                  "add_generation_prompt": False}, "continues an assistant's message"),
+    ],
+)
+def test_bad_input_is_a_clear_400(base_url, path, body, message):
+    response = httpx.post(f"{base_url}{path}", json=body)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "content, status",
+    [
+        (b"{not json", 400),
+        (b"", 400),
+        (b"[1, 2, 3]", 400),
+        (b'{"text": "\\u00ff\\u00fe", "max_new_tokens": 2}', 200),  # JSON escapes are fine text
+        (b'{"text": "' + bytes([0xFF, 0xFE]) + b'"}', 400),  # invalid UTF-8
+        (b'{"text": "x"' + b" " * (10 * 2**20) + b"}", 413),  # a 10 MB body
+    ],
+    ids=["bad-json", "empty", "array", "escaped", "invalid-utf8", "10MB"],
+)
+def test_malformed_and_oversized_bodies(base_url, content, status):
+    response = httpx.post(f"{base_url}/generate", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    if status != 200:
+        assert "error" in response.json()
+
+
+@pytest.mark.parametrize("size, status", [(2**10, 200), (10 * 2**20, 413)], ids=["small", "10MB"])
+def test_chunked_bodies_without_a_length_are_held_to_the_limit(base_url, size, status):
+    def chunks():
+        body = b'{"text": "x", "max_new_tokens": 2' + b" " * size + b"}"
+        for start in range(0, len(body), 2**16):
+            yield body[start:start + 2**16]
+
+    response = httpx.post(f"{base_url}/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert ("error" in response.json()) == (status != 200)
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+
+
+def test_still_serving_after_the_bad_requests(base_url):
+    response = httpx.post(f"{base_url}/generate", json={"text": "still here", "max_new_tokens": 2})
+    assert response.status_code == 200
