@@ -42,7 +42,7 @@ from kernels.attention import select_decode_attention, select_prefill_attention
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
-from kernels.logit_bias import add_logit_bias_
+from kernels.logit_bias import add_logit_bias_, keep_only_
 from kernels.penalties import TokenCounts, penalise_
 from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, sample, uniform_draws
@@ -280,10 +280,12 @@ class ModelRunner:
 
     def _process_logits(self, logits: torch.Tensor, step: LaunchedStep, rows: list[int],
                         token_indexes: list[int]) -> torch.Tensor:
-        """A copy of `logits` with the given rows' logit bias, their stop tokens
-        banned while under `min_new_tokens` (kernels/logit_bias.py), then their
-        penalties (kernels/penalties.py). The raw logits stay for logprobs."""
+        """A copy of `logits` with the given rows' tokens outside their
+        `allowed_token_ids` banned, their logit bias, their stop tokens banned while
+        under `min_new_tokens` (kernels/logit_bias.py), then their penalties
+        (kernels/penalties.py). The raw logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
+        keep_only_(scores, rows, [step.requests[row].params.allowed_token_ids for row in rows])
         biases = []
         for row in rows:
             request = step.requests[row]

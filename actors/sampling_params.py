@@ -26,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # 0: off
     presence_penalty: float = 0.0  # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's, as pairs
+    allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these can be sampled (vLLM's); (): any token
     min_new_tokens: int = 0  # no EOS, stop token or stop string before this many tokens (vLLM's min_tokens)
     include_stop_str_in_output: bool = False  # a stop string ends the text instead of being cut off
     prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob and its n best
@@ -68,11 +69,13 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias values must be in [-100, 100]")
         if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
             raise InvalidRequestError("logit_bias names a token twice")
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in self.allowed_token_ids})))
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise InvalidRequestError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         has_penalties = self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
         object.__setattr__(self, "has_penalties", has_penalties)
-        object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0)
+        object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0
+                           or bool(self.allowed_token_ids))
 
     @property
     def is_greedy(self) -> bool:

@@ -172,8 +172,7 @@ class _OpenAIBody(_Body):
         "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         # vLLM's extensions that change the output
-        "structured_outputs": (None,), "use_beam_search": (None, False), "allowed_token_ids": (None,),
-        "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
+        "structured_outputs": (None,), "use_beam_search": (None, False), "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
         "prompt_logprobs": (None,),
     }
 
@@ -197,6 +196,7 @@ class _OpenAIBody(_Body):
     include_stop_str_in_output: bool = False  # extension (vLLM-style)
     skip_special_tokens: bool = True  # extension (vLLM-style)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
     user: str | None = None
 
     @property
@@ -218,6 +218,7 @@ class _OpenAIBody(_Body):
             presence_penalty=self.presence_penalty,
             min_new_tokens=self.min_tokens,
             logit_bias=tuple((self.logit_bias or {}).items()),
+            allowed_token_ids=tuple(self.allowed_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )

@@ -1,4 +1,5 @@
-"""Per-request additive logit bias, and the bans built on it.
+"""Per-request additive logit bias, and the bans built on it; a per-request list of
+the only tokens allowed.
 
 OpenAI's `logit_bias` adds a fixed number (-100 to 100) to chosen tokens' logits
 before sampling; a ban adds minus infinity, which is how `min_new_tokens` keeps a
@@ -6,6 +7,9 @@ request's stop tokens (EOS included) out until it has that many tokens (vLLM's
 `min_tokens` does the same). A token named twice for a row (a bias on a banned
 token) gets the sum: banned either way. Applied before the penalties
 (kernels/penalties.py) and the temperature; logprobs stay those of the raw logits.
+
+vLLM's `allowed_token_ids` bans every other token (`keep_only_`), before the bias:
+a bias on an allowed token still counts, one on another token is moot.
 """
 
 from __future__ import annotations
@@ -29,3 +33,18 @@ def add_logit_bias_(logits: torch.Tensor, rows: Sequence[int], biases: Sequence[
     keys = to_device(torch.from_numpy(keys), logits.device)
     values = to_device(torch.from_numpy(pairs[:, 1]).to(logits.dtype), logits.device)
     logits.view(-1).index_add_(0, keys, values)
+
+
+def keep_only_(logits: torch.Tensor, rows: Sequence[int], allowed: Sequence[Sequence[int]]) -> None:
+    """Set every entry of row `rows[i]` of `logits` [B, V] (contiguous; in place) to
+    minus infinity except those `allowed[i]` names (an empty list: the row is left
+    as it is)."""
+    named = [(row, ids) for row, ids in zip(rows, allowed) if ids]
+    if not named:
+        return
+    keys = np.concatenate([np.asarray(ids, dtype=np.int64) + row * logits.shape[1] for row, ids in named])
+    keys = to_device(torch.from_numpy(keys), logits.device)
+    banned_rows = to_device(torch.from_numpy(np.asarray([row for row, _ in named], dtype=np.int64)), logits.device)
+    kept = logits.view(-1)[keys]
+    logits[banned_rows] = -torch.inf
+    logits.view(-1)[keys] = kept

@@ -1,6 +1,7 @@
-"""logit_bias (OpenAI's) and min_new_tokens (vLLM's min_tokens): the scatter-add
-kernel against plain indexing, and what the engine does with them (a token forced
-or banned, stop tokens and strings held off until the minimum), also through P/D."""
+"""logit_bias (OpenAI's), allowed_token_ids and min_new_tokens (vLLM's
+min_tokens): the kernels against plain indexing, and what the engine does with them
+(a token forced or banned, only the allowed ones sampled, stop tokens and strings
+held off until the minimum)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from actors.config import EngineConfig
 from actors.engine import Engine
 from actors.sampling_params import InvalidRequestError, SamplingParams
-from kernels.logit_bias import add_logit_bias_
+from kernels.logit_bias import add_logit_bias_, keep_only_
 
 GREEDY = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -28,6 +29,16 @@ def test_bias_adds_to_the_named_entries_and_a_repeated_token_gets_the_sum():
     assert torch.equal(out, want)
 
 
+def test_keep_only_bans_every_other_entry_of_the_named_rows():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    want = logits.clone()
+    want[1, [0, 1, 3, 4, 6, 7, 8, 9]] = -math.inf
+    want[3, 1:] = -math.inf
+    out = logits.clone()
+    keep_only_(out, [1, 2, 3], [[2, 5], [], [0]])  # row 2: no list, left as it is
+    assert torch.equal(out, want)
+
+
 def test_bad_bias_and_minimum_are_refused(tiny_qwen2_dir):
     with pytest.raises(InvalidRequestError, match="logit_bias values"):
         SamplingParams(logit_bias={5: 101})
@@ -36,6 +47,11 @@ def test_bad_bias_and_minimum_are_refused(tiny_qwen2_dir):
     engine = Engine(tiny_qwen2_dir, EngineConfig(num_kv_blocks=32))
     with pytest.raises(InvalidRequestError, match="logit_bias token id 99999"):
         engine.add_request([1, 2, 3], SamplingParams(logit_bias={99999: 1.0}))
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids token id 99999"):
+        engine.add_request([1, 2, 3], SamplingParams(allowed_token_ids=[5, 99999]))
+    eos = engine.model_config.eos_token_ids[0]
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids are all stop tokens"):
+        engine.add_request([1, 2, 3], SamplingParams(allowed_token_ids=[eos], min_new_tokens=2))
 
 
 def _greedy(engine: Engine, prompt: list[int], **params) -> tuple[list[int], str, str]:
@@ -56,6 +72,21 @@ def test_a_bias_forces_or_bans_a_token(tiny_qwen2_dir, overlap):
     assert forced == [42] * len(plain)
     banned, _, _ = _greedy(engine, prompt, logit_bias={t: -100.0 for t in set(plain)})
     assert not set(banned) & set(plain)
+    engine.pool.check()
+
+
+def test_only_allowed_tokens_are_sampled(tiny_qwen2_dir):
+    """Greedy picks the best allowed token (allowing all of the free output changes
+    nothing); sampling draws only allowed ones; a bias still counts among them."""
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16))
+    prompt = [31, 32, 33, 34]
+    plain, _, _ = _greedy(engine, prompt)
+    assert _greedy(engine, prompt, allowed_token_ids=sorted(set(plain)) + [7])[0] == plain
+    allowed = [t for t in range(100, 200) if t not in plain][:3]
+    restricted, _, _ = _greedy(engine, prompt, allowed_token_ids=allowed)
+    sampled, _, _ = _greedy(engine, prompt, allowed_token_ids=allowed, temperature=1.0, seed=4, max_new_tokens=40)
+    assert set(restricted) <= set(allowed) and set(sampled) <= set(allowed) and len(set(sampled)) > 1
+    assert _greedy(engine, prompt, allowed_token_ids=allowed, logit_bias={allowed[1]: 100.0})[0] == [allowed[1]] * 12
     engine.pool.check()
 
 

@@ -243,6 +243,9 @@ def test_logit_bias_and_min_tokens_over_http(client):
                                           extra_body={"min_tokens": 6})
     assert forced.usage.completion_tokens == 6 and chat.usage.completion_tokens == 6
     assert forced.choices[0].text == chat.choices[0].message.content
+    only = client.completions.create(model="tandem-tiny-qwen2", prompt=[5, 6, 7], max_tokens=6, temperature=1.0,
+                                     extra_body={"ignore_eos": True, "allowed_token_ids": [42]})
+    assert only.choices[0].text == forced.choices[0].text  # the one token allowed, sampled or not
 
 
 def test_greedy_over_http_equals_the_offline_engine(base_url, client):
