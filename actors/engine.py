@@ -129,14 +129,7 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {vocab})")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
-        if params.min_new_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= stops:
-            raise InvalidRequestError("allowed_token_ids are all stop tokens, which min_new_tokens bans: "
-                                      "no token could be sampled")
+        params.check_token_ids(vocab, self.model_config.eos_token_ids)
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "

@@ -13,9 +13,9 @@ defaults whatever the checkpoint says (`temperature` 1, `top_p` 1, no `top_k`, n
 
 What is read, and what is not:
 - `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, where the file
-  names them (null or absent: OpenAI's default). A value no request could carry (top_p 0, a
-  negative temperature, a string) is a CheckpointError at start-up, not a 400 on
-  every request that left the field out.
+  names them (null or absent: OpenAI's default). A value no request could carry
+  (top_p 0, a negative temperature, a string) is a CheckpointError at start-up,
+  not a 400 on every request that left the field out.
 - not `do_sample`: transformers' own default is false, so reading it would make
   every base checkpoint (which says `do_sample: false` or nothing) greedy by
   default; vLLM and SGLang ignore it too.

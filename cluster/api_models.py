@@ -172,7 +172,8 @@ class _OpenAIBody(_Body):
         "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         # vLLM's extensions that change the output
-        "structured_outputs": (None,), "use_beam_search": (None, False), "bad_words": (None, []), "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
+        "structured_outputs": (None,), "use_beam_search": (None, False), "bad_words": (None, []),
+        "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
         "prompt_logprobs": (None,),
     }
 
