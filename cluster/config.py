@@ -209,7 +209,7 @@ class AppSettings(_Strict):
     timeouts: TimeoutSettings = TimeoutSettings()
     kv_store: KVStoreSection | None = None
     stream_interval: int = Field(1, ge=1)  # tokens a streamed event gathers (first and last at once)
-    # What a request's omitted temperature/top_p/top_k/repetition_penalty take: the
+    # What a request's omitted temperature/top_p/top_k/min_p/repetition_penalty take: the
     # checkpoint's generation_config.json (`model`) or OpenAI's (actors/sampling_defaults.py).
     sampling_defaults: SamplingDefaultsSource = "model"
     scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
