@@ -202,8 +202,9 @@ class Scheduler:
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem"}]}
+        return {"object": "list", "data": [  # max_model_len: vLLM's field, which clients size prompts by
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+             "max_model_len": self.service.max_model_len}]}
 
     @app.post("/generate")
     async def generate(self, body: GenerateBody):

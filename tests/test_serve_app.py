@@ -304,6 +304,8 @@ def test_sse_ends_with_done(base_url):
 
 def test_models_health_metrics_openapi(base_url, client):
     assert [m.id for m in client.models.list().data] == ["tandem-tiny-qwen2"]
+    card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
+    assert card["max_model_len"] == httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}).json()["max_model_len"]
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ready" and health["pools"] == ["decode", "prefill"]
     metrics = httpx.get(f"{base_url}/metrics").text
