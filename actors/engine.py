@@ -156,8 +156,7 @@ class Engine:
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.byte_level),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
-            stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
-                                                                  else self.model_config.eos_token_ids),
+            stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
 

@@ -11,10 +11,9 @@ last time and receives what came after it. A reader that is new (no cursor), fel
 further behind than the log keeps, or holds a cursor from another log (a cursor
 names its log: a restarted worker or store has a new one) gets a snapshot instead:
 every key the cache holds now, with `reset` set, so it rebuilds its index rather
-than patching a stale one. A replica that starts
-late therefore sees what the caches already hold too. (Dynamo's KV router and
-SGLang's cache-aware router keep the same per-worker view; there the events reach
-one router process.)
+than patching a stale one. A replica that starts late therefore sees what the
+caches already hold too. (Dynamo's KV router and SGLang's cache-aware router keep
+the same per-worker view; there the events reach one router process.)
 
 Thread safety: one writer thread (the engine's, or the store behind its lock) and
 readers on other threads. `list(deque)` and `list(dict)` copy in one C call, which

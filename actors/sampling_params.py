@@ -77,6 +77,11 @@ class SamplingParams:
         object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0
                            or bool(self.allowed_token_ids))
 
+    def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The tokens that end a request with these params: its stop tokens, and the
+        model's end tokens unless `ignore_eos`."""
+        return frozenset(self.stop_token_ids).union(() if self.ignore_eos else eos_token_ids)
+
     def check_token_ids(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         """The ids these params name against a model's vocabulary and end tokens."""
         named = (("logit_bias", [t for t, _ in self.logit_bias]), ("allowed_token_ids", self.allowed_token_ids))
@@ -84,8 +89,8 @@ class SamplingParams:
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {vocab_size})")
-        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
-        if self.min_new_tokens and self.allowed_token_ids and set(self.allowed_token_ids) <= stops:
+        allowed = set(self.allowed_token_ids)
+        if self.min_new_tokens and allowed and allowed <= self.stop_ids(eos_token_ids):
             raise InvalidRequestError("allowed_token_ids are all stop tokens, which min_new_tokens bans: "
                                       "no token could be sampled")
 

@@ -122,6 +122,13 @@ def deploy_app(name: str, args: dict, port: int) -> str:
     return base
 
 
+def served_app(name: str, args: dict, port: int):
+    """A module-scoped app fixture's body (`yield from served_app(...)`): the app
+    deployed under /<name>, its base URL, then the app and its pool gone."""
+    yield deploy_app(name, args, port)
+    undeploy_app(name, args["pool_name"])
+
+
 def undeploy_app(name: str, pool_name: str) -> None:
     import ray
     from ray import serve

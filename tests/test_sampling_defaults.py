@@ -14,7 +14,7 @@ from actors.llm import LLM
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
 from cluster.api_models import ChatBody, CompletionBody, GenerateBody
-from tests.conftest import deploy_app, undeploy_app
+from tests.conftest import served_app
 
 # Qwen2.5 Instruct's generation_config.json, less its token ids.
 QWEN_INSTRUCT = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
@@ -123,9 +123,7 @@ def model_dir(tiny_qwen2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_url(serve_port, model_dir):
-    url = deploy_app("defaults", {**ARGS, "model": {"path": str(model_dir)}}, serve_port)
-    yield url
-    undeploy_app("defaults", ARGS["pool_name"])
+    yield from served_app("defaults", {**ARGS, "model": {"path": str(model_dir)}}, serve_port)
 
 
 def test_served_requests_take_the_checkpoints_defaults(base_url, model_dir):

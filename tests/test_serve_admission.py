@@ -7,7 +7,7 @@ import httpx
 import pytest
 import ray
 
-from tests.conftest import deploy_app, undeploy_app
+from tests.conftest import served_app
 
 ARGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
@@ -23,9 +23,7 @@ AUTH = {"Authorization": "Bearer s3cret"}
 
 @pytest.fixture(scope="module")
 def base_url(serve_port):
-    url = deploy_app("strict", ARGS, serve_port)
-    yield url
-    undeploy_app("strict", ARGS["pool_name"])
+    yield from served_app("strict", ARGS, serve_port)
 
 
 def test_health_needs_no_key_but_everything_else_does(base_url):

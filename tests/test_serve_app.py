@@ -15,7 +15,7 @@ import ray
 from actors.llm import LLM
 from actors.model_builder import ensure_checkpoint
 from actors.sampling_params import SamplingParams
-from tests.conftest import deploy_app, undeploy_app
+from tests.conftest import served_app
 
 ENGINE = {"block_size": 16, "prefill_chunk_size": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 512}
 ARGS = {
@@ -31,9 +31,7 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def base_url(serve_port):
-    url = deploy_app("main", ARGS, serve_port)
-    yield url
-    undeploy_app("main", ARGS["pool_name"])
+    yield from served_app("main", ARGS, serve_port)
 
 
 @pytest.fixture(scope="module")

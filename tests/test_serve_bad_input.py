@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import deploy_app, undeploy_app
+from tests.conftest import served_app
 
 ARGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
@@ -24,9 +24,7 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def base_url(serve_port):
-    url = deploy_app("bad-input", ARGS, serve_port)
-    yield url
-    undeploy_app("bad-input", ARGS["pool_name"])
+    yield from served_app("bad-input", ARGS, serve_port)
 
 
 @pytest.fixture(scope="module")
