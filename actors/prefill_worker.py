@@ -206,7 +206,8 @@ class PrefillWorker(WorkerBase):
         self._jobs[request.request_id] = job
         # P samples exactly one token; stop conditions are D's business. The stop
         # token ids stay: min_new_tokens bans them from the first token too.
-        params = dataclasses.replace(request.params, max_new_tokens=1, stop=())
+        params = dataclasses.replace(request.params, max_new_tokens=1, stop=(),
+                                     min_new_tokens=min(request.params.min_new_tokens, 1))
 
         try:
             held = await self.import_prefix(request)
@@ -286,6 +287,15 @@ class PrefillWorker(WorkerBase):
             job.next_block = send_upto
             job.next_chunk += 1
             job.pair.submit(_Transfer(job, meta, src, now, self.engine.runner.step_done))
+
+    def _on_engine_error(self, exc: BaseException) -> None:
+        """A step failed: besides the engine's requests, every prefill job ends, so
+        its caller hears of it instead of waiting for a first token forever."""
+        super()._on_engine_error(exc)
+        for job in list(self._jobs.values()):
+            self.fail_job(job, TransferFailed(
+                f"request {job.request.request_id}: prefill on worker {self.worker_id} failed: "
+                f"{type(exc).__name__}: {exc}"))
 
     def release_later(self, block_ids: list[int]) -> None:
         """Unpin blocks once sent (any thread)."""

@@ -72,6 +72,9 @@ class SamplingParams:
         object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in self.allowed_token_ids})))
         if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise InvalidRequestError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequestError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                                      f"({self.max_new_tokens})")
         has_penalties = self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
         object.__setattr__(self, "has_penalties", has_penalties)
         object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0
@@ -84,7 +87,8 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         """The ids these params name against a model's vocabulary and end tokens."""
-        named = (("logit_bias", [t for t, _ in self.logit_bias]), ("allowed_token_ids", self.allowed_token_ids))
+        named = (("logit_bias", [t for t, _ in self.logit_bias]), ("allowed_token_ids", self.allowed_token_ids),
+                 ("stop_token_ids", self.stop_token_ids))
         for name, ids in named:
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:

@@ -174,6 +174,7 @@ class WorkerBase:
     def _on_engine_error(self, exc: BaseException) -> None:
         """A step failed: fail every request this worker holds, keep serving."""
         message = f"worker {self.worker_id} step failed: {type(exc).__name__}: {exc}"
+        log.error("%s; failing its %d requests", message, len(self.engine.requests), exc_info=exc)
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
             self.streams.fail(request_id, message)

@@ -184,6 +184,9 @@ def test_top_n_logprobs(llm):
         ([], dict(max_new_tokens=4), "prompt is empty"),
         ([1] * 5000, dict(max_new_tokens=4), "context"),
         ([10**9], dict(max_new_tokens=4), "outside the vocabulary"),
+        # a stop id outside the vocabulary: min_new_tokens would index the logits with it
+        ("hi", dict(max_new_tokens=4, min_new_tokens=2, stop_token_ids=(-280,)), "stop_token_ids token id -280"),
+        ("hi", dict(max_new_tokens=4, stop_token_ids=(10**9,)), "stop_token_ids token id"),
     ],
 )
 def test_bad_prompts_are_refused(llm, prompt, kwargs, message):
@@ -201,6 +204,7 @@ def test_bad_prompts_are_refused(llm, prompt, kwargs, message):
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-1), "top_k"),
         (dict(stop=("",)), "stop"),
+        (dict(max_new_tokens=4, min_new_tokens=5), r"min_new_tokens \(5\) must be <= max_new_tokens \(4\)"),
     ],
 )
 def test_bad_sampling_params_are_refused(kwargs, message):

@@ -227,3 +227,29 @@ def test_prefill_dead_before_the_request_ends_it_clearly(ray_local, tiny_qwen2_d
     assert events[-1].finished and events[-1].error and not any(e.token_ids for e in events)
     wait_idle(d)
     assert serves(start("prefill", "p-instead", tiny_qwen2_dir), d, "after-p-dead-before")
+
+
+def test_a_failed_prefill_step_ends_its_request_and_prefill_keeps_serving(ray_local, tiny_qwen2_dir):
+    """P's engine step raises once (an injected fault, as a kernel bug or an OOM
+    would): the request ends with an error naming it rather than waiting for a first
+    token forever, D frees the reservation, and the next request is served."""
+    p, d = start("prefill", "p-step-fails", tiny_qwen2_dir), start("decode", "d-step-fails", tiny_qwen2_dir)
+
+    def fail_next_step(worker):
+        engine = worker.engine
+
+        def run_step():
+            del engine.run_step  # the next step is the engine's own again
+            raise RuntimeError("injected step fault")
+
+        engine.run_step = run_step
+
+    ray.get(p.__ray_call__.remote(fail_next_step))
+    request = GenerateRequest("p-step-fails-1", list(range(1, 120)), SamplingParams(max_new_tokens=4))
+    call = DisaggregatedCall(p, d, request, "gloo")
+    events = asyncio.run(asyncio.wait_for(consume(call), timeout=60))
+    assert events[-1].finished and "injected step fault" in events[-1].error
+    assert not any(e.token_ids for e in events)
+    wait_idle(p)
+    wait_idle(d, within_s=15)
+    assert serves(p, d, "after-step-fault")
