@@ -9,6 +9,12 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses: the message says what to change."""
 
 
+# A temperature below this samples greedily, the limit it tends to (vLLM draws the
+# same line): logits in float32 over a tinier one overflow (over 1e-38 they are
+# inf, and inf - inf in the softmax is NaN), and 5e-50 is 0 in float32.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
@@ -43,6 +49,8 @@ class SamplingParams:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:

@@ -153,8 +153,9 @@ def _sample_best_first(scaled, ks, ps, min_ps, draws, max_k: int, needs_mass: bo
         width = min(vocab, width * 4)
     keep = _kept(top_probs, ks, ps, min_ps, vocab)
     picks = _invert_cdf(top_probs * keep, draws)
-    # A pick past the kept set can only come from rounding at the top of the CDF.
-    picks = torch.minimum(picks, keep.sum(dim=-1) - 1)
+    # A pick past the kept set can only come from rounding at the top of the CDF;
+    # a row of NaN logits (a broken model) keeps nothing and gets the best id.
+    picks = torch.minimum(picks, (keep.sum(dim=-1) - 1).clamp_(min=0))
     return top_ids.gather(1, picks[:, None]).squeeze(1)
 
 

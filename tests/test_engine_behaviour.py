@@ -195,6 +195,15 @@ def test_bad_prompts_are_refused(llm, prompt, kwargs, message):
     assert not llm.engine.has_unfinished()
 
 
+def test_a_vanishing_temperature_is_greedy(llm):
+    """Below 1e-5 (vLLM's line) a temperature samples greedily, its limit: 1e-30
+    would overflow float32 logits into NaN, and 5e-50 is 0 in float32."""
+    assert SamplingParams(temperature=5e-50).is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+    greedy, *tiny = llm.generate(["A vanishing temperature"] * 3, [
+        SamplingParams(max_new_tokens=8, temperature=t, ignore_eos=True) for t in (0.0, 1e-30, 5e-50)])
+    assert all(out.token_ids == greedy.token_ids for out in tiny)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

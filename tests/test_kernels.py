@@ -215,6 +215,19 @@ def test_unfiltered_rows_never_pick_an_impossible_token():
     assert (picks % 2 == 1).all()
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 1.0), (0, 0.5)])
+def test_a_row_of_nan_logits_gets_a_token_and_leaves_its_neighbours_alone(top_k, top_p):
+    """A broken model's NaN row must not fail the batch (the step would fail every
+    request on the worker): it gets some token in the vocabulary, the others theirs."""
+    logits = torch.randn(3, 2048)
+    broken = logits.clone()
+    broken[1] = float("nan")
+    args = ([1.0, 1.0, 0.7], [top_k] * 3, [top_p] * 3, uniform_draws([1, 2, 3], [0] * 3))
+    picks, healthy = sample(broken, *args), sample(logits, *args)
+    assert 0 <= picks[1] < 2048
+    assert picks[[0, 2]].tolist() == healthy[[0, 2]].tolist()
+
+
 def test_sampling_keeps_every_tensor_on_the_logits_device():
     """On the meta device any CPU tensor mixed in raises, as it does on CUDA (where
     the default request, temperature 1.0, once crashed the step)."""
