@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
@@ -173,8 +173,7 @@ class _OpenAIBody(_Body):
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         # vLLM's extensions that change the output
         "structured_outputs": (None,), "use_beam_search": (None, False), "bad_words": (None, []),
-        "logits_processors": (None, []), "truncate_prompt_tokens": (None,),
-        "prompt_logprobs": (None,),
+        "logits_processors": (None, []), "prompt_logprobs": (None,),
     }
 
     model: str | None = None
@@ -198,7 +197,16 @@ class _OpenAIBody(_Body):
     skip_special_tokens: bool = True  # extension (vLLM-style)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
+    # extension (vLLM's): keep the prompt's last k tokens (left truncation); -1: as many as the context holds
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     user: str | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be >= 1 (the prompt's last tokens kept) or -1 (the context)")
+        return value
 
     @property
     def include_usage(self) -> bool:

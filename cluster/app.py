@@ -274,8 +274,8 @@ class Scheduler:
                            kind="model_not_found")
         params = body.sampling(16 if not chat else self.settings.limits.max_new_tokens, self.sampling_defaults)
         await self._require_ready()
-        prompt_ids = [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens)
-                      for prompt in prompts]
+        prompt_ids = [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
+                                           keep_last=body.truncate_prompt_tokens) for prompt in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
         keys = range(len(prompts) * n)
@@ -290,7 +290,8 @@ class Scheduler:
             started.update(zip(group, events))
         streams = [started[k] for k in range(len(started))]
         num_prompt = sum(len(ids) for ids in prompt_ids)
-        echo = [(lambda out, k=k: self._echoed(prompts[k // n], prompt_ids[k // n], out, body.prompt_only))
+        echoed = prompts if body.truncate_prompt_tokens is None else prompt_ids  # a truncated prompt: its ids' text
+        echo = [(lambda out, k=k: self._echoed(echoed[k // n], prompt_ids[k // n], out, body.prompt_only))
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
             return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo))

@@ -176,10 +176,15 @@ class GlobalScheduler:
                 if m.role == role and not m.draining and w in self.profiled and w not in exclude]
 
     # ---- validation -----------------------------------------------------------------
-    def prepare(self, prompt: str | list[int], params: SamplingParams, *, add_special_tokens: bool = True) -> list[int]:
-        """A request's prompt ids (see `encode_prompt`), checked against the limits."""
+    def prepare(self, prompt: str | list[int], params: SamplingParams, *, add_special_tokens: bool = True,
+                keep_last: int | None = None) -> list[int]:
+        """A request's prompt ids (see `encode_prompt`), checked against the limits;
+        `keep_last`: only its last so many tokens, -1 the context's length (vLLM's
+        truncate_prompt_tokens)."""
         limits = self.settings.limits
         ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
+        if keep_last is not None:
+            ids = ids[-(self.max_model_len if keep_last == -1 else keep_last):]
         if not ids:
             raise ApiError(400, "prompt is empty")
         vocab = len(self.tokenizer)

@@ -82,7 +82,7 @@ def client(base_url):
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, "json_schema is not supported"),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search is not supported"),
-        ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens is not supported"),
+        ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be >= 1"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": []},
          "allowed_token_ids"),
         ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "outside the vocabulary"),
@@ -133,6 +133,25 @@ def test_chunked_bodies_without_a_length_are_held_to_the_limit(base_url, size, s
     response = httpx.post(f"{base_url}/generate", content=chunks(), headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
     assert ("error" in response.json()) == (status != 200)
+
+
+def test_a_prompt_over_the_limit_is_served_truncated_when_asked(base_url, client):
+    """vLLM's truncate_prompt_tokens: a prompt over max_prompt_tokens is a 400;
+    asked to keep its last 50 tokens it is served as those alone (the greedy text
+    of sending just them), its echo their text, its usage their count."""
+    long_prompt = list(range(100, 800))  # 700 tokens, the limit is 600
+    with pytest.raises(openai.BadRequestError, match="the limit is 600"):
+        client.completions.create(model="tandem-tiny-qwen2", prompt=long_prompt, max_tokens=4)
+    tail = long_prompt[-50:]
+    greedy = dict(model="tandem-tiny-qwen2", max_tokens=4, temperature=0)
+    kept = client.completions.create(prompt=long_prompt, echo=True, **greedy,
+                                     extra_body={"truncate_prompt_tokens": 50, "ignore_eos": True})
+    alone = client.completions.create(prompt=tail, **greedy, extra_body={"ignore_eos": True})
+    tail_text = httpx.post(f"{base_url}/detokenize", json={"tokens": tail}).json()["prompt"]
+    assert kept.choices[0].text == tail_text + alone.choices[0].text
+    assert kept.usage.prompt_tokens == 50 and kept.usage.completion_tokens == 4
+    whole = client.completions.create(prompt="a short prompt", **greedy, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.choices[0].text == client.completions.create(prompt="a short prompt", **greedy).choices[0].text
 
 
 def test_unknown_model_is_404(client):
