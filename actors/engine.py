@@ -23,8 +23,8 @@ steps with a fixed batch, where it pays, and the rest of the engine is unchanged
   next step with their token from the host; arrivals that need a prefill, and a
   short pool, end the run: N is read before anything is scheduled again
   (`schedule()` never runs with a step in flight);
-- a step with a penalised row (kernels/penalties.py: its logits depend on the
-  tokens before) is read before the next is launched;
+- a step with a row whose logits depend on the tokens before it (penalties, a bad
+  word of several tokens) is read before the next is launched;
 - a request's draws follow from its seed and the index of the token being
   sampled (`kernels.sampling.uniform_draws`), never from the order of the calls,
   so outputs are identical either way (the CPU tests hold them to it).
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from actors.bad_words import encode_bad_words
 from actors.block_pool import BlockPool, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
@@ -157,6 +158,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.byte_level),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
             stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
+            bad_words=encode_bad_words(self.tokenizer, params.bad_words, self.model_config.vocab_size),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
 
@@ -275,7 +277,7 @@ class Engine:
         Requests that `step` ends by length are left out; running requests that
         were not in it and have one token pending (a decode worker's activations)
         join, their input token from the host."""
-        if not step.decodes_only or self.scheduler.waiting or step.launched.penalised:
+        if not step.decodes_only or self.scheduler.waiting or step.launched.reads_output:
             return None
         rows, starts, num_unfinished = [], [], 0
         for row, chunk in enumerate(step.chunks):

@@ -282,7 +282,8 @@ class ModelRunner:
                         token_indexes: list[int]) -> torch.Tensor:
         """A copy of `logits` with the given rows' tokens outside their
         `allowed_token_ids` banned, their logit bias, their stop tokens banned while
-        under `min_new_tokens` (kernels/logit_bias.py), then their penalties
+        under `min_new_tokens` and their bad words' next tokens (kernels/logit_bias.py,
+        actors/bad_words.py), then their penalties
         (kernels/penalties.py). The raw logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
         keep_only_(scores, rows, [step.requests[row].params.allowed_token_ids for row in rows])
@@ -292,10 +293,14 @@ class ModelRunner:
             bias = list(request.params.logit_bias)
             if token_indexes[row] < request.params.min_new_tokens:
                 bias += [(token, -math.inf) for token in sorted(request.stop_token_ids)]
+            if request.bad_words is not None:
+                bias += [(token, -math.inf)
+                         for token in request.bad_words.banned(request.output_token_ids, token_indexes[row])]
             biases.append(bias)
         add_logit_bias_(scores, rows, biases)
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
-        step.penalised = bool(penalised)
+        step.reads_output = bool(penalised) or any(
+            step.requests[row].bad_words is not None and step.requests[row].bad_words.reads_output for row in rows)
         penalties = [step.requests[row].params for row in penalised]
         penalise_(scores, penalised, [_token_counts(step.requests[row], token_indexes[row]) for row in penalised],
                   [p.repetition_penalty for p in penalties], [p.frequency_penalty for p in penalties],
@@ -336,7 +341,7 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [rows] int64, on the device
     host: list[torch.Tensor] = field(default_factory=list)  # token ids[, chosen logprobs[, top ids, top logprobs]]
     ready: torch.cuda.Event | None = None  # recorded after the copies to `host` (CUDA)
-    penalised: bool = False  # a row's penalties count the tokens before it: the next step needs them on the host
+    reads_output: bool = False  # a row's logits depend on the tokens before it: the next step needs them on the host
     prompt_parts: list = field(default_factory=list)  # prompt logprobs computed (see `_prompt_logprobs`)
 
     def tokens(self) -> tuple[list[int], list[TokenLogprob | None] | None]:

@@ -14,6 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from actors.bad_words import BadWords
 from actors.detokenizer import IncrementalDetokenizer, text_between
 from actors.sampling_params import SamplingParams
 from actors.stop_strings import StopStrings
@@ -74,6 +75,7 @@ class Request:
     output_text: str = ""
     stop_strings: StopStrings | None = None  # its params' stop strings, searched as its text grows
     stop_token_ids: frozenset[int] = frozenset()  # its params' stop tokens, and EOS unless ignore_eos
+    bad_words: BadWords | None = None  # its params' bad_words as token sequences, if any
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker

@@ -13,6 +13,7 @@ class InvalidRequestError(ValueError):
 # same line): logits in float32 over a tinier one overflow (over 1e-38 they are
 # inf, and inf - inf in the softmax is NaN), and 5e-50 is 0 in float32.
 GREEDY_BELOW = 1e-5
+MAX_BAD_WORDS = 100  # each is matched against every row's output at every draw
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's, as pairs
     allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these can be sampled (vLLM's); (): any token
     min_new_tokens: int = 0  # no EOS, stop token or stop string before this many tokens (vLLM's min_tokens)
+    bad_words: tuple[str, ...] = ()  # words the output must not contain (vLLM's; actors/bad_words.py)
     include_stop_str_in_output: bool = False  # a stop string ends the text instead of being cut off
     prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob and its n best
     # Set from the fields above; plain fields, read for every row of every step.
@@ -45,6 +47,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise InvalidRequestError("bad_words must be words, not empty or blank strings")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"{len(self.bad_words)} bad_words; at most {MAX_BAD_WORDS}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:
@@ -86,7 +93,7 @@ class SamplingParams:
         has_penalties = self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
         object.__setattr__(self, "has_penalties", has_penalties)
         object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0
-                           or bool(self.allowed_token_ids))
+                           or bool(self.allowed_token_ids) or bool(self.bad_words))
 
     def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
         """The tokens that end a request with these params: its stop tokens, and the

@@ -172,7 +172,7 @@ class _OpenAIBody(_Body):
         "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         # vLLM's extensions that change the output
-        "structured_outputs": (None,), "use_beam_search": (None, False), "bad_words": (None, []),
+        "structured_outputs": (None,), "use_beam_search": (None, False),
         "logits_processors": (None, []), "prompt_logprobs": (None,),
     }
 
@@ -197,6 +197,7 @@ class _OpenAIBody(_Body):
     skip_special_tokens: bool = True  # extension (vLLM-style)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
+    bad_words: list[str] | None = None  # extension (vLLM-style): words the output must not contain
     # extension (vLLM's): keep the prompt's last k tokens (left truncation); -1: as many as the context holds
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     user: str | None = None
@@ -228,6 +229,7 @@ class _OpenAIBody(_Body):
             min_new_tokens=self.min_tokens,
             logit_bias=tuple((self.logit_bias or {}).items()),
             allowed_token_ids=tuple(self.allowed_token_ids or ()),
+            bad_words=tuple(self.bad_words or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )

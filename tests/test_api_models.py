@@ -1,11 +1,12 @@
-"""The HTTP bodies' prompt fields on their own: which text gets the tokenizer's
-special tokens, and how chat messages end (vLLM's fields and defaults)."""
+"""The HTTP bodies on their own: which text gets the tokenizer's special tokens,
+how chat messages end (vLLM's fields and defaults), what reaches SamplingParams."""
 
 from __future__ import annotations
 
 import pydantic
 import pytest
 
+from actors.sampling_defaults import SamplingDefaults
 from cluster.api_models import ChatBody, CompletionBody, TokenizeBody
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -29,3 +30,14 @@ def test_a_chat_opens_an_assistant_turn_or_continues_the_last_message():
     for body in (ChatBody, TokenizeBody):
         with pytest.raises(pydantic.ValidationError, match="continue_final_message needs add_generation_prompt"):
             body(messages=MESSAGES, continue_final_message=True)
+
+
+def test_vllms_output_fields_reach_the_sampling_params():
+    defaults = SamplingDefaults()
+    for body in (CompletionBody(prompt="x", bad_words=["the", "fox"]),
+                 ChatBody(messages=MESSAGES, bad_words=["the", "fox"])):
+        assert body.sampling(16, defaults).bad_words == ("the", "fox")
+    assert CompletionBody(prompt="x").sampling(16, defaults).bad_words == ()
+    assert CompletionBody(prompt="x", truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    with pytest.raises(pydantic.ValidationError, match="truncate_prompt_tokens"):
+        CompletionBody(prompt="x", truncate_prompt_tokens=-2)

@@ -4,6 +4,7 @@ HF, bit-exact KV in D's blocks, delta transfer, and block accounting afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -140,6 +141,20 @@ def test_min_new_tokens_bans_stop_tokens_from_the_prefill_workers_token_too(ray_
     _, events = asyncio.run(disaggregated(p, d, request, "gloo"))
     got = tokens(events)
     assert len(got) == 4 and 7 not in got[:3] and got[3] == 7 and events[-1].finish_reason == "stop"
+    assert got == tokens(asyncio.run(colocated(c, request)))
+
+
+def test_bad_words_are_banned_from_the_prefill_workers_token_too(ray_local, workers):
+    """A bias forces "the" (1522, or 423 after a space), a bad word: P's first
+    token is not it, nor are D's, and the tokens are the colocated worker's."""
+    p, d, c = workers
+    forced = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={423: 100.0, 1522: 100.0})
+    assert tokens(asyncio.run(colocated(c, GenerateRequest("forced", list(range(40, 90)), forced))))[0] in (423, 1522)
+    params = dataclasses.replace(forced, bad_words=("the",))
+    request = GenerateRequest("bad-words", list(range(40, 90)), params)
+    _, events = asyncio.run(disaggregated(p, d, request, "gloo"))
+    got = tokens(events)
+    assert len(got) == 8 and not {423, 1522} & set(got)
     assert got == tokens(asyncio.run(colocated(c, request)))
 
 
