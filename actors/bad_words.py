@@ -34,7 +34,9 @@ class BadWords:
         banned = []
         for prefix, last in zip(self.prefixes, self.lasts):
             n = len(prefix)
-            if n <= num_output and output_ids[num_output - n : num_output] == prefix:
+            # The last token first: a long word costs a comparison a draw, not its length.
+            if not n or (n <= num_output and output_ids[num_output - 1] == prefix[-1]
+                         and output_ids[num_output - n : num_output] == prefix):
                 banned.append(last)
         return banned
 
