@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.sampling_defaults import SamplingDefaults
-from actors.sampling_params import SamplingParams
+from actors.sampling_params import InvalidRequestError, SamplingParams
 
 
 class ApiError(Exception):
@@ -215,8 +215,12 @@ class _OpenAIBody(_Body):
 
     def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None,
                   defaults: SamplingDefaults) -> SamplingParams:
+        max_new_tokens = max_tokens if max_tokens is not None else default_max
+        if isinstance(self.min_tokens, int) and self.min_tokens > max_new_tokens:  # said in this body's names
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_new_tokens}"
+                                      f"{'' if max_tokens is not None else ', the default when it is left out'})")
         return SamplingParams(
-            max_new_tokens=max_tokens if max_tokens is not None else default_max,
+            max_new_tokens=max_new_tokens,
             **defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                             repetition_penalty=self.repetition_penalty),
             stop=_stop_tuple(self.stop),

@@ -88,7 +88,9 @@ def client(base_url):
         ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "outside the vocabulary"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 3, "stop_token_ids": [-280, 0]}, "stop_token_ids token id"),
         ("/generate", {"text": "x", "sampling_params": {"stop_token_ids": [10**9]}}, "outside the vocabulary"),
-        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 30169}, "must be <= max_new_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 30169}, "min_tokens (30169) must be <= "
+         "max_tokens (4)"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "max_tokens (16, the default when it is left out)"),
         ("/v1/completions", {"prompt": "x", "bad_words": ["no", " "]}, "bad_words must be words"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo is not supported"),
         ("/generate", {"text": "x", "lora_path": "adapter"}, "lora_path is not supported"),
