@@ -306,6 +306,8 @@ def test_models_health_metrics_openapi(base_url, client):
     assert card["max_model_len"] == httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}).json()["max_model_len"]
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ready" and health["pools"] == ["decode", "prefill"]
+    served = client.completions.create(model="tandem-tiny-qwen2", prompt="count me", max_tokens=2)  # what is counted
+    assert served.usage.completion_tokens >= 1
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'tandem_requests_total{outcome="ok"}' in metrics
     assert "tandem_ttft_seconds_bucket" in metrics and "tandem_kv_blocks_used" in metrics
