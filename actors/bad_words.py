@@ -7,7 +7,10 @@ when it has as many tokens as the first and another first token (vLLM keeps the
 same two). Before each draw, every sequence whose all-but-last tokens end the output
 so far bans its last token; a one-token word is banned at every draw. As in vLLM:
 only the output is matched, not the prompt, and a word the model spells with other
-tokens (another split of the same text) is not caught.
+tokens (another split of the same text) is not caught. A request whose one-token
+words (and stop tokens under min_new_tokens) ban every one of its allowed_token_ids
+is refused; a draw that a longer word leaves without any allowed token takes some
+token anyway rather than failing the batch.
 
 Ids outside the model's vocabulary cannot be sampled, so a sequence holding one is
 dropped rather than banned (a logit that does not exist cannot be indexed).
@@ -22,6 +25,11 @@ from dataclasses import dataclass
 class BadWords:
     prefixes: tuple[list[int], ...]  # each sequence's all-but-last tokens
     lasts: tuple[int, ...]  # and its last token
+
+    @property
+    def always_banned(self) -> frozenset[int]:
+        """The one-token words: banned at every draw."""
+        return frozenset(last for prefix, last in zip(self.prefixes, self.lasts) if not prefix)
 
     @property
     def reads_output(self) -> bool:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from actors.bad_words import encode_bad_words
+from actors.bad_words import BadWords, encode_bad_words
 from actors.block_pool import BlockPool, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
@@ -123,14 +123,16 @@ class Engine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, bad_words: BadWords | None = None) -> None:
+        """Refuse what cannot be served; `bad_words`: the params' (encoded here if not given)."""
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        params.check_token_ids(vocab, self.model_config.eos_token_ids)
+        bad_words = bad_words or encode_bad_words(self.tokenizer, params.bad_words, vocab)
+        params.check_token_ids(vocab, self.model_config.eos_token_ids, bad_words and bad_words.always_banned)
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len} "
@@ -145,7 +147,8 @@ class Engine:
 
     def _new_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> Request:
         prompt_ids = self.tokenize(prompt)
-        self.validate(prompt_ids, params)
+        bad_words = encode_bad_words(self.tokenizer, params.bad_words, self.model_config.vocab_size)
+        self.validate(prompt_ids, params, bad_words)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests or request_id in self.reservations:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
@@ -158,7 +161,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.byte_level),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
             stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
-            bad_words=encode_bad_words(self.tokenizer, params.bad_words, self.model_config.vocab_size),
+            bad_words=bad_words,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
 

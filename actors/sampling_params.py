@@ -13,6 +13,12 @@ class InvalidRequestError(ValueError):
 # same line): logits in float32 over a tinier one overflow (over 1e-38 they are
 # inf, and inf - inf in the softmax is NaN), and 5e-50 is 0 in float32.
 GREEDY_BELOW = 1e-5
+# Bounds that keep float32 logits finite: a temperature past float32's range is inf
+# there, and a banned token's -inf over it NaN; a repetition penalty under 1e-45 is 0
+# there, and a banned token's -inf times it NaN. Both are far past any useful value
+# (a temperature of 10000 already samples every allowed token about evenly).
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY = 0.01
 MAX_BAD_WORDS = 100  # each is matched against every row's output at every draw
 
 
@@ -54,8 +60,8 @@ class SamplingParams:
             raise InvalidRequestError(f"{len(self.bad_words)} bad_words; at most {MAX_BAD_WORDS}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
@@ -72,8 +78,8 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if not 0 < self.repetition_penalty <= 10:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, 10] (1 disables it), "
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10:
+            raise InvalidRequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10] (1 disables it), "
                                       f"got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
@@ -100,8 +106,10 @@ class SamplingParams:
         model's end tokens unless `ignore_eos`."""
         return frozenset(self.stop_token_ids).union(() if self.ignore_eos else eos_token_ids)
 
-    def check_token_ids(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        """The ids these params name against a model's vocabulary and end tokens."""
+    def check_token_ids(self, vocab_size: int, eos_token_ids: tuple[int, ...],
+                        always_banned: frozenset[int] | None = None) -> None:
+        """The ids these params name against a model's vocabulary and end tokens, and
+        the tokens their bad_words ban at every draw."""
         named = (("logit_bias", [t for t, _ in self.logit_bias]), ("allowed_token_ids", self.allowed_token_ids),
                  ("stop_token_ids", self.stop_token_ids))
         for name, ids in named:
@@ -109,8 +117,9 @@ class SamplingParams:
             if bad is not None:
                 raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {vocab_size})")
         allowed = set(self.allowed_token_ids)
-        if self.min_new_tokens and allowed and allowed <= self.stop_ids(eos_token_ids):
-            raise InvalidRequestError("allowed_token_ids are all stop tokens, which min_new_tokens bans: "
+        banned_first = (always_banned or frozenset()) | (self.stop_ids(eos_token_ids) if self.min_new_tokens else set())
+        if allowed and allowed <= banned_first:
+            raise InvalidRequestError("allowed_token_ids are all stop tokens, which min_new_tokens bans, or bad_words: "
                                       "no token could be sampled")
 
     @property

@@ -38,6 +38,16 @@ def test_blank_or_too_many_words_are_refused(words):
         SamplingParams(bad_words=words)
 
 
+def test_allowed_tokens_that_are_all_banned_are_refused(tiny_qwen2_dir):
+    engine = Engine(tiny_qwen2_dir, EngineConfig(num_kv_blocks=32))
+    eos = engine.model_config.eos_token_ids[0]
+    for params in (SamplingParams(allowed_token_ids=[1522, 423], bad_words=("the",)),
+                   SamplingParams(allowed_token_ids=[1522, eos], bad_words=("the",), min_new_tokens=1)):
+        with pytest.raises(InvalidRequestError, match="no token could be sampled"):
+            engine.add_request([1, 2, 3], params)
+    engine.add_request([1, 2, 3], SamplingParams(allowed_token_ids=[1522, eos], bad_words=("the",)))  # eos is left
+
+
 def _first_occurrence(ids: list[int], sequences: list[list[int]]) -> tuple[int, int]:
     """(where, length) of the first of `sequences` in `ids`."""
     return min((start, len(s)) for s in sequences for start in range(len(ids) - len(s) + 1)

@@ -209,6 +209,9 @@ def test_a_vanishing_temperature_is_greedy(llm):
     [
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=1e300), r"temperature must be in \[0, 10000\]"),  # inf in float32: NaN logits
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(repetition_penalty=5e-324), r"repetition_penalty must be in \[0.01, 10\]"),  # 0 in float32
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-1), "top_k"),

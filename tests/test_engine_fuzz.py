@@ -1,0 +1,121 @@
+"""Hostile requests batched together (hypothesis): whatever the engine accepts ends
+with tokens its params allow, and no request fails another; what it refuses is an
+InvalidRequestError; every block comes back. The schema fuzzing over HTTP
+(tests/test_serve_app.py) found two accepted requests that failed a worker's step,
+and every request on it (a stop id outside the vocabulary under min_tokens; a
+temperature of 5e-50, which is 0 in float32); this holds the engine to it without
+a server, with edge values a schema does not know to try."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.bad_words import encode_bad_words
+from actors.config import EngineConfig
+from actors.engine import Engine
+from actors.sampling_params import InvalidRequestError, SamplingParams
+
+VOCAB = 2048  # the tiny preset's
+EDGE_FLOATS = st.sampled_from([0.0, -0.0, 5e-324, 5e-50, 1e-30, 1e-6, 1e-5, 0.01, 2.0, 10.0, 100.0, 1e30, 1e300,
+                               -1.0, -1e300, math.inf, -math.inf, math.nan])
+EDGE_INTS = st.sampled_from([-1, 0, 1, 21, VOCAB, 10**6, 2**64])
+EDGE_IDS = st.lists(st.sampled_from([-1, 0, VOCAB - 1, VOCAB, 10**9]), min_size=1, max_size=3)
+token_ids = st.integers(0, VOCAB - 1)
+WORDS = ["the", " the", "and", "hello", "fox", "quick brown", "\u2603", "a"]
+# What an odd field may be set to: each field's edges, one field a request.
+ODD = {name: EDGE_FLOATS for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                                        "presence_penalty")}
+ODD.update({name: EDGE_INTS for name in ("max_new_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+                                         "min_new_tokens")})
+ODD.update({"stop_token_ids": EDGE_IDS, "allowed_token_ids": EDGE_IDS,
+            "logit_bias": st.lists(st.tuples(st.sampled_from([-1, 5, VOCAB]), EDGE_FLOATS), min_size=1, max_size=2),
+            "bad_words": st.lists(st.sampled_from(["", " ", "\n", "x" * 300]), min_size=1, max_size=2)})
+
+
+@st.composite
+def requests(draw):
+    """A prompt and valid fields (any mix: greedy or sampled, filters, penalties,
+    biases, bans), and now and then one field set to an edge value."""
+    fields = dict(
+        max_new_tokens=draw(st.integers(1, 10)),
+        temperature=draw(st.sampled_from([0.0, 0.0, 0.7, 1.0, 1.5])),
+        top_p=draw(st.sampled_from([1.0, 1.0, 0.9, 0.5, 1e-9])),
+        min_p=draw(st.sampled_from([0.0, 0.0, 0.05, 1.0])),
+        top_k=draw(st.sampled_from([0, 0, 1, 20, 5000])),
+        seed=draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))),
+        stop_token_ids=draw(st.lists(token_ids, max_size=3)), ignore_eos=draw(st.booleans()),
+        logprobs=draw(st.one_of(st.none(), st.integers(0, 20))),
+        prompt_logprobs=draw(st.one_of(st.none(), st.none(), st.integers(0, 3))),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 0.5, 1.3, 10.0])),
+        frequency_penalty=draw(st.sampled_from([0.0, 0.0, -2.0, 0.5, 2.0])),
+        presence_penalty=draw(st.sampled_from([0.0, 0.0, -2.0, 0.5, 2.0])),
+        logit_bias=draw(st.lists(st.tuples(token_ids, st.sampled_from([-100.0, -5.0, 5.0, 100.0])), max_size=3,
+                                 unique_by=lambda pair: pair[0])),
+        allowed_token_ids=draw(st.one_of(st.just([]), st.just([]), st.lists(token_ids, min_size=1, max_size=4))),
+        min_new_tokens=draw(st.sampled_from([0, 0, 1, 3, 10])),
+        bad_words=draw(st.lists(st.sampled_from(WORDS), max_size=3)),
+    )
+    fields["min_new_tokens"] = min(fields["min_new_tokens"], fields["max_new_tokens"])
+    odd = draw(st.one_of(st.none(), st.sampled_from(sorted(ODD))))
+    if odd is not None:
+        fields[odd] = draw(ODD[odd])
+    prompt = draw(st.lists(token_ids, min_size=1, max_size=70))
+    return prompt, fields
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen2_dir):
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, prefill_chunk_size=32, max_num_batched_tokens=64,
+                                                 num_kv_blocks=64, overlap_decode=True))
+    engine.runner.decode_graphs = engine.runner.static_decode(capture=False)
+    return engine
+
+
+def test_a_batch_of_hostile_requests_never_fails_a_step(engine):
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(batch=st.lists(requests(), min_size=1, max_size=5))
+    def check(batch):
+        accepted = {}
+        counts["requests"] += len(batch)
+        for index, (prompt, fields) in enumerate(batch):
+            try:
+                params = SamplingParams(**fields)
+                request_id = engine.add_request(prompt, params, f"fuzz-{index}")
+            except InvalidRequestError:
+                continue
+            accepted[request_id] = params
+        finished = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert finished.keys() == accepted.keys()
+        counts["accepted"] += len(accepted)
+        for request_id, params in accepted.items():
+            _holds_to(params, finished[request_id].token_ids, engine)
+        engine.pool.check()
+        assert engine.pool.num_used == 0
+
+    counts = {"requests": 0, "accepted": 0}
+    check()
+    assert counts["accepted"] >= counts["requests"] / 3, counts  # the fuzzing reached the steps
+
+
+def _holds_to(params: SamplingParams, tokens: list[int], engine: Engine) -> None:
+    """The output obeys what its params promise: each token is one its draw could
+    take (allowed, not banned as a stop token under min_new_tokens, nor as a bad
+    word's next token: where the bans left nothing, any), and a stop token ends it."""
+    assert 1 <= len(tokens) <= params.max_new_tokens
+    assert all(0 <= t < VOCAB for t in tokens)
+    stops = params.stop_ids(engine.model_config.eos_token_ids)
+    assert all(t not in stops for t in tokens[:-1])
+    bad = encode_bad_words(engine.tokenizer, params.bad_words, VOCAB)
+    allowed = set(params.allowed_token_ids or range(VOCAB))
+    for index, token in enumerate(tokens):
+        banned = set(bad.banned(tokens, index) if bad else ()) | (stops if index < params.min_new_tokens else set())
+        if allowed - banned:
+            assert token in allowed - banned, (index, token)
