@@ -10,8 +10,8 @@ class InvalidRequestError(ValueError):
 
 
 # A temperature below this samples greedily, the limit it tends to (vLLM draws the
-# same line): logits in float32 over a tinier one overflow (over 1e-38 they are
-# inf, and inf - inf in the softmax is NaN), and 5e-50 is 0 in float32.
+# same line): logits over a tiny one overflow float32 (30 over 1e-38 is inf, and
+# inf - inf in the softmax NaN), and 5e-50 is 0 in float32.
 GREEDY_BELOW = 1e-5
 # Bounds that keep float32 logits finite: a temperature past float32's range is inf
 # there, and a banned token's -inf over it NaN; a repetition penalty under 1e-45 is 0
@@ -119,8 +119,8 @@ class SamplingParams:
         allowed = set(self.allowed_token_ids)
         banned_first = (always_banned or frozenset()) | (self.stop_ids(eos_token_ids) if self.min_new_tokens else set())
         if allowed and allowed <= banned_first:
-            raise InvalidRequestError("allowed_token_ids are all stop tokens, which min_new_tokens bans, or bad_words: "
-                                      "no token could be sampled")
+            raise InvalidRequestError("allowed_token_ids are all banned from the first draw (one-token bad_words, "
+                                      "stop tokens under min_new_tokens): no token could be sampled")
 
     @property
     def is_greedy(self) -> bool:

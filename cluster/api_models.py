@@ -216,7 +216,7 @@ class _OpenAIBody(_Body):
     def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None,
                   defaults: SamplingDefaults) -> SamplingParams:
         max_new_tokens = max_tokens if max_tokens is not None else default_max
-        if isinstance(self.min_tokens, int) and self.min_tokens > max_new_tokens:  # said in this body's names
+        if 0 < max_new_tokens < self.min_tokens:  # said in this body's names (a bad max_tokens: SamplingParams)
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_new_tokens}"
                                       f"{'' if max_tokens is not None else ', the default when it is left out'})")
         return SamplingParams(

@@ -50,7 +50,7 @@ def test_bad_bias_and_minimum_are_refused(tiny_qwen2_dir):
     with pytest.raises(InvalidRequestError, match="allowed_token_ids token id 99999"):
         engine.add_request([1, 2, 3], SamplingParams(allowed_token_ids=[5, 99999]))
     eos = engine.model_config.eos_token_ids[0]
-    with pytest.raises(InvalidRequestError, match="allowed_token_ids are all stop tokens"):
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids are all banned"):
         engine.add_request([1, 2, 3], SamplingParams(allowed_token_ids=[eos], min_new_tokens=2))
 
 
