@@ -56,7 +56,7 @@ def test_do_sample_and_a_missing_file_change_nothing(tmp_path, tiny_qwen2_dir):
 
 @pytest.mark.parametrize("fields, message", [
     ({"top_p": 0}, "top_p must be in"),
-    ({"temperature": -1}, "temperature must be in [0, 10000]"),
+    ({"temperature": -1}, r"temperature must be in \[0, 10000\]"),
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"top_k": True}, "top_k must be a number"),
     ({"top_k": 2.5}, "top_k must be an integer"),
