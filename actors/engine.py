@@ -23,8 +23,8 @@ steps with a fixed batch, where it pays, and the rest of the engine is unchanged
   next step with their token from the host; arrivals that need a prefill, and a
   short pool, end the run: N is read before anything is scheduled again
   (`schedule()` never runs with a step in flight);
-- a step with a row whose logits depend on the tokens before it (penalties, a bad
-  word of several tokens) is read before the next is launched;
+- a penalised row counts its input token on the device (kernels/penalties.py); a
+  step with a bad word of several tokens is read before the next is launched;
 - a request's draws follow from its seed and the index of the token being
   sampled (`kernels.sampling.uniform_draws`), never from the order of the calls,
   so outputs are identical either way (the CPU tests hold them to it).

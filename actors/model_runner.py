@@ -43,7 +43,7 @@ from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
 from kernels.logit_bias import add_logit_bias_, keep_only_
-from kernels.penalties import TokenCounts, penalise_
+from kernels.penalties import TokenCounts, penalise_, penalise_pending_
 from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, sample, uniform_draws
 
@@ -217,7 +217,7 @@ class ModelRunner:
             step.prompt_parts = list(self._prompt_logprobs(hidden, ordered))
         if sampling:
             rows = hidden[: len(ends)] if ends[-1] == len(ends) - 1 else hidden[int64_tensor(ends, self.device)]
-            self._sample(self.model.compute_logits(rows), step, token_indexes)
+            self._sample(self.model.compute_logits(rows), step, token_indexes, input_ids)
         if self.compute_stream is not None:
             self.step_done = torch.cuda.Event()
             self.step_done.record()
@@ -243,15 +243,17 @@ class ModelRunner:
             block_tables=[c.request.block_table for c in chunks],
         )
 
-    def _sample(self, logits: torch.Tensor, step: LaunchedStep, token_indexes: list[int]) -> None:
+    def _sample(self, logits: torch.Tensor, step: LaunchedStep, token_indexes: list[int],
+                input_ids: torch.Tensor | None = None) -> None:
         """Sample the step's rows on the device (row i draws for output token
-        `token_indexes[i]` of its request); start copying what the host reads."""
+        `token_indexes[i]` of its request; `input_ids` as in `launch`); start copying
+        what the host reads."""
         params = [r.params for r in step.requests]
         temperatures = [p.temperature for p in params]
         draws = (uniform_draws([r.seed for r in step.requests], token_indexes) if any(t > 0 for t in temperatures)
                  else [0.0] * len(params))  # greedy rows read no draw
         processed = [row for row, p in enumerate(params) if p.processes_logits]
-        scores = self._process_logits(logits, step, processed, token_indexes) if processed else logits
+        scores = self._process_logits(logits, step, processed, token_indexes, input_ids) if processed else logits
         step.token_ids = sample(scores, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws,
                                 [p.min_p for p in params])
         num_top = max((p.logprobs or 0) for p in params)
@@ -279,12 +281,13 @@ class ModelRunner:
             offset += chunk.num_new_tokens
 
     def _process_logits(self, logits: torch.Tensor, step: LaunchedStep, rows: list[int],
-                        token_indexes: list[int]) -> torch.Tensor:
+                        token_indexes: list[int], input_ids: torch.Tensor | None) -> torch.Tensor:
         """A copy of `logits` with the given rows' tokens outside their
         `allowed_token_ids` banned, their logit bias, their stop tokens banned while
         under `min_new_tokens` and their bad words' next tokens (kernels/logit_bias.py,
         actors/bad_words.py), then their penalties
-        (kernels/penalties.py). The raw logits stay for logprobs."""
+        (kernels/penalties.py; in a step launched ahead, a row's last token is its
+        input, on the device: counted there). The raw logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
         keep_only_(scores, rows, [step.requests[row].params.allowed_token_ids for row in rows])
         biases = []
@@ -299,12 +302,23 @@ class ModelRunner:
             biases.append(bias)
         add_logit_bias_(scores, rows, biases)
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
-        step.reads_output = bool(penalised) or any(
+        step.reads_output = any(
             step.requests[row].bad_words is not None and step.requests[row].bad_words.reads_output for row in rows)
-        penalties = [step.requests[row].params for row in penalised]
-        penalise_(scores, penalised, [_token_counts(step.requests[row], token_indexes[row]) for row in penalised],
-                  [p.repetition_penalty for p in penalties], [p.frequency_penalty for p in penalties],
-                  [p.presence_penalty for p in penalties])
+        if not penalised:
+            return scores
+        params = [step.requests[row].params for row in penalised]
+        settings = ([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                    [p.presence_penalty for p in params])
+        counts = [_token_counts(step.requests[row], token_indexes[row]) for row in penalised]
+        penalise_(scores, penalised, counts, *settings)
+        # Counted up to the token before the one being sampled, but for a row's input
+        # token when the host has not read it yet (a step launched ahead).
+        pending = [i for i, row in enumerate(penalised) if counts[i].num_output < token_indexes[row]]
+        if pending:
+            pending_rows = [penalised[i] for i in pending]
+            penalise_pending_(scores, pending_rows, [counts[i] for i in pending],
+                              input_ids[int64_tensor(pending_rows, self.device)],
+                              *([column[i] for i in pending] for column in settings))
         return scores
 
 
@@ -341,7 +355,7 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [rows] int64, on the device
     host: list[torch.Tensor] = field(default_factory=list)  # token ids[, chosen logprobs[, top ids, top logprobs]]
     ready: torch.cuda.Event | None = None  # recorded after the copies to `host` (CUDA)
-    reads_output: bool = False  # a row's logits depend on the tokens before it: the next step needs them on the host
+    reads_output: bool = False  # a row's bans depend on its last tokens (bad_words): the next step needs them read
     prompt_parts: list = field(default_factory=list)  # prompt logprobs computed (see `_prompt_logprobs`)
 
     def tokens(self) -> tuple[list[int], list[TokenLogprob | None] | None]:

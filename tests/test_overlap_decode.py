@@ -1,8 +1,8 @@
 """Overlapped decode (actors/engine.py) changes when the host reads a step's tokens,
 never what they are. On CPU a launched step has already run, so these tests check
 the bookkeeping the GPU relies on: the same scripted traffic (arrivals mid-run, stop
-tokens and strings, seeded sampling, logprobs, penalties, aborts, a reused request id, a pool
-short enough to preempt) gives identical outputs with and without overlap, through
+tokens and strings, seeded sampling, logprobs, penalties, bad words, aborts, a reused request
+id, a pool short enough to preempt) gives identical outputs with and without overlap, through
 both the eager step and the static one CUDA graphs replay; steps really are launched
 ahead; and no block leaks. (Timing needs a GPU: `benchmarks/gpu_check.py`.)"""
 
@@ -44,7 +44,9 @@ def _script(seed: int, stop_token: int) -> dict[int, list[tuple]]:
         add(0)
     add(0, max_new_tokens=40, stop_token_ids=[stop_token])
     add(0, max_new_tokens=40, stop=[" "])
-    add(12, max_new_tokens=20, repetition_penalty=1.4, frequency_penalty=0.5)  # overlap pauses while it runs
+    add(12, max_new_tokens=20, repetition_penalty=1.4, frequency_penalty=0.5)  # counts its input on the device
+    add(12, max_new_tokens=25, presence_penalty=1.5, repetition_penalty=0.8, temperature=0.8)
+    add(14, max_new_tokens=20, bad_words=["the", "quick brown"])  # a two-token word: overlap pauses while it runs
     for call in (12, 13, 30):
         add(call)
     script.setdefault(8, []).append(("abort", "r2"))
@@ -106,6 +108,26 @@ def test_overlap_gives_the_same_outputs(tiny_qwen2_dir, static):
     reasons = {key: result[-1].value for key, result in runs[True].items()}
     assert {"stop", "length", "abort"} <= set(reasons.values())
     assert reasons[("r2", 0)] == "abort" and ("r2", 9) in reasons
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_penalised_requests_overlap_and_give_the_same_outputs(tiny_qwen2_dir, static):
+    """A checkpoint whose generation_config.json sets a repetition penalty penalises
+    every request: their steps are launched ahead too (each row's last token counted
+    on the device), and the tokens are those of reading every step first."""
+    rng = random.Random(5)
+    script = {0: [("add", f"p{i}", [rng.randrange(3, 40) for _ in range(30)],  # few distinct ids: repeats
+                   SamplingParams(max_new_tokens=40, ignore_eos=True, seed=i, temperature=rng.choice([0.0, 0.9]),
+                                  repetition_penalty=rng.choice([1.05, 1.5, 0.7]),
+                                  frequency_penalty=rng.choice([0.0, 1.0, -0.5]),
+                                  presence_penalty=rng.choice([0.0, 1.5]))) for i in range(6)]}
+    runs, ahead = {}, {}
+    for overlap in (False, True):
+        engine = _engine(tiny_qwen2_dir, overlap, static)
+        runs[overlap] = _run(engine, script)
+        ahead[overlap] = engine.num_steps_launched_ahead
+    assert runs[True] == runs[False]
+    assert ahead[True] >= 30 and ahead[False] == 0
 
 
 def test_overlap_under_preemption(tiny_qwen2_dir):

@@ -14,7 +14,7 @@ import torch
 from actors.config import EngineConfig
 from actors.engine import Engine
 from actors.sampling_params import InvalidRequestError, SamplingParams
-from kernels.penalties import TokenCounts, penalise_, reference_penalties
+from kernels.penalties import TokenCounts, penalise_, penalise_pending_, reference_penalties
 from tests.conftest import hf_model
 
 NEW_TOKENS = 24
@@ -41,6 +41,38 @@ def test_batched_penalties_equal_the_reference_row_by_row(dtype):
         torch.testing.assert_close(out[row], want.to(dtype))  # the dtype's default tolerance
     untouched = [r for r in range(9) if r not in rows]
     assert torch.equal(out[untouched], logits[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pending_token_counted_on_the_device_equals_counting_it_on_the_host(dtype):
+    """What overlapped decode relies on: penalties over a row's counts, then its
+    uncounted last token added on the device (new, in the prompt only, in the output
+    already; repetition on and off), equal the penalties with the token counted."""
+    vocab = 50
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5)).to(dtype)
+    logits[5, 7] = -torch.inf  # a banned token stays banned
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 4], [], [9, 10], [7]]
+    outputs = [[5, 5, 6], [5, 6], [8], [11, 11], [12], [3]]
+    pending = [5, 2, 30, 11, 9, 7]  # in the output, the prompt only, new, output (repetition off), prompt, banned
+    repetition, frequency, presence = [1.3, 0.7, 2.0, 1.0, 1.2, 1.5], [0.5, -1.0, 0.0, 2.0, 0.3, 1.0], \
+        [1.0, 0.4, -2.0, 0.5, 0.0, 1.0]
+    rows = list(range(6))
+
+    def counted(output_of):
+        counts = []
+        for prompt, output, r in zip(prompts, output_of, repetition):
+            counts.append(TokenCounts(prompt if r != 1 else ()))
+            for token in output:
+                counts[-1].add_output(token)
+        return counts
+
+    on_host = logits.clone()
+    penalise_(on_host, rows, counted([o + [t] for o, t in zip(outputs, pending)]), repetition, frequency, presence)
+    on_device = logits.clone()
+    penalise_(on_device, rows, counted(outputs), repetition, frequency, presence)
+    penalise_pending_(on_device, rows, counted(outputs), torch.tensor(pending), repetition, frequency, presence)
+    torch.testing.assert_close(on_device, on_host)
+    assert on_device[5, 7] == -torch.inf
 
 
 def test_token_counts_are_the_distinct_ids_and_output_counts():
