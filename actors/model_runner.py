@@ -43,7 +43,7 @@ from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
 from kernels.logit_bias import add_logit_bias_, keep_only_
-from kernels.penalties import TokenCounts, penalise_, penalise_pending_
+from kernels.penalties import TokenCounts, penalise_
 from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, sample, uniform_draws
 
@@ -310,15 +310,10 @@ class ModelRunner:
         settings = ([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                     [p.presence_penalty for p in params])
         counts = [_token_counts(step.requests[row], token_indexes[row]) for row in penalised]
-        penalise_(scores, penalised, counts, *settings)
         # Counted up to the token before the one being sampled, but for a row's input
-        # token when the host has not read it yet (a step launched ahead).
-        pending = [i for i, row in enumerate(penalised) if counts[i].num_output < token_indexes[row]]
-        if pending:
-            pending_rows = [penalised[i] for i in pending]
-            penalise_pending_(scores, pending_rows, [counts[i] for i in pending],
-                              input_ids[int64_tensor(pending_rows, self.device)],
-                              *([column[i] for i in pending] for column in settings))
+        # token when the host has not read it yet (a step launched ahead): on the device.
+        uncounted = [i for i, row in enumerate(penalised) if counts[i].num_output < token_indexes[row]]
+        penalise_(scores, penalised, counts, *settings, input_ids, uncounted)
         return scores
 
 

@@ -18,9 +18,9 @@ copies a row, a few numpy calls; rows without penalties cost nothing.
 
 Overlapped decode (actors/engine.py) launches a step before the host has read the
 token the previous one sampled: a penalised row's counts then lack that one token,
-which is on the device only. `penalise_pending_` adds it there, after `penalise_`:
-it looks the token up among the row's counted ids on the device (one comparison an
-id), then moves its logit to what counting it would have made it. So penalised
+which is on the device only. `penalise_` then counts it there (`uncounted`): it
+looks the token up among the row's counted ids (one comparison an id) and moves its
+logit to what counting it would have made it. So penalised
 requests no longer pause the overlap, which matters for instruct checkpoints whose
 generation_config.json sets a repetition penalty for every request.
 On this machine's CPU, 64 penalised rows (100-token prompts, 100-200 tokens out,
@@ -69,56 +69,52 @@ def penalise_(
     repetition: Sequence[float],
     frequency: Sequence[float],
     presence: Sequence[float],
+    uncounted: torch.Tensor | None = None,
+    uncounted_rows: Sequence[int] = (),
 ) -> None:
     """Penalise row `rows[i]` of `logits` [B, V] (contiguous; in place) by
     `tokens[i]` (its prompt's tokens there only if its repetition penalty is on)
     and its three penalties. Only the entries of tokens that appeared are touched:
-    one gather and one scatter of them, never a pass over the vocabulary."""
+    one gather and one scatter of them, never a pass over the vocabulary.
+
+    `uncounted` ([B] token ids on the logits' device) and `uncounted_rows` (indexes
+    i into `rows`): row rows[i]'s token uncounted[rows[i]], which the host has not
+    read, counts as one more output token. Looked up among the row's counted ids on
+    the device: one already there (penalised above for its count c) loses one more
+    frequency, and presence if c was 0; a new one gets all three from its raw logit."""
     if not rows:
         return
+    vocab = logits.shape[1]
     lengths = [len(t.ids) for t in tokens]
-    keys = (np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths)
+    keys = (np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lengths)
             + np.concatenate([t.ids for t in tokens]))  # flat indexes into [B, V]
     counts = np.concatenate([t.counts for t in tokens])
     subtract = np.repeat(frequency, lengths) * counts + np.repeat(presence, lengths) * (counts > 0)
-    factors = torch.from_numpy(np.stack([np.repeat(repetition, lengths), subtract])).float()
+    factors = torch.from_numpy(np.stack([np.repeat(repetition, lengths), subtract, counts])).float()
     keys, factors = to_device(torch.from_numpy(keys), logits.device), to_device(factors, logits.device)
     flat = logits.view(-1)
     x = flat[keys].float()
-    flat[keys] = (torch.where(x > 0, x / factors[0], x * factors[0]) - factors[1]).to(logits.dtype)
-
-
-def penalise_pending_(
-    logits: torch.Tensor,
-    rows: Sequence[int],
-    tokens: Sequence[TokenCounts],
-    pending: torch.Tensor,
-    repetition: Sequence[float],
-    frequency: Sequence[float],
-    presence: Sequence[float],
-) -> None:
-    """After `penalise_` with `tokens[i]`: penalise row `rows[i]` as if `pending[i]`
-    (a token id on the logits' device, which the host has not read) had been counted
-    in its output too. A token already among its ids had its logit penalised for its
-    count c: it loses one more frequency, and presence if c was 0; a new one gets
-    repetition (when on), frequency and presence from its raw logit."""
-    if not rows:
+    flat[keys] = _penalised(x, factors[0], factors[1]).to(logits.dtype)
+    if not uncounted_rows:
         return
-    device = logits.device
-    lengths = [len(t.ids) for t in tokens]
-    owner = to_device(torch.from_numpy(np.repeat(np.arange(len(rows)), lengths)), device)  # each id's row
-    ids = to_device(torch.from_numpy(np.concatenate([t.ids for t in tokens])), device)
-    counts = to_device(torch.from_numpy(np.concatenate([t.counts for t in tokens]).astype(np.float32)), device)
-    settings = to_device(torch.tensor([repetition, frequency, presence], dtype=torch.float32), device)
-    match = (ids == pending[owner]).float()
-    seen = torch.zeros(len(rows), device=device).index_add_(0, owner, match) > 0
-    count = torch.zeros(len(rows), device=device).index_add_(0, owner, counts * match)
-    keys = to_device(torch.tensor(rows, dtype=torch.long), device) * logits.shape[1] + pending
-    flat = logits.view(-1)
-    x = flat[keys].float()
-    repeated = torch.where(x > 0, x / settings[0], x * settings[0])
-    penalised = torch.where(seen, x, repeated) - settings[1] - settings[2] * (count == 0)
-    flat[keys] = penalised.to(logits.dtype)
+    columns = [[rows[i] for i in uncounted_rows]] + [[column[i] for i in uncounted_rows]
+                                                     for column in (repetition, frequency, presence)]
+    settings = to_device(torch.tensor(columns, dtype=torch.float64), logits.device)
+    key_rows = keys // vocab
+    match = (keys - key_rows * vocab == uncounted[key_rows]).float()
+    seen = torch.zeros(logits.shape[0], device=logits.device).index_add_(0, key_rows, match)
+    count = torch.zeros(logits.shape[0], device=logits.device).index_add_(0, key_rows, factors[2] * match)
+    at = settings[0].long()
+    last_keys = at * vocab + uncounted[at]
+    x = flat[last_keys].float()
+    repetition, frequency, presence = settings[1:].float()
+    base = torch.where(seen[at] > 0, x, _penalised(x, repetition, 0.0))  # counted above, or raw
+    flat[last_keys] = (base - frequency - presence * (count[at] == 0)).to(logits.dtype)
+
+
+def _penalised(x: torch.Tensor, repetition, subtract) -> torch.Tensor:
+    """Repetition on logits `x` (divided if positive, multiplied if not), then minus `subtract`."""
+    return torch.where(x > 0, x / repetition, x * repetition) - subtract
 
 
 def reference_penalties(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], repetition: float,

@@ -14,7 +14,7 @@ import torch
 from actors.config import EngineConfig
 from actors.engine import Engine
 from actors.sampling_params import InvalidRequestError, SamplingParams
-from kernels.penalties import TokenCounts, penalise_, penalise_pending_, reference_penalties
+from kernels.penalties import TokenCounts, penalise_, reference_penalties
 from tests.conftest import hf_model
 
 NEW_TOKENS = 24
@@ -69,9 +69,13 @@ def test_a_pending_token_counted_on_the_device_equals_counting_it_on_the_host(dt
     on_host = logits.clone()
     penalise_(on_host, rows, counted([o + [t] for o, t in zip(outputs, pending)]), repetition, frequency, presence)
     on_device = logits.clone()
-    penalise_(on_device, rows, counted(outputs), repetition, frequency, presence)
-    penalise_pending_(on_device, rows, counted(outputs), torch.tensor(pending), repetition, frequency, presence)
+    uncounted = [0, 1, 2, 3, 4, 5]
+    penalise_(on_device, rows, counted(outputs), repetition, frequency, presence, torch.tensor(pending), uncounted)
     torch.testing.assert_close(on_device, on_host)
+    some = logits.clone()  # only some rows' tokens uncounted: the others' counts are whole
+    whole = [o + [t] if i in (0, 3) else o for i, (o, t) in enumerate(zip(outputs, pending))]
+    penalise_(some, rows, counted(whole), repetition, frequency, presence, torch.tensor(pending), [1, 2, 4, 5])
+    torch.testing.assert_close(some, on_host)
     assert on_device[5, 7] == -torch.inf
 
 
