@@ -72,7 +72,7 @@ def penalise_(
     uncounted: torch.Tensor | None = None,
     uncounted_rows: Sequence[int] = (),
 ) -> None:
-    """Penalise row `rows[i]` of `logits` [B, V] (contiguous; in place) by
+    """Penalise row `rows[i]` (ascending) of `logits` [B, V] (contiguous; in place) by
     `tokens[i]` (its prompt's tokens there only if its repetition penalty is on)
     and its three penalties. Only the entries of tokens that appeared are touched:
     one gather and one scatter of them, never a pass over the vocabulary.
@@ -100,16 +100,16 @@ def penalise_(
     columns = [[rows[i] for i in uncounted_rows]] + [[column[i] for i in uncounted_rows]
                                                      for column in (repetition, frequency, presence)]
     settings = to_device(torch.tensor(columns, dtype=torch.float64), logits.device)
-    key_rows = keys // vocab
-    match = (keys - key_rows * vocab == uncounted[key_rows]).float()
-    seen = torch.zeros(logits.shape[0], device=logits.device).index_add_(0, key_rows, match)
-    count = torch.zeros(logits.shape[0], device=logits.device).index_add_(0, key_rows, factors[2] * match)
     at = settings[0].long()
     last_keys = at * vocab + uncounted[at]
+    # The keys are sorted (rows ascending, each row's ids sorted): a binary search each.
+    where = torch.searchsorted(keys, last_keys).clamp_(max=max(len(keys) - 1, 0))
+    seen = (keys[where] == last_keys) if len(keys) else torch.zeros_like(last_keys, dtype=torch.bool)
+    count = torch.where(seen, factors[2][where], 0.0) if len(keys) else torch.zeros_like(last_keys, dtype=torch.float)
     x = flat[last_keys].float()
     repetition, frequency, presence = settings[1:].float()
-    base = torch.where(seen[at] > 0, x, _penalised(x, repetition, 0.0))  # counted above, or raw
-    flat[last_keys] = (base - frequency - presence * (count[at] == 0)).to(logits.dtype)
+    base = torch.where(seen, x, _penalised(x, repetition, 0.0))  # counted above, or raw
+    flat[last_keys] = (base - frequency - presence * (count == 0)).to(logits.dtype)
 
 
 def _penalised(x: torch.Tensor, repetition, subtract) -> torch.Tensor:

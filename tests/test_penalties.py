@@ -76,6 +76,12 @@ def test_a_pending_token_counted_on_the_device_equals_counting_it_on_the_host(dt
     whole = [o + [t] if i in (0, 3) else o for i, (o, t) in enumerate(zip(outputs, pending))]
     penalise_(some, rows, counted(whole), repetition, frequency, presence, torch.tensor(pending), [1, 2, 4, 5])
     torch.testing.assert_close(some, on_host)
+    first = logits[:1].clone()  # nothing counted yet: the first output token, uncounted
+    penalise_(first, [0], [TokenCounts()], [1.0], [0.5], [1.0], torch.tensor([8]), [0])
+    expected, eight = logits[:1].clone(), TokenCounts()
+    eight.add_output(8)
+    penalise_(expected, [0], [eight], [1.0], [0.5], [1.0])
+    torch.testing.assert_close(first, expected)
     assert on_device[5, 7] == -torch.inf
 
 
