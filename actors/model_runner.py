@@ -45,7 +45,7 @@ from kernels.norm import select_add_rms_norm, select_rms_norm
 from kernels.logit_bias import add_logit_bias_, keep_only_
 from kernels.penalties import TokenCounts, penalise_
 from kernels.rope_cache import select_rope_and_write_kv
-from kernels.sampling import logprobs_of, sample, uniform_draws
+from kernels.sampling import logprobs_of, ranks_of, sample, uniform_draws
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -265,8 +265,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, ordered: list[ScheduledChunk]):
         """For each chunk of a prompt whose request wants its logprobs: (request, first
-        position, host copies of the logprobs of the prompt tokens its positions
-        predict[, top ids, top logprobs]). `hidden` has a row per token of `ordered`."""
+        position, host copies of the logprobs and ranks of the prompt tokens its
+        positions predict[, top ids, top logprobs]). `hidden` has a row per token of
+        `ordered`."""
         offset = 0
         for chunk in ordered:
             request, wanted = chunk.request, chunk.request.params.prompt_logprobs
@@ -276,8 +277,9 @@ class ModelRunner:
                 end = min(start + PROMPT_LOGPROB_ROWS, last)
                 targets = int64_tensor(request.prompt_token_ids[start + 1 : end + 1], self.device)
                 rows = hidden[offset + start - chunk.start : offset + end - chunk.start]
-                logprobs = logprobs_of(self.model.compute_logits(rows), targets, wanted)
-                yield request, start, [to_host(t) for t in logprobs if t is not None]
+                logits = self.model.compute_logits(rows)
+                chosen, *top = logprobs_of(logits, targets, wanted)
+                yield request, start, [to_host(t) for t in (chosen, ranks_of(logits, targets), *top) if t is not None]
             offset += chunk.num_new_tokens
 
     def _process_logits(self, logits: torch.Tensor, step: LaunchedStep, rows: list[int],
@@ -361,12 +363,13 @@ class LaunchedStep:
         if self.ready is not None and (self.requests or self.prompt_parts):
             self.ready.synchronize()
         for request, first, host in self.prompt_parts:
-            chosen, *top = (t.tolist() for t in host)
+            chosen, ranks, *top = (t.tolist() for t in host)
             num_top = request.params.prompt_logprobs
             for i, logprob in enumerate(chosen):
                 position = first + i + 1  # the prompt token it is the logprob of
                 best = list(zip(top[0][i][:num_top], top[1][i][:num_top])) if top else []
-                request.prompt_logprobs[position] = TokenLogprob(request.prompt_token_ids[position], logprob, best)
+                request.prompt_logprobs[position] = TokenLogprob(request.prompt_token_ids[position], logprob, best,
+                                                                 ranks[i])
         if not self.requests:
             return [], None
         token_ids, *logprob_lists = (t.tolist() for t in self.host)

@@ -44,6 +44,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # among the vocabulary, 1 the best (a prompt token's; vLLM's prompt_logprobs)
 
 
 @dataclass(frozen=True)

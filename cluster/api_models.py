@@ -172,8 +172,7 @@ class _OpenAIBody(_Body):
         "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         # vLLM's extensions that change the output
-        "structured_outputs": (None,), "use_beam_search": (None, False),
-        "logits_processors": (None, []), "prompt_logprobs": (None,),
+        "structured_outputs": (None,), "use_beam_search": (None, False), "logits_processors": (None, []),
     }
 
     model: str | None = None
@@ -200,7 +199,15 @@ class _OpenAIBody(_Body):
     bad_words: list[str] | None = None  # extension (vLLM-style): words the output must not contain
     # extension (vLLM's): keep the prompt's last k tokens (left truncation); -1: as many as the context holds
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # extension (vLLM's): each prompt token's logprob and rank, and its n best (not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true")
+        return self
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -236,6 +243,7 @@ class _OpenAIBody(_Body):
             bad_words=tuple(self.bad_words or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -272,8 +280,8 @@ class CompletionBody(_OpenAIBody):
 
     def sampling(self, default_max: int, defaults: SamplingDefaults) -> SamplingParams:
         params = self._sampling(1 if self.prompt_only else self.max_tokens, default_max, self.logprobs, defaults)
-        if self.echo and self.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs, as many best as asked
+            params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         return params
 
 

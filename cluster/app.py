@@ -14,6 +14,7 @@ oversized body, 429 with Retry-After for an early SLO rejection, 503 while not r
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -291,7 +292,8 @@ class Scheduler:
         streams = [started[k] for k in range(len(started))]
         num_prompt = sum(len(ids) for ids in prompt_ids)
         echoed = prompts if body.truncate_prompt_tokens is None else prompt_ids  # a truncated prompt: its ids' text
-        echo = [(lambda out, k=k: self._echoed(echoed[k // n], prompt_ids[k // n], out, body.prompt_only))
+        echo = [(lambda out, k=k: self._echoed(echoed[k // n], prompt_ids[k // n], out, body.prompt_only,
+                                               body.logprobs))
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
             return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo))
@@ -307,7 +309,10 @@ class Scheduler:
         choices = [(out.text, fmt.finish_reason(out.finish_reason), as_logprobs(self.tokenizer, out.logprobs))
                    for out in results]
         usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), results[0].num_cached_tokens)
-        return fmt.completion_body(request_id, self.model_name, choices, usage, chat)
+        prompt_logprobs = None if body.prompt_logprobs is None else [
+            fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
+            for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
+        return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs)
 
     async def _start_all(self, requests: list[tuple]) -> list:
         """`_start` each (prompt ids, params, request id) at once; if one is refused,
@@ -319,11 +324,11 @@ class Scheduler:
             raise failed
         return started
 
-    def _echoed(self, prompt, prompt_ids: list[int], out, prompt_only: bool):
+    def _echoed(self, prompt, prompt_ids: list[int], out, prompt_only: bool, num_top: int | None):
         """A completion (a `Collected`, or a streamed choice's first `TokenEvent`)
         with its prompt in front, OpenAI's echo: the prompt's text and, with
-        logprobs, its tokens' (None for the first); prompt_only drops the one token
-        generated."""
+        logprobs, its tokens' (None for the first; `num_top` best each, however
+        many prompt_logprobs asked for); prompt_only drops the one token generated."""
         prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         if prompt_only:
             out = out._replace(text="", token_ids=[], finish_reason="length",
@@ -331,7 +336,8 @@ class Scheduler:
         logprobs = out.logprobs
         if logprobs is not None:
             first = TokenLogprob(prompt_ids[0], None, [])
-            logprobs = [first, *(out.prompt_logprobs or [])[1:], *logprobs]
+            prompt_logprobs = [dataclasses.replace(lp, top=lp.top[:num_top]) for lp in (out.prompt_logprobs or [])[1:]]
+            logprobs = [first, *prompt_logprobs, *logprobs]
         return out._replace(text=prompt_text + out.text, logprobs=logprobs)
 
     async def _start(self, prompt_ids, params, request_id):

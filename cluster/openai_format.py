@@ -79,19 +79,43 @@ def chat_logprobs(tokenizer, logprobs) -> dict | None:
     return {"content": content}
 
 
-def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: bool) -> dict:
-    """A whole response; `choices`: (text, finish reason, logprobs) each, in index order."""
+def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then for each
+    token, by id, its logprob, rank and text, and so for the `num_top` best."""
+    def described(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+
+    entries = [None]
+    for lp in logprobs[1:]:
+        entry = {lp.token_id: described(lp.token_id, lp.logprob, lp.rank)}
+        for rank, (token_id, logprob) in enumerate(lp.top[:num_top], 1):
+            entry.setdefault(token_id, described(token_id, logprob, rank))
+        entries.append(entry)
+    return entries
+
+
+def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: bool,
+                    prompt_logprobs: list | None = None) -> dict:
+    """A whole response; `choices`: (text, finish reason, logprobs) each, in index
+    order; `prompt_logprobs`: each choice's (`prompt_logprobs`), where vLLM puts them:
+    on each completion choice, once on a chat response (its choices share a prompt)."""
     created = int(time.time())
     if chat:
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+        body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": text},
                              "finish_reason": reason, "logprobs": logprobs}
                             for i, (text, reason, logprobs) in enumerate(choices)],
                 "usage": usage_dict}
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs[0]
+        return body
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs}
                         for i, (text, reason, logprobs) in enumerate(choices)],
             "usage": usage_dict}
+    for choice, entries in zip(body["choices"], prompt_logprobs or ()):
+        choice["prompt_logprobs"] = entries
+    return body
 
 
 def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False,

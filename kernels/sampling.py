@@ -206,6 +206,13 @@ def reference_sample(
     return tokens
 
 
+def ranks_of(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of `token_ids` ([B]) in its logits [B, V]: 1 plus how many
+    tokens have a higher one (vLLM's `rank`; ties share the better rank)."""
+    chosen = logits.gather(1, token_ids[:, None])
+    return (logits > chosen).sum(dim=-1) + 1
+
+
 def logprobs_of(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

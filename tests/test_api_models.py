@@ -41,3 +41,12 @@ def test_vllms_output_fields_reach_the_sampling_params():
     assert CompletionBody(prompt="x", truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
     with pytest.raises(pydantic.ValidationError, match="truncate_prompt_tokens"):
         CompletionBody(prompt="x", truncate_prompt_tokens=-2)
+
+
+def test_prompt_logprobs_are_whole_responses_only():
+    defaults = SamplingDefaults()
+    assert ChatBody(messages=MESSAGES, prompt_logprobs=2).sampling(16, defaults).prompt_logprobs == 2
+    assert CompletionBody(prompt="x", prompt_logprobs=5, echo=True, logprobs=1).sampling(16, defaults) \
+        .prompt_logprobs == 5  # the more of the two; echo's lists keep their own 1
+    with pytest.raises(pydantic.ValidationError, match="prompt_logprobs is not available with stream"):
+        CompletionBody(prompt="x", prompt_logprobs=1, stream=True)

@@ -12,7 +12,7 @@ from kernels.attention import (
     reference_attention,
     write_kv_slots,
 )
-from kernels.sampling import logprobs_of, reference_sample, sample, uniform_draws
+from kernels.sampling import logprobs_of, ranks_of, reference_sample, sample, uniform_draws
 
 NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 
@@ -245,6 +245,12 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     torch.testing.assert_close(chosen, reference[[0, 1], [3, 7]])
     torch.testing.assert_close(top_lps, reference.topk(4).values)
     assert torch.equal(top_ids, reference.topk(4).indices)
+
+
+def test_a_tokens_rank_is_one_plus_the_tokens_above_it():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0], [3.0, 1.0, 0.0, -2.0]])
+    assert ranks_of(logits, torch.tensor([0, 0])).tolist() == [3, 1]
+    assert ranks_of(logits, torch.tensor([3, 3])).tolist() == [1, 4]  # a tie shares the better rank
 
 
 def test_cpu_decode_kernel_matches_the_reference():

@@ -210,6 +210,18 @@ def test_prompt_logprobs_by_echo_and_by_logprob_start_len(base_url, client):
         extra_body={"ignore_eos": True}))
     assert echoed.choices[0].text.startswith(prompt) and streamed == echoed.choices[0].text
     assert echoed.usage.completion_tokens == 4
+    # vLLM's prompt_logprobs: by token id, each prompt token's logprob and rank, and the 2 best
+    vllm = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2,
+                                                          "echo": True, "logprobs": 1}).json()["choices"][0]
+    entries = vllm["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids) and len(vllm["logprobs"]["top_logprobs"][1]) == 1
+    assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:])] == pytest.approx(
+        choice.logprobs.token_logprobs[1:], abs=1e-5)
+    assert all(e[str(t)]["rank"] >= 1 and sorted(v["rank"] for v in e.values())[:2] == [1, 2] and len(e) <= 3
+               for e, t in zip(entries[1:], ids[1:]))
+    chat = httpx.post(f"{base_url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
 def test_stop_strings_can_stay_in_the_text(client):
