@@ -26,6 +26,13 @@ class WorkerDied(RuntimeError):
     """A worker serving the request died; what it held is gone."""
 
 
+def error_message(exc: BaseException) -> str:
+    """What an error says, for a client: an actor method's exception arrives as a
+    RayTaskError that is also the worker's exception class, and its text is the
+    worker's traceback; the message is its cause's."""
+    return str(getattr(exc, "cause", None) or exc)
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str

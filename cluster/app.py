@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
+from actors.messages import error_message
 from actors.request import TokenLogprob
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError
@@ -75,7 +76,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException):
 
 @app.exception_handler(InvalidRequestError)
 async def _invalid_request(_: Request, exc: InvalidRequestError):
-    return _error(ApiError(400, str(exc)))
+    return _error(ApiError(400, error_message(exc)))  # a worker's refusal: its message, not its traceback
 
 
 @app.exception_handler(SloRejected)

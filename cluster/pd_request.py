@@ -20,7 +20,8 @@ import asyncio
 
 import ray
 
-from actors.messages import GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, WorkerDied
+from actors.messages import (GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, WorkerDied,
+                             error_message)
 from cluster.token_feeds import TokenFeeds
 
 
@@ -83,7 +84,7 @@ class DisaggregatedCall:
             self.prefill_error = exc
             # D would notice a dead P by itself; a failed transfer it learns here.
             # A P that fails after the last chunk landed costs nothing: D goes on.
-            reason = f"prefill failed: {exc}"
+            reason = f"prefill failed: {error_message(exc)}"
             await asyncio.gather(
                 self.decode.abort_transfer.remote(self.request.request_id, reason), return_exceptions=True
             )

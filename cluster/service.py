@@ -25,7 +25,7 @@ import ray
 
 from actors.block_pool import block_hashes
 from actors.event_log import CacheEvents, Cursor
-from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied
+from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
 from actors.sampling_params import SamplingParams
 from actors.tokenization import encode_prompt
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
@@ -371,10 +371,10 @@ class GlobalScheduler:
                         counted = True
                     yield event
         except ReservationRefused as exc:
-            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
+            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         except WorkerDied as exc:
             await self._report_dead(choice.decode_id)
-            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=str(exc))
+            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         if call is not None and call.prefill_result is not None:
             result = call.prefill_result
             self._count_prompt(result.num_prompt_tokens, result.num_prompt_tokens - result.num_computed_tokens)

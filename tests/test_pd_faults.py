@@ -249,6 +249,7 @@ def test_a_failed_prefill_step_ends_its_request_and_prefill_keeps_serving(ray_lo
     call = DisaggregatedCall(p, d, request, "gloo")
     events = asyncio.run(asyncio.wait_for(consume(call), timeout=60))
     assert events[-1].finished and "injected step fault" in events[-1].error
+    assert "ray::" not in events[-1].error and 'File "' not in events[-1].error  # the message, not P's traceback
     assert not any(e.token_ids for e in events)
     wait_idle(p)
     wait_idle(d, within_s=15)
