@@ -25,7 +25,7 @@ import uuid
 
 import ray
 
-from actors.messages import GenerateRequest, TokenEvent, WorkerDied
+from actors.messages import GenerateRequest, TokenEvent, WorkerDied, error_message
 
 _ENDED = object()  # a queue's marker: the feed is gone
 
@@ -111,7 +111,7 @@ class TokenFeed:
             self.error = "the feed was closed"
             raise
         except Exception as exc:  # noqa: BLE001 - any failure ends every request on it, said
-            self.error = f"the worker's feed failed: {type(exc).__name__}: {exc}"
+            self.error = f"the worker's feed failed: {type(exc).__name__}: {error_message(exc)}"
         finally:
             for events in list(self._queues.values()):
                 events.queue.put_nowait(_ENDED)
