@@ -85,7 +85,8 @@ def _finish(engine: Engine) -> dict:
 
 
 def test_a_batch_of_hostile_requests_never_fails_a_step(tiny_qwen2_dir):
-    """...and gives the same tokens with overlapped decode as without (seeded)."""
+    """Each batch runs through an overlapped engine, then through one without
+    overlap, which must give the same tokens (every request seeded)."""
     engine, plain = _engine(tiny_qwen2_dir, overlap=True), _engine(tiny_qwen2_dir, overlap=False)
 
     @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
