@@ -102,14 +102,16 @@ def penalise_(
     settings = to_device(torch.tensor(columns, dtype=torch.float64), logits.device)
     at = settings[0].long()
     last_keys = at * vocab + uncounted[at]
-    # The keys are sorted (rows ascending, each row's ids sorted): a binary search each.
-    where = torch.searchsorted(keys, last_keys).clamp_(max=max(len(keys) - 1, 0))
-    seen = (keys[where] == last_keys) if len(keys) else torch.zeros_like(last_keys, dtype=torch.bool)
-    count = torch.where(seen, factors[2][where], 0.0) if len(keys) else torch.zeros_like(last_keys, dtype=torch.float)
+    seen = torch.zeros_like(last_keys, dtype=torch.bool)  # among the counted ids
+    in_output = torch.zeros_like(seen)  # and counted in the output (not the prompt only)
+    if len(keys):  # sorted (rows ascending, each row's ids sorted): a binary search each
+        where = torch.searchsorted(keys, last_keys).clamp_(max=len(keys) - 1)
+        seen = keys[where] == last_keys
+        in_output = seen & (factors[2][where] > 0)
     x = flat[last_keys].float()
     repetition, frequency, presence = settings[1:].float()
-    base = torch.where(seen, x, _penalised(x, repetition, 0.0))  # counted above, or raw
-    flat[last_keys] = (base - frequency - presence * (count == 0)).to(logits.dtype)
+    base = torch.where(seen, x, _penalised(x, repetition, 0.0))  # penalised above, or raw
+    flat[last_keys] = (base - frequency - presence * ~in_output).to(logits.dtype)
 
 
 def _penalised(x: torch.Tensor, repetition, subtract) -> torch.Tensor:

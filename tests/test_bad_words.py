@@ -9,6 +9,7 @@ import pytest
 from actors.bad_words import BadWords, encode_bad_words
 from actors.config import EngineConfig
 from actors.engine import Engine
+from actors.llm import LLM
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.tokenization import load_tokenizer
 
@@ -63,18 +64,14 @@ def test_greedy_output_writes_everything_but_the_banned_word(tiny_qwen2_dir, ove
     """A two-token word the greedy output writes is banned: the output is the same
     up to the word's last token, which is then another, and the word never appears;
     overlapped decode (the static step) gives the same tokens."""
-    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, overlap_decode=overlap, enable_prefix_cache=False))
+    llm = LLM(tiny_qwen2_dir, block_size=16, overlap_decode=overlap, enable_prefix_cache=False)
+    engine = llm.engine
     engine.runner.decode_graphs = engine.runner.static_decode(capture=False)
     tokenizer = engine.tokenizer
     greedy = dict(max_new_tokens=40, temperature=0.0, ignore_eos=True)
 
     def generate(**fields) -> list[int]:
-        request_id = engine.add_request("The bad words", SamplingParams(**greedy, **fields))
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished and out.request_id == request_id:
-                    result = out.token_ids
-        return result
+        return llm.generate(["The bad words"], SamplingParams(**greedy, **fields))[0].token_ids
 
     free = generate()
     word = next(tokenizer.decode(free[k : k + 2]) for k in range(2, len(free) - 1)
