@@ -29,7 +29,15 @@ from actors.engine import Engine, ExportedChunk
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
 from actors.messages import ChunkMeta, ChunkTiming, GenerateRequest, PrefillResult, ReservationInfo, TransferFailed
 from actors.request import Request, RequestOutput
+from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerBase
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """What P samples a request's first token with: exactly one token, since stop
+    conditions are D's business. The stop token ids stay: min_new_tokens bans them
+    from the first token too."""
+    return dataclasses.replace(params, max_new_tokens=1, stop=(), min_new_tokens=min(params.min_new_tokens, 1))
 
 
 @dataclass
@@ -204,10 +212,7 @@ class PrefillWorker(WorkerBase):
         pair = await self._pair_for(reservation, decode_handle, channel)
         job = _Job(request, reservation, pair, self.aio.create_future(), next_block=reservation.num_cached_blocks)
         self._jobs[request.request_id] = job
-        # P samples exactly one token; stop conditions are D's business. The stop
-        # token ids stay: min_new_tokens bans them from the first token too.
-        params = dataclasses.replace(request.params, max_new_tokens=1, stop=(),
-                                     min_new_tokens=min(request.params.min_new_tokens, 1))
+        params = prefill_params(request.params)
 
         try:
             held = await self.import_prefix(request)
