@@ -151,6 +151,10 @@ class EngineConfig:
     # Launch the next decode step before reading this one's tokens (actors/engine.py).
     # None: on CUDA only, where the host then works while the device computes.
     overlap_decode: bool | None = None
+    # Where the seeds of requests that give none come from: an engine draws them from
+    # random.Random(seed), so engines with one config draw the same sequence (every
+    # worker of a pool, every restart). Reproducible offline, as vLLM's engine seed;
+    # a server's global scheduler draws its requests' seeds itself (cluster/service.py).
     seed: int = 0
 
     def __post_init__(self) -> None:

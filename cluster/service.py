@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
+import secrets
 import time
 import uuid
 
@@ -277,6 +279,8 @@ class GlobalScheduler:
         ApiError before anything is spent; retries once on another pair if the
         first pair fails before the first token."""
         request_id = request_id or f"tandem-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
+        if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.monotonic()
         timer = self.outcomes.timer(started)
         exclude: set[str] = set()
