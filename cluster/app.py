@@ -213,11 +213,13 @@ class Scheduler:
         params = body.sampling(self.sampling_defaults)
         await self._require_ready()
         prompt_ids = self.service.prepare(body.prompt(), params)
-        events = await self._start(prompt_ids, params, body.rid)
+        rid = body.rid or uuid.uuid4().hex  # SGLang's meta_info id: the client's rid, or one made up
+        events = await self._start(prompt_ids, params, rid)
         if body.stream:
-            return self._sse(self._generate_chunks(events, len(prompt_ids)))
+            return self._sse(self._generate_chunks(events, len(prompt_ids), rid))
         out = await collect(events)
-        meta = self._meta(len(prompt_ids), len(out.token_ids), out.finish_reason, out.num_cached_tokens, out.logprobs)
+        meta = self._meta(rid, len(prompt_ids), len(out.token_ids), out.finish_reason, out.num_cached_tokens,
+                          out.logprobs)
         if out.prompt_logprobs is not None:  # SGLang's: [logprob, id] a position (None for the first), from the start
             wanted = out.prompt_logprobs[body.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp.logprob if lp else None, prompt_ids[body.logprob_start_len + i]]
@@ -354,8 +356,8 @@ class Scheduler:
             raise ApiError(503, f"request failed: {first.error}", kind="service_unavailable")
         return prepend(first, events)
 
-    def _meta(self, num_prompt, num_tokens, reason, cached, logprobs) -> dict:
-        meta = {"id": None, "prompt_tokens": num_prompt, "completion_tokens": num_tokens, "cached_tokens": cached,
+    def _meta(self, rid, num_prompt, num_tokens, reason, cached, logprobs) -> dict:
+        meta = {"id": rid, "prompt_tokens": num_prompt, "completion_tokens": num_tokens, "cached_tokens": cached,
                 "finish_reason": {"type": reason}}
         if logprobs is not None:
             meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in logprobs]
@@ -364,7 +366,7 @@ class Scheduler:
     def _sse(self, chunks) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _generate_chunks(self, events, num_prompt):
+    async def _generate_chunks(self, events, num_prompt, rid):
         chunks = fmt.CumulativeChunks()  # SGLang's chunks carry the text and ids so far
         async for event in events:
             if event.error:
@@ -372,7 +374,7 @@ class Scheduler:
                 break
             chunks.add(event.text, event.token_ids)
             reason = event.finish_reason if event.finished else None
-            yield chunks.sse(self._meta(num_prompt, chunks.num_tokens, reason, event.num_cached_tokens, None))
+            yield chunks.sse(self._meta(rid, num_prompt, chunks.num_tokens, reason, event.num_cached_tokens, None))
         yield fmt.sse("[DONE]")
 
     async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None):

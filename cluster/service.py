@@ -69,6 +69,7 @@ class GlobalScheduler:
         self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
         self.ready = False
         self._ids = itertools.count()
+        self._replica_tag = uuid.uuid4().hex[:8]
         self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
         self.feeds = TokenFeeds()  # this replica's subscription to each worker's token events
 
@@ -278,7 +279,9 @@ class GlobalScheduler:
         """TokenEvents of one request, first token to last. Raises SloRejected or
         ApiError before anything is spent; retries once on another pair if the
         first pair fails before the first token."""
-        request_id = request_id or f"tandem-{next(self._ids)}-{time.monotonic_ns() % 10**9}"
+        # The workers know it by an id of this replica's making: a caller's id (a
+        # client's rid) may repeat one in flight, whose request would then be hit.
+        request_id = f"{request_id or 'tandem'}-{self._replica_tag}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.monotonic()

@@ -6,6 +6,9 @@ tests/test_serve_app.py."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import openai
 import pytest
@@ -164,6 +167,34 @@ def test_a_prompt_over_the_limit_is_served_truncated_when_asked(base_url, client
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+
+
+def test_a_rid_in_flight_twice_names_two_requests(base_url):
+    """SGLang's rid is the client's name for a request (meta_info's id); a second
+    request with the rid of one in flight is a request of its own, and neither
+    touches the other. (Workers knew requests by it: the second was refused as
+    already in flight, and the first never ended.)"""
+
+    async def both():
+        body = {"rid": "same", "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            async with client.stream("POST", "/generate", json={**body, "text": "a long answer", "stream": True,
+                                                                  "max_new_tokens": 200}) as first:
+                lines = first.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data:"):
+                        break  # the first has a token: it is in flight
+                second = await client.post("/generate", json={**body, "text": "another", "max_new_tokens": 20})
+                events = [json.loads(line[5:]) for line in [line async for line in lines] if line.startswith("data:")
+                          and line != "data: [DONE]"]
+            unnamed = await client.post("/generate", json={"text": "no rid", "max_new_tokens": 2})
+        return events[-1], second, unnamed
+
+    first_last, second, unnamed = asyncio.run(both())
+    assert second.status_code == 200 and len(second.json()["output_ids"]) == 20
+    assert len(first_last["output_ids"]) == 200 and first_last["meta_info"]["finish_reason"] == {"type": "length"}
+    assert first_last["meta_info"]["id"] == second.json()["meta_info"]["id"] == "same"
+    assert len(unnamed.json()["meta_info"]["id"]) == 32  # made up: a uuid's hex
 
 
 def test_still_serving_after_the_bad_requests(base_url):
