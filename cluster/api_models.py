@@ -289,10 +289,21 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = ""
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """Parts other than text (an image, audio, a file) are refused: the models
+        read text only, and answering without the part would answer another question."""
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported: the model reads text only")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs its text as a string")
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, list):
-            parts = [p.get("text", "") for p in self.content if isinstance(p, dict) and p.get("type") == "text"]
-            return "".join(parts)
+            return "\n".join(part["text"] for part in self.content)  # as vLLM joins a text-only model's parts
         return self.content or ""
 
 

@@ -1,5 +1,6 @@
 """The HTTP bodies on their own: which text gets the tokenizer's special tokens,
-how chat messages end (vLLM's fields and defaults), what reaches SamplingParams."""
+how chat messages end (vLLM's fields and defaults) and what their content may be,
+what reaches SamplingParams."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pydantic
 import pytest
 
 from actors.sampling_defaults import SamplingDefaults
-from cluster.api_models import ChatBody, CompletionBody, TokenizeBody
+from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -30,6 +31,16 @@ def test_a_chat_opens_an_assistant_turn_or_continues_the_last_message():
     for body in (ChatBody, TokenizeBody):
         with pytest.raises(pydantic.ValidationError, match="continue_final_message needs add_generation_prompt"):
             body(messages=MESSAGES, continue_final_message=True)
+
+
+def test_a_message_is_its_text_parts_and_other_parts_are_refused():
+    parts = [{"type": "text", "text": "Look at"}, {"type": "text", "text": "this."}]
+    assert ChatMessage(role="user", content=parts).text() == "Look at\nthis."  # vLLM's join, for a text model
+    for part, message in [({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "'image_url' is not"),
+                          ({"type": "input_audio", "input_audio": {}}, "'input_audio' is not"),
+                          ({"text": "no type"}, "None is not"), ({"type": "text"}, "text as a string")]:
+        with pytest.raises(pydantic.ValidationError, match=message):
+            ChatMessage(role="user", content=parts + [part])
 
 
 def test_vllms_output_fields_reach_the_sampling_params():

@@ -57,6 +57,9 @@ def client(base_url):
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens 0 needs echo"),
         ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+         "content part type 'image_url' is not supported"),
         ("/v1/completions", {"prompt": {"nested": 1}}, "prompt"),
         ("/generate", {"text": 42}, "text"),
         ("/generate", {"text": "x", "max_new_tokens": "many"}, "max_new_tokens"),
