@@ -380,8 +380,8 @@ class Scheduler:
     async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None):
         """Every choice's events as they come, each chunk naming its choice; `echo[k]`
         rewrites choice k's first event (see `_echoed`)."""
-        as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
         num_tokens, cached, first = 0, 0, [True] * len(streams)
+        token_chars = [0] * len(streams)  # the length of each choice's token texts so far (its next text_offset)
         async with contextlib.aclosing(merged(streams)) as events:
             async for index, event in events:
                 if event.error:
@@ -392,9 +392,13 @@ class Scheduler:
                 num_tokens += len(event.token_ids)
                 cached = event.num_cached_tokens if index == 0 else cached
                 reason = fmt.finish_reason(event.finish_reason) if event.finished else None
-                if event.text or reason or first[index]:
-                    yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, event.text, reason,
-                                                       as_logprobs(self.tokenizer, event.logprobs), chat,
+                if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)
+                    if chat:
+                        logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs)
+                    else:
+                        logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
+                        token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
+                    yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
                                                        first[index], index))
                     first[index] = False
         if include_usage:

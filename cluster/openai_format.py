@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -48,7 +49,13 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
     }
 
 
-def completion_logprobs(tokenizer, logprobs) -> dict | None:
+def completion_logprobs(tokenizer, logprobs, text_offset: int = 0) -> dict | None:
+    """A completion choice's logprobs, OpenAI's legacy shape: per token its text,
+    logprob, best alternatives and text_offset, where its text starts in the
+    choice's text: the offsets run over the token texts, from `text_offset` (the
+    length of the token texts a stream's earlier chunks gave), as vLLM counts
+    them (a character whose bytes span two tokens counts in each; a stop string
+    cut from the text still counts)."""
     if logprobs is None:
         return None
     tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
@@ -57,7 +64,7 @@ def completion_logprobs(tokenizer, logprobs) -> dict | None:
         "token_logprobs": [lp.logprob for lp in logprobs],  # None: an echoed prompt's first token
         "top_logprobs": [None if lp.logprob is None else {tokenizer.decode([t]): v for t, v in lp.top}
                          for lp in logprobs],
-        "text_offset": [],
+        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=text_offset)) if tokens else [],
     }
 
 

@@ -281,14 +281,19 @@ def test_openai_completions(client):
 
 
 def test_openai_completions_streaming(client):
-    stream = client.completions.create(model="tandem-tiny-qwen2", prompt="Stream me", max_tokens=12,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].text for c in chunks)
-    whole = client.completions.create(model="tandem-tiny-qwen2", prompt="Stream me", max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
-    assert text == whole.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "length"
+    """A stream gives the text and logprobs the whole response gives: every token's
+    entry (a token whose text is held back, part of a character or maybe of a stop
+    string, still has its chunk) and text_offsets that run on across chunks."""
+    request = dict(model="tandem-tiny-qwen2", prompt="Stream me", max_tokens=40, temperature=1.0, seed=5,
+                   logprobs=1, stop=["zz"], extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(stream=True, **request))
+    whole = client.completions.create(**request).choices[0]
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "length"
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for lp in logprobs for t in lp.tokens] == whole.logprobs.tokens and len(whole.logprobs.tokens) == 40
+    assert [o for lp in logprobs for o in lp.text_offset] == whole.logprobs.text_offset
+    assert whole.logprobs.text_offset == [sum(map(len, whole.logprobs.tokens[:i])) for i in range(40)]
 
 
 def test_openai_chat_and_chat_streaming(client):
