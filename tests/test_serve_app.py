@@ -280,11 +280,13 @@ def test_openai_completions(client):
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
 
 
-def test_openai_completions_streaming(client):
+@pytest.mark.parametrize("seed", [4, 8, 12])
+def test_openai_completions_streaming(client, seed):
     """A stream gives the text and logprobs the whole response gives: every token's
     entry (a token whose text is held back, part of a character or maybe of a stop
-    string, still has its chunk) and text_offsets that run on across chunks."""
-    request = dict(model="tandem-tiny-qwen2", prompt="Stream me", max_tokens=40, temperature=1.0, seed=5,
+    string, still has its chunk: most of these streams have such a token) and
+    text_offsets that run on across chunks."""
+    request = dict(model="tandem-tiny-qwen2", prompt="Stream me", max_tokens=40, temperature=1.0, seed=seed,
                    logprobs=1, stop=["zz"], extra_body={"ignore_eos": True})
     chunks = list(client.completions.create(stream=True, **request))
     whole = client.completions.create(**request).choices[0]
