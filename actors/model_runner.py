@@ -22,7 +22,6 @@ the bytes, so a transfer's completion signal means what it says.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,23 +285,20 @@ class ModelRunner:
                         token_indexes: list[int], input_ids: torch.Tensor | None) -> torch.Tensor:
         """A copy of `logits` with the given rows' tokens outside their
         `allowed_token_ids` banned, their logit bias, their stop tokens banned while
-        under `min_new_tokens` and their bad words' next tokens (kernels/logit_bias.py,
-        actors/bad_words.py), then their penalties
+        under `min_new_tokens` and their bad words' next tokens (actors/logit_rules.py,
+        kernels/logit_bias.py, actors/bad_words.py), then their penalties
         (kernels/penalties.py; in a step launched ahead, a row's last token is its
         input, on the device: counted there). The raw logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
-        keep_only_(scores, rows, [step.requests[row].params.allowed_token_ids for row in rows])
-        biases = []
+        keep_only_(scores, rows, [step.requests[row].logit_rules.allowed_ids for row in rows])
+        additions = []
         for row in rows:
             request = step.requests[row]
-            bias = list(request.params.logit_bias)
-            if token_indexes[row] < request.params.min_new_tokens:
-                bias += [(token, -math.inf) for token in sorted(request.stop_token_ids)]
-            if request.bad_words is not None:
-                bias += [(token, -math.inf)
-                         for token in request.bad_words.banned(request.output_token_ids, token_indexes[row])]
-            biases.append(bias)
-        add_logit_bias_(scores, rows, biases)
+            bad_word_ids = () if request.bad_words is None else request.bad_words.banned(request.output_token_ids,
+                                                                                          token_indexes[row])
+            additions.append(request.logit_rules.additions(token_indexes[row], request.params.min_new_tokens,
+                                                           bad_word_ids))
+        add_logit_bias_(scores, rows, [ids for ids, _ in additions], [values for _, values in additions])
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
         step.reads_output = any(
             step.requests[row].bad_words is not None and step.requests[row].bad_words.reads_output for row in rows)

@@ -11,11 +11,13 @@ of `all_token_ids` the request samples its next token. Preemption by recompute r
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 
 from actors.bad_words import BadWords
 from actors.detokenizer import IncrementalDetokenizer, text_between
+from actors.logit_rules import LogitRules
 from actors.sampling_params import SamplingParams
 from actors.stop_strings import StopStrings
 from kernels.penalties import TokenCounts
@@ -87,6 +89,11 @@ class Request:
     # Blocks imported from the KV store for this prompt, held (one reference each)
     # until the scheduler admits the request and takes its own references.
     pinned_block_ids: list[int] = field(default_factory=list)
+
+    @functools.cached_property
+    def logit_rules(self) -> LogitRules:
+        """Its params' rules for its logits as arrays, made at its first draw that has any."""
+        return LogitRules.of(self.params, self.stop_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -22,24 +22,26 @@ import torch
 from kernels import to_device
 
 
-def add_logit_bias_(logits: torch.Tensor, rows: Sequence[int], biases: Sequence[Sequence[tuple[int, float]]]) -> None:
-    """Add `biases[i]` ((token id, bias) pairs) to row `rows[i]` of `logits`
-    [B, V] (contiguous; in place): one scatter-add of the named entries."""
-    lengths = [len(b) for b in biases]
+def add_logit_bias_(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[Sequence[int] | np.ndarray],
+                    values: Sequence[Sequence[float] | np.ndarray]) -> None:
+    """Add `values[i][j]` to entry `token_ids[i][j]` of row `rows[i]` of `logits`
+    [B, V] (contiguous; in place): one scatter-add of the named entries. Arrays
+    cost a concatenation (lists a conversion: make long ones arrays once)."""
+    lengths = [len(ids) for ids in token_ids]
     if not sum(lengths):
         return
-    pairs = np.array([pair for bias in biases for pair in bias], dtype=np.float64)  # [n, 2]: token, bias
-    keys = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths) + pairs[:, 0].astype(np.int64)
+    columns = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_ids])
+    keys = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths) + columns
+    added = np.concatenate([np.asarray(v, dtype=np.float64) for v in values])
     keys = to_device(torch.from_numpy(keys), logits.device)
-    values = to_device(torch.from_numpy(pairs[:, 1]).to(logits.dtype), logits.device)
-    logits.view(-1).index_add_(0, keys, values)
+    logits.view(-1).index_add_(0, keys, to_device(torch.from_numpy(added).to(logits.dtype), logits.device))
 
 
-def keep_only_(logits: torch.Tensor, rows: Sequence[int], allowed: Sequence[Sequence[int]]) -> None:
+def keep_only_(logits: torch.Tensor, rows: Sequence[int], allowed: Sequence[Sequence[int] | np.ndarray]) -> None:
     """Set every entry of row `rows[i]` of `logits` [B, V] (contiguous; in place) to
-    minus infinity except those `allowed[i]` names (an empty list: the row is left
-    as it is)."""
-    named = [(row, ids) for row, ids in zip(rows, allowed) if ids]
+    minus infinity except those `allowed[i]` names (ids, a list or an array; an
+    empty one: the row is left as it is)."""
+    named = [(row, ids) for row, ids in zip(rows, allowed) if len(ids)]
     if not named:
         return
     keys = np.concatenate([np.asarray(ids, dtype=np.int64) + row * logits.shape[1] for row, ids in named])

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from actors.config import EngineConfig
 from actors.engine import Engine
+from actors.logit_rules import LogitRules
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from kernels.logit_bias import add_logit_bias_, keep_only_
 
@@ -25,8 +27,19 @@ def test_bias_adds_to_the_named_entries_and_a_repeated_token_gets_the_sum():
     want[1, 7] -= 2.5
     want[3, 0] = -math.inf
     out = logits.clone()
-    add_logit_bias_(out, [1, 2, 3], [[(3, 5.0), (7, -2.5)], [], [(0, 100.0), (0, -math.inf)]])
+    add_logit_bias_(out, [1, 2, 3], [[3, 7], [], np.array([0, 0])], [[5.0, -2.5], [], np.array([100.0, -math.inf])])
     assert torch.equal(out, want)
+
+
+def test_a_requests_rules_give_each_draw_its_bias_and_bans():
+    params = SamplingParams(logit_bias={9: 2.0, 4: -1.0}, allowed_token_ids=[8, 3], min_new_tokens=2)
+    rules = LogitRules.of(params, {7, 5})
+    assert rules.allowed_ids.tolist() == [3, 8]
+    ids, values = rules.additions(num_output=1, min_new_tokens=2, bad_word_ids=[6])  # under the minimum
+    assert list(zip(ids.tolist(), values.tolist())) == [(4, -1.0), (9, 2.0), (5, -math.inf), (7, -math.inf),
+                                                        (6, -math.inf)]
+    ids, values = rules.additions(num_output=2, min_new_tokens=2)
+    assert list(zip(ids.tolist(), values.tolist())) == [(4, -1.0), (9, 2.0)]
 
 
 def test_keep_only_bans_every_other_entry_of_the_named_rows():
