@@ -279,8 +279,9 @@ class GlobalScheduler:
         """TokenEvents of one request, first token to last. Raises SloRejected or
         ApiError before anything is spent; retries once on another pair if the
         first pair fails before the first token."""
-        # The workers know it by an id of this replica's making: a caller's id (a
-        # client's rid) may repeat one in flight, whose request would then be hit.
+        # Workers know a request by an id this replica makes: a caller's id (a client's
+        # rid) may repeat one in flight, and a worker refusing the second as a
+        # duplicate ended the first's stream with it.
         request_id = f"{request_id or 'tandem'}-{self._replica_tag}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
             params = dataclasses.replace(params, seed=secrets.randbits(63))
