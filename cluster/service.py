@@ -288,6 +288,7 @@ class GlobalScheduler:
         started = time.monotonic()
         timer = self.outcomes.timer(started)
         exclude: set[str] = set()
+        failure = ""  # why the first attempt failed, if it did
         outcome = "error"
         hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         try:
@@ -300,6 +301,11 @@ class GlobalScheduler:
                     slo = self.settings.slo
                     self.outcomes.rejected(exc.best.ttft_s > slo.ttft_ms / 1e3, exc.best.tbt_s > slo.tbt_ms / 1e3)
                     raise
+                except ApiError:
+                    if not exclude:
+                        raise
+                    raise ApiError(503, f"request {request_id} failed ({failure}), and no other worker can take it; "
+                                   "retry shortly", kind="service_unavailable", headers={"Retry-After": "1"}) from None
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 self.num_routed[choice.decode_id] = self.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
@@ -312,6 +318,7 @@ class GlobalScheduler:
                             if choice.decode_id in self.members:  # else D died (reported): P may serve again
                                 exclude.add(choice.prefill_id or choice.decode_id)
                             log.warning("request %s failed before its first token (%s); retrying", request_id, event.error)
+                            failure = event.error
                             break
                         got_token = got_token or bool(event.token_ids)
                         timer.tokens(len(event.token_ids), time.monotonic())

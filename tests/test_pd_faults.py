@@ -150,6 +150,8 @@ def test_cancel_mid_stream_frees_both_sides(ray_local, tiny_qwen2_dir):
 
 
 def test_a_full_decode_worker_refuses_clearly_and_keeps_serving(ray_local, tiny_qwen2_dir):
+    """D refuses a reservation it has no blocks for now; a handshake asks again until
+    its timeout (a burst waits for room, cluster/pd_request.py)."""
     small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
     p = start("prefill", "p-full", tiny_qwen2_dir)
     d = start_worker("decode", "d-full", tiny_qwen2_dir, small, OPTIONS)
@@ -158,7 +160,19 @@ def test_a_full_decode_worker_refuses_clearly_and_keeps_serving(ray_local, tiny_
     with pytest.raises(ReservationRefused, match="cannot hold"):
         ray.get(d.reserve.remote(GenerateRequest("too-much", list(range(1, 60)), SHORT.params), "unread", p))
     assert ray.get(d.stats.remote()).num_used_blocks == 10  # the refusal took nothing
-    ray.get(d.abort.remote("hold"))
+    # A handshake asks a full D again until its time is up, then fails saying why...
+    too_much = GenerateRequest("too-much", list(range(1, 60)), SHORT.params)
+    with pytest.raises(ReservationRefused, match=r"timed out after 0.5s \(.*cannot hold 59 prompt tokens now"):
+        asyncio.run(consume(DisaggregatedCall(p, d, too_much, "gloo", handshake_timeout_s=0.5)))
+
+    async def room_made_meanwhile():  # ... or is served once finished requests free blocks
+        waiting = asyncio.ensure_future(consume(DisaggregatedCall(p, d, too_much, "gloo")))
+        await asyncio.sleep(0.5)
+        await d.abort.remote("hold")
+        return await waiting
+
+    events = asyncio.run(room_made_meanwhile())
+    assert events[-1].error is None and sum(len(e.token_ids) for e in events) == 4
     wait_idle(d)
     assert serves(p, d, "after-full")
 

@@ -5,7 +5,7 @@ decode worker has little KV memory, each answer's text and finish reason equal t
 `LLM.generate`'s for the same request. A request's tokens depend on its seed alone,
 not on the batch it shares, the prefix cache, delta transfer or overlapped decode
 (README), so any difference is a bug of the path between. Then every worker is
-back to idle."""
+back to idle. A burst larger than D's KV waits for room instead of failing."""
 
 from __future__ import annotations
 
@@ -84,8 +84,26 @@ def test_concurrent_requests_get_what_each_gets_alone(base_url):
             assert response.status_code == 200, response.text
             choice = response.json()["choices"][0]
             assert (choice["text"], choice["finish_reason"]) == (alone.text, alone.finish_reason)
-        counts["requests"] += len(accepted)
+            counts["requests"] += len(accepted)
 
     check()
     assert counts["requests"] >= 20, counts
+    wait_workers_idle(ARGS["pool_name"])
+
+
+def test_a_burst_beyond_the_decode_workers_kv_waits_for_room(base_url):
+    """Twelve 300-token prompts at once, each to write 150 tokens, where D's KV holds
+    about three such requests: D refuses the others for now, and their handshakes
+    ask again until finished requests free blocks. (They were answered 503, "no
+    workers are ready", after one retry.)"""
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": list(range(3 + i, 303 + i)), "max_tokens": 150, "ignore_eos": True, "temperature": 0})
+                for i in range(12)))
+
+    for response in asyncio.run(burst()):
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 150
     wait_workers_idle(ARGS["pool_name"])
