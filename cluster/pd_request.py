@@ -23,11 +23,11 @@ import ray
 
 from actors.messages import (GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, WorkerDied,
                              error_message)
+from cluster.token_feeds import TokenFeeds
 
 # How often a handshake asks a full decode worker again: soon at first, then less
 # often, so many waiting requests do not keep D's event loop busy.
 RESERVE_RETRY_S = (0.01, 0.2)  # first wait, longest wait (doubling in between)
-from cluster.token_feeds import TokenFeeds
 
 
 class DisaggregatedCall:
