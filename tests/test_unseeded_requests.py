@@ -17,7 +17,7 @@ SETTINGS = {
     "colocated": {"replicas": 3},
     "engine": {"block_size": 16, "prefill_chunk_size": 128, "max_num_batched_tokens": 256, "num_kv_blocks": 128},
     "slo": {"early_rejection": False},
-    "routing": "round_robin",  # the same prompt to both workers (cache-aware routing sends it where it went)
+    "routing": "round_robin",  # the same prompt to every worker (cache-aware routing sends it where it went)
     "pool_name": "test-pool-unseeded",
 }
 SAMPLED = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)
