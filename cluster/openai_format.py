@@ -51,21 +51,31 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
 
 def completion_logprobs(tokenizer, logprobs, text_offset: int = 0) -> dict | None:
     """A completion choice's logprobs, OpenAI's legacy shape: per token its text,
-    logprob, best alternatives and text_offset, where its text starts in the
-    choice's text: the offsets run over the token texts, from `text_offset` (the
-    length of the token texts a stream's earlier chunks gave), as vLLM counts
-    them (a character whose bytes span two tokens counts in each; a stop string
-    cut from the text still counts)."""
+    logprob, best alternatives (`_top_logprobs`) and text_offset, where its text
+    starts in the choice's text: the offsets run over the token texts, from
+    `text_offset` (the length of the token texts a stream's earlier chunks gave),
+    as vLLM counts them (a character whose bytes span two tokens counts in each; a
+    stop string cut from the text still counts)."""
     if logprobs is None:
         return None
     tokens = [tokenizer.decode([lp.token_id]) for lp in logprobs]
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],  # None: an echoed prompt's first token
-        "top_logprobs": [None if lp.logprob is None else {tokenizer.decode([t]): v for t, v in lp.top}
-                         for lp in logprobs],
+        "top_logprobs": [None if lp.logprob is None else _top_logprobs(tokenizer, text, lp)
+                         for text, lp in zip(tokens, logprobs)],
         "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=text_offset)) if tokens else [],
     }
+
+
+def _top_logprobs(tokenizer, text: str, logprob) -> dict[str, float]:
+    """The chosen token (its `text`) and the n best, by text: the legacy API always
+    gives the chosen token's logprob there too, so up to n + 1 entries (vLLM's
+    likewise). Where two tokens decode to one text, the chosen one's stays."""
+    top = {text: logprob.logprob}
+    for token_id, value in logprob.top:
+        top.setdefault(tokenizer.decode([token_id]), value)
+    return top
 
 
 def chat_logprobs(tokenizer, logprobs) -> dict | None:
