@@ -156,6 +156,10 @@ class Scheduler:
         app.state.settings = self.settings
         self._refresher: asyncio.Task | None = None
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
+        # Membership and start-up profiles from now on, not from the first request:
+        # /health turns ready by itself, and no first client waits for a refresh.
+        with contextlib.suppress(RuntimeError):  # no running loop (outside Serve): the first request starts it
+            self._ensure_refreshing()
 
     # ---- background membership refresh ----------------------------------------------
     def _ensure_refreshing(self) -> None:
