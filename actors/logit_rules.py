@@ -29,20 +29,20 @@ class LogitRules:
     bias_ids: np.ndarray  # int64
     bias_values: np.ndarray  # float64, the bias of each of bias_ids
     stop_ids: np.ndarray  # int64, sorted: banned while under min_new_tokens
+    min_new_tokens: int
 
     @classmethod
     def of(cls, params: SamplingParams, stop_token_ids: Iterable[int]) -> LogitRules:
         bias = np.array(params.logit_bias, dtype=np.float64).reshape(-1, 2)  # ids < 2**53 are exact
         return cls(np.array(params.allowed_token_ids, dtype=np.int64), bias[:, 0].astype(np.int64), bias[:, 1],
-                   np.array(sorted(stop_token_ids), dtype=np.int64))
+                   np.array(sorted(stop_token_ids), dtype=np.int64), params.min_new_tokens)
 
-    def additions(self, num_output: int, min_new_tokens: int,
-                  bad_word_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def additions(self, num_output: int, bad_word_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, values) to add to the logits of the draw of output token
         `num_output`: the bias, then minus infinity for the stop tokens if that is
         under `min_new_tokens` and for `bad_word_ids` (a token named twice gets
         the sum: banned either way)."""
-        banned = [self.stop_ids] if num_output < min_new_tokens else []
+        banned = [self.stop_ids] if num_output < self.min_new_tokens else []
         if len(bad_word_ids):
             banned.append(np.asarray(bad_word_ids, dtype=np.int64))
         if not banned:

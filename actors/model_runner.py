@@ -296,9 +296,8 @@ class ModelRunner:
             request = step.requests[row]
             bad_word_ids = () if request.bad_words is None else request.bad_words.banned(request.output_token_ids,
                                                                                           token_indexes[row])
-            additions.append(request.logit_rules.additions(token_indexes[row], request.params.min_new_tokens,
-                                                           bad_word_ids))
-        add_logit_bias_(scores, rows, [ids for ids, _ in additions], [values for _, values in additions])
+            additions.append(request.logit_rules.additions(token_indexes[row], bad_word_ids))
+        add_logit_bias_(scores, rows, *zip(*additions))
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
         step.reads_output = any(
             step.requests[row].bad_words is not None and step.requests[row].bad_words.reads_output for row in rows)

@@ -35,10 +35,10 @@ def test_a_requests_rules_give_each_draw_its_bias_and_bans():
     params = SamplingParams(logit_bias={9: 2.0, 4: -1.0}, allowed_token_ids=[8, 3], min_new_tokens=2)
     rules = LogitRules.of(params, {7, 5})
     assert rules.allowed_ids.tolist() == [3, 8]
-    ids, values = rules.additions(num_output=1, min_new_tokens=2, bad_word_ids=[6])  # under the minimum
+    ids, values = rules.additions(num_output=1, bad_word_ids=[6])  # under the minimum of 2
     assert list(zip(ids.tolist(), values.tolist())) == [(4, -1.0), (9, 2.0), (5, -math.inf), (7, -math.inf),
                                                         (6, -math.inf)]
-    ids, values = rules.additions(num_output=2, min_new_tokens=2)
+    ids, values = rules.additions(num_output=2)
     assert list(zip(ids.tolist(), values.tolist())) == [(4, -1.0), (9, 2.0)]
 
 

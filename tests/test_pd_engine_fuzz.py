@@ -26,7 +26,7 @@ from actors.engine import Engine
 from actors.prefill_worker import prefill_params
 from actors.request import SampledToken
 from actors.sampling_params import InvalidRequestError, SamplingParams
-from tests.test_engine_fuzz import requests
+from tests.test_engine_fuzz import _finish, requests
 
 CONFIG = EngineConfig(block_size=16, prefill_chunk_size=32, max_num_batched_tokens=64, num_kv_blocks=96)
 THE, SPACE_THE = 1522, 423  # "the" and " the" in the tiny preset's vocabulary (tests/test_pd_workers.py)
@@ -53,7 +53,7 @@ def shared_prefix_requests(draw):
 
 
 def _engine(model_dir, overlap: bool, static: bool) -> Engine:
-    engine = Engine(model_dir, EngineConfig(**{**CONFIG.__dict__, "overlap_decode": overlap}))
+    engine = Engine(model_dir, dataclasses.replace(CONFIG, overlap_decode=overlap))
     if static:
         engine.runner.decode_graphs = engine.runner.static_decode(capture=False)  # the step CUDA graphs replay
     return engine
@@ -62,13 +62,7 @@ def _engine(model_dir, overlap: bool, static: bool) -> Engine:
 def _run_colocated(engine: Engine, batch: dict) -> dict:
     for request_id, (prompt, params) in batch.items():
         engine.add_request(prompt, params, request_id)
-    return _until_done(engine, {})
-
-
-def _until_done(engine: Engine, finished: dict) -> dict:
-    while engine.has_unfinished():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
-    return finished
+    return _finish(engine)
 
 
 def _run_disaggregated(prefill: Engine, decode: Engine, batch: dict, stats: dict) -> dict:
@@ -103,7 +97,7 @@ def _run_disaggregated(prefill: Engine, decode: Engine, batch: dict, stats: dict
             if activated.finished:
                 finished[out.request_id] = activated
     assert not decode.reservations
-    return _until_done(decode, finished), {request_id: r.seed for request_id, r in engine_requests.items()}
+    return {**finished, **_finish(decode)}, {request_id: r.seed for request_id, r in engine_requests.items()}
 
 
 def _same(disaggregated, colocated) -> None:
