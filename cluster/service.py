@@ -39,7 +39,7 @@ from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy, match_any
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
-from cluster.token_feeds import TokenFeeds, colocated_events
+from cluster.token_feeds import FeedLost, TokenFeeds, colocated_events
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -327,7 +327,7 @@ class GlobalScheduler:
                         yield event
                     else:
                         return
-        except (WorkerDied, ReservationRefused) as exc:
+        except (WorkerDied, FeedLost, ReservationRefused) as exc:
             raise ApiError(503, f"request {request_id} failed: {exc}", kind="service_unavailable") from None
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (task cancelled, or closed us)
             outcome = "cancelled"
@@ -389,6 +389,8 @@ class GlobalScheduler:
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         except WorkerDied as exc:
             await self._report_dead(choice.decode_id)
+            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
+        except FeedLost as exc:  # the worker lives: not reported (that would replace it)
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         if call is not None and call.prefill_result is not None:
             result = call.prefill_result

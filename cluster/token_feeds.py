@@ -12,10 +12,15 @@ each request's queue.
 A worker sends a batch of events a wake-up for all the requests this process runs
 there (`actors.token_streams`), so the per-item cost of a Ray stream is paid once a
 step, not once a token and request. The events a request's iterator yields are
-those of one Ray stream, so in order. If the worker dies (or the feed fails) every
-request waiting on it ends with `WorkerDied`. Closing the feed (or this process
+those of one Ray stream, so in order. If the worker dies every request waiting on
+it ends with `WorkerDied`; if only the feed ends or fails (the worker lives on and
+has aborted them), with `FeedLost`, and the next request subscribes again. Closing the feed (or this process
 going away) makes the worker abort the requests it still runs for it; a consumer
 that stops reading one request early aborts it itself (`worker.abort`).
+
+A feed serves many requests, so it is subscribed outside the request that first
+needs it (`cluster.detached`): made in that request's context, it was cancelled
+with it, and every other request on it failed.
 """
 
 from __future__ import annotations
@@ -26,8 +31,14 @@ import uuid
 import ray
 
 from actors.messages import GenerateRequest, TokenEvent, WorkerDied, error_message
+from cluster.detached import call_detached, detached_task
 
 _ENDED = object()  # a queue's marker: the feed is gone
+
+
+class FeedLost(RuntimeError):
+    """A live worker's feed ended or failed; its requests on it are gone (the worker
+    aborts what a closed feed leaves), the worker is not."""
 
 
 class RequestEvents:
@@ -62,7 +73,7 @@ class RequestEvents:
                 break
             event = _merged(event, later)
         if event is _ENDED:
-            raise WorkerDied(f"request {self.request_id}: {self._feed.error}")
+            raise self._feed.lost(self.request_id)
         self.finished = event.finished
         return event
 
@@ -81,9 +92,12 @@ class TokenFeed:
         self.worker = worker
         self.subscription = uuid.uuid4().hex
         self.error: str | None = None  # why the feed ended, once it has
+        self.worker_died = False  # whether it ended because its worker died
         self._queues: dict[str, RequestEvents] = {}
-        self._stream = worker.feed.options(num_returns="streaming").remote(self.subscription, _current_actor())
-        self._task = asyncio.ensure_future(self._route())
+        owner = _current_actor()
+        self._stream = call_detached(
+            lambda: worker.feed.options(num_returns="streaming").remote(self.subscription, owner))
+        self._task = detached_task(self._route())
 
     @property
     def alive(self) -> bool:
@@ -92,7 +106,7 @@ class TokenFeed:
     def expect(self, request_id: str) -> RequestEvents:
         """Route `request_id`'s events here from now on (call before starting it)."""
         if self.error is not None:
-            raise WorkerDied(f"request {request_id}: {self.error}")
+            raise self.lost(request_id)
         events = RequestEvents(self, request_id)
         self._queues[request_id] = events
         return events
@@ -107,6 +121,7 @@ class TokenFeed:
             self.error = "the worker's feed ended"
         except ray.exceptions.RayActorError as exc:
             self.error = f"worker died ({type(exc).__name__})"
+            self.worker_died = True
         except asyncio.CancelledError:
             self.error = "the feed was closed"
             raise
@@ -115,6 +130,10 @@ class TokenFeed:
         finally:
             for events in list(self._queues.values()):
                 events.queue.put_nowait(_ENDED)
+
+    def lost(self, request_id: str) -> WorkerDied | FeedLost:
+        """What a request waiting on this ended feed raises."""
+        return (WorkerDied if self.worker_died else FeedLost)(f"request {request_id}: {self.error}")
 
     async def close(self) -> None:
         """Unsubscribe: the worker aborts the requests it still runs for this feed."""
@@ -153,7 +172,8 @@ class TokenFeeds:
 
 async def colocated_events(feeds: TokenFeeds, worker, request: GenerateRequest):
     """A request's events from a colocated worker, submitted through its feed; one
-    not read to its finishing event is aborted there. Raises `WorkerDied`."""
+    not read to its finishing event is aborted there. Raises `WorkerDied` or
+    `FeedLost`."""
     feed = feeds.of(worker)
     finished = False
     try:

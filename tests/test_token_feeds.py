@@ -16,7 +16,7 @@ from actors.messages import GenerateRequest, TokenEvent, WorkerDied
 from actors.request import FinishReason, RequestOutput
 from actors.sampling_params import SamplingParams
 from actors.token_streams import SubscriptionClosed, TokenStreams
-from cluster.token_feeds import RequestEvents, TokenFeeds, _ENDED, colocated_events
+from cluster.token_feeds import FeedLost, RequestEvents, TokenFeed, TokenFeeds, _ENDED, colocated_events
 from cluster.workers import start_worker
 from tests.conftest import wait_idle
 
@@ -84,7 +84,9 @@ def test_a_stream_interval_gathers_tokens_but_sends_the_first_and_last_at_once()
 
 class _Feed:  # what RequestEvents needs of its feed
     error = "worker died (test)"
+    worker_died = True
     _queues: dict = {}
+    lost = TokenFeed.lost
 
 
 def test_a_reader_that_fell_behind_gets_the_queued_events_as_one():
@@ -148,7 +150,7 @@ def test_a_closed_feed_aborts_what_its_worker_still_runs_for_it(ray_local, coloc
             first = await asyncio.wait_for(events.__anext__(), 30)
             assert first.token_ids
         await feeds.close()  # the consumer goes away without aborting
-        with pytest.raises(WorkerDied):
+        with pytest.raises(FeedLost, match="the feed was closed"):  # not WorkerDied: the worker lives
             feed.expect("late")
 
     asyncio.run(run())
@@ -181,6 +183,52 @@ def test_a_killed_consumer_actor_has_its_requests_aborted(ray_local, colocated):
         time.sleep(0.05)
     ray_local.kill(consumer)
     wait_idle(colocated, within_s=5.0)  # 16 x 2000 tokens would take far longer
+
+
+@ray.remote
+class _Replica:
+    """A consumer actor whose requests run as actor tasks of their own, as a Serve
+    replica's do."""
+
+    def __init__(self) -> None:
+        self.feeds = TokenFeeds()
+        self.num_tokens: dict[str, int] = {}
+
+    async def generate(self, worker, request_id: str, max_new_tokens: int) -> tuple[int, str | None]:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        error = None
+        async for event in colocated_events(self.feeds, worker, GenerateRequest(request_id, [5, 6, 7], params)):
+            self.num_tokens[request_id] = self.num_tokens.get(request_id, 0) + len(event.token_ids)
+            error = event.error or error
+        return self.num_tokens[request_id], error
+
+    async def progress(self, request_id: str) -> int:
+        return self.num_tokens.get(request_id, 0)
+
+
+def test_a_cancelled_request_leaves_the_feed_it_subscribed_to_the_others(ray_local, colocated):
+    """Serve cancels a request's task when its client leaves, and Ray then cancels
+    the Ray calls that task made: the feed the first request subscribed is not one
+    of them (cluster/detached.py). It was: the other request failed with "the
+    worker's feed failed: TaskCancelledError"."""
+    replica = _Replica.remote()
+
+    def until_tokens(request_id: str) -> None:
+        deadline = time.monotonic() + 30
+        while ray_local.get(replica.progress.remote(request_id)) == 0:
+            assert time.monotonic() < deadline, request_id
+            time.sleep(0.05)
+
+    first = replica.generate.remote(colocated, "first", 5000)  # subscribes the feed
+    until_tokens("first")
+    second = replica.generate.remote(colocated, "second", 200)
+    until_tokens("second")
+    ray_local.cancel(first)
+    assert ray_local.get(second) == (200, None)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray_local.get(first)
+    wait_idle(colocated)  # the cancelled request was aborted on the worker
+    ray_local.kill(replica)
 
 
 def test_a_dead_worker_ends_every_request_waiting_on_its_feed(ray_local, tiny_qwen2_dir):
