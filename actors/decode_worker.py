@@ -3,10 +3,13 @@ chunk by chunk into them, then decodes it in its continuous batch and streams to
 
 Handshake: `reserve` holds blocks for the prompt plus the first output token and
 answers with their ids and how many leading ones the prefix cache already filled (P
-skips those: delta transfer), or raises `ReservationRefused` so the caller can pick
-another D. Each `receive_chunk` checks the chunk's sequence (request id, chunk index,
-block count, target blocks) and resolves only once the bytes are in the blocks; the
-last chunk activates the request. A reservation is freed when it expires
+skips those: delta transfer). While the pool has no room for them, the handshake
+waits in line (`actors.reservation_queue`, first come first served) for running
+requests to free blocks, up to the caller's `wait_s`; then it raises
+`ReservationRefused` so the caller can pick another D. Each `receive_chunk` checks
+the chunk's sequence (request id, chunk index, block count, target blocks) and
+resolves only once the bytes are in the blocks; the last chunk activates the
+request. A reservation is freed when it expires
 (`reservation_ttl_s`), when the request is aborted, or soon after its prefill worker
 dies (a watchdog pings the P named in the handshake).
 """
@@ -31,6 +34,7 @@ from actors.kv_channel import (
 )
 from actors.messages import ChunkMeta, GenerateRequest, ReservationInfo, ReservationRefused, TransferFailed
 from actors.request import SampledToken
+from actors.reservation_queue import ReservationQueue, Withdrawn
 from actors.worker_base import WorkerBase
 
 
@@ -50,33 +54,48 @@ class DecodeWorker(WorkerBase):
         self._pending_lock = threading.Lock()  # guards _pending and writes into reserved blocks
         self._receivers: dict[str, KVReceiver] = {}
         self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
+        self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
         self.aio.create_task(self._watchdog())
 
     # ---- handshake --------------------------------------------------------------
-    async def reserve(self, request: GenerateRequest, subscription: str, prefill_handle=None) -> ReservationInfo:
-        """Hold blocks for `request`; its token events will go to `subscription`'s
-        feed (`WorkerBase.feed`)."""
+    async def reserve(
+        self, request: GenerateRequest, subscription: str, prefill_handle=None, wait_s: float = 0.0
+    ) -> ReservationInfo:
+        """Hold blocks for `request`, waiting in line up to `wait_s` for room; its
+        token events will go to `subscription`'s feed (`WorkerBase.feed`)."""
         self._ensure_started()
-        self.streams.open(request.request_id, subscription)
+        request_id = request.request_id
+        self.streams.open(request_id, subscription)
         try:
-            held = await self.import_prefix(request, computes_prompt=False)  # its reservation reuses any prefix
-            reservation = await self.call(
-                lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id, held)
-            )
-        except Exception:
-            self.streams.forget(request.request_id)
+            reservation = await self.handshakes.wait_turn(request_id, lambda: self._try_reserve(request), wait_s)
+        except Withdrawn:
+            self.streams.forget(request_id)
+            raise ReservationRefused(f"request {request_id} was aborted while it waited for KV blocks") from None
+        except BaseException:  # a refusal, or the call cancelled (its caller left)
+            self.streams.forget(request_id)
             raise
         if reservation is None:
-            self.streams.forget(request.request_id)
+            self.streams.forget(request_id)
+            behind = f", {len(self.handshakes)} more handshakes waiting" if len(self.handshakes) else ""
             raise ReservationRefused(
-                f"decode worker {self.worker_id} cannot hold {len(request.prompt_token_ids)} prompt tokens now "
-                f"({self.engine.pool.num_available} blocks free)"
+                f"decode worker {self.worker_id} had no room for {len(request.prompt_token_ids)} prompt tokens "
+                f"within {wait_s:g} s ({self.engine.pool.num_available} blocks free{behind})"
             )
         with self._pending_lock:
             self._pending[request.request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic())
         return ReservationInfo(
             request.request_id, self.worker_id, reservation.block_ids, reservation.num_cached_blocks
         )
+
+    async def _try_reserve(self, request: GenerateRequest):
+        """The engine's reservation for `request` now, or None if its pool has no room."""
+        held = await self.import_prefix(request, computes_prompt=False)  # its reservation reuses any prefix
+        return await self.call(lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id, held))
+
+    def _on_step(self, exported, outputs) -> None:
+        super()._on_step(exported, outputs)
+        if len(self.handshakes) and any(out.finished for out in outputs):  # on the engine thread
+            self.aio.call_soon_threadsafe(self.handshakes.room_freed)
 
     async def open_channel(
         self, name: str, backend: str, host: str | None = None, port: int | None = None, prefill_handle=None,
@@ -105,6 +124,9 @@ class DecodeWorker(WorkerBase):
 
     def _num_channels(self) -> int:
         return len(self._receivers)
+
+    def _num_waiting_handshakes(self) -> int:
+        return len(self.handshakes)
 
     async def close_channel(self, name: str) -> None:
         self._channel_owners.pop(name, None)
@@ -157,13 +179,18 @@ class DecodeWorker(WorkerBase):
     async def _drop(self, request_id: str, reason: str) -> None:
         with self._pending_lock:
             self._pending.pop(request_id, None)
+        self.handshakes.withdraw(request_id)
         await super()._drop(request_id, reason)
+        self.handshakes.room_freed()
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         self._ensure_started()
         with self._pending_lock:
             self._pending.pop(request_id, None)
-        return await super().abort(request_id, reason)
+        waiting = self.handshakes.withdraw(request_id)
+        aborted = await super().abort(request_id, reason)
+        self.handshakes.room_freed()
+        return aborted or waiting
 
     async def abort_transfer(self, request_id: str, reason: str) -> bool:
         """Drop a request whose prefill failed, unless its KV has all arrived: once

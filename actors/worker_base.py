@@ -56,6 +56,7 @@ class WorkerStats:
     last_step_s: float
     num_store_loaded_blocks: int = 0  # prompt blocks served by the KV store, not computed
     node_id: str = ""  # the Ray node (whose KV store the worker uses)
+    num_waiting_handshakes: int = 0  # a decode worker's handshakes waiting for KV blocks
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,10 @@ class WorkerBase:
         """Open KV channels (P-D pairs) this worker holds."""
         return 0
 
+    def _num_waiting_handshakes(self) -> int:
+        """Handshakes waiting for this worker's KV blocks (a decode worker's)."""
+        return 0
+
     def _on_engine_error(self, exc: BaseException) -> None:
         """A step failed: fail every request this worker holds, keep serving."""
         message = f"worker {self.worker_id} step failed: {type(exc).__name__}: {exc}"
@@ -263,6 +268,7 @@ class WorkerBase:
             last_step_s=engine.runner.last_step_s,
             num_store_loaded_blocks=self.num_store_loaded_blocks,
             node_id=self.node,
+            num_waiting_handshakes=self._num_waiting_handshakes(),
         )
 
     async def check_accounting(self) -> WorkerStats:

@@ -16,4 +16,5 @@ BENCHMARKS = {
     "host": "benchmarks.host_step",
     "gc": "benchmarks.gc_pauses",
     "delivery": "benchmarks.delivery",
+    "handshake": "benchmarks.handshake",
 }

@@ -105,7 +105,7 @@ async def wait_idle(workers: list[Process], timeout_s: float) -> dict:
     while True:
         stats = await asyncio.gather(*(p.handle.stats.remote() for p in workers))
         idle = all(s.num_used_blocks == 0 and s.num_reserved == 0 and s.num_running == 0 and s.num_waiting == 0
-                   for s in stats)
+                   and s.num_waiting_handshakes == 0 for s in stats)
         if idle or time.monotonic() - started > timeout_s:
             break
         await asyncio.sleep(0.5)

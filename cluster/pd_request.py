@@ -7,9 +7,10 @@
 
 Steps: listen for the request's events on D's feed (`cluster.token_feeds`; without
 `feeds` the call subscribes for itself), handshake (D reserves blocks, naming the
-feed, and P so it can watch for P's death; while D has no room for the prompt it is
-asked again until the handshake's time is up), start P's prefill; P's chunk transfers
-resolve as the blocks land and the last one activates the request on D. If P fails
+feed, and P so it can watch for P's death; while D has no room for the prompt the
+handshake waits in D's line for up to its time: `actors.reservation_queue`), start
+P's prefill; P's chunk transfers resolve as the blocks land and the last one
+activates the request on D. If P fails
 before that, D is told to drop the request and the stream ends with an error event
 (after it, D goes on); if the consumer stops early, both sides are cancelled and
 free what they hold.
@@ -25,9 +26,9 @@ from actors.messages import (GenerateRequest, PrefillResult, ReservationInfo, Re
                              error_message)
 from cluster.token_feeds import TokenFeeds
 
-# How often a handshake asks a full decode worker again: soon at first, then less
-# often, so many waiting requests do not keep D's event loop busy.
-RESERVE_RETRY_S = (0.01, 0.2)  # first wait, longest wait (doubling in between)
+# What the handshake's call may take beyond the wait D was given: the call's way
+# there and back, and D's last try at the end of its wait.
+HANDSHAKE_GRACE_S = 5.0
 
 
 class DisaggregatedCall:
@@ -43,7 +44,6 @@ class DisaggregatedCall:
         self.reservation: ReservationInfo | None = None
         self.prefill_result: PrefillResult | None = None
         self.prefill_error: BaseException | None = None
-        self._refusal = ""  # D's last "no room now", while the handshake waits
         self.feeds = feeds
 
     async def events(self):
@@ -55,12 +55,14 @@ class DisaggregatedCall:
         try:
             with feed.expect(request_id) as stream:
                 try:
-                    self.reservation = await asyncio.wait_for(self._reserve(feed.subscription),
-                                                              self.handshake_timeout_s)
+                    self.reservation = await asyncio.wait_for(
+                        self.decode.reserve.remote(self.request, feed.subscription, self.prefill,
+                                                   self.handshake_timeout_s),
+                        self.handshake_timeout_s + HANDSHAKE_GRACE_S)
                 except asyncio.TimeoutError:
                     raise ReservationRefused(
-                        f"handshake with the decode worker timed out after {self.handshake_timeout_s}s"
-                        + (f" ({self._refusal})" if self._refusal else "")) from None
+                        f"the decode worker did not answer the handshake within "
+                        f"{self.handshake_timeout_s + HANDSHAKE_GRACE_S:g} s") from None
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerDied(
                         f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})"
@@ -79,21 +81,6 @@ class DisaggregatedCall:
                 )
             if self.feeds is None:
                 await feeds.close()
-
-    async def _reserve(self, subscription: str) -> ReservationInfo:
-        """D's reservation. A D whose KV blocks are all taken now (ReservationRefused)
-        is asked again until the caller's timeout, so a burst waits for running
-        requests to free blocks instead of failing (SGLang's decode side keeps such
-        requests in a queue; nothing is computed meanwhile: P starts after). A
-        prompt that could never fit is refused at once (InvalidRequestError)."""
-        wait_s, longest_s = RESERVE_RETRY_S
-        while True:
-            try:
-                return await self.decode.reserve.remote(self.request, subscription, self.prefill)
-            except ReservationRefused as exc:
-                self._refusal = error_message(exc)
-                await asyncio.sleep(wait_s)
-                wait_s = min(2 * wait_s, longest_s)
 
     async def _run_prefill(self) -> None:
         try:

@@ -246,7 +246,7 @@ class PoolAutoscaler:
             stats = track.stats
             work = self.signals.inflight(member.worker_id, now)
             if stats is not None:
-                work += stats.num_running + stats.num_waiting + stats.num_reserved
+                work += stats.num_running + stats.num_waiting + stats.num_reserved + stats.num_waiting_handshakes
             candidates.append((work, -track.started_s, member.worker_id))
         return min(candidates)[2] if candidates else None
 
@@ -258,7 +258,8 @@ class PoolAutoscaler:
                 continue
             elapsed = now - track.drain_started_s
             stats = track.stats
-            holds_nothing = stats is not None and not (stats.num_running or stats.num_waiting or stats.num_reserved)
+            holds_nothing = stats is not None and not (stats.num_running or stats.num_waiting or stats.num_reserved
+                                                       or stats.num_waiting_handshakes)
             if elapsed >= self.knobs.drain_grace_s and holds_nothing and self.signals.released(member.worker_id, now):
                 await self._retire(member, "drained", f"idle after draining {elapsed:.1f} s")
             elif elapsed >= self.knobs.drain_timeout_s:

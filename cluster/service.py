@@ -271,14 +271,18 @@ class GlobalScheduler:
         return match_any(indexes, hashes) * self.block_size
 
     def _headroom(self, worker_id: str) -> int:
+        """Free KV blocks; none while handshakes wait in line for them."""
         stats = self.stats.get(worker_id)
-        return stats.num_blocks - stats.num_used_blocks if stats else 0
+        if stats is None or stats.num_waiting_handshakes:
+            return 0
+        return stats.num_blocks - stats.num_used_blocks
 
     # ---- running a request --------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
         """TokenEvents of one request, first token to last. Raises SloRejected or
         ApiError before anything is spent; retries once on another pair if the
-        first pair fails before the first token."""
+        first pair fails before the first token, without the worker that failed
+        (the D that had no room, else the P; a dead D is out of the pool)."""
         # Workers know a request by an id this replica makes: a caller's id (a client's
         # rid) may repeat one in flight, and a worker refusing the second as a
         # duplicate ended the first's stream with it.
@@ -309,13 +313,16 @@ class GlobalScheduler:
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 self.num_routed[choice.decode_id] = self.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
+                refused_by: set[str] = set()  # a D whose handshake had no room
                 run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, hashes,
-                                started)
+                                started, refused_by)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
                         if event.error and not got_token and attempt == 0:
-                            if choice.decode_id in self.members:  # else D died (reported): P may serve again
+                            if refused_by:
+                                exclude |= refused_by
+                            elif choice.decode_id in self.members:  # else D died (reported): P may serve again
                                 exclude.add(choice.prefill_id or choice.decode_id)
                             log.warning("request %s failed before its first token (%s); retrying", request_id, event.error)
                             failure = event.error
@@ -337,7 +344,8 @@ class GlobalScheduler:
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
             self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)
 
-    async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float):
+    async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float,
+                   refused_by: set[str]):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
                             request.params.max_new_tokens, choice.ttft_s)
         self.models.inflight[request.request_id] = inflight
@@ -347,7 +355,7 @@ class GlobalScheduler:
         last_s = None
         gaps_from_s, num_gaps = None, 0  # the decode model learns a mean gap every GAPS_PER_OBSERVATION
         try:
-            async for event in self._events(request, choice):
+            async for event in self._events(request, choice, refused_by):
                 now = time.monotonic()
                 if event.token_ids:
                     if inflight.first_token_s is None:
@@ -367,7 +375,7 @@ class GlobalScheduler:
         finally:
             self.models.inflight.pop(request.request_id, None)
 
-    async def _events(self, request: GenerateRequest, choice: Prediction):
+    async def _events(self, request: GenerateRequest, choice: Prediction, refused_by: set[str]):
         call = None
         if choice.prefill_id is None:
             events = colocated_events(self.feeds, self.members[choice.decode_id].handle, request)
@@ -386,6 +394,7 @@ class GlobalScheduler:
                         counted = True
                     yield event
         except ReservationRefused as exc:
+            refused_by.add(choice.decode_id)
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         except WorkerDied as exc:
             await self._report_dead(choice.decode_id)

@@ -151,7 +151,7 @@ def wait_idle(actor, within_s: float = 10.0):
     while True:
         stats = ray.get(actor.check_accounting.remote())
         if stats.num_used_blocks == 0 and stats.num_reserved == 0 and stats.num_running == 0 \
-                and stats.num_waiting == 0:
+                and stats.num_waiting == 0 and stats.num_waiting_handshakes == 0:
             return stats
         assert time.monotonic() < deadline, f"still holding: {stats}"
         time.sleep(0.1)

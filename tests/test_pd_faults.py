@@ -149,29 +149,53 @@ def test_cancel_mid_stream_frees_both_sides(ray_local, tiny_qwen2_dir):
     assert serves(p, d, "after-cancel")
 
 
-def test_a_full_decode_worker_refuses_clearly_and_keeps_serving(ray_local, tiny_qwen2_dir):
-    """D refuses a reservation it has no blocks for now; a handshake asks again until
-    its timeout (a burst waits for room, cluster/pd_request.py)."""
+def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_local, tiny_qwen2_dir):
+    """D without room for a prompt now keeps its handshake waiting, first come first
+    served, until requests free blocks or the wait is over; then it refuses saying
+    why. An aborted handshake leaves the line (actors/reservation_queue.py)."""
     small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
     p = start("prefill", "p-full", tiny_qwen2_dir)
     d = start_worker("decode", "d-full", tiny_qwen2_dir, small, OPTIONS)
-    hold = GenerateRequest("hold", list(range(1, 150)), SamplingParams(max_new_tokens=4))  # 10 blocks
-    ray.get(d.reserve.remote(hold, "unread", p))
-    with pytest.raises(ReservationRefused, match="cannot hold"):
-        ray.get(d.reserve.remote(GenerateRequest("too-much", list(range(1, 60)), SHORT.params), "unread", p))
+    params = SamplingParams(max_new_tokens=4)
+    for i in range(2):  # 69 prompt tokens and the first output token: 5 blocks each
+        ray.get(d.reserve.remote(GenerateRequest(f"hold-{i}", list(range(1 + i, 70 + i)), params), "unread", p))
+    too_much = GenerateRequest("too-much", list(range(1, 60)), SHORT.params)  # 4 blocks
+    with pytest.raises(ReservationRefused, match=r"no room for 59 prompt tokens within 0 s \(2 blocks free"):
+        ray.get(d.reserve.remote(too_much, "unread", p))  # no wait asked for
     assert ray.get(d.stats.remote()).num_used_blocks == 10  # the refusal took nothing
-    # A handshake asks a full D again until its time is up, then fails saying why...
-    too_much = GenerateRequest("too-much", list(range(1, 60)), SHORT.params)
-    with pytest.raises(ReservationRefused, match=r"timed out after 0.5s \(.*cannot hold 59 prompt tokens now"):
+    with pytest.raises(ReservationRefused, match=r"no room for 59 prompt tokens within 0.5 s"):
         asyncio.run(consume(DisaggregatedCall(p, d, too_much, "gloo", handshake_timeout_s=0.5)))
 
-    async def room_made_meanwhile():  # ... or is served once finished requests free blocks
+    async def in_line():
+        long = asyncio.ensure_future(d.reserve.remote(GenerateRequest("long", list(range(1, 120)), params),
+                                                      "unread", p, 30))  # 8 blocks
+        await asyncio.sleep(0.3)
+        short = asyncio.ensure_future(d.reserve.remote(GenerateRequest("short", list(range(200, 240)), params),
+                                                       "unread", p, 30))  # 3 blocks
+        aborted = asyncio.ensure_future(d.reserve.remote(GenerateRequest("aborted", list(range(300, 310)), params),
+                                                         "unread", p, 30))
+        await asyncio.sleep(0.3)
+        assert (await d.stats.remote()).num_waiting_handshakes == 3
+        await d.abort.remote("aborted")
+        with pytest.raises(ReservationRefused, match="aborted while it waited"):
+            await aborted
+        await d.abort.remote("hold-0")  # 7 blocks free: the short prompt would fit, the long one is first
+        await asyncio.sleep(0.5)
+        assert not long.done() and not short.done()
+        await d.abort.remote("hold-1")
+        assert len((await long).block_ids) == 8 and len((await short).block_ids) == 3
+        assert (await d.stats.remote()).num_waiting_handshakes == 0
+        for request_id in ("long", "short"):
+            await d.abort.remote(request_id)
+        await d.reserve.remote(GenerateRequest("hold", list(range(1, 150)), params), "unread", p)  # 10 blocks
+        # A request waits in line through the scheduler's handshake, and is served
+        # once an abort frees blocks.
         waiting = asyncio.ensure_future(consume(DisaggregatedCall(p, d, too_much, "gloo")))
         await asyncio.sleep(0.5)
         await d.abort.remote("hold")
         return await waiting
 
-    events = asyncio.run(room_made_meanwhile())
+    events = asyncio.run(in_line())
     assert events[-1].error is None and sum(len(e.token_ids) for e in events) == 4
     wait_idle(d)
     assert serves(p, d, "after-full")

@@ -47,7 +47,8 @@ def wait_workers_idle(pool_name: str, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = [ray.get(m.handle.check_accounting.remote()) for m in pool_members(pool_name)]
-        if all(s.num_used_blocks == 0 and s.num_reserved == 0 and s.num_running == 0 for s in stats):
+        if all(s.num_used_blocks == 0 and s.num_reserved == 0 and s.num_running == 0 and s.num_waiting_handshakes == 0
+               for s in stats):
             return
         assert time.monotonic() < deadline, stats
         time.sleep(0.2)

@@ -1,0 +1,114 @@
+"""Handshake: requests that wait for a full decode worker's KV blocks.
+
+    tandem bench handshake [--rounds 2] [--out FILE.json]
+
+System: disaggregated 1 P + 1 D, tiny model, D's KV pool small (`--kv-blocks`
+blocks of 16 tokens), early rejection off, the handshake's wait for room
+`--handshake-s` (`timeouts.handshake_s`). Workload (the same every round, open
+loop, over HTTP): a steady stream of short requests (`--short-prompt` tokens in,
+`--short-output` out, one every `--short-every-ms`, for `--window-s`) that keeps D
+full, with a few long prompts (`--long-prompt` tokens: most of D's pool) arriving
+among them. While D has no room, each request's handshake waits for a running one
+to finish and free its blocks.
+
+Reported per class (short, long), over the rounds: requests served, failed (503
+after the handshake's wait), TTFT median, p90 and max, and the makespan (first
+send to last token). What it shows: whether a long prompt gets its turn among short
+ones that keep arriving, and how soon the blocks a finished request frees are
+taken again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import random
+import re
+
+from benchmarks import report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kv-blocks", type=int, default=64, help="D's (and P's) KV pool, blocks of 16 tokens")
+    parser.add_argument("--handshake-s", type=float, default=10.0, help="how long a handshake waits for room")
+    parser.add_argument("--window-s", type=float, default=8.0, help="arrival window of the short requests")
+    parser.add_argument("--short-every-ms", type=float, default=40.0)
+    parser.add_argument("--short-prompt", type=int, default=40)
+    parser.add_argument("--short-output", type=int, default=80)
+    parser.add_argument("--long-prompt", type=int, default=640)
+    parser.add_argument("--long-output", type=int, default=20)
+    parser.add_argument("--long-at-s", default="1,2.5,4", help="arrival times of the long prompts")
+
+
+def workload(args, vocab: int, seed: int):
+    """Short requests every `short_every_ms`, long ones at `long_at_s`; returns the
+    workload and each request's class."""
+    from benchmarks.workload import BenchRequest, Workload
+
+    rng = random.Random(seed)
+    arrivals = [(i * args.short_every_ms / 1e3, "short") for i in range(int(args.window_s * 1e3 / args.short_every_ms))]
+    arrivals += [(float(at), "long") for at in args.long_at_s.split(",")]
+    arrivals.sort()
+    requests, classes = [], []
+    for index, (at, kind) in enumerate(arrivals):
+        length, output = (args.short_prompt, args.short_output) if kind == "short" else (args.long_prompt,
+                                                                                         args.long_output)
+        requests.append(BenchRequest(index, at, [rng.randrange(3, vocab) for _ in range(length)], output))
+        classes.append(kind)
+    return Workload("handshake", requests), classes
+
+
+def main(args: argparse.Namespace) -> None:
+    from actors.model_builder import ensure_checkpoint
+    from benchmarks.http_client import run_workload
+    from benchmarks.serve_cluster import ServeCluster
+    from benchmarks.serve_scenarios import TINY_VOCAB, app_settings
+
+    ensure_checkpoint("tiny", "qwen2")
+    settings = app_settings(argparse.Namespace(preset="tiny", arch="qwen2", kv_cache_mib=0), mode="disaggregated")
+    settings["engine"] = {"block_size": 16, "num_kv_blocks": args.kv_blocks, "max_num_seqs": 64,
+                          "prefill_chunk_size": 256, "max_num_batched_tokens": 1024}
+    settings["timeouts"] = {"handshake_s": args.handshake_s}
+    records: dict[str, list] = {"short": [], "long": []}
+    makespans = []
+    with ServeCluster(num_cpus=4) as cluster:
+        url = cluster.deploy({"handshake": settings})["handshake"]
+        load, classes = workload(args, TINY_VOCAB, seed=-1)
+        asyncio.run(run_workload(url, load))  # warm-up round, not counted
+        for round_index in range(args.rounds):
+            load, classes = workload(args, TINY_VOCAB, seed=round_index)
+            done = asyncio.run(run_workload(url, load, request_timeout_s=120))
+            for record, kind in zip(done, classes):
+                records[kind].append(record)
+            ends = [r.sent_s + r.e2e_s for r in done if r.e2e_s is not None]
+            makespans.append(max(ends) if ends else float("nan"))
+            failed = sum(r.status != "ok" for r in done)
+            print(f"round {round_index + 1}: {len(done)} requests, {failed} failed, makespan {makespans[-1]:.1f} s",
+                  flush=True)
+    rows, summary = [], {}
+    for kind, runs in records.items():
+        ttfts = [r.ttft_s for r in runs if r.status == "ok"]
+        errors = collections.Counter(re.sub(r"request \S+ ", "request ", r.error or r.status)[:200]
+                                     for r in runs if r.status != "ok")
+        summary[kind] = {"requests": len(runs), "served": len(ttfts), "failed": len(runs) - len(ttfts),
+                         "ttft_median_s": report.median(ttfts) if ttfts else None,
+                         "ttft_p90_s": report.percentile(ttfts, 90) if ttfts else None,
+                         "ttft_max_s": max(ttfts) if ttfts else None, "errors": errors}
+        s = summary[kind]
+        rows.append([kind, s["requests"], s["served"], s["failed"], s["ttft_median_s"], s["ttft_p90_s"],
+                     s["ttft_max_s"]])
+    report.print_table(f"Requests waiting for a full decode worker ({args.kv_blocks} KV blocks), "
+                       f"{args.rounds} rounds", ["class", "requests", "served", "failed", "TTFT median s",
+                                                 "TTFT p90 s", "TTFT max s"], rows)
+    print(f"makespan per round: {', '.join(f'{m:.1f} s' for m in makespans)}")
+    for kind in records:
+        for error, count in summary[kind]["errors"].items():
+            print(f"{kind}: {count} failed: {error}")
+    long = summary["long"]
+    report.finish("handshake", args.out,
+                  {"args": vars(args) | {"func": None}, "summary": summary, "makespan_s": makespans},
+                  f"{long['served']} of {long['requests']} long prompts served among short ones, "
+                  f"{summary['short']['failed']} short requests failed",
+                  "every request served")
