@@ -91,6 +91,8 @@ class GlobalScheduler:
                                  worker=member.worker_id, role=member.role)
                 self.metrics.set("queue_depth", "requests waiting or running per worker",
                                  stats.num_waiting + stats.num_running, worker=member.worker_id, role=member.role)
+                self.metrics.set("handshakes_waiting", "handshakes waiting in a decode worker's line for KV blocks",
+                                 stats.num_waiting_handshakes, worker=member.worker_id, role=member.role)
         indexed = [m for m in members if m.worker_id in self.prefix]
         batches = await asyncio.gather(
             *(m.handle.cache_events.remote(self.cache_cursors.get(m.worker_id)) for m in indexed),

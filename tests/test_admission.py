@@ -162,10 +162,15 @@ class _Tokenizer:
         return 1000
 
 
+def _idle_stats(worker_id: str, **figures):
+    from actors.worker_base import WorkerStats
+
+    return WorkerStats(worker_id, num_blocks=1000, num_used_blocks=0, num_cached_blocks=0, num_running=0,
+                       num_waiting=0, num_reserved=0, num_channels=0, last_step_s=0.0, **figures)
+
+
 def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] = ("d0",)):
     """A GlobalScheduler with one P and the given Ds whose cost models are known."""
-    from types import SimpleNamespace
-
     from cluster.config import AppSettings
     from cluster.pool_manager import Member
     from cluster.service import GlobalScheduler
@@ -177,7 +182,7 @@ def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] 
     scheduler.models = _models()
     for worker_id, role in (("p0", "prefill"), *((d, "decode") for d in decodes)):
         scheduler.members[worker_id] = Member(worker_id, role, handle=None)
-        scheduler.stats[worker_id] = SimpleNamespace(num_blocks=1000, num_used_blocks=0)
+        scheduler.stats[worker_id] = _idle_stats(worker_id)
         scheduler.prefix[worker_id] = PrefixIndex(1000)
         scheduler.profiled.add(worker_id)
     return scheduler
@@ -277,14 +282,13 @@ def test_a_scaled_up_worker_starts_from_a_peers_models_and_takes_the_next_reques
     """No start-up profile for a second worker of a role (its handle here cannot
     even be called): it copies p0's models, and with p0 queued it gets the request."""
     import asyncio
-    from types import SimpleNamespace
 
     from cluster.pool_manager import Member
 
     scheduler = _scheduler(ttft_ms=10_000)
     scheduler.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=3.0)
     scheduler.members["p1"] = Member("p1", "prefill", handle=None)
-    scheduler.stats["p1"] = SimpleNamespace(num_blocks=1000, num_used_blocks=0)
+    scheduler.stats["p1"] = _idle_stats("p1")
     scheduler.prefix["p1"] = PrefixIndex(1000)
     asyncio.run(scheduler._profile_new(list(scheduler.members.values())))
     assert "p1" in scheduler.profiled
@@ -308,6 +312,16 @@ def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
     scheduler.models.seed_from("d0", "d1")
     scheduler.num_routed["d0"] = 5  # d0 has served before; both idle now
+    assert scheduler.plan(list(range(32))).decode_id == "d1"
+
+
+def test_a_decode_worker_with_handshakes_in_its_line_has_no_headroom():
+    """Handshakes waiting for a D's blocks (actors/reservation_queue.py) will take
+    what it frees: another D with room gets the request."""
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler.models.seed_from("d0", "d1")
+    assert scheduler.plan(list(range(32))).decode_id == "d0"  # equals: the first
+    scheduler.stats["d0"] = _idle_stats("d0", num_waiting_handshakes=2)
     assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 

@@ -337,6 +337,7 @@ def test_models_health_metrics_openapi(base_url, client):
     assert "tandem_ttft_seconds_bucket" in metrics and "tandem_kv_blocks_used" in metrics
     assert 'tandem_prompt_tokens_total{source="computed"}' in metrics
     assert 'tandem_kv_transfer_blocks_total{kind="sent"}' in metrics
+    assert 'tandem_handshakes_waiting{role="decode"' in metrics
     schema = httpx.get(f"{base_url}/openapi.json").json()
     assert {"/generate", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
 
