@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.background import background_task
 from actors.kv_channel import (
     GlooPair,
     GlooReceiver,
@@ -55,7 +56,7 @@ class DecodeWorker(WorkerBase):
         self._receivers: dict[str, KVReceiver] = {}
         self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
         self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
-        self.aio.create_task(self._watchdog())
+        background_task(self._watchdog())
 
     # ---- handshake --------------------------------------------------------------
     async def reserve(

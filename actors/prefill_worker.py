@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from actors.background import background_task
 from actors.config import EngineConfig
 from actors.engine import Engine, ExportedChunk
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
@@ -149,43 +150,50 @@ class PrefillWorker(WorkerBase):
     def _on_started(self) -> None:
         self._jobs: dict[str, _Job] = {}
         self._pairs: dict[str, _PairSender] = {}
-        self._pair_locks: dict[str, asyncio.Lock] = {}
+        self._opening: dict[str, asyncio.Task] = {}  # decode id -> the channel being opened to it
 
     # ---- channels -------------------------------------------------------------
     async def _pair_for(self, reservation: ReservationInfo, decode_handle, backend: str) -> _PairSender:
+        """The open channel to the reservation's D, opened on first use. Requests
+        that need it meanwhile wait for the same opening, which is no request's
+        (`actors.background`): one cancelled midway left P and D each half a pair."""
         decode_id = reservation.decode_worker_id
-        lock = self._pair_locks.setdefault(decode_id, asyncio.Lock())
-        async with lock:
-            pair = self._pairs.get(decode_id)
-            if pair is not None and not pair.broken:
-                return pair
-            name = f"kv-{self.worker_id}-{decode_id}-{uuid.uuid4().hex[:8]}"
-            timeout = self.options.transfer_timeout_s
-            me = ray.get_runtime_context().current_actor
-            if backend == "object_store":
-                await decode_handle.open_channel.remote(name, backend, prefill_handle=me)
-                sender: KVSender = ObjectStoreSender(name)
-            elif backend == "gloo":
-                host = ray.util.get_node_ip_address()
-                store, port = GlooPair.host_store(host, timeout)
-                joined = decode_handle.open_channel.remote(name, backend, host, port, prefill_handle=me)
-                link = await self.in_thread(lambda: GlooPair(name, host, port, 0, timeout, store))
-                await joined
-                sender = GlooSender(name, link)
-            elif backend == "store":
-                shared = self._shared_path()
-                await decode_handle.open_channel.remote(name, backend, prefill_handle=me, shared_path=shared)
-                sender = StoreSender(name, shared)
-            elif backend == "nccl":
-                joined = decode_handle.open_channel.remote(name, backend, prefill_handle=me)
-                link = await self.in_thread(lambda: NcclPair(name, 0))
-                await joined
-                sender = NcclSender(name, link)
-            else:
-                raise ValueError(f"unknown channel backend {backend!r}")
-            pair = _PairSender(self, sender, decode_handle)
-            self._pairs[decode_id] = pair
+        pair = self._pairs.get(decode_id)
+        if pair is not None and not pair.broken:
             return pair
+        opening = self._opening.get(decode_id)
+        if opening is None or opening.done():
+            opening = self._opening[decode_id] = background_task(self._open_pair(decode_id, decode_handle, backend))
+        return await asyncio.shield(opening)
+
+    async def _open_pair(self, decode_id: str, decode_handle, backend: str) -> _PairSender:
+        name = f"kv-{self.worker_id}-{decode_id}-{uuid.uuid4().hex[:8]}"
+        timeout = self.options.transfer_timeout_s
+        me = ray.get_runtime_context().current_actor
+        if backend == "object_store":
+            await decode_handle.open_channel.remote(name, backend, prefill_handle=me)
+            sender: KVSender = ObjectStoreSender(name)
+        elif backend == "gloo":
+            host = ray.util.get_node_ip_address()
+            store, port = GlooPair.host_store(host, timeout)
+            joined = decode_handle.open_channel.remote(name, backend, host, port, prefill_handle=me)
+            link = await self.in_thread(lambda: GlooPair(name, host, port, 0, timeout, store))
+            await joined
+            sender = GlooSender(name, link)
+        elif backend == "store":
+            shared = self._shared_path()
+            await decode_handle.open_channel.remote(name, backend, prefill_handle=me, shared_path=shared)
+            sender = StoreSender(name, shared)
+        elif backend == "nccl":
+            joined = decode_handle.open_channel.remote(name, backend, prefill_handle=me)
+            link = await self.in_thread(lambda: NcclPair(name, 0))
+            await joined
+            sender = NcclSender(name, link)
+        else:
+            raise ValueError(f"unknown channel backend {backend!r}")
+        pair = _PairSender(self, sender, decode_handle)
+        self._pairs[decode_id] = pair
+        return pair
 
     def _num_channels(self) -> int:
         return len(self._pairs)

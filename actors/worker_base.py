@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from actors.background import background_task
 from actors.config import EngineConfig, ModelLocation
 from actors.engine import Engine
 from actors.engine_loop import EngineLoop
@@ -115,7 +116,7 @@ class WorkerBase:
         self.loop = EngineLoop(self.engine, self._on_step, self._on_tick, self._on_engine_error)
         self.loop.start()
         self._feed_owners: dict[str, object] = {}  # subscription -> its consumer's actor handle
-        self.aio.create_task(self._watch_feed_owners())
+        background_task(self._watch_feed_owners())  # not part of the request that starts the worker
         self._on_started()
 
     def _on_started(self) -> None:

@@ -39,7 +39,7 @@ from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody,
                                 choice_params)
 from cluster.config import AppSettings
-from cluster.detached import detached_task
+from actors.background import background_task
 from cluster.pool_manager import get_or_create_pool
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
@@ -164,8 +164,8 @@ class Scheduler:
 
     # ---- background membership refresh ----------------------------------------------
     def _ensure_refreshing(self) -> None:
-        if self._refresher is None or self._refresher.done():  # maybe in a request: detached from it
-            self._refresher = detached_task(self._refresh_loop())
+        if self._refresher is None or self._refresher.done():  # maybe in a request: not part of it
+            self._refresher = background_task(self._refresh_loop())
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -189,7 +189,7 @@ class Scheduler:
     async def _require_ready(self) -> None:
         self._ensure_refreshing()
         if not self.service.ready:  # a client that leaves meanwhile must not cancel the refresh's calls
-            await asyncio.shield(detached_task(self._refresh()))
+            await asyncio.shield(background_task(self._refresh()))
         if not self.service.ready:
             raise ApiError(503, "worker pools are starting; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})

@@ -26,6 +26,7 @@ import ray
 
 from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
+from actors.background import background_task
 from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
 from cluster.scaling_signals import PeerLoad, SchedulerReport
 from cluster.workers import start_worker
@@ -91,12 +92,12 @@ class PoolManager:
         return member
 
     def _ensure_health_loop(self) -> None:
-        """Start the health and control loops (they need the actor's event loop)."""
-        loop = asyncio.get_running_loop()
+        """Start the health and control loops (they need the actor's event loop),
+        apart from the call that starts them (`actors.background`)."""
         if self._health_task is None or self._health_task.done():
-            self._health_task = loop.create_task(self._health_loop())
+            self._health_task = background_task(self._health_loop())
         if self._control_task is None or self._control_task.done():
-            self._control_task = loop.create_task(self.scaler.run())
+            self._control_task = background_task(self.scaler.run())
 
     async def _health_loop(self) -> None:
         while True:

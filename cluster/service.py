@@ -39,6 +39,7 @@ from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy, match_any
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
+from actors.background import background_call
 from cluster.token_feeds import FeedLost, TokenFeeds, colocated_events
 
 log = logging.getLogger("tandem.scheduler")
@@ -171,8 +172,8 @@ class GlobalScheduler:
     async def _report_dead(self, worker_id: str) -> None:
         self.members.pop(worker_id, None)
         self.stats.pop(worker_id, None)
-        try:
-            await self.pool.report_dead.remote(worker_id)
+        try:  # maybe in a request: the replacement it starts must not go with that request
+            await background_call(lambda: self.pool.report_dead.remote(worker_id))
         except ray.exceptions.RayError as exc:
             log.warning("could not report dead worker %s: %s", worker_id, exc)
 

@@ -18,8 +18,8 @@ has aborted them), with `FeedLost`, and the next request subscribes again. Closi
 going away) makes the worker abort the requests it still runs for it; a consumer
 that stops reading one request early aborts it itself (`worker.abort`).
 
-A feed serves many requests, so it is subscribed outside the request that first
-needs it (`cluster.detached`): made in that request's context, it was cancelled
+A feed serves many requests, so it is subscribed apart from the request that first
+needs it (`actors.background`): made in that request's context, it was cancelled
 with it, and every other request on it failed.
 """
 
@@ -31,7 +31,7 @@ import uuid
 import ray
 
 from actors.messages import GenerateRequest, TokenEvent, WorkerDied, error_message
-from cluster.detached import call_detached, detached_task
+from actors.background import background_call, background_task
 
 _ENDED = object()  # a queue's marker: the feed is gone
 
@@ -95,9 +95,9 @@ class TokenFeed:
         self.worker_died = False  # whether it ended because its worker died
         self._queues: dict[str, RequestEvents] = {}
         owner = _current_actor()
-        self._stream = call_detached(
+        self._stream = background_call(
             lambda: worker.feed.options(num_returns="streaming").remote(self.subscription, owner))
-        self._task = detached_task(self._route())
+        self._task = background_task(self._route())
 
     @property
     def alive(self) -> bool:

@@ -209,7 +209,7 @@ class _Replica:
 def test_a_cancelled_request_leaves_the_feed_it_subscribed_to_the_others(ray_local, colocated):
     """Serve cancels a request's task when its client leaves, and Ray then cancels
     the Ray calls that task made: the feed the first request subscribed is not one
-    of them (cluster/detached.py). It was: the other request failed with "the
+    of them (actors/background.py). It was: the other request failed with "the
     worker's feed failed: TaskCancelledError"."""
     replica = _Replica.remote()
 

@@ -1,0 +1,38 @@
+"""Work a request starts that must outlive it.
+
+Ray cancels the Ray calls a task made when that task is cancelled (`ray.cancel`'s
+`recursive`, on by default), and Serve cancels a request's task when its client
+disconnects; the scheduler's own cancel of a request reaches the workers' calls
+the same way. In an async actor, a call's parent task is read from the asyncio
+context the call is made in, so a Ray call made in a request's context, or from
+an asyncio task created there (which copies it), is cancelled with that request.
+
+What serves more than the request that happens to start it is started here, in a
+context of its own: a scheduler replica's token feed to a worker and its
+membership refresh, the report of a dead worker (the pool starts its
+replacement), the pool manager's health and control loops, a prefill worker's
+channel to a decode worker, a worker's watchdogs. A feed made in a request's
+context went with that request, failing every other request on it
+(tests/test_token_feeds.py). Checked on this machine: a streaming call made in a
+request's context ended in TaskCancelledError when the request was cancelled;
+made in a fresh context, or in one copied outside any request, it kept running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def background_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """Run `coroutine` as a task whose Ray calls belong to no request."""
+    return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
+
+
+def background_call(fn: Callable[[], T]) -> T:
+    """`fn()`, its Ray calls belonging to no request (e.g. `lambda: actor.m.remote()`)."""
+    return contextvars.Context().run(fn)
