@@ -156,7 +156,8 @@ class PrefillWorker(WorkerBase):
     async def _pair_for(self, reservation: ReservationInfo, decode_handle, backend: str) -> _PairSender:
         """The open channel to the reservation's D, opened on first use. Requests
         that need it meanwhile wait for the same opening, which is no request's
-        (`actors.background`): one cancelled midway left P and D each half a pair."""
+        (`actors.background`): one cancelled midway could leave P and D each half a
+        pair."""
         decode_id = reservation.decode_worker_id
         pair = self._pairs.get(decode_id)
         if pair is not None and not pair.broken:

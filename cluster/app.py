@@ -26,6 +26,7 @@ import ray
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.background import background_task
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
 from actors.messages import error_message
@@ -39,7 +40,6 @@ from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody,
                                 choice_params)
 from cluster.config import AppSettings
-from actors.background import background_task
 from cluster.pool_manager import get_or_create_pool
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler

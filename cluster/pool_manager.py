@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 
 import ray
 
+from actors.background import background_task
 from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
-from actors.background import background_task
 from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
 from cluster.scaling_signals import PeerLoad, SchedulerReport
 from cluster.workers import start_worker

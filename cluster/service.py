@@ -25,6 +25,7 @@ import uuid
 
 import ray
 
+from actors.background import background_call
 from actors.block_pool import block_hashes
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
@@ -39,7 +40,6 @@ from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy, match_any
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
-from actors.background import background_call
 from cluster.token_feeds import FeedLost, TokenFeeds, colocated_events
 
 log = logging.getLogger("tandem.scheduler")

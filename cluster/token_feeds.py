@@ -14,9 +14,10 @@ there (`actors.token_streams`), so the per-item cost of a Ray stream is paid onc
 step, not once a token and request. The events a request's iterator yields are
 those of one Ray stream, so in order. If the worker dies every request waiting on
 it ends with `WorkerDied`; if only the feed ends or fails (the worker lives on and
-has aborted them), with `FeedLost`, and the next request subscribes again. Closing the feed (or this process
-going away) makes the worker abort the requests it still runs for it; a consumer
-that stops reading one request early aborts it itself (`worker.abort`).
+has aborted them), with `FeedLost`, and the next request subscribes again. Closing
+the feed (or this process going away) makes the worker abort the requests it still
+runs for it; a consumer that stops reading one request early aborts it itself
+(`worker.abort`).
 
 A feed serves many requests, so it is subscribed apart from the request that first
 needs it (`actors.background`): made in that request's context, it was cancelled
@@ -30,8 +31,8 @@ import uuid
 
 import ray
 
-from actors.messages import GenerateRequest, TokenEvent, WorkerDied, error_message
 from actors.background import background_call, background_task
+from actors.messages import GenerateRequest, TokenEvent, WorkerDied, error_message
 
 _ENDED = object()  # a queue's marker: the feed is gone
 
