@@ -9,7 +9,8 @@ within the SLO is rejected before any prefill compute is spent on it.
 
 The models start from each worker's start-up profile (pure compute) and then learn
 from what the scheduler observes: every gap between tokens refits D's step model,
-and every first token updates P's TTFT bias (see `observe_token_gap`, `observe_ttft`).
+and every first token updates P's TTFT bias (see `observe_token_gap`, `observe_ttft`),
+which fades while no first token comes (`ttft_bias`).
 
 With several scheduler replicas each admits its own requests, so each adds the
 others' load (`peers`, from the pool manager's answer to its latest report, at most
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 from cluster.cost_model import LinearCostModel, decode_features, prefill_features
 from cluster.scaling_signals import PeerLoad
+
+BIAS_HALF_LIFE_S = 10.0  # a learned TTFT bias halves every this long without an observation
 
 
 @dataclass
@@ -90,7 +93,7 @@ class WorkerModels:
         self.peers = PeerLoad()  # the other scheduler replicas' load per worker
         self.transfer_bytes_per_s = 1e9
         self.block_bytes = 0
-        self.ttft_bias_s: dict[str, float] = {}  # per P (or colocated worker), see observe_ttft
+        self._ttft_bias: dict[str, tuple[float, float]] = {}  # per P (or colocated worker): (bias, when learned)
 
     def prefill_model(self, worker_id: str) -> LinearCostModel:
         return self.prefill.setdefault(worker_id, LinearCostModel(2))
@@ -105,13 +108,13 @@ class WorkerModels:
             self.prefill[worker_id] = copy.deepcopy(self.prefill[peer_id])
         if peer_id in self.decode:
             self.decode[worker_id] = copy.deepcopy(self.decode[peer_id])
-        if peer_id in self.ttft_bias_s:
-            self.ttft_bias_s[worker_id] = self.ttft_bias_s[peer_id]
+        if peer_id in self._ttft_bias:
+            self._ttft_bias[worker_id] = self._ttft_bias[peer_id]
 
     def forget(self, worker_id: str) -> None:
         self.prefill.pop(worker_id, None)
         self.decode.pop(worker_id, None)
-        self.ttft_bias_s.pop(worker_id, None)
+        self._ttft_bias.pop(worker_id, None)
 
     # ---- observations ---------------------------------------------------------------
     def decode_load(self, decode_id: str) -> tuple[int, int]:
@@ -133,8 +136,23 @@ class WorkerModels:
         zero, added to later predictions."""
         prefill_id = prediction.prefill_id or prediction.decode_id
         residual = max(observed_s - (prediction.ttft_s - prediction.ttft_bias_s), 0.0)
-        previous = self.ttft_bias_s.get(prefill_id)
-        self.ttft_bias_s[prefill_id] = residual if previous is None else 0.8 * previous + 0.2 * residual
+        previous = self.ttft_bias(prefill_id) if prefill_id in self._ttft_bias else None
+        self._ttft_bias[prefill_id] = (residual if previous is None else 0.8 * previous + 0.2 * residual,
+                                       time.monotonic())
+
+    def ttft_bias(self, worker_id: str) -> float:
+        """The learned TTFT bias of a P (or colocated worker), halved every
+        `BIAS_HALF_LIFE_S` without an observation. Only admitted requests are
+        observed, so a bias learned in a bad spell that put every prediction past
+        the SLO would otherwise reject every request from then on (it did, in
+        `tandem bench handshake` with early rejection: after an overloaded warm-up,
+        all 538 requests of the next two rounds); decayed, requests get in again
+        and their TTFTs say what the bias is now."""
+        entry = self._ttft_bias.get(worker_id)
+        if entry is None:
+            return 0.0
+        bias, learned_s = entry
+        return bias * 0.5 ** (max(time.monotonic() - learned_s, 0.0) / BIAS_HALF_LIFE_S)
 
     # ---- predictions ------------------------------------------------------------
     def prefill_s(self, worker_id: str, new_tokens: int, cached_tokens: int) -> float:
@@ -197,6 +215,6 @@ class WorkerModels:
         if prefill_id is not None and self.block_bytes:
             blocks = max(math.ceil(num_prompt_tokens / self.block_size) - decode_cached_blocks, 0)
             transfer = blocks * self.block_bytes / self.transfer_bytes_per_s
-        bias = self.ttft_bias_s.get(prefill_id or decode_id, 0.0)
+        bias = self.ttft_bias(prefill_id or decode_id)
         ttft = queued + prefill + transfer + bias
         return Prediction(prefill_id, decode_id, ttft, self.tbt_at(decode_id, ttft, num_prompt_tokens), uncached, bias)

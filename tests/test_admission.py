@@ -110,9 +110,27 @@ def test_ttft_bias_learns_the_systematic_error_without_compounding():
     for _ in range(50):
         prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
         models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
-    assert models.ttft_bias_s["p0"] == pytest.approx(0.3, rel=0.01)
+    assert models.ttft_bias("p0") == pytest.approx(0.3, rel=0.01)
     assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 0.3, rel=0.05)
-    assert "p1" not in models.ttft_bias_s
+    assert models.ttft_bias("p1") == 0.0
+
+
+def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_everyone_out(monkeypatch):
+    """Only admitted requests are observed: a bias that puts every prediction past
+    the SLO would reject every request for good if it did not fade."""
+    import cluster.admission as admission
+
+    models = _models()
+    prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
+    models.observe_ttft(prediction, observed_s=prediction.ttft_s + 8.0)  # a bad spell: 8 s late
+    assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 8.0, rel=0.05)
+    later = time.monotonic() + 3 * admission.BIAS_HALF_LIFE_S
+    monkeypatch.setattr(admission.time, "monotonic", lambda: later)
+    assert models.ttft_bias("p0") == pytest.approx(1.0, rel=0.01)
+    assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 1.0, rel=0.05)
+    prediction = models.predict("p0", "d0", 200, 0)
+    models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
+    assert models.ttft_bias("p0") == pytest.approx(0.8 * 1.0 + 0.2 * 0.3, rel=1e-3)  # learning goes on from the faded bias
 
 
 def test_slo_rejection_says_prediction_and_target():
