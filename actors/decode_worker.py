@@ -56,6 +56,7 @@ class DecodeWorker(WorkerBase):
         self._receivers: dict[str, KVReceiver] = {}
         self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
         self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
+        self.num_granted = 0  # reservations granted (the scheduler's line-wait predictions)
         background_task(self._watchdog())
 
     # ---- handshake --------------------------------------------------------------
@@ -82,6 +83,7 @@ class DecodeWorker(WorkerBase):
                 f"decode worker {self.worker_id} had no room for {len(request.prompt_token_ids)} prompt tokens "
                 f"within {wait_s:g} s ({self.engine.pool.num_available} blocks free{behind})"
             )
+        self.num_granted += 1
         with self._pending_lock:
             self._pending[request.request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic())
         return ReservationInfo(
@@ -128,6 +130,9 @@ class DecodeWorker(WorkerBase):
 
     def _num_waiting_handshakes(self) -> int:
         return len(self.handshakes)
+
+    def _num_reservations_granted(self) -> int:
+        return self.num_granted
 
     async def close_channel(self, name: str) -> None:
         self._channel_owners.pop(name, None)

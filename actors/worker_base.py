@@ -58,6 +58,7 @@ class WorkerStats:
     num_store_loaded_blocks: int = 0  # prompt blocks served by the KV store, not computed
     node_id: str = ""  # the Ray node (whose KV store the worker uses)
     num_waiting_handshakes: int = 0  # a decode worker's handshakes waiting for KV blocks
+    num_reservations_granted: int = 0  # a decode worker's reservations since it started
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,10 @@ class WorkerBase:
         """Handshakes waiting for this worker's KV blocks (a decode worker's)."""
         return 0
 
+    def _num_reservations_granted(self) -> int:
+        """Reservations this worker granted since it started (a decode worker's)."""
+        return 0
+
     def _on_engine_error(self, exc: BaseException) -> None:
         """A step failed: fail every request this worker holds, keep serving."""
         message = f"worker {self.worker_id} step failed: {type(exc).__name__}: {exc}"
@@ -270,6 +275,7 @@ class WorkerBase:
             num_store_loaded_blocks=self.num_store_loaded_blocks,
             node_id=self.node,
             num_waiting_handshakes=self._num_waiting_handshakes(),
+            num_reservations_granted=self._num_reservations_granted(),
         )
 
     async def check_accounting(self) -> WorkerStats:

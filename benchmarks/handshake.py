@@ -3,17 +3,19 @@
     tandem bench handshake [--rounds 2] [--out FILE.json]
 
 System: disaggregated 1 P + 1 D, tiny model, D's KV pool small (`--kv-blocks`
-blocks of 16 tokens), early rejection off, the handshake's wait for room
-`--handshake-s` (`timeouts.handshake_s`). Workload (the same every round, open
+blocks of 16 tokens), the handshake's wait for room `--handshake-s`
+(`timeouts.handshake_s`); early rejection off, or on with `--ttft-slo-ms` (the TBT
+SLO then far away, so only TTFT predictions reject). Workload (the same every round, open
 loop, over HTTP): a steady stream of short requests (`--short-prompt` tokens in,
 `--short-output` out, one every `--short-every-ms`, for `--window-s`) that keeps D
 full, with a few long prompts (`--long-prompt` tokens: most of D's pool) arriving
 among them. While D has no room, each request's handshake waits for a running one
 to finish and free its blocks.
 
-Reported per class (short, long), over the rounds: requests served, failed (503
-after the handshake's wait), TTFT median, p90 and max, and the makespan (first
-send to last token). What it shows: whether a long prompt gets its turn among short
+Reported per class (short, long), over the rounds: requests served, rejected early
+(429), failed (503 after the handshake's wait, or any other error), TTFT median,
+p90 and max, and the makespan (first send to last token); with an SLO, the served
+requests within it, and their share of the admitted ones (served or failed). What it shows: whether a long prompt gets its turn among short
 ones that keep arriving, and how soon the blocks a finished request frees are
 taken again.
 """
@@ -40,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prompt", type=int, default=640)
     parser.add_argument("--long-output", type=int, default=20)
     parser.add_argument("--long-at-s", default="1,2.5,4", help="arrival times of the long prompts")
+    parser.add_argument("--ttft-slo-ms", type=float, default=None, help="turn early rejection on with this TTFT SLO")
 
 
 def workload(args, vocab: int, seed: int):
@@ -71,6 +74,8 @@ def main(args: argparse.Namespace) -> None:
     settings["engine"] = {"block_size": 16, "num_kv_blocks": args.kv_blocks, "max_num_seqs": 64,
                           "prefill_chunk_size": 256, "max_num_batched_tokens": 1024}
     settings["timeouts"] = {"handshake_s": args.handshake_s}
+    if args.ttft_slo_ms is not None:
+        settings["slo"] = {"early_rejection": True, "ttft_ms": args.ttft_slo_ms, "tbt_ms": 60_000}
     records: dict[str, list] = {"short": [], "long": []}
     makespans = []
     with ServeCluster(num_cpus=4) as cluster:
@@ -84,31 +89,44 @@ def main(args: argparse.Namespace) -> None:
                 records[kind].append(record)
             ends = [r.sent_s + r.e2e_s for r in done if r.e2e_s is not None]
             makespans.append(max(ends) if ends else float("nan"))
-            failed = sum(r.status != "ok" for r in done)
-            print(f"round {round_index + 1}: {len(done)} requests, {failed} failed, makespan {makespans[-1]:.1f} s",
-                  flush=True)
+            failed = sum(r.status not in ("ok", "rejected") for r in done)
+            rejected = sum(r.status == "rejected" for r in done)
+            print(f"round {round_index + 1}: {len(done)} requests, {rejected} rejected, {failed} failed, "
+                  f"makespan {makespans[-1]:.1f} s", flush=True)
     rows, summary = [], {}
+    slo_s = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None
     for kind, runs in records.items():
         ttfts = [r.ttft_s for r in runs if r.status == "ok"]
+        rejected = sum(r.status == "rejected" for r in runs)
         errors = collections.Counter(re.sub(r"request \S+ ", "request ", r.error or r.status)[:200]
-                                     for r in runs if r.status != "ok")
-        summary[kind] = {"requests": len(runs), "served": len(ttfts), "failed": len(runs) - len(ttfts),
+                                     for r in runs if r.status not in ("ok", "rejected"))
+        admitted = len(runs) - rejected
+        within = sum(t <= slo_s for t in ttfts) if slo_s is not None else None
+        summary[kind] = {"requests": len(runs), "served": len(ttfts), "rejected": rejected,
+                         "failed": admitted - len(ttfts), "within_slo": within,
+                         "admitted_attainment": within / admitted if within is not None and admitted else None,
                          "ttft_median_s": report.median(ttfts) if ttfts else None,
                          "ttft_p90_s": report.percentile(ttfts, 90) if ttfts else None,
                          "ttft_max_s": max(ttfts) if ttfts else None, "errors": errors}
         s = summary[kind]
-        rows.append([kind, s["requests"], s["served"], s["failed"], s["ttft_median_s"], s["ttft_p90_s"],
-                     s["ttft_max_s"]])
+        rows.append([kind, s["requests"], s["served"], s["rejected"], s["failed"], s["within_slo"],
+                     s["admitted_attainment"], s["ttft_median_s"], s["ttft_p90_s"], s["ttft_max_s"]])
     report.print_table(f"Requests waiting for a full decode worker ({args.kv_blocks} KV blocks), "
-                       f"{args.rounds} rounds", ["class", "requests", "served", "failed", "TTFT median s",
-                                                 "TTFT p90 s", "TTFT max s"], rows)
+                       f"{args.rounds} rounds, TTFT SLO {args.ttft_slo_ms or '-'} ms",
+                       ["class", "requests", "served", "rejected", "failed", "within SLO", "admitted attainment",
+                        "TTFT median s", "TTFT p90 s", "TTFT max s"], rows)
     print(f"makespan per round: {', '.join(f'{m:.1f} s' for m in makespans)}")
     for kind in records:
         for error, count in summary[kind]["errors"].items():
             print(f"{kind}: {count} failed: {error}")
-    long = summary["long"]
-    report.finish("handshake", args.out,
-                  {"args": vars(args) | {"func": None}, "summary": summary, "makespan_s": makespans},
-                  f"{long['served']} of {long['requests']} long prompts served among short ones, "
-                  f"{summary['short']['failed']} short requests failed",
-                  "every request served")
+    long, short = summary["long"], summary["short"]
+    payload = {"args": vars(args) | {"func": None}, "summary": summary, "makespan_s": makespans}
+    if slo_s is None:
+        report.finish("handshake", args.out, payload, f"{long['served']} of {long['requests']} long prompts served "
+                      f"among short ones, {short['failed']} short requests failed", "every request served")
+    else:
+        attainment = short["admitted_attainment"]
+        report.finish("handshake", args.out, payload,
+                      f"{attainment if attainment is not None else 0:.0%} of the admitted short requests within the "
+                      f"TTFT SLO of {args.ttft_slo_ms:g} ms, {short['rejected']} of {short['requests']} rejected",
+                      ">= 90% of the admitted")

@@ -1,8 +1,9 @@
 """SLO admission with prediction-based early rejection (after Mooncake).
 
-For each candidate P: predicted TTFT = the predicted prefill time still queued on P
-+ this request's prefill time for its *uncached* tokens on P + the transfer of the
-blocks D lacks. For each candidate D: predicted TBT at the moment that prefill would
+For each candidate P: predicted TTFT = the wait for D's KV blocks when D has no
+room (`cluster.decode_lines`) + the predicted prefill time still queued on P + this
+request's prefill time for its *uncached* tokens on P + the transfer of the blocks
+D lacks. For each candidate D: predicted TBT at the moment that prefill would
 finish, counting the requests D will still be decoding then (those that end sooner
 drop out) plus those whose prefill lands before. A request that no pair can serve
 within the SLO is rejected before any prefill compute is spent on it.
@@ -42,14 +43,30 @@ class InFlight:
     decode_id: str
     num_prompt_tokens: int
     max_new_tokens: int
-    predicted_ttft_s: float  # at admission: queue on P, prefill, transfer, learned bias
+    predicted_ttft_s: float  # at admission: D's line, queue on P, prefill, transfer, learned bias
     admitted_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     num_generated: int = 0
+    line_wait_s: float = 0.0  # the predicted part of predicted_ttft_s spent in D's line
+    reserved_s: float | None = None  # when D reserved its blocks (P starts then)
 
     @property
     def in_prefill(self) -> bool:
         return self.first_token_s is None
+
+    def reserved(self) -> None:
+        self.reserved_s = time.monotonic()
+
+    @property
+    def prefill_end_s(self) -> float | None:
+        """When P is predicted to be done with it (monotonic); None while it waits
+        in a D's line it was predicted to wait in: not P's work yet (the line's
+        own prediction counts it, cluster/decode_lines.py)."""
+        if self.reserved_s is not None:
+            return self.reserved_s + self.predicted_ttft_s - self.line_wait_s
+        if self.line_wait_s:
+            return None
+        return self.admitted_s + self.predicted_ttft_s
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class Prediction:
     tbt_s: float
     uncached_tokens: int
     ttft_bias_s: float = 0.0  # the learned part of ttft_s (see WorkerModels.observe_ttft)
+    line_wait_s: float = 0.0  # the part of ttft_s spent waiting for D's KV blocks (cluster/decode_lines.py)
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         return self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_slo_s
@@ -76,7 +94,10 @@ class SloRejected(Exception):
         self.retry_after_s = max(1, math.ceil(over))
         parts = []
         if best.ttft_s > ttft_slo_s:
-            parts.append(f"predicted TTFT {best.ttft_s * 1e3:.0f} ms exceeds the SLO of {ttft_slo_s * 1e3:.0f} ms")
+            waiting = (f" (of which {best.line_wait_s * 1e3:.0f} ms waiting for a decode worker's KV blocks)"
+                       if best.line_wait_s else "")
+            parts.append(f"predicted TTFT {best.ttft_s * 1e3:.0f} ms{waiting} exceeds the SLO of "
+                         f"{ttft_slo_s * 1e3:.0f} ms")
         if best.tbt_s > tbt_slo_s:
             parts.append(f"predicted TBT {best.tbt_s * 1e3:.0f} ms exceeds the SLO of {tbt_slo_s * 1e3:.0f} ms")
         super().__init__("; ".join(parts) or "over capacity")
@@ -169,11 +190,9 @@ class WorkerModels:
         much, so the most overdue request's lateness is added to what is left.
         The other replicas' prompts still in prefill there add their prefill time."""
         now = time.monotonic()
-        left = [
-            r.admitted_s + r.predicted_ttft_s - now
-            for r in self.inflight.values()
-            if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill  # colocated: no prefill_id
-        ]
+        ends = [r.prefill_end_s for r in self.inflight.values()
+                if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill]  # colocated: no prefill_id
+        left = [end - now for end in ends if end is not None]
         peers_tokens = self.peers.backlog_tokens.get(worker_id, 0)
         peers_s = self.prefill_s(worker_id, peers_tokens, 0) if peers_tokens else 0.0
         if not left:

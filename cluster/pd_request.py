@@ -34,7 +34,7 @@ HANDSHAKE_GRACE_S = 5.0
 class DisaggregatedCall:
     def __init__(
         self, prefill, decode, request: GenerateRequest, channel: str = "gloo", handshake_timeout_s: float = 10.0,
-        feeds: TokenFeeds | None = None,
+        feeds: TokenFeeds | None = None, on_reserved=None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -45,6 +45,7 @@ class DisaggregatedCall:
         self.prefill_result: PrefillResult | None = None
         self.prefill_error: BaseException | None = None
         self.feeds = feeds
+        self.on_reserved = on_reserved  # called once D has reserved the blocks (P starts then)
 
     async def events(self):
         request_id = self.request.request_id
@@ -67,6 +68,8 @@ class DisaggregatedCall:
                     raise WorkerDied(
                         f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})"
                     ) from None
+                if self.on_reserved is not None:
+                    self.on_reserved()
                 prefill_task = asyncio.ensure_future(self._run_prefill())
                 async for event in stream:  # raises WorkerDied if D dies
                     finished = event.finished

@@ -22,11 +22,14 @@ Definitions:
   as the benchmarks judge it (`benchmarks/serving_metrics.py`); a request with
   fewer than two tokens has none.
 - Backlog of a prefill (or colocated) worker: the prompt tokens of the requests
-  admitted to it whose first token has not come yet (queued or in prefill).
+  admitted to it whose first token has not come yet (queued or in prefill), past
+  their handshake: one waiting in a decode worker's line for KV blocks is no P's
+  work yet (its D is short of KV, not the prefill pool of compute).
 - Decoding on a decode (or colocated) worker: the requests past their first token,
   and their KV tokens (prompt plus generated).
 - Blocks awaiting KV on a decode worker: what it reserved in the handshake for
-  requests still in prefill (prompt plus one token, in whole blocks). The decode
+  requests still in prefill (prompt plus one token, in whole blocks; none for one
+  still waiting in its line). The decode
   policy subtracts them from the blocks in use: they measure the prefill backlog,
   which another decode worker would not shorten.
 """
@@ -132,8 +135,11 @@ class OutcomeRecorder:
         decoding_kv: dict[str, int] = {}
         for request in inflight:
             if request.in_prefill:
-                _add(backlog, request.prefill_id or request.decode_id, request.num_prompt_tokens)
-                if request.prefill_id is not None:
+                if request.prefill_id is not None and request.reserved_s is None:
+                    pass  # in its handshake: maybe waiting in D's line, no P's work and no D's blocks yet
+                else:
+                    _add(backlog, request.prefill_id or request.decode_id, request.num_prompt_tokens)
+                if request.prefill_id is not None and request.reserved_s is not None:
                     _add(awaiting, request.decode_id, -(-(request.num_prompt_tokens + 1) // block_size))
             else:
                 _add(decoding, request.decode_id, 1)

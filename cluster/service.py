@@ -35,6 +35,7 @@ from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
 from cluster.cost_model import decode_features, prefill_features
+from cluster.decode_lines import DecodeLines
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
 from cluster.router import PrefixIndex, make_policy, match_any
@@ -59,6 +60,7 @@ class GlobalScheduler:
         self.block_size = settings.engine.block_size
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
         self.models = WorkerModels(self.block_size)
+        self.lines = DecodeLines(settings.timeouts.handshake_s)  # waits for D's KV blocks, for admission
         self.policy = make_policy(settings.routing)
         self.metrics = Metrics()
         self.members: dict[str, object] = {}  # worker_id -> Member
@@ -87,6 +89,9 @@ class GlobalScheduler:
                 await self._report_dead(member.worker_id)
             elif not isinstance(stats, BaseException):
                 self.stats[member.worker_id] = stats
+                if member.role == "decode":
+                    self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_waiting_handshakes,
+                                       time.monotonic())
                 self.prefix.setdefault(member.worker_id, PrefixIndex(stats.num_blocks))
                 self.metrics.set("kv_blocks_used", "KV blocks in use per worker", stats.num_used_blocks,
                                  worker=member.worker_id, role=member.role)
@@ -141,6 +146,7 @@ class GlobalScheduler:
         self.profiled.discard(worker_id)
         self.num_routed.pop(worker_id, None)
         self.models.forget(worker_id)
+        self.lines.forget(worker_id)
 
     async def _profile_new(self, members) -> None:
         """Cost models for workers that have none. The first worker of a role is
@@ -236,18 +242,20 @@ class GlobalScheduler:
             for p in self._role("prefill", exclude):
                 cached = self._cached_tokens(p, usable_hashes)
                 per_d = [
-                    self.models.predict(p, d, len(prompt_ids), cached, self._cached_tokens(d, usable_hashes))
+                    self._waiting_for(d, needed_blocks, self.models.predict(
+                        p, d, len(prompt_ids), cached, self._cached_tokens(d, usable_hashes)))
                     for d in decodes
                 ]
-                # D: within the TBT SLO, the least busy (so a new decode worker takes
+                # D: within the TBT SLO, the shortest wait for KV blocks (none where
+                # there is room), the least busy (so a new decode worker takes
                 # requests even if its start-up profile came out slower), then the
                 # most KV headroom, then the one routed to least so far (idle equals
                 # take turns, and a scaled-up worker serves from the next request);
                 # past the SLO, the fastest.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
-                        c.tbt_s > tbt_slo_s, inflight.get(c.decode_id, 0), -self._headroom(c.decode_id),
-                        self.num_routed.get(c.decode_id, 0), c.tbt_s)))
+                        c.tbt_s > tbt_slo_s, c.line_wait_s, inflight.get(c.decode_id, 0),
+                        -self._headroom(c.decode_id), self.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
@@ -260,6 +268,19 @@ class GlobalScheduler:
                 raise SloRejected(best, slo.ttft_ms / 1e3, slo.tbt_ms / 1e3)
             choice = best
         return choice
+
+    def _waiting_for(self, decode_id: str, needed_blocks: int, prediction: Prediction) -> Prediction:
+        """`prediction` with the wait for D's KV blocks added to its TTFT."""
+        if self._headroom(decode_id) >= needed_blocks:  # room, and no line (else no headroom)
+            return prediction
+        read_at = self.lines.read_at_s(decode_id)
+        joined = 0 if read_at is None else sum(
+            1 for r in self.models.inflight.values()
+            if r.decode_id == decode_id and r.prefill_id is not None and r.reserved_s is None and r.admitted_s > read_at)
+        wait = self.lines.wait_s(decode_id, has_room=False, joined=joined)
+        if not wait:
+            return prediction
+        return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + wait, line_wait_s=wait)
 
     def _cached_tokens(self, worker_id: str, hashes: list[bytes]) -> int:
         """Prompt tokens the worker need not compute: its device prefix cache, then
@@ -350,7 +371,7 @@ class GlobalScheduler:
     async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float,
                    refused_by: set[str]):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
-                            request.params.max_new_tokens, choice.ttft_s)
+                            request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s)
         self.models.inflight[request.request_id] = inflight
         for worker_id in (choice.prefill_id, choice.decode_id):
             if worker_id in self.prefix:
@@ -385,8 +406,10 @@ class GlobalScheduler:
         else:
             prefill = self.members[choice.prefill_id].handle
             decode = self.members[choice.decode_id].handle
+            inflight = self.models.inflight.get(request.request_id)
             call = DisaggregatedCall(prefill, decode, request, self.settings.channel,
-                                     self.settings.timeouts.handshake_s, self.feeds)
+                                     self.settings.timeouts.handshake_s, self.feeds,
+                                     on_reserved=inflight.reserved if inflight else None)
             events = call.events()
         counted = False
         try:

@@ -183,8 +183,9 @@ class _Tokenizer:
 def _idle_stats(worker_id: str, **figures):
     from actors.worker_base import WorkerStats
 
-    return WorkerStats(worker_id, num_blocks=1000, num_used_blocks=0, num_cached_blocks=0, num_running=0,
-                       num_waiting=0, num_reserved=0, num_channels=0, last_step_s=0.0, **figures)
+    idle = dict(num_blocks=1000, num_used_blocks=0, num_cached_blocks=0, num_running=0, num_waiting=0,
+                num_reserved=0, num_channels=0, last_step_s=0.0)
+    return WorkerStats(worker_id, **{**idle, **figures})
 
 
 def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] = ("d0",)):
@@ -220,6 +221,71 @@ def test_a_queue_that_breaks_the_slo_rejects_and_a_relaxed_slo_admits():
     relaxed.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=2.0)
     choice = relaxed.plan(prompt)
     assert (choice.prefill_id, choice.decode_id) == ("p0", "d0")
+
+
+def test_a_full_decode_workers_line_counts_in_the_ttft_and_a_long_wait_rejects():
+    """D has no headroom, 4 handshakes wait, and it granted 2 reservations a second:
+    a request joining the line waits about 2.5 s (cluster/decode_lines.py)."""
+    prompt = list(range(300))  # predicted prefill: 0.3 s on p0
+
+    def full_d(ttft_ms: float):
+        scheduler = _scheduler(ttft_ms=ttft_ms)
+        scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=1000, num_waiting_handshakes=4)
+        scheduler.lines.observe("d0", num_granted=10, num_waiting=4, now_s=0.0)
+        scheduler.lines.observe("d0", num_granted=14, num_waiting=4, now_s=2.0)
+        return scheduler
+
+    with pytest.raises(SloRejected, match=r"predicted TTFT \d+ ms \(of which 2500 ms waiting for a decode worker's "
+                                          r"KV blocks\) exceeds the SLO of 2000 ms"):
+        full_d(2000).plan(prompt)
+    choice = full_d(5000).plan(prompt)
+    assert choice.line_wait_s == pytest.approx(2.5) and choice.ttft_s == pytest.approx(2.8, abs=0.1)
+    burst = full_d(5000)  # two of this replica's requests sent to d0 since the reading, still in the handshake
+    for name in ("mine-1", "mine-2"):
+        burst.models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=0.1)
+    assert burst.plan(prompt).line_wait_s == pytest.approx(3.5)
+    roomy = _scheduler(ttft_ms=2000)  # the same D with room and nobody waiting: no wait
+    roomy.lines.observe("d0", num_granted=10, num_waiting=0, now_s=0.0)
+    roomy.lines.observe("d0", num_granted=14, num_waiting=0, now_s=2.0)
+    assert roomy.plan(prompt).line_wait_s == 0.0
+
+
+def test_among_full_decode_workers_the_shortest_line_gets_the_request():
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler.models.seed_from("d0", "d1")
+    for d, waiting in (("d0", 4), ("d1", 1)):  # both full, granting 2 a second: 2.5 s and 1 s
+        scheduler.stats[d] = _idle_stats(d, num_used_blocks=1000, num_waiting_handshakes=waiting)
+        scheduler.lines.observe(d, num_granted=10, num_waiting=waiting, now_s=0.0)
+        scheduler.lines.observe(d, num_granted=14, num_waiting=waiting, now_s=2.0)
+    choice = scheduler.plan(list(range(32)))
+    assert (choice.decode_id, choice.line_wait_s) == ("d1", pytest.approx(1.0))
+
+
+def test_the_decode_lines_wait_from_the_grant_rate():
+    from cluster.decode_lines import DecodeLines
+
+    lines = DecodeLines(max_wait_s=10.0)
+    lines.observe("d0", num_granted=0, num_waiting=3, now_s=0.0)
+    assert lines.wait_s("d0", has_room=False) == 0.0  # one reading: no rate, no prediction
+    for second in range(1, 9):  # 4 grants a second, then 1 a second from t=5
+        lines.observe("d0", num_granted=4 * min(second, 5) + max(second - 5, 0), num_waiting=3, now_s=float(second))
+    assert lines.grant_rate("d0") == pytest.approx((23 - 12) / (8 - 3))  # over the last 5 s only
+    assert lines.wait_s("d0", has_room=False) == pytest.approx(4 / 2.2)
+    assert lines.wait_s("d0", has_room=True) == pytest.approx(4 / 2.2)  # room, but others wait ahead
+    lines.observe("d0", num_granted=23, num_waiting=3, now_s=14.0)
+    assert lines.wait_s("d0", has_room=False) == 10.0  # nothing granted while handshakes wait: stuck
+    lines.observe("d0", num_granted=2, num_waiting=0, now_s=15.0)  # a new worker under the id: start again
+    assert lines.grant_rate("d0") is None and lines.wait_s("d0", has_room=True) == 0.0
+
+
+def test_a_request_waiting_in_a_decode_workers_line_is_not_its_prefill_workers_work_yet():
+    models = _models()
+    now = time.monotonic()
+    waiting = InFlight("waiting", "p0", "d0", 100, 10, predicted_ttft_s=5.5, admitted_s=now, line_wait_s=5.0)
+    models.inflight["waiting"] = waiting
+    assert models.queued_prefill_s("p0") == 0.0  # P is free while it waits (it was predicted to)
+    waiting.reserved_s = now + 1.0  # through the line early: P's from then, 0.5 s of its work
+    assert models.queued_prefill_s("p0") == pytest.approx(1.5, abs=0.05)
 
 
 def test_a_decode_worker_too_busy_for_the_tbt_slo_rejects():

@@ -43,12 +43,14 @@ def test_report_counts_backlog_inflight_and_routing():
     recorder = OutcomeRecorder("r1")
     recorder.routed(["p0", "d0"])
     recorder.routed(["p0", "d1"])
-    inflight = [InFlight("a", "p0", "d0", 300, 10, 0.1), InFlight("b", "p0", "d1", 200, 10, 0.1),
-                InFlight("c", "p1", "d1", 50, 10, 0.1, first_token_s=1.0)]  # past prefill: P is done with it
+    inflight = [InFlight("a", "p0", "d0", 300, 10, 0.1, reserved_s=0.5),
+                InFlight("b", "p0", "d1", 200, 10, 0.1, reserved_s=0.5),
+                InFlight("c", "p1", "d1", 50, 10, 0.1, reserved_s=0.5, first_token_s=1.0),  # P is done with it
+                InFlight("d", "p1", "d0", 70, 10, 0.1)]  # in its handshake (D's line): neither P's nor D's blocks
     report = recorder.report(inflight, draining=["d1"], block_size=16)
     assert report.backlog_tokens == {"p0": 500}
     assert report.awaiting_kv_blocks == {"d0": 19, "d1": 13}  # ceil(301 / 16), ceil(201 / 16)
-    assert report.inflight == {"p0": 2, "d0": 1, "d1": 2}
+    assert report.inflight == {"p0": 2, "p1": 1, "d0": 2, "d1": 2}
     assert report.routed == {"p0": 2, "d0": 1, "d1": 1}
     assert report.draining == frozenset({"d1"})
 
