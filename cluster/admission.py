@@ -188,7 +188,9 @@ class WorkerModels:
         request past its predicted first token is not done: it is taken to need as
         long again as it is already late, and it delays everything behind it by as
         much, so the most overdue request's lateness is added to what is left.
-        The other replicas' prompts still in prefill there add their prefill time."""
+        A request waiting in a D's line, as predicted, is not the worker's yet
+        (`InFlight.prefill_end_s`). The other replicas' prompts still in prefill
+        there add their prefill time."""
         now = time.monotonic()
         ends = [r.prefill_end_s for r in self.inflight.values()
                 if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill]  # colocated: no prefill_id

@@ -29,9 +29,9 @@ Definitions:
   and their KV tokens (prompt plus generated).
 - Blocks awaiting KV on a decode worker: what it reserved in the handshake for
   requests still in prefill (prompt plus one token, in whole blocks; none for one
-  still waiting in its line). The decode
-  policy subtracts them from the blocks in use: they measure the prefill backlog,
-  which another decode worker would not shorten.
+  still waiting in its line). The decode policy subtracts them from the blocks in
+  use: they measure the prefill backlog, which another decode worker would not
+  shorten.
 """
 
 from __future__ import annotations
@@ -135,12 +135,12 @@ class OutcomeRecorder:
         decoding_kv: dict[str, int] = {}
         for request in inflight:
             if request.in_prefill:
-                if request.prefill_id is not None and request.reserved_s is None:
-                    pass  # in its handshake: maybe waiting in D's line, no P's work and no D's blocks yet
-                else:
+                # In its handshake (maybe waiting in D's line): no P's work and no D's blocks yet.
+                in_handshake = request.prefill_id is not None and request.reserved_s is None
+                if not in_handshake:
                     _add(backlog, request.prefill_id or request.decode_id, request.num_prompt_tokens)
-                if request.prefill_id is not None and request.reserved_s is not None:
-                    _add(awaiting, request.decode_id, -(-(request.num_prompt_tokens + 1) // block_size))
+                    if request.prefill_id is not None:
+                        _add(awaiting, request.decode_id, -(-(request.num_prompt_tokens + 1) // block_size))
             else:
                 _add(decoding, request.decode_id, 1)
                 _add(decoding_kv, request.decode_id, request.num_prompt_tokens + request.num_generated)
