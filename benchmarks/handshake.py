@@ -15,9 +15,10 @@ to finish and free its blocks.
 Reported per class (short, long), over the rounds: requests served, rejected early
 (429), failed (503 after the handshake's wait, or any other error), TTFT median,
 p90 and max, and the makespan (first send to last token); with an SLO, the served
-requests within it, and their share of the admitted ones (served or failed). What it shows: whether a long prompt gets its turn among short
-ones that keep arriving, and how soon the blocks a finished request frees are
-taken again.
+requests within it, and their share of the admitted ones (served or failed).
+What it shows: whether a long prompt gets its turn among short ones that keep
+arriving, how soon the blocks a finished request frees are taken again, and, with
+an SLO, whether admission foresees the wait for them.
 """
 
 from __future__ import annotations

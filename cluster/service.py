@@ -276,7 +276,8 @@ class GlobalScheduler:
         read_at = self.lines.read_at_s(decode_id)
         joined = 0 if read_at is None else sum(
             1 for r in self.models.inflight.values()
-            if r.decode_id == decode_id and r.prefill_id is not None and r.reserved_s is None and r.admitted_s > read_at)
+            if r.decode_id == decode_id and r.prefill_id is not None and r.reserved_s is None
+            and r.admitted_s > read_at)
         wait = self.lines.wait_s(decode_id, has_room=False, joined=joined)
         if not wait:
             return prediction

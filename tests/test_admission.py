@@ -130,7 +130,7 @@ def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_e
     assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 1.0, rel=0.05)
     prediction = models.predict("p0", "d0", 200, 0)
     models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
-    assert models.ttft_bias("p0") == pytest.approx(0.8 * 1.0 + 0.2 * 0.3, rel=1e-3)  # learning goes on from the faded bias
+    assert models.ttft_bias("p0") == pytest.approx(0.8 * 1.0 + 0.2 * 0.3, rel=1e-3)  # learning goes on from there
 
 
 def test_slo_rejection_says_prediction_and_target():
