@@ -30,7 +30,6 @@ from actors.block_pool import block_hashes
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
 from actors.sampling_params import SamplingParams
-from actors.tokenization import encode_prompt
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
@@ -38,6 +37,7 @@ from cluster.cost_model import decode_features, prefill_features
 from cluster.decode_lines import DecodeLines
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
+from cluster.prompt_limits import prompt_ids_within_limits
 from cluster.router import PrefixIndex, make_policy, match_any
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
@@ -190,30 +190,9 @@ class GlobalScheduler:
     # ---- validation -----------------------------------------------------------------
     def prepare(self, prompt: str | list[int], params: SamplingParams, *, add_special_tokens: bool = True,
                 keep_last: int | None = None) -> list[int]:
-        """A request's prompt ids (see `encode_prompt`), checked against the limits;
-        `keep_last`: only its last so many tokens, -1 the context's length (vLLM's
-        truncate_prompt_tokens)."""
-        limits = self.settings.limits
-        ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
-        if keep_last is not None:
-            ids = ids[-(self.max_model_len if keep_last == -1 else keep_last):]
-        if not ids:
-            raise ApiError(400, "prompt is empty")
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})")
-        if len(ids) > limits.max_prompt_tokens:
-            raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
-        if len(ids) >= self.max_model_len:
-            raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len}")
-        if params.max_new_tokens > limits.max_new_tokens:
-            raise ApiError(400, f"max_new_tokens {params.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
-        total = len(ids) + params.max_new_tokens
-        if limits.max_total_tokens is not None and total > limits.max_total_tokens:
-            raise ApiError(400, f"prompt plus max_new_tokens is {total} tokens; the limit is {limits.max_total_tokens}")
-        if len(params.stop) > limits.max_stop_sequences:
-            raise ApiError(400, f"{len(params.stop)} stop sequences; the limit is {limits.max_stop_sequences}")
-        return ids
+        """A request's prompt ids, checked against the limits (cluster/prompt_limits.py)."""
+        return prompt_ids_within_limits(self.tokenizer, self.settings.limits, self.max_model_len, prompt, params,
+                                        add_special_tokens=add_special_tokens, keep_last=keep_last)
 
     # ---- admission and pairing ----------------------------------------------------------
     def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset()) -> Prediction:

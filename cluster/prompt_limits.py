@@ -1,0 +1,39 @@
+"""A request's prompt checked against the deployment's limits before anything is
+spent on it: its ids (`encode_prompt`: text encoded, ids as given), cut to their
+last `keep_last` when asked (vLLM's truncate_prompt_tokens; -1: the context's
+length), each id in the vocabulary, and the prompt, the output and both together
+within `limits` (cluster/config.py) and the model's context. Each refusal is an
+ApiError 400 that names the limit."""
+
+from __future__ import annotations
+
+from actors.sampling_params import SamplingParams
+from actors.tokenization import encode_prompt
+from cluster.api_models import ApiError
+from cluster.config import LimitSettings
+
+
+def prompt_ids_within_limits(
+    tokenizer, limits: LimitSettings, max_model_len: int, prompt: str | list[int], params: SamplingParams, *,
+    add_special_tokens: bool = True, keep_last: int | None = None,
+) -> list[int]:
+    ids = encode_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
+    if keep_last is not None:
+        ids = ids[-(max_model_len if keep_last == -1 else keep_last):]
+    if not ids:
+        raise ApiError(400, "prompt is empty")
+    vocab = len(tokenizer)
+    if any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})")
+    if len(ids) > limits.max_prompt_tokens:
+        raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
+    if len(ids) >= max_model_len:
+        raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is {max_model_len}")
+    if params.max_new_tokens > limits.max_new_tokens:
+        raise ApiError(400, f"max_new_tokens {params.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
+    total = len(ids) + params.max_new_tokens
+    if limits.max_total_tokens is not None and total > limits.max_total_tokens:
+        raise ApiError(400, f"prompt plus max_new_tokens is {total} tokens; the limit is {limits.max_total_tokens}")
+    if len(params.stop) > limits.max_stop_sequences:
+        raise ApiError(400, f"{len(params.stop)} stop sequences; the limit is {limits.max_stop_sequences}")
+    return ids
