@@ -317,17 +317,14 @@ class GlobalScheduler:
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 self.num_routed[choice.decode_id] = self.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
-                refused_by: set[str] = set()  # a D whose handshake had no room
-                run = self._run(GenerateRequest(f"{request_id}-{attempt}", prompt_ids, params), choice, hashes,
-                                started, refused_by)
+                attempt_id = f"{request_id}-{attempt}"
+                run = self._run(GenerateRequest(attempt_id, prompt_ids, params), choice, hashes, started)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
                         if event.error and not got_token and attempt == 0:
-                            if refused_by:
-                                exclude |= refused_by
-                            elif choice.decode_id in self.members:  # else D died (reported): P may serve again
-                                exclude.add(choice.prefill_id or choice.decode_id)
+                            if choice.decode_id in self.members:  # else D died (reported): P may serve again
+                                exclude.add(self._failed_worker(choice, self.models.inflight[attempt_id]))
                             log.warning("request %s failed before its first token (%s); retrying", request_id, event.error)
                             failure = event.error
                             break
@@ -348,8 +345,16 @@ class GlobalScheduler:
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
             self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)
 
-    async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float,
-                   refused_by: set[str]):
+    @staticmethod
+    def _failed_worker(choice: Prediction, inflight: InFlight) -> str:
+        """Whom an attempt that failed before its first token failed on: its D if
+        D had not reserved its blocks yet (no room within the handshake's wait),
+        else its P (or colocated worker)."""
+        if choice.prefill_id is not None and inflight.reserved_s is None:
+            return choice.decode_id
+        return choice.prefill_id or choice.decode_id
+
+    async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s)
         self.models.inflight[request.request_id] = inflight
@@ -359,7 +364,7 @@ class GlobalScheduler:
         last_s = None
         gaps_from_s, num_gaps = None, 0  # the decode model learns a mean gap every GAPS_PER_OBSERVATION
         try:
-            async for event in self._events(request, choice, refused_by):
+            async for event in self._events(request, choice, inflight):
                 now = time.monotonic()
                 if event.token_ids:
                     if inflight.first_token_s is None:
@@ -379,17 +384,15 @@ class GlobalScheduler:
         finally:
             self.models.inflight.pop(request.request_id, None)
 
-    async def _events(self, request: GenerateRequest, choice: Prediction, refused_by: set[str]):
+    async def _events(self, request: GenerateRequest, choice: Prediction, inflight: InFlight):
         call = None
         if choice.prefill_id is None:
             events = colocated_events(self.feeds, self.members[choice.decode_id].handle, request)
         else:
             prefill = self.members[choice.prefill_id].handle
             decode = self.members[choice.decode_id].handle
-            inflight = self.models.inflight.get(request.request_id)
             call = DisaggregatedCall(prefill, decode, request, self.settings.channel,
-                                     self.settings.timeouts.handshake_s, self.feeds,
-                                     on_reserved=inflight.reserved if inflight else None)
+                                     self.settings.timeouts.handshake_s, self.feeds, on_reserved=inflight.reserved)
             events = call.events()
         counted = False
         try:
@@ -400,7 +403,6 @@ class GlobalScheduler:
                         counted = True
                     yield event
         except ReservationRefused as exc:
-            refused_by.add(choice.decode_id)
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         except WorkerDied as exc:
             await self._report_dead(choice.decode_id)
