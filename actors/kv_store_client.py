@@ -37,25 +37,22 @@ class KVStoreClient(Protocol):
 
 
 class RemoteKVStore:
-    """A `KVStoreClient` over the node store actor."""
+    """A `KVStoreClient` over the node store actor. Its calls block a thread of an
+    async actor (workers call them through `in_thread`): they wait on the reply's
+    future, not `ray.get`, which would log Ray's warning about a blocked event loop
+    (it cannot tell the loop's thread from another)."""
 
     def __init__(self, handle) -> None:
         self.handle = handle
 
     def load(self, keys: Sequence[bytes]) -> list[StoredBlock]:
-        import ray
-
-        return ray.get(self.handle.load.remote(list(keys)))
+        return self.handle.load.remote(list(keys)).future().result()
 
     def save(self, blocks: Sequence[StoredBlock]) -> None:
-        import ray
-
-        ray.get(self.handle.save.remote(list(blocks)))
+        self.handle.save.remote(list(blocks)).future().result()
 
     def stats(self) -> StoreStats:
-        import ray
-
-        return ray.get(self.handle.stats.remote())
+        return self.handle.stats.remote().future().result()
 
 
 def node_store_name(node_id: str, namespace: bytes, settings: KVStoreSettings) -> str:
