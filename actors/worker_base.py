@@ -70,9 +70,13 @@ class WorkerStartup:
     ready: float  # its engine was built
 
     def describe(self, requested: float) -> str:
-        """Where the time went since `requested` (when the actor was asked for)."""
-        return (f"process up {self.process_started - requested:.1f} s after the request (node, scheduling), "
-                f"boot and imports {self.init_started - self.process_started:.1f} s, "
+        """Where the time went since `requested` (when the actor was asked for). Ray
+        may place an actor in a worker process it started ahead (its idle pool):
+        that process was up before the request."""
+        up = self.process_started - requested
+        process = (f"process up {up:.1f} s after the request (node, scheduling)" if up >= 0
+                   else f"a Ray worker process up since {-up:.1f} s before the request")
+        return (f"{process}, boot and imports {self.init_started - max(self.process_started, requested):.1f} s, "
                 f"engine {self.ready - self.init_started:.1f} s")
 
 
@@ -328,12 +332,14 @@ def _current_node_id() -> str:
 
 
 def _process_started(default: float) -> float:
-    """Wall time this process was created (Linux /proc), or `default` elsewhere."""
+    """Wall time this process was created (Linux /proc), or `default` elsewhere: now
+    less its age, the uptime (10 ms resolution) less its start in clock ticks since
+    boot. (The boot time in /proc/stat is whole seconds: up to a second off.)"""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return default
