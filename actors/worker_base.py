@@ -21,6 +21,7 @@ import torch
 
 from actors.background import background_task
 from actors.config import EngineConfig, ModelLocation
+from actors.deadlines import within
 from actors.engine import Engine
 from actors.engine_loop import EngineLoop
 from actors.event_log import CacheEvents, Cursor
@@ -237,7 +238,7 @@ class WorkerBase:
         """Whether the actor a probe call (an ObjectRef) went to is dead; a slow or
         unreachable one is not (yet)."""
         try:
-            await asyncio.wait_for(probe, timeout=self.options.watchdog_interval_s * 4)
+            await within(probe, self.options.watchdog_interval_s * 4)
         except ray.exceptions.ActorUnavailableError:
             return False  # unreachable for now, may come back
         except ray.exceptions.RayActorError:

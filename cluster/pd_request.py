@@ -22,6 +22,7 @@ import asyncio
 
 import ray
 
+from actors.deadlines import within
 from actors.messages import (GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, WorkerDied,
                              error_message)
 from cluster.token_feeds import TokenFeeds
@@ -56,7 +57,7 @@ class DisaggregatedCall:
         try:
             with feed.expect(request_id) as stream:
                 try:
-                    self.reservation = await asyncio.wait_for(
+                    self.reservation = await within(
                         self.decode.reserve.remote(self.request, feed.subscription, self.prefill,
                                                    self.handshake_timeout_s),
                         self.handshake_timeout_s + HANDSHAKE_GRACE_S)

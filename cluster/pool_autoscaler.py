@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.deadlines import within
 from actors.worker_base import WorkerStats
 from cluster.autoscaling import Action, Decision, PoolObservation, make_policy
 from cluster.config import AppSettings
@@ -185,7 +186,7 @@ class PoolAutoscaler:
     async def _poll_stats(self) -> None:
         ready = [m for m in self._members() if self.tracks.get(m.worker_id) and self.tracks[m.worker_id].ready_s]
         results = await asyncio.gather(
-            *(asyncio.wait_for(m.handle.stats.remote(), self.stats_timeout_s) for m in ready), return_exceptions=True)
+            *(within(m.handle.stats.remote(), self.stats_timeout_s) for m in ready), return_exceptions=True)
         for member, stats in zip(ready, results):
             track = self.tracks.get(member.worker_id)
             if track is not None and isinstance(stats, WorkerStats):
@@ -268,7 +269,7 @@ class PoolAutoscaler:
     async def _retire(self, member, kind: str, reason: str) -> None:
         stats = None
         try:
-            stats = await asyncio.wait_for(member.handle.check_accounting.remote(), self.stats_timeout_s)
+            stats = await within(member.handle.check_accounting.remote(), self.stats_timeout_s)
             reason += f"; accounting ok, {stats.num_used_blocks} blocks in use"
         except Exception as exc:  # a broken invariant or a dead worker: say so, retire anyway
             reason += f"; accounting check failed: {type(exc).__name__}: {exc}"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from actors.background import background_task
+from actors.deadlines import within
 from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
 from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
@@ -104,7 +105,7 @@ class PoolManager:
             await asyncio.sleep(self.health_interval_s)
             members = list(self.members.values())
             results = await asyncio.gather(
-                *(asyncio.wait_for(m.handle.ping.remote(), self.health_timeout_s) for m in members),
+                *(within(m.handle.ping.remote(), self.health_timeout_s) for m in members),
                 return_exceptions=True,
             )
             for member, result in zip(members, results):
@@ -130,7 +131,7 @@ class PoolManager:
         """Members once every one answers a ping (raises on timeout)."""
         self._ensure_health_loop()
         members = list(self.members.values())
-        await asyncio.wait_for(asyncio.gather(*(m.handle.ping.remote() for m in members)), timeout_s)
+        await within(asyncio.gather(*(m.handle.ping.remote() for m in members)), timeout_s)
         return members
 
     async def report_dead(self, worker_id: str) -> Member | None:

@@ -27,6 +27,7 @@ import ray
 
 from actors.background import background_call
 from actors.block_pool import block_hashes
+from actors.deadlines import within
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
 from actors.sampling_params import SamplingParams
@@ -433,7 +434,7 @@ async def _until(events, deadline: float, request_id: str):
         while True:
             remaining = deadline - time.monotonic()
             try:
-                event = await asyncio.wait_for(events.__anext__(), max(remaining, 0.001))
+                event = await within(events.__anext__(), max(remaining, 0.001))
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
