@@ -117,11 +117,16 @@ def main(args: argparse.Namespace) -> None:
                        ["class", "requests", "served", "rejected", "failed", "within SLO", "admitted attainment",
                         "TTFT median s", "TTFT p90 s", "TTFT max s"], rows)
     print(f"makespan per round: {', '.join(f'{m:.1f} s' for m in makespans)}")
+    by_second = _by_second(records["short"], slo_s) if slo_s is not None else []
+    if by_second:
+        report.print_table("Short requests by the second of the round they arrived in (all rounds)",
+                           ["second", "requests", "rejected", "admitted", "within SLO", "TTFT max s"], by_second)
     for kind in records:
         for error, count in summary[kind]["errors"].items():
             print(f"{kind}: {count} failed: {error}")
     long, short = summary["long"], summary["short"]
-    payload = {"args": vars(args) | {"func": None}, "summary": summary, "makespan_s": makespans}
+    payload = {"args": vars(args) | {"func": None}, "summary": summary, "makespan_s": makespans,
+               "short_by_second": by_second}
     if slo_s is None:
         report.finish("handshake", args.out, payload, f"{long['served']} of {long['requests']} long prompts served "
                       f"among short ones, {short['failed']} short requests failed", "every request served")
@@ -131,3 +136,16 @@ def main(args: argparse.Namespace) -> None:
                       f"{attainment if attainment is not None else 0:.0%} of the admitted short requests within the "
                       f"TTFT SLO of {args.ttft_slo_ms:g} ms, {short['rejected']} of {short['requests']} rejected",
                       ">= 90% of the admitted")
+
+
+def _by_second(records, slo_s: float) -> list[list]:
+    """Per second of arrival: requests, rejected, admitted, within the SLO, the
+    worst TTFT served (where in a round admission's predictions miss)."""
+    rows = []
+    for second in range(int(max(r.arrival_s for r in records)) + 1):
+        runs = [r for r in records if second <= r.arrival_s < second + 1]
+        served = [r.ttft_s for r in runs if r.status == "ok"]
+        rejected = sum(r.status == "rejected" for r in runs)
+        rows.append([second, len(runs), rejected, len(runs) - rejected, sum(t <= slo_s for t in served),
+                     max(served) if served else None])
+    return rows
