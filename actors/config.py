@@ -191,6 +191,10 @@ class ModelLocation:
 
     def resolve(self) -> Path:
         if self.path is not None:
+            if not Path(self.path).is_dir():
+                raise CheckpointError(
+                    f"model folder {self.path} not found: model.path must name a checkpoint folder that exists "
+                    f"on every node that runs a worker or a scheduler replica")
             return Path(self.path)
         from actors.model_builder import ensure_checkpoint
 

@@ -10,6 +10,8 @@ from actors.config import CheckpointError
 def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
+    if not Path(model_dir).is_dir():  # (transformers would take the path for a Hub repo id)
+        raise CheckpointError(f"{model_dir}: no such checkpoint folder")
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a bad folder

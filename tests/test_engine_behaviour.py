@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from actors.config import CheckpointError, EngineConfig
+from actors.config import CheckpointError, EngineConfig, ModelLocation
 from actors.engine import Engine
 from actors.llm import LLM
 from actors.request import FinishReason
@@ -227,6 +227,10 @@ def test_bad_sampling_params_are_refused(kwargs, message):
 def test_missing_and_corrupt_checkpoints(tmp_path, tiny_qwen2_dir):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         Engine(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no such checkpoint"):  # (not taken for a Hub repo id)
+        load_tokenizer(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match=f"model folder {tmp_path / 'nope'} not found: model.path must name"):
+        ModelLocation(path=str(tmp_path / "nope")).resolve()  # a manifest's model.path
     with pytest.raises(CheckpointError, match="config.json"):
         Engine(tmp_path)
     broken = tmp_path / "broken"
