@@ -60,7 +60,7 @@ class GlobalScheduler:
         self.max_model_len = max_model_len
         self.block_size = settings.engine.block_size
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
-        self.models = WorkerModels(self.block_size)
+        self.models = WorkerModels(self.block_size, ttft_quantile=settings.slo.attainment)
         self.lines = DecodeLines(settings.timeouts.handshake_s)  # waits for D's KV blocks, for admission
         self.policy = make_policy(settings.routing)
         self.metrics = Metrics()
