@@ -113,6 +113,7 @@ class Engine:
                                         self.config.enable_prefix_cache)
         self.requests: dict[str, Request] = {}
         self.reservations: dict[str, Request] = {}  # decode side: awaiting their KV
+        self.num_reserved_blocks = 0  # the blocks they hold (one int: read off the engine thread)
         self._seed_rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -208,12 +209,14 @@ class Engine:
         request.block_table = hits + self.pool.allocate(needed)
         request.num_cached_tokens = len(hits) * self.pool.block_size
         self.reservations[request_id] = request
+        self.num_reserved_blocks += len(request.block_table)
         return Reservation(request_id, list(request.block_table), len(hits))
 
     def cancel_reservation(self, request_id: str) -> bool:
         request = self.reservations.pop(request_id, None)
         if request is None:
             return False
+        self.num_reserved_blocks -= len(request.block_table)
         self.pool.release(request.block_table)
         request.block_table = []
         return True
@@ -224,6 +227,7 @@ class Engine:
         token (sampled by the prefill worker, with `seed`: the draws go on from it;
         the prompt's logprobs, if asked for, computed there too)."""
         request = self.reservations.pop(request_id)
+        self.num_reserved_blocks -= len(request.block_table)
         if prompt_logprobs is not None:
             request.prompt_logprobs = prompt_logprobs
         request.num_computed_tokens = request.num_prompt_tokens

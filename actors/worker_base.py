@@ -60,6 +60,7 @@ class WorkerStats:
     node_id: str = ""  # the Ray node (whose KV store the worker uses)
     num_waiting_handshakes: int = 0  # a decode worker's handshakes waiting for KV blocks
     num_reservations_granted: int = 0  # a decode worker's reservations since it started
+    num_reserved_blocks: int = 0  # KV blocks a decode worker holds for prompts whose KV is still coming
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,7 @@ class WorkerBase:
             node_id=self.node,
             num_waiting_handshakes=self._num_waiting_handshakes(),
             num_reservations_granted=self._num_reservations_granted(),
+            num_reserved_blocks=engine.num_reserved_blocks,
         )
 
     async def check_accounting(self) -> WorkerStats:

@@ -204,8 +204,9 @@ class PoolAutoscaler:
         attainment, num_samples = (self.signals.attainment(FIGURE[role], now, since, self.knobs.min_samples)
                                    if role in FIGURE else (None, 0))
         stats = {w: tracks[w].stats for w in serving if tracks[w].stats is not None}
-        # Blocks reserved for prompts still in prefill measure the prefill backlog, not decode load.
-        decoding = sum(max(s.num_used_blocks - self.signals.awaiting_kv_blocks(w, now), 0) for w, s in stats.items())
+        # Blocks reserved for prompts still in prefill measure the prefill backlog, not decode load. D
+        # counts them itself: the same moment as its blocks in use (the schedulers' reports are not).
+        decoding = sum(max(s.num_used_blocks - s.num_reserved_blocks, 0) for s in stats.values())
         backlog = self.signals.backlog_tokens(serving, now) if role == "prefill" else 0
         history = self.history[role]
         history.append((now, backlog, decoding))

@@ -27,11 +27,13 @@ Definitions:
   work yet (its D is short of KV, not the prefill pool of compute).
 - Decoding on a decode (or colocated) worker: the requests past their first token,
   and their KV tokens (prompt plus generated).
-- Blocks awaiting KV on a decode worker: what it reserved in the handshake for
-  requests still in prefill (prompt plus one token, in whole blocks; none for one
-  still waiting in its line). The decode policy subtracts them from the blocks in
-  use: they measure the prefill backlog, which another decode worker would not
-  shorten.
+- Not here: the blocks a decode worker reserved for prompts still in prefill. The
+  decode policy subtracts them from the blocks in use (they measure the prefill
+  backlog, which another decode worker would not shorten), and D reports them
+  itself (`WorkerStats.num_reserved_blocks`), read at the same moment as its blocks
+  in use. Estimated here from the requests' states they were a report interval
+  apart from D's figure: a burst of reservations made since the last report counted
+  as decode load, and scaled the decode pool up under a prefill-heavy load.
 """
 
 from __future__ import annotations
@@ -67,7 +69,6 @@ class SchedulerReport:
     decoding_kv_tokens: dict[str, int] = field(default_factory=dict)  # decode (or colocated) worker -> KV tokens
     inflight: dict[str, int] = field(default_factory=dict)  # worker -> requests in flight there now
     routed: dict[str, int] = field(default_factory=dict)  # worker -> requests sent there since the last report
-    awaiting_kv_blocks: dict[str, int] = field(default_factory=dict)  # decode worker -> blocks reserved for prefills
     draining: frozenset[str] = frozenset()  # workers this replica knows are draining (routes nothing new there)
 
 
@@ -124,23 +125,20 @@ class OutcomeRecorder:
             if worker_id is not None:
                 self._routed[worker_id] = self._routed.get(worker_id, 0) + 1
 
-    def report(self, inflight: Iterable, draining: Iterable[str] = (), block_size: int = 16) -> SchedulerReport:
+    def report(self, inflight: Iterable, draining: Iterable[str] = ()) -> SchedulerReport:
         """What accumulated since the last report (then cleared), with the backlog
         and in-flight counts of `inflight` (cluster.admission.InFlight records) and
         the workers the scheduler already treats as draining."""
         backlog: dict[str, int] = {}
         counts: dict[str, int] = {}
-        awaiting: dict[str, int] = {}
         decoding: dict[str, int] = {}
         decoding_kv: dict[str, int] = {}
         for request in inflight:
             if request.in_prefill:
-                # In its handshake (maybe waiting in D's line): no P's work and no D's blocks yet.
+                # In its handshake (maybe waiting in D's line): no P's work yet.
                 in_handshake = request.prefill_id is not None and request.reserved_s is None
                 if not in_handshake:
                     _add(backlog, request.prefill_id or request.decode_id, request.num_prompt_tokens)
-                    if request.prefill_id is not None:
-                        _add(awaiting, request.decode_id, -(-(request.num_prompt_tokens + 1) // block_size))
             else:
                 _add(decoding, request.decode_id, 1)
                 _add(decoding_kv, request.decode_id, request.num_prompt_tokens + request.num_generated)
@@ -150,7 +148,7 @@ class OutcomeRecorder:
             self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
             num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
             backlog_tokens=backlog, decoding=decoding, decoding_kv_tokens=decoding_kv, inflight=counts,
-            routed=dict(self._routed), draining=frozenset(draining), awaiting_kv_blocks=awaiting)
+            routed=dict(self._routed), draining=frozenset(draining))
         self._ttft, self._tbt, self._routed = [], [], {}
         self._rejected = {"ttft": 0, "tbt": 0}
         return report
@@ -207,10 +205,6 @@ class SignalBook:
         ids = set(worker_ids)
         return sum(tokens for rep in self._replicas.values()
                    for worker_id, tokens in rep.report.backlog_tokens.items() if worker_id in ids)
-
-    def awaiting_kv_blocks(self, worker_id: str, now_s: float) -> int:
-        self._prune(now_s)
-        return sum(rep.report.awaiting_kv_blocks.get(worker_id, 0) for rep in self._replicas.values())
 
     def inflight(self, worker_id: str, now_s: float) -> int:
         self._prune(now_s)

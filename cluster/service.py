@@ -116,7 +116,7 @@ class GlobalScheduler:
         self.ready = needed <= roles
         draining = [m.worker_id for m in members if m.draining]
         try:
-            report = self.outcomes.report(list(self.models.inflight.values()), draining, self.block_size)
+            report = self.outcomes.report(list(self.models.inflight.values()), draining)
             peers = await self.pool.report.remote(report)
             self.models.peers = peers if isinstance(peers, PeerLoad) else PeerLoad()
         except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on

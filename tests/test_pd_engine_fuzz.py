@@ -78,6 +78,7 @@ def _run_disaggregated(prefill: Engine, decode: Engine, batch: dict, stats: dict
         stats["cached_blocks"] += reservation.num_cached_blocks
         prefill.add_request(prompt, prefill_params(params), request_id, exports_kv=True)
         engine_requests[request_id] = prefill.requests[request_id]
+    assert decode.num_reserved_blocks == sum(len(r.block_ids) for r in reservations.values())
     block_size = prefill.pool.block_size
     while prefill.has_unfinished():
         exported, outputs = prefill.run_step()
@@ -96,7 +97,7 @@ def _run_disaggregated(prefill: Engine, decode: Engine, batch: dict, stats: dict
                                         out.prompt_logprobs)
             if activated.finished:
                 finished[out.request_id] = activated
-    assert not decode.reservations
+    assert not decode.reservations and decode.num_reserved_blocks == 0
     return {**finished, **_finish(decode)}, {request_id: r.seed for request_id, r in engine_requests.items()}
 
 
@@ -151,3 +152,16 @@ def test_disaggregated_outputs_equal_colocated_ones(tiny_qwen2_dir):
     assert stats["accepted"] >= stats["requests"] / 3, stats
     assert stats["cached_blocks"] > 0, stats  # D's prefix cache saved a transfer now and then
     assert decode.num_steps_launched_ahead > 0
+
+
+def test_a_decode_engine_counts_the_blocks_its_reservations_hold(tiny_qwen2_dir):
+    """What the autoscaler subtracts from D's blocks in use (prompts still in
+    prefill are the prefill pool's backlog): held from the reservation to its
+    activation or cancellation."""
+    decode = _engine(tiny_qwen2_dir, overlap=True, static=True)
+    params = SamplingParams(max_new_tokens=4)
+    short = decode.reserve(list(range(3, 20)), params, "short")  # 17 tokens and the first output: 2 blocks
+    long = decode.reserve(list(range(3, 103)), params, "long")  # 100 and one: 7 blocks
+    assert (len(short.block_ids), len(long.block_ids)) == (2, 7) and decode.num_reserved_blocks == 9
+    assert decode.cancel_reservation("long") and decode.num_reserved_blocks == 2
+    assert decode.cancel_reservation("short") and decode.num_reserved_blocks == 0 == decode.pool.num_used

@@ -46,10 +46,9 @@ def test_report_counts_backlog_inflight_and_routing():
     inflight = [InFlight("a", "p0", "d0", 300, 10, 0.1, reserved_s=0.5),
                 InFlight("b", "p0", "d1", 200, 10, 0.1, reserved_s=0.5),
                 InFlight("c", "p1", "d1", 50, 10, 0.1, reserved_s=0.5, first_token_s=1.0),  # P is done with it
-                InFlight("d", "p1", "d0", 70, 10, 0.1)]  # in its handshake (D's line): neither P's nor D's blocks
-    report = recorder.report(inflight, draining=["d1"], block_size=16)
+                InFlight("d", "p1", "d0", 70, 10, 0.1)]  # in its handshake (D's line): not P's work yet
+    report = recorder.report(inflight, draining=["d1"])
     assert report.backlog_tokens == {"p0": 500}
-    assert report.awaiting_kv_blocks == {"d0": 19, "d1": 13}  # ceil(301 / 16), ceil(201 / 16)
     assert report.inflight == {"p0": 2, "p1": 1, "d0": 2, "d1": 2}
     assert report.routed == {"p0": 2, "d0": 1, "d1": 1}
     assert report.draining == frozenset({"d1"})
@@ -73,9 +72,9 @@ def test_attainment_over_the_window_with_rejections_as_misses():
 def test_backlog_and_inflight_sum_over_live_replicas():
     book = _book()
     book.add(SchedulerReport("r1", backlog_tokens={"p0": 100, "p1": 50}, inflight={"p0": 1, "d0": 2}), 0.0)
-    book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, inflight={"d0": 1}, awaiting_kv_blocks={"d0": 7}), 5.0)
+    book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, inflight={"d0": 1}), 5.0)
     assert book.backlog_tokens(["p0"], 6.0) == 110
-    assert book.inflight("d0", 6.0) == 3 and book.awaiting_kv_blocks("d0", 6.0) == 7
+    assert book.inflight("d0", 6.0) == 3
     # r1 goes silent: after 10 s it is forgotten.
     book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, inflight={}), 12.0)
     assert book.backlog_tokens(["p0", "p1"], 12.0) == 10 and book.inflight("d0", 12.0) == 0
@@ -97,8 +96,8 @@ def test_report_counts_what_decodes_and_colocated_prefills():
     inflight = [InFlight("a", None, "c0", 100, 10, 0.1), InFlight("b", None, "c0", 40, 10, 0.1, first_token_s=1.0,
                                                                    num_generated=5),
                 InFlight("c", "p0", "d0", 30, 10, 0.1, first_token_s=1.0, num_generated=2)]
-    report = OutcomeRecorder("r1").report(inflight, block_size=16)
-    assert report.backlog_tokens == {"c0": 100} and report.awaiting_kv_blocks == {}
+    report = OutcomeRecorder("r1").report(inflight)
+    assert report.backlog_tokens == {"c0": 100}
     assert report.decoding == {"c0": 1, "d0": 1} and report.decoding_kv_tokens == {"c0": 45, "d0": 32}
 
 
