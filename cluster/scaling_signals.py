@@ -30,10 +30,11 @@ Definitions:
 - Not here: the blocks a decode worker reserved for prompts still in prefill. The
   decode policy subtracts them from the blocks in use (they measure the prefill
   backlog, which another decode worker would not shorten), and D reports them
-  itself (`WorkerStats.num_reserved_blocks`), read at the same moment as its blocks
-  in use. Estimated here from the requests' states they were a report interval
-  apart from D's figure: a burst of reservations made since the last report counted
-  as decode load, and scaled the decode pool up under a prefill-heavy load.
+  itself (`WorkerStats.num_reserved_blocks`), in the same stats answer as its
+  blocks in use. Estimated here from the requests' states, they were up to a report
+  interval older than D's figure: a burst of reservations made since the last
+  report counted as decode load, and scaled the decode pool up under a
+  prefill-heavy load.
 """
 
 from __future__ import annotations
