@@ -71,7 +71,8 @@ class ReservationQueue:
                         return None
                     # The first in line also wakes every RETRY_S, the others at their time.
                     # (A timer, not asyncio.wait_for: before Python 3.12 that could
-                    # swallow a cancellation arriving as the event was set.)
+                    # swallow a cancellation arriving as the event was set. Nor
+                    # actors.deadlines.within, which is wait_for on Python 3.10.)
                     timer = loop.call_later(min(remaining, RETRY_S) if first else remaining, wake.set)
                     try:
                         await wake.wait()
