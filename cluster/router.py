@@ -10,7 +10,8 @@ Policies pick P among candidates that each carry a `Prediction`:
 - `round_robin`: in turn, blind to load and cache;
 - `least_load`: the least queued prefill work;
 - `cache_aware`: the lowest predicted TTFT, which counts prefix hits (Mooncake's
-  cache- and load-aware choice).
+  cache- and load-aware choice), as the cost models predict it: without the
+  learned bias, the tail of their misses that admission adds (`CacheAware`).
 D is picked in `GlobalScheduler.plan`: within the TBT SLO the least busy, then the
 most KV headroom, then the least routed to; past the SLO the fastest.
 """
@@ -109,10 +110,18 @@ class LeastLoad(PrefillPolicy):
 
 
 class CacheAware(PrefillPolicy):
+    """Ranks by the modelled TTFT (queue, prefill of the uncached tokens, transfer,
+    D's line), leaving out each P's learned bias: that is a quantile of its recent
+    misses, there for the SLO check (`WorkerModels.observe_ttft`), and a P's few
+    samples of it differ by chance: a first request's cold start (300 ms on the
+    tiny model) outweighed any prefix hit and sent every request to the other P
+    until it faded. A P that runs late now shows in its queue (`queued_prefill_s`
+    counts overdue requests); admission still checks the choice with its bias."""
+
     name = "cache_aware"
 
     def choose(self, candidates, queued_s, inflight):
-        return min(candidates, key=lambda c: (c.ttft_s, c.uncached_tokens, inflight.get(_worker(c), 0)))
+        return min(candidates, key=lambda c: (c.ttft_s - c.ttft_bias_s, c.uncached_tokens, inflight.get(_worker(c), 0)))
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoad, CacheAware)}

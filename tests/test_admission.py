@@ -105,49 +105,6 @@ def test_observed_token_gaps_refit_the_decode_model():
     assert models.tbt_at("d0", 0.0, 0) >= 0.040
 
 
-def test_ttft_bias_learns_the_systematic_error_without_compounding():
-    models = _models()
-    for _ in range(50):
-        prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
-        models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
-    assert models.ttft_bias("p0") == pytest.approx(0.3, rel=0.01)
-    assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 0.3, rel=0.05)
-    assert models.ttft_bias("p1") == 0.0
-
-
-def test_the_ttft_bias_is_the_attainment_quantile_of_the_errors_not_their_mean():
-    """Predictions mostly right or pessimistic, one in five 0.5 s short: a mean
-    (about 0.04 s) would leave the requests predicted just inside the SLO missing it
-    whenever theirs was short; the 90th percentile covers them."""
-    models, median = _models(), WorkerModels(block_size=16, ttft_quantile=0.5)
-    for built in (models, median):
-        for i in range(60):
-            prediction = built.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
-            error = 0.5 if i % 5 == 0 else -0.1
-            built.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + error)
-    assert models.ttft_bias("p0") == pytest.approx(0.5, abs=0.01)
-    assert median.ttft_bias("p0") == 0.0  # the median error is negative: no bias (never below zero)
-
-
-def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_everyone_out(monkeypatch):
-    """Only admitted requests are observed: a bias that puts every prediction past
-    the SLO would reject every request for good if it did not fade."""
-    import cluster.admission as admission
-
-    models = _models()
-    prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
-    models.observe_ttft(prediction, observed_s=prediction.ttft_s + 8.0)  # a bad spell: 8 s late
-    assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 8.0, rel=0.05)
-    later = time.monotonic() + 3 * admission.BIAS_HALF_LIFE_S
-    monkeypatch.setattr(admission.time, "monotonic", lambda: later)
-    assert models.ttft_bias("p0") == pytest.approx(1.0, rel=0.01)
-    assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 1.0, rel=0.05)
-    prediction = models.predict("p0", "d0", 200, 0)
-    models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
-    # Learning goes on from there: the 90th percentile of the faded 1.0 and the new 0.3.
-    assert models.ttft_bias("p0") == pytest.approx(0.3 + 0.9 * (1.0 - 0.3), rel=1e-3)
-
-
 def test_slo_rejection_says_prediction_and_target():
     error = SloRejected(Prediction("p0", "d0", ttft_s=3.2, tbt_s=0.05, uncached_tokens=100), 2.0, 0.1)
     assert "predicted TTFT 3200 ms exceeds the SLO of 2000 ms" in str(error)
