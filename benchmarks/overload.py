@@ -7,7 +7,9 @@ System: disaggregated 1 P + 1 D, a long-tailed chat mix of prompt and output
 lengths (Poisson arrivals). Steps, in one Ray cluster:
 1. Deploy `no-admission` (`slo.early_rejection: false`); calibrate on it as
    `tandem bench serve` does (isolated TTFT and TBT of a median request; SLO =
-   scale x isolated). Deploy `admission` (early rejection on) with that SLO.
+   scale x isolated, or fixed with `--ttft-slo-ms` and `--tbt-slo-ms`, so that the
+   two sides of an A/B share it). Deploy `admission` (early rejection on) with that
+   SLO.
 2. Capacity: a rate sweep on `no-admission`; capacity C = its goodput (DistServe:
    the highest rate at which the attainment target is met). When the crossing lies
    outside the sweep, up to two more rates are tried (x1.5 above, /2 below); if the
@@ -53,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="offered window of the 1x and 2x runs (default: --window-s)")
     parser.add_argument("--min-requests", type=int, default=5)
     parser.add_argument("--ttft-scale", type=float, default=4.0)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None,
+                        help="TTFT SLO (default: --ttft-scale x isolated); fixed, so A/B runs share it")
+    parser.add_argument("--tbt-slo-ms", type=float, default=None, help="TBT SLO (default: --tbt-scale x isolated)")
     parser.add_argument("--tbt-scale", type=float, default=2.0)
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
@@ -129,7 +134,8 @@ async def _overhead_pairs(url, prefill, decode, num_pairs, vocab, warm_up: int =
 
 # ---- main ----------------------------------------------------------------------------
 def _deploy_both(cluster, args, vocab: int, lengths: wl.ChatMix):
-    """`no-admission`, calibrated; then `admission` with the SLO the calibration gives."""
+    """`no-admission`, calibrated; then `admission` with the SLO the calibration gives
+    (or the one given)."""
     from benchmarks.serve import calibrate, warm_up
     from benchmarks.serve_scenarios import app_settings
     from benchmarks.serving_metrics import Slo
@@ -139,8 +145,9 @@ def _deploy_both(cluster, args, vocab: int, lengths: wl.ChatMix):
     urls = cluster.deploy({"no-admission": plain})
     warm_up(urls, {"no-admission": plain}, vocab)
     calibration = calibrate(urls["no-admission"], (lengths.prompt_median, lengths.output_median), 3, vocab)
-    slo = Slo(args.ttft_scale * calibration["isolated_ttft_s"], args.tbt_scale * calibration["isolated_tbt_s"],
-              args.attainment)
+    ttft_s = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else args.ttft_scale * calibration["isolated_ttft_s"]
+    tbt_s = args.tbt_slo_ms / 1e3 if args.tbt_slo_ms else args.tbt_scale * calibration["isolated_tbt_s"]
+    slo = Slo(ttft_s, tbt_s, args.attainment)
     admitting = app_settings(args, mode="disaggregated", slo={
         "ttft_ms": slo.ttft_s * 1e3, "tbt_ms": slo.tbt_s * 1e3, "attainment": slo.attainment, "early_rejection": True})
     urls.update(cluster.deploy({"admission": admitting}))
