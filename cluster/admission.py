@@ -128,7 +128,9 @@ class WorkerModels:
 
     def seed_from(self, peer_id: str, worker_id: str) -> None:
         """Start `worker_id`'s models from a copy of `peer_id`'s (same model, same
-        node type); they diverge as the new worker's own timings arrive."""
+        node type); they diverge as the new worker's own timings arrive: a D's
+        step model refits on the token gaps it serves, a P's TTFT bias on its
+        first tokens (P's prefill model stays the profile it copied)."""
         if peer_id in self.prefill:
             self.prefill[worker_id] = copy.deepcopy(self.prefill[peer_id])
         if peer_id in self.decode:

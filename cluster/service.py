@@ -155,7 +155,8 @@ class GlobalScheduler:
         replacement) runs the same model on the same node type, so it starts from
         a peer's fitted models and is routable at once, instead of first running
         a profile on cores the load that made us scale up keeps busy (which both
-        delays it and makes it look slower than it is). Live timings refit it."""
+        delays it and makes it look slower than it is). Live timings refit a D's
+        step model and a P's TTFT bias; a P's prefill model stays its profile."""
         for member in members:
             if member.worker_id in self.profiled or member.worker_id not in self.stats:
                 continue
