@@ -29,6 +29,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from cluster.cost_model import LinearCostModel, decode_features, prefill_features
 from cluster.scaling_signals import PeerLoad
 
@@ -174,11 +176,8 @@ class WorkerModels:
         now = time.monotonic()
         window = self._residuals.setdefault(prefill_id, deque(maxlen=RESIDUAL_WINDOW))
         window.append((observed_s - (prediction.ttft_s - prediction.ttft_bias_s), now))
-        faded = sorted(r * 0.5 ** (max(now - at, 0.0) / BIAS_HALF_LIFE_S) for r, at in window)
-        position = self.ttft_quantile * (len(faded) - 1)
-        low = math.floor(position)
-        quantile = faded[low] + (faded[min(low + 1, len(faded) - 1)] - faded[low]) * (position - low)
-        self._ttft_bias[prefill_id] = (max(quantile, 0.0), now)
+        faded = [r * 0.5 ** (max(now - at, 0.0) / BIAS_HALF_LIFE_S) for r, at in window]
+        self._ttft_bias[prefill_id] = (max(float(np.quantile(faded, self.ttft_quantile)), 0.0), now)
 
     def ttft_bias(self, worker_id: str) -> float:
         """The learned TTFT bias of a P (or colocated worker), halved every

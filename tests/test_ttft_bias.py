@@ -1,6 +1,6 @@
 """The learned TTFT bias (cluster/admission.py, `WorkerModels.observe_ttft`): what
-it learns, how it fades, and where it counts: in admission's SLO check, not in a
-P's queue nor in cache-aware routing's ranking (no Ray)."""
+it learns, how it fades, and where it counts: in admission's SLO check, not in
+cache-aware routing's ranking (no Ray)."""
 
 from __future__ import annotations
 
