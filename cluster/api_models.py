@@ -2,9 +2,12 @@
 
 Each body turns into (prompt, SamplingParams) through `sampling()`; range
 checks live in `SamplingParams` (one place), shape checks here. Anything the server
-does not support (best_of, n > 1 on /generate, and the fields other servers
-take that change what is generated: constrained output, tools, ...) is refused
-with a clear 400 rather than silently ignored. Other unknown fields are ignored.
+does not support (best_of, and the fields other servers take that change what is
+generated: constrained output, tools, ...) is refused with a clear 400 rather than
+silently ignored. Other unknown fields of a body are ignored (clients send their
+own extras); an unknown key in SGLang's `sampling_params` object is refused, as
+SGLang refuses it (a misspelt `max_tokens` there would otherwise be served as the
+default length).
 
 The sampling fields a model may have defaults for (temperature, top_p, top_k,
 min_p, repetition_penalty: actors/sampling_defaults.py) are None when omitted, so
@@ -14,9 +17,9 @@ the model's default fills exactly those the request left out.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
@@ -56,16 +59,26 @@ class _Body(BaseModel):
             for name, off in cls.UNSUPPORTED.items():
                 if name in data and data[name] not in off:
                     raise ValueError(f"{name} is not supported")
+            return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}  # "off": as if left out
         return data
 
 
+MAX_CHOICES = 16  # OpenAI's `n` (and SGLang's), at most
+MAX_BATCH_REQUESTS = 64  # prompts x n in one completions or /generate call
+
+
 class SglangSamplingParams(_Body):
+    """SGLang's `sampling_params` object: its keys, each a field here, one Tandem
+    does not implement (`UNSUPPORTED`), or refused as unknown."""
+
+    model_config = ConfigDict(extra="forbid")
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
-        "n": (None, 1),
+        "stop_regex": (None, []), "custom_params": (None,), "stream_interval": (None, 1),
     }
 
     max_new_tokens: int = 128
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
     temperature: float | None = None  # None: the model's default
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1)  # SGLang's -1 means off
@@ -82,19 +95,53 @@ class SglangSamplingParams(_Body):
     min_new_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     no_stop_trim: bool = False  # keep the stop string at the end of the text
+    # A slow tokenizer's option: fast tokenizers (SGLang's and Tandem's detokenizing) never add those spaces
+    spaces_between_special_tokens: bool = True
+
+
+ONE, MANY = "one", "many"  # the shapes of a field that takes one or a batch: not part of an error's location
+
+
+def _one_or_many(one, many, is_many):
+    """A field of type `one` or, for a batch, `many`, told apart by `is_many(value)`,
+    so that an error names the shape the client sent, not both (a plain union
+    reports one error per member)."""
+    return Annotated[Union[Annotated[one, Tag(ONE)], Annotated[many, Tag(MANY)]],
+                     Discriminator(lambda value: MANY if is_many(value) else ONE)]
+
+
+def _is_list(value) -> bool:
+    return isinstance(value, list)
+
+
+def _is_list_of_lists(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], list)
+
+
+Rid = Annotated[str, Field(max_length=128)]
+Text = _one_or_many(str, list[str], _is_list)
+InputIds = _one_or_many(list[int], list[list[int]], _is_list_of_lists)
+Params = _one_or_many(SglangSamplingParams, list[SglangSamplingParams], _is_list)
+Rids = _one_or_many(Rid, list[Rid], _is_list)
 
 
 class GenerateBody(_Body):
     """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, or
-    SGLang's `sampling_params` object; `input_ids` instead of `text`."""
+    SGLang's `sampling_params` object; `input_ids` instead of `text`.
+
+    A batch, as SGLang takes it: `text` a list of strings or `input_ids` a list of
+    id lists, with one `sampling_params` for all or a list of them, one a prompt,
+    and `rid` a list too if given. A batch, or `n` > 1, is answered with a list,
+    prompt i's choice j at i * n + j (SGLang's order); streamed, each chunk says
+    which by its `index`."""
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "lora_path": (None,), "image_data": (None,), "input_embeds": (None,), "custom_logit_processor": (None,),
     }
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: SglangSamplingParams | None = None
+    text: Text | None = None
+    input_ids: InputIds | None = None
+    sampling_params: Params | None = None
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -109,19 +156,60 @@ class GenerateBody(_Body):
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # >= 0: the prompt's logprobs too, from this position
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    rid: str | None = Field(None, max_length=128)
+    rid: Rids | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self):
+    def _one_prompt_or_a_batch(self):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` or `input_ids`")
+        size = len(self.prompts())
+        if self.is_batch and not size:
+            raise ValueError("the batch of prompts is empty")
+        for name, value in (("sampling_params", self.sampling_params), ("rid", self.rid)):
+            if isinstance(value, list) and (not self.is_batch or len(value) != size):
+                raise ValueError(f"{name} is a list of {len(value)}: a list needs a batch of as many prompts"
+                                 + (f" (this one has {size})" if self.is_batch else " (this is one prompt)"))
+        if self.is_batch and isinstance(self.rid, str):
+            raise ValueError("rid must be a list for a batch, one a prompt")
+        if len({p.n for p in self._sampling_params()}) > 1:
+            raise ValueError("every prompt of a batch must ask for the same n")
+        if size * self.n > MAX_BATCH_REQUESTS:
+            raise ValueError(f"{size} prompts x n={self.n} is more than {MAX_BATCH_REQUESTS} requests")
         return self
 
-    def prompt(self) -> str | list[int]:
-        return self.text if self.text is not None else self.input_ids
+    @property
+    def is_batch(self) -> bool:
+        """A list of texts, or of id lists (a list of ids is one prompt)."""
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
 
-    def sampling(self, defaults: SamplingDefaults) -> SamplingParams:
-        base = self.sampling_params or SglangSamplingParams()
+    @property
+    def n(self) -> int:
+        return self._sampling_params()[0].n
+
+    @property
+    def answers_a_list(self) -> bool:
+        return self.is_batch or self.n > 1
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.text if self.text is not None else self.input_ids
+        return list(prompt) if self.is_batch else [prompt]
+
+    def rids(self) -> list[str | None]:
+        """The client's name of each prompt (None: unnamed)."""
+        return list(self.rid) if isinstance(self.rid, list) else [self.rid] * len(self.prompts())
+
+    def _sampling_params(self) -> list[SglangSamplingParams]:
+        if isinstance(self.sampling_params, list):
+            return self.sampling_params
+        return [self.sampling_params or SglangSamplingParams()] * len(self.prompts())
+
+    def sampling(self, defaults: SamplingDefaults) -> list[SamplingParams]:
+        """Each prompt's params: its `sampling_params`, the body's own fields over them."""
+        return [self._params(base, defaults) for base in self._sampling_params()]
+
+    def _params(self, base: SglangSamplingParams, defaults: SamplingDefaults) -> SamplingParams:
         top_level = {
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "seed": self.seed,
@@ -151,10 +239,6 @@ class GenerateBody(_Body):
             logit_bias=tuple((merged.logit_bias or {}).items()),
             include_stop_str_in_output=merged.no_stop_trim,
         )
-
-
-MAX_CHOICES = 16  # OpenAI's `n`, at most
-MAX_BATCH_REQUESTS = 64  # prompts x n in one completions call
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

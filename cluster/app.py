@@ -36,9 +36,10 @@ from actors.sampling_params import InvalidRequestError
 from actors.startup_heap import freeze_startup_heap
 from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
+from cluster import sglang_format as sglang
 from cluster.admission import SloRejected
-from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody,
-                                choice_params)
+from cluster.api_models import (MANY, ONE, ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody,
+                                TokenizeBody, choice_params)
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.response_streams import collect, merged, prepend
@@ -64,8 +65,11 @@ async def _validation_error(_: Request, exc: RequestValidationError):
 
 def _problem(error: dict) -> str:
     """One pydantic error as `field: message` (the body's own checks: the message)."""
-    where = ".".join(str(p) for p in error["loc"] if p != "body")
-    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "json_invalid":
+        reason = error.get("ctx", {}).get("error", "")
+        return f"the body is not valid JSON: {reason} (at character {error['loc'][-1]})"
+    where = ".".join(str(p) for p in error["loc"] if p not in ("body", ONE, MANY))
+    message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
 
 
@@ -215,23 +219,25 @@ class Scheduler:
 
     @app.post("/generate")
     async def generate(self, body: GenerateBody):
-        params = body.sampling(self.sampling_defaults)
+        """One prompt, or SGLang's batch; request k is prompt k // n's choice k % n
+        (see `_start_choices`). meta_info's id is the prompt's rid (the client's,
+        or one made up), with `-j` for choice j when n > 1."""
+        per_prompt = body.sampling(self.sampling_defaults)
         await self._require_ready()
-        prompt_ids = self.service.prepare(body.prompt(), params)
-        rid = body.rid or uuid.uuid4().hex  # SGLang's meta_info id: the client's rid, or one made up
-        events = await self._start(prompt_ids, params, rid)
+        prompt_ids = [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)]
+        n = body.n
+        rids = [rid or uuid.uuid4().hex for rid in body.rids()]
+        choices = [choice_params(params, n) for params in per_prompt]
+        keys = range(len(prompt_ids) * n)
+        ids = [rids[k // n] if n == 1 else f"{rids[k // n]}-{k % n}" for k in keys]
+        streams = await self._start_choices([(prompt_ids[k // n], choices[k // n][k % n], ids[k]) for k in keys], n)
         if body.stream:
-            return self._sse(self._generate_chunks(events, len(prompt_ids), rid))
-        out = await collect(events)
-        meta = self._meta(rid, len(prompt_ids), len(out.token_ids), out.finish_reason, out.num_cached_tokens,
-                          out.logprobs)
-        if out.prompt_logprobs is not None:  # SGLang's: [logprob, id] a position (None for the first), from the start
-            wanted = out.prompt_logprobs[body.logprob_start_len:]
-            meta["input_token_logprobs"] = [[lp.logprob if lp else None, prompt_ids[body.logprob_start_len + i]]
-                                            for i, lp in enumerate(wanted)]
-            if body.top_logprobs_num:
-                meta["input_top_logprobs"] = [[[v, t] for t, v in lp.top] if lp else None for lp in wanted]
-        return {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
+            num_prompt = [len(prompt_ids[k // n]) for k in keys]
+            return self._sse(sglang.stream(streams, num_prompt, ids, indexed=body.answers_a_list))
+        results = await self._collect_all(streams)
+        answers = [sglang.result(out, prompt_ids[k // n], ids[k], body.logprob_start_len, body.top_logprobs_num)
+                   for k, out in enumerate(results)]
+        return answers if body.answers_a_list else answers[0]
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionBody):
@@ -273,11 +279,7 @@ class Scheduler:
     # ---- helpers ------------------------------------------------------------------------
     async def _openai(self, body, prompts: list, chat: bool):
         """One request per prompt and choice (`n`), choice k being prompt k // n's
-        choice k % n, as OpenAI numbers them. Each prompt's first choice is admitted
-        and prefilled first; its others start once it has its first token, when the
-        prompt's KV is in its workers' prefix caches, so they prefill only what the
-        cache lacks (vLLM and SGLang prefill once and fork instead). All are admitted
-        before any response starts."""
+        choice k % n, as OpenAI numbers them (see `_start_choices`)."""
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} not found; this server serves {self.model_name!r}",
                            kind="model_not_found")
@@ -287,17 +289,9 @@ class Scheduler:
                                            keep_last=body.truncate_prompt_tokens) for prompt in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
-        keys = range(len(prompts) * n)
-        started: dict[int, object] = {}  # choice k -> its events
-        for group in ([k for k in keys if k % n == 0], [k for k in keys if k % n]):  # firsts, then the rest
-            try:
-                events = await self._start_all([(prompt_ids[k // n], per_choice[k % n],
-                                                 f"{request_id}-{k}" if k else request_id) for k in group])
-            except BaseException:
-                await asyncio.gather(*(s.aclose() for s in started.values()))
-                raise
-            started.update(zip(group, events))
-        streams = [started[k] for k in range(len(started))]
+        streams = await self._start_choices([(prompt_ids[k // n], per_choice[k % n],
+                                              f"{request_id}-{k}" if k else request_id)
+                                             for k in range(len(prompts) * n)], n)
         num_prompt = sum(len(ids) for ids in prompt_ids)
         echoed = prompts if body.truncate_prompt_tokens is None else prompt_ids  # a truncated prompt: its ids' text
         echo = [(lambda out, k=k: self._echoed(echoed[k // n], prompt_ids[k // n], out, body.prompt_only,
@@ -305,12 +299,7 @@ class Scheduler:
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
             return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo))
-        collecting = [asyncio.ensure_future(collect(s)) for s in streams]
-        try:
-            results = await asyncio.gather(*collecting)
-        finally:  # one choice failed (or the client left): the others stop too
-            for task in collecting:
-                task.cancel()
+        results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
@@ -321,6 +310,35 @@ class Scheduler:
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs)
+
+    async def _start_choices(self, requests: list[tuple], n: int) -> list:
+        """`_start` (prompt ids, params, request id) each, request k being a prompt's
+        choice k % n. Each prompt's first choice is admitted and prefilled first;
+        its others start once it has its first token, when the prompt's KV is in
+        its workers' prefix caches, so they prefill only what the cache lacks (vLLM
+        and SGLang prefill once and fork instead). All are admitted before any
+        response starts; if one is refused, those started are closed."""
+        keys = range(len(requests))
+        started: dict[int, object] = {}  # request k -> its events
+        for group in ([k for k in keys if k % n == 0], [k for k in keys if k % n]):  # firsts, then the rest
+            try:
+                events = await self._start_all([requests[k] for k in group])
+            except BaseException:
+                await asyncio.gather(*(s.aclose() for s in started.values()))
+                raise
+            started.update(zip(group, events))
+        return [started[k] for k in keys]
+
+    @staticmethod
+    async def _collect_all(streams) -> list:
+        """Every request read to its end; if one fails (or the client leaves), the
+        others stop too."""
+        collecting = [asyncio.ensure_future(collect(s)) for s in streams]
+        try:
+            return await asyncio.gather(*collecting)
+        finally:
+            for task in collecting:
+                task.cancel()
 
     async def _start_all(self, requests: list[tuple]) -> list:
         """`_start` each (prompt ids, params, request id) at once; if one is refused,
@@ -361,26 +379,8 @@ class Scheduler:
             raise ApiError(503, f"request failed: {first.error}", kind="service_unavailable")
         return prepend(first, events)
 
-    def _meta(self, rid, num_prompt, num_tokens, reason, cached, logprobs) -> dict:
-        meta = {"id": rid, "prompt_tokens": num_prompt, "completion_tokens": num_tokens, "cached_tokens": cached,
-                "finish_reason": {"type": reason}}
-        if logprobs is not None:
-            meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in logprobs]
-        return meta
-
     def _sse(self, chunks) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def _generate_chunks(self, events, num_prompt, rid):
-        chunks = fmt.CumulativeChunks()  # SGLang's chunks carry the text and ids so far
-        async for event in events:
-            if event.error:
-                yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
-                break
-            chunks.add(event.text, event.token_ids)
-            reason = event.finish_reason if event.finished else None
-            yield chunks.sse(self._meta(rid, num_prompt, chunks.num_tokens, reason, event.num_cached_tokens, None))
-        yield fmt.sse("[DONE]")
 
     async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None):
         """Every choice's events as they come, each chunk naming its choice; `echo[k]`

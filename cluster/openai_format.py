@@ -1,4 +1,4 @@
-"""Response bodies and SSE chunks in the OpenAI and SGLang shapes."""
+"""Response bodies and SSE chunks in the OpenAI shapes (SGLang's: cluster/sglang_format.py)."""
 
 from __future__ import annotations
 
@@ -10,34 +10,6 @@ import time
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
-
-
-class CumulativeChunks:
-    """SGLang's streamed `/generate` chunks each carry the whole text and output ids
-    so far. Encoding them anew every event cost O(length) of JSON work an event,
-    quadratic in the output: 36 us an event at 256 tokens, 234 us at 2048 (a
-    one-off probe). This keeps both already encoded and appends each event's
-    encoded delta, so an event costs a copy (6-8 us at those lengths); the bytes
-    are the same as `sse` of the whole payload (JSON escapes each character alone,
-    so the escaped text is the concatenation of its pieces' escapes)."""
-
-    def __init__(self) -> None:
-        self._text = ""  # JSON-escaped, without the quotes
-        self._ids = ""  # comma-separated
-        self.num_tokens = 0
-
-    def add(self, text: str, token_ids: list[int]) -> None:
-        if text:
-            self._text += json.dumps(text)[1:-1]
-        if token_ids:
-            joined = ",".join(map(str, token_ids))
-            self._ids = f"{self._ids},{joined}" if self._ids else joined
-            self.num_tokens += len(token_ids)
-
-    def sse(self, meta_info: dict) -> str:
-        """`sse({"text": <all text>, "output_ids": <all ids>, "meta_info": meta_info})`."""
-        return ('data: {"text":"' + self._text + '","output_ids":[' + self._ids + '],"meta_info":'
-                + json.dumps(meta_info, separators=(",", ":")) + "}\n\n")
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:

@@ -69,6 +69,45 @@ def test_sglang_sampling_params_and_input_ids(base_url):
     assert len(response.json()["output_ids"]) == 4
 
 
+def test_generate_answers_sglangs_batch_as_it_answers_each_prompt(base_url):
+    """A batch of texts with params and a rid a prompt: a list in prompt order,
+    each answer what the prompt alone gets (greedy)."""
+    prompts = ["The first prompt", "A second prompt, a little longer than the first", "third"]
+    params = [{"max_new_tokens": m, "temperature": 0} for m in (3, 6, 4)]
+    batch = httpx.post(f"{base_url}/generate", json={"text": prompts, "sampling_params": params, "rid": ["a", "b", "c"]},
+                       timeout=60)
+    assert batch.status_code == 200, batch.text
+    answers = batch.json()
+    assert [a["meta_info"]["id"] for a in answers] == ["a", "b", "c"]
+    assert [len(a["output_ids"]) for a in answers] == [3, 6, 4]
+    for prompt, p, answer in zip(prompts, params, answers):
+        alone = httpx.post(f"{base_url}/generate", json={"text": prompt, "sampling_params": p}, timeout=60).json()
+        assert (answer["text"], answer["output_ids"]) == (alone["text"], alone["output_ids"])
+
+
+def test_generate_streams_a_batch_with_n_choices_by_index(base_url):
+    """Two id prompts, n = 2, seeded: four requests, prompt i's choice j at index
+    2i + j, choice j drawing from seed + j; streamed chunks say their index and
+    end as the whole answer does."""
+    body = {"input_ids": [[5, 6, 7], [9, 10, 11, 12]], "rid": ["p", "q"],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "seed": 3, "n": 2}}
+    whole = httpx.post(f"{base_url}/generate", json=body, timeout=60).json()
+    assert [a["meta_info"]["id"] for a in whole] == ["p-0", "p-1", "q-0", "q-1"]
+    assert [a["meta_info"]["prompt_tokens"] for a in whole] == [3, 3, 4, 4]
+    alone = httpx.post(f"{base_url}/generate", timeout=60, json={
+        "input_ids": [9, 10, 11, 12], "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "seed": 4}}).json()
+    assert whole[3]["output_ids"] == alone["output_ids"] != whole[2]["output_ids"]
+    with httpx.stream("POST", f"{base_url}/generate", json={**body, "stream": True}, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    last = {}
+    for chunk in map(json.loads, (line[5:] for line in lines[:-1])):
+        last[chunk["index"]] = chunk
+    assert sorted(last) == [0, 1, 2, 3]
+    assert [last[k]["output_ids"] for k in range(4)] == [a["output_ids"] for a in whole]
+    assert all(last[k]["meta_info"]["finish_reason"] == {"type": "length"} for k in range(4))
+
+
 def test_penalties_over_http_equal_the_offline_engine(base_url, client):
     llm = LLM(ensure_checkpoint("tiny", "qwen2"), **ENGINE)
     penalties = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5)

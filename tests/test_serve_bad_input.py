@@ -53,7 +53,17 @@ def client(base_url):
         ("/v1/completions", {"prompt": ["x"] * 33, "n": 2}, "more than 64 requests"),
         ("/v1/completions", {"prompt": ["x", ""]}, "prompt is empty"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
-        ("/generate", {"text": "x", "sampling_params": {"n": 2}}, "n is not supported"),
+        ("/generate", {"text": "x", "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens: unknown field"),
+        ("/generate", {"text": "x", "sampling_params": {"stream_interval": 4}}, "stream_interval is not supported"),
+        ("/generate", {"text": "x", "sampling_params": {"n": 17}}, "sampling_params.n"),
+        ("/generate", {"text": ["x", "y"], "sampling_params": [{}]}, "a list needs a batch of as many prompts"),
+        ("/generate", {"text": "x", "rid": ["a"]}, "a list needs a batch of as many prompts (this is one prompt)"),
+        ("/generate", {"text": ["x", "y"], "rid": "r"}, "rid must be a list"),
+        ("/generate", {"text": []}, "the batch of prompts is empty"),
+        ("/generate", {"text": ["x", "y"], "sampling_params": [{"n": 2}, {}]}, "the same n"),
+        ("/generate", {"input_ids": [[1], [2]] * 17, "sampling_params": {"n": 2}}, "more than 64 requests"),
+        ("/generate", {"text": ["x", ""]}, "prompt is empty"),
+        ("/generate", {"input_ids": [[1, 2], 3]}, "input_ids.1: Input should be a valid list"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens 0 needs echo"),
         ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -134,6 +144,12 @@ def test_malformed_and_oversized_bodies(base_url, content, status):
     assert response.status_code == status, response.text
     if status != 200:
         assert "error" in response.json()
+
+
+def test_a_body_that_is_not_json_says_where(base_url):
+    response = httpx.post(f"{base_url}/generate", content=b'{"text": "x",}', headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("the body is not valid JSON: ")
 
 
 @pytest.mark.parametrize("size, status", [(2**10, 200), (10 * 2**20, 413)], ids=["small", "10MB"])
