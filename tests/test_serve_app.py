@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -383,14 +384,28 @@ def test_models_health_metrics_openapi(base_url, client):
     assert {"/generate", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
 
 
+def unhandled_errors_logged() -> int:
+    """How many times cluster/app.py's handler of unexpected errors has logged one
+    (Serve's replicas write their stderr to the session's worker logs)."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return sum(path.read_text(errors="replace").count("unhandled error") for path in logs.glob("worker-*.err"))
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_client_disconnect_frees_both_workers(base_url, n):
-    body = {"prompt": "keep going", "max_tokens": 200, "stream": True, "ignore_eos": True, "n": n}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as response:
-        for index, _ in enumerate(response.iter_lines()):
-            if index >= 4:
-                break
+    """Streams closed by their clients (OpenAI's and SGLang's) end their requests on
+    both workers, and none of them is an error on the scheduler's side."""
+    logged = unhandled_errors_logged()
+    for attempt in range(6):
+        path, body = ("/v1/completions", {"prompt": "keep going", "max_tokens": 200, "n": n, "ignore_eos": True}) \
+            if attempt % 2 else ("/generate", {"text": "keep going", "sampling_params": {
+                "max_new_tokens": 200, "n": n, "ignore_eos": True}})
+        with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream": True}) as response:
+            for index, _ in enumerate(response.iter_lines()):
+                if index >= 4:
+                    break
     wait_workers_idle(ARGS["pool_name"])
+    assert unhandled_errors_logged() == logged
 
 
 def test_requests_right_after_a_prefill_worker_dies_are_retried_and_served(base_url):
