@@ -281,7 +281,7 @@ class _OpenAIBody(_Body):
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
     bad_words: list[str] | None = None  # extension (vLLM-style): words the output must not contain
-    # extension (vLLM's): keep the prompt's last k tokens (left truncation); -1: as many as the context holds
+    # extension (vLLM's): keep the prompt's last k tokens (left truncation); -1: as many as the limits allow
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # extension (vLLM's): each prompt token's logprob and rank, and its n best (not streamed)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
@@ -297,7 +297,8 @@ class _OpenAIBody(_Body):
     @classmethod
     def _keeps_a_token(cls, value: int | None) -> int | None:
         if value == 0:
-            raise ValueError("truncate_prompt_tokens must be >= 1 (the prompt's last tokens kept) or -1 (the context)")
+            raise ValueError("truncate_prompt_tokens must be >= 1 (the prompt's last tokens kept) or -1 (as many as "
+                             "the limits allow)")
         return value
 
     @property
@@ -417,6 +418,12 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM refuse it (it was answered without them)
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def sampling(self, default_max: int, defaults: SamplingDefaults) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

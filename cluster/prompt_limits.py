@@ -1,7 +1,7 @@
 """A request's prompt checked against the deployment's limits before anything is
 spent on it: its ids (`encode_prompt`: text encoded, ids as given), cut to their
-last `keep_last` when asked (vLLM's truncate_prompt_tokens; -1: the context's
-length), each id in the vocabulary, and the prompt, the output and both together
+last `keep_last` when asked (vLLM's truncate_prompt_tokens; -1: as many as the
+limits below let this request have), each id in the vocabulary, and the prompt, the output and both together
 within `limits` (cluster/config.py) and the model's context. Each refusal is an
 ApiError 400 that names the limit."""
 
@@ -19,7 +19,7 @@ def prompt_ids_within_limits(
 ) -> list[int]:
     ids = encode_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
     if keep_last is not None:
-        ids = ids[-(max_model_len if keep_last == -1 else keep_last):]
+        ids = ids[-(prompt_room(limits, max_model_len, params) if keep_last == -1 else keep_last):]
     if not ids:
         raise ApiError(400, "prompt is empty")
     vocab = len(tokenizer)
@@ -37,3 +37,14 @@ def prompt_ids_within_limits(
     if len(params.stop) > limits.max_stop_sequences:
         raise ApiError(400, f"{len(params.stop)} stop sequences; the limit is {limits.max_stop_sequences}")
     return ids
+
+
+def prompt_room(limits: LimitSettings, max_model_len: int, params: SamplingParams) -> int:
+    """The most prompt tokens a request with `params` passes the checks above with
+    (at least one: a request with no room is refused for its output's length).
+    vLLM's -1 keeps the context's length, which leaves a prompt no room to
+    generate in; here it keeps what the request can be served with."""
+    room = min(limits.max_prompt_tokens, max_model_len - 1)
+    if limits.max_total_tokens is not None:
+        room = min(room, limits.max_total_tokens - params.max_new_tokens)
+    return max(room, 1)

@@ -112,6 +112,8 @@ def client(base_url):
         ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "max_tokens (16, the default when it is left out)"),
         ("/v1/completions", {"prompt": "x", "bad_words": ["no", " "]}, "bad_words must be words"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+         "top_logprobs needs logprobs: true"),
         ("/generate", {"text": "x", "lora_path": "adapter"}, "lora_path is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
          "continue_final_message needs add_generation_prompt: false"),
@@ -167,7 +169,8 @@ def test_chunked_bodies_without_a_length_are_held_to_the_limit(base_url, size, s
 def test_a_prompt_over_the_limit_is_served_truncated_when_asked(base_url, client):
     """vLLM's truncate_prompt_tokens: a prompt over max_prompt_tokens is a 400;
     asked to keep its last 50 tokens it is served as those alone (the greedy text
-    of sending just them), its echo their text, its usage their count."""
+    of sending just them), its echo their text, its usage their count; asked for
+    -1, it keeps as many as the limit lets in."""
     long_prompt = list(range(100, 800))  # 700 tokens, the limit is 600
     with pytest.raises(openai.BadRequestError, match="the limit is 600"):
         client.completions.create(model="tandem-tiny-qwen2", prompt=long_prompt, max_tokens=4)
@@ -181,6 +184,9 @@ def test_a_prompt_over_the_limit_is_served_truncated_when_asked(base_url, client
     assert kept.usage.prompt_tokens == 50 and kept.usage.completion_tokens == 4
     whole = client.completions.create(prompt="a short prompt", **greedy, extra_body={"truncate_prompt_tokens": -1})
     assert whole.choices[0].text == client.completions.create(prompt="a short prompt", **greedy).choices[0].text
+    most = client.completions.create(prompt=long_prompt, **greedy, extra_body={"truncate_prompt_tokens": -1})
+    assert most.usage.prompt_tokens == 600  # -1: as many as the limit lets in (vLLM's context length: 2048)
+    assert most.choices[0].text == client.completions.create(prompt=long_prompt[-600:], **greedy).choices[0].text
 
 
 def test_unknown_model_is_404(client):
