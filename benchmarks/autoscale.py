@@ -45,6 +45,7 @@ from pathlib import Path
 
 from benchmarks import report
 from benchmarks import workload as wl
+from benchmarks.arguments import fraction, non_negative_float, positive_float, positive_int
 
 ROLES = ("prefill", "decode")
 PHASE_HEADERS = ["phase", "from s", "to s", "requests", "ok", "attainment", "TTFT p50 s", "TTFT p99 s",
@@ -57,18 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, short phases: a smoke run")
     parser.add_argument("--preset", default=None, help="model preset (default: bench; tiny with --quick)")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
-    parser.add_argument("--low-rate", type=float, default=None, help="req/s before and after the step")
-    parser.add_argument("--high-rate", type=float, default=None, help="req/s during the step")
-    parser.add_argument("--low-s", type=float, default=None, help="seconds at the low rate first (default 30)")
-    parser.add_argument("--high-s", type=float, default=None, help="seconds at the high rate (default 90)")
-    parser.add_argument("--after-s", type=float, default=None, help="seconds at the low rate after (default 30)")
-    parser.add_argument("--settle-s", type=float, default=None, help="longest wait for the pools to shrink")
-    parser.add_argument("--max-workers", type=int, default=2, help="most workers (and nodes) per pool")
-    parser.add_argument("--ttft-scale", type=float, default=4.0)
-    parser.add_argument("--tbt-scale", type=float, default=3.0)
-    parser.add_argument("--attainment", type=float, default=0.9)
-    parser.add_argument("--kv-cache-mib", type=int, default=512)
-    parser.add_argument("--bin-s", type=float, default=5.0, help="bin width of the plot's load and attainment")
+    parser.add_argument("--low-rate", type=positive_float, default=None, help="req/s before and after the step")
+    parser.add_argument("--high-rate", type=positive_float, default=None, help="req/s during the step")
+    parser.add_argument("--low-s", type=non_negative_float, default=None,
+                        help="seconds at the low rate first (default 30)")
+    parser.add_argument("--high-s", type=positive_float, default=None, help="seconds at the high rate (default 90)")
+    parser.add_argument("--after-s", type=non_negative_float, default=None,
+                        help="seconds at the low rate after (default 30)")
+    parser.add_argument("--settle-s", type=positive_float, default=None, help="longest wait for the pools to shrink")
+    parser.add_argument("--max-workers", type=positive_int, default=2, help="most workers (and nodes) per pool")
+    parser.add_argument("--ttft-scale", type=positive_float, default=4.0)
+    parser.add_argument("--tbt-scale", type=positive_float, default=3.0)
+    parser.add_argument("--attainment", type=fraction, default=0.9)
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=512)
+    parser.add_argument("--bin-s", type=positive_float, default=5.0, help="bin width of the plot's load and attainment")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -36,6 +36,7 @@ import random
 import time
 
 from benchmarks import report
+from benchmarks.arguments import non_negative_int, positive_int
 
 ROLES = {  # role -> what its process's command line holds
     "worker": ("ray::DecodeWorker", "ray::ColocatedWorker"),
@@ -48,14 +49,15 @@ ROLES = {  # role -> what its process's command line holds
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
-    parser.add_argument("--batch", type=int, default=64, help="requests in flight at once")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds (each system and the engine once a round)")
-    parser.add_argument("--kv-cache-mib", type=int, default=256)
-    parser.add_argument("--stream-interval", type=int, default=4,
+    parser.add_argument("--batch", type=positive_int, default=64, help="requests in flight at once")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=64)
+    parser.add_argument("--output-tokens", type=positive_int, default=256)
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="rounds (each system and the engine once a round)")
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=256)
+    parser.add_argument("--stream-interval", type=non_negative_int, default=4,
                         help="also run disaggregated with this stream_interval (tokens an event gathers); 0: not")
-    parser.add_argument("--scheduler-replicas", type=int, default=0,
+    parser.add_argument("--scheduler-replicas", type=non_negative_int, default=0,
                         help="also run disaggregated with this many scheduler (Serve) replicas; 0: not")
 
 

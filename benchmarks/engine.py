@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 from benchmarks import report
+from benchmarks.arguments import positive_int
 from benchmarks.engine_profile import profile_tandem, sweep
 from benchmarks.engine_systems import HFContinuousSystem, HFStaticSystem, RunResult, TandemSystem, load_hf_model
 from benchmarks.engine_workloads import Workload, equal_workload, mixed_workload
@@ -108,19 +109,19 @@ def ratio_rows(workload_name: str, summary: dict, num_requests: int) -> list[lis
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     parser.add_argument("--model", help="checkpoint folder (default: the built-in bench preset)")
-    parser.add_argument("--repeats", type=int, default=1, help="repeats of the mixed workload")
-    parser.add_argument("--equal-repeats", type=int, default=3, help="repeats of the equal-length workload")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="repeats of the mixed workload")
+    parser.add_argument("--equal-repeats", type=positive_int, default=3, help="repeats of the equal-length workload")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 mixed requests, shorter outputs")
     parser.add_argument("--workloads", default="mixed,equal", help="comma list of mixed, equal")
     parser.add_argument("--no-hf-cb", action="store_true", help="skip the transformers continuous-batching baseline")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (both systems)")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads (both systems)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--prefill-chunk-size", type=int, default=512)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache size, both systems")
+    parser.add_argument("--hf-batch-size", type=positive_int, default=16)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--prefill-chunk-size", type=positive_int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64)
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=1024, help="KV cache size, both systems")
     parser.add_argument("--profile", action="store_true",
                         help="after the comparison, profile Tandem on a batch-64 decode workload")
     parser.add_argument("--sweep", action="store_true",

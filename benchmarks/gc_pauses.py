@@ -23,16 +23,17 @@ import random
 import time
 
 from benchmarks import report
+from benchmarks.arguments import positive_int
 
 WORKLOADS = {"greedy": dict(temperature=0.0), "logprobs": dict(temperature=0.8, logprobs=2)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3000, help="engine steps a phase")
-    parser.add_argument("--new-tokens", type=int, default=300, help="tokens a request decodes before it ends")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--steps", type=positive_int, default=3000, help="engine steps a phase")
+    parser.add_argument("--new-tokens", type=positive_int, default=300, help="tokens a request decodes before it ends")
+    parser.add_argument("--repeats", type=positive_int, default=1)
 
 
 class PassTimer:

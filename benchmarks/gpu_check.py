@@ -49,13 +49,15 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.arguments import positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke run, tiny model)")
     parser.add_argument("--preset", default=None, help="model preset (default: qwen2.5-0.5b on cuda, tiny on cpu)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the roofline and P/D steps on cuda")
-    parser.add_argument("--prefill-tokens", type=int, default=4096)
-    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=positive_int, default=4096)
+    parser.add_argument("--decode-batch", type=positive_int, default=64)
     parser.add_argument("--steps", default="kernels,exactness,roofline,graphs,pd")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-results"))
 

@@ -30,20 +30,22 @@ import random
 import re
 
 from benchmarks import report
+from benchmarks.arguments import positive_float, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--kv-blocks", type=int, default=64, help="D's (and P's) KV pool, blocks of 16 tokens")
-    parser.add_argument("--handshake-s", type=float, default=10.0, help="how long a handshake waits for room")
-    parser.add_argument("--window-s", type=float, default=8.0, help="arrival window of the short requests")
-    parser.add_argument("--short-every-ms", type=float, default=40.0)
-    parser.add_argument("--short-prompt", type=int, default=40)
-    parser.add_argument("--short-output", type=int, default=80)
-    parser.add_argument("--long-prompt", type=int, default=640)
-    parser.add_argument("--long-output", type=int, default=20)
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--kv-blocks", type=positive_int, default=64, help="D's (and P's) KV pool, blocks of 16 tokens")
+    parser.add_argument("--handshake-s", type=positive_float, default=10.0, help="how long a handshake waits for room")
+    parser.add_argument("--window-s", type=positive_float, default=8.0, help="arrival window of the short requests")
+    parser.add_argument("--short-every-ms", type=positive_float, default=40.0)
+    parser.add_argument("--short-prompt", type=positive_int, default=40)
+    parser.add_argument("--short-output", type=positive_int, default=80)
+    parser.add_argument("--long-prompt", type=positive_int, default=640)
+    parser.add_argument("--long-output", type=positive_int, default=20)
     parser.add_argument("--long-at-s", default="1,2.5,4", help="arrival times of the long prompts")
-    parser.add_argument("--ttft-slo-ms", type=float, default=None, help="turn early rejection on with this TTFT SLO")
+    parser.add_argument("--ttft-slo-ms", type=positive_float, default=None,
+                        help="turn early rejection on with this TTFT SLO")
 
 
 def workload(args, vocab: int, seed: int):

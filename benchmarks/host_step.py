@@ -42,6 +42,7 @@ import random
 import time
 
 from benchmarks import report
+from benchmarks.arguments import positive_int
 
 WORKLOADS = {
     "greedy": dict(temperature=0.0),
@@ -54,11 +55,11 @@ GOAL_MS = 0.33
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny", help="model preset (tiny: the device work is small)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=200, help="decode steps timed per workload and repeat")
-    parser.add_argument("--prompt-tokens", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--steps", type=positive_int, default=200, help="decode steps timed per workload and repeat")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=100)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads")
 
 
 def decode_step_ms(llm, settings: dict, args, seed: int) -> dict[str, float]:

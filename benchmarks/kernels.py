@@ -32,14 +32,15 @@ import statistics
 import time
 
 from benchmarks import report
+from benchmarks.arguments import non_negative_int, positive_int
 
 HIDDEN, INTERMEDIATE, KV_HEADS, HEADS, HEAD_DIM, LAYERS, VOCAB = 768, 2304, 4, 12, 64, 12, 8192
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="input rows M for the linear layers")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=positive_int, default=9)
     parser.add_argument("--sections", default="linear,attention,sampling,block_tables", help="which tables to run")
 
 

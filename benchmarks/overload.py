@@ -38,6 +38,7 @@ from pathlib import Path
 
 from benchmarks import report
 from benchmarks import workload as wl
+from benchmarks.arguments import fraction, positive_float, positive_int
 
 MAX_EXTENSIONS = 2  # extra sweep rates when the capacity is outside the first sweep
 RUN_HEADERS = ["app", "load", "rate req/s", "requests", "rejected", "attainment (offered)", "attainment (admitted)",
@@ -49,19 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="model preset (default: bench; tiny with --quick)")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     parser.add_argument("--rates", default=None, help="capacity sweep rates, req/s (default: calibrated)")
-    parser.add_argument("--capacity", type=float, default=None, help="skip the sweep: capacity in req/s")
-    parser.add_argument("--window-s", type=float, default=None, help="offered window per run (default 50, quick 4)")
-    parser.add_argument("--run-window-s", type=float, default=None,
+    parser.add_argument("--capacity", type=positive_float, default=None, help="skip the sweep: capacity in req/s")
+    parser.add_argument("--window-s", type=positive_float, default=None,
+                        help="offered window per run (default 50, quick 4)")
+    parser.add_argument("--run-window-s", type=positive_float, default=None,
                         help="offered window of the 1x and 2x runs (default: --window-s)")
-    parser.add_argument("--min-requests", type=int, default=5)
-    parser.add_argument("--ttft-scale", type=float, default=4.0)
-    parser.add_argument("--ttft-slo-ms", type=float, default=None,
+    parser.add_argument("--min-requests", type=positive_int, default=5)
+    parser.add_argument("--ttft-scale", type=positive_float, default=4.0)
+    parser.add_argument("--ttft-slo-ms", type=positive_float, default=None,
                         help="TTFT SLO (default: --ttft-scale x isolated); fixed, so A/B runs share it")
-    parser.add_argument("--tbt-slo-ms", type=float, default=None, help="TBT SLO (default: --tbt-scale x isolated)")
-    parser.add_argument("--tbt-scale", type=float, default=2.0)
-    parser.add_argument("--attainment", type=float, default=0.9)
-    parser.add_argument("--kv-cache-mib", type=int, default=512)
-    parser.add_argument("--overhead-pairs", type=int, default=40, help="HTTP/direct pairs for the overhead")
+    parser.add_argument("--tbt-slo-ms", type=positive_float, default=None,
+                        help="TBT SLO (default: --tbt-scale x isolated)")
+    parser.add_argument("--tbt-scale", type=positive_float, default=2.0)
+    parser.add_argument("--attainment", type=fraction, default=0.9)
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=512)
+    parser.add_argument("--overhead-pairs", type=positive_int, default=40, help="HTTP/direct pairs for the overhead")
     parser.add_argument("--overhead-only", action="store_true", help="measure only the scheduler overhead")
     parser.add_argument("--seed", type=int, default=0)
 

@@ -28,18 +28,21 @@ import tempfile
 import time
 
 from benchmarks import report
+from benchmarks.arguments import positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="bench", help="built-in model preset (bench or tiny)")
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--first-tokens", type=int, default=512, help="tokens of each conversation's first prompt")
-    parser.add_argument("--user-tokens", type=int, default=32, help="new user tokens per later turn")
-    parser.add_argument("--answer-tokens", type=int, default=16, help="tokens generated per turn")
-    parser.add_argument("--device-blocks", type=int, default=128, help="KV blocks per worker's device pool")
-    parser.add_argument("--hit-tokens", type=int, default=1024, help="prompt length for the hit-latency figures")
-    parser.add_argument("--repeats", type=int, default=3, help="hit-latency repeats")
+    parser.add_argument("--conversations", type=positive_int, default=6)
+    parser.add_argument("--turns", type=positive_int, default=8)
+    parser.add_argument("--first-tokens", type=positive_int, default=512,
+                        help="tokens of each conversation's first prompt")
+    parser.add_argument("--user-tokens", type=positive_int, default=32, help="new user tokens per later turn")
+    parser.add_argument("--answer-tokens", type=positive_int, default=16, help="tokens generated per turn")
+    parser.add_argument("--device-blocks", type=positive_int, default=128, help="KV blocks per worker's device pool")
+    parser.add_argument("--hit-tokens", type=positive_int, default=1024,
+                        help="prompt length for the hit-latency figures")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="hit-latency repeats")
     parser.add_argument("--quick", action="store_true", help="tiny model, few turns: a smoke run")
 
 

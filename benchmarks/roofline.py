@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks import report
+from benchmarks.arguments import positive_int
 
 
 # ---- machine peaks -------------------------------------------------------------
@@ -179,10 +180,11 @@ def measure_targets(targets: list, args, vocab: int) -> dict[str, dict[str, list
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     parser.add_argument("--model", help="checkpoint folder (default: the built-in bench preset)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of prefill and decode per system (after a warm-up)")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=2048)
+    parser.add_argument("--decode-tokens", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="repeats of prefill and decode per system (after a warm-up)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference rows")
     parser.add_argument("--seed", type=int, default=0)
 

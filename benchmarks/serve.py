@@ -31,6 +31,7 @@ import os
 from pathlib import Path
 
 from benchmarks import report
+from benchmarks.arguments import fraction, positive_float, positive_int
 from benchmarks.serve_scenarios import SCENARIOS, Scenario, build_scenario
 
 RUN_HEADERS = ["system", "rate req/s", "requests", "ok", "TTFT p50 s", "TTFT p99 s", "TBT p50 ms", "TBT p99 ms",
@@ -43,18 +44,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help="model preset (default: bench; tiny with --quick)")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     parser.add_argument("--rates", default=None, help="comma-separated offered rates in req/s (default: calibrated)")
-    parser.add_argument("--window-s", type=float, default=None, help="offered window per run (default 50, quick 4)")
-    parser.add_argument("--min-requests", type=int, default=5, help="requests per run at least")
-    parser.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT SLO (default: --ttft-scale x isolated)")
-    parser.add_argument("--tbt-slo-ms", type=float, default=None, help="TBT SLO (default: --tbt-scale x isolated)")
-    parser.add_argument("--ttft-scale", type=float, default=3.0)
-    parser.add_argument("--tbt-scale", type=float, default=2.0)
+    parser.add_argument("--window-s", type=positive_float, default=None,
+                        help="offered window per run (default 50, quick 4)")
+    parser.add_argument("--min-requests", type=positive_int, default=5, help="requests per run at least")
+    parser.add_argument("--ttft-slo-ms", type=positive_float, default=None,
+                        help="TTFT SLO (default: --ttft-scale x isolated)")
+    parser.add_argument("--tbt-slo-ms", type=positive_float, default=None,
+                        help="TBT SLO (default: --tbt-scale x isolated)")
+    parser.add_argument("--ttft-scale", type=positive_float, default=3.0)
+    parser.add_argument("--tbt-scale", type=positive_float, default=2.0)
     parser.add_argument("--tbt-stat", choices=["mean", "p90", "max"], default="mean",
                         help="per-request TBT judged against the SLO")
-    parser.add_argument("--attainment", type=float, default=0.9, help="attainment target for goodput")
-    parser.add_argument("--chunk", type=int, default=128, help="prefill chunk of colocated-chunked")
-    parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache per worker")
-    parser.add_argument("--probes", type=int, default=3, help="isolated requests for calibration")
+    parser.add_argument("--attainment", type=fraction, default=0.9, help="attainment target for goodput")
+    parser.add_argument("--chunk", type=positive_int, default=128, help="prefill chunk of colocated-chunked")
+    parser.add_argument("--kv-cache-mib", type=positive_int, default=512, help="KV cache per worker")
+    parser.add_argument("--probes", type=positive_int, default=3, help="isolated requests for calibration")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import report
+from benchmarks.arguments import fraction, non_negative_float, positive_float, positive_int
 
 APP = "soak"
 MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "local.yaml"
@@ -52,16 +53,22 @@ MAX_EXAMPLES = 5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a 20 s smoke run (warm-up 5 s, samples every 2.5 s)")
-    parser.add_argument("--duration-s", type=float, default=None, help="load time (default 180; quick 20)")
-    parser.add_argument("--warm-up-s", type=float, default=None, help="RSS baseline after this (default 30; quick 5)")
-    parser.add_argument("--sample-every-s", type=float, default=None, help="sampling period (default 10; quick 2.5)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent closed-loop clients")
-    parser.add_argument("--think-s", type=float, default=0.2, help="longest random pause between a client's requests")
-    parser.add_argument("--cancel-share", type=float, default=0.12, help="share of streams cancelled mid-way")
-    parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--idle-timeout-s", type=float, default=30.0, help="for the workers to come back to idle")
-    parser.add_argument("--rss-tolerance", type=float, default=0.10, help="allowed RSS growth, fraction of baseline")
-    parser.add_argument("--rss-tolerance-mib", type=float, default=50.0, help="allowed RSS growth, MiB (larger wins)")
+    parser.add_argument("--duration-s", type=positive_float, default=None, help="load time (default 180; quick 20)")
+    parser.add_argument("--warm-up-s", type=positive_float, default=None,
+                        help="RSS baseline after this (default 30; quick 5)")
+    parser.add_argument("--sample-every-s", type=positive_float, default=None,
+                        help="sampling period (default 10; quick 2.5)")
+    parser.add_argument("--clients", type=positive_int, default=8, help="concurrent closed-loop clients")
+    parser.add_argument("--think-s", type=non_negative_float, default=0.2,
+                        help="longest random pause between a client's requests")
+    parser.add_argument("--cancel-share", type=fraction, default=0.12, help="share of streams cancelled mid-way")
+    parser.add_argument("--request-timeout-s", type=positive_float, default=120.0)
+    parser.add_argument("--idle-timeout-s", type=positive_float, default=30.0,
+                        help="for the workers to come back to idle")
+    parser.add_argument("--rss-tolerance", type=non_negative_float, default=0.10,
+                        help="allowed RSS growth, fraction of baseline")
+    parser.add_argument("--rss-tolerance-mib", type=non_negative_float, default=50.0,
+                        help="allowed RSS growth, MiB (larger wins)")
     parser.add_argument("--manifest", default=str(MANIFEST), help="serve manifest whose first app's args are served")
     parser.add_argument("--seed", type=int, default=0)
 

@@ -22,15 +22,16 @@ import statistics
 import time
 
 from benchmarks import report
+from benchmarks.arguments import positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="bench", help="built-in model preset (bench or tiny)")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="prefill chunk size")
-    parser.add_argument("--chunks", type=int, default=8, help="prompt length in chunks")
-    parser.add_argument("--repeats", type=int, default=3, help="A/B/C rounds")
-    parser.add_argument("--bandwidth-blocks", type=int, default=128, help="blocks moved per bandwidth run")
+    parser.add_argument("--chunk-tokens", type=positive_int, default=256, help="prefill chunk size")
+    parser.add_argument("--chunks", type=positive_int, default=8, help="prompt length in chunks")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="A/B/C rounds")
+    parser.add_argument("--bandwidth-blocks", type=positive_int, default=128, help="blocks moved per bandwidth run")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke run")
 
 

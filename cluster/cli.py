@@ -23,7 +23,10 @@ def _cmd_make_model(args: argparse.Namespace) -> None:
 
     if args.preset not in PRESETS:
         raise CliError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    out = build_checkpoint(args.preset, args.arch, Path(args.out), progress=True)
+    try:
+        out = build_checkpoint(args.preset, args.arch, Path(args.out), progress=True)
+    except OSError as exc:
+        raise CliError(f"cannot write the checkpoint to {args.out}: {exc.strerror or exc}") from None
     print(f"wrote {args.preset}/{args.arch} checkpoint to {out}")
 
 

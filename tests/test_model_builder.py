@@ -191,6 +191,13 @@ def test_cli_make_model(tmp_path):
     assert "nope" in bad.stderr and "tiny" in bad.stderr
     assert not (tmp_path / "x").exists()
 
+    (tmp_path / "a-file").write_text("")
+    unwritable = subprocess.run([*cmd, "--out", str(tmp_path / "a-file" / "m")], cwd=REPO, env=env,
+                                capture_output=True, text=True)
+    assert unwritable.returncode == 2 and "Traceback" not in unwritable.stderr
+    assert unwritable.stderr.strip() == f"tandem make-model: cannot write the checkpoint to {tmp_path}/a-file/m: " \
+                                        "Not a directory"
+
 
 def test_bench_preset_builds(tmp_path):
     # A few seconds on a laptop CPU (the build time is reported, not asserted).

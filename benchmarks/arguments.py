@@ -1,0 +1,26 @@
+"""Argument types of the `tandem bench` options, so that a count, size, rate or
+duration out of its range is refused by argparse with one line naming the option
+(`--capacity -1` reached the Poisson arrivals and ended in a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _number(kind, accepts, wanted: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _number(int, lambda v: v > 0, "an integer > 0")
+non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _number(float, lambda v: v > 0, "a number > 0")
+non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
+fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")

@@ -1,0 +1,52 @@
+"""`tandem bench` options out of range are refused by argparse, one line naming
+the option, before any benchmark runs (a negative capacity reached the Poisson
+arrivals and ended in a traceback). Every numeric option of every benchmark has
+a ranged type; only a seed takes any integer."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import arguments
+from cluster.cli import build_parser
+
+RANGED = {arguments.positive_int, arguments.non_negative_int, arguments.positive_float,
+          arguments.non_negative_float, arguments.fraction}
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _bench_parsers() -> dict[str, argparse.ArgumentParser]:
+    return _subcommands(_subcommands(build_parser())["bench"])
+
+
+def test_every_numeric_option_has_a_range():
+    for name, parser in _bench_parsers().items():
+        for action in parser._actions:
+            if action.type in (int, float):
+                assert action.dest == "seed", f"tandem bench {name} {action.option_strings[0]}: give it a range"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["overload", "--capacity", "-1"], "argument --capacity: must be a number > 0, got '-1'"),
+    (["serve", "--attainment", "1.5"], "argument --attainment: must be a number in [0, 1], got '1.5'"),
+    (["engine", "--repeats", "0"], "argument --repeats: must be an integer > 0, got '0'"),
+    (["kernels", "--threads", "x"], "argument --threads: must be an integer >= 0, got 'x'"),
+])
+def test_an_option_out_of_range_is_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["bench", *argv])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"tandem bench {argv[0]}: error: {message}"
+
+
+def test_in_range_values_parse():
+    args = build_parser().parse_args(["bench", "kernels", "--threads", "0"])
+    assert args.threads == 0
+    args = build_parser().parse_args(["bench", "soak", "--think-s", "0", "--cancel-share", "1"])
+    assert (args.think_s, args.cancel_share) == (0.0, 1.0)
