@@ -56,6 +56,15 @@ def _cmd_check_cluster(args: argparse.Namespace) -> None:
     print(f"{args.config}: valid (Ray's cluster schema and Tandem's node roles)")
 
 
+def _cmd_check_manifest(args: argparse.Namespace) -> None:
+    from cluster.manifest_check import check_manifest
+
+    problems = check_manifest(args.manifest)
+    if problems:
+        raise CliError(f"{args.manifest} is not valid:\n  " + "\n  ".join(problems))
+    print(f"{args.manifest}: valid (Serve's config schema and Tandem's settings)")
+
+
 def _add_benchmarks(sub) -> None:
     from benchmarks import BENCHMARKS
 
@@ -91,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-cluster", help="validate a ray_cluster.yaml offline")
     check.add_argument("config", help="cluster-launcher YAML")
     check.set_defaults(func=_cmd_check_cluster)
+
+    manifest = sub.add_parser("check-manifest", help="validate a Serve manifest (serve run / serve deploy) offline")
+    manifest.add_argument("manifest", help="Serve config YAML, or a RayService")
+    manifest.set_defaults(func=_cmd_check_manifest)
 
     _add_benchmarks(sub)
     return parser

@@ -1,7 +1,10 @@
-"""Every manifest parses as a Serve config and its args as Tandem settings."""
+"""Every manifest parses as a Serve config and its args as Tandem settings, and
+`tandem check-manifest` says so, or names each problem of one that does not."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import AppSettings
+from cluster.manifest_check import check_manifest
 
 MANIFESTS = sorted((Path(__file__).parent.parent / "manifests").glob("*.yaml"))
 
@@ -23,6 +27,21 @@ def test_manifest_validates(path):
     for application in schema.applications:
         assert application.import_path == "cluster.app:build_app"
         AppSettings.model_validate(application.args)
+    assert check_manifest(path) == []
+
+
+def test_check_manifest_names_each_problem_in_one_line(tmp_path):
+    local = (Path(__file__).parent.parent / "manifests" / "local.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(local.replace("block_size: 16,", "block_sise: 16,").replace("mode: disaggregated", "mode: both"))
+    problems = check_manifest(bad)
+    assert "application 'tandem': engine.block_sise: unknown setting" in problems
+    assert any(p.startswith("application 'tandem': mode: ") for p in problems) and len(problems) == 2
+    assert check_manifest(tmp_path / "missing.yaml")[0].startswith("cannot read a Serve config")
+    cli = subprocess.run([sys.executable, "-m", "cluster.cli", "check-manifest", str(bad)], capture_output=True,
+                         text=True, cwd=Path(__file__).parent.parent)
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr
+    assert cli.stderr.splitlines()[1:] == [f"  {p}" for p in problems]
 
 
 def test_rayservice_has_labelled_prefill_and_decode_groups():
