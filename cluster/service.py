@@ -291,7 +291,8 @@ class GlobalScheduler:
         (the D that had no room, else the P; a dead D is out of the pool)."""
         # Workers know a request by an id this replica makes: a caller's id (a client's
         # rid) may repeat one in flight, and a worker refusing the second as a
-        # duplicate ended the first's stream with it.
+        # duplicate ended the first's stream with it. Errors name it as the caller did.
+        said = f"request {request_id}" if request_id else "the request"
         request_id = f"{request_id or 'tandem'}-{self._replica_tag}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
             params = dataclasses.replace(params, seed=secrets.randbits(63))
@@ -314,7 +315,7 @@ class GlobalScheduler:
                 except ApiError:
                     if not exclude:
                         raise
-                    raise ApiError(503, f"request {request_id} failed ({failure}), and no other worker can take it; "
+                    raise ApiError(503, f"{said} failed ({failure}), and no other worker can take it; "
                                    "retry shortly", kind="service_unavailable", headers={"Retry-After": "1"}) from None
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 self.num_routed[choice.decode_id] = self.num_routed.get(choice.decode_id, 0) + 1
@@ -338,7 +339,7 @@ class GlobalScheduler:
                     else:
                         return
         except (WorkerDied, FeedLost, ReservationRefused) as exc:
-            raise ApiError(503, f"request {request_id} failed: {exc}", kind="service_unavailable") from None
+            raise ApiError(503, f"{said} failed: {exc}", kind="service_unavailable") from None
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (task cancelled, or closed us)
             outcome = "cancelled"
             raise
