@@ -89,6 +89,13 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def can_hold(self, num_tokens: int, hits: Sequence[int]) -> bool:
+        """Whether a table of `num_tokens` tokens fits now, its first blocks the
+        cached `hits` (to be taken, not allocated): the rest free or evictable,
+        the hits aside."""
+        idle_hits = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
+        return -(-num_tokens // self.block_size) - len(hits) <= len(self._free) - idle_hits
+
     def lookup(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix (tokens verified). Takes no refs."""
         found: list[int] = []

@@ -92,7 +92,7 @@ class DecodeWorker(WorkerBase):
 
     async def _try_reserve(self, request: GenerateRequest):
         """The engine's reservation for `request` now, or None if its pool has no room."""
-        held = await self.import_prefix(request, computes_prompt=False)  # its reservation reuses any prefix
+        held = await self.import_prefix(request, computes_prompt=False, reserving=True)  # reused by the reservation
         return await self.call(lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id, held))
 
     def _on_step(self, exported, outputs) -> None:

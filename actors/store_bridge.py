@@ -2,7 +2,9 @@
 and the store's tiers.
 
 - `prefix_plan`: for a store lookup, the hashes of the prompt's blocks a prefix hit
-  may cover and how many leading ones the device pool holds now;
+  may cover, how many leading ones the device pool holds now, and whether the pool
+  has room for the request (a decode worker's reservation: without room, loading
+  its prefix would only take pool blocks from other prefixes);
 - `import_prefix`: blocks loaded from the store copied into the pool and made
   findable (their keys and tokens checked against the prompt's first);
 - `save_computed`: the prompt blocks a step completed, copied off the device and
@@ -15,11 +17,18 @@ All of it runs on the engine thread, between steps; the store's own I/O does not
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from actors.block_pool import BlockPool, block_hashes
 from actors.kv_tiers import StoredBlock
+
+
+class PrefixPlan(NamedTuple):
+    hashes: list[bytes]  # of the prompt's blocks a prefix hit may cover (never the last token's)
+    num_in_pool: int  # leading blocks the device pool holds now
+    has_room: bool  # for the whole table asked about (True when none was)
 
 
 class StoreBridge:
@@ -32,15 +41,17 @@ class StoreBridge:
         self.enabled = enabled
         self.sink: Callable[[list[StoredBlock]], None] | None = None
 
-    def prefix_plan(self, prompt_ids: list[int]) -> tuple[list[bytes], int]:
-        """The hashes of the prompt's blocks a prefix hit may cover (never the last
-        token's), and how many leading ones the device pool holds now."""
+    def prefix_plan(self, prompt_ids: list[int], room_for_tokens: int | None = None) -> PrefixPlan:
+        """Where the prompt's prefix is; with `room_for_tokens`, also whether a
+        table of that many tokens (the prompt's, its pool prefix reused) fits now."""
         if not self.enabled:
-            return [], 0
+            return PrefixPlan([], 0, True)
         max_hit_blocks = (len(prompt_ids) - 1) // self.pool.block_size
         hashes = block_hashes(prompt_ids[: max_hit_blocks * self.pool.block_size], self.pool.block_size,
                               self.kv_namespace)
-        return hashes, len(self.pool.lookup(hashes, prompt_ids))
+        hits = self.pool.lookup(hashes, prompt_ids)
+        has_room = room_for_tokens is None or self.pool.can_hold(room_for_tokens, hits)
+        return PrefixPlan(hashes, len(hits), has_room)
 
     def import_prefix(self, prompt_ids: list[int], first_block: int, blocks: list[StoredBlock]) -> list[int]:
         """Copy blocks loaded from the store (the prompt's blocks `first_block`,
@@ -50,7 +61,7 @@ class StoreBridge:
         before `first_block` went meanwhile or no block is free. Blocks whose tokens
         are not this prompt's are refused."""
         size = self.pool.block_size
-        hashes, _ = self.prefix_plan(prompt_ids)
+        hashes = self.prefix_plan(prompt_ids).hashes
         blocks = blocks[: max(0, len(hashes) - first_block)]
         for offset, block in enumerate(blocks):
             index = first_block + offset

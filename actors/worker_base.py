@@ -138,18 +138,23 @@ class WorkerBase:
         self._ensure_started()
         return await self.aio.run_in_executor(self.executor, fn, *args)
 
-    async def import_prefix(self, request: GenerateRequest, computes_prompt: bool = True) -> list[int]:
+    async def import_prefix(self, request: GenerateRequest, computes_prompt: bool = True,
+                            reserving: bool = False) -> list[int]:
         """Warm the device prefix cache from the KV store before a request starts:
         find the prompt's blocks past what the pool holds, load them (off the engine
         thread, while it keeps stepping) and copy them in. Returns the prefix's block
         ids, held for `add_request(pinned_block_ids=...)` or `reserve`. Nothing for
         a request whose prompt this worker computes (`computes_prompt`) for its
-        logprobs: they come from every position, as `Scheduler.cached_prefix`."""
+        logprobs: they come from every position, as `Scheduler.cached_prefix`; nor
+        for a reservation (`reserving`: the prompt and a token's blocks at once)
+        the pool has no room for: the loaded blocks would take the place of other
+        prefixes' and be evicted again before the reservation's next try."""
         if self.kv_store is None or (computes_prompt and request.params.prompt_logprobs is not None):
             return []
         prompt_ids = request.prompt_token_ids
-        hashes, first = await self.call(lambda e: e.store_bridge.prefix_plan(prompt_ids))
-        if first >= len(hashes):
+        room = len(prompt_ids) + 1 if reserving else None
+        hashes, first, has_room = await self.call(lambda e: e.store_bridge.prefix_plan(prompt_ids, room))
+        if first >= len(hashes) or not has_room:
             return []
         try:
             blocks = await self.in_thread(self.kv_store.load, hashes[first:])

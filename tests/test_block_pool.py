@@ -47,6 +47,24 @@ def test_freed_blocks_stay_findable_until_reused():
     pool.check()
 
 
+def test_can_hold_counts_idle_hits_once():
+    """A table whose prefix is cached: the hits are taken, not allocated, so an
+    idle cached hit (free, evictable) is not also room for the rest."""
+    pool = BlockPool(4, 2)
+    tokens = [1, 2, 3, 4]
+    hits = pool.allocate(2)
+    for block_id, block_hash, start in zip(hits, block_hashes(tokens, 2), (0, 2)):
+        pool.register(block_id, block_hash, tokens[start : start + 2])
+    pool.release(hits)
+    assert pool.num_available == 4  # two free, two idle cached
+    assert pool.can_hold(8, hits) and not pool.can_hold(9, hits)  # 4 blocks: 2 hits + 2 free; 5: one short
+    assert pool.can_hold(8, []) and not pool.can_hold(9, [])  # without the hits: all 4 evictable or free
+    pool.take(hits)  # in use elsewhere now: the same answers
+    assert pool.can_hold(8, hits) and not pool.can_hold(9, hits)
+    pool.release(hits)
+    pool.check()
+
+
 def test_lookup_verifies_tokens_not_only_hashes():
     pool = BlockPool(2, 2)
     [block] = pool.allocate(1)

@@ -34,7 +34,7 @@ def run(engine, prompt, request_id, pinned=None):
 
 
 def import_from(engine, store, prompt):
-    hashes, first = engine.store_bridge.prefix_plan(prompt)
+    hashes, first, _ = engine.store_bridge.prefix_plan(prompt)
     return engine.store_bridge.import_prefix(prompt, first, store.load(hashes[first:]))
 
 
@@ -64,7 +64,7 @@ def test_blocks_of_other_tokens_are_refused(tiny_qwen2_dir, prompt):
     store = KVStore(b"unused", KVStoreSettings())
     run(make_engine(tiny_qwen2_dir, store), prompt, "a")
     reader = make_engine(tiny_qwen2_dir)
-    hashes, _ = reader.store_bridge.prefix_plan(prompt)
+    hashes = reader.store_bridge.prefix_plan(prompt).hashes
     blocks = store.load(hashes)
     forged = [blocks[0], StoredBlock(blocks[1].key, tuple(t + 1 for t in blocks[1].token_ids), blocks[1].kv)]
     held = reader.store_bridge.import_prefix(prompt, 0, forged + blocks[2:])
@@ -109,3 +109,21 @@ def test_held_imports_never_starve_the_head_of_the_queue(tiny_qwen2_dir):
             break
     assert finished == {"head", "held0", "held1"}
     engine.pool.check()
+
+
+def test_a_reservation_without_room_plans_no_import(tiny_qwen2_dir, prompt):
+    """A decode worker asks, with its prefix plan, whether the reservation (the
+    prompt and a token: 10 blocks) fits before it loads anything from the store:
+    the loaded blocks need pool blocks as much as computed ones."""
+    reader = make_engine(tiny_qwen2_dir, num_blocks=16)
+    bridge = reader.store_bridge
+    hold = reader.reserve(list(range(3, 3 + 16 * 7)), GREEDY, "hold")  # 112 tokens and a token: 8 of 16 blocks
+    assert hold is not None and reader.pool.num_available == 8
+    plan = bridge.prefix_plan(prompt, room_for_tokens=len(prompt) + 1)
+    assert (plan.num_in_pool, plan.has_room) == (0, False)
+    assert reader.reserve(prompt, GREEDY, "b") is None  # as the plan said
+    reader.cancel_reservation("hold")
+    assert bridge.prefix_plan(prompt, room_for_tokens=len(prompt) + 1).has_room
+    assert bridge.prefix_plan(prompt).has_room  # nothing asked: no room to miss
+    assert reader.reserve(prompt, GREEDY, "b") is not None
+

@@ -78,6 +78,31 @@ def test_fresh_workers_load_a_prefix_instead_of_recomputing(ray_local, tiny_qwen
         ray_local.kill(actor)
 
 
+def test_a_decode_worker_without_room_loads_nothing_from_the_store(ray_local, tiny_qwen2_dir, tmp_path):
+    """A handshake D has no room for waits (or is refused) without loading its
+    prefix: the loaded blocks would take the free blocks and other prefixes' place
+    for nothing. With room, the same handshake loads the prefix and reuses it."""
+    settings = KVStoreSettings(host_bytes=64 << 20)
+    conversation = [random.Random(11).randrange(3, 2000) for _ in range(200)]  # 12 full blocks + 8 tokens
+    p, d = start_pair(ray_local, tiny_qwen2_dir, "room-a", settings)
+    run_pd(p, d, GenerateRequest("room-first", conversation, GREEDY))
+    ray_local.get(p.kv_store_stats.remote())  # written through
+    small = EngineConfig(block_size=16, prefill_chunk_size=32, max_num_batched_tokens=128, num_kv_blocks=24)
+    fresh = start_worker("decode", "d-room-b", tiny_qwen2_dir, small, WorkerOptions(kv_store=settings))
+    hold = GenerateRequest("hold", [5] * 208, SamplingParams(max_new_tokens=1))  # 14 of 24 blocks: 10 free
+    ray_local.get(fresh.reserve.remote(hold, "unread"))
+    with pytest.raises(Exception, match="had no room for 200 prompt tokens"):  # 13 blocks
+        ray_local.get(fresh.reserve.remote(GenerateRequest("no-room", conversation, GREEDY), "unread"))
+    assert ray_local.get(fresh.stats.remote()).num_store_loaded_blocks == 0
+    assert ray_local.get(fresh.abort.remote("hold")) is not None
+    info = ray_local.get(fresh.reserve.remote(GenerateRequest("room", conversation, GREEDY), "unread"))
+    assert info.num_cached_blocks == 12 and ray_local.get(fresh.stats.remote()).num_store_loaded_blocks == 12
+    ray_local.get(fresh.abort.remote("room"))
+    assert_idle(ray_local, p, d, fresh)
+    for actor in (p, d, fresh):
+        ray_local.kill(actor)
+
+
 def test_disk_tier_serves_hits_after_everything_restarts(ray_local, tiny_qwen2_dir, tmp_path):
     from actors.block_pool import kv_namespace
     from actors.kv_store_client import node_store_name
