@@ -176,17 +176,18 @@ def test_a_batch_of_prompts_numbers_its_choices_prompt_major(client):
 
 
 def test_later_choices_prefill_from_the_first_ones_cache(base_url, client):
-    """Two prefill workers, cache-aware routing: choices 2 and 3 start after the
-    first has its first token, go to the P that holds the prompt, and find all of
-    it but the last block there (the metric every prefill reports). The prompt is
-    long enough that the hit outweighs the queue the other choice makes there
-    (the tiny model's prefill is mostly a fixed cost)."""
+    """Two prefill workers, cache-aware routing: the second choice starts after
+    the first has its first token, goes to the P that holds the prompt, and finds
+    all of it but the last block there (the metric every prefill reports). One
+    later choice, not two: a third, routed at the same moment, weighs the hit
+    against the queue the second makes on that P, and on the tiny model (its
+    prefill mostly a fixed cost) the other P can win (it did, in CI, now and then)."""
     prompt = list(range(300, 780))  # 480 tokens: 29 full blocks can hit
     series = 'tandem_prompt_tokens_total{source="cache"}'
     before = _counter(base_url, series)
-    client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, n=3, max_tokens=4, temperature=0.7, seed=1,
+    client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, n=2, max_tokens=4, temperature=0.7, seed=1,
                               extra_body={"ignore_eos": True})
-    assert _counter(base_url, series) - before == 2 * 464
+    assert _counter(base_url, series) - before == 464
 
 
 def test_tokenize_gives_the_ids_requests_use(base_url, client):
