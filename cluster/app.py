@@ -246,12 +246,12 @@ class Scheduler:
         keys = range(len(prompt_ids) * n)
         ids = [rids[k // n] if n == 1 else f"{rids[k // n]}-{k % n}" for k in keys]
         streams = await self._start_choices([(prompt_ids[k // n], choices[k // n][k % n], ids[k]) for k in keys], n)
+        answered = [sglang.Answered(ids[k], prompt_ids[k // n], body.logprob_start_len, body.top_logprobs_num)
+                    for k in keys]
         if body.stream:
-            num_prompt = [len(prompt_ids[k // n]) for k in keys]
-            return self._sse(sglang.stream(streams, num_prompt, ids, indexed=body.answers_a_list))
+            return self._sse(sglang.stream(streams, answered, indexed=body.answers_a_list))
         results = await self._collect_all(streams)
-        answers = [sglang.result(out, prompt_ids[k // n], ids[k], body.logprob_start_len, body.top_logprobs_num)
-                   for k, out in enumerate(results)]
+        answers = [sglang.result(out, a) for out, a in zip(results, answered)]
         return answers if body.answers_a_list else answers[0]
 
     @app.post("/v1/completions")

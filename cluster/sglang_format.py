@@ -3,13 +3,21 @@
 One request answers `{"text", "output_ids", "meta_info"}`; a batch (or `n` > 1)
 answers a list of them, prompt i's choice j at i * n + j, and streams chunks that
 each carry their place in that list as `index` (SGLang's shapes). A streamed chunk
-carries the request's whole text and ids so far, not a delta.
+carries the request's whole text and ids so far, not a delta, and so its
+meta_info: with `return_logprob`, the logprobs so far too (SGLang's default).
+
+Logprobs in meta_info, as SGLang gives them: `output_token_logprobs` [logprob, id]
+a generated token, `output_top_logprobs` the `top_logprobs_num` best of each as
+[logprob, id]; with `logprob_start_len` >= 0 the prompt's from there,
+`input_token_logprobs` (None for the prompt's first token) and
+`input_top_logprobs`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 
 from cluster.openai_format import sse
 from cluster.response_streams import Collected, merged
@@ -45,42 +53,61 @@ class CumulativeChunks:
                 + json.dumps(meta_info, separators=(",", ":")) + place + "}\n\n")
 
 
-def meta_info(rid: str, num_prompt: int, num_tokens: int, reason: str | None, num_cached: int,
-              logprobs: list | None = None) -> dict:
-    meta = {"id": rid, "prompt_tokens": num_prompt, "completion_tokens": num_tokens, "cached_tokens": num_cached,
-            "finish_reason": {"type": reason}}
+@dataclass(frozen=True)
+class Answered:
+    """What one request's meta_info describes, besides what it generated."""
+
+    rid: str
+    prompt_ids: list[int]
+    logprob_start_len: int  # -1: not the prompt's logprobs
+    top_logprobs_num: int
+
+
+def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cached: int,
+              logprobs: list | None = None, prompt_logprobs: list | None = None) -> dict:
+    meta = {"id": answered.rid, "prompt_tokens": len(answered.prompt_ids), "completion_tokens": num_tokens,
+            "cached_tokens": num_cached, "finish_reason": {"type": reason}}
+    top = answered.top_logprobs_num
     if logprobs is not None:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in logprobs]
+        if top:
+            meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top[:top]] for lp in logprobs]
+    if prompt_logprobs is not None:
+        start = answered.logprob_start_len
+        wanted = prompt_logprobs[start:]
+        meta["input_token_logprobs"] = [[lp.logprob if lp else None, answered.prompt_ids[start + i]]
+                                        for i, lp in enumerate(wanted)]
+        if top:
+            meta["input_top_logprobs"] = [[[v, t] for t, v in lp.top[:top]] if lp else None for lp in wanted]
     return meta
 
 
-def result(out: Collected, prompt_ids: list[int], rid: str, logprob_start_len: int, top_logprobs_num: int) -> dict:
-    """One request's whole answer. With the prompt's logprobs (SGLang's
-    `logprob_start_len` >= 0): [logprob, id] a position from there (None for the
-    prompt's first token), and the `top_logprobs_num` best of each."""
-    meta = meta_info(rid, len(prompt_ids), len(out.token_ids), out.finish_reason, out.num_cached_tokens,
-                     out.logprobs)
-    if out.prompt_logprobs is not None:
-        wanted = out.prompt_logprobs[logprob_start_len:]
-        meta["input_token_logprobs"] = [[lp.logprob if lp else None, prompt_ids[logprob_start_len + i]]
-                                        for i, lp in enumerate(wanted)]
-        if top_logprobs_num:
-            meta["input_top_logprobs"] = [[[v, t] for t, v in lp.top] if lp else None for lp in wanted]
+def result(out: Collected, answered: Answered) -> dict:
+    """One request's whole answer."""
+    meta = meta_info(answered, len(out.token_ids), out.finish_reason, out.num_cached_tokens, out.logprobs,
+                     out.prompt_logprobs)
     return {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
 
 
-async def stream(streams: list, num_prompt_tokens: list[int], rids: list[str], indexed: bool):
+async def stream(streams: list, answered: list[Answered], indexed: bool):
     """Each request's chunks as its events come (`indexed`: each says which
     request, a batch's way), then `[DONE]`; a worker's error ends the stream with
     an error chunk (closing it aborts every request still running)."""
     chunks = [CumulativeChunks() for _ in streams]
+    logprobs: list[list | None] = [None] * len(streams)  # each request's so far, if it asked
+    prompt_logprobs: list[list | None] = [None] * len(streams)
     async with contextlib.aclosing(merged(streams)) as events:
         async for k, event in events:
             if event.error:
                 yield sse({"error": {"message": event.error, "type": "worker_error"}})
                 break
             chunks[k].add(event.text, event.token_ids)
+            if event.logprobs is not None:  # extended in place: a copy an event would be quadratic
+                logprobs[k] = logprobs[k] if logprobs[k] is not None else []
+                logprobs[k].extend(event.logprobs)
+            prompt_logprobs[k] = prompt_logprobs[k] or event.prompt_logprobs
             reason = event.finish_reason if event.finished else None
-            meta = meta_info(rids[k], num_prompt_tokens[k], chunks[k].num_tokens, reason, event.num_cached_tokens)
+            meta = meta_info(answered[k], chunks[k].num_tokens, reason, event.num_cached_tokens, logprobs[k],
+                             prompt_logprobs[k])
             yield chunks[k].sse(meta, k if indexed else None)
     yield sse("[DONE]")

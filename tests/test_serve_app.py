@@ -90,8 +90,8 @@ def test_generate_streams_a_batch_with_n_choices_by_index(base_url):
     """Two id prompts, n = 2, seeded: four requests, prompt i's choice j at index
     2i + j, choice j drawing from seed + j; streamed chunks say their index and
     end as the whole answer does."""
-    body = {"input_ids": [[5, 6, 7], [9, 10, 11, 12]], "rid": ["p", "q"],
-            "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "seed": 3, "n": 2}}
+    body = {"input_ids": [[5, 6, 7], [9, 10, 11, 12]], "rid": ["p", "q"], "return_logprob": True,
+            "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "seed": 3, "n": 2}}
     whole = httpx.post(f"{base_url}/generate", json=body, timeout=60).json()
     assert [a["meta_info"]["id"] for a in whole] == ["p-0", "p-1", "q-0", "q-1"]
     assert [a["meta_info"]["prompt_tokens"] for a in whole] == [3, 3, 4, 4]
@@ -107,6 +107,13 @@ def test_generate_streams_a_batch_with_n_choices_by_index(base_url):
     assert sorted(last) == [0, 1, 2, 3]
     assert [last[k]["output_ids"] for k in range(4)] == [a["output_ids"] for a in whole]
     assert all(last[k]["meta_info"]["finish_reason"] == {"type": "length"} for k in range(4))
+    for k, answer in enumerate(whole):  # return_logprob: each chunk's meta_info has the logprobs so far
+        streamed, meta = last[k]["meta_info"], answer["meta_info"]
+        assert [t for _, t in streamed["output_token_logprobs"]] == answer["output_ids"]
+        assert [t for _, t in meta["output_token_logprobs"]] == answer["output_ids"]
+        assert [v for v, _ in streamed["output_token_logprobs"]] == pytest.approx(
+            [v for v, _ in meta["output_token_logprobs"]], abs=1e-4)
+        assert [len(top) for top in streamed["output_top_logprobs"]] == [2] * 4
 
 
 def test_penalties_over_http_equal_the_offline_engine(base_url, client):
@@ -240,6 +247,7 @@ def test_prompt_logprobs_by_echo_and_by_logprob_start_len(base_url, client):
         "top_logprobs_num": 2}).json()["meta_info"]
     assert [t for _, t in sglang["input_token_logprobs"]] == ids and sglang["input_token_logprobs"][0][0] is None
     assert sglang["input_top_logprobs"][0] is None and len(sglang["input_top_logprobs"][1]) == 2
+    assert len(sglang["output_top_logprobs"]) == 1 and len(sglang["output_top_logprobs"][0]) == 2
     scored = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, echo=True, max_tokens=0,
                                        logprobs=1, temperature=0)
     choice = scored.choices[0]
