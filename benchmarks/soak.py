@@ -172,6 +172,7 @@ def count_requests(records) -> dict:
     from benchmarks.soak_traffic import Endpoint
     from benchmarks.soak_verdict import Outcome
 
+    started_all = (Outcome.OK, Outcome.CANCELLED)  # every request of theirs reached the scheduler
     table = {}
     for label, chosen in [(e.label, [r for r in records if r.request.endpoint is e]) for e in Endpoint] + [
             ("all", records)]:
@@ -183,6 +184,11 @@ def count_requests(records) -> dict:
             "finish_stop": sum(1 for r in ok if r.verdict.finish_reason == "stop"),
             "finish_length": sum(1 for r in ok if r.verdict.finish_reason == "length"),
             "output_tokens_counted": sum(r.verdict.num_output_tokens or 0 for r in ok),
+            # the scheduler's requests (a batch's prompts x n each): at most these were sent, at least these
+            # reached it (a rejected batch: the one refused; the others it started are closed, or never begun)
+            "scheduler_requests_sent": sum(r.request.num_answers for r in chosen),
+            "scheduler_requests_reached": sum(r.request.num_answers if r.verdict.outcome in started_all
+                                              else r.verdict.outcome is Outcome.REJECTED for r in chosen),
             "e2e_s": {"p50": report.median(e2e), "p99": report.percentile(e2e, 99)} if e2e else None,
         }
     return table
@@ -212,10 +218,10 @@ def problems(counts, idle, memory, workers_before, workers_after, server) -> lis
         found.append(f"{total['failed']} failed requests")
     if not total["ok"]:
         found.append("no request completed")
-    reached = total["ok"] + total["rejected"] + total["cancelled"]  # these all reached the scheduler
+    reached, sent = total["scheduler_requests_reached"], total["scheduler_requests_sent"]
     ended = sum(server.values())
-    if not reached <= ended <= total["sent"]:
-        found.append(f"the scheduler ended {ended:.0f} requests; {reached} reached it, {total['sent']} were sent")
+    if not reached <= ended <= sent:
+        found.append(f"the scheduler ended {ended:.0f} requests; {reached} reached it, {sent} were sent")
     if not idle["idle"]:
         found.append(f"workers not idle {idle['after_s']:.0f} s after the load: {idle['workers']}")
     bad = [name for name, result in idle["accounting"].items() if result != "ok"]

@@ -2,8 +2,9 @@
 raw responses they collect.
 
 A `SoakRequest` is one HTTP request drawn from a seeded mix (`draw_request`):
-- endpoint (`Endpoint`): `/generate` streaming and not, `/v1/completions` streaming
-  and not, `/v1/chat/completions` streaming;
+- endpoint (`Endpoint`): `/generate` streaming and not, one prompt or SGLang's
+  batch (2-3 prompts, `n` 1 or 2), `/v1/completions` streaming and not,
+  `/v1/chat/completions` streaming;
 - prompt: token ids (exact length, clipped log-normal around 128 tokens) for
   `/generate` and completions, or text (random words) for chat and some
   `/generate` calls;
@@ -39,15 +40,18 @@ WORDS = ("the", "robot", "river", "quiet", "story", "light", "engine", "seven", 
 
 
 class Endpoint(enum.Enum):
-    GENERATE_STREAM = ("/generate", True)
-    GENERATE = ("/generate", False)
-    COMPLETIONS_STREAM = ("/v1/completions", True)
-    COMPLETIONS = ("/v1/completions", False)
-    CHAT_STREAM = ("/v1/chat/completions", True)
+    GENERATE_STREAM = ("/generate", True, False)
+    GENERATE = ("/generate", False, False)
+    GENERATE_BATCH_STREAM = ("/generate", True, True)
+    GENERATE_BATCH = ("/generate", False, True)
+    COMPLETIONS_STREAM = ("/v1/completions", True, False)
+    COMPLETIONS = ("/v1/completions", False, False)
+    CHAT_STREAM = ("/v1/chat/completions", True, False)
 
-    def __init__(self, path: str, is_stream: bool) -> None:
+    def __init__(self, path: str, is_stream: bool, is_batch: bool) -> None:
         self.path = path
         self.is_stream = is_stream
+        self.is_batch = is_batch  # SGLang's batch of prompts (and n): answers a list
 
     @property
     def label(self) -> str:
@@ -55,8 +59,10 @@ class Endpoint(enum.Enum):
 
 
 MIX = {  # endpoint -> share of requests
-    Endpoint.GENERATE_STREAM: 0.30,
-    Endpoint.GENERATE: 0.15,
+    Endpoint.GENERATE_STREAM: 0.25,
+    Endpoint.GENERATE: 0.10,
+    Endpoint.GENERATE_BATCH_STREAM: 0.05,
+    Endpoint.GENERATE_BATCH: 0.05,
     Endpoint.COMPLETIONS_STREAM: 0.20,
     Endpoint.COMPLETIONS: 0.10,
     Endpoint.CHAT_STREAM: 0.25,
@@ -75,9 +81,17 @@ class SoakRequest:
 
     @property
     def num_prompt_tokens(self) -> int | None:
-        """Exact for token-id prompts; None for text (the server tokenizes)."""
+        """Exact for token-id prompts; None for text (the server tokenizes) and
+        for a batch."""
         prompt = self.body.get("input_ids", self.body.get("prompt"))
-        return len(prompt) if isinstance(prompt, list) else None
+        return len(prompt) if isinstance(prompt, list) and not self.endpoint.is_batch else None
+
+    @property
+    def num_answers(self) -> int:
+        """A batch's prompts times its n; one otherwise."""
+        if not self.endpoint.is_batch:
+            return 1
+        return len(self.body["input_ids"]) * self.body["sampling_params"].get("n", 1)
 
 
 @dataclass
@@ -112,14 +126,18 @@ def draw_request(rng: random.Random, index: int, vocab_size: int, cancel_share: 
     ignore_eos = rng.random() < 0.5
     num_tokens = _lognormal(rng, 128, 1.0, 8, 1024)
 
-    if endpoint in (Endpoint.GENERATE_STREAM, Endpoint.GENERATE):
+    if endpoint.path == "/generate":
         params = {"max_new_tokens": max_new, "temperature": temperature, "ignore_eos": ignore_eos}
         if seed is not None:
             params["seed"] = seed
         if stop:
             params["stop"] = list(stop)
         body = {"sampling_params": params, "stream": endpoint.is_stream}
-        if rng.random() < 0.25:
+        if endpoint.is_batch:
+            params["n"] = rng.randint(1, 2)
+            body["input_ids"] = [random_tokens(rng, _lognormal(rng, 64, 0.8, 8, 512), vocab_size)
+                                 for _ in range(rng.randint(2, 3))]
+        elif rng.random() < 0.25:
             body["text"] = _text(rng, max(1, num_tokens // 3))
         else:
             body["input_ids"] = random_tokens(rng, num_tokens, vocab_size)

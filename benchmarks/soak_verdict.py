@@ -7,15 +7,18 @@ deliberate cancellation, or a failure?
   before that was well formed (no error event);
 - `OK`: HTTP 200 and a complete response of the endpoint's shape:
   - non-streaming: a JSON body with the expected fields (`/generate`: `text`,
-    `output_ids`, `meta_info` with `finish_reason.type` and `completion_tokens`;
-    completions: `object`, `choices[0].text`, `finish_reason`, `usage`);
+    `output_ids`, `meta_info` with `finish_reason.type` and `completion_tokens`, a
+    batch a list of those, one an answer; completions: `object`,
+    `choices[0].text`, `finish_reason`, `usage`);
   - streaming: every `data:` payload parses, none is an error, exactly one finish
-    reason arrives (on the last output event), and the stream ends with `[DONE]`;
-    chat streams open with the assistant role;
+    reason arrives (on the last output event; a batch's, each answer's on its
+    last, the answers told apart by `index`, all of them there), and the stream
+    ends with `[DONE]`; chat streams open with the assistant role;
   - in both: the finish reason is `length` or `stop`; the output has at most
     `max_new_tokens` tokens, exactly that many when it ended on `length` (where the
     count is known); the text holds none of the request's stop strings (generation
-    ends at the first one, which is cut off);
+    ends at the first one, which is cut off); a batch's verdict is its first
+    answer's, with the tokens of all;
 - `FAILED`: anything else (other statuses, a 429 of another kind, transport errors,
   timeouts, malformed or truncated bodies), with the reason.
 """
@@ -91,18 +94,31 @@ def _complete(request: SoakRequest, reason, text: str, num_tokens: int | None) -
 
 
 # ---- non-streaming --------------------------------------------------------------------------
-def _judge_body(request: SoakRequest, body: dict) -> Verdict:
-    if "error" in body:
+def _judge_body(request: SoakRequest, body) -> Verdict:
+    if isinstance(body, dict) and "error" in body:
         raise Malformed(f"error body: {str(body['error'])[:200]}")
+    if request.endpoint is Endpoint.GENERATE_BATCH:
+        if not isinstance(body, list) or len(body) != request.num_answers:
+            raise Malformed(f"a batch of {request.num_answers} answered with {str(body)[:100]}")
+        return _batch([_judge_generate(request, answer) for answer in body])
     if request.endpoint is Endpoint.GENERATE:
-        ids, meta = body["output_ids"], body["meta_info"]
-        if meta["completion_tokens"] != len(ids):
-            raise Malformed(f"completion_tokens {meta['completion_tokens']} for {len(ids)} output_ids")
-        return _complete(request, meta["finish_reason"]["type"], body["text"], len(ids))
+        return _judge_generate(request, body)
     if body["object"] != "text_completion":
         raise Malformed(f"object {body['object']!r}")
     (choice,) = body["choices"]
     return _complete(request, choice["finish_reason"], choice["text"], body["usage"]["completion_tokens"])
+
+
+def _judge_generate(request: SoakRequest, body: dict) -> Verdict:
+    ids, meta = body["output_ids"], body["meta_info"]
+    if meta["completion_tokens"] != len(ids):
+        raise Malformed(f"completion_tokens {meta['completion_tokens']} for {len(ids)} output_ids")
+    return _complete(request, meta["finish_reason"]["type"], body["text"], len(ids))
+
+
+def _batch(verdicts: list[Verdict]) -> Verdict:
+    return Verdict(Outcome.OK, finish_reason=verdicts[0].finish_reason,
+                   num_output_tokens=sum(v.num_output_tokens for v in verdicts))
 
 
 # ---- streaming ---------------------------------------------------------------------------------
@@ -117,7 +133,9 @@ def _judge_stream(request: SoakRequest, response: RawResponse) -> Verdict:
             raise Malformed(f"event is {type(event).__name__}")
         if "error" in event:
             raise Malformed(f"error event: {str(event['error'])[:200]}")
-    if request.endpoint is Endpoint.GENERATE_STREAM:
+    if request.endpoint is Endpoint.GENERATE_BATCH_STREAM:
+        answers = [_generate_events(e) for e in _by_index(events, request.num_answers, response.is_cancelled)]
+    elif request.endpoint is Endpoint.GENERATE_STREAM:
         reason, text, num_tokens = _generate_events(events)
     else:
         reason, text, num_tokens = _openai_events(request, events)
@@ -125,9 +143,24 @@ def _judge_stream(request: SoakRequest, response: RawResponse) -> Verdict:
         return Verdict(Outcome.CANCELLED)
     if not is_done:
         raise Malformed(f"stream ended without [DONE] after {len(payloads)} events")
+    if request.endpoint is Endpoint.GENERATE_BATCH_STREAM:
+        return _batch([_complete(request, *answer) for answer in answers])
     if request.include_usage and num_tokens is None:
         raise Malformed("no usage chunk though include_usage was asked for")
     return _complete(request, reason, text, num_tokens)
+
+
+def _by_index(events: list[dict], num_answers: int, is_cancelled: bool) -> list[list[dict]]:
+    """A batch stream's events, answer by answer (each event's `index`); every
+    answer has some unless the client hung up."""
+    answers: list[list[dict]] = [[] for _ in range(num_answers)]
+    for event in events:
+        if not 0 <= event["index"] < num_answers:
+            raise Malformed(f"index {event['index']} in a batch of {num_answers}")
+        answers[event["index"]].append(event)
+    if not is_cancelled and not all(answers):
+        raise Malformed(f"no events for answers {[k for k, a in enumerate(answers) if not a]}")
+    return [a for a in answers if a]
 
 
 def _generate_events(events: list[dict]):

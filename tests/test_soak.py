@@ -37,6 +37,8 @@ def test_the_mix_is_seeded_and_valid_for_the_api():
         if request.cancel_after_events is not None:
             assert request.endpoint.is_stream and request.max_new_tokens >= 64
     assert {r.endpoint for r in requests} == set(Endpoint)
+    batches = [r for r in requests if r.endpoint.is_batch]
+    assert {r.num_answers for r in batches} >= {2, 4, 6} and all(r.num_prompt_tokens is None for r in batches)
     assert any(r.cancel_after_events for r in requests) and any(r.stop for r in requests)
 
 
@@ -86,6 +88,44 @@ def test_a_stream_the_client_hung_up_on_is_cancelled_unless_it_held_an_error():
     assert judge(cancel, streamed(GENERATE_STREAM[:2], cancelled=True)).outcome is Outcome.CANCELLED
     error = sse_payloads({"error": {"message": "boom", "type": "worker_error"}})
     assert judge(cancel, streamed(GENERATE_STREAM[:1] + error, cancelled=True)).outcome is Outcome.FAILED
+
+
+def batch_request(num_prompts: int, n: int, cancel_after=None) -> SoakRequest:
+    body = {"input_ids": [[3, 4]] * num_prompts, "sampling_params": {"max_new_tokens": 4, "n": n}}
+    return SoakRequest(0, Endpoint.GENERATE_BATCH_STREAM, body, 4, cancel_after_events=cancel_after)
+
+
+def indexed(payload: str, index: int) -> str:
+    return json.dumps({**json.loads(payload), "index": index})
+
+
+def test_a_batch_stream_is_judged_answer_by_answer():
+    """SGLang's batch (2 prompts x n=2): each answer's events by their index,
+    interleaved; all four complete is ok, one missing or broken fails it."""
+    answers = [[indexed(e, k) for e in GENERATE_STREAM[:-1]] for k in range(4)]
+    interleaved = [e for step in zip(*answers) for e in step] + ["[DONE]"]
+    verdict = judge(batch_request(2, 2), streamed(interleaved))
+    assert verdict.outcome is Outcome.OK, verdict.reason
+    assert (verdict.finish_reason, verdict.num_output_tokens) == ("length", 16)
+    without_3 = [e for e in interleaved if '"index": 3' not in e]
+    assert "no events for answers [3]" in judge(batch_request(2, 2), streamed(without_3)).reason
+    assert "index 4 in a batch of 4" in judge(batch_request(2, 2), streamed(
+        interleaved[:-1] + [indexed(GENERATE_STREAM[0], 4), "[DONE]"])).reason
+    cut = [e for e in interleaved if not ('"index": 1' in e and '"length"' in e)]  # answer 1 never ends
+    assert "finish reason None" in judge(batch_request(2, 2), streamed(cut)).reason
+    assert judge(batch_request(2, 2, cancel_after=1), streamed(interleaved[:2], cancelled=True)).outcome \
+        is Outcome.CANCELLED
+
+
+def test_a_batch_body_is_a_list_of_answers():
+    request_ = SoakRequest(0, Endpoint.GENERATE_BATCH, {"input_ids": [[3], [4], [5]], "sampling_params": {
+        "max_new_tokens": 3}}, 3)
+    answer = {"text": "abc", "output_ids": [5, 6, 7], "meta_info": {"completion_tokens": 3,
+                                                                    "finish_reason": {"type": "length"}}}
+    verdict = lambda b: judge(request_, RawResponse(http_status=200, body=json.dumps(b)))  # noqa: E731
+    assert verdict([answer] * 3).outcome is Outcome.OK and verdict([answer] * 3).num_output_tokens == 9
+    assert "a batch of 3 answered with" in verdict([answer] * 2).reason
+    assert verdict(answer).outcome is Outcome.FAILED  # one answer for three prompts
 
 
 def test_only_an_slo_rejection_counts_as_a_deliberate_429():
