@@ -201,11 +201,11 @@ class Engine:
             self.pool.release(pinned_block_ids or [])  # the prefix lookup below re-takes them
         self.scheduler.prepare(request)
         hits = self.scheduler.cached_prefix(request, computes_prompt=False)
-        if not self.pool.can_hold(request.num_prompt_tokens + 1, hits):
+        num_tokens = request.num_prompt_tokens + 1  # and the first output token's slot
+        if not self.pool.can_hold(num_tokens, hits):
             return None
         self.pool.take(hits)
-        request.block_table = hits + self.pool.allocate(-(-(request.num_prompt_tokens + 1) // self.pool.block_size)
-                                                        - len(hits))
+        request.block_table = hits + self.pool.allocate(-(-num_tokens // self.pool.block_size) - len(hits))
         request.num_cached_tokens = len(hits) * self.pool.block_size
         self.reservations[request_id] = request
         self.num_reserved_blocks += len(request.block_table)

@@ -39,7 +39,8 @@ def check_manifest(path: str | Path) -> list[str]:
         try:
             AppSettings.model_validate(application.args)
         except ValidationError as exc:
-            problems += [f"application {application.name!r}: {_where(e) or 'args'}: {_message(e)}" for e in exc.errors()]
+            problems += [f"application {application.name!r}: {_where(e) or 'args'}: {_message(e)}"
+                         for e in exc.errors()]
     if not any(a.import_path == IMPORT_PATH for a in schema.applications):
         problems.append(f"no application has import_path {IMPORT_PATH}")
     return problems

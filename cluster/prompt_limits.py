@@ -1,9 +1,9 @@
 """A request's prompt checked against the deployment's limits before anything is
 spent on it: its ids (`encode_prompt`: text encoded, ids as given), cut to their
 last `keep_last` when asked (vLLM's truncate_prompt_tokens; -1: as many as the
-limits below let this request have), each id in the vocabulary, and the prompt, the output and both together
-within `limits` (cluster/config.py) and the model's context. Each refusal is an
-ApiError 400 that names the limit."""
+limits below let this request have), each id in the vocabulary, and the prompt,
+the output and both together within `limits` (cluster/config.py) and the model's
+context. Each refusal is an ApiError 400 that names the limit."""
 
 from __future__ import annotations
 

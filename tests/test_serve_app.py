@@ -75,8 +75,8 @@ def test_generate_answers_sglangs_batch_as_it_answers_each_prompt(base_url):
     each answer what the prompt alone gets (greedy)."""
     prompts = ["The first prompt", "A second prompt, a little longer than the first", "third"]
     params = [{"max_new_tokens": m, "temperature": 0} for m in (3, 6, 4)]
-    batch = httpx.post(f"{base_url}/generate", json={"text": prompts, "sampling_params": params, "rid": ["a", "b", "c"]},
-                       timeout=60)
+    body = {"text": prompts, "sampling_params": params, "rid": ["a", "b", "c"]}
+    batch = httpx.post(f"{base_url}/generate", json=body, timeout=60)
     assert batch.status_code == 200, batch.text
     answers = batch.json()
     assert [a["meta_info"]["id"] for a in answers] == ["a", "b", "c"]

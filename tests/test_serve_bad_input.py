@@ -149,7 +149,8 @@ def test_malformed_and_oversized_bodies(base_url, content, status):
 
 
 def test_a_body_that_is_not_json_says_where(base_url):
-    response = httpx.post(f"{base_url}/generate", content=b'{"text": "x",}', headers={"content-type": "application/json"})
+    response = httpx.post(f"{base_url}/generate", content=b'{"text": "x",}',
+                          headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("the body is not valid JSON: ")
 
