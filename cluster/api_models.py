@@ -125,9 +125,18 @@ Params = _one_or_many(SglangSamplingParams, list[SglangSamplingParams], _is_list
 Rids = _one_or_many(Rid, list[Rid], _is_list)
 
 
+FLAT_SAMPLING_FIELDS = (  # the seeds' flat body: these beside `text`, over `sampling_params`
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "min_new_tokens", "logit_bias",
+    "no_stop_trim", "skip_special_tokens",
+)
+
+
 class GenerateBody(_Body):
-    """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, or
-    SGLang's `sampling_params` object; `input_ids` instead of `text`.
+    """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, its
+    sampling fields (`FLAT_SAMPLING_FIELDS`) beside the prompt, or SGLang's
+    `sampling_params` object (a flat field wins over its key); `input_ids` instead
+    of `text`.
 
     A batch, as SGLang takes it: `text` a list of strings or `input_ids` a list of
     id lists, with one `sampling_params` for all or a list of them, one a prompt,
@@ -152,6 +161,12 @@ class GenerateBody(_Body):
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_new_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # >= 0: the prompt's logprobs too, from this position
@@ -210,12 +225,7 @@ class GenerateBody(_Body):
         return [self._params(base, defaults) for base in self._sampling_params()]
 
     def _params(self, base: SglangSamplingParams, defaults: SamplingDefaults) -> SamplingParams:
-        top_level = {
-            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p, "stop": self.stop, "seed": self.seed,
-            "repetition_penalty": self.repetition_penalty, "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-        }
+        top_level = {name: getattr(self, name) for name in FLAT_SAMPLING_FIELDS}
         merged = base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
         model = defaults.fill(temperature=merged.temperature, top_p=merged.top_p, top_k=merged.top_k,
                               min_p=merged.min_p, repetition_penalty=merged.repetition_penalty)

@@ -8,7 +8,7 @@ import pydantic
 import pytest
 
 from actors.sampling_defaults import SamplingDefaults
-from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody
+from cluster.api_models import ChatBody, ChatMessage, CompletionBody, GenerateBody, TokenizeBody
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -61,3 +61,16 @@ def test_prompt_logprobs_are_whole_responses_only():
         .prompt_logprobs == 5  # the more of the two; echo's lists keep their own 1
     with pytest.raises(pydantic.ValidationError, match="prompt_logprobs is not available with stream"):
         CompletionBody(prompt="x", prompt_logprobs=1, stream=True)
+
+
+def test_the_seeds_flat_body_takes_every_sampling_field():
+    """Beside the prompt, as the seeds write it, over SGLang's sampling_params
+    (`ignore_eos` there was ignored: a body's unknown keys are)."""
+    body = GenerateBody(text="x", max_new_tokens=3, ignore_eos=True, stop_token_ids=[5], min_new_tokens=2,
+                        logit_bias={"7": 1.5}, no_stop_trim=True, skip_special_tokens=False,
+                        sampling_params={"max_new_tokens": 9, "ignore_eos": False, "seed": 4})
+    (params,) = body.sampling(SamplingDefaults())
+    assert (params.max_new_tokens, params.ignore_eos, params.stop_token_ids, params.min_new_tokens) == (3, True, (5,), 2)
+    assert params.logit_bias == ((7, 1.5),) and params.include_stop_str_in_output and not params.skip_special_tokens
+    assert params.seed == 4  # from sampling_params: not set flat
+
