@@ -128,7 +128,7 @@ Rids = _one_or_many(Rid, list[Rid], _is_list)
 FLAT_SAMPLING_FIELDS = (  # the seeds' flat body: these beside `text`, over `sampling_params`
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "min_new_tokens", "logit_bias",
-    "no_stop_trim", "skip_special_tokens",
+    "no_stop_trim", "skip_special_tokens", "n",
 )
 
 
@@ -167,6 +167,7 @@ class GenerateBody(_Body):
     logit_bias: dict[int, float] | None = None
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # >= 0: the prompt's logprobs too, from this position
@@ -186,10 +187,10 @@ class GenerateBody(_Body):
                                  + (f" (this one has {size})" if self.is_batch else " (this is one prompt)"))
         if self.is_batch and isinstance(self.rid, str):
             raise ValueError("rid must be a list for a batch, one a prompt")
-        if len({p.n for p in self._sampling_params()}) > 1:
+        if self.n is None and len({p.n for p in self._sampling_params()}) > 1:
             raise ValueError("every prompt of a batch must ask for the same n")
-        if size * self.n > MAX_BATCH_REQUESTS:
-            raise ValueError(f"{size} prompts x n={self.n} is more than {MAX_BATCH_REQUESTS} requests")
+        if size * self.num_choices > MAX_BATCH_REQUESTS:
+            raise ValueError(f"{size} prompts x n={self.num_choices} is more than {MAX_BATCH_REQUESTS} requests")
         return self
 
     @property
@@ -200,12 +201,13 @@ class GenerateBody(_Body):
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
 
     @property
-    def n(self) -> int:
-        return self._sampling_params()[0].n
+    def num_choices(self) -> int:
+        """`n`: flat, or every prompt's `sampling_params` (the same)."""
+        return self.n if self.n is not None else self._sampling_params()[0].n
 
     @property
     def answers_a_list(self) -> bool:
-        return self.is_batch or self.n > 1
+        return self.is_batch or self.num_choices > 1
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.text if self.text is not None else self.input_ids

@@ -240,7 +240,7 @@ class Scheduler:
         per_prompt = body.sampling(self.sampling_defaults)
         await self._require_ready()
         prompt_ids = [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)]
-        n = body.n
+        n = body.num_choices
         rids = [rid or uuid.uuid4().hex for rid in body.rids()]
         choices = [choice_params(params, n) for params in per_prompt]
         keys = range(len(prompt_ids) * n)

@@ -405,10 +405,10 @@ def test_client_disconnect_frees_both_workers(base_url, n):
     """Streams closed by their clients (OpenAI's and SGLang's) end their requests on
     both workers, and none of them is an error on the scheduler's side."""
     logged = unhandled_errors_logged()
+    bodies = [("/generate", {"text": "keep going", "max_new_tokens": 200, "n": n, "ignore_eos": True}),
+              ("/v1/completions", {"prompt": "keep going", "max_tokens": 200, "n": n, "ignore_eos": True})]
     for attempt in range(6):
-        path, body = ("/v1/completions", {"prompt": "keep going", "max_tokens": 200, "n": n, "ignore_eos": True}) \
-            if attempt % 2 else ("/generate", {"text": "keep going", "sampling_params": {
-                "max_new_tokens": 200, "n": n, "ignore_eos": True}})
+        path, body = bodies[attempt % 2]
         with httpx.stream("POST", f"{base_url}{path}", json={**body, "stream": True}) as response:
             for index, _ in enumerate(response.iter_lines()):
                 if index >= 4:
