@@ -39,12 +39,12 @@ from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
 from cluster import sglang_format as sglang
 from cluster.admission import SloRejected
-from cluster.api_models import (MANY, ONE, ApiError, ChatBody, CompletionBody, DetokenizeBody, GenerateBody,
-                                TokenizeBody, choice_params)
+from cluster.api_models import ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
+from cluster.sglang_body import MANY, ONE, GenerateBody
 
 log = logging.getLogger("tandem.app")
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")

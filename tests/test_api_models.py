@@ -8,7 +8,8 @@ import pydantic
 import pytest
 
 from actors.sampling_defaults import SamplingDefaults
-from cluster.api_models import ChatBody, ChatMessage, CompletionBody, GenerateBody, TokenizeBody
+from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody
+from cluster.sglang_body import GenerateBody
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

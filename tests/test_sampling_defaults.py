@@ -13,7 +13,8 @@ from actors.config import CheckpointError
 from actors.llm import LLM
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
-from cluster.api_models import ChatBody, CompletionBody, GenerateBody
+from cluster.api_models import ChatBody, CompletionBody
+from cluster.sglang_body import GenerateBody
 from tests.conftest import served_app
 
 # Qwen2.5 Instruct's generation_config.json, less its token ids.

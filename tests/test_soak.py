@@ -14,7 +14,8 @@ from benchmarks.soak_probes import MIB, memory_growth, slope_bytes_per_min
 from benchmarks.soak_traffic import Endpoint, RawResponse, SoakRequest, draw_request
 from benchmarks.soak_verdict import Outcome, judge
 from cluster import openai_format as fmt
-from cluster.api_models import ChatBody, CompletionBody, GenerateBody
+from cluster.api_models import ChatBody, CompletionBody
+from cluster.sglang_body import GenerateBody
 
 
 # ---- the mix ------------------------------------------------------------------------------

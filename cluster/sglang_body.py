@@ -1,0 +1,200 @@
+"""SGLang's `/generate` body: one prompt or a batch, `sampling_params` one or a
+list (an unknown key refused, as SGLang refuses it), and the seeds' flat body
+(the sampling fields beside the prompt). OpenAI's bodies, and what every body
+shares: cluster/api_models.py."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Union
+
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+
+from actors.sampling_defaults import SamplingDefaults
+from actors.sampling_params import SamplingParams
+from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, RequestBody, stop_tuple
+
+
+class SglangSamplingParams(RequestBody):
+    """SGLang's `sampling_params` object: its keys, each a field here, one Tandem
+    does not implement (`UNSUPPORTED`), or refused as unknown."""
+
+    model_config = ConfigDict(extra="forbid")
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
+        "stop_regex": (None, []), "custom_params": (None,), "stream_interval": (None, 1),
+    }
+
+    max_new_tokens: int = 128
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
+    temperature: float | None = None  # None: the model's default
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1)  # SGLang's -1 means off
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None  # the sampling seed (SGLang: sampling_seed)
+    sampling_seed: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    no_stop_trim: bool = False  # keep the stop string at the end of the text
+    # A slow tokenizer's option: fast tokenizers (SGLang's and Tandem's detokenizing) never add those spaces
+    spaces_between_special_tokens: bool = True
+
+
+ONE, MANY = "one", "many"  # the shapes of a field that takes one or a batch: not part of an error's location
+
+
+def _one_or_many(one, many, is_many):
+    """A field of type `one` or, for a batch, `many`, told apart by `is_many(value)`,
+    so that an error names the shape the client sent, not both (a plain union
+    reports one error per member)."""
+    return Annotated[Union[Annotated[one, Tag(ONE)], Annotated[many, Tag(MANY)]],
+                     Discriminator(lambda value: MANY if is_many(value) else ONE)]
+
+
+def _is_list(value) -> bool:
+    return isinstance(value, list)
+
+
+def _is_list_of_lists(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], list)
+
+
+Rid = Annotated[str, Field(max_length=128)]
+Text = _one_or_many(str, list[str], _is_list)
+InputIds = _one_or_many(list[int], list[list[int]], _is_list_of_lists)
+Params = _one_or_many(SglangSamplingParams, list[SglangSamplingParams], _is_list)
+Rids = _one_or_many(Rid, list[Rid], _is_list)
+
+
+FLAT_SAMPLING_FIELDS = (  # the seeds' flat body: these beside `text`, over `sampling_params`
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "min_new_tokens", "logit_bias",
+    "no_stop_trim", "skip_special_tokens", "n",
+)
+
+
+class GenerateBody(RequestBody):
+    """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, its
+    sampling fields (`FLAT_SAMPLING_FIELDS`) beside the prompt, or SGLang's
+    `sampling_params` object (a flat field wins over its key); `input_ids` instead
+    of `text`.
+
+    A batch, as SGLang takes it: `text` a list of strings or `input_ids` a list of
+    id lists, with one `sampling_params` for all or a list of them, one a prompt,
+    and `rid` a list too if given. A batch, or `n` > 1, is answered with a list,
+    prompt i's choice j at i * n + j (SGLang's order); streamed, each chunk says
+    which by its `index`."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "lora_path": (None,), "image_data": (None,), "input_embeds": (None,), "custom_logit_processor": (None,),
+    }
+
+    text: Text | None = None
+    input_ids: InputIds | None = None
+    sampling_params: Params | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_new_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)  # >= 0: the prompt's logprobs too, from this position
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    rid: Rids | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt_or_a_batch(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        size = len(self.prompts())
+        if self.is_batch and not size:
+            raise ValueError("the batch of prompts is empty")
+        for name, value in (("sampling_params", self.sampling_params), ("rid", self.rid)):
+            if isinstance(value, list) and (not self.is_batch or len(value) != size):
+                raise ValueError(f"{name} is a list of {len(value)}: a list needs a batch of as many prompts"
+                                 + (f" (this one has {size})" if self.is_batch else " (this is one prompt)"))
+        if self.is_batch and isinstance(self.rid, str):
+            raise ValueError("rid must be a list for a batch, one a prompt")
+        if self.n is None and len({p.n for p in self._sampling_params()}) > 1:
+            raise ValueError("every prompt of a batch must ask for the same n")
+        if size * self.num_choices > MAX_BATCH_REQUESTS:
+            raise ValueError(f"{size} prompts x n={self.num_choices} is more than {MAX_BATCH_REQUESTS} requests")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        """A list of texts, or of id lists (a list of ids is one prompt)."""
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def num_choices(self) -> int:
+        """`n`: flat, or every prompt's `sampling_params` (the same)."""
+        return self.n if self.n is not None else self._sampling_params()[0].n
+
+    @property
+    def answers_a_list(self) -> bool:
+        return self.is_batch or self.num_choices > 1
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.text if self.text is not None else self.input_ids
+        return list(prompt) if self.is_batch else [prompt]
+
+    def rids(self) -> list[str | None]:
+        """The client's name of each prompt (None: unnamed)."""
+        return list(self.rid) if isinstance(self.rid, list) else [self.rid] * len(self.prompts())
+
+    def _sampling_params(self) -> list[SglangSamplingParams]:
+        if isinstance(self.sampling_params, list):
+            return self.sampling_params
+        return [self.sampling_params or SglangSamplingParams()] * len(self.prompts())
+
+    def sampling(self, defaults: SamplingDefaults) -> list[SamplingParams]:
+        """Each prompt's params: its `sampling_params`, the body's own fields over them."""
+        return [self._params(base, defaults) for base in self._sampling_params()]
+
+    def _params(self, base: SglangSamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+        top_level = {name: getattr(self, name) for name in FLAT_SAMPLING_FIELDS}
+        merged = base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
+        model = defaults.fill(temperature=merged.temperature, top_p=merged.top_p, top_k=merged.top_k,
+                              min_p=merged.min_p, repetition_penalty=merged.repetition_penalty)
+        return SamplingParams(
+            max_new_tokens=merged.max_new_tokens,
+            temperature=model["temperature"],
+            top_p=model["top_p"],
+            top_k=max(model["top_k"], 0),
+            min_p=model["min_p"],
+            stop=stop_tuple(merged.stop),
+            stop_token_ids=tuple(merged.stop_token_ids or ()),
+            ignore_eos=merged.ignore_eos,
+            skip_special_tokens=merged.skip_special_tokens,
+            seed=merged.seed if merged.seed is not None else merged.sampling_seed,
+            logprobs=self.top_logprobs_num if self.return_logprob else None,
+            prompt_logprobs=self.top_logprobs_num if self.return_logprob and self.logprob_start_len >= 0 else None,
+            repetition_penalty=model["repetition_penalty"],
+            frequency_penalty=merged.frequency_penalty,
+            presence_penalty=merged.presence_penalty,
+            min_new_tokens=merged.min_new_tokens,
+            logit_bias=tuple((merged.logit_bias or {}).items()),
+            include_stop_str_in_output=merged.no_stop_trim,
+        )
