@@ -8,7 +8,8 @@ import random
 from cluster.openai_format import sse
 from cluster.sglang_format import CumulativeChunks
 
-PIECES = ["the", " cat", "é", "\u2603", '"q"', "\\", "\n", "\t", "\x00", "\U0001f642", "</script>", "", "\ud7ff", " tok"]
+PIECES = ["the", " cat", "é", "\u2603", '"q"', "\\", "\n", "\t", "\x00", "\U0001f642", "</script>", "", "\ud7ff",
+          " tok"]
 
 
 def test_cumulative_chunks_match_encoding_the_whole_payload():
