@@ -72,13 +72,6 @@ Params = _one_or_many(SglangSamplingParams, list[SglangSamplingParams], _is_list
 Rids = _one_or_many(Rid, list[Rid], _is_list)
 
 
-FLAT_SAMPLING_FIELDS = (  # the seeds' flat body: these beside `text`, over `sampling_params`
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "min_new_tokens", "logit_bias",
-    "no_stop_trim", "skip_special_tokens", "n",
-)
-
-
 class GenerateBody(RequestBody):
     """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, its
     sampling fields (`FLAT_SAMPLING_FIELDS`) beside the prompt, or SGLang's
@@ -198,3 +191,7 @@ class GenerateBody(RequestBody):
             logit_bias=tuple((merged.logit_bias or {}).items()),
             include_stop_str_in_output=merged.no_stop_trim,
         )
+
+
+# The seeds' flat body: GenerateBody's fields that are sampling_params' keys too, beside `text`, over them.
+FLAT_SAMPLING_FIELDS = tuple(name for name in GenerateBody.model_fields if name in SglangSamplingParams.model_fields)
