@@ -131,6 +131,9 @@ class DecodeWorker(WorkerBase):
     def _num_waiting_handshakes(self) -> int:
         return len(self.handshakes)
 
+    def _num_blocked_handshakes(self) -> int:
+        return self.handshakes.num_blocked
+
     def _num_reservations_granted(self) -> int:
         return self.num_granted
 

@@ -4,7 +4,8 @@ A decode worker (D) without room for a prompt keeps its handshake waiting
 (actors/reservation_queue.py) until running requests finish and free blocks;
 only then does the prefill start. Admission adds that wait to the predicted TTFT.
 It is predicted from D's stats, read at each refresh by every scheduler replica
-alike: the handshakes waiting now, and the reservations D granted per second over
+alike: the handshakes waiting now for want of room (not those passing through,
+actors/reservation_queue.py), and the reservations D granted per second over
 the last `WINDOW_S` (while D is full, as many as requests finished). First come,
 first served, so a request joining a line of k waits about (k + 1) / rate; k
 counts, besides the line at the last reading, this replica's requests sent to D

@@ -91,7 +91,7 @@ class GlobalScheduler:
             elif not isinstance(stats, BaseException):
                 self.stats[member.worker_id] = stats
                 if member.role == "decode":
-                    self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_waiting_handshakes,
+                    self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_blocked_handshakes,
                                        time.monotonic())
                 self.prefix.setdefault(member.worker_id, PrefixIndex(stats.num_blocks))
                 self.metrics.set("kv_blocks_used", "KV blocks in use per worker", stats.num_used_blocks,
@@ -277,9 +277,10 @@ class GlobalScheduler:
         return match_any(indexes, hashes) * self.block_size
 
     def _headroom(self, worker_id: str) -> int:
-        """Free KV blocks; none while handshakes wait in line for them."""
+        """Free KV blocks; none while handshakes wait in line for them (D had no
+        room for the first: handshakes only passing through leave the headroom)."""
         stats = self.stats.get(worker_id)
-        if stats is None or stats.num_waiting_handshakes:
+        if stats is None or stats.num_blocked_handshakes:
             return 0
         return stats.num_blocks - stats.num_used_blocks
 

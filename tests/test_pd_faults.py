@@ -175,7 +175,8 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
         aborted = asyncio.ensure_future(d.reserve.remote(GenerateRequest("aborted", list(range(300, 310)), params),
                                                          "unread", p, 30))
         await asyncio.sleep(0.3)
-        assert (await d.stats.remote()).num_waiting_handshakes == 3
+        stats = await d.stats.remote()
+        assert stats.num_waiting_handshakes == 3 and stats.num_blocked_handshakes == 3
         await d.abort.remote("aborted")
         with pytest.raises(ReservationRefused, match="aborted while it waited"):
             await aborted
@@ -184,7 +185,8 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
         assert not long.done() and not short.done()
         await d.abort.remote("hold-1")
         assert len((await long).block_ids) == 8 and len((await short).block_ids) == 3
-        assert (await d.stats.remote()).num_waiting_handshakes == 0
+        stats = await d.stats.remote()
+        assert stats.num_waiting_handshakes == 0 and stats.num_blocked_handshakes == 0
         for request_id in ("long", "short"):
             await d.abort.remote(request_id)
         await d.reserve.remote(GenerateRequest("hold", list(range(1, 150)), params), "unread", p)  # 10 blocks

@@ -134,3 +134,42 @@ def test_an_attempts_error_reaches_its_caller_and_the_line_moves_on():
         waiting.cancel()
 
     run(scenario())
+
+
+def test_only_a_line_whose_first_found_no_room_counts_as_blocked():
+    """A burst passing through a D with room is in line (a call onto the engine
+    thread each) but not blocked; once the first in line is refused, the whole
+    line is, until room lets it through."""
+    async def scenario():
+        queue, blocks = ReservationQueue(), Blocks(free=6)
+        gate = asyncio.Event()  # holds each attempt, as a long engine step would
+
+        def slow(n):
+            take = blocks.attempt(n)
+
+            async def attempt():
+                await gate.wait()
+                return await take()
+
+            return attempt
+
+        burst = [asyncio.ensure_future(queue.wait_turn(f"b{i}", slow(2), wait_s=10)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert (len(queue), queue.num_blocked) == (3, 0)
+        gate.set()
+        assert await asyncio.gather(*burst) == [2, 2, 2]
+        first = asyncio.ensure_future(queue.wait_turn("first", blocks.attempt(2), wait_s=10))
+        second = asyncio.ensure_future(queue.wait_turn("second", blocks.attempt(1), wait_s=10))
+        await asyncio.sleep(0.01)
+        assert (len(queue), queue.num_blocked) == (2, 2)
+        blocks.free = 2
+        queue.room_freed()
+        assert await first == 2
+        await asyncio.sleep(0.01)
+        assert (len(queue), queue.num_blocked) == (1, 1)  # the second tried and found no room
+        blocks.free = 1
+        queue.room_freed()
+        assert await second == 1
+        assert (len(queue), queue.num_blocked) == (0, 0)
+
+    run(scenario())
