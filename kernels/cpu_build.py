@@ -10,7 +10,7 @@ torch's own ops share one thread pool.
 The build is cached by torch (`~/.cache/torch_extensions`, or
 `TORCH_EXTENSIONS_DIR`) under a name that includes a hash of the source and of this
 CPU's instruction-set flags (the code is built for this CPU); processes that ask
-for the same kernel at once wait on torch's lock file while one of them builds.
+for the same kernel at once wait while one of them builds (`_build_lock`).
 When a kernel cannot be built (no compiler, no ninja, a build error), `load`
 returns None, says why once in the log, and the callers use the torch reference.
 
@@ -22,6 +22,8 @@ kernels.cpu_build` builds all of them at once, in parallel; `make serve` and
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import sys
@@ -50,6 +52,26 @@ def _build_tag(source: Path) -> str:
     return hashlib.sha256(flags.encode() + source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
 
 
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """Hold the build of extension `name` for this process; yields its build folder.
+
+    Torch's own lock is a file that exists while a process builds (`lock` in the
+    build folder), and a process killed mid-build (Ctrl-C during the first `make
+    serve`, a test run stopped) leaves it behind: every later load of that kernel
+    then waited on it forever, and workers never started. Here a builder first
+    takes an flock on a file beside it, which the OS lets go when its holder
+    dies; whoever holds the flock knows a torch lock file there is a dead
+    builder's, and removes it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    with open(folder / "tandem-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield folder
+
+
 def load(source_name: str):
     """The compiled module of `csrc/<source_name>.cpp`, or None when it cannot be built here.
     Called on every kernel call: once built, a dict lookup without the lock."""
@@ -62,10 +84,12 @@ def load(source_name: str):
             try:
                 from torch.utils.cpp_extension import load as load_extension
 
-                _modules[source_name] = load_extension(
-                    name=f"tandem_{source_name}_{_build_tag(source)}", sources=[str(source)],
-                    extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                )
+                name = f"tandem_{source_name}_{_build_tag(source)}"
+                with _build_lock(name) as folder:
+                    _modules[source_name] = load_extension(
+                        name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                        build_directory=str(folder),
+                    )
             except Exception as exc:  # no compiler, no ninja, a build error: fall back
                 _errors[source_name] = f"{type(exc).__name__}: {exc}"
                 log.warning("C++ kernel %s unavailable, using the torch reference: %s", source_name,
