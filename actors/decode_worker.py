@@ -56,6 +56,7 @@ class DecodeWorker(WorkerBase):
         self._receivers: dict[str, KVReceiver] = {}
         self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
         self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
+        self._line_blocks: dict[str, int] = {}  # request id -> the blocks its waiting handshake asks for
         self.num_granted = 0  # reservations granted (the scheduler's line-wait predictions)
         background_task(self._watchdog())
 
@@ -68,6 +69,8 @@ class DecodeWorker(WorkerBase):
         self._ensure_started()
         request_id = request.request_id
         self.streams.open(request_id, subscription)
+        # The prompt and the first output token (Engine.reserve), before any prefix hit.
+        self._line_blocks[request_id] = -(-(len(request.prompt_token_ids) + 1) // self.engine.pool.block_size)
         try:
             reservation = await self.handshakes.wait_turn(request_id, lambda: self._try_reserve(request), wait_s)
         except Withdrawn:
@@ -76,6 +79,8 @@ class DecodeWorker(WorkerBase):
         except BaseException:  # a refusal, or the call cancelled (its caller left)
             self.streams.forget(request_id)
             raise
+        finally:
+            self._line_blocks.pop(request_id, None)
         if reservation is None:
             self.streams.forget(request_id)
             behind = f", {len(self.handshakes)} more handshakes waiting" if len(self.handshakes) else ""
@@ -131,8 +136,8 @@ class DecodeWorker(WorkerBase):
     def _num_waiting_handshakes(self) -> int:
         return len(self.handshakes)
 
-    def _num_blocked_handshakes(self) -> int:
-        return self.handshakes.num_blocked
+    def _num_waiting_blocks(self) -> int:
+        return sum(self._line_blocks.values())
 
     def _num_reservations_granted(self) -> int:
         return self.num_granted

@@ -43,19 +43,9 @@ class ReservationQueue:
     def __init__(self) -> None:
         self._line: dict[str, asyncio.Event] = {}  # request id -> its wake-up, in arrival order
         self._withdrawn: set[str] = set()
-        self._head_refused = False  # the first in line tried and found no room
 
     def __len__(self) -> int:
         return len(self._line)
-
-    @property
-    def num_blocked(self) -> int:
-        """Requests in line because D has no room: the whole line once its first
-        tried and was refused, else none. A line that only passes through (each
-        handshake waits one call onto the engine thread, between two steps) is not
-        waiting for blocks: a burst of handshakes read as a full D's line made
-        admission predict seconds of waiting on an idle D (cluster/decode_lines.py)."""
-        return len(self._line) if self._head_refused else 0
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._line
@@ -96,10 +86,7 @@ class ReservationQueue:
                 result = await attempt()
                 if result is not None:
                     return result
-                self._head_refused = True
         finally:
-            if next(iter(self._line)) == request_id:
-                self._head_refused = False  # the next first in line has not tried yet
             del self._line[request_id]
             self._withdrawn.discard(request_id)
             self.room_freed()  # the next in line takes its turn

@@ -58,8 +58,8 @@ class WorkerStats:
     last_step_s: float
     num_store_loaded_blocks: int = 0  # prompt blocks served by the KV store, not computed
     node_id: str = ""  # the Ray node (whose KV store the worker uses)
-    num_waiting_handshakes: int = 0  # a decode worker's handshakes in line for KV blocks
-    num_blocked_handshakes: int = 0  # of those, the ones waiting because D has no room (actors/reservation_queue.py)
+    num_waiting_handshakes: int = 0  # a decode worker's handshakes waiting for KV blocks
+    num_waiting_blocks: int = 0  # the KV blocks those handshakes ask for
     num_reservations_granted: int = 0  # a decode worker's reservations since it started
     num_reserved_blocks: int = 0  # KV blocks a decode worker holds for prompts whose KV is still coming
 
@@ -187,11 +187,11 @@ class WorkerBase:
         return 0
 
     def _num_waiting_handshakes(self) -> int:
-        """Handshakes in line for this worker's KV blocks (a decode worker's)."""
+        """Handshakes waiting for this worker's KV blocks (a decode worker's)."""
         return 0
 
-    def _num_blocked_handshakes(self) -> int:
-        """Of those, the ones waiting because the pool has no room for the first."""
+    def _num_waiting_blocks(self) -> int:
+        """The KV blocks those handshakes ask for."""
         return 0
 
     def _num_reservations_granted(self) -> int:
@@ -291,7 +291,7 @@ class WorkerBase:
             num_store_loaded_blocks=self.num_store_loaded_blocks,
             node_id=self.node,
             num_waiting_handshakes=self._num_waiting_handshakes(),
-            num_blocked_handshakes=self._num_blocked_handshakes(),
+            num_waiting_blocks=self._num_waiting_blocks(),
             num_reservations_granted=self._num_reservations_granted(),
             num_reserved_blocks=engine.num_reserved_blocks,
         )

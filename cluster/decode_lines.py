@@ -4,13 +4,13 @@ A decode worker (D) without room for a prompt keeps its handshake waiting
 (actors/reservation_queue.py) until running requests finish and free blocks;
 only then does the prefill start. Admission adds that wait to the predicted TTFT.
 It is predicted from D's stats, read at each refresh by every scheduler replica
-alike: the handshakes waiting now for want of room (not those passing through,
-actors/reservation_queue.py), and the reservations D granted per second over
+alike: the handshakes waiting now, and the reservations D granted per second over
 the last `WINDOW_S` (while D is full, as many as requests finished). First come,
 first served, so a request joining a line of k waits about (k + 1) / rate; k
 counts, besides the line at the last reading, this replica's requests sent to D
 since then and not yet through its handshake (a burst joins the line between two
-readings). With room for the prompt and nobody waiting, no wait. With no grant in the window while
+readings). With room for the prompt once the line has what it asks for (the
+scheduler's `_headroom`), no wait. With no grant in the window while
 handshakes wait, D frees nothing now: the wait is the whole handshake wait, at
 whose end the request would be refused. Without two readings a second apart, no
 prediction (no wait).

@@ -91,7 +91,7 @@ class GlobalScheduler:
             elif not isinstance(stats, BaseException):
                 self.stats[member.worker_id] = stats
                 if member.role == "decode":
-                    self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_blocked_handshakes,
+                    self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_waiting_handshakes,
                                        time.monotonic())
                 self.prefix.setdefault(member.worker_id, PrefixIndex(stats.num_blocks))
                 self.metrics.set("kv_blocks_used", "KV blocks in use per worker", stats.num_used_blocks,
@@ -252,7 +252,7 @@ class GlobalScheduler:
 
     def _waiting_for(self, decode_id: str, needed_blocks: int, prediction: Prediction) -> Prediction:
         """`prediction` with the wait for D's KV blocks added to its TTFT."""
-        if self._headroom(decode_id) >= needed_blocks:  # room, and no line (else no headroom)
+        if self._headroom(decode_id) >= needed_blocks:  # room for the line and for it: no wait
             return prediction
         read_at = self.lines.read_at_s(decode_id)
         joined = 0 if read_at is None else sum(
@@ -277,12 +277,21 @@ class GlobalScheduler:
         return match_any(indexes, hashes) * self.block_size
 
     def _headroom(self, worker_id: str) -> int:
-        """Free KV blocks; none while handshakes wait in line for them (D had no
-        room for the first: handshakes only passing through leave the headroom)."""
+        """D's free KV blocks now, as far as this replica knows: those free at the
+        last reading of D's stats, less those the handshakes then in D's line ask
+        for (they take what comes free first), less those of this replica's
+        requests sent to D since (the reading does not show them yet). Counting
+        no headroom while any handshake waited instead, a burst passing through
+        an idle D's line (one engine-thread call each) read as a full D: admission
+        predicted a 4.7 s wait there and answered 429."""
         stats = self.stats.get(worker_id)
-        if stats is None or stats.num_blocked_handshakes:
+        if stats is None:
             return 0
-        return stats.num_blocks - stats.num_used_blocks
+        read_at = self.lines.read_at_s(worker_id)
+        sent = 0 if read_at is None else sum(
+            -(-(r.num_prompt_tokens + 1) // self.block_size) for r in self.models.inflight.values()
+            if r.decode_id == worker_id and r.admitted_s > read_at)
+        return max(stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks - sent, 0)
 
     # ---- running a request --------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):

@@ -202,7 +202,7 @@ def test_a_full_decode_workers_line_counts_in_the_ttft_and_a_long_wait_rejects()
 
     def full_d(ttft_ms: float):
         scheduler = _scheduler(ttft_ms=ttft_ms)
-        scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=1000, num_blocked_handshakes=4)
+        scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=1000, num_waiting_handshakes=4)
         scheduler.lines.observe("d0", num_granted=10, num_waiting=4, now_s=0.0)
         scheduler.lines.observe("d0", num_granted=14, num_waiting=4, now_s=2.0)
         return scheduler
@@ -226,7 +226,7 @@ def test_among_full_decode_workers_the_shortest_line_gets_the_request():
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
     scheduler.models.seed_from("d0", "d1")
     for d, waiting in (("d0", 4), ("d1", 1)):  # both full, granting 2 a second: 2.5 s and 1 s
-        scheduler.stats[d] = _idle_stats(d, num_used_blocks=1000, num_blocked_handshakes=waiting)
+        scheduler.stats[d] = _idle_stats(d, num_used_blocks=1000, num_waiting_handshakes=waiting)
         scheduler.lines.observe(d, num_granted=10, num_waiting=waiting, now_s=0.0)
         scheduler.lines.observe(d, num_granted=14, num_waiting=waiting, now_s=2.0)
     choice = scheduler.plan(list(range(32)))
@@ -371,27 +371,45 @@ def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():
     assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 
-def test_a_decode_worker_with_handshakes_in_its_line_has_no_headroom():
+def test_a_decode_worker_whose_line_asks_for_its_free_blocks_has_no_headroom():
     """Handshakes waiting for a D's blocks (actors/reservation_queue.py) will take
     what it frees: another D with room gets the request."""
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
     scheduler.models.seed_from("d0", "d1")
     assert scheduler.plan(list(range(32))).decode_id == "d0"  # equals: the first
-    scheduler.stats["d0"] = _idle_stats("d0", num_waiting_handshakes=2, num_blocked_handshakes=2)
+    scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=900, num_waiting_handshakes=2, num_waiting_blocks=100)
     assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 
 def test_handshakes_passing_through_an_idle_decode_workers_line_predict_no_wait():
     """A burst's handshakes are in D's line for a call onto its engine thread each,
-    none refused for want of room: D keeps its headroom and admission predicts no
-    wait, however few reservations D granted lately (CI once saw 4.7 s predicted
-    on an idle cluster, and a 429, from such a reading)."""
+    and D has room for all of them and for the next: no wait is predicted,
+    however few reservations D granted lately (CI once saw 4.7 s predicted on an
+    idle cluster, and a 429, from such a reading)."""
     scheduler = _scheduler(ttft_ms=1000)
-    scheduler.stats["d0"] = _idle_stats("d0", num_waiting_handshakes=3, num_blocked_handshakes=0)
-    scheduler.lines.observe("d0", num_granted=10, num_waiting=0, now_s=0.0)
-    scheduler.lines.observe("d0", num_granted=11, num_waiting=0, now_s=5.0)
+    scheduler.stats["d0"] = _idle_stats("d0", num_waiting_handshakes=3, num_waiting_blocks=6)
+    scheduler.lines.observe("d0", num_granted=10, num_waiting=3, now_s=time.monotonic() - 5.0)
+    scheduler.lines.observe("d0", num_granted=11, num_waiting=3, now_s=time.monotonic())
     choice = scheduler.plan(list(range(32)))
     assert choice.line_wait_s == 0.0 and choice.ttft_s < 1.0
+
+
+def test_requests_sent_to_a_decode_worker_since_its_stats_were_read_use_its_room():
+    """d0 had 20 free blocks at the last reading, d1 10; this replica has sent d0
+    two prompts of 150 tokens since (10 blocks each), d1 two of 10 (1 each): d0
+    has no room left, and the next request goes to d1."""
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler.models.seed_from("d0", "d1")
+    scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=980)
+    scheduler.stats["d1"] = _idle_stats("d1", num_used_blocks=990)
+    for d in ("d0", "d1"):
+        scheduler.lines.observe(d, num_granted=0, num_waiting=0, now_s=time.monotonic())
+    assert scheduler.plan(list(range(32))).decode_id == "d0"  # none in flight on either: the most headroom
+    for name in ("sent-1", "sent-2"):
+        scheduler.models.inflight[name] = InFlight(name, "p0", "d0", 150, 10, predicted_ttft_s=0.2, first_token_s=1.0)
+    scheduler.models.inflight["d1-1"] = InFlight("d1-1", "p0", "d1", 10, 10, predicted_ttft_s=0.2, first_token_s=1.0)
+    scheduler.models.inflight["d1-2"] = InFlight("d1-2", "p0", "d1", 10, 10, predicted_ttft_s=0.2, first_token_s=1.0)
+    assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 
 def test_draining_workers_get_no_new_requests():

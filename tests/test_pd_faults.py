@@ -176,7 +176,7 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
                                                          "unread", p, 30))
         await asyncio.sleep(0.3)
         stats = await d.stats.remote()
-        assert stats.num_waiting_handshakes == 3 and stats.num_blocked_handshakes == 3
+        assert (stats.num_waiting_handshakes, stats.num_waiting_blocks) == (3, 8 + 3 + 1)
         await d.abort.remote("aborted")
         with pytest.raises(ReservationRefused, match="aborted while it waited"):
             await aborted
@@ -186,7 +186,7 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
         await d.abort.remote("hold-1")
         assert len((await long).block_ids) == 8 and len((await short).block_ids) == 3
         stats = await d.stats.remote()
-        assert stats.num_waiting_handshakes == 0 and stats.num_blocked_handshakes == 0
+        assert (stats.num_waiting_handshakes, stats.num_waiting_blocks) == (0, 0)
         for request_id in ("long", "short"):
             await d.abort.remote(request_id)
         await d.reserve.remote(GenerateRequest("hold", list(range(1, 150)), params), "unread", p)  # 10 blocks
