@@ -17,4 +17,5 @@ BENCHMARKS = {
     "gc": "benchmarks.gc_pauses",
     "delivery": "benchmarks.delivery",
     "handshake": "benchmarks.handshake",
+    "bursts": "benchmarks.bursts",
 }

@@ -1,0 +1,112 @@
+"""Bursts: does early rejection turn requests away from a lightly loaded cluster?
+
+    tandem bench bursts [--bursts 12] [--size 16] [--out FILE.json]
+
+System: disaggregated 1 P + 1 D, tiny model, a KV pool far larger than the load,
+early rejection on with a TTFT SLO (`--ttft-slo-ms`; the TBT SLO far away, so
+only TTFT predictions reject). Workload (over HTTP): `--bursts` bursts of `--size`
+short requests sent at the same instant (`--prompt` random tokens in, `--output`
+out, fresh prompts each time, so no prefix hits), `--every-s` apart, so the
+cluster idles between them; one burst first as a warm-up, not counted.
+
+Reported: requests, rejected (429), served, failed, TTFT median, p90 and max of
+the served and how many met the SLO, and the TTFTs the rejections predicted
+(from their 429 bodies) and their messages. A request
+rejected while every served one met the SLO with room to spare was turned away
+for nothing: admission mispredicted a burst's queue, the cluster was not full.
+Goal: none rejected while the served requests' worst TTFT is within the SLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import re
+
+from benchmarks import report
+from benchmarks.arguments import positive_float, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bursts", type=positive_int, default=12)
+    parser.add_argument("--size", type=positive_int, default=16, help="requests a burst, sent at the same instant")
+    parser.add_argument("--every-s", type=positive_float, default=3.0, help="time from one burst to the next")
+    parser.add_argument("--prompt", type=positive_int, default=24, help="prompt tokens a request")
+    parser.add_argument("--output", type=positive_int, default=16, help="output tokens a request")
+    parser.add_argument("--ttft-slo-ms", type=positive_float, default=5000.0)
+
+
+def workload(args, vocab: int, seed: int, num_bursts: int):
+    """`num_bursts` bursts of `args.size` fresh random prompts, `args.every_s` apart."""
+    from benchmarks.workload import BenchRequest, Workload
+
+    rng = random.Random(seed)
+    requests = []
+    for burst in range(num_bursts):
+        for _ in range(args.size):
+            prompt = [rng.randrange(3, vocab) for _ in range(args.prompt)]
+            requests.append(BenchRequest(len(requests), burst * args.every_s, prompt, args.output))
+    return Workload("bursts", requests)
+
+
+def main(args: argparse.Namespace) -> None:
+    from actors.model_builder import ensure_checkpoint
+    from benchmarks.http_client import run_workload
+    from benchmarks.serve_cluster import ServeCluster
+    from benchmarks.serve_scenarios import TINY_VOCAB, app_settings
+
+    ensure_checkpoint("tiny", "qwen2")
+    settings = app_settings(argparse.Namespace(preset="tiny", arch="qwen2", kv_cache_mib=0), mode="disaggregated",
+                            slo={"early_rejection": True, "ttft_ms": args.ttft_slo_ms, "tbt_ms": 60_000})
+    settings["engine"] = {"block_size": 16, "num_kv_blocks": 1024, "max_num_seqs": 64, "prefill_chunk_size": 256,
+                          "max_num_batched_tokens": 1024}
+    with ServeCluster(num_cpus=4) as cluster:
+        url = cluster.deploy({"bursts": settings})["bursts"]
+        asyncio.run(run_workload(url, workload(args, TINY_VOCAB, seed=-1, num_bursts=1)))  # warm-up, not counted
+        records = asyncio.run(run_workload(url, workload(args, TINY_VOCAB, seed=0, num_bursts=args.bursts),
+                                           request_timeout_s=120))
+    slo_s = args.ttft_slo_ms / 1e3
+    ttfts = [r.ttft_s for r in records if r.status == "ok"]
+    rejected = [r for r in records if r.status == "rejected"]
+    failed = [r for r in records if r.status not in ("ok", "rejected")]
+    bodies = [_error_body(r.error) for r in rejected]
+    predicted = [b["predicted_ttft_ms"] / 1e3 for b in bodies if "predicted_ttft_ms" in b]
+    messages = collections.Counter(re.sub(r"\d+ ms", "N ms", b.get("message", "?"))[:160] for b in bodies)
+    summary = {"requests": len(records), "rejected": len(rejected), "served": len(ttfts), "failed": len(failed),
+               "within_slo": sum(t <= slo_s for t in ttfts),
+               "ttft_median_s": report.median(ttfts) if ttfts else None,
+               "ttft_p90_s": report.percentile(ttfts, 90) if ttfts else None,
+               "ttft_max_s": max(ttfts) if ttfts else None,
+               "rejected_predicted_ttft_s": [min(predicted), max(predicted)] if predicted else None,
+               "rejections": dict(messages)}
+    report.print_table(f"{args.bursts} bursts of {args.size} requests ({args.prompt} tokens in, {args.output} out) "
+                       f"{args.every_s:g} s apart, TTFT SLO {args.ttft_slo_ms:g} ms",
+                       ["requests", "rejected", "served", "failed", "within SLO", "TTFT median s", "TTFT p90 s",
+                        "TTFT max s"],
+                       [[summary[k] for k in ("requests", "rejected", "served", "failed", "within_slo",
+                                              "ttft_median_s", "ttft_p90_s", "ttft_max_s")]])
+    if predicted:
+        print(f"the rejections predicted TTFTs of {min(predicted):.2f}-{max(predicted):.2f} s")
+    for message, count in messages.most_common(5):
+        print(f"rejected {count}: {message}")
+    worst = f"{summary['ttft_max_s']:.2f} s" if ttfts else "-"
+    report.finish("bursts", args.out, {"args": vars(args) | {"func": None}, "summary": summary},
+                  f"{len(rejected)} of {len(records)} rejected, {len(failed)} failed, the served's TTFT at most "
+                  f"{worst} against an SLO of {slo_s:g} s", "none rejected while every served TTFT meets the SLO")
+
+
+def _error_body(text: str | None) -> dict:
+    """The `error` object of a 429's JSON body; from what the record kept of a
+    long one (its first 300 characters), the message and the predicted TTFT."""
+    try:
+        return json.loads(text or "")["error"]
+    except (ValueError, KeyError, TypeError):
+        found = {}
+        if message := re.search(r'"message":"([^"]*)"', text or ""):
+            found["message"] = message.group(1)
+        if ttft := re.search(r'"predicted_ttft_ms":([\d.]+)', text or ""):
+            found["predicted_ttft_ms"] = float(ttft.group(1))
+        return found
