@@ -60,18 +60,28 @@ async def _api_error(_: Request, exc: ApiError):
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, exc: RequestValidationError):
-    return _error(ApiError(400, "; ".join(_problem(e) for e in exc.errors()) or "invalid request body"))
+async def _validation_error(request: Request, exc: RequestValidationError):
+    content_type = request.headers.get("content-type", "")
+    return _error(ApiError(400, "; ".join(_problem(e, content_type) for e in exc.errors()) or "invalid request body"))
 
 
-def _problem(error: dict) -> str:
+def _problem(error: dict, content_type: str = "") -> str:
     """One pydantic error as `field: message` (the body's own checks: the message)."""
     if error["type"] == "json_invalid":
         reason = error.get("ctx", {}).get("error", "")
         return f"the body is not valid JSON: {reason} (at character {error['loc'][-1]})"
+    if error["type"] == "model_attributes_type" and tuple(error["loc"]) == ("body",):
+        if "json" not in content_type:  # FastAPI reads the body as JSON only when it is said to be
+            return f"the body must be a JSON object sent as application/json, not {content_type or 'untyped'}"
+        return f"the body must be a JSON object, not {_json_kind(error.get('input'))}"
     where = ".".join(str(p) for p in error["loc"] if p not in ("body", ONE, MANY))
     message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
+
+
+def _json_kind(value) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+            type(None): "null"}.get(type(value), "that")
 
 
 @app.exception_handler(StarletteHTTPException)

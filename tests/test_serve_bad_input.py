@@ -148,6 +148,19 @@ def test_malformed_and_oversized_bodies(base_url, content, status):
         assert "error" in response.json()
 
 
+@pytest.mark.parametrize("content, content_type, message", [
+    (b"[1, 2]", "application/json", "the body must be a JSON object, not an array"),
+    (b'"text"', "application/json", "the body must be a JSON object, not a string"),
+    (b'{"text": "x"}', "application/x-www-form-urlencoded",
+     "the body must be a JSON object sent as application/json, not application/x-www-form-urlencoded"),
+], ids=["array", "string", "form"])
+def test_a_body_that_is_no_json_object_says_what_it_is(base_url, content, content_type, message):
+    """curl -d sends a form's content type: the body is then not read as JSON."""
+    response = httpx.post(f"{base_url}/generate", content=content, headers={"content-type": content_type})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == message
+
+
 def test_a_body_that_is_not_json_says_where(base_url):
     response = httpx.post(f"{base_url}/generate", content=b'{"text": "x",}',
                           headers={"content-type": "application/json"})
