@@ -71,7 +71,7 @@ def _problem(error: dict, content_type: str = "") -> str:
         reason = error.get("ctx", {}).get("error", "")
         return f"the body is not valid JSON: {reason} (at character {error['loc'][-1]})"
     if error["type"] == "model_attributes_type" and tuple(error["loc"]) == ("body",):
-        if "json" not in content_type:  # FastAPI reads the body as JSON only when it is said to be
+        if isinstance(error.get("input"), bytes):  # FastAPI reads a body not said to be JSON as bytes
             return f"the body must be a JSON object sent as application/json, not {content_type or 'untyped'}"
         return f"the body must be a JSON object, not {_json_kind(error.get('input'))}"
     where = ".".join(str(p) for p in error["loc"] if p not in ("body", ONE, MANY))

@@ -153,10 +153,12 @@ def test_malformed_and_oversized_bodies(base_url, content, status):
     (b'"text"', "application/json", "the body must be a JSON object, not a string"),
     (b'{"text": "x"}', "application/x-www-form-urlencoded",
      "the body must be a JSON object sent as application/json, not application/x-www-form-urlencoded"),
-], ids=["array", "string", "form"])
+    (b'{"text": "x"}', None, "the body must be a JSON object sent as application/json, not untyped"),
+], ids=["array", "string", "form", "untyped"])
 def test_a_body_that_is_no_json_object_says_what_it_is(base_url, content, content_type, message):
     """curl -d sends a form's content type: the body is then not read as JSON."""
-    response = httpx.post(f"{base_url}/generate", content=content, headers={"content-type": content_type})
+    headers = {"content-type": content_type} if content_type else {}
+    response = httpx.post(f"{base_url}/generate", content=content, headers=headers)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == message
 
