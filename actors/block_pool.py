@@ -42,6 +42,13 @@ def block_hashes(
     return hashes
 
 
+def blocks_to_reserve(num_prompt_tokens: int, block_size: int) -> int:
+    """Blocks a decode worker holds for a prompt before its KV arrives: the
+    prompt's tokens and the first output token's slot (`Engine.reserve`), prefix
+    hits included."""
+    return -(-(num_prompt_tokens + 1) // block_size)
+
+
 def kv_namespace(model_dir: str | Path, dtype: str, block_size: int) -> bytes:
     """The seed of every hash chain: what makes KV compatible. Same checkpoint config,
     dtype, block size and layout version -> same namespace, on any node."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.background import background_task
+from actors.block_pool import blocks_to_reserve
 from actors.kv_channel import (
     GlooPair,
     GlooReceiver,
@@ -69,8 +70,7 @@ class DecodeWorker(WorkerBase):
         self._ensure_started()
         request_id = request.request_id
         self.streams.open(request_id, subscription)
-        # The prompt and the first output token (Engine.reserve), before any prefix hit.
-        self._line_blocks[request_id] = -(-(len(request.prompt_token_ids) + 1) // self.engine.pool.block_size)
+        self._line_blocks[request_id] = blocks_to_reserve(len(request.prompt_token_ids), self.engine.pool.block_size)
         try:
             reservation = await self.handshakes.wait_turn(request_id, lambda: self._try_reserve(request), wait_s)
         except Withdrawn:

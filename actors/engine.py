@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from actors.bad_words import BadWords, encode_bad_words
-from actors.block_pool import BlockPool, kv_namespace
+from actors.block_pool import BlockPool, blocks_to_reserve, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
@@ -201,11 +201,11 @@ class Engine:
             self.pool.release(pinned_block_ids or [])  # the prefix lookup below re-takes them
         self.scheduler.prepare(request)
         hits = self.scheduler.cached_prefix(request, computes_prompt=False)
-        num_tokens = request.num_prompt_tokens + 1  # and the first output token's slot
-        if not self.pool.can_hold(num_tokens, hits):
+        if not self.pool.can_hold(request.num_prompt_tokens + 1, hits):  # and the first output token's slot
             return None
         self.pool.take(hits)
-        request.block_table = hits + self.pool.allocate(-(-num_tokens // self.pool.block_size) - len(hits))
+        request.block_table = hits + self.pool.allocate(
+            blocks_to_reserve(request.num_prompt_tokens, self.pool.block_size) - len(hits))
         request.num_cached_tokens = len(hits) * self.pool.block_size
         self.reservations[request_id] = request
         self.num_reserved_blocks += len(request.block_table)

@@ -26,7 +26,7 @@ import uuid
 import ray
 
 from actors.background import background_call
-from actors.block_pool import block_hashes
+from actors.block_pool import block_hashes, blocks_to_reserve
 from actors.deadlines import within
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
@@ -204,7 +204,7 @@ class GlobalScheduler:
     def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str]) -> Prediction:
         """`plan` with the prompt's block hashes already computed (once per request)."""
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
-        needed_blocks = -(-(len(prompt_ids) + 1) // self.block_size)
+        needed_blocks = blocks_to_reserve(len(prompt_ids), self.block_size)
         inflight = dict(self.models.peers.inflight)  # the other scheduler replicas' requests, then ours
         for request in self.models.inflight.values():
             for worker_id in {request.prefill_id, request.decode_id} - {None}:
@@ -215,15 +215,14 @@ class GlobalScheduler:
                 for c in self._role("colocated", exclude)
             ]
         else:
-            decodes = [d for d in self._role("decode", exclude) if self._headroom(d) >= needed_blocks]
-            if not decodes:
-                decodes = self._role("decode", exclude)
+            headroom = {d: self._headroom(d) for d in self._role("decode", exclude)}  # once: it sums inflight
+            decodes = [d for d, room in headroom.items() if room >= needed_blocks] or list(headroom)
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             candidates = []
             for p in self._role("prefill", exclude):
                 cached = self._cached_tokens(p, usable_hashes)
                 per_d = [
-                    self._waiting_for(d, needed_blocks, self.models.predict(
+                    self._waiting_for(d, headroom[d] >= needed_blocks, self.models.predict(
                         p, d, len(prompt_ids), cached, self._cached_tokens(d, usable_hashes)))
                     for d in decodes
                 ]
@@ -236,7 +235,7 @@ class GlobalScheduler:
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
                         c.tbt_s > tbt_slo_s, c.line_wait_s, inflight.get(c.decode_id, 0),
-                        -self._headroom(c.decode_id), self.num_routed.get(c.decode_id, 0), c.tbt_s)))
+                        -headroom[c.decode_id], self.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
@@ -250,9 +249,10 @@ class GlobalScheduler:
             choice = best
         return choice
 
-    def _waiting_for(self, decode_id: str, needed_blocks: int, prediction: Prediction) -> Prediction:
-        """`prediction` with the wait for D's KV blocks added to its TTFT."""
-        if self._headroom(decode_id) >= needed_blocks:  # room for the line and for it: no wait
+    def _waiting_for(self, decode_id: str, has_room: bool, prediction: Prediction) -> Prediction:
+        """`prediction` with the wait for D's KV blocks added to its TTFT;
+        `has_room`: D's headroom holds the prompt (its line's blocks counted)."""
+        if has_room:
             return prediction
         read_at = self.lines.read_at_s(decode_id)
         joined = 0 if read_at is None else sum(
@@ -289,7 +289,7 @@ class GlobalScheduler:
             return 0
         read_at = self.lines.read_at_s(worker_id)
         sent = 0 if read_at is None else sum(
-            -(-(r.num_prompt_tokens + 1) // self.block_size) for r in self.models.inflight.values()
+            blocks_to_reserve(r.num_prompt_tokens, self.block_size) for r in self.models.inflight.values()
             if r.decode_id == worker_id and r.admitted_s > read_at)
         return max(stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks - sent, 0)
 
