@@ -96,12 +96,12 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def can_hold(self, num_tokens: int, hits: Sequence[int]) -> bool:
+    def can_hold(self, num_tokens: int, hits: Sequence[int], num_kept_blocks: int = 0) -> bool:
         """Whether a table of `num_tokens` tokens fits now, its first blocks the
         cached `hits` (to be taken, not allocated): the rest free or evictable,
-        the hits aside."""
+        the hits aside, and `num_kept_blocks` of those left over (kept for others)."""
         idle_hits = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
-        return -(-num_tokens // self.block_size) - len(hits) <= len(self._free) - idle_hits
+        return -(-num_tokens // self.block_size) - len(hits) <= len(self._free) - idle_hits - num_kept_blocks
 
     def lookup(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix (tokens verified). Takes no refs."""

@@ -156,6 +156,12 @@ class EngineConfig:
     # worker of a pool, every restart). Reproducible offline, as vLLM's engine seed;
     # a server's global scheduler draws its requests' seeds itself (cluster/service.py).
     seed: int = 0
+    # A decode worker grants a reservation only while its pool keeps room for the
+    # next this many tokens (at most max_new_tokens) of each request it holds and of
+    # the new one (actors/decode_room.py; SGLang reserves 512 too); 0: room for the
+    # prompt and its first token alone, running requests then outgrow the pool and
+    # are preempted.
+    decode_reserve_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.block_size not in (16, 32, 64):
@@ -165,6 +171,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError(f"decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}")
         check_kernel_backend(self.kernel_backend)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")

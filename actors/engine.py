@@ -45,6 +45,7 @@ import torch
 from actors.bad_words import BadWords, encode_bad_words
 from actors.block_pool import BlockPool, blocks_to_reserve, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
+from actors.decode_room import owed_blocks, reservation_tokens
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
 from actors.model_runner import LaunchedStep, ModelRunner
@@ -194,14 +195,16 @@ class Engine:
     ) -> Reservation | None:
         """Hold blocks for the prompt plus the first output token, reusing what the
         prefix cache already has (including `pinned_block_ids` from `StoreBridge.import_prefix`,
-        whose hold this ends). None when the pool cannot hold it now."""
+        whose hold this ends). None when the pool cannot hold it now, with room
+        kept for the next tokens of every request (`reservation_room`)."""
         try:
             request = self._new_request(prompt_ids, params, request_id)
         finally:
             self.pool.release(pinned_block_ids or [])  # the prefix lookup below re-takes them
         self.scheduler.prepare(request)
         hits = self.scheduler.cached_prefix(request, computes_prompt=False)
-        if not self.pool.can_hold(request.num_prompt_tokens + 1, hits):  # and the first output token's slot
+        num_tokens, num_kept_blocks = self.reservation_room(request.num_prompt_tokens, params)
+        if not self.pool.can_hold(num_tokens, hits, num_kept_blocks):
             return None
         self.pool.take(hits)
         request.block_table = hits + self.pool.allocate(
@@ -210,6 +213,15 @@ class Engine:
         self.reservations[request_id] = request
         self.num_reserved_blocks += len(request.block_table)
         return Reservation(request_id, list(request.block_table), len(hits))
+
+    def reservation_room(self, num_prompt_tokens: int, params: SamplingParams) -> tuple[int, int]:
+        """What a reservation must find free now (actors/decode_room.py): room for
+        this many tokens of its own, and this many blocks besides, kept for the
+        next tokens of the requests the engine holds."""
+        reserve = self.config.decode_reserve_tokens
+        held = [*self.requests.values(), *self.reservations.values()]
+        return (reservation_tokens(num_prompt_tokens, params.max_new_tokens, reserve),
+                owed_blocks(held, reserve, self.pool.block_size))
 
     def cancel_reservation(self, request_id: str) -> bool:
         request = self.reservations.pop(request_id, None)

@@ -41,16 +41,17 @@ class StoreBridge:
         self.enabled = enabled
         self.sink: Callable[[list[StoredBlock]], None] | None = None
 
-    def prefix_plan(self, prompt_ids: list[int], room_for_tokens: int | None = None) -> PrefixPlan:
-        """Where the prompt's prefix is; with `room_for_tokens`, also whether a
-        table of that many tokens (the prompt's, its pool prefix reused) fits now."""
+    def prefix_plan(self, prompt_ids: list[int], room: tuple[int, int] | None = None) -> PrefixPlan:
+        """Where the prompt's prefix is; with `room` (`Engine.reservation_room`:
+        tokens, and blocks kept for others), also whether a table of that many
+        tokens (the prompt's, its pool prefix reused) fits now."""
         if not self.enabled:
             return PrefixPlan([], 0, True)
         max_hit_blocks = (len(prompt_ids) - 1) // self.pool.block_size
         hashes = block_hashes(prompt_ids[: max_hit_blocks * self.pool.block_size], self.pool.block_size,
                               self.kv_namespace)
         hits = self.pool.lookup(hashes, prompt_ids)
-        has_room = room_for_tokens is None or self.pool.can_hold(room_for_tokens, hits)
+        has_room = room is None or self.pool.can_hold(room[0], hits, room[1])
         return PrefixPlan(hashes, len(hits), has_room)
 
     def import_prefix(self, prompt_ids: list[int], first_block: int, blocks: list[StoredBlock]) -> list[int]:

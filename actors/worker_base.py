@@ -62,6 +62,7 @@ class WorkerStats:
     num_waiting_blocks: int = 0  # the KV blocks those handshakes ask for
     num_reservations_granted: int = 0  # a decode worker's reservations since it started
     num_reserved_blocks: int = 0  # KV blocks a decode worker holds for prompts whose KV is still coming
+    num_preemptions: int = 0  # running requests preempted (by recompute) for room, since the worker started
 
 
 @dataclass(frozen=True)
@@ -148,13 +149,18 @@ class WorkerBase:
         a request whose prompt this worker computes (`computes_prompt`) for its
         logprobs: they come from every position, as `Scheduler.cached_prefix`; nor
         for a reservation (`reserving`: the prompt and a token's blocks at once)
-        the pool has no room for: the loaded blocks would take the place of other
-        prefixes' and be evicted again before the reservation's next try."""
+        the pool has no room for (`Engine.reservation_room`): the loaded blocks
+        would take the place of other prefixes' and be evicted again before the
+        reservation's next try."""
         if self.kv_store is None or (computes_prompt and request.params.prompt_logprobs is not None):
             return []
         prompt_ids = request.prompt_token_ids
-        room = len(prompt_ids) + 1 if reserving else None
-        hashes, first, has_room = await self.call(lambda e: e.store_bridge.prefix_plan(prompt_ids, room))
+
+        def plan(engine: Engine):
+            room = engine.reservation_room(len(prompt_ids), request.params) if reserving else None
+            return engine.store_bridge.prefix_plan(prompt_ids, room)
+
+        hashes, first, has_room = await self.call(plan)
         if first >= len(hashes) or not has_room:
             return []
         try:
@@ -294,6 +300,7 @@ class WorkerBase:
             num_waiting_blocks=self._num_waiting_blocks(),
             num_reservations_granted=self._num_reservations_granted(),
             num_reserved_blocks=engine.num_reserved_blocks,
+            num_preemptions=engine.scheduler.num_preemptions,
         )
 
     async def check_accounting(self) -> WorkerStats:

@@ -14,8 +14,11 @@ to finish and free its blocks.
 
 Reported per class (short, long), over the rounds: requests served, rejected early
 (429), failed (503 after the handshake's wait, or any other error), TTFT median,
-p90 and max, and the makespan (first send to last token); with an SLO, the served
-requests within it, and their share of the admitted ones (served or failed).
+p90 and max, the median of the served requests' mean TBT, and the makespan (first
+send to last token); with an SLO, the served requests within it, and their share of
+the admitted ones (served or failed). Also D's preemptions in the counted rounds
+(from /metrics): running requests D preempted by recompute because they outgrew
+its pool (actors/decode_room.py).
 What it shows: whether a long prompt gets its turn among short ones that keep
 arriving, how soon the blocks a finished request frees are taken again, and, with
 an SLO, whether admission foresees the wait for them.
@@ -28,9 +31,12 @@ import asyncio
 import collections
 import random
 import re
+import time
 
 from benchmarks import report
-from benchmarks.arguments import positive_float, positive_int
+from benchmarks.arguments import non_negative_int, positive_float, positive_int
+
+METRICS_REFRESH_S = 2.0  # the scheduler reads its workers' stats about once a second
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-at-s", default="1,2.5,4", help="arrival times of the long prompts")
     parser.add_argument("--ttft-slo-ms", type=positive_float, default=None,
                         help="turn early rejection on with this TTFT SLO")
+    parser.add_argument("--decode-reserve-tokens", type=non_negative_int, default=512,
+                        help="room D keeps for each request's next tokens (engine.decode_reserve_tokens; 0: none)")
 
 
 def workload(args, vocab: int, seed: int):
@@ -75,7 +83,8 @@ def main(args: argparse.Namespace) -> None:
     ensure_checkpoint("tiny", "qwen2")
     settings = app_settings(argparse.Namespace(preset="tiny", arch="qwen2", kv_cache_mib=0), mode="disaggregated")
     settings["engine"] = {"block_size": 16, "num_kv_blocks": args.kv_blocks, "max_num_seqs": 64,
-                          "prefill_chunk_size": 256, "max_num_batched_tokens": 1024}
+                          "prefill_chunk_size": 256, "max_num_batched_tokens": 1024,
+                          "decode_reserve_tokens": args.decode_reserve_tokens}
     settings["timeouts"] = {"handshake_s": args.handshake_s}
     if args.ttft_slo_ms is not None:
         settings["slo"] = {"early_rejection": True, "ttft_ms": args.ttft_slo_ms, "tbt_ms": 60_000}
@@ -85,6 +94,8 @@ def main(args: argparse.Namespace) -> None:
         url = cluster.deploy({"handshake": settings})["handshake"]
         load, classes = workload(args, TINY_VOCAB, seed=-1)
         asyncio.run(run_workload(url, load))  # warm-up round, not counted
+        time.sleep(METRICS_REFRESH_S)
+        preempted_before = decode_preemptions(url)
         for round_index in range(args.rounds):
             load, classes = workload(args, TINY_VOCAB, seed=round_index)
             done = asyncio.run(run_workload(url, load, request_timeout_s=120))
@@ -96,10 +107,14 @@ def main(args: argparse.Namespace) -> None:
             rejected = sum(r.status == "rejected" for r in done)
             print(f"round {round_index + 1}: {len(done)} requests, {rejected} rejected, {failed} failed, "
                   f"makespan {makespans[-1]:.1f} s", flush=True)
+        time.sleep(METRICS_REFRESH_S)
+        preemptions = decode_preemptions(url) - preempted_before
     rows, summary = [], {}
     slo_s = args.ttft_slo_ms / 1e3 if args.ttft_slo_ms is not None else None
     for kind, runs in records.items():
         ttfts = [r.ttft_s for r in runs if r.status == "ok"]
+        tbts = [(r.token_times_s[-1] - r.token_times_s[0]) / (r.num_output_tokens - 1)
+                for r in runs if r.status == "ok" and r.num_output_tokens > 1]
         rejected = sum(r.status == "rejected" for r in runs)
         errors = collections.Counter(re.sub(r"request \S+ ", "request ", r.error or r.status)[:200]
                                      for r in runs if r.status not in ("ok", "rejected"))
@@ -110,15 +125,17 @@ def main(args: argparse.Namespace) -> None:
                          "admitted_attainment": within / admitted if within is not None and admitted else None,
                          "ttft_median_s": report.median(ttfts) if ttfts else None,
                          "ttft_p90_s": report.percentile(ttfts, 90) if ttfts else None,
-                         "ttft_max_s": max(ttfts) if ttfts else None, "errors": errors}
+                         "ttft_max_s": max(ttfts) if ttfts else None,
+                         "tbt_median_ms": report.median(tbts) * 1e3 if tbts else None, "errors": errors}
         s = summary[kind]
         rows.append([kind, s["requests"], s["served"], s["rejected"], s["failed"], s["within_slo"],
-                     s["admitted_attainment"], s["ttft_median_s"], s["ttft_p90_s"], s["ttft_max_s"]])
+                     s["admitted_attainment"], s["ttft_median_s"], s["ttft_p90_s"], s["ttft_max_s"],
+                     s["tbt_median_ms"]])
     report.print_table(f"Requests waiting for a full decode worker ({args.kv_blocks} KV blocks), "
                        f"{args.rounds} rounds, TTFT SLO {args.ttft_slo_ms or '-'} ms",
                        ["class", "requests", "served", "rejected", "failed", "within SLO", "admitted attainment",
-                        "TTFT median s", "TTFT p90 s", "TTFT max s"], rows)
-    print(f"makespan per round: {', '.join(f'{m:.1f} s' for m in makespans)}")
+                        "TTFT median s", "TTFT p90 s", "TTFT max s", "TBT median ms"], rows)
+    print(f"makespan per round: {', '.join(f'{m:.1f} s' for m in makespans)}; D preempted {preemptions} times")
     by_second = _by_second(records["short"], slo_s) if slo_s is not None else []
     if by_second:
         report.print_table("Short requests by the second of the round they arrived in (all rounds)",
@@ -128,7 +145,7 @@ def main(args: argparse.Namespace) -> None:
             print(f"{kind}: {count} failed: {error}")
     long, short = summary["long"], summary["short"]
     payload = {"args": vars(args) | {"func": None}, "summary": summary, "makespan_s": makespans,
-               "short_by_second": by_second}
+               "short_by_second": by_second, "decode_preemptions": preemptions}
     if slo_s is None:
         report.finish("handshake", args.out, payload, f"{long['served']} of {long['requests']} long prompts served "
                       f"among short ones, {short['failed']} short requests failed", "every request served")
@@ -138,6 +155,15 @@ def main(args: argparse.Namespace) -> None:
                       f"{attainment if attainment is not None else 0:.0%} of the admitted short requests within the "
                       f"TTFT SLO of {args.ttft_slo_ms:g} ms, {short['rejected']} of {short['requests']} rejected",
                       ">= 90% of the admitted")
+
+
+def decode_preemptions(url: str) -> int:
+    """The decode workers' preemptions since they started, as the scheduler last read them (/metrics)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
+    return sum(round(float(m.group(1)))
+               for m in re.finditer(r'^tandem_preemptions\{[^}]*role="decode"[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
 def _by_second(records, slo_s: float) -> list[list]:

@@ -76,6 +76,7 @@ class EngineSettings(_Strict):
     kernel_backend: Literal["auto", "torch"] = "auto"
     cuda_graphs: bool = True
     overlap_decode: bool | None = None  # None: on CUDA only
+    decode_reserve_tokens: int = Field(512, ge=0)  # room a decode worker keeps for each request's next tokens
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump())

@@ -28,6 +28,7 @@ import ray
 from actors.background import background_call
 from actors.block_pool import block_hashes, blocks_to_reserve
 from actors.deadlines import within
+from actors.decode_room import growth_blocks, reservation_tokens
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
 from actors.sampling_params import SamplingParams
@@ -100,6 +101,8 @@ class GlobalScheduler:
                                  stats.num_waiting + stats.num_running, worker=member.worker_id, role=member.role)
                 self.metrics.set("handshakes_waiting", "handshakes waiting in a decode worker's line for KV blocks",
                                  stats.num_waiting_handshakes, worker=member.worker_id, role=member.role)
+                self.metrics.set("preemptions", "running requests preempted by recompute for KV room, since start",
+                                 stats.num_preemptions, worker=member.worker_id, role=member.role)
         indexed = [m for m in members if m.worker_id in self.prefix]
         batches = await asyncio.gather(
             *(m.handle.cache_events.remote(self.cache_cursors.get(m.worker_id)) for m in indexed),
@@ -197,14 +200,17 @@ class GlobalScheduler:
                                         add_special_tokens=add_special_tokens, keep_last=keep_last)
 
     # ---- admission and pairing ----------------------------------------------------------
-    def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset()) -> Prediction:
+    def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset(), max_new_tokens: int = 1) -> Prediction:
         """The pair to use, or SloRejected / ApiError(503)."""
-        return self._plan(prompt_ids, block_hashes(prompt_ids, self.block_size, self.kv_seed), exclude)
+        return self._plan(prompt_ids, block_hashes(prompt_ids, self.block_size, self.kv_seed), exclude,
+                          max_new_tokens)
 
-    def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str]) -> Prediction:
+    def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int) -> Prediction:
         """`plan` with the prompt's block hashes already computed (once per request)."""
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
-        needed_blocks = blocks_to_reserve(len(prompt_ids), self.block_size)
+        # What D's reservation must find room for, as D counts it (actors/decode_room.py)
+        reserve = self.settings.engine.decode_reserve_tokens
+        needed_blocks = -(-reservation_tokens(len(prompt_ids), max_new_tokens, reserve) // self.block_size)
         inflight = dict(self.models.peers.inflight)  # the other scheduler replicas' requests, then ours
         for request in self.models.inflight.values():
             for worker_id in {request.prefill_id, request.decode_id} - {None}:
@@ -280,7 +286,9 @@ class GlobalScheduler:
         """D's free KV blocks now, as far as this replica knows: those free at the
         last reading of D's stats, less those the handshakes then in D's line ask
         for (they take what comes free first), less those of this replica's
-        requests sent to D since (the reading does not show them yet). Counting
+        requests sent to D since (the reading does not show them yet), less the
+        growth D keeps for this replica's requests there (actors/decode_room.py;
+        the other replicas' are not known request by request). Counting
         no headroom while any handshake waited instead, a burst passing through
         an idle D's line (one engine-thread call each) read as a full D: admission
         predicted a 4.7 s wait there and answered 429."""
@@ -288,10 +296,14 @@ class GlobalScheduler:
         if stats is None:
             return 0
         read_at = self.lines.read_at_s(worker_id)
+        mine = [r for r in self.models.inflight.values() if r.decode_id == worker_id]
         sent = 0 if read_at is None else sum(
-            blocks_to_reserve(r.num_prompt_tokens, self.block_size) for r in self.models.inflight.values()
-            if r.decode_id == worker_id and r.admitted_s > read_at)
-        return max(stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks - sent, 0)
+            blocks_to_reserve(r.num_prompt_tokens, self.block_size) for r in mine if r.admitted_s > read_at)
+        reserve = self.settings.engine.decode_reserve_tokens
+        owed = sum(growth_blocks(r.num_prompt_tokens + r.num_generated, r.num_generated, r.max_new_tokens,
+                                 blocks_to_reserve(r.num_prompt_tokens + r.num_generated, self.block_size),
+                                 reserve, self.block_size) for r in mine)
+        return max(stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks - sent - owed, 0)
 
     # ---- running a request --------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
@@ -315,7 +327,7 @@ class GlobalScheduler:
         try:
             for attempt in range(2):
                 try:
-                    choice = self._plan(prompt_ids, hashes, exclude)
+                    choice = self._plan(prompt_ids, hashes, exclude, params.max_new_tokens)
                 except SloRejected as exc:
                     outcome = "rejected"
                     self.metrics.inc("rejections_total", "requests rejected early by SLO admission")

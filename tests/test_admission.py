@@ -420,3 +420,22 @@ def test_draining_workers_get_no_new_requests():
     scheduler.models.decode_model("d1").observe(decode_features(16, 0), 0.16)
     scheduler.members["d0"] = replace(scheduler.members["d0"], draining=True)
     assert {scheduler.plan(list(range(i, i + 40))).decode_id for i in range(10)} == {"d1"}
+
+
+def test_a_decode_workers_room_counts_what_its_requests_and_the_new_one_will_grow_to():
+    """D keeps room for each request's next tokens (actors/decode_room.py): 50
+    blocks free at the last reading, 24 of them kept for this replica's two
+    requests decoding there (300 tokens each at their end, 110 now), leave room
+    for a request of 132 tokens at its end (9 blocks) but not of 532 (34): that one
+    waits in D's line."""
+    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=950)
+    scheduler.lines.observe("d0", num_granted=10, num_waiting=0, now_s=time.monotonic() - 2.0)
+    scheduler.lines.observe("d0", num_granted=14, num_waiting=0, now_s=time.monotonic() - 1.0)
+    for name in ("a", "b"):
+        scheduler.models.inflight[name] = InFlight(name, "p0", "d0", 100, 200, predicted_ttft_s=0.1,
+                                                   admitted_s=time.monotonic() - 5.0, first_token_s=time.monotonic(),
+                                                   num_generated=10)
+    assert scheduler._headroom("d0") == 50 - 2 * 12
+    assert scheduler.plan(list(range(32)), max_new_tokens=100).line_wait_s == 0.0
+    assert scheduler.plan(list(range(32)), max_new_tokens=500).line_wait_s == pytest.approx(0.25, rel=1e-3)  # 1 / 4 a second

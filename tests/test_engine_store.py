@@ -119,11 +119,11 @@ def test_a_reservation_without_room_plans_no_import(tiny_qwen2_dir, prompt):
     bridge = reader.store_bridge
     hold = reader.reserve(list(range(3, 3 + 16 * 7)), GREEDY, "hold")  # 112 tokens and a token: 8 of 16 blocks
     assert hold is not None and reader.pool.num_available == 8
-    plan = bridge.prefix_plan(prompt, room_for_tokens=len(prompt) + 1)
+    plan = bridge.prefix_plan(prompt, reader.reservation_room(len(prompt), GREEDY))
     assert (plan.num_in_pool, plan.has_room) == (0, False)
     assert reader.reserve(prompt, GREEDY, "b") is None  # as the plan said
     reader.cancel_reservation("hold")
-    assert bridge.prefix_plan(prompt, room_for_tokens=len(prompt) + 1).has_room
+    assert bridge.prefix_plan(prompt, reader.reservation_room(len(prompt), GREEDY)).has_room
     assert bridge.prefix_plan(prompt).has_room  # nothing asked: no room to miss
     assert reader.reserve(prompt, GREEDY, "b") is not None
 

@@ -1,0 +1,73 @@
+"""A decode engine keeps room for its requests' next tokens when it grants a
+reservation (actors/decode_room.py), so the requests it runs do not outgrow its pool."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from actors.config import EngineConfig
+from actors.decode_room import growth_blocks, reservation_tokens
+from actors.engine import Engine
+from actors.request import SampledToken
+from actors.sampling_params import SamplingParams
+
+CONFIG = EngineConfig(block_size=16, num_kv_blocks=16, prefill_chunk_size=64)
+PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks with the first output token's slot
+EIGHTY = SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)  # 120 tokens in all: 8 blocks
+
+
+def test_growth_counts_the_next_tokens_up_to_the_budget_and_max_new_tokens():
+    assert growth_blocks(40, 0, 80, 3, reserve_tokens=512, block_size=16) == 8 - 3
+    assert growth_blocks(40, 0, 80, 3, reserve_tokens=24, block_size=16) == 4 - 3  # 64 tokens: 4 blocks
+    assert growth_blocks(110, 70, 80, 7, reserve_tokens=512, block_size=16) == 1  # 10 to come: its 8th block
+    assert growth_blocks(110, 70, 80, 8, reserve_tokens=512, block_size=16) == 0  # already held
+    assert growth_blocks(100, 60, 80, 0, reserve_tokens=512, block_size=16) == 8  # preempted: all back
+    assert reservation_tokens(40, 80, 512) == 120 and reservation_tokens(40, 80, 0) == 41
+
+
+def _reserve_all(engine: Engine, count: int) -> list[str]:
+    granted = []
+    for index in range(count):
+        if engine.reserve(PROMPT, EIGHTY, f"r{index}") is not None:
+            granted.append(f"r{index}")
+    return granted
+
+
+def _decode_to_the_end(engine: Engine, request_ids: list[str]) -> None:
+    for request_id in request_ids:  # the KV did not come from a P: decoding goes on over whatever the blocks hold
+        engine.activate(request_id, SampledToken(5, None), seed=1)
+    while engine.has_unfinished():
+        engine.step()
+        engine.pool.check()
+
+
+def test_a_reservation_waits_until_the_running_requests_can_grow(tiny_qwen2_dir):
+    """16 blocks, requests of 8 blocks at their end: two fit. The third prompt's
+    3 blocks are free, but granting it would leave the first two no room to grow."""
+    engine = Engine(tiny_qwen2_dir, CONFIG)
+    assert _reserve_all(engine, 3) == ["r0", "r1"]
+    _decode_to_the_end(engine, ["r0", "r1"])
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.reserve(PROMPT, EIGHTY, "r2") is not None  # room again once they ended
+
+
+def test_without_the_room_kept_the_pool_is_overcommitted_and_requests_are_preempted(tiny_qwen2_dir):
+    """The same pool granting the prompts alone (decode_reserve_tokens 0, the old
+    rule): five reservations of 3 blocks, then five requests that need 8 each, and
+    the engine preempts to go on (the thrash the budget prevents)."""
+    engine = Engine(tiny_qwen2_dir, dataclasses.replace(CONFIG, decode_reserve_tokens=0))
+    granted = _reserve_all(engine, 6)
+    assert granted == [f"r{i}" for i in range(5)]
+    _decode_to_the_end(engine, granted)
+    assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("reserve", [0, 512])
+def test_the_decode_worker_and_its_store_import_ask_the_same_room(tiny_qwen2_dir, reserve):
+    """`reservation_room` is what `reserve` checks and what the KV store import plans with."""
+    engine = Engine(tiny_qwen2_dir, dataclasses.replace(CONFIG, decode_reserve_tokens=reserve))
+    assert engine.reservation_room(40, EIGHTY) == (120 if reserve else 41, 0)
+    engine.reserve(PROMPT, EIGHTY, "r0")
+    assert engine.reservation_room(40, EIGHTY) == (120 if reserve else 41, 5 if reserve else 0)
