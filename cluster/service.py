@@ -381,7 +381,8 @@ class GlobalScheduler:
 
     async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
-                            request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s)
+                            request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
+                            ttft_bias_s=choice.ttft_bias_s)
         self.models.inflight[request.request_id] = inflight
         for worker_id in (choice.prefill_id, choice.decode_id):
             if worker_id in self.prefix:

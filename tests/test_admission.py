@@ -58,6 +58,35 @@ def test_queued_prefill_ends_with_the_last_predicted_first_token():
     assert models.queued_prefill_s("p0") == pytest.approx(3.0, abs=0.3)
 
 
+def test_a_learned_ttft_bias_counts_once_not_once_for_every_request_ahead():
+    """P's first tokens came 0.3 s later than its model says (the way there and
+    back, side by side for concurrent requests): a burst of 16 short prompts,
+    admitted back to back, has its last predicted at 16 prefills plus one bias.
+    With the bias in the queue it was 16 of each, 5 s on an idle cluster."""
+    models = _models()
+    models.observe_ttft(models.predict("p0", "d0", 20, 0), observed_s=0.02 + 0.3)
+    for index in range(16):
+        prediction = models.predict("p0", "d0", num_prompt_tokens=20, cached_tokens=0)
+        models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 20, 10, prediction.ttft_s,
+                                                ttft_bias_s=prediction.ttft_bias_s)
+    assert prediction.ttft_bias_s == pytest.approx(0.3, abs=0.01)
+    assert prediction.ttft_s == pytest.approx(16 * 0.02 + 0.3, abs=0.05)
+
+
+def test_a_request_late_for_its_first_token_delays_the_queue_by_its_lateness_alone():
+    """Past its predicted first token (bias included) a request is late; before
+    it, though P's part may be done, it is not: the queue behind waits for P's
+    work only."""
+    models = _models()
+    now = time.monotonic()
+    models.inflight["on_its_way"] = InFlight("on_its_way", "p0", "d0", 100, 10, predicted_ttft_s=1.0,
+                                             admitted_s=now - 0.8, ttft_bias_s=0.5)
+    assert models.queued_prefill_s("p0") == 0.0  # P's 0.5 s of work are over; its token is on its way
+    models.inflight["late"] = InFlight("late", "p0", "d0", 100, 10, predicted_ttft_s=1.0, admitted_s=now - 3.0,
+                                       ttft_bias_s=0.5)
+    assert models.queued_prefill_s("p0") == pytest.approx(2.0, abs=0.1)
+
+
 def test_an_overdue_prefill_delays_the_queue_behind_it():
     """A request 2 s past its predicted first token is not done: the queue behind it
     (predicted to end 1 s from now) moves back by those 2 s."""
