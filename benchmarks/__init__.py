@@ -18,4 +18,5 @@ BENCHMARKS = {
     "delivery": "benchmarks.delivery",
     "handshake": "benchmarks.handshake",
     "bursts": "benchmarks.bursts",
+    "predictions": "benchmarks.predictions",
 }

@@ -10,7 +10,7 @@ whose prefill and decode node types start at zero nodes. The pool manager asks f
 3. no load: both pools shrink back to 1 and their extra nodes are terminated.
 
 Load is closed-loop (each client sends its next request when the previous one
-ends) through a GlobalScheduler in this process (tests/scheduler_driver.py). The
+ends) through a GlobalScheduler in this process (benchmarks/scheduler_driver.py). The
 SLOs are loose, so the backlog and KV signals decide (TTFT and TBT attainment are
 covered by the policy's unit tests and by `tandem bench autoscale`). Prints one
 JSON line; the test asserts on it.
@@ -35,7 +35,7 @@ from actors.sampling_params import SamplingParams  # noqa: E402
 from benchmarks.fake_cluster import FakeAutoscalingCluster, fake_node_type  # noqa: E402
 from cluster.config import AppSettings  # noqa: E402
 from cluster.pool_manager import get_or_create_pool  # noqa: E402
-from tests.scheduler_driver import build_scheduler, complete, refreshing, wait_ready  # noqa: E402
+from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, wait_ready  # noqa: E402
 
 NODE_TYPES = {
     "prefill": fake_node_type({"CPU": 1}, {"tandem/role": "prefill"}, min_workers=0, max_workers=2),

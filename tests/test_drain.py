@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from actors.sampling_params import SamplingParams
-from tests.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
+from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from actors.messages import GenerateRequest
 from actors.sampling_params import SamplingParams
-from tests.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
+from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},

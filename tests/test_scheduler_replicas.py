@@ -1,7 +1,7 @@
 """Several global scheduler replicas over one pool (Serve `num_replicas`, the
 `scheduler_replicas` setting): each routes by the whole of every worker's prefix
 cache, a replica that starts late included, and each counts the others' load.
-Two schedulers in this process stand for two replicas (tests/scheduler_driver.py)."""
+Two schedulers in this process stand for two replicas (benchmarks/scheduler_driver.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import contextlib
 import time
 
 from actors.sampling_params import SamplingParams
-from tests.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
+from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},

@@ -9,7 +9,7 @@ global scheduler draws those seeds itself."""
 from __future__ import annotations
 
 from actors.sampling_params import SamplingParams
-from tests.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
+from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},

@@ -1,7 +1,8 @@
-"""The global scheduler run in the test process instead of a Serve replica: built
+"""The global scheduler run in this process instead of a Serve replica: built
 as `cluster.app.Scheduler` builds it, refreshed in the background as that
 deployment does (members, stats, and the report to the pool manager), driven by
-`generate` directly (no HTTP)."""
+`generate` directly (no HTTP). For tests that need the scheduler's own state, and
+benchmarks that read it (`tandem bench predictions`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.service import GlobalScheduler
 
-log = logging.getLogger("tests.scheduler_driver")
+log = logging.getLogger("benchmarks.scheduler_driver")
 
 
 def run_with_pool(settings: dict, scenario):
@@ -35,7 +36,8 @@ def run_with_pool(settings: dict, scenario):
 
 def build_scheduler(settings: AppSettings, pool) -> GlobalScheduler:
     model_dir = settings.model.location().resolve()
-    max_model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
+    model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
+    max_model_len = min(settings.engine.max_model_len or model_len, model_len)
     kv_seed = kv_namespace(model_dir, settings.engine.dtype, settings.engine.block_size)
     return GlobalScheduler(settings, load_tokenizer(model_dir), pool, max_model_len, kv_seed)
 

@@ -1,0 +1,140 @@
+"""Predictions: how close admission's predicted TTFT comes to the one observed.
+
+    tandem bench predictions [--bursts 8] [--size 16] [--out FILE.json]
+
+System: disaggregated 1 P + 1 D, tiny model, a KV pool far larger than the load,
+early rejection off (every request is served, so every prediction is checked).
+The global scheduler runs in this process (benchmarks/scheduler_driver.py: the
+deployment's `GlobalScheduler`, without Serve's HTTP hop), its
+`WorkerModels.observe_ttft` wrapped to keep what the scheduler hands it at each
+first token: the prediction the request was admitted on and the TTFT it then
+took. Workload: `--bursts` bursts of `--size` short requests started at the same
+instant (fresh random prompts, so no prefix hits), `--every-s` apart; one burst
+first as a warm-up, not counted.
+
+Reported, by a request's place in its burst (admission order): the median
+predicted TTFT without the learned bias (the model: queue, prefill, transfer, D's
+line), the median observed TTFT, and the median residual (observed less model);
+over all requests, the residuals' 10th, 50th and 90th percentiles, their slope
+against the place in the burst (least squares, ms a request ahead), and the mean
+absolute error of the whole prediction (bias included). A model that sees P's
+queue as it is leaves residuals flat across a burst, a latency the bias then
+covers once; a slope is what each request ahead costs beyond what the model says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+from benchmarks import report
+from benchmarks.arguments import positive_float, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bursts", type=positive_int, default=8)
+    parser.add_argument("--size", type=positive_int, default=16, help="requests a burst, started at the same instant")
+    parser.add_argument("--every-s", type=positive_float, default=2.0, help="time from one burst to the next")
+    parser.add_argument("--prompt", type=positive_int, default=24, help="prompt tokens a request")
+    parser.add_argument("--output", type=positive_int, default=16, help="output tokens a request")
+
+
+@dataclass(frozen=True)
+class Observed:
+    admitted_s: float  # monotonic
+    predicted_s: float  # the whole prediction, bias included
+    bias_s: float
+    observed_s: float
+
+    @property
+    def model_s(self) -> float:
+        return self.predicted_s - self.bias_s
+
+    @property
+    def residual_s(self) -> float:
+        return self.observed_s - self.model_s
+
+
+def main(args: argparse.Namespace) -> None:
+    import ray
+
+    from actors.model_builder import ensure_checkpoint
+    from benchmarks.scheduler_driver import run_with_pool
+    from benchmarks.serve_scenarios import TINY_VOCAB, app_settings
+
+    ensure_checkpoint("tiny", "qwen2")
+    settings = app_settings(argparse.Namespace(preset="tiny", arch="qwen2", kv_cache_mib=0), mode="disaggregated")
+    settings["engine"] = {"block_size": 16, "num_kv_blocks": 1024, "max_num_seqs": 64, "prefill_chunk_size": 256,
+                          "max_num_batched_tokens": 1024}
+    settings["pool_name"] = "bench-predictions-pool"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        bursts = run_with_pool(settings, lambda pool, app: _drive(pool, app, args, TINY_VOCAB))
+    finally:
+        ray.shutdown()
+    rows, places = [], [[b[k] for b in bursts if k < len(b)] for k in range(args.size)]
+    for place, seen in enumerate(places):
+        rows.append([place, len(seen), report.median([o.model_s for o in seen]) * 1e3,
+                     report.median([o.observed_s for o in seen]) * 1e3, report.median([o.residual_s for o in seen]) * 1e3])
+    every = [o for b in bursts for o in b]
+    residuals = [o.residual_s for o in every]
+    slope_ms = _slope([(place, o.residual_s) for b in bursts for place, o in enumerate(b)]) * 1e3
+    summary = {"requests": len(every), "residual_p10_ms": report.percentile(residuals, 10) * 1e3,
+               "residual_median_ms": report.median(residuals) * 1e3,
+               "residual_p90_ms": report.percentile(residuals, 90) * 1e3,
+               "residual_slope_ms_per_place": slope_ms,
+               "mean_abs_error_ms": sum(abs(o.observed_s - o.predicted_s) for o in every) / len(every) * 1e3,
+               "bias_median_ms": report.median([o.bias_s for o in every]) * 1e3}
+    report.print_table(f"{args.bursts} bursts of {args.size} ({args.prompt} tokens in, {args.output} out), by place in "
+                       "the burst", ["place", "requests", "model ms (median)", "observed ms (median)",
+                                     "residual ms (median)"], rows)
+    report.print_table("All requests", list(summary), [list(summary.values())])
+    report.finish("predictions", args.out, {"args": vars(args) | {"func": None}, "summary": summary,
+                                            "by_place": rows},
+                  f"residual slope {slope_ms:.1f} ms a place in the burst, residuals p10-p90 "
+                  f"{summary['residual_p10_ms']:.0f} to {summary['residual_p90_ms']:.0f} ms",
+                  "a flat slope (|slope| <= 2 ms a place)")
+
+
+async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
+    """The bursts, each as the scheduler observed its first tokens, in admission order."""
+    from actors.sampling_params import SamplingParams
+    from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, wait_ready
+
+    scheduler = build_scheduler(settings, pool)
+    seen: list[Observed] = []
+    observe = scheduler.models.observe_ttft
+
+    def observe_and_keep(prediction, observed_s: float) -> None:
+        seen.append(Observed(time.monotonic() - observed_s, prediction.ttft_s, prediction.ttft_bias_s, observed_s))
+        observe(prediction, observed_s)
+
+    scheduler.models.observe_ttft = observe_and_keep  # the real method, its arguments kept on the way
+    params = SamplingParams(max_new_tokens=args.output, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    bursts = []
+    async with refreshing(scheduler):
+        await wait_ready(scheduler, timeout_s=300)
+        for burst in range(args.bursts + 1):  # the first: a warm-up
+            seen.clear()
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.size)]
+            results = await asyncio.gather(*(complete(scheduler, prompt, params) for prompt in prompts))
+            failed = [error for _, error in results if error]
+            if failed:
+                raise RuntimeError(f"{len(failed)} requests of burst {burst} failed: {failed[0]}")
+            if burst:
+                bursts.append(sorted(seen, key=lambda o: o.admitted_s))
+            await asyncio.sleep(args.every_s)
+    return bursts
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y on x."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
