@@ -72,7 +72,8 @@ class ChunkTiming:
     num_blocks: int
     compute_done_s: float  # P finished the chunk's compute
     send_start_s: float
-    arrived_s: float  # bytes in D's blocks
+    arrived_s: float  # bytes in D's blocks (D's clock)
+    acknowledged_s: float  # P heard they arrived (P's clock): the pair's channel is free for the next chunk
 
 
 @dataclass

@@ -132,12 +132,13 @@ class _PairSender:
         ref = self.decode.receive_chunk.remote(meta, self.sender.name, self.sender.payload(kv))
         self.sender.push(kv)
         arrived_s = ref.future().result(timeout=self.worker.options.transfer_timeout_s)
+        acknowledged_s = time.time()
         job = transfer.job
         job.num_blocks_sent += len(transfer.src_block_ids)
         job.num_bytes_sent += kv.numel() * kv.element_size()
         job.timings.append(
-            ChunkTiming(meta.chunk_index, len(transfer.src_block_ids), transfer.compute_done_s, meta.sent_s, arrived_s)
-        )
+            ChunkTiming(meta.chunk_index, len(transfer.src_block_ids), transfer.compute_done_s, meta.sent_s, arrived_s,
+                        acknowledged_s))
         if meta.is_last:
             self.worker.complete_job(job)
 

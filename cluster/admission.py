@@ -2,8 +2,8 @@
 
 For each candidate P: predicted TTFT = the wait for D's KV blocks when D has no
 room (`cluster.decode_lines`) + the predicted prefill time still queued on P + this
-request's prefill time for its *uncached* tokens on P + the transfer of the blocks
-D lacks. For each candidate D: predicted TBT at the moment that prefill would
+request's prefill time for its *uncached* tokens on P + the transfer of its last
+chunk of the blocks D lacks (`cluster.transfer_model`, learned per pair). For each candidate D: predicted TBT at the moment that prefill would
 finish, counting the requests D will still be decoding then (those that end sooner
 drop out) plus those whose prefill lands before. A request that no pair can serve
 within the SLO is rejected before any prefill compute is spent on it.
@@ -33,6 +33,7 @@ import numpy as np
 
 from cluster.cost_model import LinearCostModel, decode_features, prefill_features
 from cluster.scaling_signals import PeerLoad
+from cluster.transfer_model import TransferModels
 
 BIAS_HALF_LIFE_S = 10.0  # a learned TTFT bias halves every this long without an observation
 RESIDUAL_WINDOW = 64  # the latest TTFT residuals a P's bias is the quantile of
@@ -111,15 +112,14 @@ class SloRejected(Exception):
 class WorkerModels:
     """Per-worker cost models and in-flight bookkeeping."""
 
-    def __init__(self, block_size: int, ttft_quantile: float = 0.9) -> None:
+    def __init__(self, block_size: int, ttft_quantile: float = 0.9, prefill_chunk_size: int = 256) -> None:
         self.block_size = block_size
         self.ttft_quantile = ttft_quantile  # the SLO's attainment target: see observe_ttft
         self.prefill: dict[str, LinearCostModel] = {}
         self.decode: dict[str, LinearCostModel] = {}
         self.inflight: dict[str, InFlight] = {}
         self.peers = PeerLoad()  # the other scheduler replicas' load per worker
-        self.transfer_bytes_per_s = 1e9
-        self.block_bytes = 0
+        self.transfers = TransferModels(block_size, prefill_chunk_size)
         self._ttft_bias: dict[str, tuple[float, float]] = {}  # per P (or colocated worker): (bias, when learned)
         self._residuals: dict[str, deque[tuple[float, float]]] = {}  # per P: (observed - predicted, when)
 
@@ -147,6 +147,7 @@ class WorkerModels:
         self.decode.pop(worker_id, None)
         self._ttft_bias.pop(worker_id, None)
         self._residuals.pop(worker_id, None)
+        self.transfers.forget(worker_id)
 
     # ---- observations ---------------------------------------------------------------
     def decode_load(self, decode_id: str) -> tuple[int, int]:
@@ -261,9 +262,9 @@ class WorkerModels:
         prefill = self.prefill_s(prefill_id or decode_id, uncached, cached_tokens)
         queued = self.queued_prefill_s(prefill_id or decode_id)
         transfer = 0.0
-        if prefill_id is not None and self.block_bytes:
+        if prefill_id is not None:
             blocks = max(math.ceil(num_prompt_tokens / self.block_size) - decode_cached_blocks, 0)
-            transfer = blocks * self.block_bytes / self.transfer_bytes_per_s
+            transfer = self.transfers.last_chunk_s(prefill_id, decode_id, uncached, blocks)
         bias = self.ttft_bias(prefill_id or decode_id)
         ttft = queued + prefill + transfer + bias
         return Prediction(prefill_id, decode_id, ttft, self.tbt_at(decode_id, ttft, num_prompt_tokens), uncached, bias)

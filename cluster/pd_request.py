@@ -35,7 +35,7 @@ HANDSHAKE_GRACE_S = 5.0
 class DisaggregatedCall:
     def __init__(
         self, prefill, decode, request: GenerateRequest, channel: str = "gloo", handshake_timeout_s: float = 10.0,
-        feeds: TokenFeeds | None = None, on_reserved=None,
+        feeds: TokenFeeds | None = None, on_reserved=None, on_prefilled=None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -47,6 +47,7 @@ class DisaggregatedCall:
         self.prefill_error: BaseException | None = None
         self.feeds = feeds
         self.on_reserved = on_reserved  # called once D has reserved the blocks (P starts then)
+        self.on_prefilled = on_prefilled  # called with P's PrefillResult once the last chunk landed
 
     async def events(self):
         request_id = self.request.request_id
@@ -99,3 +100,6 @@ class DisaggregatedCall:
             await asyncio.gather(
                 self.decode.abort_transfer.remote(self.request.request_id, reason), return_exceptions=True
             )
+            return
+        if self.on_prefilled is not None:
+            self.on_prefilled(self.prefill_result)

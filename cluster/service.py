@@ -61,7 +61,8 @@ class GlobalScheduler:
         self.max_model_len = max_model_len
         self.block_size = settings.engine.block_size
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
-        self.models = WorkerModels(self.block_size, ttft_quantile=settings.slo.attainment)
+        self.models = WorkerModels(self.block_size, ttft_quantile=settings.slo.attainment,
+                                   prefill_chunk_size=settings.engine.prefill_chunk_size)
         self.lines = DecodeLines(settings.timeouts.handshake_s)  # waits for D's KV blocks, for admission
         self.policy = make_policy(settings.routing)
         self.metrics = Metrics()
@@ -177,7 +178,7 @@ class GlobalScheduler:
                 self.models.prefill_model(member.worker_id).observe(prefill_features(new, cached), seconds)
             for batch, kv_tokens, seconds in profile.decode:
                 self.models.decode_model(member.worker_id).observe(decode_features(batch, kv_tokens), seconds)
-            self.models.block_bytes = profile.kv_bytes_per_block
+            self.models.transfers.block_bytes = profile.kv_bytes_per_block
             self.profiled.add(member.worker_id)
 
     async def _report_dead(self, worker_id: str) -> None:
@@ -417,8 +418,11 @@ class GlobalScheduler:
         else:
             prefill = self.members[choice.prefill_id].handle
             decode = self.members[choice.decode_id].handle
-            call = DisaggregatedCall(prefill, decode, request, self.settings.channel,
-                                     self.settings.timeouts.handshake_s, self.feeds, on_reserved=inflight.reserved)
+            call = DisaggregatedCall(
+                prefill, decode, request, self.settings.channel, self.settings.timeouts.handshake_s, self.feeds,
+                on_reserved=inflight.reserved,
+                on_prefilled=lambda result: self.models.transfers.observe(choice.prefill_id, choice.decode_id,
+                                                                         result.chunks))
             events = call.events()
         counted = False
         try:

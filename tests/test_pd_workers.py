@@ -81,7 +81,7 @@ def test_concurrent_requests_match_colocated_and_hf(ray_local, workers, tiny_qwe
         assert tokens(events) == hf_greedy(tiny_qwen2_dir, request.prompt_token_ids, GREEDY.max_new_tokens)
         result = call.prefill_result
         assert len(result.chunks) >= 1 and result.first_token_id == tokens(events)[0]
-        assert all(t.send_start_s <= t.arrived_s for t in result.chunks)
+        assert all(t.send_start_s <= t.arrived_s <= t.acknowledged_s for t in result.chunks)  # one machine: one clock
     assert_idle(ray_local, p, d, c)
 
 
