@@ -1,9 +1,10 @@
 """SLO admission with prediction-based early rejection (after Mooncake).
 
 For each candidate P: predicted TTFT = the wait for D's KV blocks when D has no
-room (`cluster.decode_lines`) + the predicted prefill time still queued on P + this
-request's prefill time for its *uncached* tokens on P + the transfer of its last
-chunk of the blocks D lacks (`cluster.transfer_model`, learned per pair). For each candidate D: predicted TBT at the moment that prefill would
+room (`cluster.decode_lines`) + the predicted prefill time still queued on P + what
+this request's *uncached* tokens add to it (a step's fixed part only when they need
+a step of their own: `own_prefill_s`) + the transfer of its last chunk of the
+blocks D lacks (`cluster.transfer_model`, learned per pair). For each candidate D: predicted TBT at the moment that prefill would
 finish, counting the requests D will still be decoding then (those that end sooner
 drop out) plus those whose prefill lands before. A request that no pair can serve
 within the SLO is rejected before any prefill compute is spent on it.
@@ -112,8 +113,10 @@ class SloRejected(Exception):
 class WorkerModels:
     """Per-worker cost models and in-flight bookkeeping."""
 
-    def __init__(self, block_size: int, ttft_quantile: float = 0.9, prefill_chunk_size: int = 256) -> None:
+    def __init__(self, block_size: int, ttft_quantile: float = 0.9, prefill_chunk_size: int = 256,
+                 max_num_batched_tokens: int = 1024) -> None:
         self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens  # a worker's step, in tokens: see own_prefill_s
         self.ttft_quantile = ttft_quantile  # the SLO's attainment target: see observe_ttft
         self.prefill: dict[str, LinearCostModel] = {}
         self.decode: dict[str, LinearCostModel] = {}
@@ -200,6 +203,35 @@ class WorkerModels:
         model = self.prefill_model(worker_id)
         return model.predict(prefill_features(new_tokens, cached_tokens)) if model.is_fitted else 0.0
 
+    def own_prefill_s(self, worker_id: str, new_tokens: int, cached_tokens: int) -> float:
+        """What a new request's prefill adds to the worker's queue. Its model, a
+        prompt's time alone, is a fixed part (a step's: the launch, the layers'
+        weights read, the sampling) and a part per token; a prompt that fits in the
+        steps the queue takes anyway (in `max_num_batched_tokens` steps, the queue's
+        tokens and its own) shares a step with it and adds its tokens' part alone.
+        Charged the fixed part each, a burst of 16 short prompts that P computes in
+        one or two steps was predicted as 16 of them one after the other
+        (`tandem bench predictions`: docs/benchmarks.md)."""
+        model = self.prefill_model(worker_id)
+        if not model.is_fitted:
+            return 0.0
+        alone = model.predict(prefill_features(new_tokens, cached_tokens))
+        queued = self.queued_prefill_tokens(worker_id)
+        step = self.max_num_batched_tokens
+        if not queued or -(-(queued + new_tokens) // step) > -(-queued // step):
+            return alone
+        return max(alone - model.fixed_s(), 0.0)
+
+    def queued_prefill_tokens(self, worker_id: str) -> int:
+        """Prompt tokens the worker is predicted still to compute: those of the
+        requests whose predicted work there is not over (`queued_prefill_s`; their
+        cached tokens counted too) and the other replicas' backlog."""
+        now = time.monotonic()
+        mine = sum(r.num_prompt_tokens for r in self.inflight.values()
+                   if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill
+                   and r.first_token_due_s is not None and r.first_token_due_s - r.ttft_bias_s > now)
+        return mine + self.peers.backlog_tokens.get(worker_id, 0)
+
     def queued_prefill_s(self, worker_id: str) -> float:
         """Predicted time until the worker has finished every prefill admitted to it.
 
@@ -259,7 +291,7 @@ class WorkerModels:
     def predict(self, prefill_id: str | None, decode_id: str, num_prompt_tokens: int, cached_tokens: int,
                 decode_cached_blocks: int = 0) -> Prediction:
         uncached = num_prompt_tokens - cached_tokens
-        prefill = self.prefill_s(prefill_id or decode_id, uncached, cached_tokens)
+        prefill = self.own_prefill_s(prefill_id or decode_id, uncached, cached_tokens)
         queued = self.queued_prefill_s(prefill_id or decode_id)
         transfer = 0.0
         if prefill_id is not None:

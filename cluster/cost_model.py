@@ -41,6 +41,14 @@ class LinearCostModel:
         self._coef = np.maximum(coef, 0.0)  # costs only grow with work
         self._floor = float(y.min())
 
+    def fixed_s(self) -> float:
+        """The fitted cost of no work (the intercept): what every call costs."""
+        if not self._rows:
+            raise RuntimeError("cost model has no observations yet")
+        if self._coef is None:
+            self._fit()
+        return float(self._coef[0])
+
     def predict(self, features: tuple[float, ...]) -> float:
         if not self._rows:
             raise RuntimeError("cost model has no observations yet")

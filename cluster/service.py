@@ -62,7 +62,8 @@ class GlobalScheduler:
         self.block_size = settings.engine.block_size
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
         self.models = WorkerModels(self.block_size, ttft_quantile=settings.slo.attainment,
-                                   prefill_chunk_size=settings.engine.prefill_chunk_size)
+                                   prefill_chunk_size=settings.engine.prefill_chunk_size,
+                                   max_num_batched_tokens=settings.engine.max_num_batched_tokens)
         self.lines = DecodeLines(settings.timeouts.handshake_s)  # waits for D's KV blocks, for admission
         self.policy = make_policy(settings.routing)
         self.metrics = Metrics()
