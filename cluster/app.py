@@ -176,6 +176,9 @@ class Scheduler:
         self.settings = AppSettings.model_validate(settings)
         model_dir = self.settings.model.location().resolve()
         self.tokenizer = load_tokenizer(model_dir)
+        # A token id's text alone (SGLang's return_text_in_logprobs), cached: a streamed
+        # /generate rebuilds its logprob entries at every event.
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.tokenizer.decode([token_id]))
         self.sampling_defaults = SamplingDefaults.load(model_dir, self.settings.sampling_defaults)
         model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
         max_model_len = min(self.settings.engine.max_model_len or model_len, model_len)
@@ -256,8 +259,9 @@ class Scheduler:
         keys = range(len(prompt_ids) * n)
         ids = [rids[k // n] if n == 1 else f"{rids[k // n]}-{k % n}" for k in keys]
         streams = await self._start_choices([(prompt_ids[k // n], choices[k // n][k % n], ids[k]) for k in keys], n)
-        answered = [sglang.Answered(ids[k], prompt_ids[k // n], body.logprob_start_len, body.top_logprobs_num)
-                    for k in keys]
+        token_text = self.token_text if body.return_text_in_logprobs else None
+        answered = [sglang.Answered(ids[k], prompt_ids[k // n], body.logprob_start_len, body.top_logprobs_num,
+                                    token_text) for k in keys]
         if body.stream:
             return self._sse(sglang.stream(streams, answered, indexed=body.answers_a_list))
         results = await self._collect_all(streams)

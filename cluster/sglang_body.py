@@ -112,6 +112,7 @@ class GenerateBody(RequestBody):
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # >= 0: the prompt's logprobs too, from this position
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    return_text_in_logprobs: bool = False  # each logprob entry's third element: its token's text (else None)
     rid: Rids | None = None
 
     @model_validator(mode="after")

@@ -6,17 +6,20 @@ each carry their place in that list as `index` (SGLang's shapes). A streamed chu
 carries the request's whole text and ids so far, not a delta, and so its
 meta_info: with `return_logprob`, the logprobs so far too (SGLang's default).
 
-Logprobs in meta_info, as SGLang gives them: `output_token_logprobs` [logprob, id]
-a generated token, `output_top_logprobs` the `top_logprobs_num` best of each as
-[logprob, id]; with `logprob_start_len` >= 0 the prompt's from there,
-`input_token_logprobs` (None for the prompt's first token) and
-`input_top_logprobs`.
+Logprobs in meta_info, as SGLang gives them: `output_token_logprobs` [logprob, id,
+text] a generated token, `output_top_logprobs` the `top_logprobs_num` best of each
+as [logprob, id, text]; with `logprob_start_len` >= 0 the prompt's from there,
+`input_token_logprobs` (its logprob None for the prompt's first token) and
+`input_top_logprobs`. The text is None unless the body asks for
+`return_text_in_logprobs`: then each token's own decoding. SGLang's clients unpack
+three (`logprob, token_id, text = entry`); two-element entries broke them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.openai_format import sse
@@ -61,6 +64,11 @@ class Answered:
     prompt_ids: list[int]
     logprob_start_len: int  # -1: not the prompt's logprobs
     top_logprobs_num: int
+    token_text: Callable[[int], str] | None = None  # return_text_in_logprobs: a token id's text, else None
+
+    def entry(self, logprob: float | None, token_id: int) -> list:
+        """One logprob entry: [logprob, id, text or None]."""
+        return [logprob, token_id, self.token_text(token_id) if self.token_text else None]
 
 
 def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cached: int,
@@ -68,17 +76,18 @@ def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cache
     meta = {"id": answered.rid, "prompt_tokens": len(answered.prompt_ids), "completion_tokens": num_tokens,
             "cached_tokens": num_cached, "finish_reason": {"type": reason}}
     top = answered.top_logprobs_num
+    entry = answered.entry
     if logprobs is not None:
-        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in logprobs]
+        meta["output_token_logprobs"] = [entry(lp.logprob, lp.token_id) for lp in logprobs]
         if top:
-            meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top[:top]] for lp in logprobs]
+            meta["output_top_logprobs"] = [[entry(v, t) for t, v in lp.top[:top]] for lp in logprobs]
     if prompt_logprobs is not None:
         start = answered.logprob_start_len
         wanted = prompt_logprobs[start:]
-        meta["input_token_logprobs"] = [[lp.logprob if lp else None, answered.prompt_ids[start + i]]
+        meta["input_token_logprobs"] = [entry(lp.logprob if lp else None, answered.prompt_ids[start + i])
                                         for i, lp in enumerate(wanted)]
         if top:
-            meta["input_top_logprobs"] = [[[v, t] for t, v in lp.top[:top]] if lp else None for lp in wanted]
+            meta["input_top_logprobs"] = [[entry(v, t) for t, v in lp.top[:top]] if lp else None for lp in wanted]
     return meta
 
 

@@ -109,10 +109,11 @@ def test_generate_streams_a_batch_with_n_choices_by_index(base_url):
     assert all(last[k]["meta_info"]["finish_reason"] == {"type": "length"} for k in range(4))
     for k, answer in enumerate(whole):  # return_logprob: each chunk's meta_info has the logprobs so far
         streamed, meta = last[k]["meta_info"], answer["meta_info"]
-        assert [t for _, t in streamed["output_token_logprobs"]] == answer["output_ids"]
-        assert [t for _, t in meta["output_token_logprobs"]] == answer["output_ids"]
-        assert [v for v, _ in streamed["output_token_logprobs"]] == pytest.approx(
-            [v for v, _ in meta["output_token_logprobs"]], abs=1e-4)
+        assert [t for _, t, _ in streamed["output_token_logprobs"]] == answer["output_ids"]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == answer["output_ids"]
+        assert [v for v, _, _ in streamed["output_token_logprobs"]] == pytest.approx(
+            [v for v, _, _ in meta["output_token_logprobs"]], abs=1e-4)
+        assert {text for _, _, text in meta["output_token_logprobs"]} == {None}  # no return_text_in_logprobs
         assert [len(top) for top in streamed["output_top_logprobs"]] == [2] * 4
 
 
@@ -244,8 +245,10 @@ def test_prompt_logprobs_by_echo_and_by_logprob_start_len(base_url, client):
     ids = httpx.post(f"{base_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
     sglang = httpx.post(f"{base_url}/generate", json={
         "text": prompt, "max_new_tokens": 1, "temperature": 0, "return_logprob": True, "logprob_start_len": 0,
-        "top_logprobs_num": 2}).json()["meta_info"]
-    assert [t for _, t in sglang["input_token_logprobs"]] == ids and sglang["input_token_logprobs"][0][0] is None
+        "top_logprobs_num": 2, "return_text_in_logprobs": True}).json()["meta_info"]
+    assert [t for _, t, _ in sglang["input_token_logprobs"]] == ids and sglang["input_token_logprobs"][0][0] is None
+    text = httpx.post(f"{base_url}/detokenize", json={"tokens": [ids[1]]}).json()["prompt"]
+    assert sglang["input_token_logprobs"][1][2] == text  # return_text_in_logprobs: each token's own text
     assert sglang["input_top_logprobs"][0] is None and len(sglang["input_top_logprobs"][1]) == 2
     assert len(sglang["output_top_logprobs"]) == 1 and len(sglang["output_top_logprobs"][0]) == 2
     scored = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, echo=True, max_tokens=0,
@@ -253,7 +256,7 @@ def test_prompt_logprobs_by_echo_and_by_logprob_start_len(base_url, client):
     choice = scored.choices[0]
     assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(ids)
-    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in sglang["input_token_logprobs"][1:]],
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _, _ in sglang["input_token_logprobs"][1:]],
                                                                abs=1e-5)
     echoed = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, echo=True, max_tokens=4,
                                        temperature=0, extra_body={"ignore_eos": True})

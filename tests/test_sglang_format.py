@@ -1,12 +1,14 @@
 """SGLang's `/generate` formatting: the kept-encoded cumulative chunks are byte for
-byte what encoding the whole payload gives, a batch's `index` included."""
+byte what encoding the whole payload gives, a batch's `index` included; logprob
+entries are SGLang's triples."""
 
 from __future__ import annotations
 
 import random
 
+from actors.request import TokenLogprob
 from cluster.openai_format import sse
-from cluster.sglang_format import CumulativeChunks
+from cluster.sglang_format import Answered, CumulativeChunks, meta_info
 
 PIECES = ["the", " cat", "é", "\u2603", '"q"', "\\", "\n", "\t", "\x00", "\U0001f642", "</script>", "", "\ud7ff",
           " tok"]
@@ -27,3 +29,19 @@ def test_cumulative_chunks_match_encoding_the_whole_payload():
             index = rng.randrange(64)
             assert chunks.sse(meta, index) == sse({"text": text, "output_ids": ids, "meta_info": meta, "index": index})
             assert chunks.num_tokens == len(ids)
+
+
+def test_logprob_entries_are_sglangs_triples_with_text_when_asked():
+    """[logprob, token id, text]: None for the text unless return_text_in_logprobs
+    (then each token's own text); the prompt's first token has no logprob."""
+    generated = [TokenLogprob(7, -0.5, top=[(7, -0.5), (9, -1.5)]), TokenLogprob(3, -2.0, top=[(4, -1.0), (3, -2.0)])]
+    prompt = [None, TokenLogprob(6, -3.0, top=[(1, -0.1), (6, -3.0)])]
+    plain = meta_info(Answered("r", [5, 6], 0, 2), 2, "length", 0, generated, prompt)
+    assert plain["output_token_logprobs"] == [[-0.5, 7, None], [-2.0, 3, None]]
+    assert plain["output_top_logprobs"] == [[[-0.5, 7, None], [-1.5, 9, None]], [[-1.0, 4, None], [-2.0, 3, None]]]
+    assert plain["input_token_logprobs"] == [[None, 5, None], [-3.0, 6, None]]
+    assert plain["input_top_logprobs"] == [None, [[-0.1, 1, None], [-3.0, 6, None]]]
+    named = meta_info(Answered("r", [5, 6], 1, 1, token_text=lambda t: f"<{t}>"), 2, "length", 0, generated, prompt)
+    assert named["output_token_logprobs"] == [[-0.5, 7, "<7>"], [-2.0, 3, "<3>"]]
+    assert named["output_top_logprobs"] == [[[-0.5, 7, "<7>"]], [[-1.0, 4, "<4>"]]]
+    assert named["input_token_logprobs"] == [[-3.0, 6, "<6>"]] and named["input_top_logprobs"] == [[[-0.1, 1, "<1>"]]]
