@@ -31,12 +31,17 @@ from benchmarks.arguments import positive_float, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bursts", type=positive_int, default=12)
+    add_burst_arguments(parser, num_bursts=12, every_s=3.0)
+    parser.add_argument("--ttft-slo-ms", type=positive_float, default=5000.0)
+
+
+def add_burst_arguments(parser: argparse.ArgumentParser, num_bursts: int, every_s: float) -> None:
+    """The options of a workload of bursts (this one's, and `tandem bench predictions`')."""
+    parser.add_argument("--bursts", type=positive_int, default=num_bursts)
     parser.add_argument("--size", type=positive_int, default=16, help="requests a burst, sent at the same instant")
-    parser.add_argument("--every-s", type=positive_float, default=3.0, help="time from one burst to the next")
+    parser.add_argument("--every-s", type=positive_float, default=every_s, help="time from one burst to the next")
     parser.add_argument("--prompt", type=positive_int, default=24, help="prompt tokens a request")
     parser.add_argument("--output", type=positive_int, default=16, help="output tokens a request")
-    parser.add_argument("--ttft-slo-ms", type=positive_float, default=5000.0)
 
 
 def workload(args, vocab: int, seed: int, num_bursts: int):

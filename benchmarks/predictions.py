@@ -31,15 +31,11 @@ import time
 from dataclasses import dataclass
 
 from benchmarks import report
-from benchmarks.arguments import positive_float, positive_int
+from benchmarks.bursts import add_burst_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bursts", type=positive_int, default=8)
-    parser.add_argument("--size", type=positive_int, default=16, help="requests a burst, started at the same instant")
-    parser.add_argument("--every-s", type=positive_float, default=2.0, help="time from one burst to the next")
-    parser.add_argument("--prompt", type=positive_int, default=24, help="prompt tokens a request")
-    parser.add_argument("--output", type=positive_int, default=16, help="output tokens a request")
+    add_burst_arguments(parser, num_bursts=8, every_s=2.0)
 
 
 @dataclass(frozen=True)
