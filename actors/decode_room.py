@@ -5,9 +5,9 @@ A decode worker (D) reserves a prompt's blocks and its first token's slot in the
 handshake (`Engine.reserve`); each later token's KV needs a slot too, and every
 `block_size` tokens a new block. Granting reservations while blocks are free for
 the prompts alone over-commits the pool: the running requests then outgrow it,
-and D preempts them by recompute (actors/scheduler.py) to go on. Under the
-a load like the handshake benchmark's (a 64-block pool, 40-token prompts, 80 tokens out, a
-request every 20 ms; a one-off probe), D preempted 234 times for 200 requests.
+and D preempts them by recompute (actors/scheduler.py) to go on. Under a load
+like the handshake benchmark's (a 64-block pool, 40-token prompts, 80 tokens out,
+a request every 20 ms; a one-off probe), D preempted 234 times for 200 requests.
 
 So D grants a reservation only while the pool, besides the prompt, has room for
 the next `reserve_tokens` tokens (at most its `max_new_tokens`) of the new

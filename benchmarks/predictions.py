@@ -73,8 +73,8 @@ def main(args: argparse.Namespace) -> None:
         ray.shutdown()
     rows, places = [], [[b[k] for b in bursts if k < len(b)] for k in range(args.size)]
     for place, seen in enumerate(places):
-        rows.append([place, len(seen), report.median([o.model_s for o in seen]) * 1e3,
-                     report.median([o.observed_s for o in seen]) * 1e3, report.median([o.residual_s for o in seen]) * 1e3])
+        rows.append([place, len(seen), *(report.median([getattr(o, name) for o in seen]) * 1e3
+                                          for name in ("model_s", "observed_s", "residual_s"))])
     every = [o for b in bursts for o in b]
     residuals = [o.residual_s for o in every]
     slope_ms = _slope([(place, o.residual_s) for b in bursts for place, o in enumerate(b)]) * 1e3

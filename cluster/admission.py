@@ -4,15 +4,17 @@ For each candidate P: predicted TTFT = the wait for D's KV blocks when D has no
 room (`cluster.decode_lines`) + the predicted prefill time still queued on P + what
 this request's *uncached* tokens add to it (a step's fixed part only when they need
 a step of their own: `own_prefill_s`) + the transfer of its last chunk of the
-blocks D lacks (`cluster.transfer_model`, learned per pair). For each candidate D: predicted TBT at the moment that prefill would
-finish, counting the requests D will still be decoding then (those that end sooner
-drop out) plus those whose prefill lands before. A request that no pair can serve
+blocks D lacks (`cluster.transfer_model`, learned per pair). For each candidate D:
+predicted TBT at the moment that prefill would finish, counting the requests D
+will still be decoding then (those that end sooner drop out) plus those whose
+prefill lands before. A request that no pair can serve
 within the SLO is rejected before any prefill compute is spent on it.
 
 The models start from each worker's start-up profile (pure compute) and then learn
 from what the scheduler observes: every gap between tokens refits D's step model,
-and every first token updates P's TTFT bias (see `observe_token_gap`, `observe_ttft`),
-which fades while no first token comes (`ttft_bias`).
+every first token updates P's TTFT bias (see `observe_token_gap`, `observe_ttft`),
+which fades while no first token comes (`ttft_bias`), and every prefill's chunk
+timings refit its P-D pair's transfer model.
 
 With several scheduler replicas each admits its own requests, so each adds the
 others' load (`peers`, from the pool manager's answer to its latest report, at most
