@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke run, tiny model)")
     parser.add_argument("--preset", default=None, help="model preset (default: qwen2.5-0.5b on cuda, tiny on cpu)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the roofline and P/D steps on cuda")
-    parser.add_argument("--prefill-tokens", type=positive_int, default=4096)
+    parser.add_argument("--prefill-tokens", type=positive_int, default=None,
+                        help="the roofline's prompt (default: 4096 on cuda, 1024 on cpu, inside tiny's context)")
     parser.add_argument("--decode-batch", type=positive_int, default=64)
     parser.add_argument("--steps", default="kernels,exactness,roofline,graphs,pd")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-results"))
@@ -369,6 +370,7 @@ def main(args: argparse.Namespace) -> dict:
 
     preset = args.preset or ("qwen2.5-0.5b" if args.device == "cuda" else "tiny")
     dtype = args.dtype if args.device == "cuda" else "float32"
+    prefill_tokens = args.prefill_tokens or (4096 if args.device == "cuda" else 1024)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": args.device, "preset": preset, "dtype": dtype, "steps": {}}
@@ -377,7 +379,7 @@ def main(args: argparse.Namespace) -> dict:
     steps = {
         "kernels": lambda: _check_kernels(args.device),
         "exactness": lambda: check_exactness(exact_model_dir, args.device),
-        "roofline": lambda: check_roofline(model_dir, args.device, dtype, args.prefill_tokens, args.decode_batch),
+        "roofline": lambda: check_roofline(model_dir, args.device, dtype, prefill_tokens, args.decode_batch),
         "graphs": lambda: check_graphs(model_dir, exact_model_dir, args.device, dtype, args.decode_batch),
         "pd": lambda: check_pd(model_dir, args.device, dtype, args.decode_batch),
     }
