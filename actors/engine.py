@@ -49,6 +49,7 @@ from actors.decode_room import owed_blocks, reservation_tokens
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
 from actors.model_runner import LaunchedStep, ModelRunner
+from actors.prefill_steps import PrefillStepLog
 from actors.request import FinishReason, Request, RequestOutput, SampledToken, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
@@ -119,6 +120,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_steps_launched_ahead = 0  # overlapped decode steps, since start
+        self.prefill_steps = PrefillStepLog()  # the latest prompt-only steps, timed: for the scheduler's cost model
         self._in_flight: _StepInFlight | None = None
 
     # ---- requests ------------------------------------------------------------
@@ -341,6 +343,7 @@ class Engine:
         self.scheduler.update(chunks)
         self.store_bridge.save_computed(chunks)
         self.num_steps += 1
+        self.prefill_steps.record(self.num_steps, step.chunks, self.runner.last_step_s)
         blocks_for = lambda end: -(-end // self.pool.block_size)  # noqa: E731
         exported = [
             ExportedChunk(c.request.request_id, c.start, c.end, c.request.block_table[: blocks_for(c.end)])

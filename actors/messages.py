@@ -76,6 +76,18 @@ class ChunkTiming:
     acknowledged_s: float  # P heard they arrived (P's clock): the pair's channel is free for the next chunk
 
 
+@dataclass(frozen=True)
+class PrefillStep:
+    """One engine step that computed prompt tokens only (no request decoding in
+    it), as a worker timed it: what the scheduler refits the worker's prefill
+    model on (cluster/admission.py). `seq` orders a worker's steps (its step
+    count then); each chunk is (prompt tokens computed, tokens before them)."""
+
+    seq: int
+    chunks: tuple[tuple[int, int], ...]
+    seconds: float
+
+
 @dataclass
 class PrefillResult:
     request_id: str

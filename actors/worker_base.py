@@ -27,7 +27,7 @@ from actors.engine_loop import EngineLoop
 from actors.event_log import CacheEvents, Cursor
 from actors.kv_store import KVStoreSettings, StoreStats
 from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
-from actors.messages import GenerateRequest
+from actors.messages import GenerateRequest, PrefillStep
 from actors.profiler import EngineProfile, profile_engine
 from actors.startup_heap import freeze_startup_heap
 from actors.token_streams import TokenStreams
@@ -63,6 +63,7 @@ class WorkerStats:
     num_reservations_granted: int = 0  # a decode worker's reservations since it started
     num_reserved_blocks: int = 0  # KV blocks a decode worker holds for prompts whose KV is still coming
     num_preemptions: int = 0  # running requests preempted (by recompute) for room, since the worker started
+    prefill_steps: tuple[PrefillStep, ...] = ()  # the latest prompt-only steps, timed (actors/prefill_steps.py)
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,7 @@ class WorkerBase:
             num_reservations_granted=self._num_reservations_granted(),
             num_reserved_blocks=engine.num_reserved_blocks,
             num_preemptions=engine.scheduler.num_preemptions,
+            prefill_steps=engine.prefill_steps.latest(),
         )
 
     async def check_accounting(self) -> WorkerStats:

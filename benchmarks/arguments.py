@@ -24,3 +24,14 @@ non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: v > 0, "a number > 0")
 non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers > 0 (`--lengths 64,512,1800`)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers > 0, comma-separated, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"must be integers > 0, comma-separated, got {text!r}")
+    return values

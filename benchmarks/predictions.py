@@ -1,6 +1,6 @@
 """Predictions: how close admission's predicted TTFT comes to the one observed.
 
-    tandem bench predictions [--bursts 8] [--size 16] [--out FILE.json]
+    tandem bench predictions [--bursts 8] [--size 16] [--lengths 64,512,1800] [--out FILE.json]
 
 System: disaggregated 1 P + 1 D, tiny model, a KV pool far larger than the load,
 early rejection off (every request is served, so every prediction is checked).
@@ -10,7 +10,11 @@ deployment's `GlobalScheduler`, without Serve's HTTP hop), its
 first token: the prediction the request was admitted on and the TTFT it then
 took. Workload: `--bursts` bursts of `--size` short requests started at the same
 instant (fresh random prompts, so no prefix hits), `--every-s` apart; one burst
-first as a warm-up, not counted.
+first as a warm-up, not counted. With `--lengths`, the prompts take those
+lengths in turn (in place of `--prompt`), and a second table gives the
+same figures by prompt length: a model that sees what a prompt's length costs
+leaves residuals flat across lengths too (with `--size 1`, one request at a
+time, that is P's prefill model alone).
 
 Reported, by a request's place in its burst (admission order): the median
 predicted TTFT without the learned bias (the model: queue, prefill, transfer, D's
@@ -26,21 +30,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import time
 from dataclasses import dataclass
 
 from benchmarks import report
+from benchmarks.arguments import positive_ints
 from benchmarks.bursts import add_burst_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_burst_arguments(parser, num_bursts=8, every_s=2.0)
+    parser.add_argument("--lengths", type=positive_ints, default=None,
+                        help="prompt lengths a burst's requests take in turn (comma-separated; in place of --prompt)")
 
 
 @dataclass(frozen=True)
 class Observed:
     admitted_s: float  # monotonic
+    num_prompt_tokens: int
     predicted_s: float  # the whole prediction, bias included
     bias_s: float
     observed_s: float
@@ -71,11 +80,12 @@ def main(args: argparse.Namespace) -> None:
         bursts = run_with_pool(settings, lambda pool, app: _drive(pool, app, args, TINY_VOCAB))
     finally:
         ray.shutdown()
-    rows, places = [], [[b[k] for b in bursts if k < len(b)] for k in range(args.size)]
-    for place, seen in enumerate(places):
-        rows.append([place, len(seen), *(report.median([getattr(o, name) for o in seen]) * 1e3
-                                          for name in ("model_s", "observed_s", "residual_s"))])
+    places = [[b[k] for b in bursts if k < len(b)] for k in range(args.size)]
+    rows = [[place, len(seen), *_medians_ms(seen)] for place, seen in enumerate(places)]
     every = [o for b in bursts for o in b]
+    lengths = sorted({o.num_prompt_tokens for o in every})
+    by_length = [[n, len(seen), *_medians_ms(seen)]
+                 for n in lengths for seen in [[o for o in every if o.num_prompt_tokens == n]]]
     residuals = [o.residual_s for o in every]
     slope_ms = _slope([(place, o.residual_s) for b in bursts for place, o in enumerate(b)]) * 1e3
     summary = {"requests": len(every), "residual_p10_ms": report.percentile(residuals, 10) * 1e3,
@@ -84,12 +94,15 @@ def main(args: argparse.Namespace) -> None:
                "residual_slope_ms_per_place": slope_ms,
                "mean_abs_error_ms": sum(abs(o.observed_s - o.predicted_s) for o in every) / len(every) * 1e3,
                "bias_median_ms": report.median([o.bias_s for o in every]) * 1e3}
-    report.print_table(f"{args.bursts} bursts of {args.size} ({args.prompt} tokens in, {args.output} out), by place in "
-                       "the burst", ["place", "requests", "model ms (median)", "observed ms (median)",
-                                     "residual ms (median)"], rows)
+    columns = ["requests", "model ms (median)", "observed ms (median)", "residual ms (median)"]
+    tokens_in = ", ".join(map(str, args.lengths)) if args.lengths else args.prompt
+    report.print_table(f"{args.bursts} bursts of {args.size} ({tokens_in} tokens in, {args.output} out), by place in "
+                       "the burst", ["place", *columns], rows)
+    if len(lengths) > 1:
+        report.print_table("By prompt length", ["prompt tokens", *columns], by_length)
     report.print_table("All requests", list(summary), [list(summary.values())])
     report.finish("predictions", args.out, {"args": vars(args) | {"func": None}, "summary": summary,
-                                            "by_place": rows},
+                                            "by_place": rows, "by_length": by_length},
                   f"residual slope {slope_ms:.1f} ms a place in the burst, residuals p10-p90 "
                   f"{summary['residual_p10_ms']:.0f} to {summary['residual_p90_ms']:.0f} ms",
                   "a flat slope (|slope| <= 2 ms a place)")
@@ -105,18 +118,20 @@ async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
     observe = scheduler.models.observe_ttft
 
     def observe_and_keep(prediction, observed_s: float) -> None:
-        seen.append(Observed(time.monotonic() - observed_s, prediction.ttft_s, prediction.ttft_bias_s, observed_s))
+        seen.append(Observed(time.monotonic() - observed_s, prediction.uncached_tokens, prediction.ttft_s,
+                             prediction.ttft_bias_s, observed_s))
         observe(prediction, observed_s)
 
     scheduler.models.observe_ttft = observe_and_keep  # the real method, its arguments kept on the way
     params = SamplingParams(max_new_tokens=args.output, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
+    lengths = itertools.cycle(args.lengths or [args.prompt])
     bursts = []
     async with refreshing(scheduler):
         await wait_ready(scheduler, timeout_s=300)
         for burst in range(args.bursts + 1):  # the first: a warm-up
             seen.clear()
-            prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt)] for _ in range(args.size)]
+            prompts = [[rng.randrange(3, vocab) for _ in range(next(lengths))] for _ in range(args.size)]
             results = await asyncio.gather(*(complete(scheduler, prompt, params) for prompt in prompts))
             failed = [error for _, error in results if error]
             if failed:
@@ -125,6 +140,10 @@ async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
                 bursts.append(sorted(seen, key=lambda o: o.admitted_s))
             await asyncio.sleep(args.every_s)
     return bursts
+
+
+def _medians_ms(seen: list[Observed]) -> list[float]:
+    return [report.median([getattr(o, name) for o in seen]) * 1e3 for name in ("model_s", "observed_s", "residual_s")]
 
 
 def _slope(points: list[tuple[float, float]]) -> float:

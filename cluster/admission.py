@@ -11,10 +11,12 @@ prefill lands before. A request that no pair can serve
 within the SLO is rejected before any prefill compute is spent on it.
 
 The models start from each worker's start-up profile (pure compute) and then learn
-from what the scheduler observes: every gap between tokens refits D's step model,
-every first token updates P's TTFT bias (see `observe_token_gap`, `observe_ttft`),
-which fades while no first token comes (`ttft_bias`), and every prefill's chunk
-timings refit its P-D pair's transfer model.
+from what the scheduler observes: P's timed prefill steps (read with its stats)
+refit its prefill model, every gap between tokens refits D's step model, every
+first token updates P's TTFT bias (see `observe_prefill_steps`,
+`observe_token_gap`, `observe_ttft`), which fades while no first token comes
+(`ttft_bias`), and every prefill's chunk timings refit its P-D pair's transfer
+model.
 
 With several scheduler replicas each admits its own requests, so each adds the
 others' load (`peers`, from the pool manager's answer to its latest report, at most
@@ -30,11 +32,13 @@ import copy
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.cost_model import LinearCostModel, decode_features, prefill_features
+from actors.messages import PrefillStep
+from cluster.cost_model import LinearCostModel, decode_features, prefill_step_features
 from cluster.scaling_signals import PeerLoad
 from cluster.transfer_model import TransferModels
 
@@ -118,6 +122,7 @@ class WorkerModels:
     def __init__(self, block_size: int, ttft_quantile: float = 0.9, prefill_chunk_size: int = 256,
                  max_num_batched_tokens: int = 1024) -> None:
         self.block_size = block_size
+        self.prefill_chunk_size = prefill_chunk_size  # a prompt's tokens a step, at most: see prefill_s
         self.max_num_batched_tokens = max_num_batched_tokens  # a worker's step, in tokens: see own_prefill_s
         self.ttft_quantile = ttft_quantile  # the SLO's attainment target: see observe_ttft
         self.prefill: dict[str, LinearCostModel] = {}
@@ -127,6 +132,7 @@ class WorkerModels:
         self.transfers = TransferModels(block_size, prefill_chunk_size)
         self._ttft_bias: dict[str, tuple[float, float]] = {}  # per P (or colocated worker): (bias, when learned)
         self._residuals: dict[str, deque[tuple[float, float]]] = {}  # per P: (observed - predicted, when)
+        self._steps_seen: dict[str, int] = {}  # per P: the last of its prefill steps fitted (PrefillStep.seq)
 
     def prefill_model(self, worker_id: str) -> LinearCostModel:
         return self.prefill.setdefault(worker_id, LinearCostModel(2))
@@ -137,8 +143,8 @@ class WorkerModels:
     def seed_from(self, peer_id: str, worker_id: str) -> None:
         """Start `worker_id`'s models from a copy of `peer_id`'s (same model, same
         node type); they diverge as the new worker's own timings arrive: a D's
-        step model refits on the token gaps it serves, a P's TTFT bias on its
-        first tokens (P's prefill model stays the profile it copied)."""
+        step model refits on the token gaps it serves, a P's prefill model on
+        its steps and its TTFT bias on its first tokens."""
         if peer_id in self.prefill:
             self.prefill[worker_id] = copy.deepcopy(self.prefill[peer_id])
         if peer_id in self.decode:
@@ -152,6 +158,7 @@ class WorkerModels:
         self.decode.pop(worker_id, None)
         self._ttft_bias.pop(worker_id, None)
         self._residuals.pop(worker_id, None)
+        self._steps_seen.pop(worker_id, None)
         self.transfers.forget(worker_id)
 
     # ---- observations ---------------------------------------------------------------
@@ -167,6 +174,28 @@ class WorkerModels:
         the way (streaming, this replica). Refits D's model on what clients see, so
         the start-up profile's pure step times stop making TBT look better than it is."""
         self.decode_model(decode_id).observe(decode_features(*self.decode_load(decode_id)), seconds)
+
+    def observe_prefill_steps(self, worker_id: str, steps: Iterable[PrefillStep]) -> None:
+        """A worker's timed prompt-only steps (its stats, or its start-up profile):
+        those after the last one fitted refit its prefill model, so what the
+        profile got wrong (a timing or two a prompt length, taken beside the
+        other role's profile) does not stay in every prediction. Step numbers
+        are the worker's own: an id is never reused for a new process."""
+        seen = self._steps_seen.get(worker_id, 0)
+        model = self.prefill_model(worker_id)
+        for step in steps:
+            if step.seq > seen:
+                model.observe(prefill_step_features(step.chunks), step.seconds)
+                seen = step.seq
+        self._steps_seen[worker_id] = seen
+
+    def skip_prefill_steps(self, worker_id: str, through: int) -> None:
+        """Steps up to `through` are not live timings (a profile's own, fitted from it)."""
+        self._steps_seen[worker_id] = max(self._steps_seen.get(worker_id, 0), through)
+
+    def last_prefill_step(self, worker_id: str) -> int:
+        """The worker's latest step its prefill model has seen (0: none)."""
+        return self._steps_seen.get(worker_id, 0)
 
     def observe_ttft(self, prediction: Prediction, observed_s: float) -> None:
         """Learn P's TTFT error (handshake, Ray calls, a line's wait misjudged): the
@@ -202,27 +231,42 @@ class WorkerModels:
 
     # ---- predictions ------------------------------------------------------------
     def prefill_s(self, worker_id: str, new_tokens: int, cached_tokens: int) -> float:
+        """A prompt's prefill alone: a step a chunk (`prefill_chunk_size` tokens at
+        most, as the engine schedules it), each attending to the cached tokens and
+        the chunks before it, each paying the step's fixed part."""
         model = self.prefill_model(worker_id)
-        return model.predict(prefill_features(new_tokens, cached_tokens)) if model.is_fitted else 0.0
+        if not model.is_fitted:
+            return 0.0
+        chunks = self._chunks(new_tokens, cached_tokens)
+        return model.predict(prefill_step_features(chunks)) + (len(chunks) - 1) * model.fixed_s()
+
+    def _chunks(self, new_tokens: int, cached_tokens: int) -> tuple[tuple[int, int], ...]:
+        """The engine's chunks of a prompt: (tokens, tokens before them) each."""
+        size = self.prefill_chunk_size
+        starts = range(0, max(new_tokens, 1), size)
+        return tuple((min(size, new_tokens - start), cached_tokens + start) for start in starts)
 
     def own_prefill_s(self, worker_id: str, new_tokens: int, cached_tokens: int) -> float:
         """What a new request's prefill adds to the worker's queue. Its model, a
-        prompt's time alone, is a fixed part (a step's: the launch, the layers'
+        prompt's time alone, is a fixed part a step (the launch, the layers'
         weights read, the sampling) and a part per token; a prompt that fits in the
         steps the queue takes anyway (in `max_num_batched_tokens` steps, the queue's
-        tokens and its own) shares a step with it and adds its tokens' part alone.
+        tokens and its own, at least one a chunk of it) shares them and adds its
+        tokens' part alone.
         Charged the fixed part each, a burst of 16 short prompts that P computes in
         one or two steps was predicted as 16 of them one after the other
         (`tandem bench predictions`: docs/benchmarks.md)."""
         model = self.prefill_model(worker_id)
         if not model.is_fitted:
             return 0.0
-        alone = model.predict(prefill_features(new_tokens, cached_tokens))
+        alone = self.prefill_s(worker_id, new_tokens, cached_tokens)
         queued = self.queued_prefill_tokens(worker_id)
         step = self.max_num_batched_tokens
-        if not queued or -(-(queued + new_tokens) // step) > -(-queued // step):
+        num_chunks = len(self._chunks(new_tokens, cached_tokens))
+        queue_steps = -(-queued // step)
+        if not queued or queue_steps < num_chunks or -(-(queued + new_tokens) // step) > queue_steps:
             return alone
-        return max(alone - model.fixed_s(), 0.0)
+        return max(alone - num_chunks * model.fixed_s(), 0.0)
 
     def queued_prefill_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker is predicted still to compute: those of the

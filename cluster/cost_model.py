@@ -1,10 +1,13 @@
 """Cost models fitted online by least squares over a sliding window of observations.
 
-    prefill_s  = a + b * new_tokens + c * new_tokens * context_tokens
+    prefill_step_s = a + sum over the step's chunks of (b * new_tokens + c * new_tokens * context_tokens)
     decode_step_s = a + b * batch_size + c * kv_tokens
 
-Each is seeded by a start-up profile (a few real timings from the worker) and
-refitted as timings arrive: on the next prediction after them, not on each one (a
+(a chunk's context: its tokens and those before them). Both are a step's time,
+fitted on engine steps: a prompt alone takes one step a chunk, and its prediction
+is the sum of those (cluster/admission.py). Each model is seeded by a start-up
+profile (real timings from the worker, actors/profiler.py) and refitted as
+timings arrive: on the next prediction after them, not on each one (a
 scheduler observes a token gap a request every few tokens; a least-squares fit of
 the window each time cost it a sixth of its CPU at batch 64, a py-spy sample).
 Plain numpy; a prediction never goes below the smallest time seen (a fit can
@@ -59,8 +62,16 @@ class LinearCostModel:
 
 
 def prefill_features(new_tokens: int, cached_tokens: int) -> tuple[float, float]:
+    """One chunk of `new_tokens` after `cached_tokens` computed before it."""
     context = new_tokens + cached_tokens
     return (float(new_tokens), new_tokens * context / 1e3)
+
+
+def prefill_step_features(chunks: tuple[tuple[int, int], ...]) -> tuple[float, float]:
+    """A step's chunks, each (new tokens, tokens before them): their features summed
+    (the model is linear, and the step's fixed part is paid once)."""
+    parts = [prefill_features(new, before) for new, before in chunks]
+    return (sum(p[0] for p in parts), sum(p[1] for p in parts))
 
 
 def decode_features(batch_size: int, kv_tokens: int) -> tuple[float, float]:

@@ -35,7 +35,7 @@ from actors.sampling_params import SamplingParams
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
-from cluster.cost_model import decode_features, prefill_features
+from cluster.cost_model import decode_features
 from cluster.decode_lines import DecodeLines
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
@@ -105,6 +105,8 @@ class GlobalScheduler:
                                  stats.num_waiting_handshakes, worker=member.worker_id, role=member.role)
                 self.metrics.set("preemptions", "running requests preempted by recompute for KV room, since start",
                                  stats.num_preemptions, worker=member.worker_id, role=member.role)
+                if member.role != "decode" and member.worker_id in self.profiled:
+                    self.models.observe_prefill_steps(member.worker_id, stats.prefill_steps)
         indexed = [m for m in members if m.worker_id in self.prefix]
         batches = await asyncio.gather(
             *(m.handle.cache_events.remote(self.cache_cursors.get(m.worker_id)) for m in indexed),
@@ -160,8 +162,8 @@ class GlobalScheduler:
         replacement) runs the same model on the same node type, so it starts from
         a peer's fitted models and is routable at once, instead of first running
         a profile on cores the load that made us scale up keeps busy (which both
-        delays it and makes it look slower than it is). Live timings refit a D's
-        step model and a P's TTFT bias; a P's prefill model stays its profile."""
+        delays it and makes it look slower than it is). Live timings refit both
+        (a P's prefill steps, a D's token gaps) and a P's TTFT bias."""
         for member in members:
             if member.worker_id in self.profiled or member.worker_id not in self.stats:
                 continue
@@ -175,8 +177,8 @@ class GlobalScheduler:
             except ray.exceptions.RayError as exc:
                 log.warning("profiling %s failed: %s", member.worker_id, exc)
                 continue
-            for new, cached, seconds in profile.prefill:
-                self.models.prefill_model(member.worker_id).observe(prefill_features(new, cached), seconds)
+            self.models.observe_prefill_steps(member.worker_id, profile.prefill_steps)
+            self.models.skip_prefill_steps(member.worker_id, profile.num_steps)
             for batch, kv_tokens, seconds in profile.decode:
                 self.models.decode_model(member.worker_id).observe(decode_features(batch, kv_tokens), seconds)
             self.models.transfers.block_bytes = profile.kv_bytes_per_block
