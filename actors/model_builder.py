@@ -28,7 +28,7 @@ Contract:
   sees either no folder or a complete one. The folder's `tandem_build.json` names a
   fingerprint of this builder's code and corpus; a folder built by other code is
   rebuilt and swapped in (moved aside, then replaced, under the lock).
-- Unknown preset or arch -> ValueError naming the choices.
+- Unknown preset, arch or dtype -> UnknownModel (a ValueError) naming the choices.
 """
 
 from __future__ import annotations
@@ -122,13 +122,18 @@ ARCH_SPECS: dict[str, ArchSpec] = {
 }
 
 
+class UnknownModel(ValueError):
+    """A preset, arch or dtype the builder does not have: a user's mistake (the CLI
+    prints it as one line)."""
+
+
 def _check(preset: str, arch: str, dtype: str = "float32") -> tuple[Preset, ArchSpec]:
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise UnknownModel(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if arch not in ARCH_SPECS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {list(ARCH_SPECS)}")
+        raise UnknownModel(f"unknown arch {arch!r}; choose one of {list(ARCH_SPECS)}")
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
+        raise UnknownModel(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
     return PRESETS[preset], ARCH_SPECS[arch]
 
 

@@ -35,3 +35,12 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"must be integers > 0, comma-separated, got {text!r}")
     return values
+
+
+def preset(text: str) -> str:
+    """A built-in model preset's name (actors/model_builder.py)."""
+    from actors.model_builder import PRESETS
+
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(sorted(PRESETS))}, got {text!r}")
+    return text

@@ -23,13 +23,13 @@ import random
 import time
 
 from benchmarks import report
-from benchmarks.arguments import positive_int
+from benchmarks.arguments import positive_int, preset
 
 WORKLOADS = {"greedy": dict(temperature=0.0), "logprobs": dict(temperature=0.8, logprobs=2)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--preset", type=preset, default="tiny")
     parser.add_argument("--batch", type=positive_int, default=64)
     parser.add_argument("--steps", type=positive_int, default=3000, help="engine steps a phase")
     parser.add_argument("--new-tokens", type=positive_int, default=300, help="tokens a request decodes before it ends")

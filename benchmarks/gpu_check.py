@@ -49,12 +49,12 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.arguments import positive_int
+from benchmarks.arguments import positive_int, preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke run, tiny model)")
-    parser.add_argument("--preset", default=None, help="model preset (default: qwen2.5-0.5b on cuda, tiny on cpu)")
+    parser.add_argument("--preset", type=preset, default=None, help="model preset (default: qwen2.5-0.5b on cuda, tiny on cpu)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the roofline and P/D steps on cuda")
     parser.add_argument("--prefill-tokens", type=positive_int, default=None,
                         help="the roofline's prompt (default: 4096 on cuda, 1024 on cpu, inside tiny's context)")

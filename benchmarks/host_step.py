@@ -42,7 +42,7 @@ import random
 import time
 
 from benchmarks import report
-from benchmarks.arguments import positive_int
+from benchmarks.arguments import positive_int, preset
 
 WORKLOADS = {
     "greedy": dict(temperature=0.0),
@@ -54,7 +54,7 @@ GOAL_MS = 0.33
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny", help="model preset (tiny: the device work is small)")
+    parser.add_argument("--preset", type=preset, default="tiny", help="model preset (tiny: the device work is small)")
     parser.add_argument("--batch", type=positive_int, default=64)
     parser.add_argument("--steps", type=positive_int, default=200, help="decode steps timed per workload and repeat")
     parser.add_argument("--prompt-tokens", type=positive_int, default=100)

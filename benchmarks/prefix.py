@@ -28,11 +28,11 @@ import tempfile
 import time
 
 from benchmarks import report
-from benchmarks.arguments import positive_int
+from benchmarks.arguments import positive_int, preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="bench", help="built-in model preset (bench or tiny)")
+    parser.add_argument("--preset", type=preset, default="bench", help="built-in model preset (bench or tiny)")
     parser.add_argument("--conversations", type=positive_int, default=6)
     parser.add_argument("--turns", type=positive_int, default=8)
     parser.add_argument("--first-tokens", type=positive_int, default=512,

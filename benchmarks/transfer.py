@@ -22,11 +22,11 @@ import statistics
 import time
 
 from benchmarks import report
-from benchmarks.arguments import positive_int
+from benchmarks.arguments import positive_int, preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="bench", help="built-in model preset (bench or tiny)")
+    parser.add_argument("--preset", type=preset, default="bench", help="built-in model preset (bench or tiny)")
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     parser.add_argument("--chunk-tokens", type=positive_int, default=256, help="prefill chunk size")
     parser.add_argument("--chunks", type=positive_int, default=8, help="prompt length in chunks")

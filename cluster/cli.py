@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from actors.config import CheckpointError
+from actors.model_builder import UnknownModel
 
 
 class CliError(Exception):
@@ -19,10 +20,8 @@ class CliError(Exception):
 
 
 def _cmd_make_model(args: argparse.Namespace) -> None:
-    from actors.model_builder import PRESETS, build_checkpoint
+    from actors.model_builder import build_checkpoint
 
-    if args.preset not in PRESETS:
-        raise CliError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
     try:
         out = build_checkpoint(args.preset, args.arch, Path(args.out), progress=True)
     except OSError as exc:
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (CliError, CheckpointError) as exc:
+    except (CliError, CheckpointError, UnknownModel) as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -41,7 +41,7 @@ class ModelSource(_Strict):
     """A checkpoint folder, or a built-in preset built on first use (on each node)."""
 
     path: str | None = None
-    preset: Literal["tiny", "bench"] | None = None
+    preset: Literal["tiny", "bench", "qwen2.5-0.5b"] | None = None  # actors/model_builder.py's PRESETS
     arch: Literal["qwen2", "llama"] = "qwen2"
     name: str | None = None  # the id /v1/models lists; default from the source
 

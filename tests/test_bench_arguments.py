@@ -31,11 +31,23 @@ def test_every_numeric_option_has_a_range():
                 assert action.dest == "seed", f"tandem bench {name} {action.option_strings[0]}: give it a range"
 
 
+def test_every_preset_option_is_checked_against_the_presets():
+    """An unknown preset was a traceback from the model builder, or from the
+    settings inside a Serve deployment (`tandem bench serve`)."""
+    presets = {name: action for name, parser in _bench_parsers().items()
+               for action in parser._actions if action.dest == "preset"}
+    assert len(presets) >= 8
+    for name, action in presets.items():
+        assert action.type is arguments.preset, f"tandem bench {name} --preset: give it type=preset"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["overload", "--capacity", "-1"], "argument --capacity: must be a number > 0, got '-1'"),
     (["serve", "--attainment", "1.5"], "argument --attainment: must be a number in [0, 1], got '1.5'"),
     (["engine", "--repeats", "0"], "argument --repeats: must be an integer > 0, got '0'"),
     (["kernels", "--threads", "x"], "argument --threads: must be an integer >= 0, got 'x'"),
+    (["transfer", "--preset", "nope"], "argument --preset: must be one of bench, qwen2.5-0.5b, tiny, got 'nope'"),
+    (["predictions", "--lengths", "64,0"], "argument --lengths: must be integers > 0, comma-separated, got '64,0'"),
 ])
 def test_an_option_out_of_range_is_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -199,6 +199,25 @@ def test_cli_make_model(tmp_path):
                                         "Not a directory"
 
 
+def test_cli_demo_with_an_unknown_preset_is_one_line(capsys):
+    from cluster.cli import main
+
+    assert main(["demo", "--preset", "nope"]) == 2
+    assert capsys.readouterr().err == "tandem demo: unknown preset 'nope'; choose one of ['bench', 'qwen2.5-0.5b', " \
+                                      "'tiny']\n"
+
+
+def test_a_manifest_takes_every_preset():
+    """The Serve settings' list of presets is the builder's (it lacked qwen2.5-0.5b)."""
+    from typing import get_args
+
+    from actors.model_builder import PRESETS
+    from cluster.config import ModelSource
+
+    literal, _ = get_args(ModelSource.model_fields["preset"].annotation)
+    assert set(get_args(literal)) == set(PRESETS)
+
+
 def test_bench_preset_builds(tmp_path):
     # A few seconds on a laptop CPU (the build time is reported, not asserted).
     folder = build_checkpoint("bench", "qwen2", tmp_path / "bench")
