@@ -4,8 +4,15 @@ seed the scheduler's cost models before live traffic refines them.
 Runs on the engine thread (through `EngineLoop.call`) before the worker takes
 requests; prompts are random token ids and leave no trace but evictable cache.
 
+Decode steps are timed at batches of 1, 4 and 16 short prompts, so the profile
+cannot tell a step's KV tokens from its rows (they grow together); a D's live
+token gaps refit its model within seconds. A batch of four long prompts added to
+the rows was tried and not kept: on the bench model it mended long contexts at
+small batches (4 x 1024 tokens predicted -10%, not -30%) and spoiled large ones
+(16 x 512: +27%, not 0%), its mean error over seven shapes 14% against 11%
+(a one-off probe in one process, both fits on the same profile).
 Prefill is timed step by step, as live traffic is (actors/prefill_steps.py), on
-prompts of 16 to 1024 tokens after one warm-up prompt: a long prompt goes in
+prompts of 16 to 1024 tokens after a warm-up request: a long prompt goes in
 several chunks whose steps attend to a growing prefix, so the model's attention
 term is fitted where it matters. Timed as whole prompts of 16, 64 and 256 tokens,
 three rows for three coefficients, one noisy timing fixed the quadratic term:
@@ -42,6 +49,23 @@ def _prefill_steps(engine: Engine, prompt_ids: list[int]) -> list[PrefillStep]:
     return steps
 
 
+def _decode_row(engine: Engine, prompts: list[list[int]], steps: int) -> tuple[int, int, float] | None:
+    """(batch, KV tokens, seconds a step) of `steps` decode steps of `prompts` together."""
+    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    for prompt_ids in prompts:
+        engine.add_request(prompt_ids, params)
+    engine.step()  # the prefills (and first tokens)
+    while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    kv_tokens = sum(r.num_tokens for r in engine.scheduler.running)
+    started = time.perf_counter()
+    num_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        num_steps += 1
+    return (len(prompts), kv_tokens, (time.perf_counter() - started) / num_steps) if num_steps else None
+
+
 def profile_engine(
     engine: Engine, prompt_lens=(16, 64, 256, 1024), batch_sizes=(1, 4, 16), decode_steps: int = 3
 ) -> EngineProfile:
@@ -49,25 +73,14 @@ def profile_engine(
     vocab = engine.model_config.vocab_size
     profile = EngineProfile(kv_bytes_per_block=engine.runner.kv_cache[0].numel() * engine.runner.kv_cache.element_size())
     limit = min(engine.max_model_len - 2, engine.pool.num_blocks * engine.pool.block_size // 2)
-    _prefill_steps(engine, [rng.randrange(vocab) for _ in range(min(16, limit))])  # warm-up: first-call costs
-    for length in sorted({min(n, limit) for n in prompt_lens}):
-        profile.prefill_steps += _prefill_steps(engine, [rng.randrange(vocab) for _ in range(length)])
+    _decode_row(engine, [[rng.randrange(vocab) for _ in range(min(16, limit))]], decode_steps)  # first-call costs
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in sorted({min(n, limit) for n in prompt_lens})]
+    for prompt_ids in prompts:
+        profile.prefill_steps += _prefill_steps(engine, prompt_ids)
     for batch in batch_sizes:
-        if batch > engine.config.max_num_seqs:
-            continue
-        params = SamplingParams(max_new_tokens=decode_steps + 1, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request([rng.randrange(vocab) for _ in range(16)], params)
-        engine.step()  # the prefills (and first tokens)
-        while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
-        kv_tokens = sum(r.num_tokens for r in engine.scheduler.running)
-        started = time.perf_counter()
-        steps = 0
-        while engine.has_unfinished():
-            engine.step()
-            steps += 1
-        if steps:
-            profile.decode.append((batch, kv_tokens, (time.perf_counter() - started) / steps))
+        if batch <= engine.config.max_num_seqs:
+            row = _decode_row(engine, [[rng.randrange(vocab) for _ in range(16)] for _ in range(batch)], decode_steps)
+            if row is not None:
+                profile.decode.append(row)
     profile.num_steps = engine.num_steps
     return profile

@@ -116,8 +116,9 @@ def test_the_profile_times_a_long_prompt_chunk_by_chunk_after_a_warm_up(tiny_qwe
     profile = profile_engine(engine, prompt_lens=(16, 1024), batch_sizes=(1,))
     assert [s.chunks for s in profile.prefill_steps] == [((16, 0),), ((256, 0),), ((256, 256),), ((256, 512),),
                                                          ((256, 768),)]
-    assert profile.prefill_steps[0].seq == 2  # step 1, the warm-up's, is left out
-    assert profile.num_steps == engine.num_steps and profile.decode
+    assert profile.prefill_steps[0].seq == 5  # steps 1-4, the warm-up request's prefill and decodes, are left out
+    assert profile.num_steps == engine.num_steps
+    assert [(batch, kv_tokens) for batch, kv_tokens, _ in profile.decode] == [(1, 17)]
 
 
 SETTINGS = {
