@@ -122,14 +122,15 @@ class WorkerModels:
     def __init__(self, block_size: int, ttft_quantile: float = 0.9, prefill_chunk_size: int = 256,
                  max_num_batched_tokens: int = 1024) -> None:
         self.block_size = block_size
-        self.prefill_chunk_size = prefill_chunk_size  # a prompt's tokens a step, at most: see prefill_s
+        # A prompt's tokens a step, at most (the engine also keeps a chunk within a step): see prefill_s.
+        self.prefill_chunk_size = min(prefill_chunk_size, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens  # a worker's step, in tokens: see own_prefill_s
         self.ttft_quantile = ttft_quantile  # the SLO's attainment target: see observe_ttft
         self.prefill: dict[str, LinearCostModel] = {}
         self.decode: dict[str, LinearCostModel] = {}
         self.inflight: dict[str, InFlight] = {}
         self.peers = PeerLoad()  # the other scheduler replicas' load per worker
-        self.transfers = TransferModels(block_size, prefill_chunk_size)
+        self.transfers = TransferModels(block_size, self.prefill_chunk_size)
         self._ttft_bias: dict[str, tuple[float, float]] = {}  # per P (or colocated worker): (bias, when learned)
         self._residuals: dict[str, deque[tuple[float, float]]] = {}  # per P: (observed - predicted, when)
         self._steps_seen: dict[str, int] = {}  # per P: the last of its prefill steps fitted (PrefillStep.seq)

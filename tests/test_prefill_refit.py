@@ -45,6 +45,15 @@ def test_a_prompt_is_predicted_as_its_chunks_steps():
     assert models.prefill_s("p0", 300, 320) == pytest.approx(expected_cached, rel=1e-6)
 
 
+def test_a_step_smaller_than_a_chunk_makes_the_chunks_smaller():
+    """The engine keeps a chunk within the step's token budget as well."""
+    small_steps = WorkerModels(block_size=16, prefill_chunk_size=512, max_num_batched_tokens=256)
+    chunked = WorkerModels(block_size=16, prefill_chunk_size=256, max_num_batched_tokens=256)
+    for models in (small_steps, chunked):
+        models.observe_prefill_steps("p0", _steps(1, _live_chunks(32)))
+    assert small_steps.prefill_s("p0", 800, 0) == pytest.approx(chunked.prefill_s("p0", 800, 0))
+
+
 def test_live_steps_displace_a_profile_that_came_out_slow():
     """A profile run beside the other role's (two cores) came out twice as slow:
     the live steps that follow it refit the model to what the worker does."""
