@@ -263,6 +263,7 @@ class TokenizeBody(_ChatTemplateFields):
     the body it stands for (`add_special_tokens`: a prompt's default true, chat's
     false)."""
 
+    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
@@ -277,4 +278,5 @@ class TokenizeBody(_ChatTemplateFields):
 
 
 class DetokenizeBody(RequestBody):
+    model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)

@@ -280,12 +280,14 @@ class Scheduler:
     async def tokenize(self, body: TokenizeBody):
         """The token ids a completion (`prompt`) or chat (`messages`) request would
         give the model, as vLLM's /tokenize answers (count them before sending)."""
+        self._check_model(body.model)
         prompt = self._chat_prompt(body) if body.messages is not None else body.prompt
         ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.service.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeBody):
+        self._check_model(body.model)
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"token ids must be in [0, {vocab})")
@@ -306,12 +308,17 @@ class Scheduler:
             raise ApiError(400, f"cannot apply the chat template: {exc}") from None
 
     # ---- helpers ------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        """A body that names a model names this server's (or none): 404 otherwise, as
+        OpenAI and vLLM answer, on every endpoint that takes `model`."""
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r}",
+                           kind="model_not_found")
+
     async def _openai(self, body, prompts: list, chat: bool):
         """One request per prompt and choice (`n`), choice k being prompt k // n's
         choice k % n, as OpenAI numbers them (see `_start_choices`)."""
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} not found; this server serves {self.model_name!r}",
-                           kind="model_not_found")
+        self._check_model(body.model)
         params = body.sampling(16 if not chat else self.settings.limits.max_new_tokens, self.sampling_defaults)
         await self._require_ready()
         prompt_ids = [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,

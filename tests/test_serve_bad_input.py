@@ -205,9 +205,14 @@ def test_a_prompt_over_the_limit_is_served_truncated_when_asked(base_url, client
     assert most.choices[0].text == client.completions.create(prompt=long_prompt[-600:], **greedy).choices[0].text
 
 
-def test_unknown_model_is_404(client):
+def test_unknown_model_is_404(client, base_url):
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):  # vLLM checks it there too
+        wrong = httpx.post(base_url + path, json={"model": "gpt-9", **body}, timeout=30)
+        assert wrong.status_code == 404 and "'gpt-9' not found" in wrong.json()["error"]["message"], wrong.text
+        served = client.models.list().data[0].id
+        assert httpx.post(base_url + path, json={"model": served, **body}, timeout=30).status_code == 200
 
 
 def test_a_rid_in_flight_twice_names_two_requests(base_url):
