@@ -1,13 +1,16 @@
 """A request's prompt checked against the deployment's limits before anything is
 spent on it: its ids (`encode_prompt`: text encoded, ids as given), cut to their
 last `keep_last` when asked (vLLM's truncate_prompt_tokens; -1: as many as the
-limits below let this request have), each id in the vocabulary, and the prompt,
-the output and both together within `limits` (cluster/config.py) and the model's
-context. Each refusal is an ApiError 400 that names the limit."""
+limits below let this request have), each id in the vocabulary (the prompt's,
+and those its params name: logit_bias, allowed and stop token ids), and the
+prompt, the output and both together within `limits` (cluster/config.py) and the
+model's context. Each refusal is an ApiError 400 that names the limit. (A
+logit_bias id outside the vocabulary was found by P's engine, after D had
+reserved blocks for the request, and counted among the failed requests.)"""
 
 from __future__ import annotations
 
-from actors.sampling_params import SamplingParams
+from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.tokenization import encode_prompt
 from cluster.api_models import ApiError
 from cluster.config import LimitSettings
@@ -25,6 +28,10 @@ def prompt_ids_within_limits(
     vocab = len(tokenizer)
     if any(not 0 <= t < vocab for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})")
+    try:
+        params.check_token_ids(vocab, eos_token_ids=())  # the engine checks again, with the model's end tokens
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc)) from None
     if len(ids) > limits.max_prompt_tokens:
         raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
     if len(ids) >= max_model_len:

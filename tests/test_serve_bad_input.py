@@ -129,6 +129,22 @@ def test_bad_input_is_a_clear_400(base_url, path, body, message):
     assert "Traceback" not in said and "ray::" not in said and 'File "' not in said  # a worker's refusal too
 
 
+def _failed_requests(base_url) -> float:
+    metrics = httpx.get(f"{base_url}/metrics").text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith('tandem_requests_total{outcome="error"}'))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_routing(base_url):
+    """Found by P's engine, they were refused after D had reserved blocks, and
+    counted among the failed requests (which the autoscaler reads)."""
+    before = _failed_requests(base_url)
+    for body in ({"logit_bias": {"99999": 1}}, {"stop_token_ids": [99999]}, {"allowed_token_ids": [3, 99999]}):
+        response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+        assert response.status_code == 400 and "outside the vocabulary" in response.text, response.text
+    assert _failed_requests(base_url) == before
+
+
 @pytest.mark.parametrize(
     "content, status",
     [
