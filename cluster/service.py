@@ -49,7 +49,9 @@ log = logging.getLogger("tandem.scheduler")
 
 # A request's token gaps reach D's decode model as their mean over this many: the
 # model's load features (batch, KV tokens) change little between, and one
-# observation a token and request cost the scheduler O(batch) work each.
+# observation a token and request cost the scheduler O(batch) work each. A
+# request's last gaps are observed at its end however few they are: requests of
+# fewer than 8 tokens taught D's model nothing, which kept its start-up profile.
 GAPS_PER_OBSERVATION = 8
 
 
@@ -405,7 +407,7 @@ class GlobalScheduler:
                         gap = (now - last_s) / len(event.token_ids)
                         self.metrics.observe("tbt_seconds", "time between tokens", gap)
                         num_gaps += len(event.token_ids)
-                        if num_gaps >= GAPS_PER_OBSERVATION:
+                        if num_gaps >= GAPS_PER_OBSERVATION or (event.finished and num_gaps):  # short ones teach too
                             self.models.observe_token_gap(choice.decode_id, (now - gaps_from_s) / num_gaps)
                             gaps_from_s, num_gaps = now, 0
                     inflight.num_generated += len(event.token_ids)
