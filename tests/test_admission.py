@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 
+import numpy as np
 import pytest
 
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
@@ -20,6 +21,25 @@ def test_cost_model_recovers_a_linear_law():
             features = prefill_features(new, cached)
             model.observe(features, 0.01 + 0.001 * features[0] + 0.002 * features[1])
     assert model.predict(prefill_features(300, 64)) == pytest.approx(0.01 + 0.3 + 0.002 * 300 * 364 / 1e3, rel=1e-6)
+
+
+def test_cost_model_fits_the_best_non_negative_law_not_a_clipped_one():
+    """Token gaps that fall slightly with the batch (overheads shared by a batch):
+    the plain fit's batch coefficient is negative. The model's coefficients are
+    the best fit with none below zero, not the plain fit's with that one zeroed."""
+    rows = [((batch, kv / 1e3), 0.004 - 0.0001 * batch + 0.001 * kv / 1e3)
+            for batch in (1, 2, 4, 8, 16) for kv in (100 * batch, 300 * batch + 500)]
+    model = LinearCostModel(2)
+    for features, seconds in rows:
+        model.observe(features, seconds)
+    x = np.array([(1.0, *f) for f, _ in rows])
+    y = np.array([s for _, s in rows])
+    plain, *_ = np.linalg.lstsq(x, y, rcond=None)
+    assert plain[1] < 0
+    clipped_error = float(np.sum((x @ np.maximum(plain, 0) - y) ** 2))
+    predicted = np.array([model.predict(f) for f, _ in rows])
+    assert float(np.sum((predicted - y) ** 2)) < 0.5 * clipped_error
+    assert model.fixed_s() >= 0 and abs(model.predict((1, 0.1)) - 0.0041) < 0.001
 
 
 def test_cost_model_needs_observations():
