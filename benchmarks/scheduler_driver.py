@@ -36,10 +36,12 @@ def run_with_pool(settings: dict, scenario):
 
 def build_scheduler(settings: AppSettings, pool) -> GlobalScheduler:
     model_dir = settings.model.location().resolve()
-    model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
+    model_config = ModelConfig.from_hf(model_dir)
+    model_len = model_config.max_position_embeddings
     max_model_len = min(settings.engine.max_model_len or model_len, model_len)
     kv_seed = kv_namespace(model_dir, settings.engine.dtype, settings.engine.block_size)
-    return GlobalScheduler(settings, load_tokenizer(model_dir), pool, max_model_len, kv_seed)
+    return GlobalScheduler(settings, load_tokenizer(model_dir), pool, max_model_len, kv_seed,
+                           model_config.eos_token_ids)
 
 
 @contextlib.asynccontextmanager

@@ -180,11 +180,13 @@ class Scheduler:
         # /generate rebuilds its logprob entries at every event.
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.tokenizer.decode([token_id]))
         self.sampling_defaults = SamplingDefaults.load(model_dir, self.settings.sampling_defaults)
-        model_len = ModelConfig.from_hf(model_dir).max_position_embeddings
+        model_config = ModelConfig.from_hf(model_dir)
+        model_len = model_config.max_position_embeddings
         max_model_len = min(self.settings.engine.max_model_len or model_len, model_len)
         self.pool = get_or_create_pool(self.settings)
         kv_seed = kv_namespace(model_dir, self.settings.engine.dtype, self.settings.engine.block_size)
-        self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len, kv_seed)
+        self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len, kv_seed,
+                                       model_config.eos_token_ids)
         self.model_name = self.settings.model.served_name
         app.state.settings = self.settings
         self._refresher: asyncio.Task | None = None

@@ -2,7 +2,9 @@
 spent on it: its ids (`encode_prompt`: text encoded, ids as given), cut to their
 last `keep_last` when asked (vLLM's truncate_prompt_tokens; -1: as many as the
 limits below let this request have), each id in the vocabulary (the prompt's,
-and those its params name: logit_bias, allowed and stop token ids), and the
+and those its params name: logit_bias, allowed and stop token ids, and that
+allowed ids are not all banned from the first draw by the model's end tokens
+under min_new_tokens), and the
 prompt, the output and both together within `limits` (cluster/config.py) and the
 model's context. Each refusal is an ApiError 400 that names the limit. (A
 logit_bias id outside the vocabulary was found by P's engine, after D had
@@ -18,7 +20,7 @@ from cluster.config import LimitSettings
 
 def prompt_ids_within_limits(
     tokenizer, limits: LimitSettings, max_model_len: int, prompt: str | list[int], params: SamplingParams, *,
-    add_special_tokens: bool = True, keep_last: int | None = None,
+    add_special_tokens: bool = True, keep_last: int | None = None, eos_token_ids: tuple[int, ...] = (),
 ) -> list[int]:
     ids = encode_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
     if keep_last is not None:
@@ -29,7 +31,7 @@ def prompt_ids_within_limits(
     if any(not 0 <= t < vocab for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})")
     try:
-        params.check_token_ids(vocab, eos_token_ids=())  # the engine checks again, with the model's end tokens
+        params.check_token_ids(vocab, eos_token_ids)  # the engine checks again, with its bad_words too
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc)) from None
     if len(ids) > limits.max_prompt_tokens:

@@ -56,9 +56,11 @@ GAPS_PER_OBSERVATION = 8
 
 
 class GlobalScheduler:
-    def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int, kv_seed: bytes) -> None:
+    def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int, kv_seed: bytes,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids  # the model's end tokens: a request's params are checked against them
         self.pool = pool
         self.max_model_len = max_model_len
         self.block_size = settings.engine.block_size
@@ -203,7 +205,8 @@ class GlobalScheduler:
                 keep_last: int | None = None) -> list[int]:
         """A request's prompt ids, checked against the limits (cluster/prompt_limits.py)."""
         return prompt_ids_within_limits(self.tokenizer, self.settings.limits, self.max_model_len, prompt, params,
-                                        add_special_tokens=add_special_tokens, keep_last=keep_last)
+                                        add_special_tokens=add_special_tokens, keep_last=keep_last,
+                                        eos_token_ids=self.eos_token_ids)
 
     # ---- admission and pairing ----------------------------------------------------------
     def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset(), max_new_tokens: int = 1) -> Prediction:

@@ -135,13 +135,18 @@ def _failed_requests(base_url) -> float:
                if line.startswith('tandem_requests_total{outcome="error"}'))
 
 
-def test_token_ids_outside_the_vocabulary_are_refused_before_routing(base_url):
+def test_token_ids_the_model_cannot_take_are_refused_before_routing(base_url):
     """Found by P's engine, they were refused after D had reserved blocks, and
     counted among the failed requests (which the autoscaler reads)."""
     before = _failed_requests(base_url)
-    for body in ({"logit_bias": {"99999": 1}}, {"stop_token_ids": [99999]}, {"allowed_token_ids": [3, 99999]}):
+    eos = httpx.post(f"{base_url}/tokenize", json={"prompt": "<|endoftext|>", "add_special_tokens": False})
+    (eos_id,) = eos.json()["tokens"]
+    for body, message in (({"logit_bias": {"99999": 1}}, "outside the vocabulary"),
+                          ({"stop_token_ids": [99999]}, "outside the vocabulary"),
+                          ({"allowed_token_ids": [3, 99999]}, "outside the vocabulary"),
+                          ({"allowed_token_ids": [eos_id], "min_tokens": 1}, "all banned from the first draw")):
         response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
-        assert response.status_code == 400 and "outside the vocabulary" in response.text, response.text
+        assert response.status_code == 400 and message in response.text, response.text
     assert _failed_requests(base_url) == before
 
 
