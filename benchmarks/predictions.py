@@ -43,7 +43,7 @@ from benchmarks.bursts import add_burst_arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_burst_arguments(parser, num_bursts=8, every_s=2.0)
     parser.add_argument("--lengths", type=positive_ints, default=None,
-                        help="prompt lengths a burst's requests take in turn (comma-separated; in place of --prompt)")
+                        help="prompt lengths the requests take in turn (comma-separated; in place of --prompt)")
 
 
 @dataclass(frozen=True)
