@@ -1,14 +1,14 @@
 """A request's prompt checked against the deployment's limits before anything is
 spent on it: its ids (`encode_prompt`: text encoded, ids as given), cut to their
 last `keep_last` when asked (vLLM's truncate_prompt_tokens; -1: as many as the
-limits below let this request have), each id in the vocabulary (the prompt's,
-and those its params name: logit_bias, allowed and stop token ids, and that
-allowed ids are not all banned from the first draw by the model's end tokens
-under min_new_tokens), and the
-prompt, the output and both together within `limits` (cluster/config.py) and the
-model's context. Each refusal is an ApiError 400 that names the limit. (A
-logit_bias id outside the vocabulary was found by P's engine, after D had
-reserved blocks for the request, and counted among the failed requests.)"""
+limits below let this request have), each id in the vocabulary (the prompt's
+and those its params name: logit_bias, allowed and stop token ids; and allowed
+ids not all banned from the first draw by the model's end tokens under
+min_new_tokens), and the prompt, the output and both together within `limits`
+(cluster/config.py) and the model's context. Each refusal is an ApiError 400
+that names the limit. (A logit_bias id outside the vocabulary was found by P's
+engine, after D had reserved blocks for the request, and counted among the
+failed requests.)"""
 
 from __future__ import annotations
 
