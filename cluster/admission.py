@@ -236,9 +236,11 @@ class WorkerModels:
         most, as the engine schedules it), each attending to the cached tokens and
         the chunks before it, each paying the step's fixed part."""
         model = self.prefill_model(worker_id)
-        if not model.is_fitted:
-            return 0.0
-        chunks = self._chunks(new_tokens, cached_tokens)
+        return self._steps_s(model, self._chunks(new_tokens, cached_tokens)) if model.is_fitted else 0.0
+
+    @staticmethod
+    def _steps_s(model: LinearCostModel, chunks: tuple[tuple[int, int], ...]) -> float:
+        """A step a chunk: their summed features, and the fixed part once a step."""
         return model.predict(prefill_step_features(chunks)) + (len(chunks) - 1) * model.fixed_s()
 
     def _chunks(self, new_tokens: int, cached_tokens: int) -> tuple[tuple[int, int], ...]:
@@ -260,10 +262,11 @@ class WorkerModels:
         model = self.prefill_model(worker_id)
         if not model.is_fitted:
             return 0.0
-        alone = self.prefill_s(worker_id, new_tokens, cached_tokens)
+        chunks = self._chunks(new_tokens, cached_tokens)
+        alone = self._steps_s(model, chunks)
         queued = self.queued_prefill_tokens(worker_id)
         step = self.max_num_batched_tokens
-        num_chunks = len(self._chunks(new_tokens, cached_tokens))
+        num_chunks = len(chunks)
         queue_steps = -(-queued // step)
         if not queued or queue_steps < num_chunks or -(-(queued + new_tokens) // step) > queue_steps:
             return alone

@@ -38,26 +38,24 @@ class LinearCostModel:
         self._rows.append((tuple(float(f) for f in features), float(seconds)))
         self._coef = None
 
-    def _fit(self) -> None:
-        x = np.array([(1.0, *f) for f, _ in self._rows])
-        y = np.array([s for _, s in self._rows])
-        self._coef = _non_negative_least_squares(x, y)  # costs only grow with work
-        self._floor = float(y.min())
+    def _coefficients(self) -> np.ndarray:
+        """The fit of the window, refitted after new observations (costs only grow
+        with work: no coefficient below zero)."""
+        if not self._rows:
+            raise RuntimeError("cost model has no observations yet")
+        if self._coef is None:
+            x = np.array([(1.0, *f) for f, _ in self._rows])
+            y = np.array([s for _, s in self._rows])
+            self._coef = _non_negative_least_squares(x, y)
+            self._floor = float(y.min())
+        return self._coef
 
     def fixed_s(self) -> float:
         """The fitted cost of no work (the intercept): what every call costs."""
-        if not self._rows:
-            raise RuntimeError("cost model has no observations yet")
-        if self._coef is None:
-            self._fit()
-        return float(self._coef[0])
+        return float(self._coefficients()[0])
 
     def predict(self, features: tuple[float, ...]) -> float:
-        if not self._rows:
-            raise RuntimeError("cost model has no observations yet")
-        if self._coef is None:
-            self._fit()
-        value = float(self._coef @ np.array((1.0, *features)))
+        value = float(self._coefficients() @ np.array((1.0, *features)))
         return max(value, self._floor * 0.5)
 
 
