@@ -14,6 +14,7 @@ class ColocatedWorker(WorkerBase):
         self._ensure_started()
         self.streams.open(request.request_id, subscription)
         try:
+            await self.prepare_pattern(request)
             held = await self.import_prefix(request)
             await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id,
                                                     pinned_block_ids=held))

@@ -68,6 +68,7 @@ class DecodeWorker(WorkerBase):
         """Hold blocks for `request`, waiting in line up to `wait_s` for room; its
         token events will go to `subscription`'s feed (`WorkerBase.feed`)."""
         self._ensure_started()
+        await self.prepare_pattern(request)
         request_id = request.request_id
         self.streams.open(request_id, subscription)
         self._line_blocks[request_id] = blocks_to_reserve(len(request.prompt_token_ids), self.engine.pool.block_size)

@@ -55,6 +55,7 @@ from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
 from actors.stop_strings import StopStrings
 from actors.store_bridge import StoreBridge
+from actors.structured_output import TokenIndexes
 from actors.tokenization import encode_prompt, load_tokenizer
 
 
@@ -102,6 +103,7 @@ class Engine:
         self.model_config = ModelConfig.from_hf(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.byte_level = ByteLevelTables.of(self.tokenizer, self.model_config.vocab_size)  # fast detokenizing
+        self.token_indexes = TokenIndexes(None if self.byte_level is None else self.byte_level.without_special)
         self.runner = ModelRunner(self.model_config, self.config, model_dir)
         self.max_model_len = min(
             self.config.max_model_len or self.model_config.max_position_embeddings,
@@ -157,6 +159,7 @@ class Engine:
         if request_id in self.requests or request_id in self.reservations:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        stop_token_ids = params.stop_ids(self.model_config.eos_token_ids)
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -164,8 +167,9 @@ class Engine:
             seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.byte_level),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
-            stop_token_ids=params.stop_ids(self.model_config.eos_token_ids),
+            stop_token_ids=stop_token_ids,
             bad_words=bad_words,
+            constraint=None if params.regex is None else self.token_indexes.constraint(params.regex, stop_token_ids),
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
 
@@ -380,6 +384,8 @@ class Engine:
             if dropped is not None:
                 cut = request.detokenizer.num_chars - dropped
                 return self._finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
+        if request.constraint is not None and request.constraint.is_complete(output_ids):
+            return self._finish(request, FinishReason.STOP)  # the pattern is matched and allows no more
         if len(output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, FinishReason.LENGTH)
 

@@ -41,7 +41,7 @@ from kernels.attention import select_decode_attention, select_prefill_attention
 from kernels.blocks import select_block_copy
 from kernels.linear import select_linear
 from kernels.norm import select_add_rms_norm, select_rms_norm
-from kernels.logit_bias import add_logit_bias_, keep_only_
+from kernels.logit_bias import add_logit_bias_, keep_masked_, keep_only_
 from kernels.penalties import TokenCounts, penalise_
 from kernels.rope_cache import select_rope_and_write_kv
 from kernels.sampling import logprobs_of, ranks_of, sample, uniform_draws
@@ -291,6 +291,10 @@ class ModelRunner:
         input, on the device: counted there). The raw logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
         keep_only_(scores, rows, [step.requests[row].logit_rules.allowed_ids for row in rows])
+        constrained = [row for row in rows if step.requests[row].constraint is not None]
+        keep_masked_(scores, constrained, [step.requests[row].constraint.mask(step.requests[row].output_token_ids,
+                                                                              token_indexes[row])
+                                           for row in constrained])
         additions = []
         for row in rows:
             request = step.requests[row]
@@ -299,7 +303,7 @@ class ModelRunner:
             additions.append(request.logit_rules.additions(token_indexes[row], bad_word_ids))
         add_logit_bias_(scores, rows, *zip(*additions))
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
-        step.reads_output = any(
+        step.reads_output = bool(constrained) or any(
             step.requests[row].bad_words is not None and step.requests[row].bad_words.reads_output for row in rows)
         if not penalised:
             return scores
@@ -347,7 +351,7 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [rows] int64, on the device
     host: list[torch.Tensor] = field(default_factory=list)  # token ids[, chosen logprobs[, top ids, top logprobs]]
     ready: torch.cuda.Event | None = None  # recorded after the copies to `host` (CUDA)
-    reads_output: bool = False  # a row's bans depend on its last tokens (bad_words): the next step needs them read
+    reads_output: bool = False  # a row's bans depend on its last tokens (bad_words, a regex): read before the next step
     prompt_parts: list = field(default_factory=list)  # prompt logprobs computed (see `_prompt_logprobs`)
 
     def tokens(self) -> tuple[list[int], list[TokenLogprob | None] | None]:

@@ -225,6 +225,7 @@ class PrefillWorker(WorkerBase):
         params = prefill_params(request.params)
 
         try:
+            await self.prepare_pattern(request)
             held = await self.import_prefix(request)
 
             def add(engine: Engine) -> None:

@@ -20,6 +20,7 @@ from actors.detokenizer import IncrementalDetokenizer, text_between
 from actors.logit_rules import LogitRules
 from actors.sampling_params import SamplingParams
 from actors.stop_strings import StopStrings
+from actors.structured_output import OutputConstraint
 from kernels.penalties import TokenCounts
 
 
@@ -79,6 +80,7 @@ class Request:
     stop_strings: StopStrings | None = None  # its params' stop strings, searched as its text grows
     stop_token_ids: frozenset[int] = frozenset()  # its params' stop tokens, and EOS unless ignore_eos
     bad_words: BadWords | None = None  # its params' bad_words as token sequences, if any
+    constraint: OutputConstraint | None = None  # its params' regex, as its output's place in it
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker

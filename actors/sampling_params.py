@@ -44,6 +44,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # words the output must not contain (vLLM's; actors/bad_words.py)
     include_stop_str_in_output: bool = False  # a stop string ends the text instead of being cut off
     prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob and its n best
+    regex: str | None = None  # the output must match it whole (actors/structured_output.py)
     # Set from the fields above; plain fields, read for every row of every step.
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
@@ -96,10 +97,23 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequestError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
                                       f"({self.max_new_tokens})")
+        if self.regex is not None:
+            self._check_regex()
         has_penalties = self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
         object.__setattr__(self, "has_penalties", has_penalties)
         object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0
-                           or bool(self.allowed_token_ids) or bool(self.bad_words))
+                           or bool(self.allowed_token_ids) or bool(self.bad_words) or self.regex is not None)
+
+    def _check_regex(self) -> None:
+        from actors.regex_dfa import compile_regex  # (it imports this module)
+
+        if not isinstance(self.regex, str):
+            raise InvalidRequestError(f"regex must be a string, got {type(self.regex).__name__}")
+        compile_regex(self.regex)  # cached: RegexError (an InvalidRequestError) unless it can constrain
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} cannot be combined with a regex, choice or JSON schema: "
+                                          "it could ban every token the pattern allows")
 
     def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
         """The tokens that end a request with these params: its stop tokens, and the

@@ -141,6 +141,14 @@ class WorkerBase:
         self._ensure_started()
         return await self.aio.run_in_executor(self.executor, fn, *args)
 
+    async def prepare_pattern(self, request: GenerateRequest) -> None:
+        """A structured-output request's automaton, and the vocabulary's bytes at the
+        first one (actors/structured_output.py), made here, off the engine thread:
+        up to about a second for the largest, once a pattern, which would stall
+        every request's step there."""
+        if request.params.regex is not None:
+            await self.in_thread(self.engine.token_indexes.prepare, request.params.regex)
+
     async def import_prefix(self, request: GenerateRequest, computes_prompt: bool = True,
                             reserving: bool = False) -> list[int]:
         """Warm the device prefix cache from the KV store before a request starts:

@@ -19,4 +19,5 @@ BENCHMARKS = {
     "handshake": "benchmarks.handshake",
     "bursts": "benchmarks.bursts",
     "predictions": "benchmarks.predictions",
+    "structured": "benchmarks.structured",
 }

@@ -31,7 +31,8 @@ the others still run):
    saves nothing (a CPU step runs while it is launched).
 5. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
    (the object_store channel works within one GPU), against the engine alone: the
-   same tokens for one request, then the decode rate `--decode-batch` requests
+   same tokens for one request and for one held to a regex (structured output: the
+   masks unpacked on the device, P's first token, D's rest), then the decode rate `--decode-batch` requests
    get from the pair through one token feed (`cluster/token_feeds.py`), as
    `tandem bench delivery` measures it (no HTTP), beside the engine alone's.
 
@@ -319,10 +320,11 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
     from cluster.workers import start_worker
 
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    structured = SamplingParams(max_new_tokens=40, temperature=0, regex=r'\{"id": \d{1,3}, "ok": (true|false)\}')
     prompt = list(range(3, 300))
     config = EngineConfig(device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
     llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
-    expected = llm.generate([prompt], [params])[0]
+    expected, expected_structured = llm.generate([prompt, prompt], [params, structured])
     batch = [[3 + (i * 7 + j) % 1000 for j in range(128)] for i in range(decode_batch)]
     engine_rate(llm, batch[:2], 256)  # warm-up
     alone = engine_rate(llm, batch, 256)
@@ -336,8 +338,8 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
         d = start_worker("decode", "gpu-d", model_dir, config, num_cpus=1, num_gpus=share)
         ray.get([p.ping.remote(), d.ping.remote()], timeout=300)
 
-        async def run():
-            call = DisaggregatedCall(p, d, GenerateRequest("gpu-check", prompt, params), "object_store")
+        async def run(request_id: str, request_params: SamplingParams):
+            call = DisaggregatedCall(p, d, GenerateRequest(request_id, prompt, request_params), "object_store")
             tokens = []
             async for event in call.events():
                 if event.error:
@@ -345,12 +347,15 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
                 tokens += event.token_ids
             return tokens, call.prefill_result
 
-        tokens, result = asyncio.run(run())
+        tokens, result = asyncio.run(run("gpu-check", params))
+        # Structured output on the device (the packed masks unpacked there), P's first token and D's rest:
+        structured_tokens, _ = asyncio.run(run("gpu-check-structured", structured))
         rate = asyncio.run(feed_rate(p, d, batch, 256, "object_store"))
-        return {"identical_to_engine": tokens == expected.token_ids, "tokens": len(tokens),
-                "bytes_sent": result.num_bytes_sent, "batch": decode_batch,
-                "delivered_tokens_per_s": rate, "engine_alone_tokens_per_s": alone,
-                "delivered_over_engine": rate / alone, "ok": tokens == expected.token_ids}
+        identical = tokens == expected.token_ids and structured_tokens == expected_structured.token_ids
+        return {"identical_to_engine": identical, "tokens": len(tokens),
+                "structured_text": expected_structured.text, "bytes_sent": result.num_bytes_sent,
+                "batch": decode_batch, "delivered_tokens_per_s": rate, "engine_alone_tokens_per_s": alone,
+                "delivered_over_engine": rate / alone, "ok": identical}
     finally:
         if started_ray:
             ray.shutdown()

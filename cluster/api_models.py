@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
+from cluster.output_format import openai_regex
 
 
 class ApiError(Exception):
@@ -79,11 +80,9 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 class _OpenAIBody(RequestBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "response_format": (None, {"type": "text"}), "tools": (None, []),
-        "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-        "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
         # vLLM's extensions that change the output
-        "structured_outputs": (None,), "use_beam_search": (None, False), "logits_processors": (None, []),
+        "guided_grammar": (None,), "use_beam_search": (None, False), "logits_processors": (None, []),
     }
 
     model: str | None = None
@@ -108,6 +107,12 @@ class _OpenAIBody(RequestBody):
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
     bad_words: list[str] | None = None  # extension (vLLM-style): words the output must not contain
+    # Structured output (cluster/output_format.py): OpenAI's, then vLLM's extensions
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    structured_outputs: dict | None = None
     # extension (vLLM's): keep the prompt's last k tokens (left truncation); -1: as many as the limits allow
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # extension (vLLM's): each prompt token's logprob and rank, and its n best (not streamed)
@@ -127,6 +132,13 @@ class _OpenAIBody(RequestBody):
             raise ValueError("truncate_prompt_tokens must be >= 1 (the prompt's last tokens kept) or -1 (as many as "
                              "the limits allow)")
         return value
+
+    @property
+    def asks_structure(self) -> bool:
+        """Whether the output is to follow a pattern (whose automaton `sampling` compiles)."""
+        return any(v is not None for v in (self.guided_json, self.guided_regex, self.guided_choice,
+                                           self.structured_outputs)) or (
+            self.response_format is not None and self.response_format.get("type") != "text")
 
     @property
     def include_usage(self) -> bool:
@@ -156,6 +168,7 @@ class _OpenAIBody(RequestBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            regex=openai_regex(self),
         )
 
 

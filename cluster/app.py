@@ -110,6 +110,15 @@ async def _unexpected(_: Request, exc: Exception):
     return _error(ApiError(500, f"internal error: {type(exc).__name__}", kind="internal_error"))
 
 
+async def _sampling(body, *args):
+    """A body's params. A pattern's automaton (structured output) is compiled on
+    the way, up to about a second for the largest (once a pattern: cached): in a
+    thread then, so the event loop goes on serving the other requests."""
+    if body.asks_structure:
+        return await asyncio.to_thread(body.sampling, *args)
+    return body.sampling(*args)
+
+
 class RequestGuard:
     """API key (every endpoint but /health) and the request body size limit, as
     plain ASGI middleware: Starlette's `@app.middleware("http")` wraps every
@@ -252,7 +261,7 @@ class Scheduler:
         """One prompt, or SGLang's batch; request k is prompt k // n's choice k % n
         (see `_start_choices`). meta_info's id is the prompt's rid (the client's,
         or one made up), with `-j` for choice j when n > 1."""
-        per_prompt = body.sampling(self.sampling_defaults)
+        per_prompt = await _sampling(body, self.sampling_defaults)
         await self._require_ready()
         prompt_ids = [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)]
         n = body.num_choices
@@ -321,7 +330,7 @@ class Scheduler:
         """One request per prompt and choice (`n`), choice k being prompt k // n's
         choice k % n, as OpenAI numbers them (see `_start_choices`)."""
         self._check_model(body.model)
-        params = body.sampling(16 if not chat else self.settings.limits.max_new_tokens, self.sampling_defaults)
+        params = await _sampling(body, 16 if not chat else self.settings.limits.max_new_tokens, self.sampling_defaults)
         await self._require_ready()
         prompt_ids = [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
                                            keep_last=body.truncate_prompt_tokens) for prompt in prompts]

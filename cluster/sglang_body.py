@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
 from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, RequestBody, stop_tuple
+from cluster.output_format import sglang_regex
 
 
 class SglangSamplingParams(RequestBody):
@@ -20,7 +21,7 @@ class SglangSamplingParams(RequestBody):
 
     model_config = ConfigDict(extra="forbid")
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
+        "ebnf": (None,), "structural_tag": (None,),
         "stop_regex": (None, []), "custom_params": (None,), "stream_interval": (None, 1),
     }
 
@@ -38,6 +39,8 @@ class SglangSamplingParams(RequestBody):
     sampling_seed: int | None = None
     repetition_penalty: float | None = None
     frequency_penalty: float = 0.0
+    regex: str | None = None  # structured output (cluster/output_format.py)
+    json_schema: str | None = None  # a JSON schema's text
     presence_penalty: float = 0.0
     min_new_tokens: int = 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
@@ -107,6 +110,8 @@ class GenerateBody(RequestBody):
     logit_bias: dict[int, float] | None = None
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
+    regex: str | None = None
+    json_schema: str | None = None
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool = False
     return_logprob: bool = False
@@ -163,6 +168,12 @@ class GenerateBody(RequestBody):
             return self.sampling_params
         return [self.sampling_params or SglangSamplingParams()] * len(self.prompts())
 
+    @property
+    def asks_structure(self) -> bool:
+        """Whether an output is to follow a pattern (whose automaton `sampling` compiles)."""
+        return self.regex is not None or self.json_schema is not None or any(
+            p.regex is not None or p.json_schema is not None for p in self._sampling_params())
+
     def sampling(self, defaults: SamplingDefaults) -> list[SamplingParams]:
         """Each prompt's params: its `sampling_params`, the body's own fields over them."""
         return [self._params(base, defaults) for base in self._sampling_params()]
@@ -191,6 +202,7 @@ class GenerateBody(RequestBody):
             min_new_tokens=merged.min_new_tokens,
             logit_bias=tuple((merged.logit_bias or {}).items()),
             include_stop_str_in_output=merged.no_stop_trim,
+            regex=sglang_regex(merged),
         )
 
 

@@ -9,11 +9,14 @@ token) gets the sum: banned either way. Applied before the penalties
 (kernels/penalties.py) and the temperature; logprobs stay those of the raw logits.
 
 vLLM's `allowed_token_ids` bans every other token (`keep_only_`), before the bias:
-a bias on an allowed token still counts, one on another token is moot.
+a bias on an allowed token still counts, one on another token is moot. A
+structured-output request's tokens are a packed mask a row (`keep_masked_`,
+actors/structured_output.py), applied the same way and before the bias.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,3 +53,32 @@ def keep_only_(logits: torch.Tensor, rows: Sequence[int], allowed: Sequence[Sequ
     kept = logits.view(-1)[keys]
     logits[banned_rows] = -torch.inf
     logits.view(-1)[keys] = kept
+
+
+def keep_masked_(logits: torch.Tensor, rows: Sequence[int], packed_masks: Sequence[np.ndarray]) -> None:
+    """Set every entry of row `rows[i]` of `logits` [B, V] (in place) to minus
+    infinity except those whose bit is set in `packed_masks[i]` (`np.packbits` of a
+    [V] bool mask: eight tokens a byte, the first in the high bit). To a GPU the
+    masks cross packed (a 152k vocabulary: 19 KB a row) and are unpacked there, a
+    byte's eight bits looked up in a table; on CPU numpy unpacks them."""
+    if not len(rows):
+        return
+    packed = np.stack(packed_masks)
+    if logits.device.type == "cpu":
+        keep = torch.from_numpy(np.unpackbits(packed, axis=1, count=logits.shape[1]).view(bool))
+    else:
+        table = _bit_table(logits.device)
+        keep = table[to_device(torch.from_numpy(packed), logits.device).long()].reshape(len(rows), -1)
+        keep = keep[:, : logits.shape[1]]
+    if len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1:  # every row, in order (rows are ascending)
+        logits.masked_fill_(~keep, -torch.inf)
+        return
+    index = to_device(torch.from_numpy(np.asarray(rows, dtype=np.int64)), logits.device)
+    logits[index] = logits[index].masked_fill(~keep, -torch.inf)
+
+
+@functools.cache
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte value, the high bit first (np.packbits' order)."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(bool)
+    return to_device(torch.from_numpy(bits), device)

@@ -5,6 +5,7 @@ tests/test_serve_bad_input.py)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -311,6 +312,33 @@ def test_logit_bias_and_min_tokens_over_http(client):
     only = client.completions.create(model="tandem-tiny-qwen2", prompt=[5, 6, 7], max_tokens=6, temperature=1.0,
                                      extra_body={"ignore_eos": True, "allowed_token_ids": [42]})
     assert only.choices[0].text == forced.choices[0].text  # the one token allowed, sampled or not
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
+                                           "kind": {"enum": ["cat", "dog", 3]}}, "required": ["name", "kind"]}
+
+
+def test_structured_output_through_a_prefill_decode_pair(base_url, client):
+    """Each API's way of asking for it: P draws the first token from the pattern's
+    start, D walks it and draws the rest. A bounded schema ends within its length."""
+    messages = [{"role": "user", "content": "A pet, as JSON"}]
+    for seed in range(3):
+        chat = client.chat.completions.create(
+            model="tandem-tiny-qwen2", messages=messages, max_tokens=150, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PERSON}})
+        assert chat.choices[0].finish_reason == "stop"
+        pet = json.loads(chat.choices[0].message.content)
+        assert set(pet) >= {"name", "kind"} and pet["kind"] in ("cat", "dog", 3) and len(pet["name"]) <= 8
+    picked = client.completions.create(model="tandem-tiny-qwen2", prompt="Pick:", max_tokens=20, temperature=1.0,
+                                       extra_body={"guided_choice": ["left", "right", "neither one"]})
+    assert picked.choices[0].text in ("left", "right", "neither one")
+    streamed = client.completions.create(model="tandem-tiny-qwen2", prompt="Call", max_tokens=20, stream=True,
+                                         extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch(r"\d{3}-\d{4}", "".join(c.choices[0].text for c in streamed))
+    sglang = httpx.post(f"{base_url}/generate", json={"text": "Date:", "sampling_params": {
+        "max_new_tokens": 20, "regex": r"20\d\d-(0[1-9]|1[0-2])-[0-3]\d"}}).json()
+    assert re.fullmatch(r"20\d\d-(0[1-9]|1[0-2])-[0-3]\d", sglang["text"])
+    assert sglang["meta_info"]["finish_reason"]["type"] == "stop"
 
 
 def test_greedy_over_http_equals_the_offline_engine(base_url, client):

@@ -1,0 +1,228 @@
+"""A JSON schema, or "any JSON object", as a regular expression (actors/regex_dfa.py).
+
+OpenAI's `response_format` (`json_schema`, `json_object`), vLLM's `guided_json` and
+SGLang's `json_schema` ask for output that is JSON of a shape. A regular expression
+cannot count brackets, so this writes the shape out as one, as outlines does:
+- `object`: its `properties` in the order given, each required one present, the
+  others optional; no property the schema does not name (outlines and OpenAI's
+  strict mode generate none either). Without `properties`, any JSON object;
+- `array` of `items`, `minItems`/`maxItems`; `string` with `minLength`/`maxLength`,
+  `enum`, `const`, `pattern` (as a Python regex, inside the quotes);
+  `integer`, `number`, `boolean`, `null`; a list of types; `anyOf`/`oneOf`; `$ref`
+  into `$defs`/`definitions` (not recursive);
+- free JSON: `json_object` any object `FREE_DEPTH` levels of objects and arrays
+  deep; a value a schema leaves free (`{}`, an object without `properties`, an
+  array without `items`) `NESTED_FREE_DEPTH` levels.
+Between tokens at most one space (`[ ]?`): both `json.dumps` separators and the
+compact ones match, and a small model cannot pad the output with whitespace.
+
+A keyword that would constrain the value in a way the expression does not
+(`minimum`, `format`, `patternProperties`, `not`, ...) is refused with its name
+rather than ignored: the output would not be held to it. Annotations (`title`,
+`description`, `default`, `examples`, `$schema`, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from actors.regex_dfa import RegexError, compile_regex
+
+FREE_DEPTH = 3  # levels of objects and arrays any JSON object (`json_object`) may use
+NESTED_FREE_DEPTH = 2  # and a value a schema leaves free (each copy costs automaton states)
+SPACE = "[ ]?"
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+STRING = f'"{STRING_CHAR}*"'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_NOT_IN_A_STRING = [ord('"'), ord("\\"), *range(0x20)]  # bytes a string's pattern must not allow
+SCALARS = {"integer": INTEGER, "number": NUMBER, "boolean": "(?:true|false)", "null": "null", "string": STRING}
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
+KEYWORDS = {
+    "object": {"type", "properties", "required", "additionalProperties"},
+    "array": {"type", "items", "minItems", "maxItems"},
+    "string": {"type", "minLength", "maxLength", "pattern"},
+    "integer": {"type"}, "number": {"type"}, "boolean": {"type"}, "null": {"type"},
+}
+
+
+def free_json_regex(depth: int = FREE_DEPTH, top: str = "object") -> str:
+    """Any JSON `top` ("object", "array" or "value") with at most `depth` levels of
+    objects and arrays, the outermost included."""
+    inner = "(?:" + "|".join(SCALARS.values()) + ")"
+    for _ in range(depth - 1):
+        inner = f"(?:{inner}|{_object_of(inner)}|{_array_of(inner, 0, None)})"
+    containers = {"object": _object_of(inner), "array": _array_of(inner, 0, None)}
+    return containers[top] if top in containers else f"(?:{inner}|{containers['object']}|{containers['array']})"
+
+
+def schema_regex(schema) -> str:
+    """The pattern of the JSON text `schema` describes; RegexError (a 400) if it
+    is not a schema this can hold an output to."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise RegexError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise RegexError("json_schema must be a JSON object (a schema)")
+    try:
+        return _Writer(schema).value(schema, path="")
+    except RecursionError:
+        raise RegexError("json_schema is nested too deeply") from None
+
+
+class _Writer:
+    def __init__(self, root: dict) -> None:
+        self.definitions = {**root.get("definitions", {}), **root.get("$defs", {})}
+        self.resolving: list[str] = []
+
+    def value(self, schema, path: str) -> str:
+        where = path or "the schema"
+        if schema is True or schema == {}:
+            return free_json_regex(NESTED_FREE_DEPTH, "value")
+        if not isinstance(schema, dict):
+            raise RegexError(f"json_schema: {where} must be a schema (an object)")
+        if "$ref" in schema:
+            return self._reference(schema, where, path)
+        for name in ("anyOf", "oneOf"):
+            if name in schema:
+                options = schema[name]
+                if not isinstance(options, list) or not options:
+                    raise RegexError(f"json_schema: {where}.{name} must be a non-empty list")
+                self._only(schema, {name}, where)
+                return "(?:" + "|".join(self.value(s, f"{path}.{name}[{i}]") for i, s in enumerate(options)) + ")"
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1:
+                raise RegexError(f"json_schema: {where}.allOf is supported with one schema only")
+            self._only(schema, {"allOf"}, where)
+            return self.value(parts[0], f"{path}.allOf[0]")
+        if "const" in schema:
+            self._only(schema, {"const", "type"}, where)
+            return re.escape(json.dumps(schema["const"], ensure_ascii=False))
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise RegexError(f"json_schema: {where}.enum must be a non-empty list")
+            self._only(schema, {"enum", "type"}, where)
+            return "(?:" + "|".join(re.escape(json.dumps(v, ensure_ascii=False)) for v in values) + ")"
+        kind = schema.get("type")
+        if kind is None:
+            if "properties" in schema:
+                kind = "object"
+            elif "items" in schema:
+                kind = "array"
+            else:
+                self._only(schema, set(), where)
+                return free_json_regex(NESTED_FREE_DEPTH, "value")
+        if isinstance(kind, list):
+            if not kind:
+                raise RegexError(f"json_schema: {where}.type must name a type")
+            return "(?:" + "|".join(self.value({**schema, "type": k}, path) for k in kind) + ")"
+        if kind not in KEYWORDS:
+            raise RegexError(f"json_schema: {where}.type {kind!r} is not a JSON type")
+        self._only(schema, KEYWORDS[kind], where)
+        if kind == "object":
+            return self._object(schema, path)
+        if kind == "array":
+            return self._array(schema, path)
+        if kind == "string":
+            return self._string(schema, where)
+        return SCALARS[kind]
+
+    def _only(self, schema: dict, allowed: set[str], where: str) -> None:
+        unknown = sorted(set(schema) - allowed - ANNOTATIONS)
+        if unknown:
+            raise RegexError(f"json_schema: {where} uses {', '.join(unknown)}, which Tandem cannot hold an output to")
+
+    def _reference(self, schema: dict, where: str, path: str) -> str:
+        ref = schema["$ref"]
+        match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
+        if match is None or match.group(1) not in self.definitions:
+            raise RegexError(f"json_schema: {where}.$ref {ref!r} is not a definition of this schema")
+        self._only(schema, {"$ref"}, where)
+        name = match.group(1)
+        if name in self.resolving:
+            raise RegexError(f"json_schema: {name!r} refers to itself; recursive schemas are not supported")
+        self.resolving.append(name)
+        try:
+            return self.value(self.definitions[name], f"{path}.$defs.{name}")
+        finally:
+            self.resolving.pop()
+
+    def _object(self, schema: dict, path: str) -> str:
+        properties = schema.get("properties")
+        if properties is None:
+            return free_json_regex(NESTED_FREE_DEPTH, "object")
+        if not isinstance(properties, dict):
+            raise RegexError(f"json_schema: {path or 'the schema'}.properties must be an object")
+        required = set(schema.get("required", []))
+        missing = required - set(properties)
+        if missing:
+            raise RegexError(f"json_schema: required properties {sorted(missing)} are not in properties")
+        members = [(f'"{re.escape(json.dumps(name, ensure_ascii=False)[1:-1])}"{SPACE}:{SPACE}'
+                    f"{self.value(sub, f'{path}.{name}')}", name in required)
+                   for name, sub in properties.items()]
+        return "\\{" + SPACE + _members(members) + SPACE + "\\}"
+
+    def _array(self, schema: dict, path: str) -> str:
+        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        if not isinstance(low, int) or low < 0 or high is not None and (not isinstance(high, int) or high < low):
+            raise RegexError(f"json_schema: {path or 'the schema'} has bad minItems/maxItems")
+        items = schema.get("items", True)
+        return _array_of(self.value(items, f"{path}[]"), low, high)
+
+    def _string(self, schema: dict, where: str) -> str:
+        if "pattern" in schema:
+            if {"minLength", "maxLength"} & set(schema):
+                raise RegexError(f"json_schema: {where}: pattern with minLength/maxLength is not supported")
+            pattern = schema["pattern"]
+            if not isinstance(pattern, str):
+                raise RegexError(f"json_schema: {where}.pattern must be a string")
+            pattern = pattern.removeprefix("^").removesuffix("$")
+            # Written between the quotes as it stands: what it allows must be a JSON string's text.
+            if compile_regex(pattern).transitions[:, _NOT_IN_A_STRING].any():
+                raise RegexError(f"json_schema: {where}.pattern allows a quote, a backslash or a control "
+                                 "character, which a JSON string must escape")
+            return f'"(?:{pattern})"'
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if not isinstance(low, int) or low < 0 or high is not None and (not isinstance(high, int) or high < low):
+            raise RegexError(f"json_schema: {where} has bad minLength/maxLength")
+        if (low, high) == (0, None):
+            return STRING
+        return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+
+
+def _members(members: list[tuple[str, bool]]) -> str:
+    """Object members in order, the required ones present, the others optional,
+    commas between: an alternative for each member that may come first (those
+    before the first required one, and it), followed by the rest in order."""
+    comma = f"{SPACE},{SPACE}"
+    firsts = []
+    for i, (member, is_required) in enumerate(members):
+        rest = "".join(f"{comma}{m}" if r else f"(?:{comma}{m})?" for m, r in members[i + 1:])
+        firsts.append(member + rest)
+        if is_required:
+            break
+    if not firsts:
+        return ""
+    body = "(?:" + "|".join(firsts) + ")"
+    return body if any(r for _, r in members) else body + "?"
+
+
+def _object_of(value: str) -> str:
+    """Any object whose members' values match `value`."""
+    member = f"{STRING}{SPACE}:{SPACE}{value}"
+    return f"\\{{{SPACE}(?:{member}(?:{SPACE},{SPACE}{member})*)?{SPACE}\\}}"
+
+
+def _array_of(item: str, low: int, high: int | None) -> str:
+    comma = f"{SPACE},{SPACE}"
+    if high == 0:
+        return f"\\[{SPACE}\\]"
+    rest = f"(?:{comma}{item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
+    body = f"{item}{rest}"
+    return f"\\[{SPACE}{body if low else f'(?:{body})?'}{SPACE}\\]"

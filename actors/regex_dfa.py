@@ -1,0 +1,363 @@
+"""A regular expression as a DFA over UTF-8 bytes: what constrained decoding walks.
+
+A request's `regex` (SGLang's, vLLM's `guided_regex`; a choice list or a JSON schema
+becomes one, actors/structured_output.py) must be matched whole by its output. The
+tokens of a byte-level BPE tokenizer are byte strings, not characters (one
+character of CJK text may be split over two tokens), so the automaton reads bytes:
+each character a pattern names becomes its UTF-8 bytes, and a character class (with
+`.` and the negated ones) becomes the UTF-8 byte ranges of its code points, split so
+each alternative is a product of byte ranges (the split RE2 and Rust's regex crate
+make; surrogates excluded).
+
+Python's own parser reads the pattern (`re._parser`, `sre_parse` before 3.11), so
+the syntax and its errors are Python's. Then a Thompson NFA, and the subset
+construction over the classes of bytes no edge tells apart. Its semantics are
+`re.fullmatch` with `re.ASCII`: `\\d`, `\\w`, `\\s` match ASCII only (outlines and
+xgrammar draw the same line), `.` every character but a newline (every one under
+`(?s)`). What cannot be a finite automaton, or would match other text than Python
+does, is refused with the reason: backreferences, lookarounds, word boundaries,
+anchors other than at the two ends, case-insensitive matching, possessive
+repeats. A pattern whose automaton would pass `MAX_STATES` states is refused too
+(each state costs a walk of the vocabulary when a request first reaches it).
+
+States: 0 is dead (nothing can follow), 1 the start. Transitions that lead only to
+dead states go to 0, so a live state can still be completed, and a state is
+`terminal` when it accepts and nothing may follow.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.sampling_params import InvalidRequestError
+
+try:
+    import re._constants as sre
+    import re._parser as sre_parse
+except ImportError:  # Python 3.10
+    import sre_constants as sre  # noqa: F401
+    import sre_parse
+
+MAX_STATES = 5000
+MAX_NFA_STATES = 100_000  # bounds what counted repeats expand to
+MAX_WORK = 3_000_000  # NFA states visited by the subset construction: about a second of it at most
+MAX_CODE_POINT = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)
+
+
+class RegexError(InvalidRequestError):
+    """A pattern that is not valid, or that Tandem cannot constrain an output to."""
+
+
+@dataclass(frozen=True, eq=False)
+class ByteDfa:
+    transitions: np.ndarray  # int32 [states, 256]: the next state; 0 dead
+    accepting: np.ndarray  # bool [states]
+
+    @functools.cached_property
+    def terminal(self) -> np.ndarray:
+        """bool [states]: accepting, and no byte may follow."""
+        return self.accepting & (self.transitions == 0).all(axis=1)
+
+    def walk(self, state: int, data: bytes) -> int:
+        """The state after `data` from `state` (0 once dead)."""
+        transitions = self.transitions
+        for byte in data:
+            state = int(transitions[state, byte])
+            if not state:
+                return 0
+        return state
+
+    def fullmatch(self, text: str) -> bool:
+        return bool(self.accepting[self.walk(1, text.encode())])
+
+
+@functools.lru_cache(maxsize=64)
+def compile_regex(pattern: str) -> ByteDfa:
+    """The pattern's DFA (cached: a pattern is compiled at the ingress and on every
+    worker a request visits); RegexError when it cannot be one."""
+    if not isinstance(pattern, str) or not pattern:
+        raise RegexError("regex must be a non-empty string")
+    try:
+        return _compile(pattern)
+    except RecursionError:
+        raise RegexError("regex is nested too deeply") from None
+
+
+def _compile(pattern: str) -> ByteDfa:
+    try:
+        parsed = sre_parse.parse(pattern, 0)
+    except (sre.error, OverflowError) as exc:
+        raise RegexError(f"regex is not valid: {exc}") from None
+    flags = parsed.state.flags
+    if flags & (sre.SRE_FLAG_IGNORECASE | sre.SRE_FLAG_LOCALE):
+        raise RegexError("regex: case-insensitive matching ((?i)) is not supported")
+    nfa = _Nfa(dotall=bool(flags & sre.SRE_FLAG_DOTALL))
+    items = list(parsed)
+    if items[:1] in ([(sre.AT, sre.AT_BEGINNING)], [(sre.AT, sre.AT_BEGINNING_STRING)]):
+        items = items[1:]
+    if items[-1:] in ([(sre.AT, sre.AT_END)], [(sre.AT, sre.AT_END_STRING)]):
+        items = items[:-1]
+    start, end = nfa.sequence(items)
+    dfa = _determinise(nfa, start, end)
+    if not dfa.accepting.any():
+        raise RegexError("regex matches no text")
+    return dfa
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A pattern matching exactly one of `choices` (vLLM's guided_choice)."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise RegexError("choice must be a non-empty list of non-empty strings")
+    return "|".join(f"(?:{re.escape(c)})" for c in choices)
+
+
+# ---- pattern -> NFA ------------------------------------------------------------------
+
+_ASCII_CATEGORIES = {
+    sre.CATEGORY_DIGIT: [(48, 57)],
+    sre.CATEGORY_SPACE: [(9, 13), (32, 32)],
+    sre.CATEGORY_WORD: [(48, 57), (65, 90), (95, 95), (97, 122)],
+}
+_NEGATED_CATEGORIES = {sre.CATEGORY_NOT_DIGIT: sre.CATEGORY_DIGIT, sre.CATEGORY_NOT_SPACE: sre.CATEGORY_SPACE,
+                       sre.CATEGORY_NOT_WORD: sre.CATEGORY_WORD}
+
+
+class _Nfa:
+    """States are list indexes; each has byte edges (a frozenset of bytes, a target)
+    and epsilon edges."""
+
+    def __init__(self, dotall: bool) -> None:
+        self.dotall = dotall
+        self.byte_edges: list[list[tuple[frozenset[int], int]]] = []
+        self.epsilon: list[list[int]] = []
+
+    def state(self) -> int:
+        if len(self.epsilon) >= MAX_NFA_STATES:
+            raise RegexError("regex is too large (its counted repeats expand past "
+                             f"{MAX_NFA_STATES} automaton states)")
+        self.byte_edges.append([])
+        self.epsilon.append([])
+        return len(self.epsilon) - 1
+
+    def sequence(self, items) -> tuple[int, int]:
+        start = end = self.state()
+        for op, av in items:
+            first, last = self.item(op, av)
+            self.epsilon[end].append(first)
+            end = last
+        return start, end
+
+    def item(self, op, av) -> tuple[int, int]:
+        if op is sre.LITERAL:
+            return self.code_points([(av, av)])
+        if op is sre.NOT_LITERAL:
+            return self.code_points(_complement([(av, av)]))
+        if op is sre.ANY:
+            return self.code_points([(0, MAX_CODE_POINT)] if self.dotall else _complement([(10, 10)]))
+        if op is sre.IN:
+            return self.code_points(_class_ranges(av))
+        if op is sre.SUBPATTERN:
+            _group, add_flags, del_flags, items = av
+            if add_flags & (sre.SRE_FLAG_IGNORECASE | sre.SRE_FLAG_LOCALE):
+                raise RegexError("regex: case-insensitive matching ((?i)) is not supported")
+            if (add_flags | del_flags) & sre.SRE_FLAG_DOTALL:
+                raise RegexError("regex: (?s) is supported only for the whole pattern")
+            return self.sequence(items)
+        if op is sre.BRANCH:
+            start, end = self.state(), self.state()
+            for items in av[1]:
+                first, last = self.sequence(items)
+                self.epsilon[start].append(first)
+                self.epsilon[last].append(end)
+            return start, end
+        if op in (sre.MAX_REPEAT, sre.MIN_REPEAT):  # greedy or lazy: the same set of matches
+            low, high, items = av
+            return self.repeat(items, low, None if high == sre.MAXREPEAT else high)
+        if op is sre.AT:
+            raise RegexError("regex: anchors and word boundaries are supported only as ^ at the start and $ at the end")
+        if op in (sre.GROUPREF, sre.GROUPREF_EXISTS):
+            raise RegexError("regex: backreferences are not supported")
+        if op in (sre.ASSERT, sre.ASSERT_NOT):
+            raise RegexError("regex: lookahead and lookbehind are not supported")
+        raise RegexError(f"regex: {str(op).lower()} is not supported")
+
+    def repeat(self, items, low: int, high: int | None) -> tuple[int, int]:
+        start = end = self.state()
+        for _ in range(low):
+            first, last = self.sequence(items)
+            self.epsilon[end].append(first)
+            end = last
+        if high is None:  # a loop: zero or more further copies
+            first, last = self.sequence(items)
+            self.epsilon[end].append(first)
+            self.epsilon[last].append(first)
+            tail = self.state()
+            self.epsilon[end].append(tail)
+            self.epsilon[last].append(tail)
+            return start, tail
+        exit_ = self.state()  # optional copies, nested: x{0,3} as (x(x(x)?)?)?
+        for _ in range(high - low):
+            first, last = self.sequence(items)
+            self.epsilon[end] += [first, exit_]
+            end = last
+        self.epsilon[end].append(exit_)
+        return start, exit_
+
+    def code_points(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+        """One character from `ranges`: its UTF-8 byte sequences as alternatives."""
+        start, end = self.state(), self.state()
+        for sequence in _utf8_sequences(ranges):
+            state = start
+            for i, (low, high) in enumerate(sequence):
+                target = end if i == len(sequence) - 1 else self.state()
+                self.byte_edges[state].append((frozenset(range(low, high + 1)), target))
+                state = target
+        return start, end
+
+
+def _class_ranges(av) -> list[tuple[int, int]]:
+    ranges, negate = [], False
+    for op, arg in av:
+        if op is sre.NEGATE:
+            negate = True
+        elif op is sre.LITERAL:
+            ranges.append((arg, arg))
+        elif op is sre.RANGE:
+            ranges.append(arg)
+        elif op is sre.CATEGORY:
+            if arg in _ASCII_CATEGORIES:
+                ranges += _ASCII_CATEGORIES[arg]
+            elif arg in _NEGATED_CATEGORIES:
+                ranges += _complement(_ASCII_CATEGORIES[_NEGATED_CATEGORIES[arg]])
+            else:
+                raise RegexError(f"regex: {str(arg).lower()} is not supported in a character class")
+        else:
+            raise RegexError(f"regex: {str(op).lower()} is not supported in a character class")
+    return _complement(ranges) if negate else _merged(ranges)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for low, high in sorted(ranges):
+        if out and low <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
+
+
+def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, next_low = [], 0
+    for low, high in _merged(ranges):
+        if low > next_low:
+            out.append((next_low, low - 1))
+        next_low = high + 1
+    if next_low <= MAX_CODE_POINT:
+        out.append((next_low, MAX_CODE_POINT))
+    return out
+
+
+def _utf8_sequences(ranges: list[tuple[int, int]]):
+    """Each code point range as UTF-8 byte-range sequences: [(low, high) a byte]."""
+    for low, high in ranges:
+        for part_low, part_high in ((low, min(high, SURROGATES[0] - 1)), (max(low, SURROGATES[1] + 1), high)):
+            for bound_low, bound_high in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE_POINT)):
+                a, b = max(part_low, bound_low), min(part_high, bound_high)
+                if a <= b:
+                    yield from _split_same_length(a, b)
+
+
+def _split_same_length(low: int, high: int):
+    """[low, high] (code points of one UTF-8 length) as products of byte ranges."""
+    length = len(chr(low).encode())
+    for i in range(1, length):
+        mask = (1 << (6 * i)) - 1
+        if low & ~mask != high & ~mask:
+            if low & mask:
+                yield from _split_same_length(low, low | mask)
+                yield from _split_same_length((low | mask) + 1, high)
+                return
+            if high & mask != mask:
+                yield from _split_same_length(low, (high & ~mask) - 1)
+                yield from _split_same_length(high & ~mask, high)
+                return
+    yield list(zip(chr(low).encode(), chr(high).encode()))
+
+
+# ---- NFA -> DFA ----------------------------------------------------------------------
+
+def _determinise(nfa: _Nfa, start: int, accept: int) -> ByteDfa:
+    """The subset construction over classes of bytes (those no edge tells apart). A
+    DFA state is the set of NFA states it may be in that read a byte or accept (the
+    epsilon-only ones are left out: two sets that differ only there are one state)."""
+    sets = list({edge for edges in nfa.byte_edges for edge, _ in edges})
+    classes: dict[tuple, list[int]] = {}
+    for byte in range(256):
+        classes.setdefault(tuple(byte in s for s in sets), []).append(byte)
+    class_bytes = list(classes.values())
+    class_of = {byte: column for column, members in enumerate(class_bytes) for byte in members}
+    moves: list[dict[int, list[int]]] = []  # NFA state -> class -> targets
+    for edges in nfa.byte_edges:
+        by_class: dict[int, list[int]] = {}
+        for edge, target in edges:
+            for column in {class_of[byte] for byte in edge}:
+                by_class.setdefault(column, []).append(target)
+        moves.append(by_class)
+    closures: dict[int, frozenset[int]] = {}
+
+    def closure(state: int) -> frozenset[int]:
+        """The states that read a byte or accept, reachable from `state` by epsilon edges."""
+        if state not in closures:
+            seen, stack = {state}, [state]
+            while stack:
+                for target in nfa.epsilon[stack.pop()]:
+                    if target not in seen:
+                        seen.add(target)
+                        stack.append(target)
+            closures[state] = frozenset(s for s in seen if moves[s] or s == accept)
+        return closures[state]
+
+    order = [frozenset(), closure(start)]
+    index = {state_set: i for i, state_set in enumerate(order)}
+    rows: list[list[int]] = [[0] * len(class_bytes)]
+    work = 0
+    while len(rows) < len(order):
+        targets: dict[int, list[int]] = {}
+        for nfa_state in order[len(rows)]:
+            for column, to in moves[nfa_state].items():
+                targets.setdefault(column, []).extend(to)
+        row = [0] * len(class_bytes)
+        for column, to in targets.items():
+            moved = frozenset().union(*(closure(t) for t in to))
+            work += len(to) + len(moved)
+            if moved not in index:
+                index[moved] = len(order)
+                order.append(moved)
+            row[column] = index[moved]
+        rows.append(row)
+        if len(order) > MAX_STATES or work > MAX_WORK:
+            raise RegexError(f"regex is too complex: its automaton passes {MAX_STATES} states"
+                             if len(order) > MAX_STATES else "regex is too complex to compile quickly")
+    by_class = np.array(rows, dtype=np.int32)
+    transitions = np.zeros((len(order), 256), dtype=np.int32)
+    for column, members in enumerate(class_bytes):
+        transitions[:, members] = by_class[:, column:column + 1]
+    accepting = np.array([accept in s for s in order], dtype=bool)
+    return ByteDfa(_prune_dead(transitions, accepting), accepting)
+
+
+def _prune_dead(transitions: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """Transitions into states from which no accepting state is reachable go to 0."""
+    live = accepting.copy()
+    while True:
+        reaches = live[transitions].any(axis=1) | accepting
+        if (reaches == live).all():
+            break
+        live = reaches
+    live[0] = False
+    return np.where(live[transitions], transitions, 0).astype(np.int32)

@@ -1,0 +1,157 @@
+"""Structured output: a request's tokens held to a regular expression, token by token.
+
+A request with `params.regex` (set from SGLang's `regex`, vLLM's `guided_regex` or
+`guided_choice`, cluster/api_models.py) draws each token from those whose bytes keep
+the output a prefix of some match of the pattern (actors/regex_dfa.py: a DFA over
+bytes). What each DFA state allows is found by walking every token of the
+vocabulary through the DFA at once (numpy, the tokens sorted longest first so each
+byte position is one gather over a shrinking prefix; a few milliseconds a state for
+a 152k-token vocabulary), the first time a request reaches that state, and kept as
+a packed bit mask (19 KB a state there). outlines builds the same state -> tokens
+index ahead for every state; xgrammar adds a pushdown automaton for grammars that
+are not regular. Here the index is lazy: a request pays only for the states it
+visits.
+
+The ends: in an accepting state the request's end tokens (EOS unless `ignore_eos`,
+its stop tokens) may be drawn besides the tokens that continue a match; a token
+that leaves the output in a state that accepts and has no way on ends the request
+("stop") without another draw, as SGLang ends a request whose grammar terminated.
+`max_new_tokens` may still cut a match short ("length"), as everywhere. A pattern
+is applied to the output only, from its first token: on a P/D pair, P draws the
+first token from the start state and D walks it before its own first draw, so the
+state is the output's alone and nothing crosses with the KV.
+
+Needs a byte-level BPE tokenizer (Qwen2, Llama 3, the built-in presets) with a
+token for each of the 256 bytes: then every live state has a token that continues
+it, so a draw always has a token to take. `allowed_token_ids` and `bad_words` are
+refused beside a pattern (each could ban every token it allows).
+
+A constrained row's next mask depends on the token just drawn, so a step holding
+one is read before the next step is launched (no overlapped decode for it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from actors.regex_dfa import ByteDfa, compile_regex
+from actors.sampling_params import InvalidRequestError
+
+MAX_PATTERNS = 16  # a worker keeps the indexes of its latest patterns,
+MAX_MASKS = 1024  # each up to this many states' masks (16 MB at 152k tokens; then it starts afresh)
+
+
+class VocabularyBytes:
+    """A vocabulary's tokens as bytes, for walking them all through a DFA at once:
+    `matrix` [tokens, longest] the bytes of each token that has any (special tokens
+    and ids past the tokenizer have none), longest first, `active[j]` how many of
+    them have more than j bytes."""
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=len(token_bytes))
+        if len({b for b in token_bytes if len(b) == 1}) < 256:
+            raise InvalidRequestError("structured output needs a tokenizer with a token for every byte")
+        order = np.argsort(-lengths, kind="stable")
+        order = order[lengths[order] > 0]
+        self.vocab_size = len(token_bytes)
+        self.token_bytes = token_bytes
+        self.token_ids = order
+        self.matrix = np.zeros((len(order), int(lengths[order[0]])), dtype=np.uint8)
+        for row, token_id in enumerate(order.tolist()):
+            data = token_bytes[token_id]
+            self.matrix[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        sorted_lengths = lengths[order]
+        self.active = [int(np.count_nonzero(sorted_lengths > j)) for j in range(self.matrix.shape[1])]
+
+    def mask(self, ids) -> np.ndarray:
+        """A packed mask (np.packbits' bit order) over the vocabulary with `ids` set."""
+        bits = np.zeros(self.vocab_size, dtype=bool)
+        bits[np.asarray(list(ids), dtype=np.int64)] = True
+        return np.packbits(bits)
+
+
+class TokenIndex:
+    """One pattern over one vocabulary: the tokens each DFA state may draw next."""
+
+    def __init__(self, dfa: ByteDfa, vocabulary: VocabularyBytes) -> None:
+        self.dfa = dfa
+        self.vocabulary = vocabulary
+        self._masks: dict[int, np.ndarray] = {}
+
+    def continuing(self, state: int) -> np.ndarray:
+        """The packed mask of the tokens after which the output can still match."""
+        mask = self._masks.get(state)
+        if mask is None:
+            vocabulary, transitions = self.vocabulary, self.dfa.transitions
+            states = np.full(len(vocabulary.token_ids), state, dtype=np.int32)
+            for column, active in enumerate(vocabulary.active):
+                states[:active] = transitions[states[:active], vocabulary.matrix[:active, column]]
+            bits = np.zeros(vocabulary.vocab_size, dtype=bool)
+            bits[vocabulary.token_ids[states != 0]] = True
+            if len(self._masks) >= MAX_MASKS:
+                self._masks.clear()
+            mask = self._masks[state] = np.packbits(bits)
+        return mask
+
+
+class OutputConstraint:
+    """A request's place in its pattern: the DFA state after the output tokens
+    walked so far."""
+
+    def __init__(self, index: TokenIndex, end_token_ids) -> None:
+        self.index = index
+        self.end_mask = index.vocabulary.mask(end_token_ids)
+        self.state = 1
+        self.num_walked = 0
+
+    def _walk(self, output_ids: list[int], num_output: int) -> int:
+        if num_output < self.num_walked:  # fewer tokens than walked: from the start again
+            self.state, self.num_walked = 1, 0
+        token_bytes, dfa = self.index.vocabulary.token_bytes, self.index.dfa
+        for token_id in output_ids[self.num_walked : num_output]:
+            self.state = dfa.walk(self.state, token_bytes[token_id])
+        self.num_walked = num_output
+        return self.state
+
+    def mask(self, output_ids: list[int], num_output: int) -> np.ndarray:
+        """The packed mask of the tokens the draw of output token `num_output` may take."""
+        state = self._walk(output_ids, num_output)
+        continuing = self.index.continuing(state)
+        return continuing | self.end_mask if self.index.dfa.accepting[state] else continuing
+
+    def is_complete(self, output_ids: list[int]) -> bool:
+        """Whether the output matches and nothing may follow."""
+        return bool(self.index.dfa.terminal[self._walk(output_ids, len(output_ids))])
+
+
+class TokenIndexes:
+    """A worker's indexes, one a pattern (the latest `MAX_PATTERNS`), over its
+    vocabulary's bytes (made at the first pattern)."""
+
+    def __init__(self, token_bytes: list[bytes] | None) -> None:
+        self._token_bytes = token_bytes
+        self._vocabulary: VocabularyBytes | None = None
+        self._indexes: OrderedDict[str, TokenIndex] = OrderedDict()
+
+    def prepare(self, pattern: str) -> None:
+        """Compile `pattern` and make the vocabulary's bytes ahead of `constraint`
+        (a worker runs this off its engine thread; a race makes them twice, no harm)."""
+        compile_regex(pattern)
+        if self._vocabulary is None and self._token_bytes is not None:
+            self._vocabulary = VocabularyBytes(self._token_bytes)
+
+    def constraint(self, pattern: str, end_token_ids) -> OutputConstraint:
+        index = self._indexes.pop(pattern, None)
+        if index is None:
+            if self._token_bytes is None:
+                raise InvalidRequestError("structured output (regex, choice, JSON schema) needs a byte-level BPE "
+                                          "tokenizer; this model's decodes otherwise")
+            if self._vocabulary is None:
+                self._vocabulary = VocabularyBytes(self._token_bytes)
+            index = TokenIndex(compile_regex(pattern), self._vocabulary)
+        self._indexes[pattern] = index
+        while len(self._indexes) > MAX_PATTERNS:
+            self._indexes.popitem(last=False)
+        return OutputConstraint(index, end_token_ids)

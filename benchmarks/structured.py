@@ -1,0 +1,144 @@
+"""Structured: what holding outputs to a pattern costs (actors/structured_output.py).
+
+Three parts, each timed side by side in one process:
+- `compile`: a pattern's DFA from its text (actors/regex_dfa.py; the ingress, P and
+  D each do it once a pattern, then it is cached), for a regex, a choice among 100
+  strings, a JSON schema and any JSON object (`response_format: json_object`);
+- `masks`: the tokens a DFA state allows, walked over the whole vocabulary the
+  first time a request reaches the state, then read from the cache; for the tiny
+  preset's tokenizer and for a vocabulary of Qwen2's size (151,643 byte strings,
+  log-normal lengths about Qwen2's mean of 6.7 bytes, the 256 single bytes among
+  them: no tokenizer of that size is on disk, and the walk's cost depends only on
+  the count and lengths);
+- `decode`: the tiny engine generating `--batch` requests of `--tokens` tokens,
+  unconstrained against held to `[a-z ]+` (two states: the per-step cost of the
+  masks) and to JSON lines (`JSON_LINES`: some 40 states; like `[a-z ]+` it can
+  always go on, so every request runs its `--tokens` and the batch stays full, where
+  a pattern that completes would end requests early and shrink it), in alternation
+  (`--repeats`); a constrained step is also read before the next is
+  launched (no overlapped decode), which costs nothing on CPU and the host time on
+  a GPU (`tandem bench host`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from benchmarks import report
+from benchmarks.arguments import positive_int
+
+GOAL_COMPILE_S = 1.0
+JSON_LINES = r'(\{"id": \d{1,4}, "name": "[a-z ]{0,12}"\}\n)+'
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=positive_int, default=16)
+    parser.add_argument("--tokens", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=9)
+
+
+def _patterns() -> dict[str, str]:
+    from actors.json_schema import free_json_regex, schema_regex
+    from actors.regex_dfa import choice_regex
+
+    schema = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}, "ok": {"type": "boolean"}}}
+    return {"regex (a phone number)": r"\(\d{3}\) \d{3}-\d{4}",
+            "choice of 100 strings": choice_regex([f"option {i}" for i in range(100)]),
+            "JSON schema (4 properties)": schema_regex(schema),
+            "any JSON object": free_json_regex()}
+
+
+def _compile_s(pattern: str, repeats: int) -> tuple[float, int]:
+    from actors.regex_dfa import compile_regex
+
+    times = []
+    for _ in range(repeats):
+        compile_regex.cache_clear()
+        started = time.perf_counter()
+        dfa = compile_regex(pattern)
+        times.append(time.perf_counter() - started)
+    return report.median(times), len(dfa.transitions)
+
+
+def _qwen_sized_vocabulary() -> list[bytes]:
+    rng = random.Random(0)
+    alphabet = bytes(range(32, 127))
+    tokens = [bytes([b]) for b in range(256)]
+    while len(tokens) < 151_643:
+        tokens.append(bytes(rng.choice(alphabet) for _ in range(min(int(rng.lognormvariate(1.7, 0.5)) + 1, 40))))
+    return tokens
+
+
+def _mask_ms(token_bytes: list[bytes], pattern: str, text: bytes) -> tuple[float, float]:
+    """ms a state: first visits, then cached, along `text` read a byte at a time."""
+    from actors.structured_output import TokenIndexes
+
+    indexes = TokenIndexes(token_bytes)
+    indexes.prepare(pattern)
+    byte_ids = {data[0]: i for i, data in enumerate(token_bytes) if len(data) == 1}
+    ids = [byte_ids[b] for b in text]  # a token a byte: every state along the text is visited
+    result = []
+    for _ in range(2):
+        constraint = indexes.constraint(pattern, [])
+        started = time.perf_counter()
+        for i in range(len(ids) + 1):
+            constraint.mask(ids, i)
+        result.append((time.perf_counter() - started) / (len(ids) + 1) * 1e3)
+    return result[0], result[1]
+
+
+def _decode_s(llm, pattern: str | None, args, seed: int) -> float:
+    from actors.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.tokens, temperature=0.8, seed=seed, ignore_eos=True, regex=pattern)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 2000) for _ in range(32)] for _ in range(args.batch)]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    return elapsed / sum(len(o.token_ids) for o in outputs)
+
+
+def main(args: argparse.Namespace) -> None:
+    import torch
+
+    from actors.json_schema import free_json_regex
+    from actors.llm import LLM
+    from actors.model_builder import ensure_checkpoint
+
+    torch.set_num_threads(1)
+    compiled = {name: _compile_s(pattern, args.repeats) for name, pattern in _patterns().items()}
+    report.print_table("Compiling a pattern (median)", ["pattern", "ms", "DFA states"],
+                       [[name, s * 1e3, states] for name, (s, states) in compiled.items()])
+
+    llm = LLM(ensure_checkpoint("tiny", "qwen2"), max_num_seqs=args.batch, enable_prefix_cache=False)
+    text = b'{"name": "Ada", "tags": ["x", "y"], "nested": {"n": [1, 2.5, null]}, "ok": true}'
+    vocabularies = {"tiny preset (2,048 tokens)": llm.engine.byte_level.without_special,
+                    "Qwen2-sized (151,643 tokens)": _qwen_sized_vocabulary()}
+    masks = {name: _mask_ms(tokens, free_json_regex(), text) for name, tokens in vocabularies.items()}
+    report.print_table("A state's token mask, any JSON object (ms a state)", ["vocabulary", "first visit", "cached"],
+                       [[name, first, cached] for name, (first, cached) in masks.items()])
+
+    workloads = {"unconstrained": None, "[a-z ]+": "[a-z ]+", "JSON lines": JSON_LINES}
+    times: dict[str, list[float]] = {name: [] for name in workloads}
+    for repeat in range(args.repeats):
+        for name in (list(workloads) if repeat % 2 == 0 else list(reversed(workloads))):
+            times[name].append(_decode_s(llm, workloads[name], args, seed=repeat))
+    base = report.median(times["unconstrained"])
+    report.print_table(f"Decoding {args.batch} requests x {args.tokens} tokens, tiny preset (median of "
+                       f"{args.repeats})", ["workload", "ms a token", "min", "max", "x unconstrained"],
+                       [[name, report.median(t) * 1e3, min(t) * 1e3, max(t) * 1e3, report.median(t) / base]
+                        for name, t in times.items()])
+    slowest = max(s for s, _ in compiled.values())
+    json_ratio = report.median(times["JSON lines"]) / base
+    report.finish(
+        "structured", args.out,
+        {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "compile_s": compiled,
+         "mask_ms": masks, "decode_s_per_token": times, "machine": report.machine_info()},
+        f"slowest compile {slowest * 1e3:.0f} ms; JSON-lines decode {json_ratio:.2f}x unconstrained",
+        f"compile <= {GOAL_COMPILE_S:g} s",
+    )

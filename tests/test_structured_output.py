@@ -1,0 +1,201 @@
+"""Structured output: the byte DFA against Python's `re`, JSON schemas as patterns,
+and the engine holding its outputs to them (P/D over HTTP: tests/test_serve_app.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from actors.json_schema import free_json_regex, schema_regex
+from actors.llm import LLM
+from actors.regex_dfa import RegexError, choice_regex, compile_regex
+from actors.sampling_params import InvalidRequestError, SamplingParams
+from kernels.logit_bias import _bit_table, keep_masked_
+
+PATTERNS = [
+    r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-Z][a-z]*( [A-Z][a-z]*)*", r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?",
+    r'"([^"\\]|\\.)*"', r"[一-龥]{1,3}", r"[^a]", r"\w+@\w+\.com", r"^abc$", r"(?s).a", r"a{0,5}b?", r"[\s\S]",
+    r"[^\x00-\x7f]+", r"(?:ab|c)+[^a-z\d]x{2,3}?.é", r"\U0001F600|[\u0800-\uFFFF]",
+]
+ALPHABET = list("abcxyzAB019 -.\"\\@é一龥\n😀eE+") + [chr(0xFF), chr(0x800), chr(0xFFFF), chr(0x10000)]
+
+
+def _random_match(dfa, rng: random.Random, max_bytes: int = 60) -> bytes | None:
+    """Bytes along a random path of the DFA that ends accepting (None if it did not)."""
+    state, out = 1, b""
+    for _ in range(max_bytes):
+        if dfa.terminal[state] or (dfa.accepting[state] and rng.random() < 0.25):
+            break
+        state_bytes = [b for b in range(256) if dfa.transitions[state, b]]
+        byte = rng.choice(state_bytes)
+        out += bytes([byte])
+        state = dfa.transitions[state, byte]
+    return out if dfa.accepting[state] else None
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_dfa_matches_what_python_matches(pattern):
+    dfa, rng = compile_regex(pattern), random.Random(pattern)
+    for _ in range(3000):  # random texts: the same verdict
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(0, 7)))
+        assert dfa.fullmatch(text) == bool(re.fullmatch(pattern, text, re.ASCII)), text
+    for _ in range(300):  # the DFA's own matches: UTF-8, and Python's matches too
+        data = _random_match(dfa, rng)
+        if data is not None:
+            assert re.fullmatch(pattern, data.decode(), re.ASCII), data
+
+
+@pytest.mark.parametrize("pattern, message", [
+    (r"(a)\1", "backreferences"), (r"(?=a)b", "lookahead"), (r"\bfoo", "anchors"), (r"a^b", "anchors"),
+    (r"(?i)abc", "case-insensitive"), ("a(", "not valid"), ("", "non-empty"), (r"a{100000}", "too large"),
+    (r"(a|b)*a(a|b){13}", "too complex"), (r"[^\x00-\U0010FFFF]", "matches no text"),
+])
+def test_patterns_that_cannot_constrain_are_refused_with_the_reason(pattern, message):
+    with pytest.raises(RegexError, match=message):
+        compile_regex(pattern)
+    with pytest.raises(InvalidRequestError, match=message):  # as a request's params say it
+        SamplingParams(regex=pattern)
+
+
+def test_a_choice_is_its_strings_and_nothing_else():
+    dfa = compile_regex(choice_regex(["a.b", "yes", "y(e)s?"]))
+    assert [dfa.fullmatch(t) for t in ("a.b", "yes", "y(e)s?", "axb", "y", "ye")] == [True] * 3 + [False] * 3
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "score": {"type": ["number", "null"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "maxItems": 3},
+        "home": {"$ref": "#/$defs/Place"},
+    },
+    "required": ["name", "age"],
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"const": "Oslo"}}, "required": ["city"]}},
+}
+
+
+def _valid(doc) -> bool:
+    """SCHEMA, checked by hand."""
+    if not isinstance(doc, dict) or set(doc) - set(SCHEMA["properties"]) or not {"name", "age"} <= set(doc):
+        return False
+    return (isinstance(doc["name"], str) and len(doc["name"]) <= 12 and type(doc["age"]) is int
+            and (doc.get("score") is None or isinstance(doc["score"], (int, float)))
+            and all(t in ("a", "b", 3) for t in doc.get("tags", [])) and len(doc.get("tags", [])) <= 3
+            and doc.get("home", {"city": "Oslo"}) == {"city": "Oslo"})
+
+
+def test_a_schemas_pattern_matches_its_documents_and_only_them():
+    dfa = compile_regex(schema_regex(SCHEMA))
+    good = [{"name": "Al", "age": 3}, {"name": "Al", "age": -3, "tags": ["a", 3], "home": {"city": "Oslo"}},
+            {"name": "", "age": 0, "score": None}, {"name": "x", "age": 1, "score": 2.5e3}]
+    bad = [{"age": 3}, {"name": "Al"}, {"name": "Al", "age": 3.5}, {"name": "Al", "age": 3, "extra": 1},
+           {"age": 3, "name": "Al"}, {"name": "much too long a name", "age": 3}]
+    for doc in good:
+        assert dfa.fullmatch(json.dumps(doc)) and dfa.fullmatch(json.dumps(doc, separators=(",", ":"))), doc
+    for doc in bad:
+        assert not dfa.fullmatch(json.dumps(doc)), doc
+    rng = random.Random(0)
+    for _ in range(300):  # whatever the automaton accepts is JSON the schema allows
+        data = _random_match(dfa, rng, max_bytes=200)
+        if data is not None:
+            assert _valid(json.loads(data)), data
+
+
+def test_a_string_pattern_holds_the_text_between_the_quotes():
+    dfa = compile_regex(schema_regex({"type": "string", "pattern": r"^[A-Z]{3}-\d+$"}))
+    assert dfa.fullmatch('"ABC-12"') and not dfa.fullmatch('"AB-12"') and not dfa.fullmatch("ABC-12")
+
+
+def test_any_json_object_parses():
+    dfa, rng = compile_regex(free_json_regex()), random.Random(1)
+    assert dfa.fullmatch('{"a": [1, {"b": null}], "c": "d"}') and not dfa.fullmatch("[1]")
+    for _ in range(300):
+        data = _random_match(dfa, rng, max_bytes=200)
+        if data is not None:
+            assert isinstance(json.loads(data), dict), data
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": 3}, "uses minimum"), ({"type": "strin"}, "not a JSON type"),
+    ("{", "not valid JSON"), ({"$ref": "#/$defs/X"}, "not a definition"),
+    ({"properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"$ref": "#/$defs/A"}}}, "recursive"),
+    ({"type": "object", "properties": {}, "required": ["a"]}, "not in properties"),
+    ({"type": "string", "format": "email"}, "uses format"),
+    ({"type": "string", "pattern": "^.*$"}, "allows a quote"),  # it would write JSON a parser refuses
+])
+def test_schemas_it_cannot_hold_an_output_to_are_refused(schema, message):
+    with pytest.raises(RegexError, match=message):
+        schema_regex(schema)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2_dir):
+    return LLM(tiny_qwen2_dir, max_num_seqs=8)
+
+
+PROMPTS = ["The answer is", "Hello world, this", "Once upon a time", "1, 2, 3,"]
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[一-龥]{2,4}", schema_regex(SCHEMA),
+                                     free_json_regex()])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_output_matches_its_pattern(llm, pattern, temperature):
+    params = SamplingParams(max_new_tokens=200, temperature=temperature, seed=3, regex=pattern)
+    dfa = compile_regex(pattern)
+    for output in llm.generate(PROMPTS, params):
+        if output.finish_reason == "stop":
+            assert re.fullmatch(pattern, output.text, re.ASCII), output.text
+        else:  # cut by length (a random model may write digits forever): a match's beginning
+            assert output.finish_reason == "length" and dfa.walk(1, output.text.encode()), output.text
+
+
+def test_a_completed_match_ends_the_request_without_another_draw(llm):
+    # A pattern with nothing after its match: its last token ends the request (no EOS drawn).
+    [output] = llm.generate(["x"], SamplingParams(max_new_tokens=50, regex="abc", ignore_eos=True))
+    assert output.text == "abc" and output.finish_reason == "stop"
+    assert llm.engine.tokenizer.decode(output.token_ids) == "abc"
+
+
+def test_max_new_tokens_may_cut_a_match_short(llm):
+    [output] = llm.generate(["x"], SamplingParams(max_new_tokens=3, regex=r"a{40}", temperature=0))
+    assert output.finish_reason == "length" and re.fullmatch("a*", output.text) and len(output.token_ids) == 3
+
+
+def test_overlapped_decode_changes_no_constrained_output(tiny_qwen2_dir, llm):
+    overlapped = LLM(tiny_qwen2_dir, max_num_seqs=8, overlap_decode=True)
+    mixed = [SamplingParams(max_new_tokens=40, temperature=0.9, seed=s, regex=r"[a-z ]{5,60}" if s % 2 else None)
+             for s in range(len(PROMPTS))]
+    # One batch: the unconstrained rows would be launched ahead but for the constrained ones.
+    outputs = {name: [o.token_ids for o in llm_.generate(PROMPTS, mixed)]
+               for name, llm_ in (("plain", llm), ("overlapped", overlapped))}
+    assert outputs["plain"] == outputs["overlapped"]
+    assert all(re.fullmatch(r"[a-z ]{5,60}", o.text) for o in overlapped.generate(PROMPTS[1::2], mixed[1::2]))
+
+
+def test_a_pattern_with_allowed_token_ids_or_bad_words_is_refused():
+    for extra in ({"allowed_token_ids": (5, 6)}, {"bad_words": ("no",)}):
+        with pytest.raises(InvalidRequestError, match="cannot be combined"):
+            SamplingParams(regex="a+", **extra)
+
+
+def test_packed_masks_keep_exactly_their_tokens():
+    rng = np.random.default_rng(0)
+    for vocab, rows in ((13, [0, 2]), (2048, [0, 1, 2, 3]), (1000, [3])):
+        bits = rng.random((len(rows), vocab)) < 0.3
+        logits = torch.randn(4, vocab)
+        want = logits.clone()
+        for i, row in enumerate(rows):
+            want[row, ~torch.from_numpy(bits[i])] = -torch.inf
+        keep_masked_(logits, rows, [np.packbits(b) for b in bits])
+        assert torch.equal(logits, want)
+    # The GPU path's unpacking (a byte's bits from a table) gives numpy's bits.
+    packed = np.packbits(rng.random((3, 21)) < 0.5, axis=1)
+    table_bits = _bit_table(torch.device("cpu"))[torch.from_numpy(packed).long()].reshape(3, -1)
+    assert np.array_equal(table_bits.numpy(), np.unpackbits(packed, axis=1).astype(bool))
