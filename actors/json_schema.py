@@ -7,9 +7,12 @@ cannot count brackets, so this writes the shape out as one, as outlines does:
   others optional; no property the schema does not name (outlines and OpenAI's
   strict mode generate none either). Without `properties`, any JSON object;
 - `array` of `items`, `minItems`/`maxItems`; `string` with `minLength`/`maxLength`,
-  `enum`, `const`, `pattern` (as a Python regex, inside the quotes);
-  `integer`, `number`, `boolean`, `null`; a list of types; `anyOf`/`oneOf`; `$ref`
-  into `$defs`/`definitions` (not recursive);
+  `enum`, `const`, `pattern` (as a Python regex, inside the quotes), `format`
+  (`FORMATS`: date, time, date-time, uuid, ipv4, email); `integer` with `minimum`,
+  `maximum` and their exclusive forms (actors/integer_ranges.py); `number`, with
+  whole bounds from 0 up; `boolean`, `null`; a list of types (each with the keywords
+  that apply to it); `anyOf`/`oneOf`; `$ref` into `$defs`/`definitions` (not
+  recursive);
 - free JSON: `json_object` any object `FREE_DEPTH` levels of objects and arrays
   deep; a value a schema leaves free (`{}`, an object without `properties`, an
   array without `items`) `NESTED_FREE_DEPTH` levels.
@@ -17,16 +20,19 @@ Between tokens at most one space (`[ ]?`): both `json.dumps` separators and the
 compact ones match, and a small model cannot pad the output with whitespace.
 
 A keyword that would constrain the value in a way the expression does not
-(`minimum`, `format`, `patternProperties`, `not`, ...) is refused with its name
-rather than ignored: the output would not be held to it. Annotations (`title`,
-`description`, `default`, `examples`, `$schema`, ...) are ignored.
+(`multipleOf`, `uniqueItems`, `patternProperties`, `not`, another format, ...) is
+refused with its name rather than ignored: the output would not be held to it.
+Annotations (`title`, `description`, `default`, `examples`, `$schema`, ...) are
+ignored.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 
+from actors.integer_ranges import integer_range_regex
 from actors.regex_dfa import RegexError, compile_regex
 
 FREE_DEPTH = 3  # levels of objects and arrays any JSON object (`json_object`) may use
@@ -40,11 +46,23 @@ _NOT_IN_A_STRING = [ord('"'), ord("\\"), *range(0x20)]  # bytes a string's patte
 SCALARS = {"integer": INTEGER, "number": NUMBER, "boolean": "(?:true|false)", "null": "null", "string": STRING}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_BYTE = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+FORMATS = {  # a string's `format`, as the text between its quotes (RFC 3339's date and time; no February check)
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": rf"{_BYTE}(?:\.{_BYTE}){{3}}",
+    "email": r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+",  # the common subset of RFC 5322's addresses
+}
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 KEYWORDS = {
     "object": {"type", "properties", "required", "additionalProperties"},
     "array": {"type", "items", "minItems", "maxItems"},
-    "string": {"type", "minLength", "maxLength", "pattern"},
-    "integer": {"type"}, "number": {"type"}, "boolean": {"type"}, "null": {"type"},
+    "string": {"type", "minLength", "maxLength", "pattern", "format"},
+    "integer": {"type", *BOUNDS}, "number": {"type", *BOUNDS}, "boolean": {"type"}, "null": {"type"},
 }
 
 
@@ -118,10 +136,13 @@ class _Writer:
             else:
                 self._only(schema, set(), where)
                 return free_json_regex(NESTED_FREE_DEPTH, "value")
-        if isinstance(kind, list):
-            if not kind:
-                raise RegexError(f"json_schema: {where}.type must name a type")
-            return "(?:" + "|".join(self.value({**schema, "type": k}, path) for k in kind) + ")"
+        if isinstance(kind, list):  # each type with the keywords that apply to it
+            if not kind or any(k not in KEYWORDS for k in kind):
+                raise RegexError(f"json_schema: {where}.type must list JSON types, got {kind!r}")
+            self._only(schema, set().union(*(KEYWORDS[k] for k in kind)), where)
+            return "(?:" + "|".join(self.value({name: value for name, value in schema.items()
+                                                if name in KEYWORDS[k] or name in ANNOTATIONS} | {"type": k}, path)
+                                    for k in kind) + ")"
         if kind not in KEYWORDS:
             raise RegexError(f"json_schema: {where}.type {kind!r} is not a JSON type")
         self._only(schema, KEYWORDS[kind], where)
@@ -131,7 +152,48 @@ class _Writer:
             return self._array(schema, path)
         if kind == "string":
             return self._string(schema, where)
+        if kind == "integer":
+            return self._integer(schema, where)
+        if kind == "number":
+            return self._number(schema, where)
         return SCALARS[kind]
+
+    def _bounds(self, schema: dict, where: str) -> tuple[float | None, float | None]:
+        """(lowest, highest) allowed: minimum/maximum, or their exclusive forms."""
+        for name in BOUNDS:
+            if name in schema and (isinstance(schema[name], bool) or not isinstance(schema[name], (int, float))):
+                raise RegexError(f"json_schema: {where}.{name} must be a number")
+        if "minimum" in schema and "exclusiveMinimum" in schema or "maximum" in schema and "exclusiveMaximum" in schema:
+            raise RegexError(f"json_schema: {where}: give minimum or exclusiveMinimum (maximum or "
+                             "exclusiveMaximum), not both")
+        return schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum", schema.get("exclusiveMaximum"))
+
+    def _integer(self, schema: dict, where: str) -> str:
+        low, high = self._bounds(schema, where)
+        if low is None and high is None:
+            return INTEGER
+        low = None if low is None else math.floor(low) + 1 if "exclusiveMinimum" in schema else math.ceil(low)
+        high = None if high is None else math.ceil(high) - 1 if "exclusiveMaximum" in schema else math.floor(high)
+        if low is not None and high is not None and low > high:
+            raise RegexError(f"json_schema: {where} allows no integer (minimum above maximum)")
+        return integer_range_regex(low, high)
+
+    def _number(self, schema: dict, where: str) -> str:
+        """Bounded numbers: whole bounds from 0 up only (a price, a score, a rating),
+        written without an exponent: [a, b] as an integer part in [a, b - 1] and
+        any fraction, or b and a fraction of zeros."""
+        low, high = self._bounds(schema, where)
+        if low is None and high is None:
+            return NUMBER
+        if ("exclusiveMinimum" in schema or "exclusiveMaximum" in schema or low is None or low < 0
+                or low != int(low) or high is not None and (high != int(high) or high < low)):
+            raise RegexError(f"json_schema: {where}: a number's bounds are supported as whole minimum (>= 0) and "
+                             "maximum only; exclusive or fractional bounds, or none below, are not")
+        fraction = r"(?:\.[0-9]+)?"
+        if high is None:
+            return integer_range_regex(int(low), None) + fraction
+        below = [integer_range_regex(int(low), int(high) - 1) + fraction] if high > low else []
+        return "(?:" + "|".join(below + [f"{int(high)}(?:\\.0+)?"]) + ")"
 
     def _only(self, schema: dict, allowed: set[str], where: str) -> None:
         unknown = sorted(set(schema) - allowed - ANNOTATIONS)
@@ -176,6 +238,13 @@ class _Writer:
         return _array_of(self.value(items, f"{path}[]"), low, high)
 
     def _string(self, schema: dict, where: str) -> str:
+        if "format" in schema:
+            if {"minLength", "maxLength", "pattern"} & set(schema):
+                raise RegexError(f"json_schema: {where}: format with minLength, maxLength or pattern is not supported")
+            if schema["format"] not in FORMATS:
+                raise RegexError(f"json_schema: {where}.format {schema['format']!r} is not supported (supported: "
+                                 f"{', '.join(FORMATS)})")
+            return f'"{FORMATS[schema["format"]]}"'
         if "pattern" in schema:
             if {"minLength", "maxLength"} & set(schema):
                 raise RegexError(f"json_schema: {where}: pattern with minLength/maxLength is not supported")

@@ -94,7 +94,7 @@ def client(base_url):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "response_format": {"type": "xml"}}, "response_format type 'xml'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
-            "type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 1}}}}, "uses minimum"),
+            "type": "json_schema", "json_schema": {"schema": {"type": "integer", "multipleOf": 2}}}}, "uses multipleOf"),
         ("/v1/completions", {"prompt": "x", "guided_regex": r"(a)\1"}, "backreferences are not supported"),
         ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, "give one way"),
         ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "bad_words": ["no"]}, "cannot be combined"),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from actors.integer_ranges import integer_range_regex
 from actors.json_schema import free_json_regex, schema_regex
 from actors.llm import LLM
 from actors.regex_dfa import RegexError, choice_regex, compile_regex
@@ -113,6 +114,36 @@ def test_a_string_pattern_holds_the_text_between_the_quotes():
     assert dfa.fullmatch('"ABC-12"') and not dfa.fullmatch('"AB-12"') and not dfa.fullmatch("ABC-12")
 
 
+def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
+    rng = random.Random(2)
+    ranges = [(0, 9), (0, None), (1, None), (-5, 5), (None, 0), (None, -3), (-100, -7), (13, 4567), (None, None),
+              (99, 100), (0, 0), (250, 1999)] + [(a, a + rng.randrange(5000)) for a in rng.sample(range(-3000, 3000), 30)]
+    for low, high in ranges:
+        dfa = compile_regex(integer_range_regex(low, high))
+        start, stop = (-6000 if low is None else low - 30), (9000 if high is None else high + 30)
+        for value in range(start, stop, max(1, (stop - start) // 2000)):
+            assert dfa.fullmatch(str(value)) == ((low is None or value >= low) and (high is None or value <= high))
+        assert not any(dfa.fullmatch(text) for text in ("-0", "00", "01", "-01", "", "1.0"))
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "integer", "minimum": 1, "maximum": 5}, ["1", "5", "3"], ["0", "6", "-1", "2.0"]),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10.5}, ["1", "10"], ["0", "11"]),
+    ({"type": "number", "minimum": 0, "maximum": 1}, ["0", "0.25", "1", "1.000"], ["1.5", "-0.1", "2", "1e0"]),
+    ({"type": "number", "minimum": 0}, ["0", "12345.5"], ["-1"]),
+    ({"type": ["integer", "null"], "minimum": 0}, ["null", "7"], ["-7", '"7"']),
+    ({"type": "string", "format": "date"}, ['"2024-02-29"', '"1999-12-31"'], ['"2024-13-01"', '"24-01-01"']),
+    ({"type": "string", "format": "date-time"}, ['"2024-02-29T23:59:59Z"', '"2024-01-01T00:00:00.5+05:30"'],
+     ['"2024-01-01T00:00:00"']),
+    ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
+    ({"type": "string", "format": "ipv4"}, ['"192.168.0.1"', '"0.0.0.0"'], ['"256.1.1.1"', '"1.2.3"']),
+    ({"type": "string", "format": "email"}, ['"a.b+c@ex-ample.co.uk"'], ['"a@b"', '"@b.c"']),
+])
+def test_bounds_formats_and_type_lists(schema, good, bad):
+    dfa = compile_regex(schema_regex(schema))
+    assert [dfa.fullmatch(t) for t in good + bad] == [True] * len(good) + [False] * len(bad)
+
+
 def test_any_json_object_parses():
     dfa, rng = compile_regex(free_json_regex()), random.Random(1)
     assert dfa.fullmatch('{"a": [1, {"b": null}], "c": "d"}') and not dfa.fullmatch("[1]")
@@ -123,11 +154,16 @@ def test_any_json_object_parses():
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "integer", "minimum": 3}, "uses minimum"), ({"type": "strin"}, "not a JSON type"),
+    ({"type": "array", "uniqueItems": True}, "uses uniqueItems"), ({"type": "strin"}, "not a JSON type"),
     ("{", "not valid JSON"), ({"$ref": "#/$defs/X"}, "not a definition"),
     ({"properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"$ref": "#/$defs/A"}}}, "recursive"),
     ({"type": "object", "properties": {}, "required": ["a"]}, "not in properties"),
-    ({"type": "string", "format": "email"}, "uses format"),
+    ({"type": "string", "format": "hostname"}, "format 'hostname' is not supported"),
+    ({"type": "integer", "multipleOf": 2}, "uses multipleOf"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "allows no integer"),
+    ({"type": "number", "minimum": -1}, "a number's bounds"),
+    ({"type": "number", "maximum": 0.5, "minimum": 0}, "a number's bounds"),
+    ({"type": ["integer", "null"], "maxLength": 3}, "uses maxLength"),
     ({"type": "string", "pattern": "^.*$"}, "allows a quote"),  # it would write JSON a parser refuses
 ])
 def test_schemas_it_cannot_hold_an_output_to_are_refused(schema, message):
