@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from actors.bad_words import encode_bad_words
 from actors.config import EngineConfig
 from actors.engine import Engine
+from actors.regex_dfa import compile_regex
 from actors.sampling_params import InvalidRequestError, SamplingParams
 
 VOCAB = 2048  # the tiny preset's
@@ -27,6 +28,7 @@ EDGE_INTS = st.sampled_from([-1, 0, 1, 21, VOCAB, 10**6, 2**64])
 EDGE_IDS = st.lists(st.sampled_from([-1, 0, VOCAB - 1, VOCAB, 10**9]), min_size=1, max_size=3)
 token_ids = st.integers(0, VOCAB - 1)
 WORDS = ["the", " the", "and", "hello", "fox", "quick brown", "\u2603", "a"]
+PATTERNS = [r"\d+", "yes|no", r'\{"a": (true|false)\}', "[\u4e00-\u9fa5 ]{1,8}", "x"]
 # What an odd field may be set to: each field's edges, one field a request.
 ODD = {name: EDGE_FLOATS for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                                         "presence_penalty")}
@@ -61,6 +63,9 @@ def requests(draw):
         bad_words=draw(st.lists(st.sampled_from(WORDS), max_size=3)),
     )
     fields["min_new_tokens"] = min(fields["min_new_tokens"], fields["max_new_tokens"])
+    pattern = draw(st.sampled_from([None, None, None, *PATTERNS]))
+    if pattern is not None:  # (refused beside allowed_token_ids and bad_words, unless the odd field sets one)
+        fields.update(regex=pattern, allowed_token_ids=[], bad_words=[])
     odd = draw(st.one_of(st.none(), st.sampled_from(sorted(ODD))))
     if odd is not None:
         fields[odd] = draw(ODD[odd])
@@ -109,15 +114,16 @@ def test_a_batch_of_hostile_requests_never_fails_a_step(tiny_qwen2_dir):
         overlapped = {request_id: out.token_ids for request_id, out in finished.items()}
         assert {request_id: out.token_ids for request_id, out in _finish(plain).items()} == overlapped
         counts["accepted"] += len(accepted)
+        counts["patterns"] += sum(params.regex is not None for _, params in accepted.values())
         for request_id, (_, params) in accepted.items():
             _holds_to(params, finished[request_id].token_ids, engine)
         for each in (engine, plain):
             each.pool.check()
             assert each.pool.num_used == 0
 
-    counts = {"requests": 0, "accepted": 0}
+    counts = {"requests": 0, "accepted": 0, "patterns": 0}
     check()
-    assert counts["accepted"] >= counts["requests"] / 3, counts
+    assert counts["accepted"] >= counts["requests"] / 3 and counts["patterns"], counts
     assert engine.num_steps_launched_ahead > 0  # the fuzzing reached the steps
 
 
@@ -135,3 +141,8 @@ def _holds_to(params: SamplingParams, tokens: list[int], engine: Engine) -> None
         banned = set(bad.banned(tokens, index) if bad else ()) | (stops if index < params.min_new_tokens else set())
         if allowed - banned:
             assert token in allowed - banned, (index, token)
+    if params.regex is not None:  # every token keeps the output a match's beginning; an end token ends a match
+        dfa, token_bytes = compile_regex(params.regex), engine.byte_level.without_special
+        ended = tokens[-1] in stops
+        state = dfa.walk(1, b"".join(token_bytes[t] for t in (tokens[:-1] if ended else tokens)))
+        assert state and (dfa.accepting[state] or not ended), (params.regex, tokens)
