@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from cluster.output_format import openai_regex
+from cluster.tool_calls import Tool, template_message, tool_regex
 
 
 class ApiError(Exception):
@@ -80,7 +81,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 class _OpenAIBody(RequestBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+        "functions": (None, []), "function_call": (None, "none"),  # (the legacy spelling of tools)
         # vLLM's extensions that change the output
         "guided_grammar": (None,), "use_beam_search": (None, False), "logits_processors": (None, []),
     }
@@ -140,6 +141,10 @@ class _OpenAIBody(RequestBody):
                                            self.structured_outputs)) or (
             self.response_format is not None and self.response_format.get("type") != "text")
 
+    def output_regex(self) -> str | None:
+        """The pattern the body asks its output to match (cluster/output_format.py)."""
+        return openai_regex(self)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -168,12 +173,13 @@ class _OpenAIBody(RequestBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=self.prompt_logprobs,
-            regex=openai_regex(self),
+            regex=self.output_regex(),
         )
 
 
 class CompletionBody(_OpenAIBody):
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, "")}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, ""), "tools": (None, []),
+                                               "tool_choice": (None, "none")}
 
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
     add_special_tokens: bool = True  # extension (vLLM's): a text prompt gets the tokenizer's BOS
@@ -213,6 +219,9 @@ class CompletionBody(_OpenAIBody):
 class ChatMessage(RequestBody):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = ""
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (cluster/tool_calls.py)
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -230,6 +239,15 @@ class ChatMessage(RequestBody):
         if isinstance(self.content, list):
             return "\n".join(part["text"] for part in self.content)  # as vLLM joins a text-only model's parts
         return self.content or ""
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as a chat template takes them (an assistant's earlier calls with
+    their arguments parsed, cluster/tool_calls.py)."""
+    return [template_message({"role": m.role, "content": m.text(),
+                              **{k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
+                                                   ("name", m.name)) if v is not None}})
+            for m in messages]
 
 
 class _ChatTemplateFields(RequestBody):
@@ -258,6 +276,21 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+
+    @property
+    def asks_structure(self) -> bool:
+        return super().asks_structure or (self.tools is not None and self.tool_choice not in (None, "none"))
+
+    def output_regex(self) -> str | None:
+        return openai_regex(self, tool_choice=tool_regex(self.tools, self.tool_choice))
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools for the chat template (none when tool_choice is "none")."""
+        if self.tools is None or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):

@@ -39,11 +39,13 @@ from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
 from cluster import sglang_format as sglang
 from cluster.admission import SloRejected
-from cluster.api_models import ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params
+from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
+                                template_messages)
 from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
+from cluster.tool_calls import StreamedCalls, tool_calls
 from cluster.sglang_body import MANY, ONE, GenerateBody
 
 log = logging.getLogger("tandem.app")
@@ -307,12 +309,14 @@ class Scheduler:
     def _chat_prompt(self, body) -> str:
         """The chat template's text for a body's messages (cluster/api_models.py
         `_ChatTemplateFields`: an assistant turn opened, or the last one continued)."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = template_messages(body.messages)
         if body.continue_final_message and messages[-1]["role"] != "assistant":
             raise ApiError(400, "continue_final_message continues an assistant's message: the last message's role "
                                 f"is {messages[-1]['role']!r}")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      tools=body.template_tools() if isinstance(body, ChatBody)
+                                                      else None,
                                                       add_generation_prompt=body.add_generation_prompt,
                                                       continue_final_message=body.continue_final_message)
         except Exception as exc:  # a template error is the client's messages
@@ -345,7 +349,9 @@ class Scheduler:
                                                body.logprobs))
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
-            return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo))
+            calls = [StreamedCalls.of(body.tools, body.tool_choice) for _ in streams] if chat else None
+            return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo,
+                                                 calls))
         results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
@@ -356,7 +362,8 @@ class Scheduler:
         prompt_logprobs = None if body.prompt_logprobs is None else [
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
-        return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs)
+        calls = [tool_calls(out.text, body.tools, body.tool_choice) for out in results] if chat else None
+        return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls)
 
     async def _start_choices(self, requests: list[tuple], n: int) -> list:
         """`_start` (prompt ids, params, request id) each, request k being a prompt's
@@ -429,9 +436,10 @@ class Scheduler:
     def _sse(self, chunks) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None):
+    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, calls=None):
         """Every choice's events as they come, each chunk naming its choice; `echo[k]`
-        rewrites choice k's first event (see `_echoed`)."""
+        rewrites choice k's first event (see `_echoed`); `calls[k]`, where not None,
+        writes choice k's deltas as tool calls (cluster/tool_calls.py)."""
         num_tokens, cached, first = 0, 0, [True] * len(streams)
         token_chars = [0] * len(streams)  # the length of each choice's token texts so far (its next text_offset)
         async with contextlib.aclosing(merged(streams)) as events:
@@ -444,6 +452,12 @@ class Scheduler:
                 num_tokens += len(event.token_ids)
                 cached = event.num_cached_tokens if index == 0 else cached
                 reason = fmt.finish_reason(event.finish_reason) if event.finished else None
+                delta = None
+                if calls is not None and calls[index] is not None:
+                    delta = calls[index].delta(event.text, event.finished)
+                    if delta is None and not first[index]:
+                        continue
+                    delta = delta or {}
                 if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)
                     if chat:
                         logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs)
@@ -451,7 +465,7 @@ class Scheduler:
                         logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
                         token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
                     yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
-                                                       first[index], index))
+                                                       first[index], index, delta))
                     first[index] = False
         if include_usage:
             yield fmt.sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -84,15 +84,18 @@ def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list:
 
 
 def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: bool,
-                    prompt_logprobs: list | None = None) -> dict:
+                    prompt_logprobs: list | None = None, tool_calls: list | None = None) -> dict:
     """A whole response; `choices`: (text, finish reason, logprobs) each, in index
     order; `prompt_logprobs`: each choice's (`prompt_logprobs`), where vLLM puts them:
-    on each completion choice, once on a chat response (its choices share a prompt)."""
+    on each completion choice, once on a chat response (its choices share a prompt);
+    `tool_calls`: each chat choice's, or None where it answered with text
+    (cluster/tool_calls.py): its message's content is then null, as OpenAI's."""
     created = int(time.time())
     if chat:
+        calls = tool_calls or [None] * len(choices)
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                             "finish_reason": reason, "logprobs": logprobs}
+                "choices": [{"index": i, "message": _message(text, calls[i]), "finish_reason": reason,
+                             "logprobs": logprobs}
                             for i, (text, reason, logprobs) in enumerate(choices)],
                 "usage": usage_dict}
         if prompt_logprobs is not None:
@@ -107,11 +110,19 @@ def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: b
     return body
 
 
+def _message(text: str, tool_calls: list | None) -> dict:
+    if tool_calls is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": None, "tool_calls": tool_calls}
+
+
 def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False,
-                     index: int = 0) -> dict:
+                     index: int = 0, delta: dict | None = None) -> dict:
+    """One streamed event of a choice; `delta`: a chat delta's fields in place of
+    {"content": text} (a tool call's, cluster/tool_calls.py)."""
     created = int(time.time())
     if chat:
-        delta = {"content": text}
+        delta = {"content": text} if delta is None else dict(delta)
         if first:
             delta["role"] = "assistant"
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}

@@ -8,6 +8,8 @@ an output to (`SamplingParams.regex`; actors/structured_output.py).
   `guided_choice` (one of these strings), and their newer spelling
   `structured_outputs` `{"json" | "regex" | "choice" | "json_object": ...}`.
 - SGLang's `sampling_params`: `regex`, `json_schema` (a schema's text).
+- OpenAI's tools with `tool_choice` naming a function or "required"
+  (cluster/tool_calls.py).
 A request may ask in one way only; two are refused rather than one picked.
 A JSON schema becomes a pattern through actors/json_schema.py, which refuses the
 keywords it could not hold an output to. (Grammars, EBNF and tool calls are not
@@ -62,9 +64,10 @@ def structured_outputs_regex(spec: dict | None) -> str | None:
     })
 
 
-def openai_regex(body) -> str | None:
-    """The pattern an OpenAI-style body (cluster/api_models.py) asks for."""
-    return one_pattern({
+def openai_regex(body, **more: str | None) -> str | None:
+    """The pattern an OpenAI-style body (cluster/api_models.py) asks for; `more`:
+    other fields' patterns (a chat's tool_choice, cluster/tool_calls.py)."""
+    return one_pattern({**more,
         "response_format": response_format_regex(body.response_format),
         "guided_json": None if body.guided_json is None else schema_regex(body.guided_json),
         "guided_regex": body.guided_regex,

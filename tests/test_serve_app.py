@@ -341,6 +341,51 @@ def test_structured_output_through_a_prefill_decode_pair(base_url, client):
     assert sglang["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_tool_calls_by_a_named_function_or_required(client):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    named = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, tools=[WEATHER, CLOCK],
+                                           max_tokens=60, temperature=1.0, seed=4,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert named.choices[0].message.content is None and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+    streamed = list(client.chat.completions.create(
+        model="tandem-tiny-qwen2", messages=messages, tools=[WEATHER, CLOCK], max_tokens=60, temperature=1.0,
+        seed=4, stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments  # seeded: the same
+    required = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, tools=[WEATHER, CLOCK],
+                                              max_tokens=150, temperature=1.0, seed=5, tool_choice="required")
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "stop" and calls
+    assert all(c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments), dict)
+               for c in calls)
+    # The next turn: the call and its answer go back into the prompt.
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "12 C"}]
+    answer = client.chat.completions.create(model="tandem-tiny-qwen2", messages=history, tools=[WEATHER],
+                                            tool_choice="none", max_tokens=8)
+    assert answer.choices[0].message.tool_calls is None and answer.usage.completion_tokens >= 1
+
+
+def test_tool_choices_that_cannot_be_served_are_refused(base_url):
+    chat = {"model": "tandem-tiny-qwen2", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+    for extra, message in (({}, "tool_choice 'auto' is not supported"),
+                           ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+                           ({"tool_choice": "required", "guided_regex": "a"}, "give one way")):
+        response = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **extra})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    response = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "tools": [WEATHER]})
+    assert response.status_code == 400 and "tools is not supported" in response.text
+
+
 def test_greedy_over_http_equals_the_offline_engine(base_url, client):
     llm = LLM(ensure_checkpoint("tiny", "qwen2"), **ENGINE)
     prompts = ["The quick brown fox", "Serving models on Ray", "a" * 300, "中文 and émoji 🙂"]

@@ -102,7 +102,12 @@ def client(base_url):
         ("/generate", {"text": "x", "sampling_params": {"regex": "a("}}, "regex is not valid"),
         ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= x"}}, "ebnf is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tool_choice 'auto' is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "name"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+         "tool_choice 'required' needs tools"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "{"}}, "json_schema is not valid JSON"),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search is not supported"),
