@@ -162,6 +162,9 @@ class EngineConfig:
     # prompt and its first token alone, running requests then outgrow the pool and
     # are preempted.
     decode_reserve_tokens: int = 512
+    # Structured output: the text a request's pattern fixes next is appended without
+    # a step sampling it (actors/engine.py `_jump_forward`).
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (16, 32, 64):

@@ -254,7 +254,10 @@ class Engine:
             self.scheduler.publish_full_blocks(request, 0)
         self.requests[request_id] = request
         self.scheduler.add_running(request)
-        self._append_token(request, first_token.token_id, first_token.logprob, time.monotonic())
+        now = time.monotonic()
+        self._append_token(request, first_token.token_id, first_token.logprob, now)
+        if request.constraint is not None:
+            self._jump_forward(request, now)
         if request.is_finished:
             del self.requests[request_id]
         return self._output(request)
@@ -360,10 +363,33 @@ class Engine:
             if request.is_finished:
                 continue
             self._append_token(request, token_ids[row], None if logprobs is None else logprobs[row], now)
+            if request.constraint is not None:
+                self._jump_forward(request, now)
             if request.is_finished:
                 del self.requests[request.request_id]
             outputs.append(self._output(request))
         return exported, outputs
+
+    def _jump_forward(self, request: Request, now: float) -> None:
+        """Append the text a request's pattern fixes next (a JSON key with its quotes
+        and colon, the rest of a choice) as tokens no step samples: the next step
+        computes their KV as one chunk and samples after them, as SGLang's
+        jump-forward decoding does (SGLang re-tokenizes the text joined to the last
+        tokens; here the fixed text is tokenized alone). Off for requests with
+        logprobs (these tokens have none) and where the tokenizer would not give the
+        text's bytes back."""
+        if request.is_finished or not self.config.jump_forward or request.params.logprobs is not None:
+            return
+        text = request.constraint.forced_text(request.output_token_ids)
+        if not text:
+            return
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if b"".join(self.byte_level.without_special[t] for t in ids) != text.encode():
+            return
+        for token_id in ids:
+            self._append_token(request, token_id, None, now)
+            if request.is_finished:
+                return
 
     def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
         params = request.params

@@ -16,8 +16,11 @@ cannot count brackets, so this writes the shape out as one, as outlines does:
 - free JSON: `json_object` any object `FREE_DEPTH` levels of objects and arrays
   deep; a value a schema leaves free (`{}`, an object without `properties`, an
   array without `items`) `NESTED_FREE_DEPTH` levels.
-Between tokens at most one space (`[ ]?`): both `json.dumps` separators and the
-compact ones match, and a small model cannot pad the output with whitespace.
+The text is laid out as `json.dumps` writes it: `", "` and `": "` between items,
+nothing inside the brackets. One layout, not any whitespace (outlines' `[ ]?`,
+xgrammar's any): a small model cannot pad the output with spaces, and the keys with
+their quotes, colons and commas are then text nothing else could be, which
+jump-forward writes without a model step (actors/structured_output.py).
 
 A keyword that would constrain the value in a way the expression does not
 (`multipleOf`, `uniqueItems`, `patternProperties`, `not`, another format, ...) is
@@ -37,7 +40,7 @@ from actors.regex_dfa import RegexError, compile_regex
 
 FREE_DEPTH = 3  # levels of objects and arrays any JSON object (`json_object`) may use
 NESTED_FREE_DEPTH = 2  # and a value a schema leaves free (each copy costs automaton states)
-SPACE = "[ ]?"
+COMMA, COLON = ", ", ": "  # json.dumps' separators, exactly
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 STRING = f'"{STRING_CHAR}*"'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
@@ -225,10 +228,10 @@ class _Writer:
         missing = required - set(properties)
         if missing:
             raise RegexError(f"json_schema: required properties {sorted(missing)} are not in properties")
-        members = [(f'"{re.escape(json.dumps(name, ensure_ascii=False)[1:-1])}"{SPACE}:{SPACE}'
+        members = [(f'"{re.escape(json.dumps(name, ensure_ascii=False)[1:-1])}"{COLON}'
                     f"{self.value(sub, f'{path}.{name}')}", name in required)
                    for name, sub in properties.items()]
-        return "\\{" + SPACE + _members(members) + SPACE + "\\}"
+        return "\\{" + _members(members) + "\\}"
 
     def _array(self, schema: dict, path: str) -> str:
         low, high = schema.get("minItems", 0), schema.get("maxItems")
@@ -269,10 +272,9 @@ def _members(members: list[tuple[str, bool]]) -> str:
     """Object members in order, the required ones present, the others optional,
     commas between: an alternative for each member that may come first (those
     before the first required one, and it), followed by the rest in order."""
-    comma = f"{SPACE},{SPACE}"
     firsts = []
     for i, (member, is_required) in enumerate(members):
-        rest = "".join(f"{comma}{m}" if r else f"(?:{comma}{m})?" for m, r in members[i + 1:])
+        rest = "".join(f"{COMMA}{m}" if r else f"(?:{COMMA}{m})?" for m, r in members[i + 1:])
         firsts.append(member + rest)
         if is_required:
             break
@@ -284,14 +286,13 @@ def _members(members: list[tuple[str, bool]]) -> str:
 
 def _object_of(value: str) -> str:
     """Any object whose members' values match `value`."""
-    member = f"{STRING}{SPACE}:{SPACE}{value}"
-    return f"\\{{{SPACE}(?:{member}(?:{SPACE},{SPACE}{member})*)?{SPACE}\\}}"
+    member = f"{STRING}{COLON}{value}"
+    return f"\\{{(?:{member}(?:{COMMA}{member})*)?\\}}"
 
 
 def _array_of(item: str, low: int, high: int | None) -> str:
-    comma = f"{SPACE},{SPACE}"
     if high == 0:
-        return f"\\[{SPACE}\\]"
-    rest = f"(?:{comma}{item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
+        return "\\[\\]"
+    rest = f"(?:{COMMA}{item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
     body = f"{item}{rest}"
-    return f"\\[{SPACE}{body if low else f'(?:{body})?'}{SPACE}\\]"
+    return f"\\[{body if low else f'(?:{body})?'}\\]"

@@ -41,6 +41,7 @@ from actors.sampling_params import InvalidRequestError
 
 MAX_PATTERNS = 16  # a worker keeps the indexes of its latest patterns,
 MAX_MASKS = 1024  # each up to this many states' masks (16 MB at 152k tokens; then it starts afresh)
+MAX_FORCED_BYTES = 256  # text jump-forward writes at once, at most
 
 
 class VocabularyBytes:
@@ -79,6 +80,7 @@ class TokenIndex:
         self.dfa = dfa
         self.vocabulary = vocabulary
         self._masks: dict[int, np.ndarray] = {}
+        self._forced: dict[int, bytes] = {}
 
     def continuing(self, state: int) -> np.ndarray:
         """The packed mask of the tokens after which the output can still match."""
@@ -94,6 +96,33 @@ class TokenIndex:
                 self._masks.clear()
             mask = self._masks[state] = np.packbits(bits)
         return mask
+
+
+    def forced(self, state: int) -> bytes:
+        """The bytes that must follow `state` whatever is drawn: while a state does
+        not accept and one byte alone leads on (cut to whole UTF-8 characters)."""
+        forced = self._forced.get(state)
+        if forced is None:
+            data, transitions, accepting = bytearray(), self.dfa.transitions, self.dfa.accepting
+            current = state
+            while not accepting[current] and len(data) < MAX_FORCED_BYTES:
+                (following,) = np.nonzero(transitions[current])
+                if len(following) != 1:
+                    break
+                data.append(int(following[0]))
+                current = int(transitions[current, following[0]])
+            forced = self._forced[state] = _whole_characters(bytes(data))
+        return forced
+
+
+def _whole_characters(data: bytes) -> bytes:
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            data[:cut].decode()
+            return data[:cut]
+        except UnicodeDecodeError:
+            continue
+    return b""
 
 
 class OutputConstraint:
@@ -120,6 +149,10 @@ class OutputConstraint:
         state = self._walk(output_ids, num_output)
         continuing = self.index.continuing(state)
         return continuing | self.end_mask if self.index.dfa.accepting[state] else continuing
+
+    def forced_text(self, output_ids: list[int]) -> str:
+        """The text the pattern fixes after the output (jump-forward; "" if none)."""
+        return self.index.forced(self._walk(output_ids, len(output_ids))).decode()
 
     def is_complete(self, output_ids: list[int]) -> bool:
         """Whether the output matches and nothing may follow."""

@@ -278,13 +278,14 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def asks_structure(self) -> bool:
         return super().asks_structure or (self.tools is not None and self.tool_choice not in (None, "none"))
 
     def output_regex(self) -> str | None:
-        return openai_regex(self, tool_choice=tool_regex(self.tools, self.tool_choice))
+        return openai_regex(self, tool_choice=tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls))
 
     def template_tools(self) -> list[dict] | None:
         """The tools for the chat template (none when tool_choice is "none")."""

@@ -77,6 +77,7 @@ class EngineSettings(_Strict):
     cuda_graphs: bool = True
     overlap_decode: bool | None = None  # None: on CUDA only
     decode_reserve_tokens: int = Field(512, ge=0)  # room a decode worker keeps for each request's next tokens
+    jump_forward: bool = True  # structured output: fixed text appended without sampling (actors/engine.py)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump())

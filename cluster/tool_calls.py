@@ -6,6 +6,7 @@ these two, with any model), and the answer comes back as `message.tool_calls`.
   `parameters` schema (an object with no properties when it has none);
 - `"required"`: a JSON array of one or more `{"name": ..., "parameters": ...}`,
   each item one of the tools with its own schema (vLLM's shape); each item a call;
+  one only under `parallel_tool_calls: false`;
 - `"none"`: the tools are left out of the prompt and the answer is text;
 - `"auto"` (OpenAI's default when tools are given) needs the model's own tool-call
   format parsed out of free text (Hermes' `<tool_call>` tags for Qwen2.5, others
@@ -70,8 +71,10 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
     return chosen
 
 
-def tool_regex(tools: list[Tool] | None, tool_choice) -> str | None:
-    """The pattern the answer is held to, or None (no tools, or tool_choice "none")."""
+def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> str | None:
+    """The pattern the answer is held to, or None (no tools, or tool_choice "none");
+    `parallel` (OpenAI's parallel_tool_calls): a "required" answer may hold several
+    calls, else one."""
     if tools is not None and tool_choice is None:
         tool_choice = "auto"  # OpenAI's default with tools
     named = named_choice(tools, tool_choice)
@@ -82,7 +85,7 @@ def tool_regex(tools: list[Tool] | None, tool_choice) -> str | None:
     calls = [{"type": "object", "required": ["name", "parameters"], "properties": {
         "name": {"const": tool.function.name}, "parameters": tool.function.parameters or NO_PARAMETERS}}
         for tool in tools]
-    return schema_regex({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    return schema_regex({"type": "array", "minItems": 1, "maxItems": None if parallel else 1, "items": {"anyOf": calls}})
 
 
 def tool_calls(text: str, tools: list[Tool] | None, tool_choice) -> list[dict] | None:
