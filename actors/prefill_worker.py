@@ -222,10 +222,10 @@ class PrefillWorker(WorkerBase):
         pair = await self._pair_for(reservation, decode_handle, channel)
         job = _Job(request, reservation, pair, self.aio.create_future(), next_block=reservation.num_cached_blocks)
         self._jobs[request.request_id] = job
-        params = prefill_params(request.params)
 
         try:
-            await self.prepare_pattern(request)
+            await self.prepare_pattern(request)  # before the params are made again: they compile their pattern
+            params = prefill_params(request.params)
             held = await self.import_prefix(request)
 
             def add(engine: Engine) -> None:

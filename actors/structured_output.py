@@ -28,6 +28,10 @@ refused beside a pattern (each could ban every token it allows).
 
 A constrained row's next mask depends on the token just drawn, so a step holding
 one is read before the next step is launched (no overlapped decode for it).
+
+Where a state leaves a single byte, and the next one too, up to a state that
+accepts or branches, that text is fixed (`TokenIndex.forced`): the engine writes it
+without a step (jump-forward, actors/engine.py `_jump_forward`).
 """
 
 from __future__ import annotations
@@ -97,7 +101,6 @@ class TokenIndex:
             mask = self._masks[state] = np.packbits(bits)
         return mask
 
-
     def forced(self, state: int) -> bytes:
         """The bytes that must follow `state` whatever is drawn: while a state does
         not accept and one byte alone leads on (cut to whole UTF-8 characters)."""
@@ -116,6 +119,7 @@ class TokenIndex:
 
 
 def _whole_characters(data: bytes) -> bytes:
+    """`data` up to its last whole UTF-8 character (b"" if it starts inside one)."""
     for cut in range(len(data), max(len(data) - 4, -1), -1):
         try:
             data[:cut].decode()

@@ -51,6 +51,9 @@ def completion_body(prompt: list[int], fields: dict) -> dict:
                                                    "presence_penalty", "bad_words")})
     if fields["allowed_token_ids"]:
         body["allowed_token_ids"] = fields["allowed_token_ids"]
+    if fields.get("regex") is not None:  # structured output, in vLLM's name; with logprobs asked for, no
+        body["guided_regex"] = fields["regex"]  # jump-forward: the answer's tokens then differ (README)
+        body["logprobs"] = fields["logprobs"]
     return body
 
 
