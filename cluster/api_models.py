@@ -276,20 +276,20 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None  # (an empty list: none)
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool = True
 
     @property
     def asks_structure(self) -> bool:
-        return super().asks_structure or (self.tools is not None and self.tool_choice not in (None, "none"))
+        return super().asks_structure or (bool(self.tools) and self.tool_choice not in (None, "none"))
 
     def output_regex(self) -> str | None:
         return openai_regex(self, tool_choice=tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls))
 
     def template_tools(self) -> list[dict] | None:
         """The tools for the chat template (none when tool_choice is "none")."""
-        if self.tools is None or self.tool_choice == "none":
+        if not self.tools or self.tool_choice == "none":
             return None
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 

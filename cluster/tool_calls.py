@@ -75,7 +75,7 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> 
     """The pattern the answer is held to, or None (no tools, or tool_choice "none");
     `parallel` (OpenAI's parallel_tool_calls): a "required" answer may hold several
     calls, else one."""
-    if tools is not None and tool_choice is None:
+    if tools and tool_choice is None:
         tool_choice = "auto"  # OpenAI's default with tools
     named = named_choice(tools, tool_choice)
     if named is not None:

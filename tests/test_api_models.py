@@ -7,7 +7,9 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+from actors.regex_dfa import compile_regex
 from actors.sampling_defaults import SamplingDefaults
+from actors.sampling_params import InvalidRequestError
 from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody
 from cluster.sglang_body import GenerateBody
 
@@ -78,3 +80,19 @@ def test_the_seeds_flat_body_takes_every_sampling_field():
     flat_n = GenerateBody(text=["x", "y"], n=2, sampling_params=[{"n": 1}, {"n": 3}])  # flat n wins for every prompt
     assert flat_n.num_choices == 2 and flat_n.answers_a_list
 
+
+
+def test_tools_ask_for_a_pattern_only_when_a_call_is_required_or_named():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}, "required": ["x"]}}}
+    assert ChatBody(messages=MESSAGES, tools=[]).output_regex() is None  # no tools: a text answer
+    assert ChatBody(messages=MESSAGES, tools=[tool], tool_choice="none").output_regex() is None
+    assert ChatBody(messages=MESSAGES, tools=[tool], tool_choice="none").template_tools() is None
+    named = ChatBody(messages=MESSAGES, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert named.asks_structure and compile_regex(named.output_regex()).fullmatch('{"x": 12}')
+    one = ChatBody(messages=MESSAGES, tools=[tool], tool_choice="required", parallel_tool_calls=False)
+    dfa = compile_regex(one.output_regex())
+    assert dfa.fullmatch('[{"name": "f", "parameters": {"x": 1}}]')
+    assert not dfa.fullmatch('[{"name": "f", "parameters": {"x": 1}}, {"name": "f", "parameters": {"x": 2}}]')
+    with pytest.raises(InvalidRequestError, match="'auto' is not supported"):
+        ChatBody(messages=MESSAGES, tools=[tool]).output_regex()  # OpenAI's default with tools
