@@ -164,12 +164,14 @@ class _Writer:
     def _bounds(self, schema: dict, where: str) -> tuple[float | None, float | None]:
         """(lowest, highest) allowed: minimum/maximum, or their exclusive forms."""
         for name in BOUNDS:
-            if name in schema and (isinstance(schema[name], bool) or not isinstance(schema[name], (int, float))):
-                raise RegexError(f"json_schema: {where}.{name} must be a number")
+            value = schema.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RegexError(f"json_schema: {where}.{name} must be a finite number")
         if "minimum" in schema and "exclusiveMinimum" in schema or "maximum" in schema and "exclusiveMaximum" in schema:
             raise RegexError(f"json_schema: {where}: give minimum or exclusiveMinimum (maximum or "
                              "exclusiveMaximum), not both")
-        return schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum", schema.get("exclusiveMaximum"))
+        return (schema.get("minimum", schema.get("exclusiveMinimum")),
+                schema.get("maximum", schema.get("exclusiveMaximum")))
 
     def _integer(self, schema: dict, where: str) -> str:
         low, high = self._bounds(schema, where)

@@ -58,13 +58,13 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
     if tool_choice == "auto":
         if not tools:
             return None  # nothing to call: a text answer
-        raise InvalidRequestError("tool_choice 'auto' is not supported: Tandem does not parse a model's own tool-call format; "
-                         "name a function (tool_choice {\"type\": \"function\", \"function\": {\"name\": ...}}) or "
-                         "ask for 'required'")
+        raise InvalidRequestError(
+            "tool_choice 'auto' is not supported: Tandem does not parse a model's own tool-call format; name a "
+            'function (tool_choice {"type": "function", "function": {"name": ...}}) or ask for \'required\'')
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str):
-        raise InvalidRequestError("tool_choice must be 'none', 'required' or {\"type\": \"function\", \"function\": "
-                         "{\"name\": ...}}")
+        raise InvalidRequestError(
+            'tool_choice must be \'none\', \'required\' or {"type": "function", "function": {"name": ...}}')
     chosen = next((tool.function for tool in tools or () if tool.function.name == name), None)
     if chosen is None:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
@@ -85,7 +85,8 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> 
     calls = [{"type": "object", "required": ["name", "parameters"], "properties": {
         "name": {"const": tool.function.name}, "parameters": tool.function.parameters or NO_PARAMETERS}}
         for tool in tools]
-    return schema_regex({"type": "array", "minItems": 1, "maxItems": None if parallel else 1, "items": {"anyOf": calls}})
+    return schema_regex({"type": "array", "minItems": 1, "maxItems": None if parallel else 1,
+                         "items": {"anyOf": calls}})
 
 
 def tool_calls(text: str, tools: list[Tool] | None, tool_choice) -> list[dict] | None:
