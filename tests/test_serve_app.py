@@ -8,9 +8,11 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import ray
 
@@ -339,6 +341,22 @@ def test_structured_output_through_a_prefill_decode_pair(base_url, client):
         "max_new_tokens": 20, "regex": r"20\d\d-(0[1-9]|1[0-2])-[0-3]\d"}}).json()
     assert re.fullmatch(r"20\d\d-(0[1-9]|1[0-2])-[0-3]\d", sglang["text"])
     assert sglang["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=30)
+    kind: Literal["cat", "dog"]
+    nick: str | None = pydantic.Field(None, max_length=6)  # (bounded: the answer ends within max_tokens)
+
+
+def test_the_openai_clients_parse_gets_its_pydantic_model(client):
+    """`client.chat.completions.parse(response_format=Model)`: the client sends the
+    model's strict JSON schema ($defs, anyOf with null, bounds) and parses the answer."""
+    parsed = client.chat.completions.parse(model="tandem-tiny-qwen2", messages=[{"role": "user", "content": "A pet"}],
+                                           response_format=Pet, max_tokens=120, temperature=1.0, seed=2)
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet) and 0 <= pet.age <= 30 and len(pet.name) <= 8
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
