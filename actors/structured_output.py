@@ -1,7 +1,7 @@
 """Structured output: a request's tokens held to a regular expression, token by token.
 
-A request with `params.regex` (set from SGLang's `regex`, vLLM's `guided_regex` or
-`guided_choice`, cluster/api_models.py) draws each token from those whose bytes keep
+A request with `params.regex` (set from the APIs' ways of asking: a regex, a choice,
+a JSON schema, a tool call; cluster/output_format.py) draws each token from those whose bytes keep
 the output a prefix of some match of the pattern (actors/regex_dfa.py: a DFA over
 bytes). What each DFA state allows is found by walking every token of the
 vocabulary through the DFA at once (numpy, the tokens sorted longest first so each
@@ -27,7 +27,8 @@ it, so a draw always has a token to take. `allowed_token_ids` and `bad_words` ar
 refused beside a pattern (each could ban every token it allows).
 
 A constrained row's next mask depends on the token just drawn, so a step holding
-one is read before the next step is launched (no overlapped decode for it).
+one is read before the next step is launched (no overlapped decode for the batch
+while it runs).
 
 Where a state leaves a single byte, and the next one too, up to a state that
 accepts or branches, that text is fixed (`TokenIndex.forced`): the engine writes it
