@@ -254,10 +254,7 @@ class Engine:
             self.scheduler.publish_full_blocks(request, 0)
         self.requests[request_id] = request
         self.scheduler.add_running(request)
-        now = time.monotonic()
-        self._append_token(request, first_token.token_id, first_token.logprob, now)
-        if request.constraint is not None:
-            self._jump_forward(request, now)
+        self._take_drawn(request, first_token.token_id, first_token.logprob, time.monotonic())
         if request.is_finished:
             del self.requests[request_id]
         return self._output(request)
@@ -362,13 +359,17 @@ class Engine:
         for row, request in enumerate(step.launched.requests):
             if request.is_finished:
                 continue
-            self._append_token(request, token_ids[row], None if logprobs is None else logprobs[row], now)
-            if request.constraint is not None:
-                self._jump_forward(request, now)
+            self._take_drawn(request, token_ids[row], None if logprobs is None else logprobs[row], now)
             if request.is_finished:
                 del self.requests[request.request_id]
             outputs.append(self._output(request))
         return exported, outputs
+
+    def _take_drawn(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
+        """A drawn token (this engine's, or P's first), then the text its pattern fixes after it."""
+        self._append_token(request, token_id, logprob, now)
+        if request.constraint is not None:
+            self._jump_forward(request, now)
 
     def _jump_forward(self, request: Request, now: float) -> None:
         """Append the text a request's pattern fixes next (a JSON key with its quotes

@@ -236,9 +236,7 @@ class _Writer:
         return "\\{" + _members(members) + "\\}"
 
     def _array(self, schema: dict, path: str) -> str:
-        low, high = schema.get("minItems", 0), schema.get("maxItems")
-        if not isinstance(low, int) or low < 0 or high is not None and (not isinstance(high, int) or high < low):
-            raise RegexError(f"json_schema: {path or 'the schema'} has bad minItems/maxItems")
+        low, high = _count_bounds(schema, "minItems", "maxItems", path or "the schema")
         items = schema.get("items", True)
         return _array_of(self.value(items, f"{path}[]"), low, high)
 
@@ -262,12 +260,18 @@ class _Writer:
                 raise RegexError(f"json_schema: {where}.pattern allows a quote, a backslash or a control "
                                  "character, which a JSON string must escape")
             return f'"(?:{pattern})"'
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if not isinstance(low, int) or low < 0 or high is not None and (not isinstance(high, int) or high < low):
-            raise RegexError(f"json_schema: {where} has bad minLength/maxLength")
+        low, high = _count_bounds(schema, "minLength", "maxLength", where)
         if (low, high) == (0, None):
             return STRING
         return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+
+
+def _count_bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:
+    """(at least, at most) of a count a schema bounds (items, characters)."""
+    low, high = schema.get(low_name, 0), schema.get(high_name)
+    if not isinstance(low, int) or low < 0 or high is not None and (not isinstance(high, int) or high < low):
+        raise RegexError(f"json_schema: {where} has bad {low_name}/{high_name}")
+    return low, high
 
 
 def _members(members: list[tuple[str, bool]]) -> str:

@@ -292,9 +292,9 @@ class ModelRunner:
         scores = logits.clone(memory_format=torch.contiguous_format)
         keep_only_(scores, rows, [step.requests[row].logit_rules.allowed_ids for row in rows])
         constrained = [row for row in rows if step.requests[row].constraint is not None]
-        keep_masked_(scores, constrained, [step.requests[row].constraint.mask(step.requests[row].output_token_ids,
-                                                                              token_indexes[row])
-                                           for row in constrained])
+        masks = [step.requests[row].constraint.mask(step.requests[row].output_token_ids, token_indexes[row])
+                 for row in constrained]
+        keep_masked_(scores, constrained, masks)
         additions = []
         for row in rows:
             request = step.requests[row]

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
-from cluster.output_format import openai_regex
+from cluster.output_format import openai_asks, openai_regex
 from cluster.tool_calls import Tool, template_message, tool_regex
 
 
@@ -137,9 +137,7 @@ class _OpenAIBody(RequestBody):
     @property
     def asks_structure(self) -> bool:
         """Whether the output is to follow a pattern (whose automaton `sampling` compiles)."""
-        return any(v is not None for v in (self.guided_json, self.guided_regex, self.guided_choice,
-                                           self.structured_outputs)) or (
-            self.response_format is not None and self.response_format.get("type") != "text")
+        return bool(openai_asks(self))
 
     def output_regex(self) -> str | None:
         """The pattern the body asks its output to match (cluster/output_format.py)."""

@@ -64,16 +64,29 @@ def structured_outputs_regex(spec: dict | None) -> str | None:
     })
 
 
+# An OpenAI-style body's fields that ask for a pattern, each with what makes it one.
+OPENAI_FIELDS = {
+    "response_format": response_format_regex,
+    "guided_json": schema_regex,
+    "guided_regex": lambda pattern: pattern,
+    "guided_choice": choice_regex,
+    "structured_outputs": structured_outputs_regex,
+}
+
+
+def openai_asks(body) -> dict[str, object]:
+    """The fields of an OpenAI-style body (cluster/api_models.py) that ask for a
+    pattern, as given (nothing compiled: cheap)."""
+    asked = {name: getattr(body, name) for name in OPENAI_FIELDS if getattr(body, name) is not None}
+    if (asked.get("response_format") or {}).get("type") == "text":
+        del asked["response_format"]
+    return asked
+
+
 def openai_regex(body, **more: str | None) -> str | None:
-    """The pattern an OpenAI-style body (cluster/api_models.py) asks for; `more`:
-    other fields' patterns (a chat's tool_choice, cluster/tool_calls.py)."""
-    return one_pattern({**more,
-        "response_format": response_format_regex(body.response_format),
-        "guided_json": None if body.guided_json is None else schema_regex(body.guided_json),
-        "guided_regex": body.guided_regex,
-        "guided_choice": None if body.guided_choice is None else choice_regex(body.guided_choice),
-        "structured_outputs": structured_outputs_regex(body.structured_outputs),
-    })
+    """The pattern an OpenAI-style body asks for; `more`: other fields' patterns (a
+    chat's tool_choice, cluster/tool_calls.py)."""
+    return one_pattern({**more, **{name: OPENAI_FIELDS[name](value) for name, value in openai_asks(body).items()}})
 
 
 def sglang_regex(params) -> str | None:
