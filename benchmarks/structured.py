@@ -3,7 +3,8 @@
 Three parts, each timed side by side in one process:
 - `compile`: a pattern's DFA from its text (actors/regex_dfa.py; the ingress, P and
   D each do it once a pattern, then it is cached), for a regex, a choice among 100
-  strings, a JSON schema and any JSON object (`response_format: json_object`);
+  strings, a JSON schema and any JSON object (`response_format: json_object`), and
+  for patterns at the automaton's bound and past it (refused: how soon);
 - `masks`: the tokens a DFA state allows, walked over the whole vocabulary the
   first time a request reaches the state, then read from the cache; for the tiny
   preset's tokenizer and for a vocabulary of Qwen2's size (151,643 byte strings,
@@ -62,16 +63,27 @@ def _patterns() -> dict[str, str]:
             "any JSON object": free_json_regex()}
 
 
-def _compile_s(pattern: str, repeats: int) -> tuple[float, int]:
-    from actors.regex_dfa import compile_regex
+# Patterns at and past the automaton's bound (actors/regex_dfa.py MAX_STATES): how long
+# the largest takes, and how soon one too large is refused.
+LIMIT_PATTERNS = {"[a-z]{0,4900} (4902 states)": "[a-z]{0,4900}", "(.{0,40}x){0,40} (refused)": "(.{0,40}x){0,40}",
+                  "[\\s\\S]{2000} (refused)": "[\\s\\S]{2000}"}
 
-    times = []
+
+def _compile_s(pattern: str, repeats: int) -> tuple[float, int | str]:
+    """Median seconds to compile (the cache cleared each time), and the DFA's states
+    or "refused"."""
+    from actors.regex_dfa import RegexError, compile_regex
+
+    times, states = [], "refused"
     for _ in range(repeats):
         compile_regex.cache_clear()
         started = time.perf_counter()
-        dfa = compile_regex(pattern)
+        try:
+            states = len(compile_regex(pattern).transitions)
+        except RegexError:
+            pass
         times.append(time.perf_counter() - started)
-    return report.median(times), len(dfa.transitions)
+    return report.median(times), states
 
 
 def _qwen_sized_vocabulary() -> list[bytes]:
@@ -101,14 +113,17 @@ def _mask_ms(token_bytes: list[bytes], pattern: str, text: bytes) -> tuple[float
     return result[0], result[1]
 
 
+def _prompts(batch: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2000) for _ in range(32)] for _ in range(batch)]
+
+
 def _decode_s(llm, pattern: str | None, args, seed: int) -> float:
     from actors.sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.tokens, temperature=0.8, seed=seed, ignore_eos=True, regex=pattern)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 2000) for _ in range(32)] for _ in range(args.batch)]
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(_prompts(args.batch, seed), params)
     elapsed = time.perf_counter() - started
     return elapsed / sum(len(o.token_ids) for o in outputs)
 
@@ -126,11 +141,10 @@ def _jump_forward(args) -> dict[str, dict[str, list[float]]]:
     results = {name: {"s": [], "steps": [], "tokens": []} for name in engines}
     for repeat in range(args.repeats):
         for name in (list(engines) if repeat % 2 == 0 else list(reversed(engines))):
-            llm, rng = engines[name], random.Random(repeat)
-            prompts = [[rng.randrange(3, 2000) for _ in range(32)] for _ in range(args.batch)]
+            llm = engines[name]
             steps = llm.engine.num_steps
             started = time.perf_counter()
-            outputs = llm.generate(prompts, SamplingParams(max_new_tokens=200, temperature=0.8, seed=repeat,
+            outputs = llm.generate(_prompts(args.batch, repeat), SamplingParams(max_new_tokens=200, temperature=0.8, seed=repeat,
                                                            regex=pattern))
             results[name]["s"].append(time.perf_counter() - started)
             results[name]["steps"].append(llm.engine.num_steps - steps)
@@ -146,7 +160,8 @@ def main(args: argparse.Namespace) -> None:
     from actors.model_builder import ensure_checkpoint
 
     torch.set_num_threads(1)
-    compiled = {name: _compile_s(pattern, args.repeats) for name, pattern in _patterns().items()}
+    compiled = {name: _compile_s(pattern, args.repeats)
+                for name, pattern in {**_patterns(), **LIMIT_PATTERNS}.items()}
     report.print_table("Compiling a pattern (median)", ["pattern", "ms", "DFA states"],
                        [[name, s * 1e3, states] for name, (s, states) in compiled.items()])
 
@@ -175,7 +190,7 @@ def main(args: argparse.Namespace) -> None:
                        ["jump-forward", "s for the batch", "engine steps", "tokens an answer"],
                        [[name, report.median(r["s"]), report.median(r["steps"]), report.median(r["tokens"])]
                         for name, r in jumps.items()])
-    slowest = max(s for s, _ in compiled.values())
+    slowest = max(s for s, _ in compiled.values())  # the limit patterns included
     json_ratio = report.median(times["JSON lines"]) / base
     jump_ratio = report.median(jumps["on"]["s"]) / report.median(jumps["off"]["s"])
     report.finish(
