@@ -43,9 +43,40 @@ SPLIT_PATTERN = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
+# ChatML, with tools the way Qwen2.5 writes them (Hermes' format): the tools in a
+# system turn, an assistant's calls as `<tool_call>` blocks, the tools' answers as
+# `<tool_response>` blocks in a user turn. Messages without tools render as plain
+# ChatML. cluster/hermes_calls.py reads the calls back out of an answer.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call the functions described in JSON within <tools></tools>:\n<tools>")
+TOOLS_INSTRUCTIONS = (
+    "\n</tools>\n\nTo call one, write a JSON object with its name and arguments within <tool_call></tool_call> "
+    'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>')
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '" + TOOLS_PREAMBLE.replace("\n", "\\n") + "' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '" + TOOLS_INSTRUCTIONS.replace("\n", "\\n") + "' + '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

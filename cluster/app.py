@@ -45,7 +45,7 @@ from cluster.config import AppSettings
 from cluster.pool_manager import get_or_create_pool
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
-from cluster.tool_calls import StreamedCalls, tool_calls
+from cluster.tool_calls import StreamedCalls, chat_answer
 from cluster.sglang_body import MANY, ONE, GenerateBody
 
 log = logging.getLogger("tandem.app")
@@ -349,20 +349,26 @@ class Scheduler:
                                                body.logprobs))
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
-            calls = [StreamedCalls.of(body.tools, body.tool_choice) for _ in streams] if chat else None
+            calls = [StreamedCalls.of(body.tools, body.tool_choice, body.parallel_tool_calls) for _ in streams] \
+                if chat else None
             return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo,
                                                  calls))
         results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
-        choices = [(out.text, fmt.finish_reason(out.finish_reason), as_logprobs(self.tokenizer, out.logprobs))
-                   for out in results]
+        texts, reasons = [out.text for out in results], [fmt.finish_reason(out.finish_reason) for out in results]
+        calls = None
+        if chat:  # a message's text and calls (cluster/tool_calls.py)
+            answers = [chat_answer(text, reason, body.tools, body.tool_choice, body.parallel_tool_calls)
+                       for text, reason in zip(texts, reasons)]
+            texts, calls, reasons = zip(*answers)
+        choices = [(text, reason, as_logprobs(self.tokenizer, out.logprobs))
+                   for text, reason, out in zip(texts, reasons, results)]
         usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), results[0].num_cached_tokens)
         prompt_logprobs = None if body.prompt_logprobs is None else [
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
-        calls = [tool_calls(out.text, body.tools, body.tool_choice) for out in results] if chat else None
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls)
 
     async def _start_choices(self, requests: list[tuple], n: int) -> list:
@@ -454,7 +460,7 @@ class Scheduler:
                 reason = fmt.finish_reason(event.finish_reason) if event.finished else None
                 delta = None
                 if calls is not None and calls[index] is not None:
-                    delta = calls[index].delta(event.text, event.finished)
+                    delta, reason = calls[index].delta(event.text, event.finished), calls[index].finish_reason(reason)
                     if delta is None and not first[index]:
                         continue
                     delta = delta or {}

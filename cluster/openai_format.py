@@ -89,7 +89,8 @@ def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: b
     order; `prompt_logprobs`: each choice's (`prompt_logprobs`), where vLLM puts them:
     on each completion choice, once on a chat response (its choices share a prompt);
     `tool_calls`: each chat choice's, or None where it answered with text
-    (cluster/tool_calls.py): its message's content is then null, as OpenAI's."""
+    (cluster/tool_calls.py); a chat choice's text is its message's content (null
+    beside calls, or the text around them)."""
     created = int(time.time())
     if chat:
         calls = tool_calls or [None] * len(choices)
@@ -110,10 +111,10 @@ def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: b
     return body
 
 
-def _message(text: str, tool_calls: list | None) -> dict:
+def _message(text: str | None, tool_calls: list | None) -> dict:
     if tool_calls is None:
         return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    return {"role": "assistant", "content": text, "tool_calls": tool_calls}
 
 
 def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False,

@@ -1,36 +1,40 @@
-"""OpenAI's tool calls, by structured output: `tool_choice` naming a function, or
-`"required"`, holds the answer to the tools' parameter schemas (as vLLM does for
-these two, with any model), and the answer comes back as `message.tool_calls`.
+"""OpenAI's tool calls. `tool_choice` naming a function, or `"required"`, holds the
+answer to the tools' parameter schemas by structured output (as vLLM does for
+these two, with any model); `"auto"` (OpenAI's default when tools are given) lets
+the model choose, and its answer is parsed for calls in its own format
+(cluster/hermes_calls.py). Either way the calls come back as `message.tool_calls`.
 
 - a named function: the output is its arguments, a JSON object of its
   `parameters` schema (an object with no properties when it has none);
 - `"required"`: a JSON array of one or more `{"name": ..., "parameters": ...}`,
   each item one of the tools with its own schema (vLLM's shape); each item a call;
   one only under `parallel_tool_calls: false`;
-- `"none"`: the tools are left out of the prompt and the answer is text;
-- `"auto"` (OpenAI's default when tools are given) needs the model's own tool-call
-  format parsed out of free text (Hermes' `<tool_call>` tags for Qwen2.5, others
-  for Llama or Mistral), which Tandem does not do: refused, saying what to ask
-  instead (vLLM refuses it too unless started with a parser).
+- `"auto"`: free text, in which each `<tool_call>` block naming one of the tools
+  is a call (Hermes' format: Qwen2.5's, and the built-in presets' template tells
+  the model so); the rest is the message's `content`. Models of other formats
+  (Llama 3.1's, Mistral's) are not parsed: their calls stay text;
+- `"none"`: the tools are left out of the prompt and the answer is text.
 The tools go to the chat template (`tools`), which renders them where it knows how
-(Qwen2.5's does; the built-in presets' template ignores them). Earlier turns'
-calls (`assistant` messages' `tool_calls`, with their arguments as the JSON text
-OpenAI sends) reach the template with the arguments parsed, as templates expect.
-The finish reason stays the output's (`stop`, or `length` when cut), as vLLM
-answers a call it forced; a cut "required" answer that is no longer JSON comes
-back as text.
+(Qwen2.5's and the built-in presets' do). Earlier turns' calls (`assistant`
+messages' `tool_calls`, with their arguments as the JSON text OpenAI sends) reach
+the template with the arguments parsed, as templates expect. The finish reason
+stays the output's (`stop`, or `length` when cut), as vLLM answers a call it
+forced, except that an "auto" answer that called a tool ends with `tool_calls`,
+as OpenAI's does; a cut "required" answer that is no longer JSON comes back as
+text.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.json_schema import schema_regex
 from actors.sampling_params import InvalidRequestError
+from cluster import hermes_calls
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -56,15 +60,11 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
             raise InvalidRequestError("tool_choice 'required' needs tools")
         return None
     if tool_choice == "auto":
-        if not tools:
-            return None  # nothing to call: a text answer
-        raise InvalidRequestError(
-            "tool_choice 'auto' is not supported: Tandem does not parse a model's own tool-call format; name a "
-            'function (tool_choice {"type": "function", "function": {"name": ...}}) or ask for \'required\'')
+        return None  # the model's choice, parsed after (cluster/hermes_calls.py)
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if not isinstance(name, str):
         raise InvalidRequestError(
-            'tool_choice must be \'none\', \'required\' or {"type": "function", "function": {"name": ...}}')
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}')
     chosen = next((tool.function for tool in tools or () if tool.function.name == name), None)
     if chosen is None:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
@@ -75,9 +75,7 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> 
     """The pattern the answer is held to, or None (no tools, or tool_choice "none");
     `parallel` (OpenAI's parallel_tool_calls): a "required" answer may hold several
     calls, else one."""
-    if tools and tool_choice is None:
-        tool_choice = "auto"  # OpenAI's default with tools
-    named = named_choice(tools, tool_choice)
+    named = named_choice(tools, _effective(tools, tool_choice))
     if named is not None:
         return schema_regex(named.parameters or NO_PARAMETERS)
     if tool_choice != "required":
@@ -89,21 +87,45 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> 
                          "items": {"anyOf": calls}})
 
 
-def tool_calls(text: str, tools: list[Tool] | None, tool_choice) -> list[dict] | None:
-    """The answer as OpenAI's `tool_calls`, or None when it is text (no call asked
-    for, or a "required" answer cut before its JSON closed)."""
-    if not tools:
-        return None
-    named = named_choice(tools, tool_choice)
+class ChatAnswer(NamedTuple):
+    content: str | None  # the message's text (null beside calls, as OpenAI's)
+    calls: list[dict] | None  # OpenAI's `tool_calls`, or None when the answer is text
+    finish_reason: str | None
+
+
+def chat_answer(text: str, finish_reason: str | None, tools: list[Tool] | None, tool_choice,
+                parallel: bool = True) -> ChatAnswer:
+    """A chat choice's output as its message: text, or calls (a "required" answer
+    cut before its JSON closed is text)."""
+    tool_choice = _effective(tools, tool_choice)
+    if tool_choice == "auto":
+        parsed = hermes_calls.parse(text, tool_names(tools), parallel)
+        calls = [call(name, arguments) for name, arguments in parsed.calls] or None
+        return ChatAnswer(parsed.content, calls, _auto_reason(finish_reason, calls))
+    named = named_choice(tools, tool_choice) if tools else None
     if named is not None:
-        return [call(named.name, text)]
-    if tool_choice != "required":
-        return None
+        return ChatAnswer(None, [call(named.name, text)], finish_reason)
+    if not tools or tool_choice != "required":
+        return ChatAnswer(text, None, finish_reason)
     try:
         items = json.loads(text)
     except ValueError:
-        return None
-    return [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+        return ChatAnswer(text, None, finish_reason)
+    return ChatAnswer(None, [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                             for item in items], finish_reason)
+
+
+def tool_names(tools: list[Tool] | None) -> set[str]:
+    return {tool.function.name for tool in tools or ()}
+
+
+def _effective(tools: list[Tool] | None, tool_choice):
+    """The tool choice asked for: OpenAI's default is "auto" when tools are given."""
+    return "auto" if tools and tool_choice is None else tool_choice
+
+
+def _auto_reason(finish_reason: str | None, calls) -> str | None:
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 def call(name: str, arguments: str) -> dict:
@@ -129,26 +151,33 @@ def template_message(message: dict) -> dict:
 
 
 class StreamedCalls:
-    """A streamed chat choice's deltas when its answer is tool calls: a named
+    """A streamed chat choice's deltas when its answer may be tool calls: a named
     function's arguments stream as they come (the first delta names the call, as
     OpenAI's do); a "required" answer is whole only at its end (a JSON array of
-    calls), so its calls come in the last delta, or its text if it was cut."""
+    calls), so its calls come in the last delta, or its text if it was cut; an
+    "auto" answer's text streams as it comes and each call whole when the model
+    closes its block (cluster/hermes_calls.py)."""
 
-    def __init__(self, tools: list[Tool] | None, tool_choice) -> None:
-        self.tools, self.tool_choice = tools, tool_choice
+    def __init__(self, tools: list[Tool], tool_choice, parallel: bool = True) -> None:
+        self.tools, self.tool_choice, self.parallel = tools, tool_choice, parallel
         self.named = named_choice(tools, tool_choice)
         self.pieces: list[str] = []
         self.started = False
+        self.auto = hermes_calls.HermesStream(tool_names(tools), parallel) if tool_choice == "auto" else None
+        self.num_calls = 0
 
     @classmethod
-    def of(cls, tools: list[Tool] | None, tool_choice) -> StreamedCalls | None:
+    def of(cls, tools: list[Tool] | None, tool_choice, parallel: bool = True) -> StreamedCalls | None:
         """None when the answer is text."""
-        if not tools or tool_choice in (None, "none", "auto"):
+        tool_choice = _effective(tools, tool_choice)
+        if not tools or tool_choice == "none":
             return None
-        return cls(tools, tool_choice)
+        return cls(tools, tool_choice, parallel)
 
     def delta(self, text: str, finished: bool) -> dict | None:
         """The delta's fields for this event (None: nothing to send yet)."""
+        if self.auto is not None:
+            return self._auto_delta(self.auto.feed(text) + (self.auto.finish() if finished else []))
         if self.named is not None:
             if not self.started:
                 self.started = True
@@ -157,8 +186,23 @@ class StreamedCalls:
         self.pieces.append(text)
         if not finished:
             return None
-        whole = "".join(self.pieces)
-        calls = tool_calls(whole, self.tools, self.tool_choice)
-        if calls is None:
-            return {"content": whole}
-        return {"tool_calls": [{"index": i, **each} for i, each in enumerate(calls)]}
+        answer = chat_answer("".join(self.pieces), None, self.tools, self.tool_choice, self.parallel)
+        if answer.calls is None:
+            return {"content": answer.content}
+        return {"tool_calls": [{"index": i, **each} for i, each in enumerate(answer.calls)]}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The choice's finish reason, given its output's."""
+        return _auto_reason(reason, self.num_calls) if self.auto is not None else reason
+
+    def _auto_delta(self, pieces: list) -> dict:
+        delta: dict = {}
+        text = "".join(piece for piece in pieces if isinstance(piece, str))
+        if text:
+            delta["content"] = text
+        calls = [piece for piece in pieces if isinstance(piece, tuple)]
+        if calls:
+            delta["tool_calls"] = [{"index": self.num_calls + i, **call(name, arguments)}
+                                   for i, (name, arguments) in enumerate(calls)]
+            self.num_calls += len(calls)
+        return delta

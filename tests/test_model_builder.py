@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from actors.model_builder import PRESETS, build_checkpoint, ensure_checkpoint, num_parameters
+from cluster import hermes_calls
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -120,6 +121,32 @@ def test_chat_template_is_chatml(tiny_dirs):
                     "<|im_start|>user\nGrüß dich 👋<|im_end|>\n<|im_start|>assistant\n")
     ids = tokenizer(text).input_ids
     assert ids.count(1) == 3 and ids.count(2) == 2 and tokenizer.decode(ids) == text
+
+
+def test_chat_template_writes_tools_calls_and_answers_in_hermes_format(tiny_dirs):
+    """Tools in a system turn, an assistant's calls as `<tool_call>` blocks (which
+    cluster/hermes_calls.py reads back as the same calls), tools' answers grouped
+    in one user turn."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["qwen2"])
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    calls = [{"id": "a", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "CET"}}},
+             {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "a", "content": "9:00"},
+                {"role": "tool", "tool_call_id": "b", "content": "8:00"}]
+    text = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False, add_generation_prompt=True)
+    system, user, assistant, answers, opened = text.split("<|im_end|>\n")
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and json.dumps(tool) in system
+    assert user == "<|im_start|>user\nTime?" and opened == "<|im_start|>assistant\n"
+    assert hermes_calls.parse(assistant.removeprefix("<|im_start|>assistant\n"), {"get_time"}) == (
+        None, [("get_time", '{"zone": "CET"}'), ("get_time", '{"zone": "UTC"}')])
+    assert answers == ("<|im_start|>user\n<tool_response>\n9:00\n</tool_response>"
+                       "\n<tool_response>\n8:00\n</tool_response>")
+    no_tools = tokenizer.apply_chat_template(messages[:2], tokenize=False)
+    assert no_tools == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTime?<|im_end|>\n"
 
 
 def test_sharded_build_matches_single_file(tmp_path, tiny_dirs):

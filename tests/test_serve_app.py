@@ -395,10 +395,37 @@ def test_tool_calls_by_a_named_function_or_required(client):
     assert answer.choices[0].message.tool_calls is None and answer.usage.completion_tokens >= 1
 
 
+def test_tool_calls_the_model_chooses_under_auto(client):
+    """tool_choice "auto" (OpenAI's default with tools): the model's own
+    `<tool_call>` blocks are its calls, the rest its text. A random model does not
+    write one by itself, so the answer is held by a pattern (vLLM's guided_regex)
+    to a sentence and a block; the parse is then checked whole and streamed."""
+    pattern = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "[A-Z][a-z]{1,8}", "unit": "celsius"\}\}\n</tool_call>')
+    ask = {"model": "tandem-tiny-qwen2", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+           "tools": [WEATHER, CLOCK], "max_tokens": 200, "temperature": 1.0, "seed": 8,
+           "extra_body": {"guided_regex": pattern}}
+    whole = client.chat.completions.create(**ask).choices[0]
+    [call] = whole.message.tool_calls
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert re.fullmatch("[A-Z][a-z]{1,8}", json.loads(call.function.arguments)["city"])
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    assert [(d.function.name, d.function.arguments) for each in deltas for d in each.tool_calls or ()] == [
+        (call.function.name, call.function.arguments)]  # seeded: the same call
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Free to choose, this model writes text: it comes back as text, the tools in its prompt.
+    free = client.chat.completions.create(**{**ask, "extra_body": {}, "max_tokens": 12})
+    bare = client.chat.completions.create(**{**ask, "extra_body": {}, "max_tokens": 1, "tools": None})
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+    assert free.choices[0].finish_reason == "length" and free.usage.prompt_tokens > bare.usage.prompt_tokens + 50
+
+
 def test_tool_choices_that_cannot_be_served_are_refused(base_url):
     chat = {"model": "tandem-tiny-qwen2", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
-    for extra, message in (({}, "tool_choice 'auto' is not supported"),
-                           ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    for extra, message in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
                            ({"tool_choice": "required", "guided_regex": "a"}, "give one way")):
         response = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **extra})
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text

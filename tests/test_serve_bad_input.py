@@ -101,9 +101,8 @@ def client(base_url):
         ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= x"}}, "grammar not supported"),
         ("/generate", {"text": "x", "sampling_params": {"regex": "a("}}, "regex is not valid"),
         ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= x"}}, "ebnf is not supported"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tool_choice 'auto' is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"},
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice must be"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
             {"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "name"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},

@@ -1,0 +1,117 @@
+"""Tool calls a model writes in its own words, Hermes' format (Qwen2.5's, and the
+built-in presets' chat template's, actors/tokenizer_builder.py): each call a JSON
+object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`
+tags, anywhere in the answer, any number of them. This is what `tool_choice:
+"auto"` (OpenAI's default with tools) answers from: the model chooses between text
+and calls, and the answer is split after the fact, as vLLM's `hermes` parser does.
+
+- A block becomes a call when its JSON is an object naming one of the request's
+  tools, with an object (or no) `arguments` (and, under `parallel_tool_calls:
+  false`, when no call came before it); any other block, and a block left
+  open when the answer ends (cut by `max_tokens`), stays in the text, as written,
+  so nothing the model wrote is lost and no client is handed a call to a function
+  it does not have.
+- The text is the answer outside the call blocks with the whitespace at its two
+  ends removed; null when nothing is left (OpenAI's `content` beside calls).
+- Streamed (`HermesStream`), text goes out as it comes, less a tail that could be
+  the start of a tag (and the whitespace that might end up at the text's end),
+  and each call goes out whole, in one delta, when its block closes: the deltas
+  put together are the same text and calls as the whole answer's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesAnswer(NamedTuple):
+    content: str | None
+    calls: list[tuple[str, str]]  # (name, arguments as JSON text) each, in order
+
+
+def parse(text: str, tool_names: set[str], parallel: bool = True) -> HermesAnswer:
+    """A whole answer's text and calls (`parallel`: more than one may be made)."""
+    stream = HermesStream(tool_names, parallel)
+    pieces = stream.feed(text) + stream.finish()
+    content = "".join(piece for piece in pieces if isinstance(piece, str))
+    return HermesAnswer(content or None, [piece for piece in pieces if isinstance(piece, tuple)])
+
+
+def block_call(body: str, tool_names: set[str]) -> tuple[str, str] | None:
+    """The call a block's body holds, or None when it is not one of the tools'."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in tool_names:
+        return None
+    arguments = value.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class HermesStream:
+    """An answer split as it streams: `feed` each new piece of text, `finish` at
+    the end; each returns what may go out now, in order: text (str) and calls
+    ((name, arguments) tuples)."""
+
+    def __init__(self, tool_names: set[str], parallel: bool = True) -> None:
+        self.tool_names, self.parallel = tool_names, parallel
+        self.num_calls = 0
+        self.pending = ""  # text not yet given out (outside a block, or a block's body)
+        self.in_block = False
+        self.started = False  # whether any text has gone out (leading whitespace is dropped)
+        self.space = ""  # whitespace held back: it goes out only if more text follows
+
+    def feed(self, text: str) -> list:
+        self.pending += text
+        out: list = []
+        while True:
+            if self.in_block:
+                end = self.pending.find(CLOSE)
+                if end < 0:
+                    return out
+                body, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
+                self.in_block = False
+                called = block_call(body, self.tool_names) if self.parallel or not self.num_calls else None
+                self.num_calls += called is not None
+                out += [called] if called else self._text(OPEN + body + CLOSE)
+                continue
+            start = self.pending.find(OPEN)
+            if start < 0:
+                keep = _tag_start(self.pending)
+                out += self._text(self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                return out
+            out += self._text(self.pending[:start])
+            self.pending, self.in_block = self.pending[start + len(OPEN):], True
+
+    def finish(self) -> list:
+        """The rest: a block left open, or a tag's start, is text after all."""
+        rest = (OPEN if self.in_block else "") + self.pending
+        self.pending, self.in_block = "", False
+        return self._text(rest)
+
+    def _text(self, text: str) -> list:
+        """Text to give out, less the whitespace at the answer's two ends."""
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self.space += text
+            return []
+        out, self.space = self.space + body, text[len(body):]
+        self.started = True
+        return [out]
+
+
+def _tag_start(text: str) -> int:
+    """The length of the longest end of `text` that `OPEN` starts with."""
+    for size in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-size:]):
+            return size
+    return 0

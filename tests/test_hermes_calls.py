@@ -1,0 +1,98 @@
+"""Tool calls read out of a model's answer in Hermes' format (cluster/hermes_calls.py),
+whole and streamed, and the chat choice's message they make (cluster/tool_calls.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cluster.hermes_calls import CLOSE, OPEN, HermesStream, parse
+from cluster.tool_calls import StreamedCalls, Tool, chat_answer
+
+NAMES = {"get_weather", "get_time"}
+
+
+def block(name: str, arguments: dict | None = None, **extra) -> str:
+    value = {"name": name, **({} if arguments is None else {"arguments": arguments}), **extra}
+    return f"{OPEN}\n{json.dumps(value)}\n{CLOSE}"
+
+
+def test_blocks_naming_a_tool_are_calls_and_the_rest_is_text():
+    text = f"Let me look.\n{block('get_weather', {'city': 'Zürich'})}\n{block('get_time')}\n"
+    assert parse(text, NAMES) == ("Let me look.", [("get_weather", '{"city": "Zürich"}'), ("get_time", "{}")])
+    assert parse(block("get_time", {}), NAMES) == (None, [("get_time", "{}")])  # nothing else: null content
+    assert parse("  just text \n", NAMES) == ("just text", [])
+    assert parse("", NAMES) == (None, [])
+
+
+@pytest.mark.parametrize("bad", [
+    block("rm_rf", {}),  # not one of the tools
+    block("get_time", arguments="now"),  # arguments not an object
+    f"{OPEN}\n{{\"name\": \"get_time\", \"arguments\": {{}}\n{CLOSE}",  # JSON not closed
+    f"{OPEN}\n[\"get_time\"]\n{CLOSE}",  # not an object
+    f"{OPEN}\n{{\"name\": \"get_time\"",  # the block never closed (cut by max_tokens)
+    "<tool_ca",  # a tag's start at the end
+    f"{CLOSE} stray",
+])
+def test_a_block_that_is_not_a_call_stays_in_the_text_as_written(bad):
+    assert parse(f"Before {bad}", NAMES) == (f"Before {bad}".strip(), [])
+    assert parse(f"{block('get_time')} {bad}", NAMES) == (bad.strip(), [("get_time", "{}")])
+
+
+def test_without_parallel_calls_only_the_first_block_is_a_call():
+    text = f"{block('get_time')}\n{block('get_weather', {'city': 'Oslo'})}"
+    assert parse(text, NAMES, parallel=False) == (block("get_weather", {"city": "Oslo"}), [("get_time", "{}")])
+
+
+def _streamed(pieces: list[str], parallel: bool = True) -> tuple:
+    stream = HermesStream(NAMES, parallel)
+    out = [each for piece in pieces for each in stream.feed(piece)] + stream.finish()
+    return "".join(each for each in out if isinstance(each, str)) or None, [e for e in out if isinstance(e, tuple)]
+
+
+def test_streamed_in_any_pieces_the_answer_is_the_same_as_whole():
+    """Random answers of text, calls, bad blocks and partial tags, cut at random
+    places (single characters too): the pieces together parse as the whole does."""
+    rng = random.Random(7)
+    parts = [" ", "\n", "ok", "<", "<tool", "</tool_call>", "<tool_call>", "tool_call>", block("get_time"),
+             block("get_weather", {"city": "Nice"}), block("nope", {}), f"{OPEN}{{bad}}{CLOSE}", "é 👋"]
+    for _ in range(400):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for parallel in (True, False):
+            assert _streamed(pieces, parallel) == tuple(parse(text, NAMES, parallel)), (pieces, parallel)
+        assert _streamed(list(text)) == tuple(parse(text, NAMES))
+
+
+def test_text_streams_before_the_call_block_closes():
+    stream = HermesStream(NAMES)
+    assert stream.feed("Checking the weather") == ["Checking the weather"]
+    assert stream.feed(" now.\n<tool") == [" now."]  # the tag's start and the line break held back
+    assert stream.feed('_call>\n{"name": "get_time", "arguments": {}}') == []
+    assert stream.feed("\n</tool_call>") == [("get_time", "{}")]
+    assert stream.finish() == []
+
+
+TOOLS = [Tool.model_validate({"type": "function", "function": {"name": name}}) for name in sorted(NAMES)]
+
+
+def test_an_auto_answer_that_calls_ends_with_tool_calls():
+    answer = chat_answer(f"Sure. {block('get_time')}", "stop", TOOLS, None)  # no tool_choice: "auto"
+    assert answer.content == "Sure." and answer.finish_reason == "tool_calls"
+    assert [c["function"] for c in answer.calls] == [{"name": "get_time", "arguments": "{}"}]
+    assert chat_answer("Sure.", "stop", TOOLS, "auto") == ("Sure.", None, "stop")
+    assert chat_answer(f"{block('get_time')} and", "length", TOOLS, "auto").finish_reason == "length"
+    assert chat_answer(block("get_time"), "stop", TOOLS, "none") == (block("get_time"), None, "stop")
+
+
+def test_streamed_auto_deltas_number_their_calls():
+    calls = StreamedCalls.of(TOOLS, "auto")
+    deltas = [calls.delta(piece, False) for piece in ("Hi ", block("get_time"), block("get_weather", {}), " ")]
+    deltas.append(calls.delta("", True))
+    assert deltas[0] == {"content": "Hi"} and deltas[-1] == {}
+    assert [(d["tool_calls"][0]["index"], d["tool_calls"][0]["function"]["name"]) for d in deltas[1:3]] == [
+        (0, "get_time"), (1, "get_weather")]
+    assert calls.finish_reason("stop") == "tool_calls" and StreamedCalls.of(TOOLS, "none") is None
