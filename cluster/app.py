@@ -8,7 +8,8 @@ Endpoints: POST /generate (SGLang-style), POST /v1/completions, POST
 (200 only when both pools are ready), GET /metrics (Prometheus text), and the
 OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
 "code"}}; 400 for bad input, 401 for a missing or wrong API key, 413 for an
-oversized body, 429 with Retry-After for an early SLO rejection, 503 while not ready.
+oversized body, 429 with Retry-After for an early SLO rejection, 503 while not ready
+(cluster/ingress_guard.py).
 """
 
 
@@ -20,96 +21,33 @@ import logging
 import time
 import uuid
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 import ray
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.background import background_task
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
-from actors.messages import error_message
 from actors.request import TokenLogprob
 from actors.sampling_defaults import SamplingDefaults
-from actors.sampling_params import InvalidRequestError
 from actors.startup_heap import freeze_startup_heap
 from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
 from cluster import sglang_format as sglang
-from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
 from cluster.config import AppSettings
+from cluster.ingress_guard import install_guard
 from cluster.pool_manager import get_or_create_pool
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
+from cluster.sglang_body import GenerateBody
 from cluster.tool_calls import StreamedCalls, chat_answer
-from cluster.sglang_body import MANY, ONE, GenerateBody
 
 log = logging.getLogger("tandem.app")
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-@app.exception_handler(ApiError)
-async def _api_error(_: Request, exc: ApiError):
-    return _error(exc)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError):
-    content_type = request.headers.get("content-type", "")
-    return _error(ApiError(400, "; ".join(_problem(e, content_type) for e in exc.errors()) or "invalid request body"))
-
-
-def _problem(error: dict, content_type: str = "") -> str:
-    """One pydantic error as `field: message` (the body's own checks: the message)."""
-    if error["type"] == "json_invalid":
-        reason = error.get("ctx", {}).get("error", "")
-        return f"the body is not valid JSON: {reason} (at character {error['loc'][-1]})"
-    if error["type"] == "model_attributes_type" and tuple(error["loc"]) == ("body",):
-        if isinstance(error.get("input"), bytes):  # FastAPI reads a body not said to be JSON as bytes
-            return f"the body must be a JSON object sent as application/json, not {content_type or 'untyped'}"
-        return f"the body must be a JSON object, not {_json_kind(error.get('input'))}"
-    where = ".".join(str(p) for p in error["loc"] if p not in ("body", ONE, MANY))
-    message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
-    return f"{where}: {message}" if where else message
-
-
-def _json_kind(value) -> str:
-    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
-            type(None): "null"}.get(type(value), "that")
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException):
-    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    return _error(ApiError(exc.status_code, str(exc.detail), kind=kind, headers=exc.headers))
-
-
-@app.exception_handler(InvalidRequestError)
-async def _invalid_request(_: Request, exc: InvalidRequestError):
-    return _error(ApiError(400, error_message(exc)))  # a worker's refusal: its message, not its traceback
-
-
-@app.exception_handler(SloRejected)
-async def _slo_rejected(_: Request, exc: SloRejected):
-    return _error(ApiError(
-        429, str(exc), kind="slo_rejection", headers={"Retry-After": str(exc.retry_after_s)},
-        predicted_ttft_ms=round(exc.best.ttft_s * 1e3, 1), target_ttft_ms=round(exc.ttft_slo_s * 1e3, 1),
-        predicted_tbt_ms=round(exc.best.tbt_s * 1e3, 1), target_tbt_ms=round(exc.tbt_slo_s * 1e3, 1),
-    ))
-
-
-@app.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception):
-    log.exception("unhandled error")
-    return _error(ApiError(500, f"internal error: {type(exc).__name__}", kind="internal_error"))
+install_guard(app)  # the API key, the body size limit, errors as JSON (cluster/ingress_guard.py)
 
 
 async def _sampling(body, *args):
@@ -119,65 +57,6 @@ async def _sampling(body, *args):
     if body.asks_structure:
         return await asyncio.to_thread(body.sampling, *args)
     return body.sampling(*args)
-
-
-class RequestGuard:
-    """API key (every endpoint but /health) and the request body size limit, as
-    plain ASGI middleware: Starlette's `@app.middleware("http")` wraps every
-    request and response in extra tasks and streams, about a millisecond each.
-
-    It also turns Serve's way of saying the client left into ASGI's: once the
-    proxy has cancelled a request, the replica's `receive()` raises
-    `TaskCancelledError` instead of answering `http.disconnect`, and a streaming
-    response listening for the disconnect let it escape as an unhandled error (a
-    traceback in the log for about a third of the streams a client closed)."""
-
-    def __init__(self, asgi_app) -> None:
-        self.app = asgi_app
-
-    async def __call__(self, scope, receive, send) -> None:
-        receive = functools.partial(_receive_or_disconnect, receive)
-        settings: AppSettings | None = getattr(scope.get("app", app).state, "settings", None)
-        if scope["type"] != "http" or settings is None:
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        key = settings.resolved_api_key
-        route = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
-        if key and route != "/health" and headers.get("authorization", "") != f"Bearer {key}":
-            error = ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                             kind="authentication_error")
-            return await _error(error)(scope, receive, send)
-        limit = settings.limits.max_body_bytes
-        too_large = _error(ApiError(413, f"request body over {limit} bytes", kind="request_too_large"))
-        length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return await too_large(scope, receive, send)
-        if scope["method"] == "POST" and length is None:  # chunked: read it all, then replay
-            messages, size = [], 0
-            while True:
-                message = await receive()
-                messages.append(message)
-                size += len(message.get("body", b""))
-                if size > limit:
-                    return await too_large(scope, receive, send)
-                if message["type"] != "http.request" or not message.get("more_body", False):
-                    break
-
-            async def replay():
-                return messages.pop(0) if messages else await receive()
-
-            return await self.app(scope, replay, send)
-        return await self.app(scope, receive, send)
-
-
-async def _receive_or_disconnect(receive):
-    try:
-        return await receive()
-    except ray.exceptions.TaskCancelledError:
-        return {"type": "http.disconnect"}
-
-
-app.add_middleware(RequestGuard)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
