@@ -3,8 +3,9 @@
 Three parts, each timed side by side in one process:
 - `compile`: a pattern's DFA from its text (actors/regex_dfa.py; the ingress, P and
   D each do it once a pattern, then it is cached), for a regex, a choice among 100
-  strings, a JSON schema and any JSON object (`response_format: json_object`), and
-  for patterns at the automaton's bound and past it (refused: how soon);
+  strings, a JSON schema, any JSON object (`response_format: json_object`) and an
+  answer that may call two strict tools (`tool_choice: "auto"`), and for patterns
+  at the automaton's bound and past it (refused: how soon);
 - `masks`: the tokens a DFA state allows, walked over the whole vocabulary the
   first time a request reaches the state, then read from the cache; for the tiny
   preset's tokenizer and for a vocabulary of Qwen2's size (151,643 byte strings,
@@ -60,7 +61,21 @@ def _patterns() -> dict[str, str]:
     return {"regex (a phone number)": r"\(\d{3}\) \d{3}-\d{4}",
             "choice of 100 strings": choice_regex([f"option {i}" for i in range(100)]),
             "JSON schema (4 properties)": schema_regex(schema),
-            "any JSON object": free_json_regex()}
+            "any JSON object": free_json_regex(),
+            "auto answer, 2 strict tools": _strict_tools_regex()}
+
+
+def _strict_tools_regex() -> str:
+    """An answer of text and calls of two strict tools (tool_choice "auto":
+    cluster/hermes_calls.py held_regex)."""
+    from cluster.tool_calls import Tool, tool_regex
+
+    weather = {"type": "object", "required": ["city", "unit"], "additionalProperties": False, "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+    tools = [Tool.model_validate({"type": "function", "function": {"name": name, "parameters": parameters,
+                                                                  "strict": True}})
+             for name, parameters in (("get_weather", weather), ("get_time", None))]
+    return tool_regex(tools, "auto")
 
 
 # Patterns at and past the automaton's bound (actors/regex_dfa.py MAX_STATES): how long
@@ -144,8 +159,8 @@ def _jump_forward(args) -> dict[str, dict[str, list[float]]]:
             llm = engines[name]
             steps = llm.engine.num_steps
             started = time.perf_counter()
-            outputs = llm.generate(_prompts(args.batch, repeat), SamplingParams(max_new_tokens=200, temperature=0.8, seed=repeat,
-                                                           regex=pattern))
+            params = SamplingParams(max_new_tokens=200, temperature=0.8, seed=repeat, regex=pattern)
+            outputs = llm.generate(_prompts(args.batch, repeat), params)
             results[name]["s"].append(time.perf_counter() - started)
             results[name]["steps"].append(llm.engine.num_steps - steps)
             results[name]["tokens"].append(sum(len(o.token_ids) for o in outputs) / len(outputs))

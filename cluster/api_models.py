@@ -280,7 +280,16 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
 
     @property
     def asks_structure(self) -> bool:
-        return super().asks_structure or (bool(self.tools) and self.tool_choice not in (None, "none"))
+        return super().asks_structure or (bool(self.tools) and self.tool_choice != "none")
+
+    @field_validator("tools")
+    @classmethod
+    def _names_once(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in tools or ()]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"each tool needs its own name: {', '.join(twice)} named twice")
+        return tools
 
     def output_regex(self) -> str | None:
         return openai_regex(self, tool_choice=tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls))

@@ -17,11 +17,18 @@ and calls, and the answer is split after the fact, as vLLM's `hermes` parser doe
   the start of a tag (and the whitespace that might end up at the text's end),
   and each call goes out whole, in one delta, when its block closes: the deltas
   put together are the same text and calls as the whole answer's.
+- Held (`held_regex`, for tools marked `strict`, OpenAI's promise that a call's
+  arguments match its schema): the answer is text in which a `<tool_call>` tag
+  opens only a block laid out as the template writes one, naming one of the
+  tools, its arguments held to that tool's pattern (xgrammar's structural tags
+  do the like for vLLM and SGLang). The model still chooses text or calls; a
+  call it starts is then a valid one, and the parse above reads it back.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import NamedTuple
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -115,3 +122,29 @@ def _tag_start(text: str) -> int:
         if OPEN.startswith(text[-size:]):
             return size
     return 0
+
+
+def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
+    """The pattern of an answer whose calls name the tools in `arguments` (a name:
+    the pattern of its arguments, a JSON object), laid out as the chat template
+    writes a call; one call at most unless `parallel`."""
+    block = "|".join(re.escape(f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ') + f"(?:{pattern})"
+                     + re.escape(f"}}\n{CLOSE}") for name, pattern in arguments.items())
+    return f"{TEXT}(?:(?:{block}){TEXT}){'*' if parallel else '?'}"
+
+
+def _text_regex(tag: str) -> str:
+    """Any text in which `tag` does not occur (its first character must not occur
+    again in it, as `<` does not in `<tool_call>`): runs of other characters, each
+    run after a `<` not starting with the rest of the tag."""
+    assert tag[0] not in tag[1:]
+    first = re.escape(tag[0])
+    rest = ""  # text of no tag[0] that does not start with tag[k:], built from the last k down
+    for k in range(len(tag) - 1, 0, -1):
+        char = re.escape(tag[k])
+        taken = f"|{char}{rest}" if k < len(tag) - 1 else ""  # the tag's last character would close it
+        rest = f"(?:[^{first}{char}][^{first}]*{taken})?"
+    return f"[^{first}]*(?:{first}{rest})*"
+
+
+TEXT = _text_regex(OPEN)

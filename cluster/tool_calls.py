@@ -12,7 +12,11 @@ the model choose, and its answer is parsed for calls in its own format
 - `"auto"`: free text, in which each `<tool_call>` block naming one of the tools
   is a call (Hermes' format: Qwen2.5's, and the built-in presets' template tells
   the model so); the rest is the message's `content`. Models of other formats
-  (Llama 3.1's, Mistral's) are not parsed: their calls stay text;
+  (Llama 3.1's, Mistral's) are not parsed: their calls stay text. When a tool is
+  `strict` (OpenAI's promise that arguments match the schema; the OpenAI Agents
+  SDK and `openai.pydantic_function_tool` set it), the answer is held so that any
+  call the model starts is a well-formed one of the tools, arguments of its
+  schema (every tool's then);
 - `"none"`: the tools are left out of the prompt and the answer is text.
 The tools go to the chat template (`tools`), which renders them where it knows how
 (Qwen2.5's and the built-in presets' do). Earlier turns' calls (`assistant`
@@ -75,9 +79,13 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> 
     """The pattern the answer is held to, or None (no tools, or tool_choice "none");
     `parallel` (OpenAI's parallel_tool_calls): a "required" answer may hold several
     calls, else one."""
-    named = named_choice(tools, _effective(tools, tool_choice))
+    tool_choice = _effective(tools, tool_choice)
+    named = named_choice(tools, tool_choice)
     if named is not None:
         return schema_regex(named.parameters or NO_PARAMETERS)
+    if tool_choice == "auto" and any(tool.function.strict for tool in tools):
+        return hermes_calls.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS)
+                                        for tool in tools}, parallel)
     if tool_choice != "required":
         return None
     calls = [{"type": "object", "required": ["name", "parameters"], "properties": {

@@ -1,15 +1,20 @@
 """Tool calls read out of a model's answer in Hermes' format (cluster/hermes_calls.py),
-whole and streamed, and the chat choice's message they make (cluster/tool_calls.py)."""
+whole and streamed, the pattern strict tools hold it to, and the chat choice's
+message they make (cluster/tool_calls.py)."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 
+import numpy as np
 import pytest
 
-from cluster.hermes_calls import CLOSE, OPEN, HermesStream, parse
-from cluster.tool_calls import StreamedCalls, Tool, chat_answer
+from actors.json_schema import schema_regex
+from actors.regex_dfa import compile_regex
+from cluster.hermes_calls import CLOSE, OPEN, HermesStream, held_regex, parse
+from cluster.tool_calls import StreamedCalls, Tool, chat_answer, tool_regex
 
 NAMES = {"get_weather", "get_time"}
 
@@ -96,3 +101,49 @@ def test_streamed_auto_deltas_number_their_calls():
     assert [(d["tool_calls"][0]["index"], d["tool_calls"][0]["function"]["name"]) for d in deltas[1:3]] == [
         (0, "get_time"), (1, "get_weather")]
     assert calls.finish_reason("stop") == "tool_calls" and StreamedCalls.of(TOOLS, "none") is None
+
+
+CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 5}},
+        "additionalProperties": False}
+
+
+def _held_reference(text: str, parallel: bool) -> bool:
+    """Whether `text` is an answer the held pattern allows: every `<tool_call>`
+    tag opens a block laid out as the template writes one, of arguments valid
+    for CITY."""
+    call = re.compile(re.escape(f'{OPEN}\n{{"name": "get_weather", "arguments": ') + r'(\{"city": "(?:[^"\\]|\\.)*"\})'
+                      + re.escape(f"}}\n{CLOSE}"))
+    position, num_calls = text.find(OPEN), 0
+    while position >= 0:
+        found = call.match(text, position)
+        if found is None or len(json.loads(found.group(1))["city"]) > 5:
+            return False
+        position, num_calls = text.find(OPEN, found.end()), num_calls + 1
+    return parallel or num_calls <= 1
+
+
+def test_strict_tools_hold_an_auto_answer_to_text_and_well_formed_calls():
+    rng = random.Random(3)
+    good = [block("get_weather", {"city": city}) for city in ("Oslo", "", "Nice", "Zü")]
+    parts = [*good, block("get_weather", {"city": "Toulouse"}), block("get_time", {}), "<", "<tool_call", OPEN, "a",
+             "\n", "_call>", "é", f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "x"}}}}']
+    for parallel in (True, False):
+        dfa = compile_regex(held_regex({"get_weather": schema_regex(CITY)}, parallel))
+        for _ in range(1500):
+            text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 5)))
+            assert dfa.fullmatch(text) == _held_reference(text, parallel), (text, parallel)
+        state = dfa.walk(1, f"Checking {OPEN}".encode())  # a tag opened: a call's layout, nothing else
+        assert np.nonzero(dfa.transitions[state])[0].tolist() == [ord("\n")]
+
+
+def test_only_strict_tools_hold_an_auto_answer():
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+    strict = {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": True}}
+    assert tool_regex([Tool.model_validate(weather)], "auto") is None
+    clock = Tool.model_validate({"type": "function", "function": {"name": "get_time"}})  # held too, once one is strict
+    pattern = tool_regex([Tool.model_validate(strict), clock], None)  # OpenAI's default: auto
+    dfa = compile_regex(pattern)
+    assert dfa.fullmatch(f'Sure.\n{block("get_weather", {"city": "Oslo"})}\n{block("get_time", {})}')
+    assert not dfa.fullmatch(block("get_weather", {"city": "Toulouse"}))
+    assert not compile_regex(tool_regex([Tool.model_validate(strict)], "auto", parallel=False)).fullmatch(
+        block("get_weather", {"city": "a"}) * 2)

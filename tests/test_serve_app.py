@@ -422,6 +422,14 @@ def test_tool_calls_the_model_chooses_under_auto(client):
     assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
     assert free.choices[0].finish_reason == "length" and free.usage.prompt_tokens > bare.usage.prompt_tokens + 50
 
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+
+    # A strict tool (openai.pydantic_function_tool's): the answer is held (tests/test_hermes_calls.py), text still text.
+    strict = client.chat.completions.create(**{**ask, "extra_body": {}, "max_tokens": 12,
+                                               "tools": [openai.pydantic_function_tool(GetWeather)]})
+    assert strict.choices[0].message.tool_calls is None and strict.choices[0].message.content
+
 
 def test_tool_choices_that_cannot_be_served_are_refused(base_url):
     chat = {"model": "tandem-tiny-qwen2", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}

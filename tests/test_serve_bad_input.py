@@ -104,6 +104,11 @@ def client(base_url):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"},
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice must be"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f"}}] * 2}, "f named twice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [  # held: auto, strict
+            {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+                "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}]}, "multipleOf"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
             {"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "name"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
          "tool_choice 'required' needs tools"),
