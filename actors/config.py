@@ -16,7 +16,7 @@ import torch
 
 from kernels import check_kernel_backend
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,7 +26,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "qwen2" | "llama"
+    architecture: str  # "qwen2" | "qwen3" | "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -43,6 +43,8 @@ class ModelConfig:
     # Every id that ends a turn: config.json's eos_token_id, then any more that
     # generation_config.json lists (`_eos_ids`).
     eos_token_ids: tuple[int, ...]
+    # An RMSNorm over each query and key head before RoPE (Qwen3's q_norm, k_norm).
+    qk_norm: bool = False
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> "ModelConfig":
@@ -81,9 +83,10 @@ class ModelConfig:
                 rope_theta=float(theta),
                 rope_scaling=dict(scaling) if scaling else None,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "qwen2")),
-                # Qwen2 always carries q/k/v biases; Llama only with attention_bias.
+                # Qwen2 always carries q/k/v biases; Llama and Qwen3 only with attention_bias.
                 qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
                 eos_token_ids=_eos_ids(raw, Path(model_dir)),
+                qk_norm=family == "qwen3",
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: invalid config field ({exc!r})") from None

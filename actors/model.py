@@ -1,7 +1,7 @@
-"""Qwen2 and Llama decoder-only models over a paged KV cache.
+"""Qwen2, Qwen3 and Llama decoder-only models over a paged KV cache.
 
-The two families differ only by flags on `ModelConfig` (QKV bias, tied embeddings,
-RoPE parameters). Module names follow Hugging Face's so checkpoints load by name;
+The families differ only by flags on `ModelConfig` (QKV bias, tied embeddings,
+RoPE parameters, Qwen3's RMSNorm of each query and key head before RoPE). Module names follow Hugging Face's so checkpoints load by name;
 q/k/v and gate/up projections are stored fused (`qkv_proj`, `gate_up_proj`), one
 GEMM each, and `weights.py` maps the HF names onto their slices.
 """
@@ -78,6 +78,11 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, kernels.linear)
         self.o_proj = Linear(self.q_size, config.hidden_size, False, kernels.linear)
+        if config.qk_norm:  # one weight over head_dim, shared by the heads
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels.rms_norm)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels.rms_norm)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -86,6 +91,8 @@ class Attention(nn.Module):
         # writes k's and v's heads to the cache.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = self._norm_heads(qk)
         rotated = self.kernels.rope_and_write_kv(qk, v, cos, sin, layer_cache, meta.slot_mapping)
         q, k = rotated.split([self.num_heads, self.num_kv_heads], dim=1)
 
@@ -109,6 +116,14 @@ class Attention(nn.Module):
             )
         attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """q's heads and k's, each RMS-normalised over head_dim by its own weight."""
+        num_tokens = qk.shape[0]
+        q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
+        k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
+        return torch.cat([q.view(num_tokens, self.num_heads, self.head_dim),
+                          k.view(num_tokens, self.num_kv_heads, self.head_dim)], dim=1)
 
 
 class MLP(nn.Module):

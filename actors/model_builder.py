@@ -2,7 +2,8 @@
 
 Contract:
 - `build_checkpoint(preset, arch, out_dir)` writes a complete HF model folder:
-  config.json (through transformers' Qwen2Config / LlamaConfig), generation_config.json,
+  config.json (through transformers' Qwen2Config / Qwen3Config / LlamaConfig),
+  generation_config.json,
   the tokenizer files (actors.tokenizer_builder) and safetensors weights under HF
   parameter names, either one `model.safetensors` or, with `max_shard_bytes`,
   `model-0000i-of-0000N.safetensors` shards plus `model.safetensors.index.json`.
@@ -16,7 +17,8 @@ Contract:
   RESIDUAL_GAIN / sqrt(2 * num_layers), so the residual stream (rms 8-10) dwarfs the
   tied embedding (rms 3/sqrt(hidden)) and a token's own logit gets little boost
   (with gain 1, tiny qwen2 repeated its input token at 92% of positions); q/k/v
-  biases N(0, 0.02^2); RMSNorm gains 1 + N(0, 0.05^2); the output embedding
+  biases N(0, 0.02^2); RMSNorm gains (qwen3's per-head q_norm and k_norm too)
+  1 + N(0, 0.05^2); the output embedding
   (lm_head, or the tied embed_tokens) N(0, (3/sqrt(hidden))^2), so final logits
   have a standard deviation near 3; an untied input embedding N(0, 1).
   Measured with transformers in fp32 over eight prompts: logit std 3.04 / 3.00 and
@@ -61,7 +63,8 @@ BUILD_STAMP = "tandem_build.json"
 
 @dataclass(frozen=True)
 class Preset:
-    """Shape of one built-in model; the same for both archs except `rope_theta`."""
+    """Shape of one built-in model; the same for every arch except `rope_theta`
+    (qwen3 takes qwen2's)."""
 
     name: str
     vocab_size: int
@@ -80,7 +83,7 @@ class Preset:
     tokenizer_vocab_size: int | None = None
 
     def rope_theta(self, arch: str) -> float:
-        return self.rope_theta_qwen2 if arch == "qwen2" else self.rope_theta_llama
+        return self.rope_theta_llama if arch == "llama" else self.rope_theta_qwen2
 
 
 PRESETS: dict[str, Preset] = {
@@ -104,19 +107,24 @@ PRESETS: dict[str, Preset] = {
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """What separates the two families in the checkpoint: explicit flags, no copies."""
+    """What separates the families in the checkpoint: explicit flags, no copies."""
 
     architecture: str
     tie_word_embeddings: bool
     qkv_bias: bool
     rms_norm_eps: float
     bos_token: str | None
-    nfc: bool  # transformers v5 forces Qwen2Tokenizer's NFC normalizer on model_type qwen2
+    nfc: bool  # transformers v5 forces Qwen2Tokenizer's NFC normalizer on model_type qwen2 (and qwen3)
+    qk_norm: bool = False  # an RMSNorm of each query and key head (Qwen3)
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {
     "qwen2": ArchSpec("Qwen2ForCausalLM", tie_word_embeddings=True, qkv_bias=True,
                       rms_norm_eps=1e-6, bos_token=None, nfc=True),
+    # Qwen3's dense models: no q/k/v biases, q_norm and k_norm; tied embeddings as in
+    # Qwen3-0.6B to 4B (8B and up untie them).
+    "qwen3": ArchSpec("Qwen3ForCausalLM", tie_word_embeddings=True, qkv_bias=False,
+                      rms_norm_eps=1e-6, bos_token=None, nfc=True, qk_norm=True),
     "llama": ArchSpec("LlamaForCausalLM", tie_word_embeddings=False, qkv_bias=False,
                       rms_norm_eps=1e-5, bos_token=ENDOFTEXT, nfc=False),
 }
@@ -138,7 +146,7 @@ def _check(preset: str, arch: str, dtype: str = "float32") -> tuple[Preset, Arch
 
 
 def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=p.vocab_size, hidden_size=p.hidden_size,
@@ -152,6 +160,9 @@ def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict
     )
     if arch == "qwen2":
         config = Qwen2Config(use_sliding_window=False, sliding_window=None,
+                             max_window_layers=p.num_hidden_layers, **common)
+    elif arch == "qwen3":
+        config = Qwen3Config(use_sliding_window=False, sliding_window=None, attention_bias=False,
                              max_window_layers=p.num_hidden_layers, **common)
     else:
         config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
@@ -184,6 +195,9 @@ def _param_specs(p: Preset, spec: ArchSpec) -> Iterator[tuple[str, tuple[int, ..
             yield pre + f"self_attn.{proj}.weight", (rows, h), "normal", 1 / math.sqrt(h)
             if spec.qkv_bias:
                 yield pre + f"self_attn.{proj}.bias", (rows,), "normal", BIAS_STD
+        if spec.qk_norm:
+            yield pre + "self_attn.q_norm.weight", (p.head_dim,), "norm", NORM_NOISE_STD
+            yield pre + "self_attn.k_norm.weight", (p.head_dim,), "norm", NORM_NOISE_STD
         yield pre + "self_attn.o_proj.weight", (h, q_dim), "normal", branch_scale / math.sqrt(q_dim)
         yield pre + "post_attention_layernorm.weight", (h,), "norm", NORM_NOISE_STD
         yield pre + "mlp.gate_proj.weight", (inter, h), "normal", 1 / math.sqrt(h)

@@ -44,3 +44,12 @@ def preset(text: str) -> str:
     if text not in PRESETS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(sorted(PRESETS))}, got {text!r}")
     return text
+
+
+def arch(text: str) -> str:
+    """A built-in model architecture's name (actors/model_builder.py)."""
+    from actors.model_builder import ARCH_SPECS
+
+    if text not in ARCH_SPECS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(ARCH_SPECS)}, got {text!r}")
+    return text

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from benchmarks import report
 from benchmarks import workload as wl
-from benchmarks.arguments import fraction, non_negative_float, positive_float, positive_int, preset
+from benchmarks.arguments import arch, fraction, non_negative_float, positive_float, positive_int, preset
 
 ROLES = ("prefill", "decode")
 PHASE_HEADERS = ["phase", "from s", "to s", "requests", "ok", "attainment", "TTFT p50 s", "TTFT p99 s",
@@ -57,7 +57,7 @@ REACTION_HEADERS = ["pool", "signal", "breach s", "decided s", "ready s", "servi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, short phases: a smoke run")
     parser.add_argument("--preset", type=preset, default=None, help="model preset (default: bench; tiny with --quick)")
-    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--arch", type=arch, default="qwen2")
     parser.add_argument("--low-rate", type=positive_float, default=None, help="req/s before and after the step")
     parser.add_argument("--high-rate", type=positive_float, default=None, help="req/s during the step")
     parser.add_argument("--low-s", type=non_negative_float, default=None,

@@ -36,7 +36,7 @@ import random
 import time
 
 from benchmarks import report
-from benchmarks.arguments import non_negative_int, positive_int, preset
+from benchmarks.arguments import arch, non_negative_int, positive_int, preset
 
 ROLES = {  # role -> what its process's command line holds
     "worker": ("ray::DecodeWorker", "ray::ColocatedWorker"),
@@ -48,7 +48,7 @@ ROLES = {  # role -> what its process's command line holds
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", type=preset, default="tiny")
-    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--arch", type=arch, default="qwen2")
     parser.add_argument("--batch", type=positive_int, default=64, help="requests in flight at once")
     parser.add_argument("--prompt-tokens", type=positive_int, default=64)
     parser.add_argument("--output-tokens", type=positive_int, default=256)

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.arguments import positive_int
+from benchmarks.arguments import arch, positive_int
 from benchmarks.engine_profile import profile_tandem, sweep
 from benchmarks.engine_systems import HFContinuousSystem, HFStaticSystem, RunResult, TandemSystem, load_hf_model
 from benchmarks.engine_workloads import Workload, equal_workload, mixed_workload
@@ -107,7 +107,7 @@ def ratio_rows(workload_name: str, summary: dict, num_requests: int) -> list[lis
 
 # ---- CLI ---------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--arch", type=arch, default="qwen2")
     parser.add_argument("--model", help="checkpoint folder (default: the built-in bench preset)")
     parser.add_argument("--repeats", type=positive_int, default=1, help="repeats of the mixed workload")
     parser.add_argument("--equal-repeats", type=positive_int, default=3, help="repeats of the equal-length workload")

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.arguments import positive_int
+from benchmarks.arguments import arch, positive_int
 
 
 # ---- machine peaks -------------------------------------------------------------
@@ -178,7 +178,7 @@ def measure_targets(targets: list, args, vocab: int) -> dict[str, dict[str, list
 
 # ---- CLI --------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--arch", type=arch, default="qwen2")
     parser.add_argument("--model", help="checkpoint folder (default: the built-in bench preset)")
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--prompt-tokens", type=positive_int, default=2048)

@@ -22,12 +22,12 @@ import statistics
 import time
 
 from benchmarks import report
-from benchmarks.arguments import positive_int, preset
+from benchmarks.arguments import arch, positive_int, preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", type=preset, default="bench", help="built-in model preset (bench or tiny)")
-    parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    parser.add_argument("--arch", type=arch, default="qwen2")
     parser.add_argument("--chunk-tokens", type=positive_int, default=256, help="prefill chunk size")
     parser.add_argument("--chunks", type=positive_int, default=8, help="prompt length in chunks")
     parser.add_argument("--repeats", type=positive_int, default=3, help="A/B/C rounds")

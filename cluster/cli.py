@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from actors.config import CheckpointError
-from actors.model_builder import UnknownModel
+from actors.model_builder import ARCH_SPECS, UnknownModel
 
 
 class CliError(Exception):
@@ -83,14 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = sub.add_parser("make-model", help="write a deterministic HF checkpoint folder")
     make.add_argument("--preset", required=True, help="tiny | bench | qwen2.5-0.5b")
-    make.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    make.add_argument("--arch", choices=list(ARCH_SPECS), default="qwen2")
     make.add_argument("--out", required=True, help="output folder")
     make.set_defaults(func=_cmd_make_model)
 
     demo = sub.add_parser("demo", help="generate offline with the built-in model (no Ray)")
     demo.add_argument("--model", help="checkpoint folder (default: the built-in preset)")
     demo.add_argument("--preset", default="tiny")
-    demo.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    demo.add_argument("--arch", choices=list(ARCH_SPECS), default="qwen2")
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     demo.add_argument("--max-new-tokens", type=int, default=24)
     demo.add_argument("--temperature", type=float, default=0.7)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.model_builder import PRESETS, build_checkpoint, ensure_checkpoint, num_parameters
+from actors.model_builder import ARCH_SPECS, PRESETS, build_checkpoint, ensure_checkpoint, num_parameters
 from cluster import hermes_calls
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_checkpoint("tiny", arch, root / arch) for arch in ("qwen2", "llama")}
+    return {arch: build_checkpoint("tiny", arch, root / arch) for arch in ARCH_SPECS}
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -46,7 +46,7 @@ def _logits(folder: Path, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids).logits
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_tiny_loads_and_generates_in_transformers(tiny_dirs, arch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,8 +55,10 @@ def test_tiny_loads_and_generates_in_transformers(tiny_dirs, arch):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
 
-    assert config["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
-    assert config["tie_word_embeddings"] is (arch == "qwen2")
+    assert config["architectures"] == [
+        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    assert config["tie_word_embeddings"] is (arch != "llama")
+    assert ("q_norm" in str(model)) is (arch == "qwen3")
     assert model.config.num_key_value_heads == 2 and model.config.head_dim == 32
     num_params = sum(p.numel() for p in model.parameters())
     assert num_params == num_parameters("tiny", arch)
@@ -86,7 +88,7 @@ def test_determinism_across_processes(tmp_path, tiny_dirs):
     assert _hashes(tmp_path / "sub") == _hashes(tiny_dirs["llama"])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_tokenizer_covers_vocab_and_round_trips(tiny_dirs, arch):
     from transformers import AutoTokenizer
 
@@ -107,7 +109,7 @@ def test_tokenizer_covers_vocab_and_round_trips(tiny_dirs, arch):
     assert tokenizer("<|im_end|>").input_ids == [2]
 
     decomposed = "cafe\u0301"  # 'e' + combining acute accent
-    expected = "caf\u00e9" if arch == "qwen2" else decomposed  # qwen2 normalises to NFC
+    expected = decomposed if arch == "llama" else "caf\u00e9"  # qwen2 and qwen3 normalise to NFC
     assert tokenizer.decode(tokenizer(decomposed).input_ids) == expected
 
 
@@ -243,6 +245,7 @@ def test_a_manifest_takes_every_preset():
 
     literal, _ = get_args(ModelSource.model_fields["preset"].annotation)
     assert set(get_args(literal)) == set(PRESETS)
+    assert set(get_args(ModelSource.model_fields["arch"].annotation)) == set(ARCH_SPECS)
 
 
 def test_bench_preset_builds(tmp_path):
