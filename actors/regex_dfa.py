@@ -49,6 +49,9 @@ MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 
 
+DEAD, START = 0, 1  # the states every DFA has
+
+
 class RegexError(InvalidRequestError):
     """A pattern that is not valid, or that Tandem cannot constrain an output to."""
 
@@ -73,7 +76,7 @@ class ByteDfa:
         return state
 
     def fullmatch(self, text: str) -> bool:
-        return bool(self.accepting[self.walk(1, text.encode())])
+        return bool(self.accepting[self.walk(START, text.encode())])
 
 
 @functools.lru_cache(maxsize=64)

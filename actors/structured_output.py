@@ -41,7 +41,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from actors.regex_dfa import ByteDfa, compile_regex
+from actors.regex_dfa import START, ByteDfa, compile_regex
 from actors.sampling_params import InvalidRequestError
 
 MAX_PATTERNS = 16  # a worker keeps the indexes of its latest patterns,
@@ -137,12 +137,12 @@ class OutputConstraint:
     def __init__(self, index: TokenIndex, end_token_ids) -> None:
         self.index = index
         self.end_mask = index.vocabulary.mask(end_token_ids)
-        self.state = 1
+        self.state = START
         self.num_walked = 0
 
     def _walk(self, output_ids: list[int], num_output: int) -> int:
         if num_output < self.num_walked:  # fewer tokens than walked: from the start again
-            self.state, self.num_walked = 1, 0
+            self.state, self.num_walked = START, 0
         token_bytes, dfa = self.index.vocabulary.token_bytes, self.index.dfa
         for token_id in output_ids[self.num_walked : num_output]:
             self.state = dfa.walk(self.state, token_bytes[token_id])

@@ -46,7 +46,9 @@ SPLIT_PATTERN = (
 # ChatML, with tools the way Qwen2.5 writes them (Hermes' format): the tools in a
 # system turn, an assistant's calls as `<tool_call>` blocks, the tools' answers as
 # `<tool_response>` blocks in a user turn. Messages without tools render as plain
-# ChatML. cluster/hermes_calls.py reads the calls back out of an answer.
+# ChatML. cluster/hermes_calls.py reads the calls back out of an answer. As Qwen3's,
+# `enable_thinking=False` opens the answer after an empty <think></think> block (a
+# reasoning model then answers at once: cluster/reasoning.py).
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call the functions described in JSON within <tools></tools>:\n<tools>")
 TOOLS_INSTRUCTIONS = (
@@ -78,7 +80,9 @@ CHAT_TEMPLATE = (
     "{{ '<|im_end|>\\n' }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 _ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v",

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from cluster.output_format import openai_asks, openai_regex
+from cluster.reasoning import Reasoning, held_regex
 from cluster.tool_calls import Tool, template_message, tool_regex
 
 
@@ -148,7 +149,7 @@ class _OpenAIBody(RequestBody):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
     def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None,
-                  defaults: SamplingDefaults) -> SamplingParams:
+                  defaults: SamplingDefaults, regex: str | None) -> SamplingParams:
         max_new_tokens = max_tokens if max_tokens is not None else default_max
         if 0 < max_new_tokens < self.min_tokens:  # said in this body's names (a bad max_tokens: SamplingParams)
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_new_tokens}"
@@ -171,7 +172,7 @@ class _OpenAIBody(RequestBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=self.prompt_logprobs,
-            regex=self.output_regex(),
+            regex=regex,
         )
 
 
@@ -208,7 +209,8 @@ class CompletionBody(_OpenAIBody):
         return self.echo and self.max_tokens == 0
 
     def sampling(self, default_max: int, defaults: SamplingDefaults) -> SamplingParams:
-        params = self._sampling(1 if self.prompt_only else self.max_tokens, default_max, self.logprobs, defaults)
+        params = self._sampling(1 if self.prompt_only else self.max_tokens, default_max, self.logprobs, defaults,
+                                self.output_regex())
         if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs, as many best as asked
             params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         return params
@@ -248,6 +250,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             for m in messages]
 
 
+# What apply_chat_template takes itself, or the request's fields give the template.
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
 class _ChatTemplateFields(RequestBody):
     """How messages become a prompt (vLLM's fields, its defaults): the chat
     template, then an assistant turn opened (`add_generation_prompt`), or the last
@@ -258,6 +266,16 @@ class _ChatTemplateFields(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template_kwargs: dict | None = None  # more of the template's variables (Qwen3's enable_thinking)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict | None) -> dict | None:
+        taken = sorted(set(kwargs or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here: the request's own fields give "
+                             f"{'it' if len(taken) == 1 else 'them'}")
+        return kwargs
 
     @model_validator(mode="after")
     def _one_ending(self):
@@ -306,10 +324,16 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def sampling(self, default_max: int, defaults: SamplingDefaults) -> SamplingParams:
+    def sampling(self, default_max: int, defaults: SamplingDefaults, reasoning: Reasoning | None = None
+                 ) -> SamplingParams:
+        """`reasoning`: how the answer starts where the server parses reasoning; a
+        pattern then holds the answer after it (cluster/reasoning.py)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, default_max, logprobs, defaults)
+        regex = self.output_regex()
+        if reasoning is not None and regex is not None:
+            regex = held_regex(regex, reasoning.opened)
+        return self._sampling(max_tokens, default_max, logprobs, defaults, regex)
 
 
 class TokenizeBody(_ChatTemplateFields):

@@ -40,6 +40,7 @@ from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBo
 from cluster.config import AppSettings
 from cluster.ingress_guard import install_guard
 from cluster.pool_manager import get_or_create_pool
+from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, split
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
 from cluster.sglang_body import GenerateBody
@@ -166,7 +167,9 @@ class Scheduler:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatBody):
-        return await self._openai(body, [self._chat_prompt(body)], chat=True)
+        prompt = self._chat_prompt(body)
+        reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
+        return await self._openai(body, [prompt], chat=True, reasoning=reasoning)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):
@@ -197,7 +200,8 @@ class Scheduler:
                                                       tools=body.template_tools() if isinstance(body, ChatBody)
                                                       else None,
                                                       add_generation_prompt=body.add_generation_prompt,
-                                                      continue_final_message=body.continue_final_message)
+                                                      continue_final_message=body.continue_final_message,
+                                                      **(body.chat_template_kwargs or {}))
         except Exception as exc:  # a template error is the client's messages
             raise ApiError(400, f"cannot apply the chat template: {exc}") from None
 
@@ -209,11 +213,15 @@ class Scheduler:
             raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r}",
                            kind="model_not_found")
 
-    async def _openai(self, body, prompts: list, chat: bool):
+    async def _openai(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None):
         """One request per prompt and choice (`n`), choice k being prompt k // n's
-        choice k % n, as OpenAI numbers them (see `_start_choices`)."""
+        choice k % n, as OpenAI numbers them (see `_start_choices`); `reasoning`: a
+        chat answer's reasoning is split off (cluster/reasoning.py)."""
         self._check_model(body.model)
-        params = await _sampling(body, 16 if not chat else self.settings.limits.max_new_tokens, self.sampling_defaults)
+        if chat:
+            params = await _sampling(body, self.settings.limits.max_new_tokens, self.sampling_defaults, reasoning)
+        else:
+            params = await _sampling(body, 16, self.sampling_defaults)
         await self._require_ready()
         prompt_ids = [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
                                            keep_last=body.truncate_prompt_tokens) for prompt in prompts]
@@ -228,19 +236,19 @@ class Scheduler:
                                                body.logprobs))
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
-            calls = [StreamedCalls.of(body.tools, body.tool_choice, body.parallel_tool_calls) for _ in streams] \
-                if chat else None
+            writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
             return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo,
-                                                 calls))
+                                                 writers))
         results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
         as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
         texts, reasons = [out.text for out in results], [fmt.finish_reason(out.finish_reason) for out in results]
-        calls = None
-        if chat:  # a message's text and calls (cluster/tool_calls.py)
-            answers = [chat_answer(text, reason, body.tools, body.tool_choice, body.parallel_tool_calls)
-                       for text, reason in zip(texts, reasons)]
+        calls = thoughts = None
+        if chat:  # a message's reasoning (cluster/reasoning.py), text and calls (cluster/tool_calls.py)
+            thoughts = [split(text, reasoning.opened) if reasoning else Thought(None, text) for text in texts]
+            answers = [chat_answer(thought.content, reason, body.tools, body.tool_choice,
+                                   body.parallel_tool_calls) for thought, reason in zip(thoughts, reasons)]
             texts, calls, reasons = zip(*answers)
         choices = [(text, reason, as_logprobs(self.tokenizer, out.logprobs))
                    for text, reason, out in zip(texts, reasons, results)]
@@ -248,7 +256,15 @@ class Scheduler:
         prompt_logprobs = None if body.prompt_logprobs is None else [
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
-        return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls)
+        return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls,
+                                   [t.reasoning for t in thoughts] if reasoning else None)
+
+    @staticmethod
+    def _chat_deltas(body: ChatBody, reasoning: Reasoning | None):
+        """What writes a streamed chat choice's deltas where they are not its text
+        as it comes: tool calls, reasoning (None: the text)."""
+        calls = StreamedCalls.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        return ReasoningDeltas(reasoning, calls) if reasoning is not None else calls
 
     async def _start_choices(self, requests: list[tuple], n: int) -> list:
         """`_start` (prompt ids, params, request id) each, request k being a prompt's
@@ -321,10 +337,10 @@ class Scheduler:
     def _sse(self, chunks) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, calls=None):
+    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, writers=None):
         """Every choice's events as they come, each chunk naming its choice; `echo[k]`
-        rewrites choice k's first event (see `_echoed`); `calls[k]`, where not None,
-        writes choice k's deltas as tool calls (cluster/tool_calls.py)."""
+        rewrites choice k's first event (see `_echoed`); `writers[k]`, where not
+        None, writes choice k's deltas (`_chat_deltas`)."""
         num_tokens, cached, first = 0, 0, [True] * len(streams)
         token_chars = [0] * len(streams)  # the length of each choice's token texts so far (its next text_offset)
         async with contextlib.aclosing(merged(streams)) as events:
@@ -338,9 +354,10 @@ class Scheduler:
                 cached = event.num_cached_tokens if index == 0 else cached
                 reason = fmt.finish_reason(event.finish_reason) if event.finished else None
                 delta = None
-                if calls is not None and calls[index] is not None:
-                    delta, reason = calls[index].delta(event.text, event.finished), calls[index].finish_reason(reason)
-                    if delta is None and not first[index]:
+                writer = writers[index] if writers is not None else None
+                if writer is not None:
+                    delta, reason = writer.delta(event.text, event.finished), writer.finish_reason(reason)
+                    if delta is None and not first[index] and not event.logprobs:
                         continue
                     delta = delta or {}
                 if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)

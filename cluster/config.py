@@ -216,6 +216,8 @@ class AppSettings(_Strict):
     # What a request's omitted temperature/top_p/top_k/min_p/repetition_penalty take: the
     # checkpoint's generation_config.json (`model`) or OpenAI's (actors/sampling_defaults.py).
     sampling_defaults: SamplingDefaultsSource = "model"
+    # `think`: a chat answer's <think> block comes back as `reasoning_content` (cluster/reasoning.py)
+    reasoning_parser: Literal["think"] | None = None
     scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name

@@ -31,6 +31,8 @@ import json
 import re
 from typing import NamedTuple
 
+from cluster.streamed_text import TrimmedText, tag_start, text_without_regex
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -71,8 +73,7 @@ class HermesStream:
         self.num_calls = 0
         self.pending = ""  # text not yet given out (outside a block, or a block's body)
         self.in_block = False
-        self.started = False  # whether any text has gone out (leading whitespace is dropped)
-        self.space = ""  # whitespace held back: it goes out only if more text follows
+        self.text = TrimmedText()
 
     def feed(self, text: str) -> list:
         self.pending += text
@@ -90,7 +91,7 @@ class HermesStream:
                 continue
             start = self.pending.find(OPEN)
             if start < 0:
-                keep = _tag_start(self.pending)
+                keep = tag_start(self.pending, OPEN)
                 out += self._text(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 return out
@@ -105,23 +106,8 @@ class HermesStream:
 
     def _text(self, text: str) -> list:
         """Text to give out, less the whitespace at the answer's two ends."""
-        if not self.started:
-            text = text.lstrip()
-        body = text.rstrip()
-        if not body:
-            self.space += text
-            return []
-        out, self.space = self.space + body, text[len(body):]
-        self.started = True
-        return [out]
-
-
-def _tag_start(text: str) -> int:
-    """The length of the longest end of `text` that `OPEN` starts with."""
-    for size in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-size:]):
-            return size
-    return 0
+        out = self.text.add(text)
+        return [out] if out else []
 
 
 def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
@@ -133,18 +119,4 @@ def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
     return f"{TEXT}(?:(?:{block}){TEXT}){'*' if parallel else '?'}"
 
 
-def _text_regex(tag: str) -> str:
-    """Any text in which `tag` does not occur (its first character must not occur
-    again in it, as `<` does not in `<tool_call>`): runs of other characters, each
-    run after a `<` not starting with the rest of the tag."""
-    assert tag[0] not in tag[1:]
-    first = re.escape(tag[0])
-    rest = ""  # text of no tag[0] that does not start with tag[k:], built from the last k down
-    for k in range(len(tag) - 1, 0, -1):
-        char = re.escape(tag[k])
-        taken = f"|{char}{rest}" if k < len(tag) - 1 else ""  # the tag's last character would close it
-        rest = f"(?:[^{first}{char}][^{first}]*{taken})?"
-    return f"[^{first}]*(?:{first}{rest})*"
-
-
-TEXT = _text_regex(OPEN)
+TEXT = text_without_regex(OPEN)

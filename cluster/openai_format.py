@@ -84,13 +84,15 @@ def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list:
 
 
 def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: bool,
-                    prompt_logprobs: list | None = None, tool_calls: list | None = None) -> dict:
+                    prompt_logprobs: list | None = None, tool_calls: list | None = None,
+                    reasoning: list | None = None) -> dict:
     """A whole response; `choices`: (text, finish reason, logprobs) each, in index
     order; `prompt_logprobs`: each choice's (`prompt_logprobs`), where vLLM puts them:
     on each completion choice, once on a chat response (its choices share a prompt);
     `tool_calls`: each chat choice's, or None where it answered with text
     (cluster/tool_calls.py); a chat choice's text is its message's content (null
-    beside calls, or the text around them)."""
+    beside calls, or the text around them); `reasoning`: each chat choice's
+    `reasoning_content` where the server parses reasoning (cluster/reasoning.py)."""
     created = int(time.time())
     if chat:
         calls = tool_calls or [None] * len(choices)
@@ -99,6 +101,8 @@ def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: b
                              "logprobs": logprobs}
                             for i, (text, reason, logprobs) in enumerate(choices)],
                 "usage": usage_dict}
+        for choice, thought in zip(body["choices"], reasoning or ()):
+            choice["message"]["reasoning_content"] = thought
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs[0]
         return body

@@ -101,10 +101,13 @@ class ChatAnswer(NamedTuple):
     finish_reason: str | None
 
 
-def chat_answer(text: str, finish_reason: str | None, tools: list[Tool] | None, tool_choice,
+def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] | None, tool_choice,
                 parallel: bool = True) -> ChatAnswer:
     """A chat choice's output as its message: text, or calls (a "required" answer
-    cut before its JSON closed is text)."""
+    cut before its JSON closed is text); None: no answer (a reasoning model's,
+    cut while it reasoned: cluster/reasoning.py)."""
+    if text is None:
+        return ChatAnswer(None, None, finish_reason)
     tool_choice = _effective(tools, tool_choice)
     if tool_choice == "auto":
         parsed = hermes_calls.parse(text, tool_names(tools), parallel)

@@ -1,0 +1,142 @@
+"""A reasoning model's thinking, apart from its answer (the manifest's
+`reasoning_parser: think`): Qwen3, QwQ and DeepSeek-R1 write their reasoning first,
+between `<think>` and `</think>`, and the answer after. OpenAI-style clients read
+the answer in `content` and the reasoning in `reasoning_content` (DeepSeek's API
+field, which vLLM's and SGLang's reasoning parsers fill too), streamed as
+`reasoning_content` deltas before the answer's.
+
+- An answer that starts with `<think>` (whitespace aside) reasons until
+  `</think>`; one whose prompt already opened the block (DeepSeek-R1's template
+  ends with `<think>\n`; `opened`) reasons from its first token. Any other answer
+  has no reasoning (Qwen3 asked for none, `chat_template_kwargs: {"enable_thinking":
+  false}`, writes its answer alone).
+- An answer cut inside its reasoning (`max_tokens`) is reasoning only: content
+  null. Either part comes with the whitespace at its two ends removed.
+- The tool calls, and the text `auto` parses them from, are the answer's
+  (cluster/tool_calls.py reads `content`).
+- Held to a pattern (structured output, a tool call), the answer still reasons
+  first: `held_regex` lets the pattern begin only after the reasoning, as vLLM and
+  SGLang start their grammars at the reasoning's end (unless the pattern itself
+  begins with the block: then it says what the reasoning is to be).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from actors.regex_dfa import DEAD, START, compile_regex
+from cluster.streamed_text import TrimmedText, tag_start, text_without_regex
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("think",)  # the manifest's `reasoning_parser`
+_REASONING = text_without_regex(CLOSE)
+
+
+class Reasoning(NamedTuple):
+    """How a chat answer starts, where the manifest names a reasoning parser."""
+
+    opened: bool  # the prompt opened the block: the answer reasons from its first token
+
+    @classmethod
+    def of(cls, prompt: str) -> Reasoning:
+        return cls(prompt.rstrip().endswith(OPEN))
+
+
+class Thought(NamedTuple):
+    reasoning: str | None
+    content: str | None
+
+
+def split(text: str, opened: bool = False) -> Thought:
+    """A whole answer's reasoning and content."""
+    stream = ReasoningStream(opened)
+    pieces = stream.feed(text) + stream.finish()
+    reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
+    content = "".join(piece for kind, piece in pieces if kind == "content")
+    return Thought(reasoning or None, content or None)
+
+
+class ReasoningStream:
+    """An answer split as it streams: `feed` each new piece of text, `finish` at
+    the end; each returns what may go out now, in order, as ("reasoning", text) and
+    ("content", text) pairs."""
+
+    def __init__(self, opened: bool = False) -> None:
+        self.part = "reasoning" if opened else "start"  # "start": not yet known whether it reasons
+        self.pending = ""
+        self.texts = {"reasoning": TrimmedText(), "content": TrimmedText()}
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.pending += text
+        out: list[tuple[str, str]] = []
+        if self.part == "start":
+            begun = self.pending.lstrip()
+            if begun.startswith(OPEN):
+                self.part, self.pending = "reasoning", begun[len(OPEN):]
+            elif OPEN.startswith(begun):
+                return out  # the tag may be coming
+            else:
+                self.part = "content"
+        if self.part == "reasoning":
+            end = self.pending.find(CLOSE)
+            if end < 0:
+                keep = tag_start(self.pending, CLOSE)
+                out += self._give("reasoning", self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                return out
+            out += self._give("reasoning", self.pending[:end])
+            self.part, self.pending = "content", self.pending[end + len(CLOSE):]
+        out += self._give("content", self.pending)
+        self.pending = ""
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """The rest: a tag's start held back is text of the part it was in."""
+        part = "content" if self.part == "start" else self.part
+        rest, self.pending = self.pending, ""
+        return self._give(part, rest)
+
+    def _give(self, part: str, text: str) -> list[tuple[str, str]]:
+        out = self.texts[part].add(text)
+        return [(part, out)] if out else []
+
+
+def held_regex(pattern: str, opened: bool = False) -> str:
+    """`pattern` after the reasoning: an optional `<think>` block (the block's
+    rest, when the prompt opened it), then the pattern. A pattern that may itself
+    begin with `<think>` says what the reasoning is to be: it is kept as written."""
+    block = f"{_REASONING}{re.escape(CLOSE)}\\s*"
+    if opened:
+        return f"{block}(?:{pattern})"
+    if compile_regex(pattern).walk(START, OPEN.encode()) != DEAD:
+        return pattern
+    return f"(?:{re.escape(OPEN)}{block})?(?:{pattern})"
+
+
+class ReasoningDeltas:
+    """A streamed chat choice's deltas with its reasoning split off: the reasoning
+    as `reasoning_content`, the answer's as `answer` writes them (tool calls:
+    cluster/tool_calls.py `StreamedCalls`), or as `content` where it is None."""
+
+    def __init__(self, reasoning: Reasoning, answer=None) -> None:
+        self.stream = ReasoningStream(reasoning.opened)
+        self.answer = answer
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """The delta's fields for this event ({}: none yet; the chunk still carries
+        the tokens' logprobs)."""
+        pieces = self.stream.feed(text) + (self.stream.finish() if finished else [])
+        delta: dict = {}
+        thinking = "".join(piece for part, piece in pieces if part == "reasoning")
+        if thinking:
+            delta["reasoning_content"] = thinking
+        content = "".join(piece for part, piece in pieces if part == "content")
+        if self.answer is not None:
+            delta.update(self.answer.delta(content, finished) or {})
+        elif content:
+            delta["content"] = content
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return reason if self.answer is None else self.answer.finish_reason(reason)

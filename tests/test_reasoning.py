@@ -1,0 +1,99 @@
+"""A reasoning model's <think> block apart from its answer (cluster/reasoning.py):
+whole and streamed, the patterns that hold the answer after it, the chat deltas,
+and the chat body's template variables (HTTP: tests/test_serve_reasoning.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from actors.regex_dfa import compile_regex
+from actors.sampling_defaults import SamplingDefaults
+from actors.sampling_params import InvalidRequestError
+from cluster.api_models import ChatBody
+from cluster.reasoning import CLOSE, OPEN, Reasoning, ReasoningDeltas, ReasoningStream, held_regex, split
+from cluster.tool_calls import StreamedCalls, Tool
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("text, opened, expected", [
+    ("<think>\nLet me see.\n</think>\n\nFour.", False, ("Let me see.", "Four.")),
+    ("  <think>x</think>", False, ("x", None)),  # thought, then no answer
+    ("<think>cut short by max_tokens", False, ("cut short by max_tokens", None)),
+    ("Four.", False, (None, "Four.")),  # no block: all answer
+    ("Four. <think>x</think>", False, (None, "Four. <think>x</think>")),  # a block later is the answer's text
+    ("<thi", False, (None, "<thi")),
+    ("<think></think>Four.", False, (None, "Four.")),
+    ("Let me see.\n</think>\n\nFour.", True, ("Let me see.", "Four.")),  # the prompt opened the block
+    ("still thinking", True, ("still thinking", None)),
+    ("", False, (None, None)),
+])
+def test_the_block_is_the_reasoning_and_the_rest_the_answer(text, opened, expected):
+    assert split(text, opened) == expected
+
+
+def test_streamed_in_any_pieces_the_split_is_the_same_as_whole():
+    rng = random.Random(11)
+    parts = [OPEN, CLOSE, "<", "</", "<th", "</thi", "think>", "\n", " ", "ok", "é", "<tool_call>"]
+    for _ in range(500):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for opened in (False, True):
+            stream = ReasoningStream(opened)
+            out = [each for piece in pieces for each in stream.feed(piece)] + stream.finish()
+            joined = tuple("".join(p for part, p in out if part == kind) or None for kind in ("reasoning", "content"))
+            assert joined == split(text, opened), (pieces, opened)
+
+
+def test_reasoning_streams_before_its_block_closes():
+    stream = ReasoningStream()
+    assert stream.feed("<thi") == []  # may be the tag
+    assert stream.feed("nk>\nLet me") == [("reasoning", "Let me")]
+    assert stream.feed(" see.\n</th") == [("reasoning", " see.")]  # the closing tag's start held back
+    assert stream.feed("ink>\n\nFour") == [("content", "Four")]
+    assert stream.finish() == []
+
+
+def test_a_pattern_holds_the_answer_after_the_reasoning():
+    answer = r'\{"n": [0-9]\}'
+    dfa = compile_regex(held_regex(answer))
+    assert dfa.fullmatch('{"n": 4}') and dfa.fullmatch('<think>\nSo, 4 </thi nk>.\n</think>\n\n{"n": 4}')
+    assert not dfa.fullmatch('<think>a</think>b</think>{"n": 4}')  # the block ends at its first </think>
+    assert not dfa.fullmatch('<think>a</think>{"n": 42}')
+    opened = compile_regex(held_regex(answer, opened=True))
+    assert opened.fullmatch('hmm</think>{"n": 4}') and not opened.fullmatch('{"n": 4}')
+    written = r"<think>\n[a-z]+\n</think>\n\n[A-Z]"  # a pattern that says what the reasoning is to be
+    assert held_regex(written) == written
+
+
+def test_chat_deltas_give_reasoning_then_the_answer_or_its_calls():
+    deltas = ReasoningDeltas(Reasoning(opened=False))
+    assert [deltas.delta(piece, False) for piece in ("<think>", "Hm.", "</think>\n", "Hi")] + [
+        deltas.delta("", True)] == [{}, {"reasoning_content": "Hm."}, {}, {"content": "Hi"}, {}]
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_time"}})]
+    calls = ReasoningDeltas(Reasoning(opened=True), StreamedCalls.of(tools, "auto"))
+    first = calls.delta('Time?</think><tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', True)
+    assert first["reasoning_content"] == "Time?" and first["tool_calls"][0]["function"]["name"] == "get_time"
+    assert calls.finish_reason("stop") == "tool_calls"
+
+
+def test_chat_template_kwargs_are_the_templates_variables_only():
+    assert ChatBody(messages=MESSAGES, chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs
+    with pytest.raises(ValueError, match="tools cannot be set here"):
+        ChatBody(messages=MESSAGES, chat_template_kwargs={"tools": []})
+
+
+def test_a_reasoning_chats_pattern_is_held_after_the_reasoning():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body = ChatBody(messages=MESSAGES, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    plain, thinking = (body.sampling(16, SamplingDefaults(), reasoning) for reasoning in (None, Reasoning(False)))
+    assert compile_regex(plain.regex).fullmatch(json.dumps({"n": 3}))
+    assert not compile_regex(plain.regex).fullmatch('<think>x</think>{"n": 3}')
+    assert compile_regex(thinking.regex).fullmatch('<think>x</think>{"n": 3}')
+    assert ChatBody(messages=MESSAGES).sampling(16, SamplingDefaults(), Reasoning(False)).regex is None
+    with pytest.raises(InvalidRequestError):
+        ChatBody(messages=MESSAGES, guided_regex="(").sampling(16, SamplingDefaults(), Reasoning(False))
