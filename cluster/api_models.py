@@ -26,7 +26,7 @@ from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from cluster.output_format import openai_asks, openai_regex
 from cluster.reasoning import Reasoning, held_regex
-from cluster.tool_calls import Tool, template_message, tool_regex
+from cluster.tool_calls import PastCall, Tool, template_call, tool_regex
 
 
 class ApiError(Exception):
@@ -219,7 +219,7 @@ class CompletionBody(_OpenAIBody):
 class ChatMessage(RequestBody):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = ""
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls (cluster/tool_calls.py)
+    tool_calls: list[PastCall] | None = None  # an assistant's earlier calls (cluster/tool_calls.py)
     tool_call_id: str | None = None  # a tool's answer: to which call
     name: str | None = None
 
@@ -244,9 +244,9 @@ class ChatMessage(RequestBody):
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as a chat template takes them (an assistant's earlier calls with
     their arguments parsed, cluster/tool_calls.py)."""
-    return [template_message({"role": m.role, "content": m.text(),
-                              **{k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
-                                                   ("name", m.name)) if v is not None}})
+    return [{"role": m.role, "content": m.text(),
+             **({} if m.tool_calls is None else {"tool_calls": [template_call(c) for c in m.tool_calls]}),
+             **{k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None}}
             for m in messages]
 
 
@@ -310,7 +310,8 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
         return tools
 
     def output_regex(self) -> str | None:
-        return openai_regex(self, tool_choice=tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls))
+        asked = "tool_choice" if self.tool_choice is not None else "strict tools"  # (auto holds strict tools)
+        return openai_regex(self, **{asked: tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls)})
 
     def template_tools(self) -> list[dict] | None:
         """The tools for the chat template (none when tool_choice is "none")."""

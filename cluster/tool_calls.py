@@ -34,7 +34,7 @@ import json
 import uuid
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.json_schema import schema_regex
 from actors.sampling_params import InvalidRequestError
@@ -49,6 +49,30 @@ class FunctionSpec(BaseModel):
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict | None) -> dict | None:
+        """Arguments are a JSON object (OpenAI's tools, and every template's calls)."""
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters are a JSON schema of an object, not of type "
+                             f"{parameters['type']!r}")
+        return parameters
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict = "{}"  # OpenAI sends the JSON text
+
+
+class PastCall(BaseModel):
+    """An assistant's earlier call, as OpenAI's `tool_calls` items come back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class Tool(BaseModel):
@@ -144,21 +168,16 @@ def call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def template_message(message: dict) -> dict:
-    """A message for the chat template: an assistant's earlier calls with their
-    arguments parsed (OpenAI sends them as JSON text; templates write them out)."""
-    if not message.get("tool_calls"):
-        return message
-    parsed = []
-    for each in message["tool_calls"]:
-        function = dict(each.get("function") or {})
-        if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except ValueError:
-                pass  # left as the client wrote it
-        parsed.append({**each, "function": function})
-    return {**message, "tool_calls": parsed}
+def template_call(call: PastCall) -> dict:
+    """An earlier call for the chat template, its arguments parsed (OpenAI sends
+    them as JSON text; templates write them out)."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # left as the client wrote it
+    return {**call.model_dump(exclude_none=True), "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class StreamedCalls:

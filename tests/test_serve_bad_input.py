@@ -105,6 +105,13 @@ def client(base_url):
                                   "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice must be"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
             {"type": "function", "function": {"name": "f"}}] * 2}, "f named twice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"function": 3}]}]}, "messages.1.tool_calls.0.function"),  # (was a 500)
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "not of type 'array'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+         "not response_format and strict tools"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [  # held: auto, strict
             {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
                 "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}]}, "multipleOf"),
