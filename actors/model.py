@@ -118,7 +118,10 @@ class Attention(nn.Module):
         return self.o_proj(attn.reshape(num_tokens, self.q_size))
 
     def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
-        """q's heads and k's, each RMS-normalised over head_dim by its own weight."""
+        """q's heads and k's, each RMS-normalised over head_dim by its own weight:
+        two RMSNorm calls and a concatenation before the fused RoPE and cache write
+        (a kernel doing all three, as SGLang's fused qk-norm RoPE does, is not
+        written; its gain on a GPU is not measured)."""
         num_tokens = qk.shape[0]
         q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
         k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))

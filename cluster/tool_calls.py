@@ -100,9 +100,9 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
 
 
 def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> str | None:
-    """The pattern the answer is held to, or None (no tools, or tool_choice "none");
-    `parallel` (OpenAI's parallel_tool_calls): a "required" answer may hold several
-    calls, else one."""
+    """The pattern the answer is held to, or None (no tools, tool_choice "none", or
+    "auto" without strict tools: the answer is free); `parallel` (OpenAI's
+    parallel_tool_calls): the answer may hold several calls, else one."""
     tool_choice = _effective(tools, tool_choice)
     named = named_choice(tools, tool_choice)
     if named is not None:
