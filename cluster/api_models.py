@@ -26,7 +26,7 @@ from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from cluster.output_format import openai_asks, openai_regex
 from cluster.reasoning import Reasoning, held_regex
-from cluster.tool_calls import PastCall, Tool, template_call, tool_regex
+from cluster.tool_calls import HERMES, PastCall, Tool, ToolCallFormat, template_call, tool_regex
 
 
 class ApiError(Exception):
@@ -309,9 +309,11 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
             raise ValueError(f"each tool needs its own name: {', '.join(twice)} named twice")
         return tools
 
-    def output_regex(self) -> str | None:
+    def output_regex(self, tool_format: ToolCallFormat = HERMES) -> str | None:
+        """`tool_format`: how the served model writes calls (strict tools hold them)."""
         asked = "tool_choice" if self.tool_choice is not None else "strict tools"  # (auto holds strict tools)
-        return openai_regex(self, **{asked: tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls)})
+        return openai_regex(self, **{asked: tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                                       tool_format)})
 
     def template_tools(self) -> list[dict] | None:
         """The tools for the chat template (none when tool_choice is "none")."""
@@ -325,13 +327,14 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def sampling(self, default_max: int, defaults: SamplingDefaults, reasoning: Reasoning | None = None
-                 ) -> SamplingParams:
+    def sampling(self, default_max: int, defaults: SamplingDefaults, reasoning: Reasoning | None = None,
+                 tool_format: ToolCallFormat = HERMES) -> SamplingParams:
         """`reasoning`: how the answer starts where the server parses reasoning; a
-        pattern then holds the answer after it (cluster/reasoning.py)."""
+        pattern then holds the answer after it (cluster/reasoning.py);
+        `tool_format`: how the served model writes tool calls (cluster/tool_calls.py)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        regex = self.output_regex()
+        regex = self.output_regex(tool_format)
         if reasoning is not None and regex is not None:
             regex = held_regex(regex, reasoning.opened)
         return self._sampling(max_tokens, default_max, logprobs, defaults, regex)

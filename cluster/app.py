@@ -44,7 +44,7 @@ from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, split
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
 from cluster.sglang_body import GenerateBody
-from cluster.tool_calls import StreamedCalls, chat_answer
+from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, chat_answer
 
 log = logging.getLogger("tandem.app")
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
@@ -71,6 +71,7 @@ class Scheduler:
         # /generate rebuilds its logprob entries at every event.
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.tokenizer.decode([token_id]))
         self.sampling_defaults = SamplingDefaults.load(model_dir, self.settings.sampling_defaults)
+        self.tool_format = TOOL_CALL_FORMATS[self.settings.tool_call_parser]  # how the model writes calls
         model_config = ModelConfig.from_hf(model_dir)
         model_len = model_config.max_position_embeddings
         max_model_len = min(self.settings.engine.max_model_len or model_len, model_len)
@@ -219,7 +220,8 @@ class Scheduler:
         chat answer's reasoning is split off (cluster/reasoning.py)."""
         self._check_model(body.model)
         if chat:
-            params = await _sampling(body, self.settings.limits.max_new_tokens, self.sampling_defaults, reasoning)
+            params = await _sampling(body, self.settings.limits.max_new_tokens, self.sampling_defaults, reasoning,
+                                     self.tool_format)
         else:
             params = await _sampling(body, 16, self.sampling_defaults)
         await self._require_ready()
@@ -248,7 +250,8 @@ class Scheduler:
         if chat:  # a message's reasoning (cluster/reasoning.py), text and calls (cluster/tool_calls.py)
             thoughts = [split(text, reasoning.opened) if reasoning else Thought(None, text) for text in texts]
             answers = [chat_answer(thought.content, reason, body.tools, body.tool_choice,
-                                   body.parallel_tool_calls) for thought, reason in zip(thoughts, reasons)]
+                                   body.parallel_tool_calls, self.tool_format)
+                       for thought, reason in zip(thoughts, reasons)]
             texts, calls, reasons = zip(*answers)
         choices = [(text, reason, as_logprobs(self.tokenizer, out.logprobs))
                    for text, reason, out in zip(texts, reasons, results)]
@@ -259,11 +262,10 @@ class Scheduler:
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls,
                                    [t.reasoning for t in thoughts] if reasoning else None)
 
-    @staticmethod
-    def _chat_deltas(body: ChatBody, reasoning: Reasoning | None):
+    def _chat_deltas(self, body: ChatBody, reasoning: Reasoning | None):
         """What writes a streamed chat choice's deltas where they are not its text
         as it comes: tool calls, reasoning (None: the text)."""
-        calls = StreamedCalls.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        calls = StreamedCalls.of(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format)
         return ReasoningDeltas(reasoning, calls) if reasoning is not None else calls
 
     async def _start_choices(self, requests: list[tuple], n: int) -> list:

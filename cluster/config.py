@@ -218,6 +218,8 @@ class AppSettings(_Strict):
     sampling_defaults: SamplingDefaultsSource = "model"
     # `think`: a chat answer's <think> block comes back as `reasoning_content` (cluster/reasoning.py)
     reasoning_parser: Literal["think"] | None = None
+    # How the served model writes tool calls under tool_choice "auto" (cluster/tool_calls.py TOOL_CALL_FORMATS)
+    tool_call_parser: Literal["hermes", "llama3_json"] = "hermes"
     scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name

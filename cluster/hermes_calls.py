@@ -29,38 +29,24 @@ from __future__ import annotations
 
 import json
 import re
-from typing import NamedTuple
 
-from cluster.streamed_text import TrimmedText, tag_start, text_without_regex
+from cluster.answer_parts import ParsedCalls, TrimmedText, known_call, tag_start, text_without_regex
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-class HermesAnswer(NamedTuple):
-    content: str | None
-    calls: list[tuple[str, str]]  # (name, arguments as JSON text) each, in order
-
-
-def parse(text: str, tool_names: set[str], parallel: bool = True) -> HermesAnswer:
+def parse(text: str, tool_names: set[str], parallel: bool = True) -> ParsedCalls:
     """A whole answer's text and calls (`parallel`: more than one may be made)."""
     stream = HermesStream(tool_names, parallel)
-    pieces = stream.feed(text) + stream.finish()
-    content = "".join(piece for piece in pieces if isinstance(piece, str))
-    return HermesAnswer(content or None, [piece for piece in pieces if isinstance(piece, tuple)])
+    return ParsedCalls.of(stream.feed(text) + stream.finish())
 
 
 def block_call(body: str, tool_names: set[str]) -> tuple[str, str] | None:
     """The call a block's body holds, or None when it is not one of the tools'."""
     try:
-        value = json.loads(body)
+        return known_call(json.loads(body), tool_names)
     except ValueError:
         return None
-    if not isinstance(value, dict) or value.get("name") not in tool_names:
-        return None
-    arguments = value.get("arguments", {})
-    if not isinstance(arguments, dict):
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 class HermesStream:
@@ -114,6 +100,7 @@ def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object), laid out as the chat template
     writes a call; one call at most unless `parallel`."""
+    assert arguments, "a held answer's calls need tools"
     block = "|".join(re.escape(f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ') + f"(?:{pattern})"
                      + re.escape(f"}}\n{CLOSE}") for name, pattern in arguments.items())
     return f"{TEXT}(?:(?:{block}){TEXT}){'*' if parallel else '?'}"

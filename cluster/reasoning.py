@@ -26,7 +26,7 @@ import re
 from typing import NamedTuple
 
 from actors.regex_dfa import DEAD, START, compile_regex
-from cluster.streamed_text import TrimmedText, tag_start, text_without_regex
+from cluster.answer_parts import TrimmedText, tag_start, text_without_regex
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("think",)  # the manifest's `reasoning_parser`

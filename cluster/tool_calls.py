@@ -2,7 +2,8 @@
 answer to the tools' parameter schemas by structured output (as vLLM does for
 these two, with any model); `"auto"` (OpenAI's default when tools are given) lets
 the model choose, and its answer is parsed for calls in its own format
-(cluster/hermes_calls.py). Either way the calls come back as `message.tool_calls`.
+(`TOOL_CALL_FORMATS`: Hermes' by default, cluster/hermes_calls.py; Llama 3's JSON,
+cluster/llama_calls.py). Either way the calls come back as `message.tool_calls`.
 
 - a named function: the output is its arguments, a JSON object of its
   `parameters` schema (an object with no properties when it has none);
@@ -10,9 +11,11 @@ the model choose, and its answer is parsed for calls in its own format
   each item one of the tools with its own schema (vLLM's shape); each item a call;
   one only under `parallel_tool_calls: false`;
 - `"auto"`: free text, in which each `<tool_call>` block naming one of the tools
-  is a call (Hermes' format: Qwen2.5's, and the built-in presets' template tells
-  the model so); the rest is the message's `content`. Models of other formats
-  (Llama 3.1's, Mistral's) are not parsed: their calls stay text. When a tool is
+  is a call (Hermes' format: Qwen2.5's and Qwen3's, and the built-in presets'
+  template tells the model so; `tool_call_parser: llama3_json` in the manifest for
+  Llama 3.1 and 3.2 Instruct's format instead); the rest is the message's
+  `content`. Models of other formats (Mistral's, DeepSeek's) are not parsed: their
+  calls stay text. When a tool is
   `strict` (OpenAI's promise that arguments match the schema; the OpenAI Agents
   SDK and `openai.pydantic_function_tool` set it), the answer is held so that any
   call the model starts is a well-formed one of the tools, arguments of its
@@ -32,15 +35,36 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.json_schema import schema_regex
 from actors.sampling_params import InvalidRequestError
-from cluster import hermes_calls
+from cluster import hermes_calls, llama_calls
+from cluster.answer_parts import ParsedCalls
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class ToolCallFormat(NamedTuple):
+    """How a model writes the calls it chooses to make (tool_choice "auto"): a
+    whole answer's parse, its stream (`feed`, `finish`) and the pattern that holds
+    it for strict tools, each given the tools' names and whether calls may be
+    several."""
+
+    parse: Callable[[str, set[str], bool], ParsedCalls]
+    stream: Callable[[set[str], bool], object]
+    held_regex: Callable[[dict[str, str], bool], str]
+
+
+# The manifest's `tool_call_parser`: the served model's format (its chat template's).
+TOOL_CALL_FORMATS = {
+    "hermes": ToolCallFormat(hermes_calls.parse, hermes_calls.HermesStream, hermes_calls.held_regex),
+    "llama3_json": ToolCallFormat(llama_calls.parse, llama_calls.LlamaStream, llama_calls.held_regex),
+}
+HERMES = TOOL_CALL_FORMATS["hermes"]
 
 
 class FunctionSpec(BaseModel):
@@ -99,7 +123,8 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
     return chosen
 
 
-def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> str | None:
+def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt: ToolCallFormat = HERMES
+               ) -> str | None:
     """The pattern the answer is held to, or None (no tools, tool_choice "none", or
     "auto" without strict tools: the answer is free); `parallel` (OpenAI's
     parallel_tool_calls): the answer may hold several calls, else one."""
@@ -108,8 +133,8 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True) -> 
     if named is not None:
         return schema_regex(named.parameters or NO_PARAMETERS)
     if tool_choice == "auto" and any(tool.function.strict for tool in tools):
-        return hermes_calls.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS)
-                                        for tool in tools}, parallel)
+        return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS)
+                               for tool in tools}, parallel)
     if tool_choice != "required":
         return None
     calls = [{"type": "object", "required": ["name", "parameters"], "properties": {
@@ -126,7 +151,7 @@ class ChatAnswer(NamedTuple):
 
 
 def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] | None, tool_choice,
-                parallel: bool = True) -> ChatAnswer:
+                parallel: bool = True, fmt: ToolCallFormat = HERMES) -> ChatAnswer:
     """A chat choice's output as its message: text, or calls (a "required" answer
     cut before its JSON closed is text); None: no answer (a reasoning model's,
     cut while it reasoned: cluster/reasoning.py)."""
@@ -134,7 +159,7 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
         return ChatAnswer(None, None, finish_reason)
     tool_choice = _effective(tools, tool_choice)
     if tool_choice == "auto":
-        parsed = hermes_calls.parse(text, tool_names(tools), parallel)
+        parsed = fmt.parse(text, tool_names(tools), parallel)
         calls = [call(name, arguments) for name, arguments in parsed.calls] or None
         return ChatAnswer(parsed.content, calls, _auto_reason(finish_reason, calls))
     named = named_choice(tools, tool_choice) if tools else None
@@ -185,24 +210,25 @@ class StreamedCalls:
     function's arguments stream as they come (the first delta names the call, as
     OpenAI's do); a "required" answer is whole only at its end (a JSON array of
     calls), so its calls come in the last delta, or its text if it was cut; an
-    "auto" answer's text streams as it comes and each call whole when the model
-    closes its block (cluster/hermes_calls.py)."""
+    "auto" answer's text streams as it comes and each call whole once the model
+    has written it (cluster/hermes_calls.py, cluster/llama_calls.py)."""
 
-    def __init__(self, tools: list[Tool], tool_choice, parallel: bool = True) -> None:
+    def __init__(self, tools: list[Tool], tool_choice, parallel: bool = True, fmt: ToolCallFormat = HERMES) -> None:
         self.tools, self.tool_choice, self.parallel = tools, tool_choice, parallel
         self.named = named_choice(tools, tool_choice)
         self.pieces: list[str] = []
         self.started = False
-        self.auto = hermes_calls.HermesStream(tool_names(tools), parallel) if tool_choice == "auto" else None
+        self.auto = fmt.stream(tool_names(tools), parallel) if tool_choice == "auto" else None
         self.num_calls = 0
 
     @classmethod
-    def of(cls, tools: list[Tool] | None, tool_choice, parallel: bool = True) -> StreamedCalls | None:
+    def of(cls, tools: list[Tool] | None, tool_choice, parallel: bool = True,
+           fmt: ToolCallFormat = HERMES) -> StreamedCalls | None:
         """None when the answer is text."""
         tool_choice = _effective(tools, tool_choice)
         if not tools or tool_choice == "none":
             return None
-        return cls(tools, tool_choice, parallel)
+        return cls(tools, tool_choice, parallel, fmt)
 
     def delta(self, text: str, finished: bool) -> dict | None:
         """The delta's fields for this event (None: nothing to send yet)."""

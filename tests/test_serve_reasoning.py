@@ -1,7 +1,10 @@
-"""A reasoning model served over real HTTP (the tiny qwen3, `reasoning_parser:
-think`): the <think> block as `reasoning_content`, whole and streamed, the answer
-as `content`, a prefilled open block, Qwen3's `enable_thinking` through
-`chat_template_kwargs` (the parser itself: tests/test_reasoning.py)."""
+"""A served model's own answer formats over real HTTP: the tiny qwen3 with
+`reasoning_parser: think` (the <think> block as `reasoning_content`, whole and
+streamed, the answer as `content`, a prefilled open block, Qwen3's
+`enable_thinking` through `chat_template_kwargs`) and, as a Llama 3 checkpoint
+would be served, `tool_call_parser: llama3_json`, the two at once to see that
+they compose (the parsers themselves: tests/test_reasoning.py,
+tests/test_llama_calls.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ ARGS = {
     "engine": {"block_size": 16, "num_kv_blocks": 256},
     "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200},
     "reasoning_parser": "think",
+    "tool_call_parser": "llama3_json",
     "pool_name": "test-pool-reasoning",
 }
 MODEL = "tandem-tiny-qwen3"
@@ -100,3 +104,22 @@ def test_enable_thinking_false_closes_an_empty_block_in_the_prompt(base_url, cli
     assert out.choices[0].message.reasoning_content is None and out.choices[0].message.content
     refused = httpx.post(f"{base_url}/v1/chat/completions", json={**asked, "chat_template_kwargs": {"tools": []}})
     assert refused.status_code == 400 and "tools cannot be set here" in refused.json()["error"]["message"]
+
+
+def test_a_call_in_llamas_format_after_the_reasoning(client):
+    """The answer after the reasoning is a call as Llama 3 writes one (held by a
+    pattern, the random model's own choice being text)."""
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "required": ["zone"], "properties": {"zone": {"enum": ["CET", "UTC"]}}}}}
+    pattern = r'<think>\n[a-z]{2,8}\n</think>\n\n\{"name": "get_time", "parameters": \{"zone": "(CET|UTC)"\}\}'
+    ask = {"model": MODEL, "messages": ASK, "tools": [clock], "max_tokens": 150, "temperature": 1.0, "seed": 3,
+           "extra_body": {"guided_regex": pattern}}
+    whole = client.chat.completions.create(**ask).choices[0]
+    [call] = whole.message.tool_calls
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None and whole.message.reasoning_content
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("CET", "UTC")
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    streamed = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.function.name, d.function.arguments) for d in streamed] == [(call.function.name,
+                                                                            call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -1,0 +1,83 @@
+"""A model's answer split into parts (text and tool calls: cluster/hermes_calls.py,
+cluster/llama_calls.py; reasoning and answer: cluster/reasoning.py), what the
+parsers share: each part given out piece by piece as it streams with the
+whitespace at its two ends removed (`TrimmedText`: the pieces put together are the
+part `.strip()`ped); the tail that may be the start of a tag held back
+(`tag_start`); the pattern of text in which a tag does not occur
+(`text_without_regex`), for answers held to such a split; a call the model wrote,
+checked against the request's tools (`known_call`), and the answer's text and
+calls put together from a stream's pieces (`ParsedCalls`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import NamedTuple
+
+
+class TrimmedText:
+    """The leading whitespace dropped; whitespace held back until text follows it
+    (dropped if none does)."""
+
+    def __init__(self) -> None:
+        self.started = False  # whether any text has gone out
+        self.space = ""  # whitespace held back
+
+    def add(self, text: str) -> str:
+        """What of `text` (with what was held) may go out now ("" for nothing)."""
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self.space += text
+            return ""
+        out, self.space = self.space + body, text[len(body):]
+        self.started = True
+        return out
+
+
+def tag_start(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that `tag` starts with (shorter than
+    the tag)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def text_without_regex(tag: str) -> str:
+    """Any text in which `tag` does not occur (its first character must not occur
+    again in it, as `<` does not in `<tool_call>`): runs of other characters, each
+    run after a `<` not starting with the rest of the tag."""
+    assert tag[0] not in tag[1:]
+    first = re.escape(tag[0])
+    rest = ""  # text of no tag[0] that does not start with tag[k:], built from the last k down
+    for k in range(len(tag) - 1, 0, -1):
+        char = re.escape(tag[k])
+        taken = f"|{char}{rest}" if k < len(tag) - 1 else ""  # the tag's last character would close it
+        rest = f"(?:[^{first}{char}][^{first}]*{taken})?"
+    return f"[^{first}]*(?:{first}{rest})*"
+
+
+class ParsedCalls(NamedTuple):
+    content: str | None
+    calls: list[tuple[str, str]]  # (name, arguments as JSON text) each, in order
+
+    @classmethod
+    def of(cls, pieces: list) -> ParsedCalls:
+        """From a stream's pieces: text (str) and calls ((name, arguments) tuples)."""
+        content = "".join(piece for piece in pieces if isinstance(piece, str))
+        return cls(content or None, [piece for piece in pieces if isinstance(piece, tuple)])
+
+
+def known_call(value, tool_names: set[str], arguments_key: str = "arguments") -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call the model wrote as a JSON value,
+    or None unless it is an object naming one of the tools, with an object (or no)
+    `arguments_key`."""
+    if not isinstance(value, dict) or value.get("name") not in tool_names:
+        return None
+    arguments = value.get(arguments_key, {})
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)

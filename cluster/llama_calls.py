@@ -1,0 +1,137 @@
+"""Tool calls in Llama 3.x's JSON format (the manifest's `tool_call_parser:
+llama3_json`, vLLM's parser of that name): Llama 3.1 and 3.2 Instruct's chat
+templates ask the model to answer a call as `{"name": ..., "parameters": {...}}`,
+the whole answer, sometimes after Llama's `<|python_tag|>` token, several calls
+separated by `;`.
+
+- An answer that begins (whitespace and `<|python_tag|>` aside) with `{` is read
+  as calls: JSON objects, `;` between them, each naming one of the request's tools
+  with an object (or no) `parameters` (`arguments` is taken too). If one does not
+  parse (cut by `max_tokens`) or is not one of the tools', the whole answer is
+  text, as written. Under `parallel_tool_calls: false` the first call is the call
+  and the rest of the answer its text.
+- Any other answer is text, with the whitespace at its two ends removed.
+- Streamed (`LlamaStream`), text goes out as it comes; an answer that begins with
+  `{` can be judged only whole, so its calls (or its text) go out at its end.
+- Held (`held_regex`, strict tools): the answer is text that begins neither with
+  `{` nor with `<|python_tag|>`, or calls laid out as `json.dumps` writes them,
+  `; ` between them, each of a tool's arguments pattern.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from cluster.answer_parts import ParsedCalls, TrimmedText, known_call
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+def parse(text: str, tool_names: set[str], parallel: bool = True) -> ParsedCalls:
+    """A whole answer's text and calls (`parallel`: more than one may be made)."""
+    stream = LlamaStream(tool_names, parallel)
+    return ParsedCalls.of(stream.feed(text) + stream.finish())
+
+
+def read_calls(text: str, tool_names: set[str]) -> list[tuple[tuple[str, str], int]] | None:
+    """Each call of a calls answer (`text` from its first `{`) with where it ends,
+    or None when the answer is not calls of these tools."""
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except ValueError:
+            return None
+        key = "parameters" if isinstance(value, dict) and "parameters" in value else "arguments"
+        called = known_call(value, tool_names, key)
+        if called is None:
+            return None
+        calls.append((called, position))
+        after = _past_space(text, position)
+        if after == len(text):
+            return calls
+        if text[after] != ";":
+            return None
+        position = _past_space(text, after + 1)
+
+
+def _past_space(text: str, position: int) -> int:
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
+
+
+class LlamaStream:
+    """An answer read as it streams: `feed` each new piece of text, `finish` at
+    the end; each returns what may go out now: text (str) and calls ((name,
+    arguments) tuples)."""
+
+    def __init__(self, tool_names: set[str], parallel: bool = True) -> None:
+        self.tool_names, self.parallel = tool_names, parallel
+        self.kind = "start"  # "start": not yet known; "calls": held to the end; "text"
+        self.pending = ""
+        self.text = TrimmedText()
+
+    def feed(self, text: str) -> list:
+        self.pending += text
+        if self.kind == "start":
+            begun = self.pending.lstrip().removeprefix(PYTHON_TAG).lstrip()
+            if begun.startswith("{"):
+                self.kind = "calls"
+            elif not begun or PYTHON_TAG.startswith(begun):
+                return []  # the tag may be coming
+            else:
+                self.kind = "text"
+        if self.kind == "calls":
+            return []
+        return self._text(self._take())
+
+    def finish(self) -> list:
+        whole = self._take()
+        if self.kind != "calls":
+            return self._text(whole)
+        start = whole.index("{")
+        calls = read_calls(whole[start:], self.tool_names)
+        if calls is None:
+            return self._text(whole)
+        if self.parallel or len(calls) == 1:
+            return [called for called, _ in calls]
+        first, end = calls[0]
+        rest = whole[start + end:].lstrip().removeprefix(";")
+        return [first, *self._text(rest)]
+
+    def _take(self) -> str:
+        taken, self.pending = self.pending, ""
+        return taken
+
+    def _text(self, text: str) -> list:
+        out = self.text.add(text)
+        return [out] if out else []
+
+
+def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
+    """The pattern of an answer whose calls name the tools in `arguments` (a name:
+    the pattern of its arguments, a JSON object); one call at most unless
+    `parallel`."""
+    assert arguments, "a held answer's calls need tools"
+    call = "|".join(re.escape(f'{{"name": {json.dumps(name)}, "parameters": ') + f"(?:{pattern})" + r"\}"
+                    for name, pattern in arguments.items())
+    calls = f"(?:{call})(?:; (?:{call}))*" if parallel else f"(?:{call})"
+    return f"(?:{re.escape(PYTHON_TAG)})?{calls}|{_TEXT}"
+
+
+def _text_regex() -> str:
+    """Text that, after its leading whitespace, begins neither with `{` nor with
+    the Python tag: its first other character is neither `{` nor `<`, or it is `<`
+    and what follows it does not begin the rest of the tag (an unfinished start of
+    the tag is text)."""
+    rest = ""  # what does not begin with PYTHON_TAG[k:], from the last k down
+    for k in range(len(PYTHON_TAG) - 1, 0, -1):
+        char = re.escape(PYTHON_TAG[k])
+        taken = f"|{char}{rest}" if k < len(PYTHON_TAG) - 1 else ""  # the tag's last character would finish it
+        rest = f"(?:[^{char}][\\s\\S]*{taken})?"
+    return rf"\s*(?:[^\s{{<][\s\S]*|<{rest})?"
+
+
+_TEXT = _text_regex()
