@@ -387,6 +387,13 @@ def test_tool_calls_by_a_named_function_or_required(client):
     assert required.choices[0].finish_reason == "stop" and len(calls) == 1
     assert all(c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments), dict)
                for c in calls)
+    # Streamed with logprobs, the calls come at the end and every token's logprob on the way (they were dropped).
+    chunks = list(client.chat.completions.create(
+        model="tandem-tiny-qwen2", messages=messages, tools=[WEATHER, CLOCK], max_tokens=150, temperature=1.0,
+        seed=5, tool_choice="required", parallel_tool_calls=False, stream=True, logprobs=True,
+        stream_options={"include_usage": True}))
+    logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert len(logprobs) == chunks[-1].usage.completion_tokens
     # The next turn: the call and its answer go back into the prompt.
     history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                           {"role": "tool", "tool_call_id": call.id, "content": "12 C"}]
