@@ -33,7 +33,7 @@ def install_guard(app: FastAPI) -> None:
                           (StarletteHTTPException, _http_error), (InvalidRequestError, _invalid_request),
                           (SloRejected, _slo_rejected), (Exception, _unexpected)):
         app.add_exception_handler(kind, handler)
-    app.add_middleware(RequestGuard)
+    app.add_middleware(RequestGuard, owner=app)
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -101,13 +101,13 @@ class RequestGuard:
     response listening for the disconnect let it escape as an unhandled error (a
     traceback in the log for about a third of the streams a client closed)."""
 
-    def __init__(self, asgi_app) -> None:
+    def __init__(self, asgi_app, owner: FastAPI) -> None:
         self.app = asgi_app
+        self.owner = owner  # whose state.settings (set by the Scheduler replica) say the key and the limit
 
     async def __call__(self, scope, receive, send) -> None:
         receive = functools.partial(_receive_or_disconnect, receive)
-        owner = scope.get("app")
-        settings: AppSettings | None = getattr(owner.state, "settings", None) if owner else None
+        settings: AppSettings | None = getattr(self.owner.state, "settings", None)
         if scope["type"] != "http" or settings is None:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}

@@ -29,7 +29,6 @@ from actors.regex_dfa import DEAD, START, compile_regex
 from cluster.answer_parts import TrimmedText, tag_start, text_without_regex
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("think",)  # the manifest's `reasoning_parser`
 _REASONING = text_without_regex(CLOSE)
 
 
