@@ -2,6 +2,7 @@
 
     from actors.llm import LLM
     from actors.sampling_params import SamplingParams
+from actors.tokenization import encode_prompt
 
     llm = LLM("models/tiny", block_size=16, prefill_chunk_size=256)
     for out in llm.generate(["Hello"], SamplingParams(max_new_tokens=8, temperature=0)):
@@ -9,7 +10,11 @@
 
 `generate` without params samples as the checkpoint's generation_config.json says
 (`default_sampling_params`, actors/sampling_defaults.py); explicit SamplingParams
-are used as they are.
+are used as they are. `chat` answers conversations (lists of `{"role", "content"}`
+messages) through the checkpoint's chat template, as the HTTP chat endpoint
+renders them (no tokenizer BOS beyond what the template writes; `tools` and
+`chat_template_kwargs` to the template), and returns the answers' outputs, their
+text unparsed (tool calls and reasoning are split over HTTP: cluster/).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from actors.engine import Engine
 from actors.request import RequestOutput
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
+from actors.tokenization import encode_prompt
 
 
 class LLM:
@@ -74,3 +80,35 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]
+
+    def chat(
+        self,
+        conversations: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Answer each conversation (one conversation: a list of messages; or a
+        list of them), in order."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.chat_prompt(messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message)
+                   for messages in conversations]
+        return self.generate(prompts, params, progress=progress)
+
+    def chat_prompt(self, messages: Sequence[dict], *, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """A conversation's prompt ids: the chat template's text, tokenized without
+        the tokenizer's own special tokens (the template writes those it wants)."""
+        text = self.tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message,
+                                                  **(chat_template_kwargs or {}))
+        return encode_prompt(self.tokenizer, text, add_special_tokens=False)

@@ -124,8 +124,11 @@ def test_text_prompts_get_the_tokenizers_bos_and_templated_ones_do_not(tmp_path)
     assert encode_prompt(tokenizer, chat, add_special_tokens=False) == tokenizer.encode(chat, add_special_tokens=False)
     assert encode_prompt(tokenizer, "Once upon a time", add_special_tokens=False) == bare
     assert encode_prompt(tokenizer, bare) == bare
-    out = LLM(tmp_path, block_size=16).generate(["Once upon a time"], SamplingParams(max_new_tokens=2))[0]
+    llm = LLM(tmp_path, block_size=16)
+    out = llm.generate(["Once upon a time"], SamplingParams(max_new_tokens=2))[0]
     assert out.prompt_token_ids == [1] + bare
+    answer = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=2))[0]  # as chat over HTTP
+    assert answer.prompt_token_ids == tokenizer.encode(chat, add_special_tokens=False)
 
 
 def test_stop_strings_cut_the_text(llm):

@@ -459,6 +459,14 @@ def test_greedy_over_http_equals_the_offline_engine(base_url, client):
         completion = client.completions.create(
             model="tandem-tiny-qwen2", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
         assert completion.choices[0].text == expected.text
+    conversations = [[{"role": "user", "content": prompt}] for prompt in prompts[:2]]
+    tools = [WEATHER]  # (rendered by the template; the answers are text: the greedy model calls nothing)
+    for conversation, expected in zip(conversations, llm.chat(conversations, SamplingParams(
+            max_new_tokens=12, temperature=0, ignore_eos=True), tools=tools)):
+        chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=conversation, tools=tools,
+                                              max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        assert chat.choices[0].message.content == expected.text.strip()
+        assert chat.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
 def test_openai_completions(client):
