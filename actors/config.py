@@ -16,7 +16,8 @@ import torch
 
 from kernels import check_kernel_backend
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                           "LlamaForCausalLM": "llama"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,7 +27,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "qwen2" | "qwen3" | "llama"
+    architecture: str  # "qwen2" | "qwen3" | "qwen3_moe" | "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +46,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # An RMSNorm over each query and key head before RoPE (Qwen3's q_norm, k_norm).
     qk_norm: bool = False
+    # A mixture of experts (Qwen3-MoE): a sparse layer's MLP is `num_experts` experts
+    # of `moe_intermediate_size`, each token through the `num_experts_per_tok` the
+    # router scores best (their weights renormalised to sum 1 with `norm_topk_prob`);
+    # the layers in `dense_layers` keep one MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> "ModelConfig":
@@ -86,10 +103,24 @@ class ModelConfig:
                 # Qwen2 always carries q/k/v biases; Llama and Qwen3 only with attention_bias.
                 qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
                 eos_token_ids=_eos_ids(raw, Path(model_dir)),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
+                **(_experts(raw) if family == "qwen3_moe" else {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: invalid config field ({exc!r})") from None
+
+
+def _experts(raw: dict) -> dict:
+    """Qwen3-MoE's expert fields; a layer is sparse unless `mlp_only_layers` names
+    it or it falls between `decoder_sparse_step`s (HF's rule)."""
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    layers = int(raw["num_hidden_layers"])
+    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]  # (transformers v5's name)
+    return dict(num_experts=int(experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                dense_layers=tuple(i for i in range(layers) if i in dense_only or (i + 1) % step))
 
 
 def _ids(value) -> tuple[int, ...]:

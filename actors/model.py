@@ -1,7 +1,8 @@
-"""Qwen2, Qwen3 and Llama decoder-only models over a paged KV cache.
+"""Qwen2, Qwen3, Qwen3-MoE and Llama decoder-only models over a paged KV cache.
 
 The families differ only by flags on `ModelConfig` (QKV bias, tied embeddings,
-RoPE parameters, Qwen3's RMSNorm of each query and key head before RoPE). Module names follow Hugging Face's so checkpoints load by name;
+RoPE parameters, Qwen3's RMSNorm of each query and key head before RoPE, and
+Qwen3-MoE's mixture of experts in place of a layer's MLP: `SparseMoE`). Module names follow Hugging Face's so checkpoints load by name;
 q/k/v and gate/up projections are stored fused (`qkv_proj`, `gate_up_proj`), one
 GEMM each, and `weights.py` maps the HF names onto their slices.
 """
@@ -140,11 +141,63 @@ class MLP(nn.Module):
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class Experts(nn.Module):
+    """A sparse layer's experts, each a SiLU-gated MLP, stored as HF's 3D tensors:
+    `gate_up_proj` [experts, 2 * moe_intermediate, hidden] (gate rows first),
+    `down_proj` [experts, hidden, moe_intermediate]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size, hidden = config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden, size))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's MLP: the router (`gate`) scores every expert for each token, a
+    softmax in float32 picks its `num_experts_per_tok` best (their weights
+    renormalised with `norm_topk_prob`), and the token's output is their outputs
+    so weighted. Tokens are grouped by expert (a stable sort), each expert runs
+    once on its tokens, and the outputs are added back in expert order, as
+    transformers does. The groups' sizes are read on the host, so a step holding
+    one is not a CUDA graph (`ModelRunner` captures none for these models); a
+    fused MoE kernel for GPUs (vLLM's, SGLang's) is not written."""
+
     def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, False, kernels.linear)
+        self.experts = Experts(config)
+        self.silu_and_mul = kernels.silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = weights.to(x.dtype).flatten(), chosen.flatten()
+        order = chosen.argsort(stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // self.top_k
+            hidden = self.silu_and_mul(nn.functional.linear(x[tokens], self.experts.gate_up_proj[expert]))
+            hidden = nn.functional.linear(hidden, self.experts.down_proj[expert]) * weights[pairs, None]
+            out.index_add_(0, tokens, hidden)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: ModelKernels, index: int) -> None:
+        super().__init__()
         self.self_attn = Attention(config, kernels)
-        self.mlp = MLP(config, kernels)
+        self.mlp = SparseMoE(config, kernels) if config.is_sparse(index) else MLP(config, kernels)
         norm = dict(kernel=kernels.rms_norm, add_kernel=kernels.add_rms_norm)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
@@ -165,7 +218,7 @@ class Model(nn.Module):
     def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm, kernels.add_rms_norm)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)

@@ -2,7 +2,8 @@
 
 Contract:
 - `build_checkpoint(preset, arch, out_dir)` writes a complete HF model folder:
-  config.json (through transformers' Qwen2Config / Qwen3Config / LlamaConfig),
+  config.json (through transformers' Qwen2Config / Qwen3Config / Qwen3MoeConfig /
+  LlamaConfig),
   generation_config.json,
   the tokenizer files (actors.tokenizer_builder) and safetensors weights under HF
   parameter names, either one `model.safetensors` or, with `max_shard_bytes`,
@@ -18,7 +19,8 @@ Contract:
   tied embedding (rms 3/sqrt(hidden)) and a token's own logit gets little boost
   (with gain 1, tiny qwen2 repeated its input token at 92% of positions); q/k/v
   biases N(0, 0.02^2); RMSNorm gains (qwen3's per-head q_norm and k_norm too)
-  1 + N(0, 0.05^2); the output embedding
+  1 + N(0, 0.05^2); a mixture's router N(0, 1/hidden) and its experts as an MLP's
+  linear layers; the output embedding
   (lm_head, or the tied embed_tokens) N(0, (3/sqrt(hidden))^2), so final logits
   have a standard deviation near 3; an untied input embedding N(0, 1).
   Measured with transformers in fp32 over eight prompts: logit std 3.04 / 3.00 and
@@ -81,6 +83,15 @@ class Preset:
     # Qwen2.5, whose embedding has 151936 rows for 151665 tokens): a BPE trained on
     # the shipped text cannot reach 150k entries; ids past it decode to nothing.
     tokenizer_vocab_size: int | None = None
+    # qwen3_moe: experts of intermediate_size / 4, two of them a token (Qwen3-30B-A3B:
+    # 128 of 768 with hidden 2048, eight a token); every layer sparse but the first,
+    # so that both kinds of MLP are built.
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.intermediate_size // 4
 
     def rope_theta(self, arch: str) -> float:
         return self.rope_theta_llama if arch == "llama" else self.rope_theta_qwen2
@@ -116,6 +127,7 @@ class ArchSpec:
     bos_token: str | None
     nfc: bool  # transformers v5 forces Qwen2Tokenizer's NFC normalizer on model_type qwen2 (and qwen3)
     qk_norm: bool = False  # an RMSNorm of each query and key head (Qwen3)
+    moe: bool = False  # experts in place of the MLP of every layer but the first (Qwen3-MoE)
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {
@@ -125,6 +137,9 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     # Qwen3-0.6B to 4B (8B and up untie them).
     "qwen3": ArchSpec("Qwen3ForCausalLM", tie_word_embeddings=True, qkv_bias=False,
                       rms_norm_eps=1e-6, bos_token=None, nfc=True, qk_norm=True),
+    # Qwen3-MoE (Qwen3-30B-A3B's family): Qwen3's attention, untied embeddings.
+    "qwen3_moe": ArchSpec("Qwen3MoeForCausalLM", tie_word_embeddings=False, qkv_bias=False,
+                          rms_norm_eps=1e-6, bos_token=None, nfc=True, qk_norm=True, moe=True),
     "llama": ArchSpec("LlamaForCausalLM", tie_word_embeddings=False, qkv_bias=False,
                       rms_norm_eps=1e-5, bos_token=ENDOFTEXT, nfc=False),
 }
@@ -146,7 +161,7 @@ def _check(preset: str, arch: str, dtype: str = "float32") -> tuple[Preset, Arch
 
 
 def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=p.vocab_size, hidden_size=p.hidden_size,
@@ -164,6 +179,12 @@ def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict
     elif arch == "qwen3":
         config = Qwen3Config(use_sliding_window=False, sliding_window=None, attention_bias=False,
                              max_window_layers=p.num_hidden_layers, **common)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(use_sliding_window=False, sliding_window=None, attention_bias=False,
+                                max_window_layers=p.num_hidden_layers, num_experts=p.num_experts,
+                                num_experts_per_tok=p.num_experts_per_tok,
+                                moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=True,
+                                decoder_sparse_step=1, mlp_only_layers=[0], **common)
     else:
         config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     return config
@@ -171,11 +192,13 @@ def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict
 
 def _write_config(config, out_dir: Path, *, rope_theta: float, dtype: str) -> None:
     """config.json as transformers writes it, plus the top-level `rope_theta` and
-    `torch_dtype` that v5 no longer writes but older readers (transformers 4.x,
-    engines that parse config.json themselves) look for."""
+    `torch_dtype` (and a mixture's `num_experts`) that v5 no longer writes but older
+    readers (transformers 4.x, engines that parse config.json themselves) look for."""
     config_dict = json.loads(config.to_json_string(use_diff=True))
     config_dict.setdefault("rope_theta", rope_theta)
     config_dict.setdefault("torch_dtype", dtype)
+    if "num_local_experts" in config_dict:  # v5's name for the Hub's (and vLLM's) num_experts
+        config_dict.setdefault("num_experts", config_dict["num_local_experts"])
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
 
 
@@ -200,6 +223,14 @@ def _param_specs(p: Preset, spec: ArchSpec) -> Iterator[tuple[str, tuple[int, ..
             yield pre + "self_attn.k_norm.weight", (p.head_dim,), "norm", NORM_NOISE_STD
         yield pre + "self_attn.o_proj.weight", (h, q_dim), "normal", branch_scale / math.sqrt(q_dim)
         yield pre + "post_attention_layernorm.weight", (h,), "norm", NORM_NOISE_STD
+        if spec.moe and i > 0:
+            size = p.moe_intermediate_size
+            yield pre + "mlp.gate.weight", (p.num_experts, h), "normal", 1 / math.sqrt(h)
+            for e in range(p.num_experts):
+                yield pre + f"mlp.experts.{e}.gate_proj.weight", (size, h), "normal", 1 / math.sqrt(h)
+                yield pre + f"mlp.experts.{e}.up_proj.weight", (size, h), "normal", 1 / math.sqrt(h)
+                yield pre + f"mlp.experts.{e}.down_proj.weight", (h, size), "normal", branch_scale / math.sqrt(size)
+            continue
         yield pre + "mlp.gate_proj.weight", (inter, h), "normal", 1 / math.sqrt(h)
         yield pre + "mlp.up_proj.weight", (inter, h), "normal", 1 / math.sqrt(h)
         yield pre + "mlp.down_proj.weight", (h, inter), "normal", branch_scale / math.sqrt(inter)

@@ -98,7 +98,7 @@ class ModelRunner:
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self.step_done: torch.cuda.Event | None = None  # recorded after each step's work (CUDA)
         self.decode_graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and cuda:
+        if config.cuda_graphs and cuda and not model_config.is_moe:  # (experts' groups are sized on the host)
             self.decode_graphs = self.static_decode(capture=True)
             if not self.decode_graphs.is_captured:
                 self.decode_graphs = None

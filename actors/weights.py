@@ -3,8 +3,11 @@
 Handles one `model.safetensors` or a sharded checkpoint (`model.safetensors.index.json`
 naming its shard files), casts to the engine dtype, and fills the fused projections
 from their HF parts: `q_proj|k_proj|v_proj` into `qkv_proj`, `gate_proj|up_proj` into
-`gate_up_proj`. Every parameter must be filled exactly once, or loading fails with a
-`CheckpointError` naming what is missing.
+`gate_up_proj`, and a mixture's experts as the Hub stores them
+(`mlp.experts.<e>.gate_proj|up_proj|down_proj`) into the 3D expert tensors
+(transformers v5's own layout, `mlp.experts.gate_up_proj`, loads by name). Every
+parameter must be filled exactly once, or loading fails with a `CheckpointError`
+naming what is missing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from actors.config import CheckpointError
 from actors.model import ForCausalLM
 
 _FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -38,6 +42,18 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: shard {path.name} named in the index is missing")
     return files
+
+
+def _expert_slice(model: ForCausalLM, name: str) -> tuple[str, int, int, int] | None:
+    """For an expert's HF weight: (param name, expert, row start, rows)."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    prefix, expert, part = match.groups()
+    size = model.config.moe_intermediate_size
+    target, start, rows = {"gate_proj": ("gate_up_proj", 0, size), "up_proj": ("gate_up_proj", size, size),
+                           "down_proj": ("down_proj", 0, model.config.hidden_size)}[part]
+    return f"{prefix}.{target}", int(expert), start, rows
 
 
 def _fused_slice(model: ForCausalLM, name: str) -> tuple[str, int, int] | None:
@@ -64,7 +80,7 @@ def _fused_slice(model: ForCausalLM, name: str) -> tuple[str, int, int] | None:
 
 def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> None:
     params = dict(model.named_parameters())
-    filled = {name: 0 for name in params}  # rows filled per parameter
+    filled = {name: 0 for name in params}  # elements filled per parameter
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as reader:
@@ -76,20 +92,27 @@ def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> Non
                     _copy(model, params, filled, name, reader.get_tensor(name), dtype)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors ({exc})") from None
-    missing = [name for name, rows in filled.items() if rows != params[name].shape[0]]
+    missing = [name for name, count in filled.items() if count != params[name].numel()]
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing or incomplete: {missing[:5]}")
 
 
 def _copy(model, params, filled, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    fused = _fused_slice(model, name)
-    target_name, start, rows = fused if fused else (name, 0, None)
+    expert = _expert_slice(model, name)
+    if expert is not None:
+        target_name, index, start, rows = expert
+    else:
+        fused = _fused_slice(model, name)
+        (target_name, start, rows), index = (fused if fused else (name, 0, None)), None
     if target_name not in params:
         raise CheckpointError(f"unexpected weight {name!r} in checkpoint")
     param = params[target_name]
-    target = param.data if rows is None else param.data[start : start + rows]
+    if index is not None and not index < param.shape[0]:
+        raise CheckpointError(f"unexpected weight {name!r} in checkpoint (the model has {param.shape[0]} experts)")
+    data = param.data if index is None else param.data[index]
+    target = data if rows is None else data[start : start + rows]
     if tuple(target.shape) != tuple(tensor.shape):
         raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
     with torch.no_grad():
         target.copy_(tensor.to(dtype))
-    filled[target_name] += target.shape[0]
+    filled[target_name] += target.numel()

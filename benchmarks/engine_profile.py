@@ -63,6 +63,10 @@ def instrument(engine, timer: PhaseTimer):
     runner._sample = timer.wrap("runner._sample (on the device)", runner._sample)
     runner.collect = timer.wrap("runner.collect (tokens to the host)", runner.collect)
     model = runner.model
+    if model.config.is_moe:
+        from actors.config import CheckpointError
+
+        raise CheckpointError("the profile times a dense model's layers; a mixture of experts is not profiled")
     model.forward = timer.wrap("model forward (total)", model.forward)
     model.compute_logits = timer.wrap("lm_head (compute_logits)", model.compute_logits)
     norms = [module for module in model.modules() if isinstance(module, model_module.RMSNorm)]

@@ -71,6 +71,10 @@ def peak_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 10) -> dict:
 def model_counts(model) -> dict:
     """Parameter counts of a Tandem `ForCausalLM`: matmul weights per token, the LM
     head, and every weight a decode step reads."""
+    if model.config.is_moe:  # (a token reads its experts only: another count)
+        from actors.config import CheckpointError
+
+        raise CheckpointError("the roofline counts a dense model's weights; a mixture of experts is not modelled")
     layers = model.model.layers
     linear = sum(
         m.weight.numel()

@@ -42,7 +42,7 @@ class ModelSource(_Strict):
 
     path: str | None = None
     preset: Literal["tiny", "bench", "qwen2.5-0.5b"] | None = None  # actors/model_builder.py's PRESETS
-    arch: Literal["qwen2", "qwen3", "llama"] = "qwen2"  # actors/model_builder.py's ARCH_SPECS
+    arch: Literal["qwen2", "qwen3", "qwen3_moe", "llama"] = "qwen2"  # actors/model_builder.py's ARCH_SPECS
     name: str | None = None  # the id /v1/models lists; default from the source
 
     @model_validator(mode="after")

@@ -227,6 +227,51 @@ def test_bad_sampling_params_are_refused(kwargs, message):
         SamplingParams(**kwargs)
 
 
+def test_a_mixtures_experts_load_from_the_hubs_layout_or_transformers_v5s(tmp_path):
+    """Experts one by one (`mlp.experts.<e>.gate_proj.weight`, as the Hub and the
+    builder store them) or as 3D tensors (`mlp.experts.gate_up_proj`, transformers
+    v5's modules): the same model. An expert the model does not have is refused."""
+    from safetensors.torch import save_file
+
+    from actors.model_builder import ensure_checkpoint
+
+    hub = ensure_checkpoint("tiny", "qwen3_moe")
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    expected = LLM(hub, block_size=16).generate([[5, 6, 7]], params)[0].token_ids
+    engine = Engine(hub, EngineConfig(block_size=16))
+    weights = {name: tensor.contiguous() for name, tensor in engine.runner.model.state_dict().items()}
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    for item in hub.iterdir():
+        if not item.name.endswith(".safetensors"):
+            (folder / item.name).write_bytes(item.read_bytes())
+    save_file(_hf_names(weights, engine.model_config), str(folder / "model.safetensors"))
+    assert LLM(folder, block_size=16).generate([[5, 6, 7]], params)[0].token_ids == expected
+    extra = _hf_names(weights, engine.model_config)
+    extra["model.layers.1.mlp.experts.99.up_proj.weight"] = torch.zeros(8, 128)
+    save_file(extra, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="the model has 8 experts"):
+        Engine(folder, EngineConfig(block_size=16))
+
+
+def _hf_names(weights: dict, config) -> dict:
+    """Our parameters under HF's names: q/k/v and gate/up split again, experts left
+    as the 3D tensors transformers v5 holds."""
+    out, q, kv, inter = {}, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.intermediate_size
+    for name, tensor in weights.items():
+        if name.endswith("qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = (
+                t.contiguous() for t in tensor.split([q, kv, kv]))
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = (t.contiguous() for t in tensor.split(inter))
+        else:
+            out[name] = tensor
+    return out
+
+
 def test_missing_and_corrupt_checkpoints(tmp_path, tiny_qwen2_dir):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         Engine(tmp_path / "nope")

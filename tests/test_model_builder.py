@@ -46,7 +46,7 @@ def _logits(folder: Path, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids).logits
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", list(ARCH_SPECS))
 def test_tiny_loads_and_generates_in_transformers(tiny_dirs, arch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,10 +55,11 @@ def test_tiny_loads_and_generates_in_transformers(tiny_dirs, arch):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
 
-    assert config["architectures"] == [
-        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
-    assert config["tie_word_embeddings"] is (arch != "llama")
-    assert ("q_norm" in str(model)) is (arch == "qwen3")
+    assert config["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                        "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    assert config["tie_word_embeddings"] is (arch in ("qwen2", "qwen3"))
+    assert ("q_norm" in str(model)) is arch.startswith("qwen3")
+    assert ("SparseMoeBlock" in str(model)) is (arch == "qwen3_moe")
     assert model.config.num_key_value_heads == 2 and model.config.head_dim == 32
     num_params = sum(p.numel() for p in model.parameters())
     assert num_params == num_parameters("tiny", arch)
@@ -88,7 +89,7 @@ def test_determinism_across_processes(tmp_path, tiny_dirs):
     assert _hashes(tmp_path / "sub") == _hashes(tiny_dirs["llama"])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", list(ARCH_SPECS))
 def test_tokenizer_covers_vocab_and_round_trips(tiny_dirs, arch):
     from transformers import AutoTokenizer
 
@@ -109,7 +110,7 @@ def test_tokenizer_covers_vocab_and_round_trips(tiny_dirs, arch):
     assert tokenizer("<|im_end|>").input_ids == [2]
 
     decomposed = "cafe\u0301"  # 'e' + combining acute accent
-    expected = decomposed if arch == "llama" else "caf\u00e9"  # qwen2 and qwen3 normalise to NFC
+    expected = decomposed if arch == "llama" else "caf\u00e9"  # the qwen families normalise to NFC
     assert tokenizer.decode(tokenizer(decomposed).input_ids) == expected
 
 

@@ -1,5 +1,5 @@
-"""A served model's own answer formats over real HTTP: the tiny qwen3 with
-`reasoning_parser: think` (the <think> block as `reasoning_content`, whole and
+"""A served model's own answer formats over real HTTP: the tiny qwen3_moe (Qwen3's
+mixture of experts, served by a worker actor) with `reasoning_parser: think` (the <think> block as `reasoning_content`, whole and
 streamed, the answer as `content`, a prefilled open block, Qwen3's
 `enable_thinking` through `chat_template_kwargs`) and, as a Llama 3 checkpoint
 would be served, `tool_call_parser: llama3_json`, the two at once to see that
@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import served_app
 
 ARGS = {
-    "model": {"preset": "tiny", "arch": "qwen3"},
+    "model": {"preset": "tiny", "arch": "qwen3_moe"},
     "mode": "colocated",
     "colocated": {"replicas": 1, "num_cpus": 1},
     "engine": {"block_size": 16, "num_kv_blocks": 256},
@@ -26,7 +26,7 @@ ARGS = {
     "tool_call_parser": "llama3_json",
     "pool_name": "test-pool-reasoning",
 }
-MODEL = "tandem-tiny-qwen3"
+MODEL = "tandem-tiny-qwen3_moe"
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
