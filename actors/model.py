@@ -2,9 +2,10 @@
 
 The families differ only by flags on `ModelConfig` (QKV bias, tied embeddings,
 RoPE parameters, Qwen3's RMSNorm of each query and key head before RoPE, and
-Qwen3-MoE's mixture of experts in place of a layer's MLP: `SparseMoE`). Module names follow Hugging Face's so checkpoints load by name;
-q/k/v and gate/up projections are stored fused (`qkv_proj`, `gate_up_proj`), one
-GEMM each, and `weights.py` maps the HF names onto their slices.
+Qwen3-MoE's mixture of experts in place of a layer's MLP: `SparseMoE`). Module
+names follow Hugging Face's so checkpoints load by name; q/k/v and gate/up
+projections are stored fused (`qkv_proj`, `gate_up_proj`), one GEMM each, and
+`weights.py` maps the HF names onto their slices.
 """
 
 from __future__ import annotations
