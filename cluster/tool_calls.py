@@ -132,7 +132,7 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt
     named = named_choice(tools, tool_choice)
     if named is not None:
         return schema_regex(named.parameters or NO_PARAMETERS)
-    if tool_choice == "auto" and any(tool.function.strict for tool in tools):
+    if tool_choice == "auto" and any(tool.function.strict for tool in tools or ()):
         return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS)
                                for tool in tools}, parallel)
     if tool_choice != "required":

@@ -94,6 +94,7 @@ def test_tools_ask_for_a_pattern_only_when_a_call_is_required_or_named():
     dfa = compile_regex(one.output_regex())
     assert dfa.fullmatch('[{"name": "f", "parameters": {"x": 1}}]')
     assert not dfa.fullmatch('[{"name": "f", "parameters": {"x": 1}}, {"name": "f", "parameters": {"x": 2}}]')
+    assert ChatBody(messages=MESSAGES, tool_choice="auto").output_regex() is None  # auto without tools (was a 500)
     auto = ChatBody(messages=MESSAGES, tools=[tool])  # OpenAI's default with tools: "auto", parsed after
     assert auto.output_regex() is None and auto.template_tools() == [tool]
     with pytest.raises(InvalidRequestError, match="tool_choice must be"):
