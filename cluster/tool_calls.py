@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from actors.json_schema import schema_regex
 from actors.sampling_params import InvalidRequestError
 from cluster import hermes_calls, llama_calls
-from cluster.answer_parts import ParsedCalls
+from cluster.answer_parts import ParsedCalls, known_call
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -171,8 +171,10 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
         items = json.loads(text)
     except ValueError:
         return ChatAnswer(text, None, finish_reason)
-    return ChatAnswer(None, [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                             for item in items], finish_reason)
+    calls = [known_call(item, tool_names(tools), "parameters") for item in items] if isinstance(items, list) else [None]
+    if not calls or None in calls:  # (held to the pattern, only a cut answer is not calls)
+        return ChatAnswer(text, None, finish_reason)
+    return ChatAnswer(None, [call(name, arguments) for name, arguments in calls], finish_reason)
 
 
 def tool_names(tools: list[Tool] | None) -> set[str]:

@@ -147,3 +147,11 @@ def test_only_strict_tools_hold_an_auto_answer():
     assert not dfa.fullmatch(block("get_weather", {"city": "Toulouse"}))
     assert not compile_regex(tool_regex([Tool.model_validate(strict)], "auto", parallel=False)).fullmatch(
         block("get_weather", {"city": "a"}) * 2)
+
+
+def test_a_required_answer_that_is_not_calls_of_the_tools_is_text():
+    """Held to its pattern only a cut answer is not calls; any other shape is text too."""
+    for text in ('{"name": "get_time", "parameters": {}}', '[{"name": "rm_rf", "parameters": {}}]', "[]", '["x"]'):
+        assert chat_answer(text, "stop", TOOLS, "required") == (text, None, "stop"), text
+    whole = chat_answer('[{"name": "get_time", "parameters": {}}]', "stop", TOOLS, "required")
+    assert whole.content is None and whole.calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
