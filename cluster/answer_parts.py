@@ -4,7 +4,7 @@ parsers share: each part given out piece by piece as it streams with the
 whitespace at its two ends removed (`TrimmedText`: the pieces put together are the
 part `.strip()`ped); the tail that may be the start of a tag held back
 (`tag_start`); the pattern of text in which a tag does not occur
-(`text_without_regex`), for answers held to such a split; a call the model wrote,
+(`text_without_regex`, `unfinished_tag_regex`), for answers held to such a split; a call the model wrote,
 checked against the request's tools (`known_call`), and the answer's text and
 calls put together from a stream's pieces (`ParsedCalls`).
 """
@@ -52,12 +52,21 @@ def text_without_regex(tag: str) -> str:
     run after a `<` not starting with the rest of the tag."""
     assert tag[0] not in tag[1:]
     first = re.escape(tag[0])
-    rest = ""  # text of no tag[0] that does not start with tag[k:], built from the last k down
+    return f"[^{first}]*(?:{first}{unfinished_tag_regex(tag, f'[^{first}]', first)})*"
+
+
+def unfinished_tag_regex(tag: str, anything: str, never: str = "") -> str:
+    """What may follow a `tag[0]` that does not open the tag: `anything`s (a class
+    of one character, never `never`) that do not begin with `tag[1:]`, an
+    unfinished start of it included. Built from the tag's last character back: a
+    character other than the tag's next, then anything; or the tag's next, then
+    the same again for the rest (the last one would finish the tag)."""
+    rest = ""
     for k in range(len(tag) - 1, 0, -1):
         char = re.escape(tag[k])
-        taken = f"|{char}{rest}" if k < len(tag) - 1 else ""  # the tag's last character would close it
-        rest = f"(?:[^{first}{char}][^{first}]*{taken})?"
-    return f"[^{first}]*(?:{first}{rest})*"
+        taken = f"|{char}{rest}" if k < len(tag) - 1 else ""
+        rest = f"(?:[^{never}{char}]{anything}*{taken})?"
+    return rest
 
 
 class ParsedCalls(NamedTuple):

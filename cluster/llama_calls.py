@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, TrimmedText, known_call
+from cluster.answer_parts import ParsedCalls, TrimmedText, known_call, unfinished_tag_regex
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -124,14 +124,10 @@ def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
 def _text_regex() -> str:
     """Text that, after its leading whitespace, begins neither with `{` nor with
     the Python tag: its first other character is neither `{` nor `<`, or it is `<`
-    and what follows it does not begin the rest of the tag (an unfinished start of
-    the tag is text)."""
-    rest = ""  # what does not begin with PYTHON_TAG[k:], from the last k down
-    for k in range(len(PYTHON_TAG) - 1, 0, -1):
-        char = re.escape(PYTHON_TAG[k])
-        taken = f"|{char}{rest}" if k < len(PYTHON_TAG) - 1 else ""  # the tag's last character would finish it
-        rest = f"(?:[^{char}][\\s\\S]*{taken})?"
-    return rf"\s*(?:[^\s{{<][\s\S]*|<{rest})?"
+    and what follows it does not finish the tag (an unfinished start of the tag is
+    text)."""
+    anything = r"[\s\S]"
+    return rf"\s*(?:[^\s{{<]{anything}*|<{unfinished_tag_regex(PYTHON_TAG, anything)})?"
 
 
 _TEXT = _text_regex()
