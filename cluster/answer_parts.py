@@ -36,6 +36,11 @@ class TrimmedText:
         self.started = True
         return out
 
+    def pieces(self, text: str) -> list[str]:
+        """`add`, as a stream's pieces: [] for nothing."""
+        out = self.add(text)
+        return [out] if out else []
+
 
 def tag_start(text: str, tag: str) -> int:
     """The length of the longest end of `text` that `tag` starts with (shorter than

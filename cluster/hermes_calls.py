@@ -73,27 +73,22 @@ class HermesStream:
                 self.in_block = False
                 called = block_call(body, self.tool_names) if self.parallel or not self.num_calls else None
                 self.num_calls += called is not None
-                out += [called] if called else self._text(OPEN + body + CLOSE)
+                out += [called] if called else self.text.pieces(OPEN + body + CLOSE)
                 continue
             start = self.pending.find(OPEN)
             if start < 0:
                 keep = tag_start(self.pending, OPEN)
-                out += self._text(self.pending[:len(self.pending) - keep])
+                out += self.text.pieces(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 return out
-            out += self._text(self.pending[:start])
+            out += self.text.pieces(self.pending[:start])
             self.pending, self.in_block = self.pending[start + len(OPEN):], True
 
     def finish(self) -> list:
         """The rest: a block left open, or a tag's start, is text after all."""
         rest = (OPEN if self.in_block else "") + self.pending
         self.pending, self.in_block = "", False
-        return self._text(rest)
-
-    def _text(self, text: str) -> list:
-        """Text to give out, less the whitespace at the answer's two ends."""
-        out = self.text.add(text)
-        return [out] if out else []
+        return self.text.pieces(rest)
 
 
 def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:

@@ -85,29 +85,25 @@ class LlamaStream:
                 self.kind = "text"
         if self.kind == "calls":
             return []
-        return self._text(self._take())
+        return self.text.pieces(self._take())
 
     def finish(self) -> list:
         whole = self._take()
         if self.kind != "calls":
-            return self._text(whole)
+            return self.text.pieces(whole)
         start = whole.index("{")
         calls = read_calls(whole[start:], self.tool_names)
         if calls is None:
-            return self._text(whole)
+            return self.text.pieces(whole)
         if self.parallel or len(calls) == 1:
             return [called for called, _ in calls]
         first, end = calls[0]
         rest = whole[start + end:].lstrip().removeprefix(";")
-        return [first, *self._text(rest)]
+        return [first, *self.text.pieces(rest)]
 
     def _take(self) -> str:
         taken, self.pending = self.pending, ""
         return taken
-
-    def _text(self, text: str) -> list:
-        out = self.text.add(text)
-        return [out] if out else []
 
 
 def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
