@@ -61,6 +61,7 @@ NORM_NOISE_STD = 0.05
 BIAS_STD = 0.02
 RESIDUAL_GAIN = 16.0
 BUILD_STAMP = "tandem_build.json"
+MOE_DENSE_LAYERS = (0,)  # qwen3_moe: the layers that keep one MLP (config.json's mlp_only_layers)
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class Preset:
     # the shipped text cannot reach 150k entries; ids past it decode to nothing.
     tokenizer_vocab_size: int | None = None
     # qwen3_moe: experts of intermediate_size / 4, two of them a token (Qwen3-30B-A3B:
-    # 128 of 768 with hidden 2048, eight a token); every layer sparse but the first,
-    # so that both kinds of MLP are built.
+    # 128 of 768 with hidden 2048, eight a token); every layer sparse but
+    # MOE_DENSE_LAYERS, so that both kinds of MLP are built.
     num_experts: int = 8
     num_experts_per_tok: int = 2
 
@@ -127,7 +128,7 @@ class ArchSpec:
     bos_token: str | None
     nfc: bool  # transformers v5 forces Qwen2Tokenizer's NFC normalizer on model_type qwen2 (and qwen3)
     qk_norm: bool = False  # an RMSNorm of each query and key head (Qwen3)
-    moe: bool = False  # experts in place of the MLP of every layer but the first (Qwen3-MoE)
+    moe: bool = False  # experts in place of the MLP of every layer but MOE_DENSE_LAYERS (Qwen3-MoE)
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {
@@ -184,7 +185,7 @@ def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict
                                 max_window_layers=p.num_hidden_layers, num_experts=p.num_experts,
                                 num_experts_per_tok=p.num_experts_per_tok,
                                 moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=True,
-                                decoder_sparse_step=1, mlp_only_layers=[0], **common)
+                                decoder_sparse_step=1, mlp_only_layers=list(MOE_DENSE_LAYERS), **common)
     else:
         config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     return config
@@ -223,7 +224,7 @@ def _param_specs(p: Preset, spec: ArchSpec) -> Iterator[tuple[str, tuple[int, ..
             yield pre + "self_attn.k_norm.weight", (p.head_dim,), "norm", NORM_NOISE_STD
         yield pre + "self_attn.o_proj.weight", (h, q_dim), "normal", branch_scale / math.sqrt(q_dim)
         yield pre + "post_attention_layernorm.weight", (h,), "norm", NORM_NOISE_STD
-        if spec.moe and i > 0:
+        if spec.moe and i not in MOE_DENSE_LAYERS:
             size = p.moe_intermediate_size
             yield pre + "mlp.gate.weight", (p.num_experts, h), "normal", 1 / math.sqrt(h)
             for e in range(p.num_experts):
