@@ -166,6 +166,10 @@ def read_generation_config(model_dir: str | Path) -> dict:
     return generation
 
 
+MAX_SPECULATIVE_TOKENS = 16
+MAX_PROMPT_LOOKUP = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine schedules and stores KV. Validated at construction."""
@@ -199,6 +203,19 @@ class EngineConfig:
     # Structured output: the text a request's pattern fixes next is appended without
     # a step sampling it (actors/engine.py `_jump_forward`).
     jump_forward: bool = True
+    # Speculative decoding by prompt lookup (actors/prompt_lookup.py): after each
+    # sampled token, up to this many draft tokens, those that followed the latest
+    # earlier occurrence of the context's last `prompt_lookup_max` down to
+    # `prompt_lookup_min` tokens, verified in the next step; 0: off. The samples
+    # are the same as without it (each position draws its own token's draw); a
+    # request whose logits are processed (penalties, bias, bans, a pattern,
+    # min_new_tokens) does not speculate. Overlapped decode then stays off.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # No drafts while more requests than this run (None: any number): a large
+    # batch's step is compute-bound, verifying drafts then costs more than it saves.
+    speculative_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (16, 32, 64):
@@ -208,6 +225,17 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
+            raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_PROMPT_LOOKUP}, "
+                             f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1 (or None), got {self.speculative_max_batch}")
+        if self.num_speculative_tokens and self.overlap_decode:
+            raise ValueError("overlap_decode and num_speculative_tokens exclude each other: a step launched ahead "
+                             "cannot carry drafts of tokens not read yet")
         if self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be >= 0, got {self.decode_reserve_tokens}")
         check_kernel_backend(self.kernel_backend)
@@ -221,7 +249,7 @@ class EngineConfig:
     @property
     def overlaps_decode(self) -> bool:
         if self.overlap_decode is None:
-            return torch.device(self.device).type == "cuda"
+            return torch.device(self.device).type == "cuda" and not self.num_speculative_tokens
         return self.overlap_decode
 
 

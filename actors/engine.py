@@ -30,6 +30,12 @@ steps with a fixed batch, where it pays, and the rest of the engine is unchanged
   so outputs are identical either way (the CPU tests hold them to it).
 On CPU the step runs while it is launched, so overlap saves nothing there and is off
 unless asked for.
+
+Speculative decoding (`EngineConfig.num_speculative_tokens`, off by default; then
+no overlap): after the tokens a request takes in a step, `Drafter.propose` guesses
+its next ones by prompt lookup; its next decode chunk carries them, a row a token,
+and `_take_confirmed` keeps the samples for as long as the drafts match them, and
+one more: the tokens of plain decoding (actors/speculation.py).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from actors.prefill_steps import PrefillStepLog
 from actors.request import FinishReason, Request, RequestOutput, SampledToken, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.scheduler import ScheduledChunk, Scheduler
+from actors.speculation import Drafter, num_confirmed
 from actors.stop_strings import StopStrings
 from actors.store_bridge import StoreBridge
 from actors.structured_output import TokenIndexes
@@ -112,6 +119,7 @@ class Engine:
         self.pool = BlockPool(self.runner.num_blocks, self.config.block_size)
         self.kv_namespace = kv_namespace(model_dir, self.config.dtype, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.pool, self.kv_namespace)
+        self.drafter = Drafter(self.config, self.max_model_len)  # speculative decoding (actors/speculation.py)
         # Between the pool and a KV store: prefix imports, write-through (its `sink`).
         self.store_bridge = StoreBridge(self.pool, self.runner, self.kv_namespace,
                                         self.config.enable_prefix_cache)
@@ -122,6 +130,8 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_steps_launched_ahead = 0  # overlapped decode steps, since start
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, since start
+        self.num_accepted_draft_tokens = 0  # ... and those the samples confirmed
         self.prefill_steps = PrefillStepLog()  # the latest prompt-only steps, timed: for the scheduler's cost model
         self._in_flight: _StepInFlight | None = None
 
@@ -257,7 +267,9 @@ class Engine:
         self._take_drawn(request, first_token.token_id, first_token.logprob, time.monotonic())
         if request.is_finished:
             del self.requests[request_id]
-        return self._output(request)
+        elif self.drafter.drafts(request):
+            self.drafter.propose(request, len(self.scheduler.running))
+        return request.output()
 
     # ---- prefill side of a P/D pair ------------------------------------------
     def hold_blocks(self, block_ids: list[int]) -> None:
@@ -272,7 +284,7 @@ class Engine:
         if request is None:
             return None
         self._finish(request, FinishReason.ABORT)
-        return self._output(request)
+        return request.output()
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -356,14 +368,41 @@ class Engine:
         ]
         now = time.monotonic()
         outputs = []
-        for row, request in enumerate(step.launched.requests):
+        drafts_of = {id(c.request): c.draft_token_ids for c in step.chunks if c.draft_token_ids}
+        rows = step.launched.requests
+        row = 0
+        while row < len(rows):  # a request's rows: one, or one and one a draft
+            request = rows[row]
+            drafts = drafts_of.get(id(request), ())
+            first, row = row, row + 1 + len(drafts)
             if request.is_finished:
                 continue
-            self._take_drawn(request, token_ids[row], None if logprobs is None else logprobs[row], now)
+            if drafts:
+                self._take_confirmed(request, drafts, token_ids[first:row], logprobs and logprobs[first:row], now)
+            else:
+                self._take_drawn(request, token_ids[first], logprobs and logprobs[first], now)
             if request.is_finished:
                 del self.requests[request.request_id]
-            outputs.append(self._output(request))
+            elif self.drafter.drafts(request):
+                self.drafter.propose(request, len(self.scheduler.running))
+            outputs.append(request.output())
         return exported, outputs
+
+    def _take_confirmed(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],
+                        logprobs: list[TokenLogprob | None] | None, now: float) -> None:
+        """A drafted decode's samples (one a row, `drafts` + 1): those the drafts
+        confirm and the one after (actors/speculation.py), each taken as a plain
+        decode's token would be, until one ends the request."""
+        num_kept = num_confirmed(drafts, token_ids) + 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_draft_tokens += num_kept - 1
+        self.drafter.record(request, num_kept - 1)
+        for i in range(num_kept):
+            self._take_drawn(request, token_ids[i], logprobs and logprobs[i], now)
+            if request.is_finished:
+                return
+        if num_kept > 1:
+            self.scheduler.accept_drafts(request, num_kept - 1)
 
     def _take_drawn(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
         """A drawn token (this engine's, or P's first), then the text its pattern fixes after it."""
@@ -423,32 +462,3 @@ class Engine:
         request.output_text = request.detokenizer.text if text is None else text
         request.finish_reason = reason
         self.scheduler.finish(request)
-
-    def _output(self, request: Request) -> RequestOutput:
-        detokenizer = request.detokenizer
-        final_text = request.output_text if request.is_finished else None
-        if final_text is not None:
-            num_chars = len(final_text)
-        elif request.stop_strings is not None:
-            # Hold back what could still become the start of a stop string.
-            num_chars = max(0, detokenizer.num_chars - request.stop_strings.hold)
-        else:
-            num_chars = detokenizer.num_chars
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            num_tokens=len(request.output_token_ids),
-            num_chars=num_chars,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            arrival_s=request.arrival_s,
-            first_token_s=request.first_token_s,
-            _token_ids=request.output_token_ids,
-            _logprobs=request.logprobs if request.params.logprobs is not None else None,
-            _token_times_s=request.token_times_s,
-            _text_pieces=detokenizer.pieces,
-            _piece_ends=detokenizer.piece_ends,
-            _final_text=final_text,
-            prompt_logprobs=request.prompt_logprobs,
-        )

@@ -3,9 +3,10 @@
 Owns the model and the worker's KV cache tensor (layout in kernels/attention.py),
 and so the whole-block copies in and out of it that KV transfers make. The step's
 tokens are laid out multi-token chunks first (each a `PrefillSpan`), then every
-single-token chunk as one batched decode. On CUDA a step of decodes only replays a
-CUDA graph (`actors/decode_graphs.py`); the cache holds one block more than the
-block pool hands out, the scratch block that the graphs' padding rows write.
+single-token chunk as one batched decode (a decode's drafts too, a row a token,
+actors/speculation.py). On CUDA a step of decodes only replays a CUDA graph
+(`actors/decode_graphs.py`); the cache holds one block more than the block pool
+hands out, the scratch block that the graphs' padding rows write.
 
 Streams, on CUDA. A worker's engine thread computes on `compute_stream`, a stream
 of its own created non-blocking, so it never waits implicitly for other work on
@@ -163,13 +164,14 @@ class ModelRunner:
         for chunk in chunks:
             request = chunk.request
             table = request.block_table
-            input_ids += request.token_ids_between(chunk.start, chunk.end)
+            input_ids += request.token_ids_between(chunk.start, chunk.known_end)
+            input_ids += chunk.draft_token_ids
             span_positions = range(chunk.start, chunk.end)
             positions += span_positions
             slots += self._slots(table, span_positions)
-            if chunk.num_new_tokens == 1:
-                decode_tables.append(table)
-                decode_lens.append(chunk.end)
+            if chunk.is_decode:  # a drafted decode too: a row a token, each with its own context (the KV is
+                decode_tables += [table] * chunk.num_new_tokens  # written before attention reads it)
+                decode_lens += range(chunk.start + 1, chunk.end + 1)
             else:
                 q_start = len(input_ids) - chunk.num_new_tokens
                 block_table = int64_tensor(table, self.device)
@@ -194,12 +196,15 @@ class ModelRunner:
         CUDA; on CPU it runs here). `input_ids`: a step of single-token decodes
         whose tokens the host does not know yet, given on the device instead (the
         previous step's `LaunchedStep.token_ids`, one row a chunk, in order); every
-        such chunk samples."""
+        such chunk samples. A chunk with drafts samples a row at each of its last
+        1 + drafts positions, in order (`LaunchedStep.requests` names its request
+        that many times)."""
         started = time.perf_counter()
-        ordered = [c for c in chunks if c.num_new_tokens > 1] + [c for c in chunks if c.num_new_tokens == 1]
-        only_decodes = bool(ordered) and ordered[0].num_new_tokens == 1
-        assert input_ids is None or (only_decodes and len(input_ids) == len(ordered)), "input_ids: decodes only"
-        if self.decode_graphs is not None and only_decodes and self.decode_graphs.fits(len(ordered)):
+        ordered = [c for c in chunks if not c.is_decode] + [c for c in chunks if c.is_decode]
+        only_decodes = bool(ordered) and ordered[0].is_decode
+        num_tokens = sum(c.num_new_tokens for c in ordered)
+        assert input_ids is None or (only_decodes and len(input_ids) == num_tokens), "input_ids: decodes only"
+        if self.decode_graphs is not None and only_decodes and self.decode_graphs.fits(num_tokens):
             hidden = self.run_static_decode(self.decode_graphs, ordered, input_ids)
         else:
             known_ids, positions, meta = self._metadata(ordered)
@@ -208,9 +213,12 @@ class ModelRunner:
         for chunk in ordered:
             offset += chunk.num_new_tokens
             if input_ids is not None or chunk.samples:
-                ends.append(offset - 1)
-                sampling.append(chunk.request)
-                token_indexes.append(chunk.end - chunk.request.num_prompt_tokens)  # of the token it samples
+                # A row at the last known token, and one at each draft (the token after it, if it is right).
+                num_drafts = len(chunk.draft_token_ids)
+                ends += range(offset - 1 - num_drafts, offset)
+                sampling += [chunk.request] * (1 + num_drafts)
+                first = chunk.known_end - chunk.request.num_prompt_tokens  # the output index of the token it samples
+                token_indexes += range(first, first + 1 + num_drafts)
         step = LaunchedStep(sampling, started)
         if input_ids is None:  # (a step launched ahead only decodes)
             step.prompt_parts = list(self._prompt_logprobs(hidden, ordered))
@@ -233,8 +241,16 @@ class ModelRunner:
     def run_static_decode(
         self, static: DecodeGraphs, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Hidden states of single-token chunks, through `static` (its padded
-        buffers, and its graphs when captured); `input_ids` as in `launch`."""
+        """Hidden states of decode chunks (a row a token, drafts included), through
+        `static` (its padded buffers, and its graphs when captured); `input_ids` as
+        in `launch`."""
+        if any(c.draft_token_ids for c in chunks):
+            return static.run(
+                token_ids=[t for c in chunks for t in (c.request.token_ids_between(c.start, c.known_end)
+                                                       + list(c.draft_token_ids))],
+                positions=[p for c in chunks for p in range(c.start, c.end)],
+                block_tables=[c.request.block_table for c in chunks for _ in range(c.num_new_tokens)],
+            )
         return static.run(
             token_ids=[c.request.token_ids_between(c.start, c.end)[0] for c in chunks] if input_ids is None
             else input_ids,
@@ -342,8 +358,9 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LaunchedStep:
-    """A step enqueued on the device: the requests it samples for, in row order, and
-    their tokens once the device has them. `token_ids` stays on the device: the
+    """A step enqueued on the device: the requests it samples for, in row order (a
+    request verifying drafts has consecutive rows), and their tokens once the
+    device has them. `token_ids` stays on the device: the
     next step's input, before the host has seen it."""
 
     requests: list[Request]

@@ -145,8 +145,8 @@ class _PairSender:
 
 class PrefillWorker(WorkerBase):
     def _engine_config(self, config: EngineConfig) -> EngineConfig:
-        # P samples one token a request and never decodes: no decode graphs to capture.
-        return dataclasses.replace(config, cuda_graphs=False)
+        # P samples one token a request and never decodes: no decode graphs to capture, no drafts.
+        return dataclasses.replace(config, cuda_graphs=False, num_speculative_tokens=0)
 
     def _on_started(self) -> None:
         self._jobs: dict[str, _Job] = {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from actors.bad_words import BadWords
 from actors.detokenizer import IncrementalDetokenizer, text_between
 from actors.logit_rules import LogitRules
+from actors.prompt_lookup import PromptLookup
 from actors.sampling_params import SamplingParams
 from actors.stop_strings import StopStrings
 from actors.structured_output import OutputConstraint
@@ -91,6 +92,13 @@ class Request:
     # Blocks imported from the KV store for this prompt, held (one reference each)
     # until the scheduler admits the request and takes its own references.
     pinned_block_ids: list[int] = field(default_factory=list)
+    # Speculative decoding (EngineConfig.num_speculative_tokens): tokens proposed to
+    # follow its last one (`lookup`'s), verified in its next decode step. Never part of
+    # `output_token_ids` unless a step's samples confirm them.
+    draft_token_ids: list[int] = field(default_factory=list)
+    lookup: PromptLookup | None = None
+    num_failed_drafts: int = 0  # its draft steps in a row that confirmed no draft
+    draft_pause_steps: int = 0  # proposals it skips before drafting again (actors/speculation.py)
 
     @functools.cached_property
     def logit_rules(self) -> LogitRules:
@@ -131,6 +139,36 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is _FINISHED
+
+    def output(self) -> RequestOutput:
+        """The request as of now, for the engine's callers (see `RequestOutput`)."""
+        detokenizer = self.detokenizer
+        final_text = self.output_text if self.is_finished else None
+        if final_text is not None:
+            num_chars = len(final_text)
+        elif self.stop_strings is not None:
+            # Hold back what could still become the start of a stop string.
+            num_chars = max(0, detokenizer.num_chars - self.stop_strings.hold)
+        else:
+            num_chars = detokenizer.num_chars
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            num_tokens=len(self.output_token_ids),
+            num_chars=num_chars,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
+            arrival_s=self.arrival_s,
+            first_token_s=self.first_token_s,
+            _token_ids=self.output_token_ids,
+            _logprobs=self.logprobs if self.params.logprobs is not None else None,
+            _token_times_s=self.token_times_s,
+            _text_pieces=detokenizer.pieces,
+            _piece_ends=detokenizer.piece_ends,
+            _final_text=final_text,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 @dataclass(slots=True)

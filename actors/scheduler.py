@@ -28,17 +28,30 @@ from actors.request import Request, RequestStatus
 @dataclass(slots=True)
 class ScheduledChunk:  # not frozen: one a request a step, and frozen construction costs 3x
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
     start: int  # request.num_computed_tokens when scheduled
+    # A decode that verifies drafts: its last token's KV, then theirs, computed
+    # (positions start + 1 on), a token sampled at each of those positions.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
     @property
+    def known_end(self) -> int:
+        """The end of the request's own tokens in this chunk (drafts follow)."""
+        return self.end - len(self.draft_token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (and any drafts): a decode row a token, not a prefill span."""
+        return self.known_end - self.start == 1
+
+    @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens (a token is sampled)."""
-        return self.end == self.request.num_tokens
+        return self.known_end == self.request.num_tokens
 
 
 @dataclass
@@ -116,8 +129,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_pending_tokens, self.config.prefill_chunk_size, budget)
-            if self._grow(request, request.num_computed_tokens + num_new):
-                out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens))
+            drafts = self._drafts(request, budget)
+            if drafts and not self._grow(request, request.num_computed_tokens + num_new + len(drafts)):
+                drafts = ()  # no room for them: no one is preempted for a guess
+            if drafts or self._grow(request, request.num_computed_tokens + num_new):
+                num_new += len(drafts)
+                out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens, drafts))
                 budget -= num_new
                 index += 1
                 continue
@@ -140,6 +157,14 @@ class Scheduler:
             out.chunks.append(chunk)
             budget -= chunk.num_new_tokens
         return out
+
+    @staticmethod
+    def _drafts(request: Request, budget: int) -> tuple[int, ...]:
+        """The drafts a decoding request verifies this step: those proposed, within the
+        step's token budget."""
+        if not request.draft_token_ids or request.num_pending_tokens != 1:
+            return ()
+        return tuple(request.draft_token_ids[: budget - 1])
 
     def _release_waiting_pins(self) -> bool:
         """Under memory pressure, imported prefixes held for waiting requests go
@@ -203,12 +228,21 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------
     def update(self, chunks: list[ScheduledChunk]) -> None:
-        """Advance counters for chunks that ran, and publish newly full blocks."""
+        """Advance counters for chunks that ran, and publish newly full blocks. A
+        chunk's drafts count only once confirmed (`accept_drafts`)."""
         for chunk in chunks:
             request = chunk.request
-            request.num_computed_tokens = chunk.end
+            request.num_computed_tokens = chunk.known_end
             if self.config.enable_prefix_cache:
                 self.publish_full_blocks(request, chunk.start // self.block_size)
+
+    def accept_drafts(self, request: Request, num_accepted: int) -> None:
+        """`num_accepted` drafts of the request's last step are now its tokens, their
+        KV computed by that step: count them, publish the blocks they fill."""
+        first = request.num_computed_tokens // self.block_size
+        request.num_computed_tokens += num_accepted
+        if self.config.enable_prefix_cache:
+            self.publish_full_blocks(request, first)
 
     def publish_full_blocks(self, request: Request, first: int) -> None:
         """Register the request's full computed blocks from index `first` on."""

@@ -63,6 +63,8 @@ class WorkerStats:
     num_reservations_granted: int = 0  # a decode worker's reservations since it started
     num_reserved_blocks: int = 0  # KV blocks a decode worker holds for prompts whose KV is still coming
     num_preemptions: int = 0  # running requests preempted (by recompute) for room, since the worker started
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, since the worker started
+    num_accepted_draft_tokens: int = 0  # ... those its samples confirmed
     prefill_steps: tuple[PrefillStep, ...] = ()  # the latest prompt-only steps, timed (actors/prefill_steps.py)
 
 
@@ -310,6 +312,8 @@ class WorkerBase:
             num_reservations_granted=self._num_reservations_granted(),
             num_reserved_blocks=engine.num_reserved_blocks,
             num_preemptions=engine.scheduler.num_preemptions,
+            num_draft_tokens=engine.num_draft_tokens,
+            num_accepted_draft_tokens=engine.num_accepted_draft_tokens,
             prefill_steps=engine.prefill_steps.latest(),
         )
 

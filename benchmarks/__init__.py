@@ -20,4 +20,5 @@ BENCHMARKS = {
     "bursts": "benchmarks.bursts",
     "predictions": "benchmarks.predictions",
     "structured": "benchmarks.structured",
+    "speculative": "benchmarks.speculative",
 }

@@ -25,7 +25,8 @@ the others still run):
    CUDA graphs, and graphs with overlapped decode (`overlap_decode`, the step after
    launched before this one's tokens are read): greedy tokens of a mixed batch
    (float32, so all three must agree), seeded sampling with logprobs (graphs with
-   and without overlap must agree), the decode step time of each at batch 1
+   and without overlap must agree; so must graphs with speculative decoding,
+   whose drafts are decode rows), the decode step time of each at batch 1
    and `--decode-batch`, and (CUDA) the host syncs in overlapped decode steps.
    On CPU the padded static step runs without capture (its twin) and overlap
    saves nothing (a CPU step runs while it is launched).
@@ -191,10 +192,10 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
     from actors.llm import LLM
     from actors.sampling_params import SamplingParams
 
-    def engine(model: Path, dtype: str, mode: str) -> LLM:
+    def engine(model: Path, dtype: str, mode: str, **more) -> LLM:
         settings = DECODE_MODES[mode]
         llm = LLM(model, device=device, dtype=dtype, kv_cache_bytes=2 * 2**30 if device == "cuda" else 128 * 2**20,
-                  max_num_seqs=max(decode_batch, 8), enable_prefix_cache=False, **settings)
+                  max_num_seqs=max(decode_batch, 8), enable_prefix_cache=False, **settings, **more)
         runner = llm.engine.runner
         if settings["cuda_graphs"] and device != "cuda":  # the CPU twin: padded static steps, no capture
             runner.decode_graphs = runner.static_decode(capture=False)
@@ -216,12 +217,21 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
         if mode != "eager":  # the same kernels: seeded sampling must agree too
             sampled_tokens[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sampled)]
         del llm
+    # Speculative decoding through the graphs: drafts as decode rows (actors/speculation.py), the same tokens.
+    llm = engine(exact_model_dir, "float32", "graphs", num_speculative_tokens=4, prompt_lookup_min=1)
+    speculated = [o.token_ids for o in llm.generate(prompts, greedy)]
+    speculated_sampled = [(o.token_ids, [lp.token_id for lp in o.logprobs]) for o in llm.generate(prompts, sampled)]
     result = {
         "prompts": len(prompts),
         "identical_greedy": {mode: sum(a == b for a, b in zip(tokens["eager"], tokens[mode])) for mode in DECODE_MODES},
         "identical_sampled_with_overlap": sum(a == b for a, b in zip(*sampled_tokens.values())),
+        "identical_with_speculation": sum(a == b for a, b in zip(speculated, tokens["graphs"])) + sum(
+            ids == b[0] and top == [lp.token_id for lp in b[1]]
+            for (ids, top), b in zip(speculated_sampled, sampled_tokens["graphs"])),
+        "drafts_confirmed": llm.engine.num_accepted_draft_tokens,
         "step_s": {},
     }
+    del llm
     for mode in DECODE_MODES:
         llm = engine(model_dir, dtype, mode)
         if mode == "graphs":
@@ -241,6 +251,7 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
         result[f"overlap_speedup_batch{batch}"] = times["graphs"] / times["graphs+overlap"]
     result["ok"] = (all(n == len(prompts) for n in result["identical_greedy"].values())
                     and result["identical_sampled_with_overlap"] == len(prompts)
+                    and result["identical_with_speculation"] == 2 * len(prompts) and result["drafts_confirmed"] > 0
                     and result["steps_launched_ahead"] > 0
                     and (result["captured"] or device != "cuda"))
     return result

@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.config import EngineConfig, ModelLocation
+from actors.config import MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, EngineConfig, ModelLocation
 from actors.kv_store import GIB, KVStoreSettings
 from actors.sampling_defaults import SamplingDefaultsSource
 
@@ -78,6 +78,17 @@ class EngineSettings(_Strict):
     overlap_decode: bool | None = None  # None: on CUDA only
     decode_reserve_tokens: int = Field(512, ge=0)  # room a decode worker keeps for each request's next tokens
     jump_forward: bool = True  # structured output: fixed text appended without sampling (actors/engine.py)
+    # Speculative decoding by prompt lookup on decode (and colocated) workers: draft
+    # tokens a step, 0 off; the n-gram lengths matched (actors/prompt_lookup.py).
+    num_speculative_tokens: int = Field(0, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    prompt_lookup_min: int = Field(2, ge=1, le=MAX_PROMPT_LOOKUP)
+    prompt_lookup_max: int = Field(4, ge=1, le=MAX_PROMPT_LOOKUP)
+    speculative_max_batch: int | None = Field(None, ge=1)  # no drafts while more requests than this run
+
+    @model_validator(mode="after")
+    def _engine_accepts(self):
+        self.engine_config()  # its cross-field checks (speculation against overlap, n-gram bounds): a ValueError
+        return self
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.model_dump())

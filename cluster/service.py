@@ -109,6 +109,10 @@ class GlobalScheduler:
                                  stats.num_waiting_handshakes, worker=member.worker_id, role=member.role)
                 self.metrics.set("preemptions", "running requests preempted by recompute for KV room, since start",
                                  stats.num_preemptions, worker=member.worker_id, role=member.role)
+                self.metrics.set("draft_tokens", "speculative decoding: draft tokens verified, since start",
+                                 stats.num_draft_tokens, worker=member.worker_id, role=member.role)
+                self.metrics.set("draft_tokens_accepted", "speculative decoding: draft tokens the samples confirmed",
+                                 stats.num_accepted_draft_tokens, worker=member.worker_id, role=member.role)
                 if member.role != "decode" and member.worker_id in self.profiled:
                     self.models.observe_prefill_steps(member.worker_id, stats.prefill_steps)
         indexed = [m for m in members if m.worker_id in self.prefix]

@@ -73,9 +73,10 @@ def requests(draw):
     return prompt, fields
 
 
-def _engine(model_dir, overlap: bool) -> Engine:
+def _engine(model_dir, overlap: bool, num_speculative_tokens: int = 0) -> Engine:
     engine = Engine(model_dir, EngineConfig(block_size=16, prefill_chunk_size=32, max_num_batched_tokens=64,
-                                            num_kv_blocks=64, overlap_decode=overlap))
+                                            num_kv_blocks=64, overlap_decode=overlap,
+                                            num_speculative_tokens=num_speculative_tokens, prompt_lookup_min=1))
     engine.runner.decode_graphs = engine.runner.static_decode(capture=False)  # the step CUDA graphs replay
     return engine
 
@@ -91,8 +92,10 @@ def _finish(engine: Engine) -> dict:
 
 def test_a_batch_of_hostile_requests_never_fails_a_step(tiny_qwen2_dir):
     """Each batch runs through an overlapped engine, then through one without
-    overlap, which must give the same tokens (every request seeded)."""
+    overlap and one that speculates (prompt lookup), which must give the same
+    tokens (every request seeded)."""
     engine, plain = _engine(tiny_qwen2_dir, overlap=True), _engine(tiny_qwen2_dir, overlap=False)
+    speculating = _engine(tiny_qwen2_dir, overlap=False, num_speculative_tokens=3)
 
     @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(batch=st.lists(requests(), min_size=1, max_size=5))
@@ -109,15 +112,16 @@ def test_a_batch_of_hostile_requests_never_fails_a_step(tiny_qwen2_dir):
             accepted[request_id] = (prompt, params)
         finished = _finish(engine)
         assert finished.keys() == accepted.keys()
-        for request_id, (prompt, params) in accepted.items():
-            plain.add_request(prompt, params, request_id)
         overlapped = {request_id: out.token_ids for request_id, out in finished.items()}
-        assert {request_id: out.token_ids for request_id, out in _finish(plain).items()} == overlapped
+        for other in (plain, speculating):
+            for request_id, (prompt, params) in accepted.items():
+                other.add_request(prompt, params, request_id)
+            assert {request_id: out.token_ids for request_id, out in _finish(other).items()} == overlapped
         counts["accepted"] += len(accepted)
         counts["patterns"] += sum(params.regex is not None for _, params in accepted.values())
         for request_id, (_, params) in accepted.items():
             _holds_to(params, finished[request_id].token_ids, engine)
-        for each in (engine, plain):
+        for each in (engine, plain, speculating):
             each.pool.check()
             assert each.pool.num_used == 0
 
@@ -125,6 +129,7 @@ def test_a_batch_of_hostile_requests_never_fails_a_step(tiny_qwen2_dir):
     check()
     assert counts["accepted"] >= counts["requests"] / 3 and counts["patterns"], counts
     assert engine.num_steps_launched_ahead > 0  # the fuzzing reached the steps
+    assert speculating.num_draft_tokens > 0  # (tests/test_speculation.py fuzzes requests that draft more)
 
 
 def _holds_to(params: SamplingParams, tokens: list[int], engine: Engine) -> None:

@@ -28,6 +28,7 @@ def test_gpu_check_steps_run_on_cpu(tmp_path):
     graphs = results["steps"]["graphs"]  # on CPU: the padded static step, not captured
     assert set(graphs["identical_greedy"].values()) == {graphs["prompts"]} and not graphs["captured"]
     assert graphs["identical_sampled_with_overlap"] == graphs["prompts"] and graphs["steps_launched_ahead"] > 0
+    assert graphs["identical_with_speculation"] == 2 * graphs["prompts"] and graphs["drafts_confirmed"] > 0
 
 
 def test_gpu_check_script_says_what_it_needs_without_a_gpu(tmp_path):

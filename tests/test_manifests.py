@@ -75,6 +75,10 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "channel": "nccl"}, "channel: nccl"),
         ({"model": {"preset": "tiny"}, "engine": {"device": "cuda:1"}}, "engine.device"),
         ({"model": {"preset": "tiny"}, "stream_interval": 0}, "stream_interval"),
+        ({"model": {"preset": "tiny"}, "engine": {"num_speculative_tokens": 4, "overlap_decode": True}},
+         "exclude each other"),
+        ({"model": {"preset": "tiny"}, "engine": {"prompt_lookup_min": 5}}, "prompt_lookup_min <= prompt_lookup_max"),
+        ({"model": {"preset": "tiny"}, "engine": {"num_speculative_tokens": 17}}, "num_speculative_tokens"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):

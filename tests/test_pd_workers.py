@@ -175,3 +175,26 @@ def test_prompt_logprobs_come_from_the_prefill_worker(ray_local, workers):
     assert call.reservation.num_cached_blocks == 4 and call.prefill_result.num_computed_tokens == 70
     assert [lp.logprob for lp in events[0].prompt_logprobs[1:]] == [lp.logprob for lp in pd_logprobs[1:]]
     assert_idle(ray_local, p, d, c)
+
+
+def test_a_speculating_decode_worker_streams_the_colocated_tokens(ray_local, workers, tiny_qwen2_dir):
+    """D drafts by prompt lookup (actors/speculation.py) and streams several tokens
+    a step where drafts stand: the colocated worker's tokens, greedy and seeded."""
+    p, _, c = workers
+    d = start_worker("decode", "d-speculating", tiny_qwen2_dir,
+                     dataclasses.replace(CONFIG, num_speculative_tokens=4, prompt_lookup_min=1))
+    try:
+        requests = [GenerateRequest(f"spec-{i}", [7, 8, 9] * (6 + i), SamplingParams(
+            max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)) for i, t in enumerate([0.0, 0.0, 0.9])]
+
+        async def run_all():
+            return await asyncio.gather(*(disaggregated(p, d, r, "gloo") for r in requests))
+
+        for request, (_, events) in zip(requests, asyncio.run(run_all())):
+            assert events[-1].finished and events[-1].error is None, events[-1]
+            assert tokens(events) == tokens(asyncio.run(colocated(c, request)))
+        stats = ray_local.get(d.stats.remote())
+        assert 0 < stats.num_accepted_draft_tokens <= stats.num_draft_tokens
+        assert_idle(ray_local, p, d)
+    finally:
+        ray_local.kill(d)

@@ -1,0 +1,85 @@
+"""Speculative decoding: which requests draft, how many tokens, and how a step's
+samples confirm them.
+
+The engine asks `Drafter.propose` for a request's drafts after each token it
+takes; the scheduler puts them in the request's next decode chunk (after its last
+token, so the step computes 1 + k positions); the runner samples a row at each of
+them, every row with the draw of the token it samples (`kernels.sampling.uniform_draws`
+by output index). Row 0 samples the token after the last one, as a plain decode
+would. If it equals draft 0, row 1's logits were computed after the right
+token, so its sample is the next token; and so on: `num_confirmed` counts the drafts
+the samples confirm, and the engine takes that many samples plus one. Drawing each
+row as the plain decode would and keeping the samples while they match is the
+speculative sampling of Leviathan et al. (2023) for a draft that puts all its mass
+on one token: accept draft `d` with probability p(d), otherwise draw from p without
+`d`. With seeded draws it is more: the tokens are the plain decode's tokens, up to
+the float differences between a chunk's attention and a decode's.
+
+Drafting costs compute (a rejected draft is a position computed for nothing), so
+it backs off where it does not pay: a request whose drafts all fail skips the
+next 1, 3, 7, ... proposals (up to `MAX_PAUSE_STEPS`), until one is confirmed;
+and no request drafts while more than `speculative_max_batch` run, where a
+step's compute, not its weight reads, sets its time (vLLM's
+`disable_by_batch_size`).
+
+Requests whose logits are processed (penalties, logit_bias, allowed or banned
+tokens, a pattern, min_new_tokens) do not draft: their processing depends on the
+output so far, which differs from row to row. A prefill worker never drafts (it
+samples one token a request).
+"""
+
+from __future__ import annotations
+
+from actors.config import EngineConfig
+from actors.prompt_lookup import PromptLookup
+from actors.request import Request
+
+
+MAX_PAUSE_STEPS = 15
+
+
+class Drafter:
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        self.num_tokens = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_batch = config.speculative_max_batch
+        self.max_model_len = max_model_len
+
+    def drafts(self, request: Request) -> bool:
+        return bool(self.num_tokens) and not request.params.processes_logits and not request.exports_kv
+
+    def propose(self, request: Request, num_running: int) -> None:
+        """Set `request.draft_token_ids` to what may follow its tokens (at most the
+        tokens it may still write after the next one), or to none while it backs
+        off or `num_running` requests are more than `max_batch`."""
+        request.draft_token_ids = []
+        room = min(self.num_tokens, request.params.max_new_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        if room <= 0 or request.is_finished or (self.max_batch is not None and num_running > self.max_batch):
+            return
+        if request.draft_pause_steps:
+            request.draft_pause_steps -= 1
+            return
+        if request.lookup is None:
+            request.lookup = PromptLookup(self.min_n, self.max_n)
+        request.draft_token_ids = request.lookup.propose(request.all_token_ids, room)
+
+    @staticmethod
+    def record(request: Request, num_confirmed_drafts: int) -> None:
+        """After a step verified the request's drafts: back off if none stood."""
+        if num_confirmed_drafts:
+            request.num_failed_drafts = 0
+        else:
+            request.num_failed_drafts += 1
+            request.draft_pause_steps = min(2 ** request.num_failed_drafts - 1, MAX_PAUSE_STEPS)
+
+
+def num_confirmed(draft_token_ids: tuple[int, ...], sampled_ids: list[int]) -> int:
+    """How many drafts the samples confirm: sample i is the token after the known
+    ones and the first i drafts, so draft i stands while it equals sample i."""
+    count = 0
+    for draft, sampled in zip(draft_token_ids, sampled_ids):
+        if draft != sampled:
+            break
+        count += 1
+    return count

@@ -1,0 +1,199 @@
+"""Speculative decoding by prompt lookup (actors/prompt_lookup.py, actors/speculation.py):
+the drafts are what followed the latest earlier match, and verifying them changes
+no token: an engine that speculates gives the tokens, texts, finish reasons and
+logprobs of one that does not, colocated and on the decode side of a P/D pair, with
+preemption, stop strings and every sampling filter that does not process logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.config import EngineConfig
+from actors.engine import Engine
+from actors.prompt_lookup import PromptLookup
+from actors.request import Request
+from actors.sampling_params import SamplingParams
+from actors.speculation import Drafter, num_confirmed
+from tests.test_engine_fuzz import _finish
+from tests.test_pd_engine_fuzz import _run_disaggregated, _same
+
+CONFIG = EngineConfig(block_size=16, prefill_chunk_size=32, max_num_batched_tokens=64, num_kv_blocks=24)
+SPECULATING = dataclasses.replace(CONFIG, num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def _scan(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
+    """The proposal by brute force: the latest earlier occurrence of the longest
+    suffix, what followed it, then its period."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                after = start + n
+                period = len(tokens) - after
+                return [tokens[after + i % period] for i in range(num_tokens)]
+    return []
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    lookup = PromptLookup(2, 3)
+    assert lookup.propose([1, 2, 3, 9, 2, 3, 7, 8, 5, 1, 2, 3], 3) == [9, 2, 3]  # (1, 2, 3) is longest, ...
+    assert PromptLookup(2, 2).propose([1, 2, 3, 9, 2, 3, 7, 8, 5, 1, 2, 3], 3) == [7, 8, 5]  # ... (2, 3) latest
+    assert PromptLookup(2, 3).propose([1, 2, 3, 4], 2) == []  # no earlier match
+    assert PromptLookup(1, 3).propose([1, 2, 3, 4, 2], 5) == [3, 4, 2, 3, 4]  # a period of 3 past what followed
+    assert PromptLookup(1, 1).propose([7], 4) == []
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), min_n=st.integers(1, 3), extra=st.integers(0, 2),
+       num_tokens=st.integers(1, 6))
+def test_prompt_lookup_index_matches_a_scan_as_tokens_arrive(tokens, min_n, extra, num_tokens):
+    """Grown token by token (as a request's output is), the index proposes what a
+    scan of the whole context finds."""
+    lookup = PromptLookup(min_n, min_n + extra)
+    for end in range(1, len(tokens) + 1):
+        assert lookup.propose(tokens[:end], num_tokens) == _scan(tokens[:end], num_tokens, min_n, min_n + extra)
+
+
+def test_drafts_stand_while_the_samples_equal_them():
+    assert num_confirmed((5, 6, 7), [5, 6, 7, 8]) == 3
+    assert num_confirmed((5, 6, 7), [5, 9, 7, 8]) == 1
+    assert num_confirmed((5, 6, 7), [4, 6, 7, 8]) == 0
+
+
+@st.composite
+def plain_requests(draw):
+    """A prompt that repeats itself now and then (so the lookup finds drafts), and
+    sampling that does not process logits: any of the filters, seeds, stops, logprobs."""
+    unit = draw(st.lists(st.integers(0, 2047), min_size=1, max_size=12))
+    prompt = unit * draw(st.integers(1, 6)) + draw(st.lists(st.integers(0, 2047), max_size=8))
+    fields = dict(
+        max_new_tokens=draw(st.integers(1, 48)),
+        temperature=draw(st.sampled_from([0.0, 0.0, 0.5, 1.0])),
+        top_p=draw(st.sampled_from([1.0, 0.9, 0.3])),
+        top_k=draw(st.sampled_from([0, 1, 20])),
+        min_p=draw(st.sampled_from([0.0, 0.1])),
+        seed=draw(st.integers(0, 2**32)),
+        ignore_eos=draw(st.sampled_from([True, True, False])),
+        stop_token_ids=draw(st.lists(st.integers(0, 2047), max_size=2)),
+        stop=draw(st.sampled_from([[], [], ["ing"], ["\n", "the"]])),
+        logprobs=draw(st.sampled_from([None, None, 0, 2])),
+    )
+    return prompt, SamplingParams(**fields)
+
+
+def test_speculation_gives_the_tokens_of_plain_decoding(tiny_qwen2_dir):
+    """Batches through a plain engine and two that speculate, one through the
+    static decode step that CUDA graphs replay, all with a pool (12 blocks of 16)
+    small enough that long batches preempt: the same outputs, every block back,
+    and drafts both confirmed and refused along the way."""
+    plain, speculating, static = (Engine(tiny_qwen2_dir, dataclasses.replace(config, num_kv_blocks=12))
+                                  for config in (CONFIG, SPECULATING, SPECULATING))
+    static.runner.decode_graphs = static.runner.static_decode(capture=False)
+
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(batch=st.lists(plain_requests(), min_size=1, max_size=6))
+    def check(batch):
+        outputs = []
+        for engine in (plain, speculating, static):
+            for index, (prompt, params) in enumerate(batch):
+                engine.add_request(prompt, params, f"r{index}")
+            outputs.append(_finish(engine))
+            engine.pool.check()
+            assert engine.pool.num_used == 0
+        for request_id, expected in outputs[0].items():
+            _same(outputs[1][request_id], expected)
+            _same(outputs[2][request_id], expected)
+
+    check()
+    assert 0 < speculating.num_accepted_draft_tokens < speculating.num_draft_tokens
+    assert speculating.num_steps < plain.num_steps
+    assert speculating.scheduler.num_preemptions > 0  # the fuzzing reached preemption
+    assert static.num_accepted_draft_tokens == speculating.num_accepted_draft_tokens
+
+
+def test_every_architecture_speculates_to_the_same_tokens(tiny_model_dir):
+    prompts = [list(range(40, 52)) * 3, [7, 8, 9] * 9 + [1], list(range(300, 340))]
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    outputs = []
+    for config in (CONFIG, SPECULATING):
+        engine = Engine(tiny_model_dir, config)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, f"r{index}")
+        outputs.append({request_id: out.token_ids for request_id, out in _finish(engine).items()})
+    assert outputs[0] == outputs[1]
+
+
+def test_requests_that_process_logits_do_not_draft(tiny_qwen2_dir):
+    """Their logits depend on the output so far (penalties, bans, a pattern, a
+    minimum length): each draft row would need its own."""
+    engine = Engine(tiny_qwen2_dir, SPECULATING)
+    prompt = [7, 8, 9] * 9
+    for index, fields in enumerate([dict(repetition_penalty=1.1), dict(logit_bias={5: 1.0}), dict(min_new_tokens=3),
+                                    dict(regex="[a-z ]{1,30}"), dict(bad_words=["the"])]):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0, **fields), f"r{index}")
+    _finish(engine)
+    assert engine.num_draft_tokens == 0
+    engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0), "plain")
+    _finish(engine)
+    assert engine.num_draft_tokens > 0
+
+
+def test_confirmed_drafts_fill_the_prefix_cache(tiny_qwen2_dir):
+    """Blocks that confirmed drafts complete are published with their tokens: the
+    whole conversation so far is a cache hit for the next turn."""
+    engine = Engine(tiny_qwen2_dir, SPECULATING)
+    prompt = [7, 8, 9] * 9
+    engine.add_request(prompt, SamplingParams(max_new_tokens=45, temperature=0, ignore_eos=True), "first")
+    first = _finish(engine)["first"]
+    assert engine.num_accepted_draft_tokens > 0
+    turn = prompt + first.token_ids + [11]
+    engine.add_request(turn, SamplingParams(max_new_tokens=1, temperature=0), "second")
+    second = _finish(engine)["second"]
+    assert second.num_cached_tokens == (len(turn) - 1) // 16 * 16
+    fresh = Engine(tiny_qwen2_dir, dataclasses.replace(CONFIG, enable_prefix_cache=False))
+    fresh.add_request(turn, SamplingParams(max_new_tokens=1, temperature=0), "second")
+    assert _finish(fresh)["second"].token_ids == second.token_ids
+
+
+def test_a_speculating_decode_worker_gives_the_colocated_tokens(tiny_qwen2_dir):
+    """P prefills and samples the first token; D proposes drafts from its
+    activation on: the outputs of a plain colocated engine."""
+    prefill, decode = Engine(tiny_qwen2_dir, SPECULATING), Engine(tiny_qwen2_dir, SPECULATING)  # (P: no drafts)
+    colocated = Engine(tiny_qwen2_dir, CONFIG)
+    batch = {f"pd-{i}": ([7, 8, 9] * (4 + i) + [i], SamplingParams(max_new_tokens=30, temperature=t, seed=i,
+                                                                   logprobs=1))
+             for i, t in enumerate([0.0, 0.0, 0.8, 1.0])}
+    got, seeds = _run_disaggregated(prefill, decode, batch, {"cached_blocks": 0})
+    for request_id, (prompt, params) in batch.items():
+        colocated.add_request(prompt, dataclasses.replace(params, seed=seeds[request_id]), request_id)
+    expected = _finish(colocated)
+    for request_id in batch:
+        _same(got[request_id], expected[request_id])
+    assert decode.num_accepted_draft_tokens > 0 and prefill.num_draft_tokens == 0
+
+
+def test_speculation_and_overlap_are_one_or_the_other():
+    with pytest.raises(ValueError, match="exclude each other"):
+        EngineConfig(num_speculative_tokens=2, overlap_decode=True)
+    assert not EngineConfig(device="cuda", num_speculative_tokens=2).overlaps_decode
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_drafting_backs_off_where_drafts_fail_and_in_large_batches():
+    drafter = Drafter(dataclasses.replace(SPECULATING, speculative_max_batch=4), max_model_len=2048)
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(max_new_tokens=50), seed=0)
+    drafter.propose(request, num_running=5)
+    assert request.draft_token_ids == []  # more than 4 running
+    proposals = []
+    for confirmed in (0, None, 0, None, None, None, 2, 0):
+        drafter.propose(request, num_running=4)
+        proposals.append(request.draft_token_ids)
+        if confirmed is not None:
+            drafter.record(request, confirmed)
+    # A failed step pauses 1 proposal, a second in a row 3; a confirmed draft resets the count.
+    assert [bool(p) for p in proposals] == [True, False, True, False, False, False, True, True]
+    assert proposals[0] == [3, 1, 2, 3]
