@@ -208,8 +208,7 @@ class EngineConfig:
     # earlier occurrence of the context's last `prompt_lookup_max` down to
     # `prompt_lookup_min` tokens, verified in the next step; 0: off. The samples
     # are the same as without it (each position draws its own token's draw); a
-    # request whose logits are processed (penalties, bias, bans, a pattern,
-    # min_new_tokens) does not speculate. Overlapped decode then stays off.
+    # request held to a pattern does not speculate. Overlapped decode then stays off.
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

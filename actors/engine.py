@@ -267,7 +267,7 @@ class Engine:
         self._take_drawn(request, first_token.token_id, first_token.logprob, time.monotonic())
         if request.is_finished:
             del self.requests[request_id]
-        elif self.drafter.drafts(request):
+        elif self.drafter.can_draft(request):
             self.drafter.propose(request, len(self.scheduler.running))
         return request.output()
 
@@ -383,7 +383,7 @@ class Engine:
                 self._take_drawn(request, token_ids[first], logprobs and logprobs[first], now)
             if request.is_finished:
                 del self.requests[request.request_id]
-            elif self.drafter.drafts(request):
+            elif self.drafter.can_draft(request):
                 self.drafter.propose(request, len(self.scheduler.running))
             outputs.append(request.output())
         return exported, outputs

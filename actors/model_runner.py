@@ -210,21 +210,25 @@ class ModelRunner:
             known_ids, positions, meta = self._metadata(ordered)
             hidden = self.model(known_ids if input_ids is None else input_ids, positions, self.kv_cache, meta)
         ends, sampling, token_indexes, offset = [], [], [], 0
+        drafted = any(c.draft_token_ids for c in ordered)
+        drafts_before: list[tuple[int, ...]] = []  # a row's drafts before it, where any chunk drafts
         for chunk in ordered:
             offset += chunk.num_new_tokens
             if input_ids is not None or chunk.samples:
                 # A row at the last known token, and one at each draft (the token after it, if it is right).
-                num_drafts = len(chunk.draft_token_ids)
-                ends += range(offset - 1 - num_drafts, offset)
-                sampling += [chunk.request] * (1 + num_drafts)
+                drafts = chunk.draft_token_ids
+                ends += range(offset - 1 - len(drafts), offset)
+                sampling += [chunk.request] * (1 + len(drafts))
                 first = chunk.known_end - chunk.request.num_prompt_tokens  # the output index of the token it samples
-                token_indexes += range(first, first + 1 + num_drafts)
+                token_indexes += range(first, first + 1 + len(drafts))
+                if drafted:
+                    drafts_before += (drafts[:i] for i in range(1 + len(drafts)))
         step = LaunchedStep(sampling, started)
         if input_ids is None:  # (a step launched ahead only decodes)
             step.prompt_parts = list(self._prompt_logprobs(hidden, ordered))
         if sampling:
             rows = hidden[: len(ends)] if ends[-1] == len(ends) - 1 else hidden[int64_tensor(ends, self.device)]
-            self._sample(self.model.compute_logits(rows), step, token_indexes, input_ids)
+            self._sample(self.model.compute_logits(rows), step, token_indexes, input_ids, drafts_before)
         if self.compute_stream is not None:
             self.step_done = torch.cuda.Event()
             self.step_done.record()
@@ -259,16 +263,17 @@ class ModelRunner:
         )
 
     def _sample(self, logits: torch.Tensor, step: LaunchedStep, token_indexes: list[int],
-                input_ids: torch.Tensor | None = None) -> None:
+                input_ids: torch.Tensor | None = None, drafts_before: list[tuple[int, ...]] = ()) -> None:
         """Sample the step's rows on the device (row i draws for output token
-        `token_indexes[i]` of its request; `input_ids` as in `launch`); start copying
-        what the host reads."""
+        `token_indexes[i]` of its request, after its output and `drafts_before[i]`
+        when given; `input_ids` as in `launch`); start copying what the host reads."""
         params = [r.params for r in step.requests]
         temperatures = [p.temperature for p in params]
         draws = (uniform_draws([r.seed for r in step.requests], token_indexes) if any(t > 0 for t in temperatures)
                  else [0.0] * len(params))  # greedy rows read no draw
         processed = [row for row, p in enumerate(params) if p.processes_logits]
-        scores = self._process_logits(logits, step, processed, token_indexes, input_ids) if processed else logits
+        scores = (self._process_logits(logits, step, processed, token_indexes, input_ids, drafts_before) if processed
+                  else logits)
         step.token_ids = sample(scores, temperatures, [p.top_k for p in params], [p.top_p for p in params], draws,
                                 [p.min_p for p in params])
         num_top = max((p.logprobs or 0) for p in params)
@@ -298,13 +303,15 @@ class ModelRunner:
             offset += chunk.num_new_tokens
 
     def _process_logits(self, logits: torch.Tensor, step: LaunchedStep, rows: list[int],
-                        token_indexes: list[int], input_ids: torch.Tensor | None) -> torch.Tensor:
+                        token_indexes: list[int], input_ids: torch.Tensor | None,
+                        drafts_before: list[tuple[int, ...]]) -> torch.Tensor:
         """A copy of `logits` with the given rows' tokens outside their
         `allowed_token_ids` banned, their logit bias, their stop tokens banned while
         under `min_new_tokens` and their bad words' next tokens (actors/logit_rules.py,
         kernels/logit_bias.py, actors/bad_words.py), then their penalties
         (kernels/penalties.py; in a step launched ahead, a row's last token is its
-        input, on the device: counted there). The raw logits stay for logprobs."""
+        input, on the device: counted there). A draft row's bad words and penalties
+        read the drafts before it as output. The raw logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
         keep_only_(scores, rows, [step.requests[row].logit_rules.allowed_ids for row in rows])
         constrained = [row for row in rows if step.requests[row].constraint is not None]
@@ -314,8 +321,11 @@ class ModelRunner:
         additions = []
         for row in rows:
             request = step.requests[row]
-            bad_word_ids = () if request.bad_words is None else request.bad_words.banned(request.output_token_ids,
-                                                                                          token_indexes[row])
+            bad_word_ids = ()
+            if request.bad_words is not None:
+                output = request.output_token_ids
+                bad_word_ids = request.bad_words.banned(output + list(drafts_before[row]) if drafts_before else output,
+                                                        token_indexes[row])
             additions.append(request.logit_rules.additions(token_indexes[row], bad_word_ids))
         add_logit_bias_(scores, rows, *zip(*additions))
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
@@ -326,7 +336,9 @@ class ModelRunner:
         params = [step.requests[row].params for row in penalised]
         settings = ([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                     [p.presence_penalty for p in params])
-        counts = [_token_counts(step.requests[row], token_indexes[row]) for row in penalised]
+        counts = [_token_counts(step.requests[row], token_indexes[row]) if not drafts_before or not drafts_before[row]
+                  else _token_counts(step.requests[row], token_indexes[row] - len(drafts_before[row])).with_outputs(
+                      drafts_before[row]) for row in penalised]
         # Counted up to the token before the one being sampled, but for a row's input
         # token when the host has not read it yet (a step launched ahead): on the device.
         uncounted = [i for i, row in enumerate(penalised) if counts[i].num_output < token_indexes[row]]

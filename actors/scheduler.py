@@ -46,7 +46,7 @@ class ScheduledChunk:  # not frozen: one a request a step, and frozen constructi
     @property
     def is_decode(self) -> bool:
         """One known token (and any drafts): a decode row a token, not a prefill span."""
-        return self.known_end - self.start == 1
+        return self.num_new_tokens - len(self.draft_token_ids) == 1
 
     @property
     def samples(self) -> bool:

@@ -22,10 +22,13 @@ and no request drafts while more than `speculative_max_batch` run, where a
 step's compute, not its weight reads, sets its time (vLLM's
 `disable_by_batch_size`).
 
-Requests whose logits are processed (penalties, logit_bias, allowed or banned
-tokens, a pattern, min_new_tokens) do not draft: their processing depends on the
-output so far, which differs from row to row. A prefill worker never drafts (it
-samples one token a request).
+A draft row's logits are processed as a plain decode's would be at that token:
+the rules that depend on the index alone (logit_bias, allowed_token_ids,
+min_new_tokens) by its index, penalties and bad words over the output and the
+drafts before the row (actors/model_runner.py). Requests held to a pattern do
+not draft (their next tokens are the DFA's to mask, and jump-forward already
+writes what it fixes without a step); a prefill worker never drafts (it samples
+one token a request).
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class Drafter:
         self.max_batch = config.speculative_max_batch
         self.max_model_len = max_model_len
 
-    def drafts(self, request: Request) -> bool:
-        return bool(self.num_tokens) and not request.params.processes_logits and not request.exports_kv
+    def can_draft(self, request: Request) -> bool:
+        """Whether the request may draft at all: not a prefill worker's, nor held to a pattern."""
+        return bool(self.num_tokens) and request.constraint is None and not request.exports_kv
 
     def propose(self, request: Request, num_running: int) -> None:
         """Set `request.draft_token_ids` to what may follow its tokens (at most the

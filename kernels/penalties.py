@@ -61,6 +61,14 @@ class TokenCounts:
             self.counts = np.concatenate((self.counts[:at], (1,), self.counts[at:]))
         self.num_output += 1
 
+    def with_outputs(self, tokens: Sequence[int]) -> "TokenCounts":
+        """A copy that also counts `tokens` as output (a speculative draft row's view)."""
+        copy = TokenCounts.__new__(TokenCounts)
+        copy.ids, copy.counts, copy.num_output = self.ids, self.counts.copy(), self.num_output
+        for token in tokens:
+            copy.add_output(token)
+        return copy
+
 
 def penalise_(
     logits: torch.Tensor,

@@ -2,7 +2,7 @@
 the drafts are what followed the latest earlier match, and verifying them changes
 no token: an engine that speculates gives the tokens, texts, finish reasons and
 logprobs of one that does not, colocated and on the decode side of a P/D pair, with
-preemption, stop strings and every sampling filter that does not process logits."""
+preemption, stop strings, penalties, bans and every sampling filter."""
 
 from __future__ import annotations
 
@@ -64,9 +64,11 @@ def test_drafts_stand_while_the_samples_equal_them():
 
 
 @st.composite
-def plain_requests(draw):
+def drafting_requests(draw):
     """A prompt that repeats itself now and then (so the lookup finds drafts), and
-    sampling that does not process logits: any of the filters, seeds, stops, logprobs."""
+    any sampling but a pattern: filters, seeds, stops, logprobs, and now and then
+    penalties, a bias, allowed tokens, a minimum length or bad words, which a draft
+    row must read as the plain decode of its token would."""
     unit = draw(st.lists(st.integers(0, 2047), min_size=1, max_size=12))
     prompt = unit * draw(st.integers(1, 6)) + draw(st.lists(st.integers(0, 2047), max_size=8))
     fields = dict(
@@ -81,7 +83,11 @@ def plain_requests(draw):
         stop=draw(st.sampled_from([[], [], ["ing"], ["\n", "the"]])),
         logprobs=draw(st.sampled_from([None, None, 0, 2])),
     )
-    return prompt, SamplingParams(**fields)
+    processing = draw(st.sampled_from([{}, {}, dict(repetition_penalty=1.3), dict(frequency_penalty=0.5,
+                                       presence_penalty=0.4), dict(logit_bias={7: 2.0, 8: -1.0}),
+                                       dict(min_new_tokens=5), dict(bad_words=["the", "quick brown"]),
+                                       dict(allowed_token_ids=[7, 8, 9, 10, 11])]))
+    return prompt, SamplingParams(**fields, **processing)
 
 
 def test_speculation_gives_the_tokens_of_plain_decoding(tiny_qwen2_dir):
@@ -94,7 +100,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(tiny_qwen2_dir):
     static.runner.decode_graphs = static.runner.static_decode(capture=False)
 
     @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(batch=st.lists(plain_requests(), min_size=1, max_size=6))
+    @given(batch=st.lists(drafting_requests(), min_size=1, max_size=6))
     def check(batch):
         outputs = []
         for engine in (plain, speculating, static):
@@ -126,19 +132,18 @@ def test_every_architecture_speculates_to_the_same_tokens(tiny_model_dir):
     assert outputs[0] == outputs[1]
 
 
-def test_requests_that_process_logits_do_not_draft(tiny_qwen2_dir):
-    """Their logits depend on the output so far (penalties, bans, a pattern, a
-    minimum length): each draft row would need its own."""
+def test_penalised_requests_draft_and_patterned_ones_do_not(tiny_qwen2_dir):
+    """A draft row's penalties count the drafts before it, so penalised requests
+    draft (Qwen's checkpoints ask for a repetition penalty by default); a pattern's
+    next tokens are its DFA's, and jump-forward writes what it fixes."""
     engine = Engine(tiny_qwen2_dir, SPECULATING)
     prompt = [7, 8, 9] * 9
-    for index, fields in enumerate([dict(repetition_penalty=1.1), dict(logit_bias={5: 1.0}), dict(min_new_tokens=3),
-                                    dict(regex="[a-z ]{1,30}"), dict(bad_words=["the"])]):
-        engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0, **fields), f"r{index}")
+    engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0, regex="[a-z ]{1,30}"), "pattern")
     _finish(engine)
     assert engine.num_draft_tokens == 0
-    engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0), "plain")
+    engine.add_request(prompt, SamplingParams(max_new_tokens=40, temperature=0, repetition_penalty=1.05), "penalised")
     _finish(engine)
-    assert engine.num_draft_tokens > 0
+    assert engine.num_accepted_draft_tokens > 0
 
 
 def test_confirmed_drafts_fill_the_prefix_cache(tiny_qwen2_dir):
@@ -197,3 +202,18 @@ def test_drafting_backs_off_where_drafts_fail_and_in_large_batches():
     # A failed step pauses 1 proposal, a second in a row 3; a confirmed draft resets the count.
     assert [bool(p) for p in proposals] == [True, False, True, False, False, False, True, True]
     assert proposals[0] == [3, 1, 2, 3]
+
+
+def test_a_draft_rows_bad_words_read_the_drafts_before_it(tiny_qwen2_dir):
+    """"eam\x02" is two tokens of the tiny preset (403, 193), which its greedy text
+    after this prompt writes again and again: after a draft of 403, the next row
+    must ban 193 as a plain decode after 403 does (a row that read its output
+    without the drafts took 193 there, and the tokens differed)."""
+    params = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True, bad_words=["eam\x02"])
+    outputs = []
+    for config in (CONFIG, SPECULATING):
+        engine = Engine(tiny_qwen2_dir, config)
+        engine.add_request([7, 8, 9] * 9, params, "r")
+        outputs.append(_finish(engine)["r"].token_ids)
+    assert engine.tokenizer.encode("eam\x02", add_special_tokens=False) == [403, 193]
+    assert outputs[0] == outputs[1] and engine.num_accepted_draft_tokens > 0
