@@ -14,6 +14,9 @@ The index is built once for the prompt and grows by one entry per `n` with every
 token (`extend`), so a proposal costs O(max_n), not a scan of the context (vLLM
 scans with KMP each step; at 64 requests of 4k tokens a Python scan would cost
 more than the step it saves). Longer matches are tried first: they predict better.
+Memory: an entry per n-gram length a token (a tuple key in a dict); at the
+defaults (n from 2 to 4) about 1.9 MB for a 4k-token request (a one-off probe
+with tracemalloc, distinct random ids), made only for requests that draft.
 """
 
 from __future__ import annotations

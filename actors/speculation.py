@@ -12,12 +12,14 @@ the samples confirm, and the engine takes that many samples plus one. Drawing ea
 row as the plain decode would and keeping the samples while they match is the
 speculative sampling of Leviathan et al. (2023) for a draft that puts all its mass
 on one token: accept draft `d` with probability p(d), otherwise draw from p without
-`d`. With seeded draws it is more: the tokens are the plain decode's tokens, up to
-the float differences between a chunk's attention and a decode's.
+`d`. With seeded draws it is more: the tokens are the plain decode's tokens, as far
+as a step's rows leave each other's results alone (on CPU they do, and the tests
+hold the tokens to it; a GPU's GEMM may round differently for another number of
+rows, as it does whenever a batch grows or shrinks).
 
 Drafting costs compute (a rejected draft is a position computed for nothing), so
 it backs off where it does not pay: a request whose drafts all fail skips the
-next 1, 3, 7, ... proposals (up to `MAX_PAUSE_STEPS`), until one is confirmed;
+next 1, 3, 7, then 15 proposals each time, until one is confirmed;
 and no request drafts while more than `speculative_max_batch` run, where a
 step's compute, not its weight reads, sets its time (vLLM's
 `disable_by_batch_size`).
@@ -38,7 +40,7 @@ from actors.prompt_lookup import PromptLookup
 from actors.request import Request
 
 
-MAX_PAUSE_STEPS = 15
+MAX_BACKOFF_DOUBLINGS = 4  # a pause of at most 2**4 - 1 = 15 proposals
 
 
 class Drafter:
@@ -75,7 +77,7 @@ class Drafter:
             request.num_failed_drafts = 0
         else:
             request.num_failed_drafts += 1
-            request.draft_pause_steps = min(2 ** request.num_failed_drafts - 1, MAX_PAUSE_STEPS)
+            request.draft_pause_steps = (1 << min(request.num_failed_drafts, MAX_BACKOFF_DOUBLINGS)) - 1
 
 
 def num_confirmed(draft_token_ids: tuple[int, ...], sampled_ids: list[int]) -> int:
