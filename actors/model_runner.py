@@ -318,14 +318,13 @@ class ModelRunner:
         masks = [step.requests[row].constraint.mask(step.requests[row].output_token_ids, token_indexes[row])
                  for row in constrained]
         keep_masked_(scores, constrained, masks)
+        before = drafts_before or [()] * len(step.requests)
         additions = []
         for row in rows:
             request = step.requests[row]
-            bad_word_ids = ()
-            if request.bad_words is not None:
-                output = request.output_token_ids
-                bad_word_ids = request.bad_words.banned(output + list(drafts_before[row]) if drafts_before else output,
-                                                        token_indexes[row])
+            bad_word_ids = () if request.bad_words is None else request.bad_words.banned(
+                request.output_token_ids + list(before[row]) if before[row] else request.output_token_ids,
+                token_indexes[row])
             additions.append(request.logit_rules.additions(token_indexes[row], bad_word_ids))
         add_logit_bias_(scores, rows, *zip(*additions))
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
@@ -336,14 +335,21 @@ class ModelRunner:
         params = [step.requests[row].params for row in penalised]
         settings = ([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                     [p.presence_penalty for p in params])
-        counts = [_token_counts(step.requests[row], token_indexes[row]) if not drafts_before or not drafts_before[row]
-                  else _token_counts(step.requests[row], token_indexes[row] - len(drafts_before[row])).with_outputs(
-                      drafts_before[row]) for row in penalised]
+        counts = [_row_counts(step.requests[row], token_indexes[row], before[row]) for row in penalised]
         # Counted up to the token before the one being sampled, but for a row's input
         # token when the host has not read it yet (a step launched ahead): on the device.
         uncounted = [i for i, row in enumerate(penalised) if counts[i].num_output < token_indexes[row]]
         penalise_(scores, penalised, counts, *settings, input_ids, uncounted)
         return scores
+
+
+def _row_counts(request: Request, num_output: int, drafts: tuple[int, ...]) -> TokenCounts:
+    """The counts a row's penalties read: over the prompt and the output before the
+    token it samples, output number `num_output`, the last `len(drafts)` of which
+    are the drafts before a draft row."""
+    if not drafts:
+        return _token_counts(request, num_output)
+    return _token_counts(request, num_output - len(drafts)).with_outputs(drafts)
 
 
 def _token_counts(request: Request, num_output: int) -> TokenCounts:
