@@ -40,7 +40,7 @@ from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBo
 from cluster.config import AppSettings
 from cluster.ingress_guard import install_guard
 from cluster.pool_manager import get_or_create_pool
-from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, split
+from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
 from cluster.response_streams import collect, merged, prepend
 from cluster.service import GlobalScheduler
 from cluster.sglang_body import GenerateBody
@@ -240,7 +240,7 @@ class Scheduler:
         if body.stream:
             writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
             return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo,
-                                                 writers))
+                                                 writers, reasoning))
         results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
@@ -255,7 +255,8 @@ class Scheduler:
             texts, calls, reasons = zip(*answers)
         choices = [(text, reason, as_logprobs(self.tokenizer, out.logprobs))
                    for text, reason, out in zip(texts, reasons, results)]
-        usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), results[0].num_cached_tokens)
+        usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), results[0].num_cached_tokens,
+                          self._reasoning_tokens(reasoning, [out.token_ids for out in results]))
         prompt_logprobs = None if body.prompt_logprobs is None else [
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
@@ -339,11 +340,20 @@ class Scheduler:
     def _sse(self, chunks) -> StreamingResponse:
         return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, writers=None):
+    def _reasoning_tokens(self, reasoning: Reasoning | None, answers: list[list[int]]) -> int | None:
+        """The answers' reasoning tokens, where the manifest names a reasoning parser."""
+        if reasoning is None:
+            return None
+        return sum(num_reasoning_tokens(self.tokenizer, ids, reasoning.opened) for ids in answers)
+
+    async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, writers=None,
+                             reasoning: Reasoning | None = None):
         """Every choice's events as they come, each chunk naming its choice; `echo[k]`
         rewrites choice k's first event (see `_echoed`); `writers[k]`, where not
-        None, writes choice k's deltas (`_chat_deltas`)."""
+        None, writes choice k's deltas (`_chat_deltas`); `reasoning`: how a chat
+        answer starts, for the usage's reasoning tokens."""
         num_tokens, cached, first = 0, 0, [True] * len(streams)
+        answers: list[list[int]] = [[] for _ in streams]  # each choice's tokens, for its reasoning's count
         token_chars = [0] * len(streams)  # the length of each choice's token texts so far (its next text_offset)
         async with contextlib.aclosing(merged(streams)) as events:
             async for index, event in events:
@@ -353,6 +363,8 @@ class Scheduler:
                 if first[index] and echo is not None:
                     event = echo[index](event)
                 num_tokens += len(event.token_ids)
+                if reasoning is not None and include_usage:
+                    answers[index] += event.token_ids
                 cached = event.num_cached_tokens if index == 0 else cached
                 reason = fmt.finish_reason(event.finish_reason) if event.finished else None
                 delta = None
@@ -374,7 +386,8 @@ class Scheduler:
         if include_usage:
             yield fmt.sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                            "created": int(time.time()), "model": self.model_name, "choices": [],
-                           "usage": fmt.usage(num_prompt, num_tokens, cached)})
+                           "usage": fmt.usage(num_prompt, num_tokens, cached,
+                                              self._reasoning_tokens(reasoning, answers))})
         yield fmt.sse("[DONE]")
 
 

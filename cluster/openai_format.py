@@ -12,13 +12,18 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
-    return {
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0, num_reasoning: int | None = None) -> dict:
+    """OpenAI's usage; `num_reasoning` (a reasoning parser's count of the completion's
+    reasoning tokens) as `completion_tokens_details.reasoning_tokens`."""
+    counts = {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
         "prompt_tokens_details": {"cached_tokens": num_cached},
     }
+    if num_reasoning is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": num_reasoning}
+    return counts
 
 
 def completion_logprobs(tokenizer, logprobs, text_offset: int = 0) -> dict | None:

@@ -56,6 +56,28 @@ def split(text: str, opened: bool = False) -> Thought:
     return Thought(reasoning or None, content or None)
 
 
+def num_reasoning_tokens(tokenizer, token_ids: list[int], opened: bool = False) -> int:
+    """How many of an answer's tokens are its reasoning, `</think>` included (the
+    usage's `completion_tokens_details.reasoning_tokens`, as OpenAI counts a
+    reasoning model's hidden tokens): every token of an answer cut inside its
+    reasoning, none of one that does not reason. The first token whose text
+    completes the closing tag, found by halving (a prefix's text holds the tag
+    from that token on), so a long answer is decoded about log2(n) times."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731  (the tags may be special)
+    if not opened and not decode(token_ids).lstrip().startswith(OPEN):
+        return 0
+    if CLOSE not in decode(token_ids):
+        return len(token_ids)
+    low, high = 0, len(token_ids)  # the first token_ids[:m] that holds the tag has low <= m <= high
+    while low < high:
+        middle = (low + high) // 2
+        if CLOSE in decode(token_ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
 class ReasoningStream:
     """An answer split as it streams: `feed` each new piece of text, `finish` at
     the end; each returns what may go out now, in order, as ("reasoning", text) and

@@ -13,7 +13,8 @@ from actors.regex_dfa import compile_regex
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError
 from cluster.api_models import ChatBody
-from cluster.reasoning import CLOSE, OPEN, Reasoning, ReasoningDeltas, ReasoningStream, held_regex, split
+from cluster.reasoning import (CLOSE, OPEN, Reasoning, ReasoningDeltas, ReasoningStream, held_regex,
+                               num_reasoning_tokens, split)
 from cluster.tool_calls import StreamedCalls, Tool
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -97,3 +98,18 @@ def test_a_reasoning_chats_pattern_is_held_after_the_reasoning():
     assert ChatBody(messages=MESSAGES).sampling(16, SamplingDefaults(), Reasoning(False)).regex is None
     with pytest.raises(InvalidRequestError):
         ChatBody(messages=MESSAGES, guided_regex="(").sampling(16, SamplingDefaults(), Reasoning(False))
+
+
+def test_reasoning_tokens_run_through_the_closing_tag(tiny_qwen2_dir):
+    """The usage's reasoning tokens: up to and with the token that completes
+    `</think>`, all of an answer cut inside the block, none of one without it."""
+    from actors.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    thought, answer = encode("<think>\nsome thought here\n</think>"), encode("\n\nThe answer.")
+    assert num_reasoning_tokens(tokenizer, thought + answer) == len(thought)
+    assert num_reasoning_tokens(tokenizer, thought[:-2]) == len(thought) - 2  # cut inside the block
+    assert num_reasoning_tokens(tokenizer, answer) == 0
+    assert num_reasoning_tokens(tokenizer, encode("thinking on\n</think>") + answer, opened=True) == len(
+        encode("thinking on\n</think>"))

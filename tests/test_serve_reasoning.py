@@ -1,6 +1,6 @@
 """A served model's own answer formats over real HTTP: the tiny qwen3_moe (Qwen3's
 mixture of experts, served by a worker actor) with `reasoning_parser: think` (the <think> block as `reasoning_content`, whole and
-streamed, the answer as `content`, a prefilled open block, Qwen3's
+streamed, the answer as `content`, its tokens in the usage, a prefilled open block, Qwen3's
 `enable_thinking` through `chat_template_kwargs`) and, as a Llama 3 checkpoint
 would be served, `tool_call_parser: llama3_json`, the two at once to see that
 they compose (the parsers themselves: tests/test_reasoning.py,
@@ -46,10 +46,16 @@ def test_the_reasoning_comes_apart_from_the_answer_whole_and_streamed(client):
     pattern = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){0,3}\n</think>\n\n[A-Z][a-z]{1,8}\."
     ask = {"model": MODEL, "messages": ASK, "max_tokens": 150, "temperature": 1.0, "seed": 5,
            "extra_body": {"guided_regex": pattern}}
-    whole = client.chat.completions.create(**ask).choices[0]
+    response = client.chat.completions.create(**ask)
+    whole = response.choices[0]
     thought, answer = whole.message.reasoning_content, whole.message.content
     assert whole.finish_reason == "stop" and thought and answer.endswith(".") and "<think>" not in thought
-    chunks = list(client.chat.completions.create(**ask, stream=True))
+    # Its reasoning tokens: the block's, tags included; the answer's are the rest.
+    reasoning_tokens = response.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < reasoning_tokens < response.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    chunks = chunks[:-1]  # (the usage chunk has no choices)
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought  # seeded: the same
     assert "".join(d.content or "" for d in deltas) == answer
