@@ -85,7 +85,8 @@ def drafting_requests(draw):
     )
     processing = draw(st.sampled_from([{}, {}, dict(repetition_penalty=1.3), dict(frequency_penalty=0.5,
                                        presence_penalty=0.4), dict(logit_bias={7: 2.0, 8: -1.0}),
-                                       dict(min_new_tokens=5), dict(bad_words=["the", "quick brown"]),
+                                       dict(min_new_tokens=min(5, fields["max_new_tokens"])),
+                                       dict(bad_words=["the", "quick brown"]),
                                        dict(allowed_token_ids=[7, 8, 9, 10, 11])]))
     return prompt, SamplingParams(**fields, **processing)
 
