@@ -17,7 +17,7 @@ import torch
 from kernels import check_kernel_backend
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                           "LlamaForCausalLM": "llama"}
+                           "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,7 +27,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "qwen2" | "qwen3" | "qwen3_moe" | "llama"
+    architecture: str  # "qwen2" | "qwen3" | "qwen3_moe" | "llama" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -95,7 +95,7 @@ class ModelConfig:
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
                 head_dim=int(raw.get("head_dim") or hidden // num_heads),
-                max_position_embeddings=int(raw["max_position_embeddings"]),
+                max_position_embeddings=_context_len(raw),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 rope_scaling=dict(scaling) if scaling else None,
@@ -108,6 +108,17 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: invalid config field ({exc!r})") from None
+
+
+def _context_len(raw: dict) -> int:
+    """The context Tandem serves: `max_position_embeddings`, or a Mistral
+    checkpoint's `sliding_window` where that is shorter. Within the window,
+    sliding-window attention is full attention, so a context held to it is exact
+    (vLLM did the same before it had window kernels); Mistral 7B v0.2 on leave
+    the window null."""
+    positions = int(raw["max_position_embeddings"])
+    window = raw.get("sliding_window") if "MistralForCausalLM" in (raw.get("architectures") or []) else None
+    return min(positions, int(window)) if window else positions
 
 
 def _experts(raw: dict) -> dict:

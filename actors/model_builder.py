@@ -95,7 +95,7 @@ class Preset:
         return self.intermediate_size // 4
 
     def rope_theta(self, arch: str) -> float:
-        return self.rope_theta_llama if arch == "llama" else self.rope_theta_qwen2
+        return self.rope_theta_llama if arch in ("llama", "mistral") else self.rope_theta_qwen2
 
 
 PRESETS: dict[str, Preset] = {
@@ -143,6 +143,10 @@ ARCH_SPECS: dict[str, ArchSpec] = {
                           rms_norm_eps=1e-6, bos_token=None, nfc=True, qk_norm=True, moe=True),
     "llama": ArchSpec("LlamaForCausalLM", tie_word_embeddings=False, qkv_bias=False,
                       rms_norm_eps=1e-5, bos_token=ENDOFTEXT, nfc=False),
+    # Mistral (7B v0.2 and v0.3, Nemo, Small): Llama's layers under another name, and
+    # a sliding window that these checkpoints leave null, as the built one does.
+    "mistral": ArchSpec("MistralForCausalLM", tie_word_embeddings=False, qkv_bias=False,
+                        rms_norm_eps=1e-5, bos_token=ENDOFTEXT, nfc=False),
 }
 
 
@@ -162,7 +166,7 @@ def _check(preset: str, arch: str, dtype: str = "float32") -> tuple[Preset, Arch
 
 
 def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=p.vocab_size, hidden_size=p.hidden_size,
@@ -186,6 +190,8 @@ def _hf_config(p: Preset, spec: ArchSpec, arch: str, dtype: str, token_ids: dict
                                 num_experts_per_tok=p.num_experts_per_tok,
                                 moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=True,
                                 decoder_sparse_step=1, mlp_only_layers=list(MOE_DENSE_LAYERS), **common)
+    elif arch == "mistral":
+        config = MistralConfig(sliding_window=None, **common)
     else:
         config = LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     return config

@@ -42,7 +42,7 @@ class ModelSource(_Strict):
 
     path: str | None = None
     preset: Literal["tiny", "bench", "qwen2.5-0.5b"] | None = None  # actors/model_builder.py's PRESETS
-    arch: Literal["qwen2", "qwen3", "qwen3_moe", "llama"] = "qwen2"  # actors/model_builder.py's ARCH_SPECS
+    arch: Literal["qwen2", "qwen3", "qwen3_moe", "llama", "mistral"] = "qwen2"  # actors/model_builder.py's ARCH_SPECS
     name: str | None = None  # the id /v1/models lists; default from the source
 
     @model_validator(mode="after")
@@ -230,7 +230,7 @@ class AppSettings(_Strict):
     # `think`: a chat answer's <think> block comes back as `reasoning_content` (cluster/reasoning.py)
     reasoning_parser: Literal["think"] | None = None
     # How the served model writes tool calls under tool_choice "auto" (cluster/tool_calls.py TOOL_CALL_FORMATS)
-    tool_call_parser: Literal["hermes", "llama3_json"] = "hermes"
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
     scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name

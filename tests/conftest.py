@@ -13,7 +13,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="session", params=["qwen2", "qwen3", "qwen3_moe", "llama"])
+@pytest.fixture(scope="session", params=["qwen2", "qwen3", "qwen3_moe", "llama", "mistral"])
 def tiny_model_dir(request):
     """The tiny preset of each architecture, built once per machine."""
     from actors.model_builder import ensure_checkpoint

@@ -56,7 +56,8 @@ def test_tiny_loads_and_generates_in_transformers(tiny_dirs, arch):
     config = json.loads((folder / "config.json").read_text())
 
     assert config["architectures"] == [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                        "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+                                        "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
+                                        "mistral": "MistralForCausalLM"}[arch]]
     assert config["tie_word_embeddings"] is (arch in ("qwen2", "qwen3"))
     assert ("q_norm" in str(model)) is arch.startswith("qwen3")
     assert ("SparseMoeBlock" in str(model)) is (arch == "qwen3_moe")
@@ -110,7 +111,7 @@ def test_tokenizer_covers_vocab_and_round_trips(tiny_dirs, arch):
     assert tokenizer("<|im_end|>").input_ids == [2]
 
     decomposed = "cafe\u0301"  # 'e' + combining acute accent
-    expected = decomposed if arch == "llama" else "caf\u00e9"  # the qwen families normalise to NFC
+    expected = "caf\u00e9" if arch.startswith("qwen") else decomposed  # the qwen families normalise to NFC
     assert tokenizer.decode(tokenizer(decomposed).input_ids) == expected
 
 
@@ -277,3 +278,20 @@ def test_qwen25_half_billion_preset_has_the_real_models_shape():
     hf_count = sum(p.numel() for p in model.parameters())
     assert hf_count == num_parameters("qwen2.5-0.5b", "qwen2") and 493e6 < hf_count < 495e6
     assert preset.tokenizer_vocab_size == 8192 < preset.vocab_size
+
+
+def test_a_mistral_window_shorter_than_the_context_bounds_it(tmp_path, tiny_dirs):
+    """Mistral 7B v0.1's 4096-token sliding window, under its 32k positions: served
+    up to the window, where sliding-window attention is full attention. A Qwen2
+    config's window (off unless use_sliding_window) bounds nothing."""
+    import shutil
+
+    from actors.config import ModelConfig
+
+    for arch, bounded in (("mistral", 512), ("qwen2", 2048)):
+        folder = tmp_path / arch
+        shutil.copytree(tiny_dirs[arch], folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
+        assert ModelConfig.from_hf(folder).max_position_embeddings == bounded
+    assert ModelConfig.from_hf(tiny_dirs["mistral"]).max_position_embeddings == 2048  # a null window
