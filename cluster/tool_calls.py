@@ -3,7 +3,7 @@ answer to the tools' parameter schemas by structured output (as vLLM does for
 these two, with any model); `"auto"` (OpenAI's default when tools are given) lets
 the model choose, and its answer is parsed for calls in its own format
 (`TOOL_CALL_FORMATS`: Hermes' by default, cluster/hermes_calls.py; Llama 3's JSON,
-cluster/llama_calls.py). Either way the calls come back as `message.tool_calls`.
+cluster/llama_calls.py; Mistral's, cluster/mistral_calls.py). Either way the calls come back as `message.tool_calls`.
 
 - a named function: the output is its arguments, a JSON object of its
   `parameters` schema (an object with no properties when it has none);
@@ -13,9 +13,9 @@ cluster/llama_calls.py). Either way the calls come back as `message.tool_calls`.
 - `"auto"`: free text, in which each `<tool_call>` block naming one of the tools
   is a call (Hermes' format: Qwen2.5's and Qwen3's, and the built-in presets'
   template tells the model so; `tool_call_parser: llama3_json` in the manifest for
-  Llama 3.1 and 3.2 Instruct's format instead); the rest is the message's
-  `content`. Models of other formats (Mistral's, DeepSeek's) are not parsed: their
-  calls stay text. When a tool is
+  Llama 3.1 and 3.2 Instruct's format instead, `mistral` for Mistral's); the rest
+  is the message's `content`. Models of other formats (DeepSeek's, gpt-oss's
+  harmony) are not parsed: their calls stay text. When a tool is
   `strict` (OpenAI's promise that arguments match the schema; the OpenAI Agents
   SDK and `openai.pydantic_function_tool` set it), the answer is held so that any
   call the model starts is a well-formed one of the tools, arguments of its
@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.json_schema import schema_regex
 from actors.sampling_params import InvalidRequestError
-from cluster import hermes_calls, llama_calls
+from cluster import hermes_calls, llama_calls, mistral_calls
 from cluster.answer_parts import ParsedCalls, known_call
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -63,6 +63,7 @@ class ToolCallFormat(NamedTuple):
 TOOL_CALL_FORMATS = {
     "hermes": ToolCallFormat(hermes_calls.parse, hermes_calls.HermesStream, hermes_calls.held_regex),
     "llama3_json": ToolCallFormat(llama_calls.parse, llama_calls.LlamaStream, llama_calls.held_regex),
+    "mistral": ToolCallFormat(mistral_calls.parse, mistral_calls.MistralStream, mistral_calls.held_regex),
 }
 HERMES = TOOL_CALL_FORMATS["hermes"]
 

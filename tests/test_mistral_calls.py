@@ -1,0 +1,104 @@
+"""Tool calls in Mistral's format (cluster/mistral_calls.py): whole and streamed,
+with and without the `[TOOL_CALLS]` tag (a special token that a text decoded
+without special tokens loses), the pattern strict tools hold an answer to, and
+the format's choice (`tool_call_parser: mistral`)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from actors.json_schema import schema_regex
+from actors.regex_dfa import compile_regex
+from cluster.mistral_calls import TOOL_CALLS, MistralStream, held_regex, parse
+from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, Tool, chat_answer, tool_regex
+
+NAMES = {"get_weather", "get_time"}
+MISTRAL = TOOL_CALL_FORMATS["mistral"]
+
+
+def call(name: str, arguments: dict | None = None) -> dict:
+    return {"name": name, **({} if arguments is None else {"arguments": arguments})}
+
+
+def calls(*items: dict) -> str:
+    return json.dumps(list(items), ensure_ascii=False)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (TOOL_CALLS + calls(call("get_weather", {"city": "Oslo"})), (None, [("get_weather", '{"city": "Oslo"}')])),
+    (" " + calls(call("get_time"), call("get_weather", {"city": "Zürich"})) + "\n",  # no tag: it was a special token
+     (None, [("get_time", "{}"), ("get_weather", '{"city": "Zürich"}')])),
+    ("It is sunny.", ("It is sunny.", [])),
+    ("Sure: " + calls(call("get_time")), ("Sure: " + calls(call("get_time")), [])),  # the whole answer or none
+    (TOOL_CALLS + calls(call("rm_rf")), (TOOL_CALLS + calls(call("rm_rf")), [])),  # not one of the tools
+    (calls(call("get_time")) + " and more", (calls(call("get_time")) + " and more", [])),
+    (TOOL_CALLS + '[{"name": "get_time", "argu', (TOOL_CALLS + '[{"name": "get_time", "argu', [])),  # cut short
+    (calls(call("get_time", [1])), (calls(call("get_time", [1])), [])),  # arguments not an object
+    ("[1, 2, 3]", ("[1, 2, 3]", [])), ("[]", ("[]", [])),  # lists, not calls
+    ("", (None, [])),
+])
+def test_an_answer_is_its_calls_or_its_text(text, expected):
+    assert parse(text, NAMES) == expected
+
+
+def test_without_parallel_calls_the_first_is_the_call_and_the_others_text():
+    text = TOOL_CALLS + calls(call("get_time"), call("get_weather", {"city": "Oslo"}))
+    assert parse(text, NAMES, parallel=False) == (calls(call("get_weather", {"city": "Oslo"})),
+                                                  [("get_time", "{}")])
+
+
+def test_streamed_in_any_pieces_the_answer_is_the_same_as_whole():
+    rng = random.Random(7)
+    parts = [" ", "\n", "[", "]", ",", "[TOOL", TOOL_CALLS, "ok", calls(call("get_time")), calls(call("nope")),
+             json.dumps(call("get_weather", {"city": "Nice"})), "é"]
+    for _ in range(400):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 6)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        for parallel in (True, False):
+            stream = MistralStream(NAMES, parallel)
+            out = [each for piece in pieces for each in stream.feed(piece)] + stream.finish()
+            content = "".join(each for each in out if isinstance(each, str)) or None
+            assert (content, [e for e in out if isinstance(e, tuple)]) == parse(text, NAMES, parallel), pieces
+
+
+def test_text_streams_and_calls_wait_for_the_end():
+    text = MistralStream(NAMES)
+    assert text.feed("  ") == [] and text.feed("It is") == ["It is"]
+    held = MistralStream(NAMES)
+    assert held.feed(TOOL_CALLS) == [] and held.feed(calls(call("get_time"))) == []
+    assert held.finish() == [("get_time", "{}")]
+
+
+CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 5}}}
+
+
+def test_strict_tools_hold_an_answer_to_text_or_well_formed_calls():
+    dfa = compile_regex(held_regex({"get_weather": schema_regex(CITY), "get_time": schema_regex({})}))
+    assert dfa.fullmatch(TOOL_CALLS + calls(call("get_weather", {"city": "Oslo"}), call("get_time", {})))
+    assert dfa.fullmatch(calls(call("get_time", {}))) and dfa.fullmatch("  Sunny, 12 C.") and dfa.fullmatch("")
+    for bad in (calls(call("get_weather", {"city": "Toulouse"})), calls(call("rm_rf", {})), " [", "[x]",
+                calls(call("get_time", {})) + " and"):
+        assert not dfa.fullmatch(bad), bad
+    one = compile_regex(held_regex({"get_time": schema_regex({})}, parallel=False))
+    assert not one.fullmatch(calls(call("get_time", {}), call("get_time", {})))
+    pattern = held_regex({"get_time": schema_regex({})})
+    rng, texts = random.Random(2), ["[", "]", " ", "a", TOOL_CALLS, "{"]
+    for _ in range(1000):  # texts of these pieces are no call: text, unless they begin with `[`
+        text = "".join(rng.choice(texts) for _ in range(rng.randint(0, 5)))
+        assert compile_regex(pattern).fullmatch(text) == (not text.lstrip().startswith("[")), repr(text)
+        assert bool(re.fullmatch(pattern, text)) == compile_regex(pattern).fullmatch(text)
+
+
+def test_the_chat_answer_reads_mistral_calls():
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_time", "strict": True}})]
+    assert compile_regex(tool_regex(tools, "auto", fmt=MISTRAL)).fullmatch(TOOL_CALLS + calls(call("get_time", {})))
+    answer = chat_answer(TOOL_CALLS + calls(call("get_time", {})), "stop", tools, "auto", fmt=MISTRAL)
+    assert answer.finish_reason == "tool_calls" and answer.calls[0]["function"]["name"] == "get_time"
+    streamed = StreamedCalls.of(tools, "auto", fmt=MISTRAL)
+    assert streamed.delta(TOOL_CALLS + calls(call("get_time")), False) == {}
+    assert streamed.delta("", True)["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
