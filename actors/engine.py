@@ -368,22 +368,26 @@ class Engine:
         ]
         now = time.monotonic()
         outputs = []
-        drafts_of = {id(c.request): c.draft_token_ids for c in step.chunks if c.draft_token_ids}
-        rows = step.launched.requests
-        row = 0
-        while row < len(rows):  # a request's rows: one, or one and one a draft
-            request = rows[row]
-            drafts = drafts_of.get(id(request), ())
-            first, row = row, row + 1 + len(drafts)
+        drafting = self.drafter.is_on
+        drafts_of = {id(c.request): c.draft_token_ids for c in step.chunks if c.draft_token_ids} if drafting else {}
+        skip = 0  # rows left of the request before: its drafts'
+        for row, request in enumerate(step.launched.requests):
+            if skip:
+                skip -= 1
+                continue
+            drafts = drafts_of.get(id(request)) if drafts_of else None
+            if drafts:
+                skip = len(drafts)
             if request.is_finished:
                 continue
             if drafts:
-                self._take_confirmed(request, drafts, token_ids[first:row], logprobs and logprobs[first:row], now)
+                end = row + 1 + len(drafts)
+                self._take_confirmed(request, drafts, token_ids[row:end], logprobs and logprobs[row:end], now)
             else:
-                self._take_drawn(request, token_ids[first], logprobs and logprobs[first], now)
+                self._take_drawn(request, token_ids[row], None if logprobs is None else logprobs[row], now)
             if request.is_finished:
                 del self.requests[request.request_id]
-            elif self.drafter.can_draft(request):
+            elif drafting and self.drafter.can_draft(request):
                 self.drafter.propose(request, len(self.scheduler.running))
             outputs.append(request.output())
         return exported, outputs

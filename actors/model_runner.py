@@ -200,29 +200,21 @@ class ModelRunner:
         1 + drafts positions, in order (`LaunchedStep.requests` names its request
         that many times)."""
         started = time.perf_counter()
-        ordered = [c for c in chunks if not c.is_decode] + [c for c in chunks if c.is_decode]
+        drafted = any(c.draft_token_ids for c in chunks)
+        if drafted:
+            ordered = [c for c in chunks if not c.is_decode] + [c for c in chunks if c.is_decode]
+        else:  # (the same order, without a property call a chunk: this runs every step)
+            ordered = [c for c in chunks if c.num_new_tokens > 1] + [c for c in chunks if c.num_new_tokens == 1]
         only_decodes = bool(ordered) and ordered[0].is_decode
-        num_tokens = sum(c.num_new_tokens for c in ordered)
-        assert input_ids is None or (only_decodes and len(input_ids) == num_tokens), "input_ids: decodes only"
-        if self.decode_graphs is not None and only_decodes and self.decode_graphs.fits(num_tokens):
+        num_rows = sum(c.num_new_tokens for c in ordered) if drafted else len(ordered)  # (if only decodes)
+        assert input_ids is None or (only_decodes and len(input_ids) == num_rows), "input_ids: decodes only"
+        if self.decode_graphs is not None and only_decodes and self.decode_graphs.fits(num_rows):
             hidden = self.run_static_decode(self.decode_graphs, ordered, input_ids)
         else:
             known_ids, positions, meta = self._metadata(ordered)
             hidden = self.model(known_ids if input_ids is None else input_ids, positions, self.kv_cache, meta)
-        ends, sampling, token_indexes, offset = [], [], [], 0
-        drafted = any(c.draft_token_ids for c in ordered)
-        drafts_before: list[tuple[int, ...]] = []  # a row's drafts before it, where any chunk drafts
-        for chunk in ordered:
-            offset += chunk.num_new_tokens
-            if input_ids is not None or chunk.samples:
-                # A row at the last known token, and one at each draft (the token after it, if it is right).
-                drafts = chunk.draft_token_ids
-                ends += range(offset - 1 - len(drafts), offset)
-                sampling += [chunk.request] * (1 + len(drafts))
-                first = chunk.known_end - chunk.request.num_prompt_tokens  # the output index of the token it samples
-                token_indexes += range(first, first + 1 + len(drafts))
-                if drafted:
-                    drafts_before += (drafts[:i] for i in range(1 + len(drafts)))
+        ends, sampling, token_indexes, drafts_before = (self._drafted_rows(ordered) if drafted
+                                                         else self._rows(ordered, input_ids is not None))
         step = LaunchedStep(sampling, started)
         if input_ids is None:  # (a step launched ahead only decodes)
             step.prompt_parts = list(self._prompt_logprobs(hidden, ordered))
@@ -234,6 +226,37 @@ class ModelRunner:
             self.step_done.record()
             step.ready = self.step_done
         return step
+
+    @staticmethod
+    def _rows(ordered: list[ScheduledChunk], all_sample: bool) -> tuple[list[int], list[Request], list[int], list]:
+        """The rows a step samples (no drafts): each sampling chunk's last token's
+        row in the hidden states, its request, the output index of the token it
+        samples; and no drafts before any."""
+        ends, sampling, token_indexes, offset = [], [], [], 0
+        for chunk in ordered:
+            offset += chunk.num_new_tokens
+            if all_sample or chunk.samples:
+                ends.append(offset - 1)
+                sampling.append(chunk.request)
+                token_indexes.append(chunk.end - chunk.request.num_prompt_tokens)
+        return ends, sampling, token_indexes, []
+
+    @staticmethod
+    def _drafted_rows(ordered: list[ScheduledChunk]) -> tuple[list[int], list[Request], list[int], list]:
+        """`_rows` of a step with drafts: a row at a sampling chunk's last known
+        token and one at each of its drafts (the token after it, if it is right),
+        and each row's drafts before it."""
+        ends, sampling, token_indexes, drafts_before, offset = [], [], [], [], 0
+        for chunk in ordered:
+            offset += chunk.num_new_tokens
+            if chunk.samples:
+                drafts = chunk.draft_token_ids
+                ends += range(offset - 1 - len(drafts), offset)
+                sampling += [chunk.request] * (1 + len(drafts))
+                first = chunk.known_end - chunk.request.num_prompt_tokens
+                token_indexes += range(first, first + 1 + len(drafts))
+                drafts_before += (drafts[:i] for i in range(1 + len(drafts)))
+        return ends, sampling, token_indexes, drafts_before
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """The tokens a launched step sampled, once the device has them (waits): see

@@ -51,7 +51,7 @@ class ScheduledChunk:  # not frozen: one a request a step, and frozen constructi
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens (a token is sampled)."""
-        return self.known_end == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass

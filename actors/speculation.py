@@ -50,9 +50,13 @@ class Drafter:
         self.max_batch = config.speculative_max_batch
         self.max_model_len = max_model_len
 
+    @property
+    def is_on(self) -> bool:
+        return self.num_tokens > 0
+
     def can_draft(self, request: Request) -> bool:
         """Whether the request may draft at all: not a prefill worker's, nor held to a pattern."""
-        return bool(self.num_tokens) and request.constraint is None and not request.exports_kv
+        return self.is_on and request.constraint is None and not request.exports_kv
 
     def propose(self, request: Request, num_running: int) -> None:
         """Set `request.draft_token_ids` to what may follow its tokens (at most the
