@@ -54,7 +54,8 @@ from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.decode_room import owed_blocks, reservation_tokens
 from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
-from actors.model_runner import LaunchedStep, ModelRunner
+from actors.launched_step import LaunchedStep
+from actors.model_runner import ModelRunner
 from actors.prefill_steps import PrefillStepLog
 from actors.request import FinishReason, Request, RequestOutput, SampledToken, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
@@ -370,7 +371,7 @@ class Engine:
         outputs = []
         drafting = self.drafter.is_on
         drafts_of = {id(c.request): c.draft_token_ids for c in step.chunks if c.draft_token_ids} if drafting else {}
-        skip = 0  # rows left of the request before: its drafts'
+        skip = 0  # rows still to pass: those of the drafts of the request just taken
         for row, request in enumerate(step.launched.requests):
             if skip:
                 skip -= 1
