@@ -100,9 +100,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(tiny_qwen2_dir):
                                   for config in (CONFIG, SPECULATING, SPECULATING))
     static.runner.decode_graphs = static.runner.static_decode(capture=False)
 
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(batch=st.lists(drafting_requests(), min_size=1, max_size=6))
-    def check(batch):
+    def compare(batch):
         outputs = []
         for engine in (plain, speculating, static):
             for index, (prompt, params) in enumerate(batch):
@@ -114,7 +112,15 @@ def test_speculation_gives_the_tokens_of_plain_decoding(tiny_qwen2_dir):
             _same(outputs[1][request_id], expected)
             _same(outputs[2][request_id], expected)
 
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(batch=st.lists(drafting_requests(), min_size=1, max_size=6))
+    def check(batch):
+        compare(batch)
+
     check()
+    # And a batch that surely preempts: six requests of up to 9 blocks in a pool of 12.
+    compare([([7 + i, 8, 9] * 27, SamplingParams(max_new_tokens=48, temperature=0.5 * (i % 2), seed=i,
+                                                 ignore_eos=True)) for i in range(6)])
     assert 0 < speculating.num_accepted_draft_tokens < speculating.num_draft_tokens
     assert speculating.num_steps < plain.num_steps
     assert speculating.scheduler.num_preemptions > 0  # the fuzzing reached preemption
