@@ -74,6 +74,47 @@ def unfinished_tag_regex(tag: str, anything: str, never: str = "") -> str:
     return rest
 
 
+class WholeCallsStream:
+    """An answer whose calls, if it makes any, are the whole answer (Llama 3's JSON
+    objects, Mistral's arrays), read as it streams: `feed` each new piece of text,
+    `finish` at the end; each returns what may go out now: text (str) and calls
+    ((name, arguments) tuples). Text goes out as it comes; an answer that begins as
+    calls can be judged only whole, at its end. A format says how its calls begin
+    (`_begins`) and reads them (`_calls`)."""
+
+    def __init__(self, tool_names: set[str], parallel: bool = True) -> None:
+        self.tool_names, self.parallel = tool_names, parallel
+        self.kind = "start"  # "start": not yet known; "calls": held to the end; "text"
+        self.pending = ""
+        self.text = TrimmedText()
+
+    def _begins(self, begun: str) -> str:
+        """The kind of an answer that begins with `begun` (its leading whitespace
+        gone): "calls", "text", or "start" while it cannot tell yet."""
+        raise NotImplementedError
+
+    def _calls(self, whole: str) -> list | None:
+        """A calls answer's pieces, or None when it is text after all."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list:
+        self.pending += text
+        if self.kind == "start":
+            self.kind = self._begins(self.pending.lstrip())
+        if self.kind != "text":
+            return []
+        return self.text.pieces(self._take())
+
+    def finish(self) -> list:
+        whole = self._take()
+        calls = self._calls(whole) if self.kind == "calls" else None
+        return self.text.pieces(whole) if calls is None else calls
+
+    def _take(self) -> str:
+        taken, self.pending = self.pending, ""
+        return taken
+
+
 class ParsedCalls(NamedTuple):
     content: str | None
     calls: list[tuple[str, str]]  # (name, arguments as JSON text) each, in order

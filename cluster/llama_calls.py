@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, TrimmedText, known_call, unfinished_tag_regex
+from cluster.answer_parts import ParsedCalls, WholeCallsStream, known_call, unfinished_tag_regex
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -62,48 +62,26 @@ def _past_space(text: str, position: int) -> int:
     return position
 
 
-class LlamaStream:
-    """An answer read as it streams: `feed` each new piece of text, `finish` at
-    the end; each returns what may go out now: text (str) and calls ((name,
-    arguments) tuples)."""
+class LlamaStream(WholeCallsStream):
+    """An answer read as it streams (`WholeCallsStream`): calls begin with `{`,
+    after Llama's Python tag if any."""
 
-    def __init__(self, tool_names: set[str], parallel: bool = True) -> None:
-        self.tool_names, self.parallel = tool_names, parallel
-        self.kind = "start"  # "start": not yet known; "calls": held to the end; "text"
-        self.pending = ""
-        self.text = TrimmedText()
+    def _begins(self, begun: str) -> str:
+        begun = begun.removeprefix(PYTHON_TAG).lstrip()
+        if begun.startswith("{"):
+            return "calls"
+        return "start" if PYTHON_TAG.startswith(begun) else "text"  # (the tag may be coming)
 
-    def feed(self, text: str) -> list:
-        self.pending += text
-        if self.kind == "start":
-            begun = self.pending.lstrip().removeprefix(PYTHON_TAG).lstrip()
-            if begun.startswith("{"):
-                self.kind = "calls"
-            elif not begun or PYTHON_TAG.startswith(begun):
-                return []  # the tag may be coming
-            else:
-                self.kind = "text"
-        if self.kind == "calls":
-            return []
-        return self.text.pieces(self._take())
-
-    def finish(self) -> list:
-        whole = self._take()
-        if self.kind != "calls":
-            return self.text.pieces(whole)
+    def _calls(self, whole: str) -> list | None:
         start = whole.index("{")
         calls = read_calls(whole[start:], self.tool_names)
         if calls is None:
-            return self.text.pieces(whole)
+            return None
         if self.parallel or len(calls) == 1:
             return [called for called, _ in calls]
         first, end = calls[0]
         rest = whole[start + end:].lstrip().removeprefix(";")
         return [first, *self.text.pieces(rest)]
-
-    def _take(self) -> str:
-        taken, self.pending = self.pending, ""
-        return taken
 
 
 def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, TrimmedText, known_call
+from cluster.answer_parts import ParsedCalls, WholeCallsStream, known_call
 
 TOOL_CALLS = "[TOOL_CALLS]"
 
@@ -49,46 +49,20 @@ def read_calls(text: str, tool_names: set[str]) -> list[tuple[str, str]] | None:
     return None if None in calls else calls
 
 
-class MistralStream:
-    """An answer read as it streams: `feed` each new piece of text, `finish` at
-    the end; each returns what may go out now: text (str) and calls ((name,
-    arguments) tuples)."""
+class MistralStream(WholeCallsStream):
+    """An answer read as it streams (`WholeCallsStream`): calls begin with `[`,
+    the tag's or the array's."""
 
-    def __init__(self, tool_names: set[str], parallel: bool = True) -> None:
-        self.tool_names, self.parallel = tool_names, parallel
-        self.kind = "start"  # "start": not yet known; "calls": held to the end; "text"
-        self.pending = ""
-        self.text = TrimmedText()
+    def _begins(self, begun: str) -> str:
+        return "calls" if begun.startswith("[") else "text" if begun else "start"
 
-    def feed(self, text: str) -> list:
-        self.pending += text
-        if self.kind == "start":
-            begun = self.pending.lstrip()
-            if begun.startswith("["):  # the tag or the array: judged whole
-                self.kind = "calls"
-            elif begun:
-                self.kind = "text"
-        if self.kind != "text":
-            return []
-        return self.text.pieces(self._take())
-
-    def finish(self) -> list:
-        whole = self._take()
-        if self.kind != "calls":
-            return self.text.pieces(whole)
-        array = whole.lstrip().removeprefix(TOOL_CALLS)
-        calls = read_calls(array.lstrip(), self.tool_names)
-        if calls is None:
-            return self.text.pieces(whole)
-        if self.parallel or len(calls) == 1:
+    def _calls(self, whole: str) -> list | None:
+        calls = read_calls(whole.lstrip().removeprefix(TOOL_CALLS).lstrip(), self.tool_names)
+        if calls is None or self.parallel or len(calls) == 1:
             return calls
         rest = json.dumps([{"name": name, "arguments": json.loads(arguments)} for name, arguments in calls[1:]],
                           ensure_ascii=False)
         return [calls[0], *self.text.pieces(rest)]
-
-    def _take(self) -> str:
-        taken, self.pending = self.pending, ""
-        return taken
 
 
 def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
