@@ -11,7 +11,7 @@ drafts (actors/engine.py). No second model, no training: a draft costs a dict
 lookup, a rejected one a position of compute.
 
 The index is built once for the prompt and grows by one entry per `n` with every
-token (`extend`), so a proposal costs O(max_n), not a scan of the context (vLLM
+token (`add`), so a proposal costs O(max_n), not a scan of the context (vLLM
 scans with KMP each step; at 64 requests of 4k tokens a Python scan would cost
 more than the step it saves). Longer matches are tried first: they predict better.
 Memory: an entry per n-gram length a token (a tuple key in a dict); at the
@@ -31,27 +31,34 @@ class PromptLookup:
         assert 1 <= min_n <= max_n, (min_n, max_n)
         self.min_n = min_n
         self.max_n = max_n
+        self.tokens: list[int] = []  # the request's tokens so far, a copy grown in place
         self._next: dict[tuple[int, ...], int] = {}
-        self._num_indexed = 0  # tokens[:_num_indexed] are in the index (as followers)
 
-    def extend(self, token_ids: list[int]) -> None:
-        """Index `token_ids` (the request's whole token list; only its tail past what
-        was indexed before is read)."""
-        for end in range(max(self._num_indexed, 1), len(token_ids)):  # token `end` follows the n-grams ending before it
+    def add(self, token_ids: list[int]) -> None:
+        """Index tokens that follow those added before."""
+        tokens = self.tokens
+        begin = max(len(tokens), 1)
+        tokens += token_ids
+        for end in range(begin, len(tokens)):  # token `end` follows the n-grams ending before it
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._next[tuple(token_ids[end - n:end])] = end
-        self._num_indexed = max(self._num_indexed, len(token_ids))
+                self._next[tuple(tokens[end - n:end])] = end
 
     def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """`next_tokens` after `token_ids`, the whole token list (of which only the
+        tail past what was added before is read)."""
+        self.add(token_ids[len(self.tokens):])
+        return self.next_tokens(num_tokens)
+
+    def next_tokens(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` tokens that followed the latest earlier occurrence of the
-        longest suffix of `token_ids` (at least `min_n` long) seen before; [] if none.
+        longest suffix of the tokens (at least `min_n` long) seen before; [] if none.
         A match `p` tokens back says the text repeats with period `p`: past the
         end of what followed it, the drafts go on with that period (a loop)."""
-        self.extend(token_ids)
-        for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
-            start = self._next.get(tuple(token_ids[-n:]))
+        tokens = self.tokens
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = self._next.get(tuple(tokens[-n:]))
             if start is not None:
-                followers = token_ids[start:start + num_tokens]
-                period = len(token_ids) - start
+                followers = tokens[start:start + num_tokens]
+                period = len(tokens) - start
                 return [followers[i % period] for i in range(num_tokens)]
         return []

@@ -70,9 +70,12 @@ class Drafter:
         if request.draft_pause_steps:
             request.draft_pause_steps -= 1
             return
-        if request.lookup is None:
-            request.lookup = PromptLookup(self.min_n, self.max_n)
-        request.draft_token_ids = request.lookup.propose(request.all_token_ids, room)
+        lookup = request.lookup
+        if lookup is None:
+            lookup = request.lookup = PromptLookup(self.min_n, self.max_n)
+            lookup.add(request.prompt_token_ids)
+        lookup.add(request.output_token_ids[len(lookup.tokens) - request.num_prompt_tokens:])  # (no prompt copy)
+        request.draft_token_ids = lookup.next_tokens(room)
 
     @staticmethod
     def record(request: Request, num_confirmed_drafts: int) -> None:
