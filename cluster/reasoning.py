@@ -64,9 +64,10 @@ def num_reasoning_tokens(tokenizer, token_ids: list[int], opened: bool = False) 
     completes the closing tag, found by halving (a prefix's text holds the tag
     from that token on), so a long answer is decoded about log2(n) times."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731  (the tags may be special)
-    if not opened and not decode(token_ids).lstrip().startswith(OPEN):
+    text = decode(token_ids)
+    if not opened and not text.lstrip().startswith(OPEN):
         return 0
-    if CLOSE not in decode(token_ids):
+    if CLOSE not in text:
         return len(token_ids)
     low, high = 0, len(token_ids)  # the first token_ids[:m] that holds the tag has low <= m <= high
     while low < high:
