@@ -429,7 +429,8 @@ class Engine:
         if not text:
             return
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if b"".join(self.byte_level.without_special[t] for t in ids) != text.encode():
+        if b"".join(self.byte_level.without_special[t] for t in ids) != text.encode() or any(
+                t in request.stop_token_ids for t in ids):  # (a stop id would end it short of a match)
             return
         for token_id in ids:
             self._append_token(request, token_id, None, now)

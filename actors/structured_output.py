@@ -150,10 +150,16 @@ class OutputConstraint:
         return self.state
 
     def mask(self, output_ids: list[int], num_output: int) -> np.ndarray:
-        """The packed mask of the tokens the draw of output token `num_output` may take."""
+        """The packed mask of the tokens the draw of output token `num_output` may take:
+        end tokens only where the output matches (an end token that is also text of
+        the pattern, a stop id the request named, would end it short of a match;
+        kept only where it is the one way on)."""
         state = self._walk(output_ids, num_output)
         continuing = self.index.continuing(state)
-        return continuing | self.end_mask if self.index.dfa.accepting[state] else continuing
+        if self.index.dfa.accepting[state]:
+            return continuing | self.end_mask
+        kept = continuing & ~self.end_mask
+        return kept if kept.any() else continuing
 
     def forced_text(self, output_ids: list[int]) -> str:
         """The text the pattern fixes after the output (jump-forward; "" if none)."""

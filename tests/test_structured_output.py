@@ -259,3 +259,20 @@ def test_jump_forward_writes_the_fixed_text_without_steps(tiny_qwen2_dir):
     with_logprobs = LLM(tiny_qwen2_dir, max_num_seqs=8)
     [answer] = with_logprobs.generate(PROMPTS[:1], SamplingParams(max_new_tokens=80, regex=pattern, logprobs=0))
     assert with_logprobs.engine.num_steps == len(answer.token_ids) and len(answer.logprobs) == len(answer.token_ids)
+
+
+def test_a_stop_id_that_is_text_of_the_pattern_is_drawn_only_where_the_output_matches(tiny_qwen2_dir):
+    """A request naming as a stop id a token its pattern writes ("t" of "true", say)
+    would end short of a match if the draw took it there (a fuzzer drew one)."""
+    import numpy as np
+
+    from actors.engine import Engine
+
+    engine = Engine(tiny_qwen2_dir)
+    token_bytes = engine.byte_level.without_special
+    t = next(i for i, data in enumerate(token_bytes) if data == b"t")
+    constraint = engine.token_indexes.constraint("t[a-z]{0,3}", [t])
+    allowed = np.unpackbits(constraint.mask([], 0))[:len(token_bytes)]
+    assert not allowed[t] and allowed.any()  # "th", "the", ... go on by other tokens
+    after = np.unpackbits(constraint.mask([t], 1))[:len(token_bytes)]
+    assert after[t]  # a match: the stop id may end it
