@@ -223,8 +223,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    # No drafts while more requests than this run (None: any number): a large
-    # batch's step is compute-bound, verifying drafts then costs more than it saves.
+    # No drafts while more requests than this run (None: any number). Below it each
+    # step verifies only the drafts that pay for their rows on the measured step
+    # costs (actors/speculation.py `Drafter.trim`); this is the hard stop.
     speculative_max_batch: int | None = None
 
     def __post_init__(self) -> None:

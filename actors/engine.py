@@ -301,6 +301,8 @@ class Engine:
         next one is then already running (see the module docstring)."""
         step, self._in_flight = self._in_flight, None  # read once, even if what follows raises
         if step is None:
+            if self.drafter.is_on:
+                self.drafter.trim(self.scheduler.running)  # the drafts worth their rows
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return [], []
@@ -371,6 +373,8 @@ class Engine:
         outputs = []
         drafting = self.drafter.is_on
         drafts_of = {id(c.request): c.draft_token_ids for c in step.chunks if c.draft_token_ids} if drafting else {}
+        if drafting and all(c.is_decode for c in step.chunks):
+            self.drafter.step_costs.record(sum(c.num_new_tokens for c in step.chunks), self.runner.last_step_s)
         skip = 0  # rows still to pass: those of the drafts of the request just taken
         for row, request in enumerate(step.launched.requests):
             if skip:
@@ -401,7 +405,7 @@ class Engine:
         num_kept = num_confirmed(drafts, token_ids) + 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_draft_tokens += num_kept - 1
-        self.drafter.record(request, num_kept - 1)
+        self.drafter.record(request, len(drafts), num_kept - 1)
         for i in range(num_kept):
             self._take_drawn(request, token_ids[i], logprobs and logprobs[i], now)
             if request.is_finished:

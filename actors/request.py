@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from actors.bad_words import BadWords
 from actors.detokenizer import IncrementalDetokenizer, text_between
+from actors.draft_acceptance import DraftAcceptance
 from actors.logit_rules import LogitRules
 from actors.prompt_lookup import PromptLookup
 from actors.sampling_params import SamplingParams
@@ -99,6 +100,7 @@ class Request:
     lookup: PromptLookup | None = None
     num_failed_drafts: int = 0  # its draft steps in a row that confirmed no draft
     draft_pause_steps: int = 0  # proposals it skips before drafting again (actors/speculation.py)
+    draft_acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts stand, of late
 
     @functools.cached_property
     def logit_rules(self) -> LogitRules:

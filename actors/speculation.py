@@ -24,6 +24,25 @@ and no request drafts while more than `speculative_max_batch` run, where a
 step's compute, not its weight reads, sets its time (vLLM's
 `disable_by_batch_size`).
 
+Before each step `Drafter.trim` keeps only the drafts that raise the step's
+goodput, its expected tokens per second (the aim of SmartSpec, Liu et al. 2024,
+"Optimizing Speculative Decoding for Serving Large Language Models Using
+Goodput"). A step of B decoding requests and R rows takes t(R), measured live
+(actors/step_costs.py), and yields B tokens plus every confirmed draft: draft j
+of a request (from 1) stands only if its first j do, with a probability read
+off the request's latest verified drafts (actors/draft_acceptance.py), its gain.
+For n drafts in all the step costs t(B + n) whichever they are, so the best n
+are the n of highest gain (a request's gains fall with j: its first drafts
+come first, as verifying needs); `trim` takes the n whose tokens per second is
+highest; except one step in `EXPLORE_EVERY`, which verifies k more (k the
+drafts a request may verify), so that the time of a few rows more than pay
+stays measured (a row count's time is measured only by steps of that many rows,
+and a time measured once, high, would hold the rule where it first stopped).
+So a lone request on a CPU verifies a few drafts a step, a batch of eight only
+its surest, and on a GPU, where a row costs next to nothing, every request
+drafts all it may. The rule never changes a token, only which drafts a step
+verifies.
+
 A draft row's logits are processed as a plain decode's would be at that token:
 the rules that depend on the index alone (logit_bias, allowed_token_ids,
 min_new_tokens) by its index, penalties and bad words over the output and the
@@ -38,9 +57,11 @@ from __future__ import annotations
 from actors.config import EngineConfig
 from actors.prompt_lookup import PromptLookup
 from actors.request import Request
+from actors.step_costs import DecodeStepCosts
 
 
 MAX_BACKOFF_DOUBLINGS = 4  # a pause of at most 2**4 - 1 = 15 proposals
+EXPLORE_EVERY = 16  # one trimmed step in this many verifies k drafts more than pay
 
 
 class Drafter:
@@ -49,6 +70,8 @@ class Drafter:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_batch = config.speculative_max_batch
         self.max_model_len = max_model_len
+        self.step_costs = DecodeStepCosts()  # the engine records its decode-only steps
+        self._num_trims = 0
 
     @property
     def is_on(self) -> bool:
@@ -77,9 +100,43 @@ class Drafter:
         lookup.add(request.output_token_ids[len(lookup.tokens) - request.num_prompt_tokens:])  # (no prompt copy)
         request.draft_token_ids = lookup.next_tokens(room)
 
+    def trim(self, running: list[Request]) -> None:
+        """Cut the running requests' drafts to those that give the next step the
+        most expected tokens per second (the module docstring); all stay while
+        the step costs are unknown. Every `EXPLORE_EVERY`-th time it keeps
+        `num_tokens` more, so that the time of the rows next to those that pay
+        stays measured."""
+        drafting = [r for r in running if r.draft_token_ids and r.num_pending_tokens == 1]
+        if not drafting:
+            return
+        curve = self.step_costs.curve()
+        if curve is None:
+            return
+        self._num_trims += 1
+        num_decoding = sum(1 for r in running if r.num_pending_tokens == 1)
+        # A request's gains fall with j (ties by j): the best n drafts are the n of highest gain.
+        gains = sorted(((r.draft_acceptance.gain(j), -j, i) for i, r in enumerate(drafting)
+                        for j in range(1, len(r.draft_token_ids) + 1)), reverse=True)
+        tokens, best_n = float(num_decoding), 0
+        best = tokens / max(curve(num_decoding), 1e-9)
+        for n, (gain, _, _) in enumerate(gains, 1):
+            tokens += gain
+            rate = tokens / max(curve(num_decoding + n), 1e-9)
+            if rate > best:
+                best_n, best = n, rate
+        if self._num_trims % EXPLORE_EVERY == 0:
+            best_n += self.num_tokens  # a few rows more than pay, to measure them
+        num_kept = [0] * len(drafting)
+        for _, _, i in gains[:best_n]:
+            num_kept[i] += 1
+        for request, count in zip(drafting, num_kept):
+            del request.draft_token_ids[count:]
+
     @staticmethod
-    def record(request: Request, num_confirmed_drafts: int) -> None:
-        """After a step verified the request's drafts: back off if none stood."""
+    def record(request: Request, num_drafts: int, num_confirmed_drafts: int) -> None:
+        """After a step verified `num_drafts` of the request's drafts: its
+        acceptance, and back off if none stood."""
+        request.draft_acceptance.record(num_drafts, num_confirmed_drafts)
         if num_confirmed_drafts:
             request.num_failed_drafts = 0
         else:
