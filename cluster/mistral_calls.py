@@ -1,23 +1,32 @@
-"""Tool calls in Mistral's format (the manifest's `tool_call_parser: mistral`,
-vLLM's parser of that name): Mistral 7B v0.3, Nemo and Small 3.1 Instruct answer
-a call as `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`,
-the whole answer.
+"""Tool calls in Mistral's formats (the manifest's `tool_call_parser: mistral`,
+vLLM's parser of that name), in either of its two layouts:
+- an array (Mistral 7B v0.3, Nemo, Small 3.1 Instruct: tokenizers before v11):
+  `[TOOL_CALLS]` and a JSON array of `{"name": ..., "arguments": {...}}`;
+- named (tokenizer v11 on: Small 3.2, Magistral, Devstral): each call
+  `[TOOL_CALLS]name[ARGS]{...}`, the arguments a JSON object after the name.
+`[TOOL_CALLS]` and `[ARGS]` are special tokens of Mistral's tokenizers, which a
+text decoded without special tokens (the default) drops: the array alone, or
+`name{...}` after `name{...}`, is read the same.
 
-- An answer that begins (whitespace aside) with `[TOOL_CALLS]`, or with the array
-  itself (`[TOOL_CALLS]` is a special token of Mistral's tokenizers, which a text
-  decoded without special tokens drops), is read as calls: one JSON array of
-  objects, each naming one of the request's tools with an object (or no)
-  `arguments`, then nothing but whitespace. Otherwise (cut by `max_tokens`, a
-  tool the request does not have, a plain list) the whole answer is text, as
-  written. Under `parallel_tool_calls: false` the first call is the call and the
-  array's other items are its text.
+- An answer that begins (whitespace aside) with `[`, or with one of the
+  request's tool names and then `{` or `[ARGS]`, is read as calls, the whole
+  answer: one array of objects each naming one of the tools with an object (or
+  no) `arguments`; or named calls of the tools, each its arguments object, with
+  only whitespace or `[TOOL_CALLS]` between and after. Otherwise (cut by
+  `max_tokens`, a tool the request does not have, a plain list) the whole answer
+  is text, as written. Under `parallel_tool_calls: false` the first call is the
+  call and what follows it is its text.
 - Any other answer is text, with the whitespace at its two ends removed.
 - Streamed (`MistralStream`), text goes out as it comes; an answer that begins
-  with `[` can be judged only whole, so its calls (or its text) go out at its end.
-- Held (`held_regex`, strict tools): the answer is text that does not begin with
-  `[`, or the tag (optional: a model may write it as its special token, which the
-  text masks cannot) and calls laid out as `json.dumps` writes them. Mistral's
-  newer `[TOOL_CALLS]name[ARGS]{...}` layout (tokenizer v11) is not read.
+  as calls can be judged only whole, so its calls (or its text) go out at its
+  end (one that begins with a tool name's first letters waits until it can tell).
+- Held (`held_regex`, strict tools): the answer is text that does not begin
+  with `[`, or the tag (optional: a model may write it as its special token,
+  which the text masks cannot) and calls in the array layout as `json.dumps`
+  writes them; such an answer is read by `parse_held` / `HeldMistralStream`,
+  for which text that begins with a tool's name is text (a pattern that kept
+  text from beginning so would cost the automaton states a letter of every
+  name, hundreds of them). Call ids (`[CALL_ID]`) are not read.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import re
 from cluster.answer_parts import ParsedCalls, WholeCallsStream, known_call
 
 TOOL_CALLS = "[TOOL_CALLS]"
+ARGS = "[ARGS]"  # tokenizer v11 on: between a call's name and its arguments
 
 
 def parse(text: str, tool_names: set[str], parallel: bool = True) -> ParsedCalls:
@@ -36,9 +46,13 @@ def parse(text: str, tool_names: set[str], parallel: bool = True) -> ParsedCalls
     return ParsedCalls.of(stream.feed(text) + stream.finish())
 
 
-def read_calls(text: str, tool_names: set[str]) -> list[tuple[str, str]] | None:
-    """The calls of a calls answer (`text` from its array's `[`), or None when the
-    answer is not one array of calls of these tools."""
+def parse_held(text: str, tool_names: set[str], parallel: bool = True) -> ParsedCalls:
+    """`parse` for an answer held to `held_regex`: the array layout alone."""
+    stream = HeldMistralStream(tool_names, parallel)
+    return ParsedCalls.of(stream.feed(text) + stream.finish())
+
+
+def _read_array(text: str, tool_names: set[str]) -> list[tuple[str, str]] | None:
     try:
         value, end = json.JSONDecoder().raw_decode(text)
     except ValueError:
@@ -49,26 +63,84 @@ def read_calls(text: str, tool_names: set[str]) -> list[tuple[str, str]] | None:
     return None if None in calls else calls
 
 
+def _read_named(text: str, tool_names: set[str]) -> list[tuple[str, str, int]] | None:
+    """Named calls, each (name, arguments, where its text ends), or None."""
+    calls, at = [], 0
+    while True:
+        name = next((n for n in tool_names if text.startswith(n, at) and _opens_arguments(text, at + len(n))), None)
+        if name is None:
+            return None
+        at += len(name)
+        at += len(ARGS) if text.startswith(ARGS, at) else 0
+        try:
+            arguments, at = json.JSONDecoder().raw_decode(text, at)
+        except ValueError:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        calls.append((name, json.dumps(arguments, ensure_ascii=False), at))
+        at = _after_space(text, at)
+        if at == len(text):
+            return calls
+        if text.startswith(TOOL_CALLS, at):
+            at = _after_space(text, at + len(TOOL_CALLS))
+
+
+def _opens_arguments(text: str, at: int) -> bool:
+    return text.startswith("{", at) or text.startswith(ARGS, at)
+
+
+def _after_space(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip())
+
+
 class MistralStream(WholeCallsStream):
-    """An answer read as it streams (`WholeCallsStream`): calls begin with `[`,
-    the tag's or the array's."""
+    """An answer read as it streams (`WholeCallsStream`): calls begin with `[`
+    (the tag's or the array's) or with a tool's name and its arguments."""
+
+    def _begins(self, begun: str) -> str:
+        if begun.startswith("["):
+            return "calls"
+        heads = [name + opener for name in self.tool_names for opener in ("{", ARGS)]
+        if any(begun.startswith(head) for head in heads):
+            return "calls"
+        return "start" if not begun or any(head.startswith(begun) for head in heads) else "text"
+
+    def _calls(self, whole: str) -> list | None:
+        body = whole.lstrip().removeprefix(TOOL_CALLS).lstrip()
+        is_array = body.startswith("[") and not body.startswith(ARGS)
+        calls = _read_array(body, self.tool_names) if is_array else self._read_named(body)
+        if calls is None or self.parallel or len(calls) == 1:
+            return calls
+        if is_array:
+            rest = json.dumps([{"name": name, "arguments": json.loads(arguments)} for name, arguments in calls[1:]],
+                              ensure_ascii=False)
+        else:
+            rest = body[_read_named(body, self.tool_names)[0][2]:]
+        return [calls[0], *self.text.pieces(rest)]
+
+    def _read_named(self, body: str) -> list[tuple[str, str]] | None:
+        named = _read_named(body, self.tool_names)
+        return None if named is None else [(name, arguments) for name, arguments, _ in named]
+
+
+class HeldMistralStream(MistralStream):
+    """A held answer (strict tools) as it streams: `held_regex` admits calls in
+    the array layout alone, so text that begins with a tool's name is text
+    (were it read as a named call, its arguments would be unchecked)."""
 
     def _begins(self, begun: str) -> str:
         return "calls" if begun.startswith("[") else "text" if begun else "start"
 
-    def _calls(self, whole: str) -> list | None:
-        calls = read_calls(whole.lstrip().removeprefix(TOOL_CALLS).lstrip(), self.tool_names)
-        if calls is None or self.parallel or len(calls) == 1:
-            return calls
-        rest = json.dumps([{"name": name, "arguments": json.loads(arguments)} for name, arguments in calls[1:]],
-                          ensure_ascii=False)
-        return [calls[0], *self.text.pieces(rest)]
+    def _read_named(self, body: str) -> None:
+        return None
 
 
 def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object); one call at most unless
-    `parallel`."""
+    `parallel`. Calls in the array layout only: a held answer is read by
+    `parse_held`."""
     assert arguments, "a held answer's calls need tools"
     call = "|".join(re.escape(f'{{"name": {json.dumps(name)}, "arguments": ') + f"(?:{pattern})" + r"\}"
                     for name, pattern in arguments.items())

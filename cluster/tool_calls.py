@@ -52,18 +52,28 @@ class ToolCallFormat(NamedTuple):
     """How a model writes the calls it chooses to make (tool_choice "auto"): a
     whole answer's parse, its stream (`feed`, `finish`) and the pattern that holds
     it for strict tools, each given the tools' names and whether calls may be
-    several."""
+    several; and the parse and stream of an answer so held, where a format reads
+    it otherwise (Mistral's: only the layout the pattern admits)."""
 
     parse: Callable[[str, set[str], bool], ParsedCalls]
     stream: Callable[[set[str], bool], object]
     held_regex: Callable[[dict[str, str], bool], str]
+    held_parse: Callable[[str, set[str], bool], ParsedCalls] | None = None
+    held_stream: Callable[[set[str], bool], object] | None = None
+
+    def parse_of(self, held: bool) -> Callable[[str, set[str], bool], ParsedCalls]:
+        return self.held_parse if held and self.held_parse else self.parse
+
+    def stream_of(self, held: bool) -> Callable[[set[str], bool], object]:
+        return self.held_stream if held and self.held_stream else self.stream
 
 
 # The manifest's `tool_call_parser`: the served model's format (its chat template's).
 TOOL_CALL_FORMATS = {
     "hermes": ToolCallFormat(hermes_calls.parse, hermes_calls.HermesStream, hermes_calls.held_regex),
     "llama3_json": ToolCallFormat(llama_calls.parse, llama_calls.LlamaStream, llama_calls.held_regex),
-    "mistral": ToolCallFormat(mistral_calls.parse, mistral_calls.MistralStream, mistral_calls.held_regex),
+    "mistral": ToolCallFormat(mistral_calls.parse, mistral_calls.MistralStream, mistral_calls.held_regex,
+                              mistral_calls.parse_held, mistral_calls.HeldMistralStream),
 }
 HERMES = TOOL_CALL_FORMATS["hermes"]
 
@@ -133,7 +143,7 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt
     named = named_choice(tools, tool_choice)
     if named is not None:
         return schema_regex(named.parameters or NO_PARAMETERS)
-    if tool_choice == "auto" and any(tool.function.strict for tool in tools or ()):
+    if tool_choice == "auto" and _is_held(tools):
         return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS)
                                for tool in tools}, parallel)
     if tool_choice != "required":
@@ -160,7 +170,7 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
         return ChatAnswer(None, None, finish_reason)
     tool_choice = _effective(tools, tool_choice)
     if tool_choice == "auto":
-        parsed = fmt.parse(text, tool_names(tools), parallel)
+        parsed = fmt.parse_of(_is_held(tools))(text, tool_names(tools), parallel)
         calls = [call(name, arguments) for name, arguments in parsed.calls] or None
         return ChatAnswer(parsed.content, calls, _auto_reason(finish_reason, calls))
     named = named_choice(tools, tool_choice) if tools else None
@@ -176,6 +186,11 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
     if not calls or None in calls:  # (held to the pattern, only a cut answer is not calls)
         return ChatAnswer(text, None, finish_reason)
     return ChatAnswer(None, [call(name, arguments) for name, arguments in calls], finish_reason)
+
+
+def _is_held(tools: list[Tool] | None) -> bool:
+    """Whether an "auto" answer is held to the tools' schemas (`tool_regex`): a tool is strict."""
+    return any(tool.function.strict for tool in tools or ())
 
 
 def tool_names(tools: list[Tool] | None) -> set[str]:
@@ -221,7 +236,7 @@ class StreamedCalls:
         self.named = named_choice(tools, tool_choice)
         self.pieces: list[str] = []
         self.started = False
-        self.auto = fmt.stream(tool_names(tools), parallel) if tool_choice == "auto" else None
+        self.auto = fmt.stream_of(_is_held(tools))(tool_names(tools), parallel) if tool_choice == "auto" else None
         self.num_calls = 0
 
     @classmethod

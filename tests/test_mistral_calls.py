@@ -1,7 +1,8 @@
-"""Tool calls in Mistral's format (cluster/mistral_calls.py): whole and streamed,
-with and without the `[TOOL_CALLS]` tag (a special token that a text decoded
-without special tokens loses), the pattern strict tools hold an answer to, and
-the format's choice (`tool_call_parser: mistral`)."""
+"""Tool calls in Mistral's formats (cluster/mistral_calls.py), the array and the
+named (tokenizer v11) layouts: whole and streamed, with and without the
+`[TOOL_CALLS]` and `[ARGS]` tags (special tokens that a text decoded without
+special tokens loses), the pattern strict tools hold an answer to, and the
+format's choice (`tool_call_parser: mistral`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from actors.json_schema import schema_regex
 from actors.regex_dfa import compile_regex
-from cluster.mistral_calls import TOOL_CALLS, MistralStream, held_regex, parse
+from cluster.mistral_calls import ARGS, TOOL_CALLS, MistralStream, held_regex, parse, parse_held
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, Tool, chat_answer, tool_regex
 
 NAMES = {"get_weather", "get_time"}
@@ -28,6 +29,11 @@ def calls(*items: dict) -> str:
     return json.dumps(list(items), ensure_ascii=False)
 
 
+def named(name: str, arguments: dict, tags: bool = True) -> str:
+    """A call in the v11 layout, its tags written or (decoded without special tokens) lost."""
+    return (TOOL_CALLS + name + ARGS if tags else name) + json.dumps(arguments, ensure_ascii=False)
+
+
 @pytest.mark.parametrize("text, expected", [
     (TOOL_CALLS + calls(call("get_weather", {"city": "Oslo"})), (None, [("get_weather", '{"city": "Oslo"}')])),
     (" " + calls(call("get_time"), call("get_weather", {"city": "Zürich"})) + "\n",  # no tag: it was a special token
@@ -40,6 +46,19 @@ def calls(*items: dict) -> str:
     (calls(call("get_time", [1])), (calls(call("get_time", [1])), [])),  # arguments not an object
     ("[1, 2, 3]", ("[1, 2, 3]", [])), ("[]", ("[]", [])),  # lists, not calls
     ("", (None, [])),
+    # The named layout (v11), tags written or lost:
+    (named("get_weather", {"city": "Oslo"}), (None, [("get_weather", '{"city": "Oslo"}')])),
+    (" " + named("get_time", {}, tags=False) + named("get_weather", {"city": "Nice"}, tags=False) + " ",
+     (None, [("get_time", "{}"), ("get_weather", '{"city": "Nice"}')])),
+    (named("get_time", {}) + "\n" + named("get_time", {"tz": "UTC"}), (None, [("get_time", "{}"),
+                                                                     ("get_time", '{"tz": "UTC"}')])),
+    ("get_time is a tool.", ("get_time is a tool.", [])),
+    (named("get_time", {}) + " and more", (named("get_time", {}) + " and more", [])),  # the whole answer or none
+    (named("rm_rf", {}), (named("rm_rf", {}), [])), ("rm_rf{}", ("rm_rf{}", [])),  # not one of the tools
+    (named("get_time", {}) + "[]", (named("get_time", {}) + "[]", [])),
+    (TOOL_CALLS + "get_time" + ARGS + "[1]", (TOOL_CALLS + "get_time" + ARGS + "[1]", [])),  # not an object
+    (TOOL_CALLS + 'get_time{"tz": "U', (TOOL_CALLS + 'get_time{"tz": "U', [])),  # cut short
+    (ARGS + "{}", (ARGS + "{}", [])), ("get_ti", ("get_ti", [])),
 ])
 def test_an_answer_is_its_calls_or_its_text(text, expected):
     assert parse(text, NAMES) == expected
@@ -49,12 +68,15 @@ def test_without_parallel_calls_the_first_is_the_call_and_the_others_text():
     text = TOOL_CALLS + calls(call("get_time"), call("get_weather", {"city": "Oslo"}))
     assert parse(text, NAMES, parallel=False) == (calls(call("get_weather", {"city": "Oslo"})),
                                                   [("get_time", "{}")])
+    text = named("get_time", {}) + " " + named("get_weather", {"city": "Oslo"})
+    assert parse(text, NAMES, parallel=False) == (named("get_weather", {"city": "Oslo"}), [("get_time", "{}")])
 
 
 def test_streamed_in_any_pieces_the_answer_is_the_same_as_whole():
     rng = random.Random(7)
     parts = [" ", "\n", "[", "]", ",", "[TOOL", TOOL_CALLS, "ok", calls(call("get_time")), calls(call("nope")),
-             json.dumps(call("get_weather", {"city": "Nice"})), "é"]
+             json.dumps(call("get_weather", {"city": "Nice"})), "é", "get_", "get_time", ARGS, "[AR", "{}",
+             '{"tz": "UTC"}', named("get_weather", {"city": "Nice"}, tags=False)]
     for _ in range(400):
         text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 6)))
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
@@ -72,6 +94,8 @@ def test_text_streams_and_calls_wait_for_the_end():
     held = MistralStream(NAMES)
     assert held.feed(TOOL_CALLS) == [] and held.feed(calls(call("get_time"))) == []
     assert held.finish() == [("get_time", "{}")]
+    waits = MistralStream(NAMES)  # it may begin a named call: it waits till it can tell
+    assert waits.feed("get_t") == [] and waits.feed("ime is") == ["get_time is"]
 
 
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 5}}}
@@ -82,7 +106,7 @@ def test_strict_tools_hold_an_answer_to_text_or_well_formed_calls():
     assert dfa.fullmatch(TOOL_CALLS + calls(call("get_weather", {"city": "Oslo"}), call("get_time", {})))
     assert dfa.fullmatch(calls(call("get_time", {}))) and dfa.fullmatch("  Sunny, 12 C.") and dfa.fullmatch("")
     for bad in (calls(call("get_weather", {"city": "Toulouse"})), calls(call("rm_rf", {})), " [", "[x]",
-                calls(call("get_time", {})) + " and"):
+                calls(call("get_time", {})) + " and", named("get_time", {})):
         assert not dfa.fullmatch(bad), bad
     one = compile_regex(held_regex({"get_time": schema_regex({})}, parallel=False))
     assert not one.fullmatch(calls(call("get_time", {}), call("get_time", {})))
@@ -92,6 +116,25 @@ def test_strict_tools_hold_an_answer_to_text_or_well_formed_calls():
         text = "".join(rng.choice(texts) for _ in range(rng.randint(0, 5)))
         assert compile_regex(pattern).fullmatch(text) == (not text.lstrip().startswith("[")), repr(text)
         assert bool(re.fullmatch(pattern, text)) == compile_regex(pattern).fullmatch(text)
+
+
+def test_a_held_answer_is_read_in_the_layout_its_pattern_admits():
+    """Text that the pattern lets begin with a tool's name (its arguments not held
+    to the schema) is text, not a named call; held arrays are calls."""
+    unchecked = named("get_weather", {"city": "Toulouse"}, tags=False)
+    assert compile_regex(held_regex({"get_weather": schema_regex(CITY)})).fullmatch(unchecked)
+    assert parse_held(unchecked, NAMES) == (unchecked, [])
+    assert parse(unchecked, NAMES).calls  # (an answer not held reads it as a call)
+    array = TOOL_CALLS + calls(call("get_weather", {"city": "Oslo"}))
+    assert parse_held(array, NAMES) == (None, [("get_weather", '{"city": "Oslo"}')])
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "strict": True,
+                                                                   "parameters": CITY}})]
+    answer = chat_answer(unchecked, "stop", tools, "auto", fmt=MISTRAL)
+    assert answer.calls is None and answer.content == unchecked
+    streamed = StreamedCalls.of(tools, "auto", fmt=MISTRAL)
+    assert streamed.delta(unchecked, True) == {"content": unchecked}
+    loose = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": CITY}})]
+    assert chat_answer(unchecked, "stop", loose, "auto", fmt=MISTRAL).calls[0]["function"]["name"] == "get_weather"
 
 
 def test_the_chat_answer_reads_mistral_calls():
