@@ -8,18 +8,18 @@ on this machine, at this batch. On a GPU a decode step reads the weights whateve
 its rows, up to large batches (a row costs little, until a CUDA graph's size is
 passed); on a CPU a step is compute-bound from a few rows on. Nor is the cost a
 line: on this machine's two cores a step of the bench preset took 22 ms with one
-row, 29 with three and 34 with five (a lone request verifying 0, 2 or 4 drafts;
-`tandem bench speculative` runs such steps), the first extra row dearest. So a
+row, 29 with three and 34 with five (a one-off probe: a lone request verifying
+0, 2 or 4 drafts, as in `tandem bench speculative`), the first extra row dearest. So a
 row count's time is its own: an average of its latest steps (each new one
 weighing `WEIGHT`), and row counts not seen are read off the line through the
 nearest seen on either side (or the two nearest, past the ends).
 
-A row count not seen in the latest `MAX_AGE` steps is forgotten, and with fewer
-than two remembered the cost is unknown (`curve` gives None): a batch whose rows
-never change tells nothing about what more rows cost. That is how the costs are
-explored: where the rule that reads them stops drafts, the rows stop changing,
-the other counts are forgotten, every draft is verified for a step, and the
-costs are known again.
+A row count not seen in the latest `MAX_AGE` steps is forgotten (the batch and
+the contexts have moved on), and with fewer than two remembered the cost is
+unknown (`curve` gives None, and the trim verifies every draft, which measures
+more rows): a batch whose rows never change tells nothing about what more rows
+cost. The counts just past those the trim keeps are measured by its exploring
+steps (actors/speculation.py `EXPLORE_EVERY`).
 
 Only steps that decode alone are recorded (each chunk one known token plus its
 drafts): a chunk of a prompt costs what a decode row does not. The time is the
