@@ -15,9 +15,10 @@ verified that the samples confirmed (the acceptance rate).
 What the figures mean on a CPU: a decode step's time grows with its rows (this
 machine's two cores are compute-bound from a few rows on, `tandem bench kernels`),
 so a draft costs about a row's compute whether confirmed or not, and speculation
-pays where most are confirmed and the batch is small. On a GPU a decode step
-reads the weights whatever its rows, up to large batches: drafts cost little
-there, and `speculative_max_batch` is for where they do not. With random weights
+pays where most are confirmed and the batch is small; the goodput rule then
+verifies the drafts likeliest to stand, fewer the larger the batch. On a GPU a
+decode step reads the weights whatever its rows, up to large batches: drafts
+cost little there. With random weights
 the models' greedy text falls into loops, which the lookup predicts, while
 sampled text rarely repeats: the two samplings bracket what real text gets (code,
 quotes, documents being edited repeat; chat much less).
