@@ -14,7 +14,7 @@ import torch
 from actors.integer_ranges import integer_range_regex
 from actors.json_schema import free_json_regex, schema_regex
 from actors.llm import LLM
-from actors.regex_dfa import RegexError, choice_regex, compile_regex
+from actors.regex_dfa import START, RegexError, choice_regex, compile_regex
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from kernels.logit_bias import _bit_table, keep_masked_
 
@@ -49,6 +49,18 @@ def test_the_dfa_matches_what_python_matches(pattern):
         data = _random_match(dfa, rng)
         if data is not None:
             assert re.fullmatch(pattern, data.decode(), re.ASCII), data
+
+
+def test_states_that_no_text_tells_apart_are_one():
+    """The minimised DFA: after `a` and after `c` the same texts complete `(ab|cb)`;
+    a schema's automaton a fraction of the subset construction's (the states a
+    request reaches each cost a walk of the vocabulary)."""
+    dfa = compile_regex("ab|cb")
+    assert len(dfa.accepting) == 4  # dead, start, before the b, after it
+    assert dfa.walk(START, b"a") == dfa.walk(START, b"c") != 0 and dfa.transitions[0].max() == 0
+    assert len(compile_regex(schema_regex({})).accepting) < 400  # (1312 before)
+    chain = compile_regex("[a-z]{0,300}")  # no two states alike, told apart in 300 rounds: kept as built
+    assert len(chain.accepting) == 302 and chain.fullmatch("a" * 300) and not chain.fullmatch("a" * 301)
 
 
 @pytest.mark.parametrize("pattern, message", [
