@@ -126,6 +126,15 @@ class ParsedCalls(NamedTuple):
         return cls(content or None, [piece for piece in pieces if isinstance(piece, tuple)])
 
 
+def calls_regex(arguments: dict[str, str], arguments_key: str, separator: str, parallel: bool) -> str:
+    """Calls of the tools in `arguments` (a name: the pattern of its arguments, a
+    JSON object) as `json.dumps` writes `{"name": ..., arguments_key: ...}`: one,
+    or, if `parallel`, several with `separator` (a pattern) between."""
+    call = "|".join(re.escape(f'{{"name": {json.dumps(name)}, "{arguments_key}": ') + f"(?:{pattern})" + r"\}"
+                    for name, pattern in arguments.items())
+    return f"(?:{call})(?:{separator}(?:{call}))*" if parallel else f"(?:{call})"
+
+
 def known_call(value, tool_names: set[str], arguments_key: str = "arguments") -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call the model wrote as a JSON value,
     or None unless it is an object naming one of the tools, with an object (or no)

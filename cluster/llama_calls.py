@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, WholeCallsStream, known_call, unfinished_tag_regex
+from cluster.answer_parts import ParsedCalls, WholeCallsStream, calls_regex, known_call, unfinished_tag_regex
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -89,9 +89,7 @@ def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
     the pattern of its arguments, a JSON object); one call at most unless
     `parallel`."""
     assert arguments, "a held answer's calls need tools"
-    call = "|".join(re.escape(f'{{"name": {json.dumps(name)}, "parameters": ') + f"(?:{pattern})" + r"\}"
-                    for name, pattern in arguments.items())
-    calls = f"(?:{call})(?:; (?:{call}))*" if parallel else f"(?:{call})"
+    calls = calls_regex(arguments, "parameters", "; ", parallel)
     return f"(?:{re.escape(PYTHON_TAG)})?{calls}|{_TEXT}"
 
 

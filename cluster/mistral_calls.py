@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, WholeCallsStream, known_call
+from cluster.answer_parts import ParsedCalls, WholeCallsStream, calls_regex, known_call
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"  # tokenizer v11 on: between a call's name and its arguments
@@ -109,19 +109,22 @@ class MistralStream(WholeCallsStream):
     def _calls(self, whole: str) -> list | None:
         body = whole.lstrip().removeprefix(TOOL_CALLS).lstrip()
         is_array = body.startswith("[") and not body.startswith(ARGS)
-        calls = _read_array(body, self.tool_names) if is_array else self._read_named(body)
+        if is_array:
+            named, calls = None, _read_array(body, self.tool_names)
+        else:
+            named = self._read_named(body)
+            calls = None if named is None else [(name, arguments) for name, arguments, _ in named]
         if calls is None or self.parallel or len(calls) == 1:
             return calls
         if is_array:
             rest = json.dumps([{"name": name, "arguments": json.loads(arguments)} for name, arguments in calls[1:]],
                               ensure_ascii=False)
         else:
-            rest = body[_read_named(body, self.tool_names)[0][2]:]
+            rest = body[named[0][2]:]  # after the first call's text
         return [calls[0], *self.text.pieces(rest)]
 
-    def _read_named(self, body: str) -> list[tuple[str, str]] | None:
-        named = _read_named(body, self.tool_names)
-        return None if named is None else [(name, arguments) for name, arguments, _ in named]
+    def _read_named(self, body: str) -> list[tuple[str, str, int]] | None:
+        return _read_named(body, self.tool_names)
 
 
 class HeldMistralStream(MistralStream):
@@ -142,9 +145,7 @@ def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
     `parallel`. Calls in the array layout only: a held answer is read by
     `parse_held`."""
     assert arguments, "a held answer's calls need tools"
-    call = "|".join(re.escape(f'{{"name": {json.dumps(name)}, "arguments": ') + f"(?:{pattern})" + r"\}"
-                    for name, pattern in arguments.items())
-    calls = f"(?:{call})(?:, (?:{call}))*" if parallel else f"(?:{call})"
+    calls = calls_regex(arguments, "arguments", ", ", parallel)
     return rf"(?:{re.escape(TOOL_CALLS)})?\[{calls}\]|{_TEXT}"
 
 

@@ -15,6 +15,7 @@ from actors.json_schema import schema_regex
 from actors.regex_dfa import compile_regex
 from cluster.hermes_calls import CLOSE, OPEN, HermesStream, held_regex, parse
 from cluster.tool_calls import StreamedCalls, Tool, chat_answer, tool_regex
+from tests.call_streams import random_answers, streamed
 
 NAMES = {"get_weather", "get_time"}
 
@@ -52,21 +53,15 @@ def test_without_parallel_calls_only_the_first_block_is_a_call():
 
 
 def _streamed(pieces: list[str], parallel: bool = True) -> tuple:
-    stream = HermesStream(NAMES, parallel)
-    out = [each for piece in pieces for each in stream.feed(piece)] + stream.finish()
-    return "".join(each for each in out if isinstance(each, str)) or None, [e for e in out if isinstance(e, tuple)]
+    return tuple(streamed(HermesStream(NAMES, parallel), pieces))
 
 
 def test_streamed_in_any_pieces_the_answer_is_the_same_as_whole():
     """Random answers of text, calls, bad blocks and partial tags, cut at random
     places (single characters too): the pieces together parse as the whole does."""
-    rng = random.Random(7)
     parts = [" ", "\n", "ok", "<", "<tool", "</tool_call>", "<tool_call>", "tool_call>", block("get_time"),
              block("get_weather", {"city": "Nice"}), block("nope", {}), f"{OPEN}{{bad}}{CLOSE}", "é 👋"]
-    for _ in range(400):
-        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
-        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    for text, pieces in random_answers(parts, seed=7, max_parts=8, max_cuts=6):
         for parallel in (True, False):
             assert _streamed(pieces, parallel) == tuple(parse(text, NAMES, parallel)), (pieces, parallel)
         assert _streamed(list(text)) == tuple(parse(text, NAMES))

@@ -16,6 +16,7 @@ from actors.json_schema import schema_regex
 from actors.regex_dfa import compile_regex
 from cluster.mistral_calls import ARGS, TOOL_CALLS, MistralStream, held_regex, parse, parse_held
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, Tool, chat_answer, tool_regex
+from tests.call_streams import random_answers, streamed
 
 NAMES = {"get_weather", "get_time"}
 MISTRAL = TOOL_CALL_FORMATS["mistral"]
@@ -73,19 +74,12 @@ def test_without_parallel_calls_the_first_is_the_call_and_the_others_text():
 
 
 def test_streamed_in_any_pieces_the_answer_is_the_same_as_whole():
-    rng = random.Random(7)
     parts = [" ", "\n", "[", "]", ",", "[TOOL", TOOL_CALLS, "ok", calls(call("get_time")), calls(call("nope")),
              json.dumps(call("get_weather", {"city": "Nice"})), "é", "get_", "get_time", ARGS, "[AR", "{}",
              '{"tz": "UTC"}', named("get_weather", {"city": "Nice"}, tags=False)]
-    for _ in range(400):
-        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 6)))
-        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 5))))
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    for text, pieces in random_answers(parts, seed=7):
         for parallel in (True, False):
-            stream = MistralStream(NAMES, parallel)
-            out = [each for piece in pieces for each in stream.feed(piece)] + stream.finish()
-            content = "".join(each for each in out if isinstance(each, str)) or None
-            assert (content, [e for e in out if isinstance(e, tuple)]) == parse(text, NAMES, parallel), pieces
+            assert streamed(MistralStream(NAMES, parallel), pieces) == parse(text, NAMES, parallel), pieces
 
 
 def test_text_streams_and_calls_wait_for_the_end():
