@@ -212,7 +212,7 @@ class EngineConfig:
     # are preempted.
     decode_reserve_tokens: int = 512
     # Structured output: the text a request's pattern fixes next is appended without
-    # a step sampling it (actors/engine.py `_jump_forward`).
+    # a step sampling it (actors/output_writer.py `_jump_forward`).
     jump_forward: bool = True
     # Speculative decoding by prompt lookup (actors/prompt_lookup.py): after each
     # sampled token, up to this many draft tokens, those that followed the latest

@@ -56,6 +56,7 @@ from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
 from actors.host_tensors import int64_tensor
 from actors.launched_step import LaunchedStep
 from actors.model_runner import ModelRunner
+from actors.output_writer import OutputWriter
 from actors.prefill_steps import PrefillStepLog
 from actors.request import FinishReason, Request, RequestOutput, SampledToken, TokenLogprob
 from actors.sampling_params import InvalidRequestError, SamplingParams
@@ -121,6 +122,7 @@ class Engine:
         self.kv_namespace = kv_namespace(model_dir, self.config.dtype, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.pool, self.kv_namespace)
         self.drafter = Drafter(self.config, self.max_model_len)  # speculative decoding (actors/speculation.py)
+        self.writer = OutputWriter(self.config, self.tokenizer, self.byte_level, self.scheduler, self.max_model_len)
         # Between the pool and a KV store: prefix imports, write-through (its `sink`).
         self.store_bridge = StoreBridge(self.pool, self.runner, self.kv_namespace,
                                         self.config.enable_prefix_cache)
@@ -265,7 +267,7 @@ class Engine:
             self.scheduler.publish_full_blocks(request, 0)
         self.requests[request_id] = request
         self.scheduler.add_running(request)
-        self._take_drawn(request, first_token.token_id, first_token.logprob, time.monotonic())
+        self.writer.take_drawn(request, first_token.token_id, first_token.logprob, time.monotonic())
         if request.is_finished:
             del self.requests[request_id]
         elif self.drafter.can_draft(request):
@@ -284,7 +286,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        self._finish(request, FinishReason.ABORT)
+        self.writer.finish(request, FinishReason.ABORT)
         return request.output()
 
     def has_unfinished(self) -> bool:
@@ -389,7 +391,7 @@ class Engine:
                 end = row + 1 + len(drafts)
                 self._take_confirmed(request, drafts, token_ids[row:end], logprobs and logprobs[row:end], now)
             else:
-                self._take_drawn(request, token_ids[row], None if logprobs is None else logprobs[row], now)
+                self.writer.take_drawn(request, token_ids[row], None if logprobs is None else logprobs[row], now)
             if request.is_finished:
                 del self.requests[request.request_id]
             elif drafting and self.drafter.can_draft(request):
@@ -400,75 +402,10 @@ class Engine:
     def _take_confirmed(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],
                         logprobs: list[TokenLogprob | None] | None, now: float) -> None:
         """A drafted decode's samples (one a row, `drafts` + 1): those the drafts
-        confirm and the one after (actors/speculation.py), each taken as a plain
-        decode's token would be, until one ends the request."""
-        num_kept = num_confirmed(drafts, token_ids) + 1
+        confirm and the one after (actors/speculation.py), counted, then taken
+        (`OutputWriter.take_confirmed`)."""
+        num_stood = num_confirmed(drafts, token_ids)
         self.num_draft_tokens += len(drafts)
-        self.num_accepted_draft_tokens += num_kept - 1
-        self.drafter.record(request, len(drafts), num_kept - 1)
-        for i in range(num_kept):
-            self._take_drawn(request, token_ids[i], logprobs and logprobs[i], now)
-            if request.is_finished:
-                return
-        if num_kept > 1:
-            self.scheduler.accept_drafts(request, num_kept - 1)
-
-    def _take_drawn(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
-        """A drawn token (this engine's, or P's first), then the text its pattern fixes after it."""
-        self._append_token(request, token_id, logprob, now)
-        if request.constraint is not None:
-            self._jump_forward(request, now)
-
-    def _jump_forward(self, request: Request, now: float) -> None:
-        """Append the text a request's pattern fixes next (a JSON key with its quotes
-        and colon, the rest of a choice) as tokens no step samples: the next step
-        computes their KV as one chunk and samples after them, as SGLang's
-        jump-forward decoding does (SGLang re-tokenizes the text joined to the last
-        tokens; here the fixed text is tokenized alone). Off for requests with
-        logprobs (these tokens have none) and where the tokenizer would not give the
-        text's bytes back."""
-        if request.is_finished or not self.config.jump_forward or request.params.logprobs is not None:
-            return
-        text = request.constraint.forced_text(request.output_token_ids)
-        if not text:
-            return
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if b"".join(self.byte_level.without_special[t] for t in ids) != text.encode() or any(
-                t in request.stop_token_ids for t in ids):  # (a stop id would end it short of a match)
-            return
-        for token_id in ids:
-            self._append_token(request, token_id, None, now)
-            if request.is_finished:
-                return
-
-    def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
-        params = request.params
-        output_ids = request.output_token_ids
-        output_ids.append(token_id)
-        if logprob is not None:
-            request.logprobs.append(logprob)
-        if request.first_token_s is None:
-            request.first_token_s = now
-        request.token_times_s.append(now)
-
-        may_stop = len(output_ids) > params.min_new_tokens
-        if may_stop and token_id in request.stop_token_ids:
-            return self._finish(request, FinishReason.STOP)
-        delta = request.detokenizer.add(token_id)
-        if request.stop_strings is not None and delta and may_stop:
-            dropped = request.stop_strings.feed(delta)
-            if dropped is not None:
-                cut = request.detokenizer.num_chars - dropped
-                return self._finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
-        if request.constraint is not None and request.constraint.is_complete(output_ids):
-            return self._finish(request, FinishReason.STOP)  # the pattern is matched and allows no more
-        if len(output_ids) >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
-            return self._finish(request, FinishReason.LENGTH)
-
-    def _finish(self, request: Request, reason: FinishReason, text: str | None = None) -> None:
-        """End a request: its final text (the whole detokenized output unless a stop
-        string cut it) and its blocks back to the pool."""
-        request.detokenizer.flush()
-        request.output_text = request.detokenizer.text if text is None else text
-        request.finish_reason = reason
-        self.scheduler.finish(request)
+        self.num_accepted_draft_tokens += num_stood
+        self.drafter.record(request, len(drafts), num_stood)
+        self.writer.take_confirmed(request, token_ids[: num_stood + 1], logprobs and logprobs[: num_stood + 1], now)

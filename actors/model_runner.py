@@ -334,14 +334,15 @@ class ModelRunner:
         kernels/logit_bias.py, actors/bad_words.py), then their penalties
         (kernels/penalties.py; in a step launched ahead, a row's last token is its
         input, on the device: counted there). A draft row's bad words and penalties
-        read the drafts before it as output. The raw logits stay for logprobs."""
+        read the drafts before it as output, and so does its pattern's mask. The raw
+        logits stay for logprobs."""
         scores = logits.clone(memory_format=torch.contiguous_format)
         keep_only_(scores, rows, [step.requests[row].logit_rules.allowed_ids for row in rows])
-        constrained = [row for row in rows if step.requests[row].constraint is not None]
-        masks = [step.requests[row].constraint.mask(step.requests[row].output_token_ids, token_indexes[row])
-                 for row in constrained]
-        keep_masked_(scores, constrained, masks)
         before = drafts_before or [()] * len(step.requests)
+        constrained = [row for row in rows if step.requests[row].constraint is not None]
+        masks = [step.requests[row].constraint.mask(step.requests[row].output_token_ids, token_indexes[row],
+                                                    before[row]) for row in constrained]
+        keep_masked_(scores, constrained, masks)
         additions = []
         for row in rows:
             request = step.requests[row]

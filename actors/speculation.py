@@ -45,11 +45,13 @@ verifies.
 
 A draft row's logits are processed as a plain decode's would be at that token:
 the rules that depend on the index alone (logit_bias, allowed_token_ids,
-min_new_tokens) by its index, penalties and bad words over the output and the
-drafts before the row (actors/model_runner.py). Requests held to a pattern do
-not draft (their next tokens are the DFA's to mask, and jump-forward already
-writes what it fixes without a step); a prefill worker never drafts (it samples
-one token a request).
+min_new_tokens) by its index, penalties, bad words and a pattern's mask over the
+output and the drafts before the row (actors/model_runner.py). A request held to
+a pattern drafts only what keeps its output a prefix of a match (the drafts are
+cut at the first that leaves it), and none past a token after which the pattern
+fixes the text: jump-forward writes that text there, as after a plain decode's
+token, and the samples after it are dropped. A prefill worker never drafts (it
+samples one token a request).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Drafter:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_batch = config.speculative_max_batch
         self.max_model_len = max_model_len
+        self.jumps_forward = config.jump_forward  # (drafts end where a pattern's fixed text begins)
         self.step_costs = DecodeStepCosts()  # the engine records its decode-only steps
         self._num_trims = 0
 
@@ -78,8 +81,8 @@ class Drafter:
         return self.num_tokens > 0
 
     def can_draft(self, request: Request) -> bool:
-        """Whether the request may draft at all: not a prefill worker's, nor held to a pattern."""
-        return self.is_on and request.constraint is None and not request.exports_kv
+        """Whether the request may draft at all: not a prefill worker's."""
+        return self.is_on and not request.exports_kv
 
     def propose(self, request: Request, num_running: int) -> None:
         """Set `request.draft_token_ids` to what may follow its tokens (at most the
@@ -98,7 +101,11 @@ class Drafter:
             lookup = request.lookup = PromptLookup(self.min_n, self.max_n)
             lookup.add(request.prompt_token_ids)
         lookup.add(request.output_token_ids[len(lookup.tokens) - request.num_prompt_tokens:])  # (no prompt copy)
-        request.draft_token_ids = lookup.next_tokens(room)
+        drafts = lookup.next_tokens(room)
+        if drafts and request.constraint is not None:
+            jumps_forward = self.jumps_forward and request.params.logprobs is None
+            del drafts[request.constraint.num_useful_drafts(request.output_token_ids, drafts, jumps_forward):]
+        request.draft_token_ids = drafts
 
     def trim(self, running: list[Request]) -> None:
         """Cut the running requests' drafts to those that give the next step the

@@ -30,9 +30,14 @@ A constrained row's next mask depends on the token just drawn, so a step holding
 one is read before the next step is launched (no overlapped decode for the batch
 while it runs).
 
+Constrained requests speculate (actors/speculation.py): their drafts are cut at the
+first that would leave the pattern (`num_useful_drafts`), and a draft row is masked
+from the state after the drafts before it, as a plain decode of that token would be
+(vLLM's structured outputs fill one bitmask row per draft the same way).
+
 Where a state leaves a single byte, and the next one too, up to a state that
 accepts or branches, that text is fixed (`TokenIndex.forced`): the engine writes it
-without a step (jump-forward, actors/engine.py `_jump_forward`).
+without a step (jump-forward, actors/output_writer.py `_jump_forward`).
 """
 
 from __future__ import annotations
@@ -149,17 +154,39 @@ class OutputConstraint:
         self.num_walked = num_output
         return self.state
 
-    def mask(self, output_ids: list[int], num_output: int) -> np.ndarray:
-        """The packed mask of the tokens the draw of output token `num_output` may take:
-        end tokens only where the output matches (an end token that is also text of
-        the pattern, a stop id the request named, would end it short of a match;
-        kept only where it is the one way on)."""
-        state = self._walk(output_ids, num_output)
+    def mask(self, output_ids: list[int], num_output: int, drafts: tuple[int, ...] = ()) -> np.ndarray:
+        """The packed mask of the tokens the draw of output token `num_output` may take
+        (after the output's first `num_output - len(drafts)` tokens and `drafts`, a
+        draft row's drafts before it, walked without being kept): end tokens only
+        where the output matches (an end token that is also text of the pattern, a
+        stop id the request named, would end it short of a match; kept only where it
+        is the one way on)."""
+        state = self._walk(output_ids, num_output - len(drafts))
+        token_bytes, dfa = self.index.vocabulary.token_bytes, self.index.dfa
+        for token_id in drafts:
+            state = dfa.walk(state, token_bytes[token_id])
         continuing = self.index.continuing(state)
         if self.index.dfa.accepting[state]:
             return continuing | self.end_mask
         kept = continuing & ~self.end_mask
         return kept if kept.any() else continuing
+
+    def num_useful_drafts(self, output_ids: list[int], drafts: list[int], jumps_forward: bool) -> int:
+        """How many of `drafts` (to follow the output) may be verified: those that keep
+        it a prefix of a match, up to the first end token (a draft past them could not
+        stand, its row's mask bans it, and the rows after it would be masked from a
+        dead state), and, where the request jumps forward, up to the first after which
+        the pattern fixes text (the engine writes that text there, not the drafts)."""
+        token_bytes, dfa = self.index.vocabulary.token_bytes, self.index.dfa
+        state = self._walk(output_ids, len(output_ids))
+        for count, token_id in enumerate(drafts):
+            data = token_bytes[token_id]
+            state = dfa.walk(state, data) if data else 0  # (special tokens have no bytes: none continues)
+            if not state or self.end_mask[token_id >> 3] & (0x80 >> (token_id & 7)):
+                return count
+            if jumps_forward and self.index.forced(state):
+                return count + 1
+        return len(drafts)
 
     def forced_text(self, output_ids: list[int]) -> str:
         """The text the pattern fixes after the output (jump-forward; "" if none)."""

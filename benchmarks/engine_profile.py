@@ -56,8 +56,8 @@ def instrument(engine, timer: PhaseTimer):
     engine.step = timer.wrap("step (total)", engine.step)
     engine.scheduler.schedule = timer.wrap("scheduler.schedule", engine.scheduler.schedule)
     engine.scheduler.update = timer.wrap("scheduler.update", engine.scheduler.update)
-    engine._append_token = timer.wrap("engine._append_token (detokenize, stops)", engine._append_token)
-    engine._output = timer.wrap("engine._output (RequestOutput)", engine._output)
+    writer = engine.writer
+    writer._append = timer.wrap("writer._append (detokenize, stops)", writer._append)
     runner = engine.runner
     runner._metadata = timer.wrap("runner._metadata (step tensors)", runner._metadata)
     runner._sample = timer.wrap("runner._sample (on the device)", runner._sample)

@@ -5,10 +5,14 @@ One process, two engines of the same model: plain decoding, and speculation with
 `--drafts` draft tokens a step (the lookup's n-grams 2 to 4, the defaults). Both
 generate the same `--tokens` tokens for the same prompts (seeded; the benchmark
 checks that they are the same tokens), in alternation, `--repeats` times: each of
-eight prompts alone, greedy; then the eight as one batch, greedy and at
-temperature 0.8; and the eight four times over as one batch of 32, greedy (where
-a CPU's step is compute-bound and verifying every draft would cost most; the
-drafts a step verifies are trimmed to those that pay, actors/speculation.py).
+eight prompts alone, greedy, free and then each answer held to a JSON object of
+one string (structured output: drafts cut where they would leave the pattern,
+the key written by jump-forward; before speculation drafted for patterned
+requests, these cases ran as the plain engine does); then the eight as one
+batch, greedy, at temperature 0.8 and held to the JSON object; and the eight four
+times over as one batch of 32, greedy (where a CPU's step is compute-bound and
+verifying every draft would cost most; the drafts a step verifies are trimmed to
+those that pay, actors/speculation.py).
 Per case: the time, the engine steps it took and the share of the drafts
 verified that the samples confirmed (the acceptance rate).
 
@@ -36,6 +40,7 @@ SAMPLINGS = {"greedy": 0.0, "temperature 0.8": 0.8}
 LARGE_BATCH = 4  # the prompts this many times over
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "The capital of France is", "Dear Sir or Madam,",
            "In 1905, Albert Einstein", "SELECT name FROM users WHERE", "The recipe calls for", "Breaking news:"]
+JSON_ANSWER = r'\{"answer": "[a-z ,.]*"\}'  # (a string as long as the tokens asked for)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,12 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3)
 
 
-def _run(llm, prompts: list[str], temperature: float, tokens: int, seed: int) -> dict:
+def _run(llm, prompts: list[str], temperature: float, tokens: int, seed: int, regex: str | None = None) -> dict:
     from actors.sampling_params import SamplingParams
 
     engine = llm.engine
     before = (engine.num_steps, engine.num_draft_tokens, engine.num_accepted_draft_tokens)
-    params = SamplingParams(max_new_tokens=tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=tokens, temperature=temperature, seed=seed, ignore_eos=True, regex=regex)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - started
@@ -61,13 +66,13 @@ def _run(llm, prompts: list[str], temperature: float, tokens: int, seed: int) ->
             "token_ids": [o.token_ids for o in outputs]}
 
 
-def _compare(engines: dict, cases: dict[str, tuple[list[str], float]], args) -> dict[str, dict]:
-    """Each case (prompts, temperature) through both engines, alternated, `--repeats` times."""
+def _compare(engines: dict, cases: dict[str, tuple[list[str], float, str | None]], args) -> dict[str, dict]:
+    """Each case (prompts, temperature, pattern) through both engines, alternated, `--repeats` times."""
     runs = {case: {name: [] for name in engines} for case in cases}
     for repeat in range(args.repeats):
-        for case, (prompts, temperature) in cases.items():
+        for case, (prompts, temperature, regex) in cases.items():
             for name in (list(engines) if repeat % 2 == 0 else list(reversed(engines))):
-                runs[case][name].append(_run(engines[name], prompts, temperature, args.tokens, seed=repeat))
+                runs[case][name].append(_run(engines[name], prompts, temperature, args.tokens, repeat, regex))
     figures = {}
     for case, by_name in runs.items():
         plain, spec = by_name["plain"], by_name["speculative"]
@@ -100,20 +105,26 @@ def main(args: argparse.Namespace) -> None:
         _run(llm, PROMPTS, 0.0, 8, seed=0)
     headers = ["case", "plain s", "speculative s", "ratio", "plain steps", "speculative steps", "drafts confirmed",
                "same tokens"]
-    alone = _compare(engines, {prompt: ([prompt], 0.0) for prompt in PROMPTS}, args)
+    alone = _compare(engines, {prompt: ([prompt], 0.0, None) for prompt in PROMPTS}, args)
     report.print_table(f"Batch 1, greedy, {args.tokens} tokens, {args.preset} model, {args.drafts} drafts a step "
                        f"(median of {args.repeats})", headers, _rows(alone))
-    cases = {f"batch {len(PROMPTS)}, {name}": (PROMPTS, t) for name, t in SAMPLINGS.items()}
-    cases[f"batch {len(PROMPTS) * LARGE_BATCH}, greedy"] = (PROMPTS * LARGE_BATCH, 0.0)
+    alone_json = _compare(engines, {f"{prompt} (JSON)": ([prompt], 0.0, JSON_ANSWER) for prompt in PROMPTS}, args)
+    report.print_table(f"Batch 1, greedy, each answer held to {JSON_ANSWER} (median of {args.repeats})", headers,
+                       _rows(alone_json))
+    cases = {f"batch {len(PROMPTS)}, {name}": (PROMPTS, t, None) for name, t in SAMPLINGS.items()}
+    cases[f"batch {len(PROMPTS)}, greedy, JSON answer"] = (PROMPTS, 0.0, JSON_ANSWER)
+    cases[f"batch {len(PROMPTS) * LARGE_BATCH}, greedy"] = (PROMPTS * LARGE_BATCH, 0.0, None)
     batched = _compare(engines, cases, args)
     report.print_table(f"The prompts as one batch (median of {args.repeats})", headers, _rows(batched))
     ratios = sorted(f["ratio"] for f in alone.values())
-    everything = {**alone, **batched}
+    json_ratio = report.median([f["ratio"] for f in alone_json.values()])
+    everything = {**alone, **alone_json, **batched}
     report.finish(
         "speculative", args.out,
-        {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "alone": alone, "batched": batched,
-         "machine": report.machine_info()},
-        f"greedy alone {ratios[0]:.2f}-{ratios[-1]:.2f}x the time (median {report.median(ratios):.2f}x), "
+        {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "alone": alone,
+         "alone_json": alone_json, "batched": batched, "machine": report.machine_info()},
+        f"greedy alone {ratios[0]:.2f}-{ratios[-1]:.2f}x the time (median {report.median(ratios):.2f}x; "
+        f"held to JSON, median {json_ratio:.2f}x), "
         f"batches {max(f['ratio'] for f in batched.values()):.2f}x at worst; same tokens: "
         f"{all(f['identical'] for f in everything.values())}",
         "same tokens; below 1x where most drafts are confirmed",

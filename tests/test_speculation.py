@@ -2,7 +2,7 @@
 the drafts are what followed the latest earlier match, and verifying them changes
 no token: an engine that speculates gives the tokens, texts, finish reasons and
 logprobs of one that does not, colocated and on the decode side of a P/D pair, with
-preemption, stop strings, penalties, bans and every sampling filter. Which drafts a
+preemption, stop strings, penalties, bans, patterns and every sampling filter. Which drafts a
 step verifies (actors/step_costs.py, actors/draft_acceptance.py, `Drafter.trim`):
 the most expected tokens per second on the measured costs, against every choice."""
 
@@ -72,8 +72,8 @@ def test_drafts_stand_while_the_samples_equal_them():
 def drafting_requests(draw):
     """A prompt that repeats itself now and then (so the lookup finds drafts), and
     any sampling but a pattern: filters, seeds, stops, logprobs, and now and then
-    penalties, a bias, allowed tokens, a minimum length or bad words, which a draft
-    row must read as the plain decode of its token would."""
+    penalties, a bias, allowed tokens, a minimum length, bad words or a pattern,
+    which a draft row must read as the plain decode of its token would."""
     unit = draw(st.lists(st.integers(0, 2047), min_size=1, max_size=12))
     prompt = unit * draw(st.integers(1, 6)) + draw(st.lists(st.integers(0, 2047), max_size=8))
     fields = dict(
@@ -92,7 +92,8 @@ def drafting_requests(draw):
                                        presence_penalty=0.4), dict(logit_bias={7: 2.0, 8: -1.0}),
                                        dict(min_new_tokens=min(5, fields["max_new_tokens"])),
                                        dict(bad_words=["the", "quick brown"]),
-                                       dict(allowed_token_ids=[7, 8, 9, 10, 11])]))
+                                       dict(allowed_token_ids=[7, 8, 9, 10, 11]), dict(regex="[a-z ]{1,60}"),
+                                       dict(regex=r'\{"name": "[a-z ]{1,40}", "n": [0-9]{1,3}\}')]))
     return prompt, SamplingParams(**fields, **processing)
 
 
@@ -144,18 +145,66 @@ def test_every_architecture_speculates_to_the_same_tokens(tiny_model_dir):
     assert outputs[0] == outputs[1]
 
 
-def test_penalised_requests_draft_and_patterned_ones_do_not(tiny_qwen2_dir):
+def test_penalised_and_patterned_requests_draft(tiny_qwen2_dir):
     """A draft row's penalties count the drafts before it, so penalised requests
     draft (Qwen's checkpoints ask for a repetition penalty by default); a pattern's
-    next tokens are its DFA's, and jump-forward writes what it fixes."""
+    rows are masked after the drafts before them: the plain tokens."""
     engine = Engine(tiny_qwen2_dir, SPECULATING)
-    prompt = [7, 8, 9] * 9
-    engine.add_request(prompt, SamplingParams(max_new_tokens=20, temperature=0, regex="[a-z ]{1,30}"), "pattern")
-    _finish(engine)
-    assert engine.num_draft_tokens == 0
-    engine.add_request(prompt, SamplingParams(max_new_tokens=40, temperature=0, repetition_penalty=1.05), "penalised")
+    engine.add_request([7, 8, 9] * 9, SamplingParams(max_new_tokens=40, temperature=0, repetition_penalty=1.05),
+                       "penalised")
     _finish(engine)
     assert engine.num_accepted_draft_tokens > 0
+    prompt = engine.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the dog", add_special_tokens=False)
+    for pattern in ("[a-z ]{1,60}", r'\{"name": "[a-z ]{1,40}", "n": [0-9]{1,3}\}'):
+        outputs = _plain_and_speculating(tiny_qwen2_dir, prompt, SamplingParams(max_new_tokens=50, temperature=0,
+                                                                                regex=pattern))
+        _same(outputs[1][0], outputs[0][0])
+        assert outputs[1][1].num_accepted_draft_tokens > 0
+
+
+def test_a_pattern_fixes_the_text_after_a_draft_as_after_a_sample(tiny_qwen2_dir):
+    """Eight x's fix "ame " (jump-forward writes it as "am", "e", " "): where a
+    draft that stood is the eighth, so does the speculating engine; the row
+    sampled after it (an "a", biased so) is dropped, as a plain decode never
+    samples there."""
+    tokenizer = Engine(tiny_qwen2_dir, CONFIG).tokenizer
+    bias = {tokenizer.convert_tokens_to_ids("x"): 30.0, tokenizer.convert_tokens_to_ids("a"): 20.0}
+    params = SamplingParams(max_new_tokens=40, temperature=0, regex="(x{1,8}ame )+", logit_bias=bias)
+    (expected, plain), (got, speculating) = _plain_and_speculating(
+        tiny_qwen2_dir, tokenizer.encode("xxxxxxxxame " * 3, add_special_tokens=False), params)
+    assert tokenizer.decode(expected.token_ids).startswith("xxxxxxxxame xxxxxxxxame")
+    _same(got, expected)
+    assert speculating.num_accepted_draft_tokens > 0 and speculating.num_steps < plain.num_steps
+
+
+def _plain_and_speculating(model_dir, prompt: list[int], params: SamplingParams):
+    """(output, engine) of a plain engine and of one that speculates, for one request."""
+    results = []
+    for config in (CONFIG, SPECULATING):
+        engine = Engine(model_dir, config)
+        engine.add_request(prompt, params, "r")
+        results.append((_finish(engine)["r"], engine))
+        engine.pool.check()
+    return results
+
+
+def test_a_patterns_drafts_end_where_they_would_leave_it_or_it_fixes_the_text(tiny_qwen2_dir):
+    engine = Engine(tiny_qwen2_dir, SPECULATING)
+    chars = lambda text: [engine.tokenizer.convert_tokens_to_ids(c) for c in text]  # noqa: E731  (a token a byte)
+    eos = engine.tokenizer.eos_token_id
+    constraint = engine.token_indexes.constraint("(ab|cd)+", [eos])
+    output = chars("ab")
+    assert constraint.num_useful_drafts(output, chars("cdab"), False) == 4
+    assert constraint.num_useful_drafts(output, chars("cdxab"), False) == 2  # "x" leaves the pattern
+    assert constraint.num_useful_drafts(output, chars("cd") + [eos, *chars("ab")], False) == 2
+    assert constraint.num_useful_drafts([], chars("b"), False) == 0
+    assert constraint.num_useful_drafts(output, chars("cdab"), True) == 1  # "d" is fixed after "c"
+    # A draft row's mask is the state's after the drafts before it, walked without being kept.
+    fresh = lambda: engine.token_indexes.constraint("(ab|cd)+", [eos])  # noqa: E731
+    after_c = constraint.mask(output, len(output) + 1, tuple(chars("c")))
+    assert (after_c == fresh().mask(output + chars("c"), len(output) + 1)).all()
+    assert not (after_c == fresh().mask(output, len(output))).all()
+    assert (constraint.mask(output, len(output)) == fresh().mask(output, len(output))).all()
 
 
 def test_confirmed_drafts_fill_the_prefix_cache(tiny_qwen2_dir):
@@ -177,12 +226,15 @@ def test_confirmed_drafts_fill_the_prefix_cache(tiny_qwen2_dir):
 
 def test_a_speculating_decode_worker_gives_the_colocated_tokens(tiny_qwen2_dir):
     """P prefills and samples the first token; D proposes drafts from its
-    activation on: the outputs of a plain colocated engine."""
+    activation on (for a patterned request too, after walking P's token): the
+    outputs of a plain colocated engine."""
     prefill, decode = Engine(tiny_qwen2_dir, SPECULATING), Engine(tiny_qwen2_dir, SPECULATING)  # (P: no drafts)
     colocated = Engine(tiny_qwen2_dir, CONFIG)
     batch = {f"pd-{i}": ([7, 8, 9] * (4 + i) + [i], SamplingParams(max_new_tokens=30, temperature=t, seed=i,
                                                                    logprobs=1))
              for i, t in enumerate([0.0, 0.0, 0.8, 1.0])}
+    prompt = prefill.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the dog", add_special_tokens=False)
+    batch["pd-pattern"] = (prompt, SamplingParams(max_new_tokens=40, temperature=0, regex="[a-z ]{1,60}"))
     got, seeds = _run_disaggregated(prefill, decode, batch, {"cached_blocks": 0})
     for request_id, (prompt, params) in batch.items():
         colocated.add_request(prompt, dataclasses.replace(params, seed=seeds[request_id]), request_id)
