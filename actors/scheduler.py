@@ -30,8 +30,9 @@ class ScheduledChunk:  # not frozen: one a request a step, and frozen constructi
     request: Request
     num_new_tokens: int  # draft tokens included
     start: int  # request.num_computed_tokens when scheduled
-    # A decode that verifies drafts: its last token's KV, then theirs, computed
-    # (positions start + 1 on), a token sampled at each of those positions.
+    # Drafts to verify after the chunk's known tokens (a decode's one, or the text
+    # jump-forward wrote): their KV computed after them, a token sampled at the last
+    # known token and at each draft.
     draft_token_ids: tuple[int, ...] = ()
 
     @property
@@ -129,7 +130,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_pending_tokens, self.config.prefill_chunk_size, budget)
-            drafts = self._drafts(request, budget)
+            drafts = self._drafts(request, num_new, budget)
             if drafts and not self._grow(request, request.num_computed_tokens + num_new + len(drafts)):
                 drafts = ()  # no room for them: no one is preempted for a guess
             if drafts or self._grow(request, request.num_computed_tokens + num_new):
@@ -159,12 +160,13 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _drafts(request: Request, budget: int) -> tuple[int, ...]:
-        """The drafts a decoding request verifies this step: those proposed, within the
-        step's token budget."""
-        if not request.draft_token_ids or request.num_pending_tokens != 1:
+    def _drafts(request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The drafts a request verifies this step: those proposed, within the step's
+        token budget, after a chunk of `num_new` tokens that reaches its last known
+        token (its last drawn one, or the text jump-forward wrote after it)."""
+        if not request.draft_token_ids or num_new != request.num_pending_tokens:
             return ()
-        return tuple(request.draft_token_ids[: budget - 1])
+        return tuple(request.draft_token_ids[: budget - num_new])
 
     def _release_waiting_pins(self) -> bool:
         """Under memory pressure, imported prefixes held for waiting requests go
@@ -202,6 +204,7 @@ class Scheduler:
         self.pool.release(request.block_table)
         request.block_table = []
         request.num_computed_tokens = 0
+        request.draft_token_ids = []  # (recomputed in chunks: the drafts would wait for its last one)
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING

@@ -27,11 +27,13 @@ step's compute, not its weight reads, sets its time (vLLM's
 Before each step `Drafter.trim` keeps only the drafts that raise the step's
 goodput, its expected tokens per second (the aim of SmartSpec, Liu et al. 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using
-Goodput"). A step of B decoding requests and R rows takes t(R), measured live
-(actors/step_costs.py), and yields B tokens plus every confirmed draft: draft j
-of a request (from 1) stands only if its first j do, with a probability read
-off the request's latest verified drafts (actors/draft_acceptance.py), its gain.
-For n drafts in all the step costs t(B + n) whichever they are, so the best n
+Goodput"). A step of R rows takes t(R), measured live (actors/step_costs.py);
+one of B decoding requests, R0 rows before drafts (a row a request, more for
+one whose pattern's fixed text is still to compute) and n drafts yields B
+tokens plus every confirmed draft: draft j of a request (from 1) stands only if
+its first j do, with a probability read off the request's latest verified drafts
+(actors/draft_acceptance.py), its gain. The step costs t(R0 + n) whichever
+drafts they are, so the best n
 are the n of highest gain (a request's gains fall with j: its first drafts
 come first, as verifying needs); `trim` takes the n whose tokens per second is
 highest; except one step in `EXPLORE_EVERY`, which verifies k more (k the
@@ -50,8 +52,9 @@ output and the drafts before the row (actors/model_runner.py). A request held to
 a pattern drafts only what keeps its output a prefix of a match (the drafts are
 cut at the first that leaves it), and none past a token after which the pattern
 fixes the text: jump-forward writes that text there, as after a plain decode's
-token, and the samples after it are dropped. A prefill worker never drafts (it
-samples one token a request).
+token, and the samples after it are dropped; the drafts that follow that text
+ride on the chunk that computes it (its rows: the text's last token, then a
+draft each). A prefill worker never drafts (it samples one token a request).
 """
 
 from __future__ import annotations
@@ -113,22 +116,24 @@ class Drafter:
         the step costs are unknown. Every `EXPLORE_EVERY`-th time it keeps
         `num_tokens` more, so that the time of the rows next to those that pay
         stays measured."""
-        drafting = [r for r in running if r.draft_token_ids and r.num_pending_tokens == 1]
+        drafting = [r for r in running if r.draft_token_ids]
         if not drafting:
             return
         curve = self.step_costs.curve()
         if curve is None:
             return
         self._num_trims += 1
-        num_decoding = sum(1 for r in running if r.num_pending_tokens == 1)
+        # The rows before drafts: a decode's token, or the text jump-forward wrote (each samples one token).
+        sampling = [r for r in running if r.num_pending_tokens == 1 or r.draft_token_ids]
+        num_decoding, num_rows = len(sampling), sum(r.num_pending_tokens for r in sampling)
         # A request's gains fall with j (ties by j): the best n drafts are the n of highest gain.
         gains = sorted(((r.draft_acceptance.gain(j), -j, i) for i, r in enumerate(drafting)
                         for j in range(1, len(r.draft_token_ids) + 1)), reverse=True)
         tokens, best_n = float(num_decoding), 0
-        best = tokens / max(curve(num_decoding), 1e-9)
+        best = tokens / max(curve(num_rows), 1e-9)
         for n, (gain, _, _) in enumerate(gains, 1):
             tokens += gain
-            rate = tokens / max(curve(num_decoding + n), 1e-9)
+            rate = tokens / max(curve(num_rows + n), 1e-9)
             if rate > best:
                 best_n, best = n, rate
         if self._num_trims % EXPLORE_EVERY == 0:

@@ -15,12 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.block_pool import BlockPool
 from actors.config import EngineConfig
 from actors.draft_acceptance import DraftAcceptance
 from actors.engine import Engine
 from actors.prompt_lookup import PromptLookup
 from actors.request import Request
 from actors.sampling_params import SamplingParams
+from actors.scheduler import Scheduler
 from actors.speculation import EXPLORE_EVERY, Drafter, num_confirmed
 from actors.step_costs import MAX_AGE, WEIGHT, DecodeStepCosts
 from tests.test_engine_fuzz import _finish
@@ -93,7 +95,8 @@ def drafting_requests(draw):
                                        dict(min_new_tokens=min(5, fields["max_new_tokens"])),
                                        dict(bad_words=["the", "quick brown"]),
                                        dict(allowed_token_ids=[7, 8, 9, 10, 11]), dict(regex="[a-z ]{1,60}"),
-                                       dict(regex=r'\{"name": "[a-z ]{1,40}", "n": [0-9]{1,3}\}')]))
+                                       dict(regex=r'\{"name": "[a-z ]{1,40}", "n": [0-9]{1,3}\}'),
+                                       dict(regex="(ab|cd|e)+")]))  # (text fixed after a, c: drafts follow it)
     return prompt, SamplingParams(**fields, **processing)
 
 
@@ -186,6 +189,25 @@ def _plain_and_speculating(model_dir, prompt: list[int], params: SamplingParams)
         results.append((_finish(engine)["r"], engine))
         engine.pool.check()
     return results
+
+
+def test_drafts_follow_the_text_jump_forward_wrote_in_its_chunk():
+    """A request with the fixed text to compute (3 tokens) verifies its drafts in
+    the same chunk; one whose pending tokens a chunk cannot hold, or a preempted
+    one, does not."""
+    config = dataclasses.replace(SPECULATING, prefill_chunk_size=8)
+    scheduler = Scheduler(config, BlockPool(16, 16))
+    (jumped,) = _drafting(1, [SURE], num_pending=3)
+    long = Request("long", list(range(20)), SamplingParams(max_new_tokens=50), seed=0)  # 20 pending
+    long.draft_token_ids = [5] * 4
+    for request in (jumped, long):
+        scheduler.add_running(request)
+    chunks = scheduler.schedule().chunks
+    assert (chunks[0].num_new_tokens, chunks[0].known_end, chunks[0].draft_token_ids) == (7, jumped.num_tokens,
+                                                                                          (5, 5, 5, 5))
+    assert chunks[1].draft_token_ids == () and chunks[1].num_new_tokens == 8
+    scheduler._preempt(jumped)
+    assert jumped.draft_token_ids == []
 
 
 def test_a_patterns_drafts_end_where_they_would_leave_it_or_it_fixes_the_text(tiny_qwen2_dir):
@@ -296,11 +318,13 @@ def test_a_steps_cost_is_read_off_its_latest_decode_steps():
     assert costs.curve()(4) == pytest.approx(0.031)
 
 
-def _drafting(num_requests: int, acceptances: list[DraftAcceptance], num_drafts: int = 4) -> list[Request]:
+def _drafting(num_requests: int, acceptances: list[DraftAcceptance], num_drafts: int = 4,
+              num_pending: int = 1) -> list[Request]:
+    """Requests decoding (`num_pending` 1), or with the text jump-forward wrote to compute."""
     requests = []
     for i in range(num_requests):
-        request = Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=50), seed=0)
-        request.num_computed_tokens = request.num_tokens - 1  # decoding: one token pending
+        request = Request(f"r{i}", [1, 2, 3, 4], SamplingParams(max_new_tokens=50), seed=0)
+        request.num_computed_tokens = request.num_tokens - num_pending
         request.draft_token_ids = [5] * num_drafts
         request.draft_acceptance = dataclasses.replace(acceptances[i % len(acceptances)])
         requests.append(request)
@@ -349,22 +373,26 @@ acceptances = st.builds(DraftAcceptance, *(st.floats(0, 20) for _ in range(4))).
 @settings(max_examples=60, deadline=None)
 @given(drafting_acceptances=st.lists(acceptances, min_size=1, max_size=4), num_plain=st.integers(0, 4),
        lengths=st.lists(st.integers(1, 4), min_size=4, max_size=4),
+       pending=st.lists(st.sampled_from([1, 1, 2, 3]), min_size=4, max_size=4),
        step_ms=st.lists(st.floats(1, 50), min_size=2, max_size=6))
-def test_trimmed_drafts_give_the_best_expected_tokens_per_second(drafting_acceptances, num_plain, lengths, step_ms):
+def test_trimmed_drafts_give_the_best_expected_tokens_per_second(drafting_acceptances, num_plain, lengths, pending,
+                                                                  step_ms):
     """Against every choice of how many drafts each request keeps (a prefix: a
-    draft after a failed one is not verified), on step costs of any shape."""
+    draft after a failed one is not verified), on step costs of any shape; some
+    drafting requests have jump-forward's text to compute first (rows, one token)."""
     drafter = Drafter(SPECULATING, max_model_len=2048)
     for num_rows, ms in zip((1, 3, 6, 10, 15, 21), step_ms):
         drafter.step_costs.record(num_rows, ms / 1e3)
     curve = drafter.step_costs.curve()
-    drafting = _drafting(len(drafting_acceptances), drafting_acceptances)
+    drafting = [_drafting(1, [acceptance], num_pending=n)[0] for acceptance, n in zip(drafting_acceptances, pending)]
     for request, length in zip(drafting, lengths):
         del request.draft_token_ids[length:]
     running = drafting + _drafting(num_plain, [UNSURE], num_drafts=0)
+    num_rows = sum(r.num_pending_tokens for r in running)
 
     def goodput(counts) -> float:
         gained = sum(sum(r.draft_acceptance.gain(j) for j in range(1, n + 1)) for r, n in zip(drafting, counts))
-        return (len(running) + gained) / max(curve(len(running) + sum(counts)), 1e-9)
+        return (len(running) + gained) / max(curve(num_rows + sum(counts)), 1e-9)
 
     best = max(goodput(c) for c in itertools.product(*(range(len(r.draft_token_ids) + 1) for r in drafting)))
     drafter.trim(running)
