@@ -28,22 +28,21 @@ Before each step `Drafter.trim` keeps only the drafts that raise the step's
 goodput, its expected tokens per second (the aim of SmartSpec, Liu et al. 2024,
 "Optimizing Speculative Decoding for Serving Large Language Models Using
 Goodput"). A step of R rows takes t(R), measured live (actors/step_costs.py);
-one of B decoding requests, R0 rows before drafts (a row a request, more for
-one whose pattern's fixed text is still to compute) and n drafts yields B
-tokens plus every confirmed draft: draft j of a request (from 1) stands only if
-its first j do, with a probability read off the request's latest verified drafts
+one of B decoding requests, R0 rows before drafts (a row a request, more for one
+whose pattern's fixed text is still to compute) and n drafts yields B tokens
+plus every confirmed draft: draft j of a request (from 1) stands only if its
+first j do, with a probability read off the request's latest verified drafts
 (actors/draft_acceptance.py), its gain. The step costs t(R0 + n) whichever
-drafts they are, so the best n
-are the n of highest gain (a request's gains fall with j: its first drafts
-come first, as verifying needs); `trim` takes the n whose tokens per second is
-highest; except one step in `EXPLORE_EVERY`, which verifies k more (k the
-drafts a request may verify), so that the time of a few rows more than pay
-stays measured (a row count's time is measured only by steps of that many rows,
-and a time measured once, high, would hold the rule where it first stopped).
-So a lone request on a CPU verifies a few drafts a step, a batch of eight only
-its surest, and on a GPU, where a row costs next to nothing, every request
-drafts all it may. The rule never changes a token, only which drafts a step
-verifies.
+drafts they are, so the best n are the n of highest gain (a request's gains fall
+with j: its first drafts come first, as verifying needs); `trim` takes the n
+whose tokens per second is highest; except one step in `EXPLORE_EVERY`, which
+verifies k more (k the drafts a request may verify), so that the time of a few
+rows more than pay stays measured (a row count's time is measured only by steps
+of that many rows, and a time measured once, high, would hold the rule where it
+first stopped). So a lone request on a CPU verifies a few drafts a step, a batch
+of eight only its surest, and on a GPU, where a row costs next to nothing, every
+request drafts all it may. The rule never changes a token, only which drafts a
+step verifies.
 
 A draft row's logits are processed as a plain decode's would be at that token:
 the rules that depend on the index alone (logit_bias, allowed_token_ids,

@@ -41,7 +41,7 @@ SAMPLINGS = {"greedy": 0.0, "temperature 0.8": 0.8}
 LARGE_BATCH = 4  # the prompts this many times over
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "The capital of France is", "Dear Sir or Madam,",
            "In 1905, Albert Einstein", "SELECT name FROM users WHERE", "The recipe calls for", "Breaking news:"]
-JSON_ANSWER = r'\{"items": \["[a-z ]{1,12}"(, "[a-z ]{1,12}")*\]\}'  # text fixed between the values
+JSON_ANSWER = r'\{"items": \[(?:"[a-z ]{1,12}", )+'  # a JSON list that goes on to the token limit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
