@@ -126,12 +126,22 @@ class ParsedCalls(NamedTuple):
         return cls(content or None, [piece for piece in pieces if isinstance(piece, tuple)])
 
 
+def call_regex(arguments: dict[str, str], arguments_key: str) -> str:
+    """A call of one of the tools in `arguments` (a name: the pattern of its
+    arguments, a JSON object) as `json.dumps` writes `{"name": ..., arguments_key:
+    ...}`. Tools of one pattern share a branch (those whose arguments are any JSON
+    object: the automaton does not grow with their number)."""
+    names_of: dict[str, list[str]] = {}
+    for name, pattern in arguments.items():
+        names_of.setdefault(pattern, []).append(name)
+    return "|".join(r'\{"name": (?:' + "|".join(re.escape(json.dumps(name)) for name in names) + ")"
+                    + re.escape(f', "{arguments_key}": ') + f"(?:{pattern})" + r"\}" for pattern, names in names_of.items())
+
+
 def calls_regex(arguments: dict[str, str], arguments_key: str, separator: str, parallel: bool) -> str:
-    """Calls of the tools in `arguments` (a name: the pattern of its arguments, a
-    JSON object) as `json.dumps` writes `{"name": ..., arguments_key: ...}`: one,
-    or, if `parallel`, several with `separator` (a pattern) between."""
-    call = "|".join(re.escape(f'{{"name": {json.dumps(name)}, "{arguments_key}": ') + f"(?:{pattern})" + r"\}"
-                    for name, pattern in arguments.items())
+    """Calls of the tools in `arguments` (`call_regex`): one, or, if `parallel`,
+    several with `separator` (a pattern) between."""
+    call = call_regex(arguments, arguments_key)
     return f"(?:{call})(?:{separator}(?:{call}))*" if parallel else f"(?:{call})"
 
 

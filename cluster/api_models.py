@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
-from cluster.output_format import openai_asks, openai_regex
+from cluster.output_format import openai_asks, openai_regex, response_format_regex
 from cluster.reasoning import Reasoning, held_regex
-from cluster.tool_calls import HERMES, PastCall, Tool, ToolCallFormat, template_call, tool_regex
+from cluster.tool_calls import HERMES, PastCall, Tool, ToolCallFormat, chooses_freely, template_call, tool_regex
 
 
 class ApiError(Exception):
@@ -310,7 +310,13 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
         return tools
 
     def output_regex(self, tool_format: ToolCallFormat = HERMES) -> str | None:
-        """`tool_format`: how the served model writes calls (strict tools hold them)."""
+        """`tool_format`: how the served model writes calls (strict tools hold them).
+        Where the model chooses between calls and text, a response_format holds the
+        text: the answer is calls or text of that format (the guided fields, vLLM's,
+        hold the whole answer, calls and all)."""
+        content = response_format_regex(self.response_format)
+        if content is not None and chooses_freely(self.tools, self.tool_choice) and len(openai_asks(self)) == 1:
+            return tool_regex(self.tools, "auto", self.parallel_tool_calls, tool_format, content)
         asked = "tool_choice" if self.tool_choice is not None else "strict tools"  # (auto holds strict tools)
         return openai_regex(self, **{asked: tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls,
                                                        tool_format)})

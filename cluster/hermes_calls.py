@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, TrimmedText, known_call, tag_start, text_without_regex
+from cluster.answer_parts import ParsedCalls, TrimmedText, call_regex, known_call, tag_start, text_without_regex
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -91,13 +91,16 @@ class HermesStream:
         return self.text.pieces(rest)
 
 
-def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
+def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object), laid out as the chat template
-    writes a call; one call at most unless `parallel`."""
+    writes a call; one call at most unless `parallel`. Text around the calls, or,
+    when the text is held to `content` (a response_format's pattern), calls alone
+    or that text alone."""
     assert arguments, "a held answer's calls need tools"
-    block = "|".join(re.escape(f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ') + f"(?:{pattern})"
-                     + re.escape(f"}}\n{CLOSE}") for name, pattern in arguments.items())
+    block = re.escape(f"{OPEN}\n") + f"(?:{call_regex(arguments, 'arguments')})" + re.escape(f"\n{CLOSE}")
+    if content is not None:
+        return rf"(?:\s*(?:{block})){'+' if parallel else ''}\s*|(?:{content})"
     return f"{TEXT}(?:(?:{block}){TEXT}){'*' if parallel else '?'}"
 
 

@@ -84,13 +84,14 @@ class LlamaStream(WholeCallsStream):
         return [first, *self.text.pieces(rest)]
 
 
-def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
+def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object); one call at most unless
-    `parallel`."""
+    `parallel`. Or text: any that does not begin as a call, or the text of
+    `content` (a response_format's pattern) when given."""
     assert arguments, "a held answer's calls need tools"
     calls = calls_regex(arguments, "parameters", "; ", parallel)
-    return f"(?:{re.escape(PYTHON_TAG)})?{calls}|{_TEXT}"
+    return f"(?:{re.escape(PYTHON_TAG)})?{calls}|{_TEXT if content is None else f'(?:{content})'}"
 
 
 def _text_regex() -> str:

@@ -139,14 +139,15 @@ class HeldMistralStream(MistralStream):
         return None
 
 
-def held_regex(arguments: dict[str, str], parallel: bool = True) -> str:
+def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object); one call at most unless
     `parallel`. Calls in the array layout only: a held answer is read by
-    `parse_held`."""
+    `parse_held`. Or text: any whose first character is not `[`, or the text of
+    `content` (a response_format's pattern) when given."""
     assert arguments, "a held answer's calls need tools"
     calls = calls_regex(arguments, "arguments", ", ", parallel)
-    return rf"(?:{re.escape(TOOL_CALLS)})?\[{calls}\]|{_TEXT}"
+    return rf"(?:{re.escape(TOOL_CALLS)})?\[{calls}\]|" + (_TEXT if content is None else f"(?:{content})")
 
 
 _TEXT = r"\s*(?:[^\s\[][\s\S]*)?"  # text whose first character, whitespace aside, is not `[`

@@ -19,7 +19,9 @@ cluster/llama_calls.py; Mistral's, cluster/mistral_calls.py). Either way the cal
   `strict` (OpenAI's promise that arguments match the schema; the OpenAI Agents
   SDK and `openai.pydantic_function_tool` set it), the answer is held so that any
   call the model starts is a well-formed one of the tools, arguments of its
-  schema (every tool's then);
+  schema (every tool's then); with a `response_format` (or another way of
+  holding the text: the OpenAI Agents SDK sends one beside the tools when an
+  agent has an output type), the answer is calls alone or text of that format;
 - `"none"`: the tools are left out of the prompt and the answer is text.
 The tools go to the chat template (`tools`), which renders them where it knows how
 (Qwen2.5's and the built-in presets' do). Earlier turns' calls (`assistant`
@@ -40,7 +42,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.json_schema import schema_regex
+from actors.json_schema import NESTED_FREE_DEPTH, free_json_regex, schema_regex
 from actors.sampling_params import InvalidRequestError
 from cluster import hermes_calls, llama_calls, mistral_calls
 from cluster.answer_parts import ParsedCalls, known_call
@@ -57,7 +59,7 @@ class ToolCallFormat(NamedTuple):
 
     parse: Callable[[str, set[str], bool], ParsedCalls]
     stream: Callable[[set[str], bool], object]
-    held_regex: Callable[[dict[str, str], bool], str]
+    held_regex: Callable[[dict[str, str], bool, str | None], str]
     held_parse: Callable[[str, set[str], bool], ParsedCalls] | None = None
     held_stream: Callable[[set[str], bool], object] | None = None
 
@@ -134,18 +136,23 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
     return chosen
 
 
-def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt: ToolCallFormat = HERMES
-               ) -> str | None:
+def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt: ToolCallFormat = HERMES,
+               content: str | None = None) -> str | None:
     """The pattern the answer is held to, or None (no tools, tool_choice "none", or
-    "auto" without strict tools: the answer is free); `parallel` (OpenAI's
-    parallel_tool_calls): the answer may hold several calls, else one."""
+    "auto" without strict tools or `content`: the answer is free); `parallel`
+    (OpenAI's parallel_tool_calls): the answer may hold several calls, else one.
+    `content`, for "auto": the pattern its text is held to (response_format's):
+    the answer is then calls or that text, the calls' arguments held to their
+    schemas if a tool is strict, else any JSON object of two levels (a call of
+    deeper arguments cannot be made then; `chooses_freely`)."""
     tool_choice = _effective(tools, tool_choice)
     named = named_choice(tools, tool_choice)
     if named is not None:
         return schema_regex(named.parameters or NO_PARAMETERS)
-    if tool_choice == "auto" and _is_held(tools):
-        return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS)
-                               for tool in tools}, parallel)
+    if tool_choice == "auto" and (_is_held(tools) or content is not None):
+        held = _is_held(tools)
+        return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS) if held
+                               else free_json_regex(NESTED_FREE_DEPTH) for tool in tools}, parallel, content)
     if tool_choice != "required":
         return None
     calls = [{"type": "object", "required": ["name", "parameters"], "properties": {
@@ -186,6 +193,11 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
     if not calls or None in calls:  # (held to the pattern, only a cut answer is not calls)
         return ChatAnswer(text, None, finish_reason)
     return ChatAnswer(None, [call(name, arguments) for name, arguments in calls], finish_reason)
+
+
+def chooses_freely(tools: list[Tool] | None, tool_choice) -> bool:
+    """Whether the model chooses between calls and text (tool_choice "auto")."""
+    return bool(tools) and _effective(tools, tool_choice) == "auto"
 
 
 def _is_held(tools: list[Tool] | None) -> bool:

@@ -12,6 +12,7 @@ from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError
 from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody
 from cluster.sglang_body import GenerateBody
+from cluster.tool_calls import TOOL_CALL_FORMATS, Tool, chat_answer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -99,3 +100,40 @@ def test_tools_ask_for_a_pattern_only_when_a_call_is_required_or_named():
     assert auto.output_regex() is None and auto.template_tools() == [tool]
     with pytest.raises(InvalidRequestError, match="tool_choice must be"):
         ChatBody(messages=MESSAGES, tools=[tool], tool_choice={"type": "function"}).output_regex()
+
+
+CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 5}},
+        "additionalProperties": False}
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_response_format_beside_tools_holds_the_text_and_leaves_the_calls(strict):
+    """tool_choice "auto" with a response_format (the OpenAI Agents SDK's agent
+    with an output type): calls alone, in the served model's layout, arguments
+    of their schema when a tool is strict (else any JSON object), or text of the
+    format; the answer read back as calls or as that text. Before, the format
+    held the whole answer (no call could be made) or, with a strict tool, the
+    request was refused."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": strict}}
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}}}
+    body = ChatBody(messages=MESSAGES, tools=[weather], response_format=answer)
+    content = '{"summary": "sunny"}'
+    calls = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+             "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+             "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'}
+    tools = [Tool.model_validate(weather)]
+    for name, call_text in calls.items():
+        fmt = TOOL_CALL_FORMATS[name]
+        dfa = compile_regex(body.output_regex(fmt))
+        assert dfa.fullmatch(content) and dfa.fullmatch(call_text), name
+        assert not dfa.fullmatch("It is sunny.") and not dfa.fullmatch(f"Sure. {call_text}"), name
+        assert dfa.fullmatch(call_text.replace('"Oslo"', '"Toulouse", "days": 3')) is not strict, name
+        assert chat_answer(content, "stop", tools, None, fmt=fmt) == (content, None, "stop"), name
+        called = chat_answer(call_text, "stop", tools, None, fmt=fmt)
+        assert called.content is None and called.finish_reason == "tool_calls", name
+        assert [c["function"]["name"] for c in called.calls] == ["get_weather"], name
+    assert not compile_regex(ChatBody(messages=MESSAGES, tools=[weather], response_format=answer,
+                                      parallel_tool_calls=False).output_regex()).fullmatch(calls["hermes"] * 2)
+    with pytest.raises(InvalidRequestError, match="give one way"):  # a call asked for, and a format for its text
+        ChatBody(messages=MESSAGES, tools=[weather], tool_choice="required", response_format=answer).output_regex()

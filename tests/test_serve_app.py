@@ -436,6 +436,16 @@ def test_tool_calls_the_model_chooses_under_auto(client):
     strict = client.chat.completions.create(**{**ask, "extra_body": {}, "max_tokens": 12,
                                                "tools": [openai.pydantic_function_tool(GetWeather)]})
     assert strict.choices[0].message.tool_calls is None and strict.choices[0].message.content
+    # With a response_format too (an OpenAI Agents SDK agent with an output type): calls, or text of the format.
+    summary = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 8}}, "required": ["summary"]}
+    agent = client.chat.completions.create(**{**ask, "extra_body": {}, "max_tokens": 200, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": summary}},
+        "tools": [openai.pydantic_function_tool(GetWeather)]}).choices[0]
+    if agent.message.tool_calls:
+        assert agent.finish_reason == "tool_calls" and agent.message.content is None
+        assert {c.function.name for c in agent.message.tool_calls} == {"GetWeather"}
+    else:
+        assert len(json.loads(agent.message.content)["summary"]) <= 8 and agent.finish_reason == "stop"
 
 
 def test_tool_choices_that_cannot_be_served_are_refused(base_url):

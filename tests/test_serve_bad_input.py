@@ -110,8 +110,8 @@ def client(base_url):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
             {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "not of type 'array'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
-            "type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
-         "not response_format and strict tools"),
+            "type": "json_object"}, "tool_choice": "required", "tools": [{"type": "function", "function": {
+                "name": "f", "strict": True}}]}, "not response_format and tool_choice"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [  # held: auto, strict
             {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
                 "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}]}, "multipleOf"),
