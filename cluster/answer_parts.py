@@ -134,8 +134,9 @@ def call_regex(arguments: dict[str, str], arguments_key: str) -> str:
     names_of: dict[str, list[str]] = {}
     for name, pattern in arguments.items():
         names_of.setdefault(pattern, []).append(name)
-    return "|".join(r'\{"name": (?:' + "|".join(re.escape(json.dumps(name)) for name in names) + ")"
-                    + re.escape(f', "{arguments_key}": ') + f"(?:{pattern})" + r"\}" for pattern, names in names_of.items())
+    key = re.escape(f', "{arguments_key}": ')
+    return "|".join(r'\{"name": (?:' + "|".join(re.escape(json.dumps(name)) for name in names)
+                    + f"){key}(?:{pattern})\\}}" for pattern, names in names_of.items())
 
 
 def calls_regex(arguments: dict[str, str], arguments_key: str, separator: str, parallel: bool) -> str:

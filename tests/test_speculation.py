@@ -30,6 +30,7 @@ from tests.test_pd_engine_fuzz import _run_disaggregated, _same
 
 CONFIG = EngineConfig(block_size=16, prefill_chunk_size=32, max_num_batched_tokens=64, num_kv_blocks=24)
 SPECULATING = dataclasses.replace(CONFIG, num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+CAT_TEXT = "the cat sat on the mat. the cat sat on the mat. the dog"  # (a prompt whose text repeats)
 
 
 def _scan(tokens: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
@@ -157,7 +158,7 @@ def test_penalised_and_patterned_requests_draft(tiny_qwen2_dir):
                        "penalised")
     _finish(engine)
     assert engine.num_accepted_draft_tokens > 0
-    prompt = engine.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the dog", add_special_tokens=False)
+    prompt = engine.tokenizer.encode(CAT_TEXT, add_special_tokens=False)
     for pattern in ("[a-z ]{1,60}", r'\{"name": "[a-z ]{1,40}", "n": [0-9]{1,3}\}'):
         outputs = _plain_and_speculating(tiny_qwen2_dir, prompt, SamplingParams(max_new_tokens=50, temperature=0,
                                                                                 regex=pattern))
@@ -255,7 +256,7 @@ def test_a_speculating_decode_worker_gives_the_colocated_tokens(tiny_qwen2_dir):
     batch = {f"pd-{i}": ([7, 8, 9] * (4 + i) + [i], SamplingParams(max_new_tokens=30, temperature=t, seed=i,
                                                                    logprobs=1))
              for i, t in enumerate([0.0, 0.0, 0.8, 1.0])}
-    prompt = prefill.tokenizer.encode("the cat sat on the mat. the cat sat on the mat. the dog", add_special_tokens=False)
+    prompt = prefill.tokenizer.encode(CAT_TEXT, add_special_tokens=False)
     batch["pd-pattern"] = (prompt, SamplingParams(max_new_tokens=40, temperature=0, regex="[a-z ]{1,60}"))
     got, seeds = _run_disaggregated(prefill, decode, batch, {"cached_blocks": 0})
     for request_id, (prompt, params) in batch.items():
