@@ -122,7 +122,7 @@ class Engine:
         self.kv_namespace = kv_namespace(model_dir, self.config.dtype, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.pool, self.kv_namespace)
         self.drafter = Drafter(self.config, self.max_model_len)  # speculative decoding (actors/speculation.py)
-        self.writer = OutputWriter(self.config, self.tokenizer, self.byte_level, self.scheduler, self.max_model_len)
+        self.writer = OutputWriter(self.tokenizer, self.byte_level, self.scheduler, self.max_model_len)
         # Between the pool and a KV store: prefix imports, write-through (its `sink`).
         self.store_bridge = StoreBridge(self.pool, self.runner, self.kv_namespace,
                                         self.config.enable_prefix_cache)
@@ -183,6 +183,7 @@ class Engine:
             stop_token_ids=stop_token_ids,
             bad_words=bad_words,
             constraint=None if params.regex is None else self.token_indexes.constraint(params.regex, stop_token_ids),
+            jumps_forward=params.regex is not None and params.logprobs is None and self.config.jump_forward,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
         )
 

@@ -11,16 +11,13 @@ its blocks). Plain Python: no tensors, nothing that blocks.
 
 from __future__ import annotations
 
-from actors.config import EngineConfig
 from actors.detokenizer import ByteLevelTables
 from actors.request import FinishReason, Request, TokenLogprob
 from actors.scheduler import Scheduler
 
 
 class OutputWriter:
-    def __init__(self, config: EngineConfig, tokenizer, byte_level: ByteLevelTables | None, scheduler: Scheduler,
-                 max_model_len: int) -> None:
-        self.jumps_forward = config.jump_forward
+    def __init__(self, tokenizer, byte_level: ByteLevelTables | None, scheduler: Scheduler, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.byte_level = byte_level
         self.scheduler = scheduler
@@ -29,8 +26,7 @@ class OutputWriter:
     def take_drawn(self, request: Request, token_id: int, logprob: TokenLogprob | None, now: float) -> None:
         """A drawn token (this engine's, or P's first), then the text its pattern fixes after it."""
         self._append(request, token_id, logprob, now)
-        if request.constraint is not None:
-            self._jump_forward(request, now)
+        self._jump_forward(request, now)
 
     def take_confirmed(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None] | None,
                        now: float) -> None:
@@ -42,7 +38,7 @@ class OutputWriter:
         proposes none past such a token)."""
         for i, token_id in enumerate(token_ids):
             self._append(request, token_id, logprobs and logprobs[i], now)
-            jumped = request.constraint is not None and self._jump_forward(request, now)
+            jumped = self._jump_forward(request, now)
             if request.is_finished:
                 return
             if jumped:
@@ -64,10 +60,10 @@ class OutputWriter:
         and colon, the rest of a choice) as tokens no step samples: the next step
         computes their KV as one chunk and samples after them, as SGLang's
         jump-forward decoding does (SGLang re-tokenizes the text joined to the last
-        tokens; here the fixed text is tokenized alone). Off for requests with
-        logprobs (these tokens have none) and where the tokenizer would not give the
-        text's bytes back. Whether it wrote any."""
-        if request.is_finished or not self.jumps_forward or request.params.logprobs is not None:
+        tokens; here the fixed text is tokenized alone). Only for requests that jump
+        forward (`Request.jumps_forward`), and not where the tokenizer would not give
+        the text's bytes back. Whether it wrote any."""
+        if request.is_finished or not request.jumps_forward:
             return False
         text = request.constraint.forced_text(request.output_token_ids)
         if not text:

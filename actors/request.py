@@ -83,6 +83,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # its params' stop tokens, and EOS unless ignore_eos
     bad_words: BadWords | None = None  # its params' bad_words as token sequences, if any
     constraint: OutputConstraint | None = None  # its params' regex, as its output's place in it
+    # Its pattern's fixed text written without a step (jump-forward): a pattern, no
+    # logprobs (those tokens have none), EngineConfig.jump_forward.
+    jumps_forward: bool = False
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     exports_kv: bool = False  # a prefill worker's request: its KV leaves this worker

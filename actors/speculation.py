@@ -74,7 +74,6 @@ class Drafter:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_batch = config.speculative_max_batch
         self.max_model_len = max_model_len
-        self.jumps_forward = config.jump_forward  # (drafts end where a pattern's fixed text begins)
         self.step_costs = DecodeStepCosts()  # the engine records its decode-only steps
         self._num_trims = 0
 
@@ -105,8 +104,7 @@ class Drafter:
         lookup.add(request.output_token_ids[len(lookup.tokens) - request.num_prompt_tokens:])  # (no prompt copy)
         drafts = lookup.next_tokens(room)
         if drafts and request.constraint is not None:
-            jumps_forward = self.jumps_forward and request.params.logprobs is None
-            del drafts[request.constraint.num_useful_drafts(request.output_token_ids, drafts, jumps_forward):]
+            del drafts[request.constraint.num_useful_drafts(request.output_token_ids, drafts, request.jumps_forward):]
         request.draft_token_ids = drafts
 
     def trim(self, running: list[Request]) -> None:

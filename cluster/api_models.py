@@ -315,7 +315,8 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
         text: the answer is calls or text of that format (the guided fields, vLLM's,
         hold the whole answer, calls and all)."""
         content = response_format_regex(self.response_format)
-        if content is not None and chooses_freely(self.tools, self.tool_choice) and len(openai_asks(self)) == 1:
+        only_format = len(openai_asks(self)) == 1  # (a guided field too: one_pattern refuses the pair below)
+        if content is not None and only_format and chooses_freely(self.tools, self.tool_choice):
             return tool_regex(self.tools, "auto", self.parallel_tool_calls, tool_format, content)
         asked = "tool_choice" if self.tool_choice is not None else "strict tools"  # (auto holds strict tools)
         return openai_regex(self, **{asked: tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls,
