@@ -311,13 +311,19 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
 
     def output_regex(self, tool_format: ToolCallFormat = HERMES) -> str | None:
         """`tool_format`: how the served model writes calls (strict tools hold them).
-        Where the model chooses between calls and text, a response_format holds the
-        text: the answer is calls or text of that format (the guided fields, vLLM's,
-        hold the whole answer, calls and all)."""
+        A response_format is the form of a text answer: where the model chooses
+        between calls and text, the answer is calls or text of that format; where a
+        call is asked for (tool_choice "required" or a function) the answer has no
+        text and the format waits for a later turn (the OpenAI Agents SDK sends both
+        on an agent's first turn). The guided fields, vLLM's, hold the whole answer,
+        calls and all: beside a tool choice they are refused."""
         content = response_format_regex(self.response_format)
         only_format = len(openai_asks(self)) == 1  # (a guided field too: one_pattern refuses the pair below)
-        if content is not None and only_format and chooses_freely(self.tools, self.tool_choice):
-            return tool_regex(self.tools, "auto", self.parallel_tool_calls, tool_format, content)
+        if content is not None and only_format and self.tools:
+            if chooses_freely(self.tools, self.tool_choice):
+                return tool_regex(self.tools, "auto", self.parallel_tool_calls, tool_format, content)
+            if self.tool_choice != "none":  # (a call asked for: its pattern alone)
+                return tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls, tool_format)
         asked = "tool_choice" if self.tool_choice is not None else "strict tools"  # (auto holds strict tools)
         return openai_regex(self, **{asked: tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls,
                                                        tool_format)})

@@ -113,7 +113,8 @@ def test_a_response_format_beside_tools_holds_the_text_and_leaves_the_calls(stri
     of their schema when a tool is strict (else any JSON object), or text of the
     format; the answer read back as calls or as that text. Before, the format
     held the whole answer (no call could be made) or, with a strict tool, the
-    request was refused."""
+    request was refused. Where a call is asked for, its pattern alone holds the
+    answer (the format is for a later turn's text)."""
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": strict}}
     answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
         "type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}}}
@@ -135,8 +136,13 @@ def test_a_response_format_beside_tools_holds_the_text_and_leaves_the_calls(stri
         assert [c["function"]["name"] for c in called.calls] == ["get_weather"], name
     assert not compile_regex(ChatBody(messages=MESSAGES, tools=[weather], response_format=answer,
                                       parallel_tool_calls=False).output_regex()).fullmatch(calls["hermes"] * 2)
-    with pytest.raises(InvalidRequestError, match="give one way"):  # a call asked for, and a format for its text
-        ChatBody(messages=MESSAGES, tools=[weather], tool_choice="required", response_format=answer).output_regex()
+    forced = ChatBody(messages=MESSAGES, tools=[weather], tool_choice="required", response_format=answer)
+    assert forced.output_regex() == ChatBody(messages=MESSAGES, tools=[weather], tool_choice="required").output_regex()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert compile_regex(ChatBody(messages=MESSAGES, tools=[weather], tool_choice=named, response_format=answer)
+                         .output_regex()).fullmatch('{"city": "Oslo"}')
+    with pytest.raises(InvalidRequestError, match="give one way"):  # a guided field holds calls and all
+        ChatBody(messages=MESSAGES, tools=[weather], tool_choice="required", guided_regex="x").output_regex()
     if not strict:  # tools whose arguments are free share one branch: twenty cost what one does (in twenty
         # branches the subset construction passes its 5000 states)
         many = [{"type": "function", "function": {"name": f"tool_{i}"}} for i in range(20)]

@@ -109,9 +109,9 @@ def client(base_url):
             {"function": 3}]}]}, "messages.1.tool_calls.0.function"),  # (was a 500)
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
             {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "not of type 'array'"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
-            "type": "json_object"}, "tool_choice": "required", "tools": [{"type": "function", "function": {
-                "name": "f", "strict": True}}]}, "not response_format and tool_choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a+",
+            "tool_choice": "required", "tools": [{"type": "function", "function": {
+                "name": "f", "strict": True}}]}, "not guided_regex and tool_choice"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [  # held: auto, strict
             {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
                 "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}]}, "multipleOf"),
