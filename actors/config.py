@@ -218,8 +218,9 @@ class EngineConfig:
     # sampled token, up to this many draft tokens, those that followed the latest
     # earlier occurrence of the context's last `prompt_lookup_max` down to
     # `prompt_lookup_min` tokens, verified in the next step; 0: off. The samples
-    # are the same as without it (each position draws its own token's draw); a
-    # request held to a pattern does not speculate. Overlapped decode then stays off.
+    # are the same as without it (each position draws its own token's draw), held
+    # to a pattern too (its drafts cut where they would leave it). Overlapped decode
+    # then stays off.
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

@@ -23,8 +23,13 @@ steps with a fixed batch, where it pays, and the rest of the engine is unchanged
   next step with their token from the host; arrivals that need a prefill, and a
   short pool, end the run: N is read before anything is scheduled again
   (`schedule()` never runs with a step in flight);
-- a penalised row counts its input token on the device (kernels/penalties.py); a
-  step with a bad word of several tokens is read before the next is launched;
+- a penalised row counts its input token on the device (kernels/penalties.py);
+- where a row's draw reads its output (a pattern's mask, a bad word of several
+  tokens: `Request.reads_output`) only N+1's forward is launched ahead: it is
+  sampled once N's tokens are read (`ModelRunner.sample_deferred`), before
+  `run_step` returns, so the device computes N+1 while the host reads N and
+  walks the patterns. A row after which jump-forward wrote text is stale: its
+  token is dropped and the run ends (the text needs a chunk of its own);
 - a request's draws follow from its seed and the index of the token being
   sampled (`kernels.sampling.uniform_draws`), never from the order of the calls,
   so outputs are identical either way (the CPU tests hold them to it).
@@ -311,7 +316,10 @@ class Engine:
                 return [], []
             step = _StepInFlight(plan.chunks, self.runner.launch(plan.chunks))
         self._in_flight = self._launch_next_decodes(step) if self.config.overlaps_decode else None
-        return self._finish_step(step)
+        finished = self._finish_step(step)
+        if self._in_flight is not None and self._in_flight.launched.unsampled is not None:
+            self.runner.sample_deferred(self._in_flight.launched)  # (its rows read what `step` sampled)
+        return finished
 
     def _launch_next_decodes(self, step: _StepInFlight) -> _StepInFlight | None:
         """Launch the decode step after `step` before its tokens are read, when the
@@ -319,7 +327,7 @@ class Engine:
         Requests that `step` ends by length are left out; running requests that
         were not in it and have one token pending (a decode worker's activations)
         join, their input token from the host."""
-        if not step.decodes_only or self.scheduler.waiting or step.launched.reads_output:
+        if not step.decodes_only or self.scheduler.waiting or step.launched.stale_rows:
             return None
         rows, starts, num_unfinished = [], [], 0
         for row, chunk in enumerate(step.chunks):
@@ -386,7 +394,7 @@ class Engine:
             drafts = drafts_of.get(id(request)) if drafts_of else None
             if drafts:
                 skip = len(drafts)
-            if request.is_finished:
+            if request.is_finished or row in step.launched.stale_rows:
                 continue
             if drafts:
                 end = row + 1 + len(drafts)

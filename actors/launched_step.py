@@ -33,7 +33,14 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [rows] int64, on the device
     host: list[torch.Tensor] = field(default_factory=list)  # token ids[, chosen logprobs[, top ids, top logprobs]]
     ready: torch.cuda.Event | None = None  # recorded after the copies to `host` (CUDA)
-    reads_output: bool = False  # a row's bans depend on its last tokens (bad_words, a regex): read before the next step
+    # A step launched ahead with rows that read their output (`Request.reads_output`):
+    # its logits, the output index each row samples and its input ids, until the host
+    # has read the tokens before and `ModelRunner.sample_deferred` samples it.
+    unsampled: tuple[torch.Tensor, list[int], torch.Tensor] | None = None
+    # Rows of such a step whose input token was followed by more than the row
+    # expected (jump-forward's text, written when the host read it): their tokens
+    # are dropped, and the run of steps launched ahead ends.
+    stale_rows: frozenset[int] = frozenset()
     prompt_parts: list = field(default_factory=list)  # prompt logprobs computed (see `_prompt_logprobs`)
 
     def tokens(self) -> tuple[list[int], list[TokenLogprob | None] | None]:

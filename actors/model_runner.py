@@ -220,12 +220,36 @@ class ModelRunner:
             step.prompt_parts = list(self._prompt_logprobs(hidden, ordered))
         if sampling:
             rows = hidden[: len(ends)] if ends[-1] == len(ends) - 1 else hidden[int64_tensor(ends, self.device)]
-            self._sample(self.model.compute_logits(rows), step, token_indexes, input_ids, drafts_before)
+            logits = self.model.compute_logits(rows)
+            if input_ids is not None and any(request.reads_output for request in sampling):
+                step.unsampled = logits, token_indexes, input_ids
+            else:
+                self._sample(logits, step, token_indexes, input_ids, drafts_before)
+        self._record_done(step)
+        return step
+
+    @torch.inference_mode()
+    def sample_deferred(self, step: LaunchedStep) -> None:
+        """Sample a step launched ahead whose rows read their output (a pattern's
+        mask, a long bad word's bans), now that the host has read the tokens before:
+        only the forward ran ahead, on the device while the host read them, as vLLM
+        fills a step's grammar bitmask while the forward runs. A row whose request
+        has more output than it expected (jump-forward wrote text after its input)
+        is stale: drawn unmasked, its token dropped."""
+        logits, token_indexes, input_ids = step.unsampled
+        step.unsampled = None
+        step.stale_rows = frozenset(row for row, request in enumerate(step.requests)
+                                    if not request.is_finished and len(request.output_token_ids) != token_indexes[row])
+        self._sample(logits, step, token_indexes, input_ids)
+        self._record_done(step)
+
+    def _record_done(self, step: LaunchedStep) -> None:
+        """On CUDA, `step_done`: an event after the work enqueued so far, which the
+        step's token copies wait for (unless its sampling waits: `sample_deferred`)."""
         if self.compute_stream is not None:
             self.step_done = torch.cuda.Event()
             self.step_done.record()
-            step.ready = self.step_done
-        return step
+            step.ready = None if step.unsampled is not None else self.step_done
 
     @staticmethod
     def _rows(ordered: list[ScheduledChunk], all_sample: bool) -> tuple[list[int], list[Request], list[int], list]:
@@ -260,7 +284,10 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """The tokens a launched step sampled, once the device has them (waits): see
-        `LaunchedStep.tokens`."""
+        `LaunchedStep.tokens`. (A deferred sampling nobody ran, after a failed step, runs
+        here.)"""
+        if step.unsampled is not None:
+            self.sample_deferred(step)
         result = step.tokens()
         self.last_step_s = time.perf_counter() - step.started
         return result
@@ -339,7 +366,8 @@ class ModelRunner:
         scores = logits.clone(memory_format=torch.contiguous_format)
         keep_only_(scores, rows, [step.requests[row].logit_rules.allowed_ids for row in rows])
         before = drafts_before or [()] * len(step.requests)
-        constrained = [row for row in rows if step.requests[row].constraint is not None]
+        constrained = [row for row in rows if step.requests[row].constraint is not None
+                       and not step.requests[row].is_finished and row not in step.stale_rows]  # (tokens dropped)
         masks = [step.requests[row].constraint.mask(step.requests[row].output_token_ids, token_indexes[row],
                                                     before[row]) for row in constrained]
         keep_masked_(scores, constrained, masks)
@@ -352,8 +380,6 @@ class ModelRunner:
             additions.append(request.logit_rules.additions(token_indexes[row], bad_word_ids))
         add_logit_bias_(scores, rows, *zip(*additions))
         penalised = [row for row in rows if step.requests[row].params.has_penalties]
-        step.reads_output = bool(constrained) or any(
-            step.requests[row].bad_words is not None and step.requests[row].bad_words.reads_output for row in rows)
         if not penalised:
             return scores
         params = [step.requests[row].params for row in penalised]

@@ -145,6 +145,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is _FINISHED
 
+    @property
+    def reads_output(self) -> bool:
+        """Whether what its draw may take depends on the tokens before it, not only
+        on their counts: a pattern, a bad word of several tokens. A step launched
+        ahead samples such a row once the host has read those tokens."""
+        return self.constraint is not None or (self.bad_words is not None and self.bad_words.reads_output)
+
     def output(self) -> RequestOutput:
         """The request as of now, for the engine's callers (see `RequestOutput`)."""
         detokenizer = self.detokenizer

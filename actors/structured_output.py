@@ -26,9 +26,9 @@ token for each of the 256 bytes: then every live state has a token that continue
 it, so a draw always has a token to take. `allowed_token_ids` and `bad_words` are
 refused beside a pattern (each could ban every token it allows).
 
-A constrained row's next mask depends on the token just drawn, so a step holding
-one is read before the next step is launched (no overlapped decode for the batch
-while it runs).
+A constrained row's next mask depends on the token just drawn: with overlapped
+decode, a step holding one launches its forward ahead and is sampled once the host
+has read that token (actors/engine.py, `ModelRunner.sample_deferred`).
 
 Constrained requests speculate (actors/speculation.py): their drafts are cut at the
 first that would leave the pattern (`num_useful_drafts`), and a draft row is masked

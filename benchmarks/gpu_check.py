@@ -177,6 +177,7 @@ def _static_decode_step_s(torch, runner, device: str, batch: int, context_len: i
 
 
 # ---- 4. CUDA graphs and overlapped decode -------------------------------------------
+HELD_TEXT = "[a-z ,.]{1,200}"  # a pattern some of the check's sampled requests are held to
 DECODE_MODES = {  # engine settings of each way to run decode steps, slowest first
     "eager": dict(cuda_graphs=False, overlap_decode=False),
     "graphs": dict(cuda_graphs=True, overlap_decode=False),
@@ -204,12 +205,14 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(1, 150))] for _ in range(11)]
     greedy = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0, ignore_eos=True) for _ in prompts]
-    # Some rows also penalised, biased, or held to a minimum (kernels/penalties.py,
-    # kernels/logit_bias.py: their gathers and scatters on the device too).
+    # Some rows also penalised, biased, held to a minimum (kernels/penalties.py,
+    # kernels/logit_bias.py: their gathers and scatters on the device too), or held
+    # to a pattern (its mask crosses to the device; overlapped, such a step is
+    # sampled once the host has the tokens before: ModelRunner.sample_deferred).
     extras = [{}, dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3),
-              dict(logit_bias={5: 3.0, 6: -100.0}, min_new_tokens=3)]
+              dict(logit_bias={5: 3.0, 6: -100.0}, min_new_tokens=3), dict(regex=HELD_TEXT)]
     sampled = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0.8, top_p=0.95, seed=i,
-                              ignore_eos=True, logprobs=2, **extras[i % 3]) for i, _ in enumerate(prompts)]
+                              ignore_eos=True, logprobs=2, **extras[i % len(extras)]) for i, _ in enumerate(prompts)]
     tokens, sampled_tokens = {}, {}
     for mode in DECODE_MODES:
         llm = engine(exact_model_dir, "float32", mode)
@@ -273,8 +276,9 @@ def _decode_host_syncs(torch, llm, batch: int) -> dict:
         rng = random.Random(4)
         engine = llm.engine
         params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request([rng.randrange(3, 2000) for _ in range(64)], params)
+        held = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, regex=HELD_TEXT)
+        for i in range(batch):  # (a quarter held to a pattern: its masks are made in the launch path)
+            engine.add_request([rng.randrange(3, 2000) for _ in range(64)], held if i % 4 == 3 else params)
         while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
             engine.step()
         with warnings.catch_warnings(record=True) as caught:

@@ -18,9 +18,9 @@ Three parts, each timed side by side in one process:
   always go on, so every request runs its `--tokens` and the batch stays full, where
   a pattern that completes would end requests early and shrink it), jump-forward
   off so that every token is a step's, in alternation
-  (`--repeats`); a constrained step is also read before the next is
-  launched (no overlapped decode), which costs nothing on CPU and the host time on
-  a GPU (`tandem bench host`);
+  (`--repeats`); with overlapped decode (a GPU's) a constrained step's
+  sampling also waits for the host to read the step before (its forward does
+  not: `ModelRunner.sample_deferred`), which costs nothing on CPU;
 - `jump-forward`: `--batch` requests answering a JSON schema of six keys (`ANSWER`:
   strings, an integer, enums, a boolean), the engine with jump-forward on against
   off (`EngineConfig.jump_forward`), alternated: the time to answer them all, the

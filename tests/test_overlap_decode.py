@@ -46,7 +46,7 @@ def _script(seed: int, stop_token: int) -> dict[int, list[tuple]]:
     add(0, max_new_tokens=40, stop=[" "])
     add(12, max_new_tokens=20, repetition_penalty=1.4, frequency_penalty=0.5)  # counts its input on the device
     add(12, max_new_tokens=25, presence_penalty=1.5, repetition_penalty=0.8, temperature=0.8)
-    add(14, max_new_tokens=20, bad_words=["the", "quick brown"])  # a two-token word: overlap pauses while it runs
+    add(14, max_new_tokens=20, bad_words=["the", "quick brown"])  # a two-token word: sampled once the host reads
     for call in (12, 13, 30):
         add(call)
     script.setdefault(8, []).append(("abort", "r2"))
@@ -128,6 +128,44 @@ def test_penalised_requests_overlap_and_give_the_same_outputs(tiny_qwen2_dir, st
         ahead[overlap] = engine.num_steps_launched_ahead
     assert runs[True] == runs[False]
     assert ahead[True] >= 30 and ahead[False] == 0
+
+
+# Held to a pattern: fixed text between the fields (jump-forward writes it), now
+# and then fixed text (after three digits), letters and spaces.
+PATTERNS = [r'\{"name": "[a-z]{1,6}", "age": [1-9][0-9]?\}', r"\d{1,3}(, \d{1,3}){0,9}", "[a-z ]{1,30}"]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_patterned_requests_overlap_and_give_the_same_outputs(tiny_qwen2_dir, static):
+    """Requests held to a pattern, and one with a bad word of two tokens, beside
+    free ones: ahead of the host only the forward runs, sampled once the tokens
+    before are read (`ModelRunner.sample_deferred`); a row after which jump-forward
+    wrote text is dropped and the run ends. The outputs are those of reading every
+    step first, with jump-forward on and off."""
+    rng = random.Random(7)
+    script = {0: [("add", f"f{i}", [rng.randrange(3, 500) for _ in range(20)], _params(rng, max_new_tokens=30))
+                  for i in range(3)]}
+    script[0] += [("add", f"p{i}", [rng.randrange(3, 500) for _ in range(rng.randint(5, 30))],
+                   _params(rng, max_new_tokens=40, regex=pattern, ignore_eos=False, logprobs=None))
+                  for i, pattern in enumerate(PATTERNS * 2)]
+    script[3] = [("add", "b", [5, 6, 7], _params(rng, max_new_tokens=25, bad_words=["the", "quick brown"]))]
+    for jump_forward in (True, False):
+        runs, ahead, stale = {}, {}, []
+        for overlap in (False, True):
+            engine = _engine(tiny_qwen2_dir, overlap, static, jump_forward=jump_forward)
+            sample = engine.runner.sample_deferred
+
+            def counting(step, sample=sample):
+                sample(step)
+                stale.append(len(step.stale_rows))
+            engine.runner.sample_deferred = counting
+            runs[overlap] = _run(engine, script)
+            ahead[overlap] = engine.num_steps_launched_ahead
+        assert runs[True] == runs[False], jump_forward
+        assert ahead[True] >= 15 and ahead[False] == 0, ahead
+        assert len(stale) >= 10 and (sum(stale) > 0) == jump_forward, stale
+    held = [runs[True][(f"p{i}", 0)][1] for i in range(len(PATTERNS))]
+    assert held[0].startswith('{"name": "') and set(held[1]) <= set("0123456789, "), held
 
 
 def test_overlap_under_preemption(tiny_qwen2_dir):
