@@ -34,6 +34,7 @@ from actors.sampling_defaults import SamplingDefaults
 from actors.startup_heap import freeze_startup_heap
 from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
+from cluster import responses_format
 from cluster import sglang_format as sglang
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
@@ -42,6 +43,8 @@ from cluster.ingress_guard import install_guard
 from cluster.pool_manager import get_or_create_pool
 from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
 from cluster.response_streams import collect, merged, prepend
+from cluster.responses_body import ResponsesBody
+from cluster.responses_format import ResponseEvents
 from cluster.service import GlobalScheduler
 from cluster.sglang_body import GenerateBody
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, chat_answer
@@ -172,6 +175,19 @@ class Scheduler:
         reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
         return await self._openai(body, [prompt], chat=True, reasoning=reasoning)
 
+    @app.post("/v1/responses")
+    async def responses(self, body: ResponsesBody):
+        """OpenAI's Responses API: the chat request it asks for
+        (cluster/responses_body.py), its answer as a response or its events
+        (cluster/responses_format.py)."""
+        chat = body.chat_body()
+        prompt = self._chat_prompt(chat)
+        reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
+        if not body.stream:
+            return responses_format.whole(body, await self._openai(chat, [prompt], chat=True, reasoning=reasoning))
+        return await self._openai(chat, [prompt], chat=True, reasoning=reasoning,
+                                  stream_as=ResponseEvents(body, self.model_name).stream)
+
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):
         """The token ids a completion (`prompt`) or chat (`messages`) request would
@@ -214,10 +230,11 @@ class Scheduler:
             raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r}",
                            kind="model_not_found")
 
-    async def _openai(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None):
+    async def _openai(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None, stream_as=None):
         """One request per prompt and choice (`n`), choice k being prompt k // n's
         choice k % n, as OpenAI numbers them (see `_start_choices`); `reasoning`: a
-        chat answer's reasoning is split off (cluster/reasoning.py)."""
+        chat answer's reasoning is split off (cluster/reasoning.py); `stream_as`:
+        what writes a stream's chunks as SSE lines (OpenAI's chunks by default)."""
         self._check_model(body.model)
         if chat:
             params = await _sampling(body, self.settings.limits.max_new_tokens, self.sampling_defaults, reasoning,
@@ -239,8 +256,9 @@ class Scheduler:
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
             writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
-            return self._sse(self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo,
-                                                 writers, reasoning))
+            chunks = self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo, writers,
+                                         reasoning)
+            return self._sse((stream_as or fmt.sse_stream)(chunks))
         results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
@@ -348,7 +366,8 @@ class Scheduler:
 
     async def _openai_chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, writers=None,
                              reasoning: Reasoning | None = None):
-        """Every choice's events as they come, each chunk naming its choice; `echo[k]`
+        """Every choice's events as they come, as chunk payloads (then "[DONE]"), each
+        chunk naming its choice; `echo[k]`
         rewrites choice k's first event (see `_echoed`); `writers[k]`, where not
         None, writes choice k's deltas (`_chat_deltas`); `reasoning`: how a chat
         answer starts, for the usage's reasoning tokens."""
@@ -358,7 +377,7 @@ class Scheduler:
         async with contextlib.aclosing(merged(streams)) as events:
             async for index, event in events:
                 if event.error:
-                    yield fmt.sse({"error": {"message": event.error, "type": "worker_error"}})
+                    yield {"error": {"message": event.error, "type": "worker_error"}}
                     break
                 if first[index] and echo is not None:
                     event = echo[index](event)
@@ -380,15 +399,14 @@ class Scheduler:
                     else:
                         logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
                         token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
-                    yield fmt.sse(fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
-                                                       first[index], index, delta))
+                    yield fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
+                                               first[index], index, delta)
                     first[index] = False
         if include_usage:
-            yield fmt.sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": int(time.time()), "model": self.model_name, "choices": [],
-                           "usage": fmt.usage(num_prompt, num_tokens, cached,
-                                              self._reasoning_tokens(reasoning, answers))})
-        yield fmt.sse("[DONE]")
+            yield {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                   "created": int(time.time()), "model": self.model_name, "choices": [],
+                   "usage": fmt.usage(num_prompt, num_tokens, cached, self._reasoning_tokens(reasoning, answers))}
+        yield "[DONE]"
 
 
 def build_app(args: dict):

@@ -12,6 +12,12 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+async def sse_stream(payloads):
+    """`payloads` (an async iterator of chunks) as SSE lines."""
+    async for payload in payloads:
+        yield sse(payload)
+
+
 def usage(num_prompt: int, num_completion: int, num_cached: int = 0, num_reasoning: int | None = None) -> dict:
     """OpenAI's usage; `num_reasoning` (a reasoning parser's count of the completion's
     reasoning tokens) as `completion_tokens_details.reasoning_tokens`."""

@@ -129,3 +129,32 @@ def test_a_call_in_llamas_format_after_the_reasoning(client):
     assert [(d.function.name, d.function.arguments) for d in streamed] == [(call.function.name,
                                                                             call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_responses_answer_puts_its_reasoning_in_a_reasoning_item(client):
+    """OpenAI's Responses API (cluster/responses_format.py): the reasoning the chat
+    answer of the same request has comes first, as a reasoning item, whole and
+    streamed (its reasoning_text deltas), and the answer after it."""
+    schema = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 9}}}
+    reasoned = 0
+    for seed in range(6):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=40, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}).choices[0]
+        request = dict(model=MODEL, input=ASK, max_output_tokens=40, temperature=1.0, extra_body={"seed": seed},
+                       text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+        answer = client.responses.create(**request)
+        thought = chat.message.reasoning_content
+        if thought is None:
+            assert [item.type for item in answer.output] == ["message"] and answer.output_text == chat.message.content
+            continue
+        reasoned += 1
+        assert [item.type for item in answer.output] == ["reasoning", "message"] and answer.output_text == ""
+        assert answer.output[0].content[0].text == thought and answer.status == "incomplete"
+        assert 0 < answer.usage.output_tokens_details.reasoning_tokens <= answer.usage.output_tokens
+        with client.responses.stream(**request) as stream:
+            events = list(stream)
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+        assert events[-1].response.output[0].content[0].text == thought
+    assert reasoned, "no seed reasoned"

@@ -1,0 +1,212 @@
+"""OpenAI's Responses API request (`POST /v1/responses`), as the chat request it
+asks for: the conversation's items become chat messages, its flat function tools
+chat's tools, `text.format` a `response_format`, `max_output_tokens` the chat's
+limit; then the chat path serves it (template, tools, structured output,
+reasoning) and cluster/responses_format.py writes the answer as a response.
+
+Items of `input` (a string is one user message):
+- messages (`{"role", "content"}`, `type` "message" or left out), content a string
+  or parts of text (`input_text`, `output_text`);
+- an earlier turn's `function_call` (`call_id`, `name`, `arguments`), joined to the
+  assistant message before it, as a chat assistant turn carries its calls, and
+  its `function_call_output` (a `tool` message answering `call_id`);
+- `reasoning`: left out of the prompt (chat templates drop past reasoning too).
+`instructions` is a system message put first. A function tool's `strict` is true
+unless it says false (OpenAI's default here, unlike chat's): its calls are then
+held to its schema.
+
+Refused with a 400, since serving without them would answer another request:
+`previous_response_id` and `conversation` (this server keeps no responses: send
+the whole conversation in `input`), `background`, `prompt` templates, tools other
+than functions (hosted ones: web search, files, computer use), images and files,
+`truncation: auto`, `max_tool_calls`. Fields that change nothing generated
+(`store`, `metadata`, `service_tier`, `include`, ...) are taken; the response says
+`store: false`. `include: ["message.output_text.logprobs"]` (or `top_logprobs`)
+gives the text's logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.api_models import ApiError, ChatBody, RequestBody
+
+TEXT_PARTS = {"input_text", "output_text", "text"}
+ROLES = {"user", "assistant", "system", "developer"}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class FunctionTool(BaseModel):
+    """A Responses function tool: chat's `function` object, flat, strict by default."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool = True
+
+    def as_chat(self) -> dict:
+        function = {"name": self.name, "strict": self.strict,
+                    **{k: v for k, v in (("description", self.description), ("parameters", self.parameters))
+                       if v is not None}}
+        return {"type": "function", "function": function}
+
+
+class ResponsesBody(RequestBody):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "background": (None, False), "prompt": (None,),
+        "truncation": (None, "disabled"), "max_tool_calls": (None,),
+    }
+
+    model: str | None = None
+    input: str | list[dict] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool = True
+    text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    reasoning: dict | None = None  # {"effort": ...}: the chat template's `reasoning_effort`, where it reads one
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Extensions of the chat body's (vLLM's Responses takes them too).
+    seed: int | None = None
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_stored_responses(cls, data):
+        for name in ("previous_response_id", "conversation"):
+            if isinstance(data, dict) and data.get(name) is not None:
+                raise ValueError(f"{name} is not supported: this server keeps no responses; send the whole "
+                                 "conversation in `input`")
+        return data
+
+    @field_validator("tools")
+    @classmethod
+    def _functions_only(cls, tools: list[dict] | None) -> list[dict] | None:
+        for tool in tools or ():
+            if tool.get("type") != "function":
+                raise ValueError(f"tool type {tool.get('type')!r} is not supported: only function tools (this "
+                                 "server hosts no search, files or computer use)")
+        return tools
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
+    def chat_body(self) -> ChatBody:
+        """The chat request this asks for; 400s where the items or tools are not
+        ones this server can serve."""
+        fields = {
+            "model": self.model, "messages": self._messages(), "stream": self.stream,
+            "stream_options": {"include_usage": True} if self.stream else None,
+            "parallel_tool_calls": self.parallel_tool_calls, "max_completion_tokens": self.max_output_tokens,
+            "logprobs": self.wants_logprobs, "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
+            "response_format": _response_format(self.text), "user": self.user,
+            **{name: getattr(self, name) for name in ("temperature", "top_p", "seed", "top_k", "min_p",
+                                                     "repetition_penalty", "stop") if getattr(self, name) is not None},
+        }
+        if self.tools:
+            fields["tools"] = [_function_tool(tool).as_chat() for tool in self.tools]
+        if self.tool_choice is not None:
+            fields["tool_choice"] = _tool_choice(self.tool_choice)
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:
+            fields["chat_template_kwargs"] = {"reasoning_effort": effort}  # (as vLLM hands chat's reasoning_effort on)
+        try:
+            return ChatBody.model_validate(fields)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                                 for e in exc.errors())
+            raise ApiError(400, f"as a chat request: {problems}") from None
+
+    def _messages(self) -> list[dict]:
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        for index, item in enumerate(items):
+            kind = item.get("type", "message" if "role" in item else None)
+            where = f"input.{index}"
+            if kind == "message":
+                if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
+                    raise ApiError(400, f"{where}.role: one of {', '.join(sorted(ROLES))}, not {item.get('role')!r}")
+                messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            elif kind == "function_call":
+                call = {"id": _string(item, "call_id", where), "type": "function",
+                        "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments",
+                                                                                                where)}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                                 "content": output if isinstance(output, str) else _text(output, where)})
+            elif kind != "reasoning":  # (an unknown kind of any JSON type: its repr names it)
+                raise ApiError(400, f"{where}: item type {kind!r} is not supported (supported: message, "
+                                    "function_call, function_call_output, reasoning)")
+        return messages
+
+
+def _text(content, where: str) -> str:
+    """A message's text: a string, or its text parts joined (as chat's are)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content: a string or a list of text parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}.content: part type {kind!r} is not supported: the model reads text only")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _string(item: dict, name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise ApiError(400, f"{where}.{name}: a string is required")
+    return value
+
+
+def _function_tool(tool: dict) -> FunctionTool:
+    try:
+        return FunctionTool.model_validate(tool)
+    except ValidationError as exc:
+        raise ApiError(400, f"tools: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+
+
+def _tool_choice(choice):
+    """Chat's spelling of a Responses tool choice."""
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """Chat's `response_format` for a Responses `text.format`."""
+    spec = (text or {}).get("format")
+    if spec is not None and not isinstance(spec, dict):
+        raise ApiError(400, 'text.format: an object, {"type": "text" | "json_object" | "json_schema", ...}')
+    if spec is None or spec.get("type") in ("text", "json_object"):
+        return spec
+    if spec.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: spec[k] for k in ("name", "schema", "strict") if k in spec}}
+    return spec  # (chat's check names the type it does not know)

@@ -1,0 +1,226 @@
+"""A chat answer written as an OpenAI Responses API response (cluster/responses_body.py
+says how the request became a chat one): the message's reasoning, text and calls
+as output items (`reasoning`, `message` with one `output_text` part, a
+`function_call` per call), the usage in the Responses names, and `status`
+"incomplete" (`incomplete_details.reason` "max_output_tokens") where the answer
+was cut by its limit.
+
+Streamed, the chat chunks become the Responses events, each an SSE `event:` line
+and its JSON with a `sequence_number`: `response.created`, `response.in_progress`,
+then for each item `response.output_item.added`, its part's
+`response.content_part.added`, the deltas (`response.output_text.delta`,
+`response.reasoning_text.delta`, `response.function_call_arguments.delta`), their
+`.done`s and `response.output_item.done`, and last `response.completed` (or
+`response.incomplete`) holding the whole response, the same one a request without
+`stream` gets; a worker's failure mid-stream ends it with `response.failed`. No
+`[DONE]` line: the Responses stream ends with its last event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+CUT = "length"  # the chat finish reason of an answer its token limit cut
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
+def usage(chat_usage: dict | None) -> dict | None:
+    """Chat's usage in the Responses names."""
+    if chat_usage is None:
+        return None
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": chat_usage.get("completion_tokens_details", {}).get(
+                "reasoning_tokens", 0)},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def response(body, response_id: str, model: str, created: int, status: str, output: list[dict],
+             chat_usage: dict | None = None, error: dict | None = None) -> dict:
+    """The response object: the answer, and the request's settings as OpenAI echoes them."""
+    text = body.text or {"format": {"type": "text"}}
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+        "output": output, "usage": usage(chat_usage), "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
+        "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": False,
+        "temperature": body.temperature, "top_p": body.top_p, "text": text,
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": "disabled",
+        "user": body.user, "metadata": body.metadata or {},
+    }
+
+
+def whole(body, completion: dict) -> dict:
+    """A chat completion (one choice) as the response; where it was cut, its last
+    item is incomplete (the ones before it were written whole)."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    status = "incomplete" if choice["finish_reason"] == CUT else "completed"
+    output = []
+    if message.get("reasoning_content"):
+        output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        logprobs = ((choice.get("logprobs") or {}).get("content") or []) if body.wants_logprobs else None
+        output.append(message_item(new_id("msg"), message.get("content") or "", "completed", logprobs))
+    output += [call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+               for c in calls]
+    output[-1]["status"] = status
+    return response(body, new_id("resp"), completion["model"], completion["created"], status, output,
+                    completion["usage"])
+
+
+class ResponseEvents:
+    """The Responses events of one streamed chat choice's chunks (`stream`)."""
+
+    def __init__(self, body, model: str) -> None:
+        self.body, self.model = body, model
+        self.response_id, self.created = new_id("resp"), int(time.time())
+        self.sequence = 0
+        self.items: list[dict] = []  # the output so far; the last is open while `open` is True
+        self.open = False
+        self.calls: dict[int, int] = {}  # a chat call's index -> its item's output index
+        self.logprobs: list = []  # the open message's, and any that came before its text
+        self.finish_reason: str | None = None
+        self.chat_usage: dict | None = None
+
+    async def stream(self, chunks):
+        """SSE events for `chunks`, the chat stream's payloads (chunk dicts, an
+        `{"error": ...}` payload, "[DONE]")."""
+        yield self._event("response.created", response=self._response("in_progress"))
+        yield self._event("response.in_progress", response=self._response("in_progress"))
+        async for chunk in chunks:
+            if chunk == "[DONE]":
+                break
+            if "error" in chunk:
+                error = {"code": "server_error", "message": chunk["error"].get("message", "")}
+                for event in self._close("incomplete"):
+                    yield event
+                yield self._event("response.failed", response=self._response("failed", error))
+                return
+            self.chat_usage = chunk.get("usage") or self.chat_usage
+            for choice in chunk.get("choices", ()):
+                for event in self._choice(choice):
+                    yield event
+        status = "incomplete" if self.finish_reason == CUT else "completed"
+        if not any(item["type"] in ("message", "function_call") for item in self.items):
+            for event in self._text("message", ""):  # (an empty answer is an empty message, as unstreamed)
+                yield event
+        for event in self._close(status):
+            yield event
+        yield self._event(f"response.{status}", response=self._response(status))
+
+    def _choice(self, choice: dict):
+        delta = choice.get("delta") or {}
+        if self.body.wants_logprobs:
+            self.logprobs += (choice.get("logprobs") or {}).get("content") or []
+        if delta.get("reasoning_content"):
+            yield from self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            yield from self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or ():
+            yield from self._call(call)
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def _text(self, kind: str, text: str):
+        """Text of a reasoning or message item, opening one where the open item is another."""
+        if not (self.open and self.items[-1]["type"] == kind):
+            yield from self._close("completed")
+            item = (message_item(new_id("msg"), "", "in_progress", [] if self.body.wants_logprobs else None)
+                    if kind == "message"
+                    else reasoning_item(new_id("rs"), "", "in_progress"))
+            part = item["content"].pop()
+            yield from self._add(item)
+            item["content"].append(part)
+            yield self._event("response.content_part.added", **self._where(), content_index=0, part=part)
+        item = self.items[-1]
+        if not text:
+            return
+        item["content"][0]["text"] += text
+        if kind == "message":
+            logprobs, self.logprobs = self.logprobs, []
+            yield self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
+                              logprobs=logprobs)
+            if self.body.wants_logprobs:
+                item["content"][0]["logprobs"] += logprobs
+        else:
+            yield self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text)
+
+    def _call(self, call: dict):
+        function = call.get("function") or {}
+        if call["index"] not in self.calls:
+            yield from self._close("completed")
+            self.calls[call["index"]] = len(self.items)
+            yield from self._add(call_item(new_id("fc"), call["id"], function["name"], "", "in_progress"))
+        arguments = function.get("arguments")
+        if arguments:
+            item = self.items[self.calls[call["index"]]]
+            item["arguments"] += arguments
+            yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=self.calls[call["index"]], delta=arguments)
+
+    def _add(self, item: dict):
+        self.items.append(item)
+        self.open = True
+        yield self._event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+
+    def _close(self, status: str):
+        """The open item's `.done` events."""
+        if not self.open:
+            return
+        self.open = False
+        item = self.items[-1]
+        item["status"] = status
+        where = self._where()
+        if item["type"] == "function_call":
+            yield self._event("response.function_call_arguments.done", **where, arguments=item["arguments"])
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                if self.body.wants_logprobs:  # (with those of tokens whose text never came)
+                    part["logprobs"] += self.logprobs
+                    self.logprobs = []
+                yield self._event("response.output_text.done", **where, content_index=0, text=part["text"],
+                                  logprobs=part.get("logprobs", []))
+            else:
+                yield self._event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
+            yield self._event("response.content_part.done", **where, content_index=0, part=part)
+        yield self._event("response.output_item.done", output_index=len(self.items) - 1, item=item)
+
+    def _where(self) -> dict:
+        return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
+
+    def _response(self, status: str, error: dict | None = None) -> dict:
+        output = [] if status == "in_progress" else self.items
+        return response(self.body, self.response_id, self.model, self.created, status, output,
+                        None if status == "in_progress" else self.chat_usage, error)
+
+    def _event(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"

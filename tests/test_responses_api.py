@@ -1,0 +1,165 @@
+"""The Responses API's translation, without a server: a request's items as the chat
+messages they stand for (cluster/responses_body.py), hostile items refused with
+an ApiError and nothing else, and a chat stream's chunks as the Responses events,
+ending with the response an unstreamed request gets (cluster/responses_format.py).
+Over HTTP: tests/test_serve_responses.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from cluster.api_models import ApiError
+from cluster.responses_body import ResponsesBody
+from cluster.responses_format import ResponseEvents, whole
+
+
+def _messages(body: dict) -> list[dict]:
+    chat = ResponsesBody.model_validate(body).chat_body()
+    return [m.model_dump(exclude_none=True, exclude={"tool_calls"}) | (
+        {"calls": [c.function.name for c in m.tool_calls]} if m.tool_calls else {}) for m in chat.messages]
+
+
+def test_items_become_the_chat_messages():
+    """Instructions first; an assistant's text and the calls after it one turn
+    (as chat's assistant message carries its calls), parallel calls together;
+    call outputs as tool messages; reasoning left out."""
+    call = lambda i: {"type": "function_call", "call_id": f"c{i}", "name": f"f{i}", "arguments": "{}"}  # noqa: E731
+    body = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        call(1), call(2),
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+        call(3),
+    ]}
+    assert _messages(body) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Let me look.", "calls": ["f1", "f2"]},
+        {"role": "tool", "content": "one", "tool_call_id": "c1"}, {"role": "tool", "content": "two", "tool_call_id": "c2"},
+        {"role": "assistant", "calls": ["f3"]}]
+    assert _messages({"input": "Hello"}) == [{"role": "user", "content": "Hello"}]
+
+
+def test_tools_and_formats_in_chat_spelling():
+    body = ResponsesBody.model_validate({
+        "input": "x", "tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "g", "strict": False}],
+        "tool_choice": {"type": "function", "name": "g"}, "max_output_tokens": 7, "reasoning": {"effort": "low"},
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}, "strict": True}}})
+    chat = body.chat_body()
+    assert [(t.function.name, t.function.strict) for t in chat.tools] == [("f", True), ("g", False)]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "g"}} and chat.max_completion_tokens == 7
+    assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"},
+                                                                           "strict": True}}
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+
+
+VALUES = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=2),
+                   st.dictionaries(st.sampled_from(["type", "text"]), st.text(max_size=5), max_size=2))
+PARTS = st.lists(st.one_of(VALUES, st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal", None]), "text": VALUES})),
+    max_size=3)
+ITEMS = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference", 7]),
+    "role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer", "tool"]), VALUES),
+    "content": st.one_of(VALUES, PARTS), "output": st.one_of(VALUES, PARTS),
+    "call_id": VALUES, "name": st.one_of(st.sampled_from(["f", "bad name!"]), VALUES), "arguments": VALUES})
+BODIES = st.fixed_dictionaries({"input": st.one_of(st.text(max_size=5), st.lists(ITEMS, max_size=4))}, optional={
+    "instructions": VALUES, "tools": st.lists(st.dictionaries(st.sampled_from(["type", "name", "parameters", "strict"]),
+                                                              st.one_of(VALUES, st.just("function")), max_size=4),
+                                              max_size=2),
+    "tool_choice": st.one_of(VALUES, st.sampled_from(["auto", "required", "none"])), "text": st.one_of(VALUES, st.fixed_dictionaries(
+        {"format": st.one_of(VALUES, st.fixed_dictionaries({"type": st.sampled_from(["text", "json_schema", "x"])}))})),
+    "reasoning": VALUES, "include": VALUES, "top_logprobs": VALUES, "max_output_tokens": VALUES})
+
+
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(body=BODIES)
+def test_hostile_requests_are_refused_with_a_message_and_nothing_else(body):
+    try:
+        ResponsesBody.model_validate(body).chat_body()
+    except (ApiError, ValidationError) as exc:
+        assert str(exc)
+
+
+def _stream(body: ResponsesBody, chunks: list) -> list[dict]:
+    async def chunks_of():
+        for chunk in chunks:
+            yield chunk
+
+    async def run():
+        return [event async for event in ResponseEvents(body, "m").stream(chunks_of())]
+
+    lines = asyncio.run(run())
+    events = []
+    for line in lines:
+        kind, data = line.removesuffix("\n\n").split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        events.append(event)
+    return events
+
+
+def _chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    return {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": choices,
+            **({"usage": usage} if usage else {})}
+
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0},
+         "completion_tokens_details": {"reasoning_tokens": 2}}
+
+
+@pytest.mark.parametrize("finish", ["tool_calls", "length"])
+def test_a_chat_stream_becomes_the_responses_events(finish):
+    """Reasoning, text, then two calls (one's arguments in two deltas): each an
+    item opened, written and closed in turn; the last event's response is the
+    one `whole` makes of the same answer unstreamed, ids aside."""
+    body = ResponsesBody.model_validate({"input": "x", "stream": True})
+    events = _stream(body, [
+        _chunk({"role": "assistant", "content": ""}), _chunk({"reasoning_content": "hm"}),
+        _chunk({"reasoning_content": "m"}), _chunk({"content": "Sure."}),
+        _chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                "function": {"name": "f", "arguments": '{"a": '}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+        _chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                "function": {"name": "g", "arguments": "{}"}}]}, finish),
+        _chunk(usage=USAGE), "[DONE]"])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"].removeprefix("response.") for e in events]
+    assert kinds == ["created", "in_progress",
+                     "output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.delta",
+                     "reasoning_text.done", "content_part.done", "output_item.done",
+                     "output_item.added", "content_part.added", "output_text.delta",
+                     "output_text.done", "content_part.done", "output_item.done",
+                     "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",
+                     "function_call_arguments.done", "output_item.done",
+                     "output_item.added", "function_call_arguments.delta", "function_call_arguments.done",
+                     "output_item.done", "incomplete" if finish == "length" else "completed"]
+    streamed = events[-1]["response"]
+    unstreamed = whole(body, {"model": "m", "created": 1, "usage": USAGE, "choices": [{
+        "index": 0, "finish_reason": finish, "logprobs": None,
+        "message": {"role": "assistant", "content": "Sure.", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}}]})
+
+    def without_ids(response: dict) -> dict:
+        return {**response, "id": None, "created_at": None,
+                "output": [{k: v for k, v in item.items() if k != "id"} for item in response["output"]]}
+    assert without_ids(streamed) == without_ids(unstreamed)
+    assert streamed["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    assert [item["status"] for item in streamed["output"]] == (
+        ["completed"] * 3 + ["incomplete"] if finish == "length" else ["completed"] * 4)
+
+
+def test_a_failure_mid_stream_ends_it_failed():
+    events = _stream(ResponsesBody.model_validate({"input": "x", "stream": True}), [
+        _chunk({"content": "Hel"}), {"error": {"message": "worker died", "type": "worker_error"}}])
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]["message"] == "worker died"
+    assert events[-2]["type"] == "response.output_item.done" and events[-2]["item"]["status"] == "incomplete"

@@ -1,0 +1,155 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over real HTTP, through the OpenAI
+client: each request answers what the chat request it stands for answers (the
+conversation's items as messages, its tools, its text format), as a response
+whole or as the Responses events; bad requests are 400s with a JSON message. (The
+translation: cluster/responses_body.py, cluster/responses_format.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import served_app
+
+ARGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "mode": "colocated",
+    "colocated": {"replicas": 1, "num_cpus": 1},
+    "engine": {"block_size": 16, "num_kv_blocks": 256},
+    "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200},
+    "pool_name": "test-pool-responses",
+}
+MODEL = "tandem-tiny-qwen2"
+CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 8}},
+        "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": CITY}
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_port):
+    yield from served_app("responses", ARGS, serve_port)
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_a_conversation_answers_as_its_chat_request_does(client):
+    """Instructions, messages, an earlier call and its output: the same prompt,
+    so the same greedy answer, as the chat request of those messages; the usage
+    in the Responses names; a cut answer is incomplete."""
+    items = [{"role": "user", "content": "What is the weather in Oslo?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+             {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]}]
+    messages = [{"role": "system", "content": "Be brief."}, items[0],
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+                {"role": "user", "content": "And tomorrow?"}]
+    answer = client.responses.create(model=MODEL, instructions="Be brief.", input=items, max_output_tokens=12,
+                                     temperature=0, tools=[WEATHER], tool_choice="none")
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          tools=[{"type": "function", "function": {
+                                              k: v for k, v in WEATHER.items() if k != "type"}}], tool_choice="none")
+    assert answer.object == "response" and answer.id.startswith("resp_") and answer.store is False
+    assert answer.output_text == chat.choices[0].message.content
+    assert [item.type for item in answer.output] == ["message"]
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens and answer.usage.output_tokens == 12
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.instructions == "Be brief." and answer.max_output_tokens == 12
+
+
+def test_function_tools_are_strict_unless_they_say_not(client):
+    """A required call: a function_call item, its arguments of the schema (strict
+    by default in this API), the call id a chat call's; a named one the same."""
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        for seed in range(3):
+            answer = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER],
+                                             tool_choice=choice, temperature=1.0, max_output_tokens=150,
+                                             parallel_tool_calls=False, extra_body={"seed": seed})
+            calls = [item for item in answer.output if item.type == "function_call"]
+            assert answer.status == "completed" and calls, answer.output
+            for call in calls:
+                assert call.name == "get_weather" and call.call_id.startswith("call_")
+                arguments = json.loads(call.arguments)
+                assert set(arguments) == {"city"} and len(arguments["city"]) <= 8, arguments
+
+
+def test_a_text_format_holds_the_answer(client):
+    schema = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 9}}, "additionalProperties": False}
+    answer = client.responses.create(model=MODEL, input="Pick a digit.", temperature=1.0, max_output_tokens=40,
+                                     text={"format": {"type": "json_schema", "name": "digit", "schema": schema,
+                                                      "strict": True}}, extra_body={"seed": 3})
+    assert 0 <= json.loads(answer.output_text)["n"] <= 9
+    assert answer.text.format.type == "json_schema"
+
+
+def _events(client, **request) -> list:
+    with client.responses.stream(**request) as stream:
+        return list(stream)
+
+
+def test_the_stream_is_the_responses_events_and_ends_with_the_whole_response(client):
+    """Created, in progress, the message item and its part, text deltas, their
+    dones, completed: numbered in order, the deltas adding up to the text of the
+    final response, which is what the request unstreamed gets (greedy)."""
+    request = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 16, "temperature": 0}
+    events = _events(client, **request)
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"], kinds
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"], kinds
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    whole = client.responses.create(**request)
+    assert text == final.output_text == whole.output_text and final.usage.output_tokens == 16
+    assert final.output[0].id == events[2].item.id
+
+
+def test_a_streamed_call_comes_as_a_function_call_item(client):
+    events = _events(client, model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required",
+                     temperature=0, max_output_tokens=150, parallel_tool_calls=False)
+    added = [event.item for event in events if event.type == "response.output_item.added"]
+    assert added and all(item.type == "function_call" for item in added)
+    done = [event for event in events if event.type == "response.function_call_arguments.done"]
+    final = events[-1]
+    assert final.type == "response.completed"
+    calls = [item for item in final.response.output if item.type == "function_call"]
+    assert [call.arguments for call in calls] == [event.arguments for event in done]
+    assert all(set(json.loads(call.arguments)) == {"city"} for call in calls)
+
+
+def test_logprobs_of_the_output_text(client):
+    answer = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5, temperature=0, top_logprobs=2,
+                                     include=["message.output_text.logprobs"])
+    part = answer.output[0].content[0]
+    assert len(part.logprobs) == 5 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "keeps no responses"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "reads text only"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item type 'item_reference'"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input.0.call_id"),
+    ({"input": "x", "truncation": "auto"}, "truncation is not supported"),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice must be"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "response_format type 'xml'"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}]}, "multipleOf"),
+    ({"input": "x", "model": "gpt-4o"}, "not found"),
+    ({"input": ""}, "input"),
+])
+def test_requests_it_cannot_serve_are_refused(base_url, body, message):
+    response = httpx.post(f"{base_url}/v1/responses", json=body)
+    assert 400 <= response.status_code < 500 and message in response.json()["error"]["message"], response.text
