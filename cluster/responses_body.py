@@ -103,6 +103,10 @@ class ResponsesBody(RequestBody):
                                  "server hosts no search, files or computer use)")
         return tools
 
+    def function_tools(self) -> list[dict]:
+        """The tools as served (`strict` filled in), as a response echoes them."""
+        return [_function_tool(tool).model_dump(exclude_none=True) for tool in self.tools or ()]
+
     @property
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())

@@ -70,7 +70,7 @@ def response(body, response_id: str, model: str, created: int, status: str, outp
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
         "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": False,
         "temperature": body.temperature, "top_p": body.top_p, "text": text,
-        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": "disabled",
+        "tool_choice": body.tool_choice or "auto", "tools": body.function_tools(), "truncation": "disabled",
         "user": body.user, "metadata": body.metadata or {},
     }
 

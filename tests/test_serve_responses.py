@@ -62,6 +62,7 @@ def test_a_conversation_answers_as_its_chat_request_does(client):
     assert answer.usage.input_tokens == chat.usage.prompt_tokens and answer.usage.output_tokens == 12
     assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
     assert answer.instructions == "Be brief." and answer.max_output_tokens == 12
+    assert [(tool.name, tool.strict) for tool in answer.tools] == [("get_weather", True)]
 
 
 def test_function_tools_are_strict_unless_they_say_not(client):
