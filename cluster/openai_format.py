@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -13,9 +14,11 @@ def sse(payload: dict | str) -> str:
 
 
 async def sse_stream(payloads):
-    """`payloads` (an async iterator of chunks) as SSE lines."""
-    async for payload in payloads:
-        yield sse(payload)
+    """`payloads` (an async generator of chunks) as SSE lines; closed with them (a
+    client that leaves ends its requests)."""
+    async with contextlib.aclosing(payloads):
+        async for payload in payloads:
+            yield sse(payload)
 
 
 def usage(num_prompt: int, num_completion: int, num_cached: int = 0, num_reasoning: int | None = None) -> dict:

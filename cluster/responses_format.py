@@ -18,6 +18,7 @@ then for each item `response.output_item.added`, its part's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -114,19 +115,20 @@ class ResponseEvents:
         `{"error": ...}` payload, "[DONE]")."""
         yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.in_progress", response=self._response("in_progress"))
-        async for chunk in chunks:
-            if chunk == "[DONE]":
-                break
-            if "error" in chunk:
-                error = {"code": "server_error", "message": chunk["error"].get("message", "")}
-                for event in self._close("incomplete"):
-                    yield event
-                yield self._event("response.failed", response=self._response("failed", error))
-                return
-            self.chat_usage = chunk.get("usage") or self.chat_usage
-            for choice in chunk.get("choices", ()):
-                for event in self._choice(choice):
-                    yield event
+        async with contextlib.aclosing(chunks):  # (a client that leaves ends its request)
+            async for chunk in chunks:
+                if chunk == "[DONE]":
+                    break
+                if "error" in chunk:
+                    error = {"code": "server_error", "message": chunk["error"].get("message", "")}
+                    for event in self._close("incomplete"):
+                        yield event
+                    yield self._event("response.failed", response=self._response("failed", error))
+                    return
+                self.chat_usage = chunk.get("usage") or self.chat_usage
+                for choice in chunk.get("choices", ()):
+                    for event in self._choice(choice):
+                        yield event
         status = "incomplete" if self.finish_reason == CUT else "completed"
         if not any(item["type"] in ("message", "function_call") for item in self.items):
             for event in self._text("message", ""):  # (an empty answer is an empty message, as unstreamed)

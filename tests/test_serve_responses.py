@@ -11,8 +11,9 @@ import json
 import httpx
 import openai
 import pytest
+import ray
 
-from tests.conftest import served_app
+from tests.conftest import served_app, wait_idle
 
 ARGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
@@ -154,3 +155,16 @@ def test_logprobs_of_the_output_text(client):
 def test_requests_it_cannot_serve_are_refused(base_url, body, message):
     response = httpx.post(f"{base_url}/v1/responses", json=body)
     assert 400 <= response.status_code < 500 and message in response.json()["error"]["message"], response.text
+
+
+def test_a_stream_its_client_leaves_ends_its_request(base_url):
+    """The worker's blocks all come back, nothing left running."""
+    for _ in range(3):
+        with httpx.stream("POST", f"{base_url}/v1/responses", json={
+                "input": "keep going", "max_output_tokens": 200, "stream": True}) as response:
+            for index, _ in enumerate(response.iter_lines()):
+                if index >= 12:
+                    break
+    pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
+    for member in ray.get(pool.list_members.remote()):
+        wait_idle(member.handle)
