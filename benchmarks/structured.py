@@ -62,7 +62,8 @@ def _patterns() -> dict[str, str]:
             "choice of 100 strings": choice_regex([f"option {i}" for i in range(100)]),
             "JSON schema (4 properties)": schema_regex(schema),
             "any JSON object": free_json_regex(),
-            "auto answer, 2 strict tools": _strict_tools_regex()}
+            "auto answer, 2 strict tools": _strict_tools_regex(),
+            "auto answer, 20 strict tools": _agent_tools_regex(20)}
 
 
 def _strict_tools_regex() -> str:
@@ -75,6 +76,23 @@ def _strict_tools_regex() -> str:
     tools = [Tool.model_validate({"type": "function", "function": {"name": name, "parameters": parameters,
                                                                   "strict": True}})
              for name, parameters in (("get_weather", weather), ("get_time", None))]
+    return tool_regex(tools, "auto")
+
+
+def _agent_tools_regex(num_tools: int) -> str:
+    """An answer of text and calls of an agent's strict tools, each its own seven
+    arguments (five scalars, an enum, a list of strings)."""
+    from cluster.tool_calls import Tool, tool_regex
+
+    kinds = ["string", "integer", "boolean", "number", "string"]
+    tools = []
+    for i in range(num_tools):
+        properties = {f"p{i}_{j}": {"type": kinds[(i + j) % 5]} for j in range(5)}
+        properties |= {"mode": {"enum": ["a", "b", "c"]}, "items": {"type": "array", "items": {"type": "string"}}}
+        tools.append(Tool.model_validate({"type": "function", "function": {
+            "name": f"tool_{i}", "strict": True, "parameters": {"type": "object", "properties": properties,
+                                                              "required": list(properties),
+                                                              "additionalProperties": False}}}))
     return tool_regex(tools, "auto")
 
 

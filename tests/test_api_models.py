@@ -4,6 +4,8 @@ what reaches SamplingParams."""
 
 from __future__ import annotations
 
+import json
+
 import pydantic
 import pytest
 
@@ -100,6 +102,27 @@ def test_tools_ask_for_a_pattern_only_when_a_call_is_required_or_named():
     assert auto.output_regex() is None and auto.template_tools() == [tool]
     with pytest.raises(InvalidRequestError, match="tool_choice must be"):
         ChatBody(messages=MESSAGES, tools=[tool], tool_choice={"type": "function"}).output_regex()
+
+
+def test_twenty_strict_tools_of_their_own_schemas_compile():
+    """An agent's tools, each strict with its own arguments (the OpenAI Agents SDK
+    makes function tools strict; the Responses API's are by default): the
+    subset construction builds 5179 states, merged 2121. The bound on states
+    is the merged automaton's (each state a request reaches costs a walk of
+    the vocabulary); until the twenty-seventh session it was the built one's,
+    and these tools were refused."""
+    def tool(i: int) -> dict:
+        kinds = ["string", "integer", "boolean", "number", "string"]
+        properties = {f"p{i}_{j}": {"type": kinds[(i + j) % 5]} for j in range(5)}
+        properties |= {"mode": {"type": "string", "enum": ["a", "b", "c"]}, "items": {"type": "array", "items": {
+            "type": "string"}}}
+        return {"type": "function", "function": {"name": f"tool_{i}", "strict": True, "parameters": {
+            "type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}}}
+    dfa = compile_regex(ChatBody(messages=MESSAGES, tools=[tool(i) for i in range(20)]).output_regex())
+    call = {"name": "tool_13", "arguments": {"p13_0": 1.5, "p13_1": "x", "p13_2": "y", "p13_3": 2, "p13_4": True,
+                                             "mode": "b", "items": ["z"]}}
+    assert len(dfa.accepting) < 2500 and dfa.fullmatch(f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
+    assert not dfa.fullmatch(f"<tool_call>\n{json.dumps({**call, 'name': 'tool_12'})}\n</tool_call>")
 
 
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 5}},
