@@ -138,9 +138,17 @@ class Scheduler:
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [  # max_model_len: vLLM's field, which clients size prompts by
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
-             "max_model_len": self.service.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str):
+        """OpenAI's retrieve (`client.models.retrieve`); 404 for a model not served here."""
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:  # max_model_len: vLLM's field, which clients size prompts by
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+                "max_model_len": self.service.max_model_len}
 
     @app.post("/generate")
     async def generate(self, body: GenerateBody):

@@ -535,6 +535,9 @@ def test_models_health_metrics_openapi(base_url, client):
     assert [m.id for m in client.models.list().data] == ["tandem-tiny-qwen2"]
     card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
     assert card["max_model_len"] == httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}).json()["max_model_len"]
+    assert client.models.retrieve("tandem-tiny-qwen2").model_dump(exclude_none=True) == card
+    missing = httpx.get(f"{base_url}/v1/models/gpt-4o")
+    assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ready" and health["pools"] == ["decode", "prefill"]
     served = client.completions.create(model="tandem-tiny-qwen2", prompt="count me", max_tokens=2)  # what is counted
@@ -546,7 +549,7 @@ def test_models_health_metrics_openapi(base_url, client):
     assert 'tandem_kv_transfer_blocks_total{kind="sent"}' in metrics
     assert 'tandem_handshakes_waiting{role="decode"' in metrics
     schema = httpx.get(f"{base_url}/openapi.json").json()
-    assert {"/generate", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+    assert {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"} <= set(schema["paths"])
 
 
 def unhandled_errors_logged() -> int:
