@@ -168,3 +168,20 @@ def test_a_stream_its_client_leaves_ends_its_request(base_url):
     pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
     for member in ray.get(pool.list_members.remote()):
         wait_idle(member.handle)
+
+
+def test_a_calls_output_items_go_back_as_the_next_turns_input(client):
+    """What an agent loop sends: the first answer's items as the client got them,
+    then the call's output; the next answer is text (tool_choice "none"), and
+    its message goes back too."""
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
+                                    parallel_tool_calls=False, temperature=0, max_output_tokens=150)
+    call = next(item for item in first.output if item.type == "function_call")
+    items = [{"role": "user", "content": "Weather in Oslo?"}, *(item.model_dump() for item in first.output),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}]
+    second = client.responses.create(model=MODEL, input=items, tools=[WEATHER], tool_choice="none", temperature=0,
+                                     max_output_tokens=8)
+    assert [item.type for item in second.output] == ["message"] and second.output_text
+    items += [*(item.model_dump() for item in second.output), {"role": "user", "content": "Thanks."}]
+    third = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=4)
+    assert third.output_text and third.usage.input_tokens > second.usage.input_tokens
