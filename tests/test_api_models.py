@@ -167,7 +167,7 @@ def test_a_response_format_beside_tools_holds_the_text_and_leaves_the_calls(stri
     with pytest.raises(InvalidRequestError, match="give one way"):  # a guided field holds calls and all
         ChatBody(messages=MESSAGES, tools=[weather], tool_choice="required", guided_regex="x").output_regex()
     if not strict:  # tools whose arguments are free share one branch: twenty cost what one does (in twenty
-        # branches the subset construction passes its 5000 states)
+        # branches of their own the automaton would grow with their number)
         many = [{"type": "function", "function": {"name": f"tool_{i}"}} for i in range(20)]
         sizes = [len(compile_regex(ChatBody(messages=MESSAGES, tools=tools, response_format=answer).output_regex())
                      .accepting) for tools in (many[:1], many)]
