@@ -12,7 +12,7 @@ make; surrogates excluded).
 Python's own parser reads the pattern (`re._parser`, `sre_parse` before 3.11), so
 the syntax and its errors are Python's. Then a Thompson NFA, the subset
 construction over the classes of bytes no edge tells apart, and the states no text
-tells apart merged (`_minimised`: a schema's automaton a few times smaller, any
+tells apart merged (actors/dfa_minimise.py: a schema's automaton a few times smaller, any
 JSON object's 2679 states 305). Its semantics are
 `re.fullmatch` with `re.ASCII`: `\\d`, `\\w`, `\\s` match ASCII only (outlines and
 xgrammar draw the same line), `.` every character but a newline (every one under
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from actors.dfa_minimise import DEAD, START, minimised, prune_dead
 from actors.sampling_params import InvalidRequestError
 
 try:
@@ -50,12 +51,10 @@ MAX_STATES = 5000  # of the automaton kept (its states merged)
 MAX_BUILT_STATES = 10_000  # of the subset construction's, before merging
 MAX_NFA_STATES = 100_000  # bounds what counted repeats expand to
 MAX_WORK = 3_000_000  # NFA states visited by the subset construction: about a second of it at most
-MAX_MINIMISE_WORK = 1_500_000  # states x rounds of refinement: about 0.3 s, here; then kept as built
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 
 
-DEAD, START = 0, 1  # the states every DFA has
 
 
 class RegexError(InvalidRequestError):
@@ -70,15 +69,15 @@ class ByteDfa:
     @functools.cached_property
     def terminal(self) -> np.ndarray:
         """bool [states]: accepting, and no byte may follow."""
-        return self.accepting & (self.transitions == 0).all(axis=1)
+        return self.accepting & (self.transitions == DEAD).all(axis=1)
 
     def walk(self, state: int, data: bytes) -> int:
         """The state after `data` from `state` (0 once dead)."""
         transitions = self.transitions
         for byte in data:
             state = int(transitions[state, byte])
-            if not state:
-                return 0
+            if state == DEAD:
+                return DEAD
         return state
 
     def fullmatch(self, text: str) -> bool:
@@ -366,102 +365,10 @@ def _determinise(nfa: _Nfa, start: int, accept: int) -> ByteDfa:
             raise RegexError(f"regex is too complex: its automaton passes {MAX_BUILT_STATES} states as built"
                              if len(order) > MAX_BUILT_STATES else "regex is too complex to compile quickly")
     accepting = np.array([accept in s for s in order], dtype=bool)
-    by_class, accepting = _minimised(_prune_dead(np.array(rows, dtype=np.int32), accepting), accepting)
+    by_class, accepting = minimised(prune_dead(np.array(rows, dtype=np.int32), accepting), accepting)
     if len(accepting) > MAX_STATES:
         raise RegexError(f"regex is too complex: its automaton has {len(accepting)} states, more than {MAX_STATES}")
     transitions = np.zeros((len(accepting), 256), dtype=np.int32)
     for column, members in enumerate(class_bytes):
         transitions[:, members] = by_class[:, column:column + 1]
     return ByteDfa(transitions, accepting)
-
-
-def _prune_dead(transitions: np.ndarray, accepting: np.ndarray) -> np.ndarray:
-    """Transitions into states from which no accepting state is reachable go to 0
-    (`transitions`: a column a byte, or a class of bytes)."""
-    live = accepting.copy()
-    while True:
-        reaches = live[transitions].any(axis=1) | accepting
-        if (reaches == live).all():
-            break
-        live = reaches
-    live[0] = False
-    return np.where(live[transitions], transitions, 0).astype(np.int32)
-
-
-def _minimised(by_class: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The DFA with the states that no text tells apart merged (Moore's
-    refinement: split states by accepting or not, then by the blocks their
-    bytes lead to, until no block splits). The subset construction leaves many
-    such states (a JSON string's characters under each key of a schema, say,
-    or twenty strict tools' 5179 states, 2121 merged); each one a request
-    reaches costs a walk of the vocabulary (its mask,
-    actors/structured_output.py). A round tells states apart by a hash of their
-    blocks (`_hashed_split`), a sort of one integer a state; the blocks it
-    settles on are then checked to be what merging needs (each block's states
-    accept alike and lead, byte for byte, to the same blocks), so a collision
-    of hashes costs the exact rounds (`_split`), never a wrong automaton. Dead
-    stays 0 and the start 1. A DFA that has not settled within
-    `MAX_MINIMISE_WORK` / its states rounds (a long chain of states, each told
-    apart from the next only by its distance to the end: 300 rounds at 5000
-    states; twenty strict tools' answer settles in 134, forty's 9579 states in
-    about 140) is kept as it is."""
-    multipliers = np.random.default_rng(len(accepting)).integers(1, 2**63, by_class.shape[1] + 1, dtype=np.uint64)
-    blocks = _refined(by_class, accepting, lambda blocks, _: _hashed_split(blocks, by_class, multipliers))
-    if blocks is not None and not _merges_soundly(blocks, by_class, accepting):
-        blocks = _refined(by_class, accepting, lambda blocks, num_blocks: _split(blocks, by_class, num_blocks))
-    if blocks is None:
-        return by_class, accepting
-    num_blocks = blocks.max() + 1
-    if num_blocks == len(accepting) or blocks[DEAD] == blocks[START]:
-        return by_class, accepting
-    order = [blocks[DEAD], blocks[START]] + [b for b in dict.fromkeys(blocks.tolist()) if b not in
-                                             (blocks[DEAD], blocks[START])]
-    new_id = np.empty(num_blocks, dtype=np.int32)
-    new_id[order] = np.arange(num_blocks, dtype=np.int32)
-    first_of = np.unique(blocks, return_index=True)[1]  # a state of each block
-    representatives = first_of[order]
-    return new_id[blocks[by_class[representatives]]], accepting[representatives]
-
-
-def _refined(by_class: np.ndarray, accepting: np.ndarray, split) -> np.ndarray | None:
-    """Each state's block once `split` (blocks, their number -> the next blocks)
-    splits none, from accepting or not; None if that takes more rounds than
-    `MAX_MINIMISE_WORK` allows."""
-    blocks = accepting.astype(np.int64)
-    num_blocks = len(np.unique(blocks))
-    for _ in range(MAX_MINIMISE_WORK // len(accepting)):
-        blocks = split(blocks, num_blocks)
-        if blocks.max() + 1 == num_blocks:
-            return blocks
-        num_blocks = blocks.max() + 1
-    return None
-
-
-def _hashed_split(blocks: np.ndarray, columns: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
-    """`_split` by a hash of each state's block and its columns' blocks (random
-    odd multipliers, sums wrapping at 64 bits): distinct rows may collide, which
-    `_merges_soundly` catches."""
-    signature = np.concatenate([blocks[:, None], blocks[columns]], axis=1).astype(np.uint64)
-    keys = (signature * (multipliers | np.uint64(1))).sum(axis=1, dtype=np.uint64)
-    return np.unique(keys, return_inverse=True)[1].reshape(-1)
-
-
-def _merges_soundly(blocks: np.ndarray, columns: np.ndarray, accepting: np.ndarray) -> bool:
-    """Whether each block's states accept alike and each byte class takes them all
-    to one block: then merging them keeps the language."""
-    _, first_of, numbered = np.unique(blocks, return_index=True, return_inverse=True)
-    blocks = numbered.reshape(-1)
-    first = first_of[blocks]  # each state's block's first state
-    return bool((accepting == accepting[first]).all() and (blocks[columns] == blocks[columns[first]]).all())
-
-
-def _split(blocks: np.ndarray, columns: np.ndarray, num_blocks: int) -> np.ndarray:
-    """Each state's new block: its block and its columns' blocks, numbered from 0.
-    One integer a state where (block, columns) fits in 63 bits, else its row of them."""
-    signature = np.concatenate([blocks[:, None], blocks[columns]], axis=1)
-    if int(num_blocks) ** signature.shape[1] < 2 ** 63:  # (Python ints: no overflow)
-        keys = signature @ (num_blocks ** np.arange(signature.shape[1], dtype=np.int64))
-    else:
-        signature = np.ascontiguousarray(signature)
-        keys = signature.view(np.dtype((np.void, signature.dtype.itemsize * signature.shape[1]))).reshape(-1)
-    return np.unique(keys, return_inverse=True)[1].reshape(-1)

@@ -14,7 +14,7 @@ import torch
 from actors.integer_ranges import integer_range_regex
 from actors.json_schema import free_json_regex, schema_regex
 from actors.llm import LLM
-from actors import regex_dfa
+from actors import dfa_minimise, regex_dfa
 from actors.regex_dfa import START, RegexError, choice_regex, compile_regex
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from kernels.logit_bias import _bit_table, keep_masked_
@@ -71,33 +71,37 @@ def _built(pattern: str) -> tuple[np.ndarray, np.ndarray]:
     def keep(by_class, accepting):
         built["dfa"] = by_class, accepting
         return by_class, accepting
-    original, regex_dfa._minimised = regex_dfa._minimised, keep
+    original, regex_dfa.minimised = regex_dfa.minimised, keep
     try:
         compile_regex.__wrapped__(pattern)
     finally:
-        regex_dfa._minimised = original
+        regex_dfa.minimised = original
     return built["dfa"]
 
 
-@pytest.mark.parametrize("pattern", PATTERNS + [schema_regex({}), free_json_regex(), schema_regex({
-    "type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 977}, "b": {"enum": ["x", 2]}}})])
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 977},
+                                          "b": {"enum": ["x", 2]}}}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS + [schema_regex({}), free_json_regex(), schema_regex(SCHEMA)])
 def test_hashed_rounds_merge_what_the_exact_rounds_merge(pattern):
     """Merging by a hash of each state's blocks (`_hashed_split`) settles on the
     blocks the exact rounds do; blocks a collision would give (here: every state
     one block, and two states of different futures in one) are caught."""
     by_class, accepting = _built(pattern)
     multipliers = np.random.default_rng(0).integers(1, 2**63, by_class.shape[1] + 1, dtype=np.uint64)
-    hashed = regex_dfa._refined(by_class, accepting, lambda b, _: regex_dfa._hashed_split(b, by_class, multipliers))
-    exact = regex_dfa._refined(by_class, accepting, lambda b, n: regex_dfa._split(b, by_class, n))
+    hashed = dfa_minimise._refined(by_class, accepting,
+                                   lambda b, _: dfa_minimise._hashed_split(b, by_class, multipliers))
+    exact = dfa_minimise._refined(by_class, accepting, lambda b, n: dfa_minimise._split(b, by_class, n))
     pairs = set(zip(hashed.tolist(), exact.tolist()))  # the same blocks, numbered apart: a one-to-one pairing
     assert len(pairs) == len(set(hashed.tolist())) == len(set(exact.tolist()))
-    assert regex_dfa._merges_soundly(exact, by_class, accepting)
-    assert not regex_dfa._merges_soundly(np.zeros_like(exact), by_class, accepting)
+    assert dfa_minimise._merges_soundly(exact, by_class, accepting)
+    assert not dfa_minimise._merges_soundly(np.zeros_like(exact), by_class, accepting)
     told_apart = [s for s in range(2, len(accepting)) if exact[s] != exact[START] and accepting[s] == accepting[START]]
     if told_apart:
         wrong = exact.copy()
         wrong[wrong == exact[told_apart[0]]] = exact[START]
-        assert not regex_dfa._merges_soundly(wrong, by_class, accepting)
+        assert not dfa_minimise._merges_soundly(wrong, by_class, accepting)
 
 
 @pytest.mark.parametrize("pattern, message", [
