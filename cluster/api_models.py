@@ -55,6 +55,7 @@ class RequestBody(BaseModel):
     # does not implement: a request that sets one (to anything but the values that
     # mean "off") is refused instead of being served as if it had not.
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+    UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {}  # what to do instead, where the refusal should say
 
     @model_validator(mode="before")
     @classmethod
@@ -62,7 +63,8 @@ class RequestBody(BaseModel):
         if isinstance(data, dict):
             for name, off in cls.UNSUPPORTED.items():
                 if name in data and data[name] not in off:
-                    raise ValueError(f"{name} is not supported")
+                    why = cls.UNSUPPORTED_WHY.get(name)
+                    raise ValueError(f"{name} is not supported" + (f": {why}" if why else ""))
             return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}  # "off": as if left out
         return data
 

@@ -46,10 +46,10 @@ async def _api_error(_: Request, exc: ApiError):
 
 async def _validation_error(request: Request, exc: RequestValidationError):
     content_type = request.headers.get("content-type", "")
-    return _error(ApiError(400, "; ".join(_problem(e, content_type) for e in exc.errors()) or "invalid request body"))
+    return _error(ApiError(400, "; ".join(problem(e, content_type) for e in exc.errors()) or "invalid request body"))
 
 
-def _problem(error: dict, content_type: str = "") -> str:
+def problem(error: dict, content_type: str = "") -> str:
     """One pydantic error as `field: message` (the body's own checks: the message)."""
     if error["type"] == "json_invalid":
         reason = error.get("ctx", {}).get("error", "")

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.api_models import ApiError, ChatBody, RequestBody
+from cluster.ingress_guard import problem
 
 TEXT_PARTS = {"input_text", "output_text", "text"}
 ROLES = {"user", "assistant", "system", "developer"}
@@ -57,14 +58,17 @@ class FunctionTool(BaseModel):
 
 class ResponsesBody(RequestBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "background": (None, False), "prompt": (None,),
+        "previous_response_id": (None,), "conversation": (None,), "background": (None, False), "prompt": (None,),
         "truncation": (None, "disabled"), "max_tool_calls": (None,),
     }
+    UNSUPPORTED_WHY: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("previous_response_id", "conversation"), "this server keeps no responses; send the whole conversation in "
+                                                  "`input`")
 
     model: str | None = None
     input: str | list[dict] = Field(min_length=1)
     instructions: str | None = None
-    tools: list[dict] | None = None
+    tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool = True
     text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
@@ -85,27 +89,19 @@ class ResponsesBody(RequestBody):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
 
-    @model_validator(mode="before")
+    @field_validator("tools", mode="before")
     @classmethod
-    def _no_stored_responses(cls, data):
-        for name in ("previous_response_id", "conversation"):
-            if isinstance(data, dict) and data.get(name) is not None:
-                raise ValueError(f"{name} is not supported: this server keeps no responses; send the whole "
-                                 "conversation in `input`")
-        return data
-
-    @field_validator("tools")
-    @classmethod
-    def _functions_only(cls, tools: list[dict] | None) -> list[dict] | None:
-        for tool in tools or ():
-            if tool.get("type") != "function":
-                raise ValueError(f"tool type {tool.get('type')!r} is not supported: only function tools (this "
-                                 "server hosts no search, files or computer use)")
+    def _functions_only(cls, tools):
+        for tool in tools if isinstance(tools, list) else ():
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tool type {kind!r} is not supported: only function tools (this server hosts "
+                                 "no search, files or computer use)")
         return tools
 
     def function_tools(self) -> list[dict]:
         """The tools as served (`strict` filled in), as a response echoes them."""
-        return [_function_tool(tool).model_dump(exclude_none=True) for tool in self.tools or ()]
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -124,7 +120,7 @@ class ResponsesBody(RequestBody):
                                                      "repetition_penalty", "stop") if getattr(self, name) is not None},
         }
         if self.tools:
-            fields["tools"] = [_function_tool(tool).as_chat() for tool in self.tools]
+            fields["tools"] = [tool.as_chat() for tool in self.tools]
         if self.tool_choice is not None:
             fields["tool_choice"] = _tool_choice(self.tool_choice)
         effort = (self.reasoning or {}).get("effort")
@@ -133,9 +129,7 @@ class ResponsesBody(RequestBody):
         try:
             return ChatBody.model_validate(fields)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
-                                 for e in exc.errors())
-            raise ApiError(400, f"as a chat request: {problems}") from None
+            raise ApiError(400, f"as a chat request: {'; '.join(map(problem, exc.errors()))}") from None
 
     def _messages(self) -> list[dict]:
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
@@ -186,13 +180,6 @@ def _string(item: dict, name: str, where: str) -> str:
     if not isinstance(value, str):
         raise ApiError(400, f"{where}.{name}: a string is required")
     return value
-
-
-def _function_tool(tool: dict) -> FunctionTool:
-    try:
-        return FunctionTool.model_validate(tool)
-    except ValidationError as exc:
-        raise ApiError(400, f"tools: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
 
 
 def _tool_choice(choice):
