@@ -46,7 +46,8 @@ def minimised(by_class: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, 
     apart from the next only by its distance to the end: 300 rounds at 5000
     states; twenty strict tools' answer settles in 134, forty's 9579 states in
     about 140) is kept as it is."""
-    multipliers = np.random.default_rng(len(accepting)).integers(1, 2**63, by_class.shape[1] + 1, dtype=np.uint64)
+    multipliers = np.random.default_rng(len(accepting)).integers(
+        1, 2**63, by_class.shape[1] + 1, dtype=np.uint64) | np.uint64(1)  # (odd)
     blocks = _refined(by_class, accepting, lambda blocks, _: _hashed_split(blocks, by_class, multipliers))
     if blocks is not None and not _merges_soundly(blocks, by_class, accepting):
         blocks = _refined(by_class, accepting, lambda blocks, num_blocks: _split(blocks, by_class, num_blocks))
@@ -80,10 +81,10 @@ def _refined(by_class: np.ndarray, accepting: np.ndarray, split) -> np.ndarray |
 
 def _hashed_split(blocks: np.ndarray, columns: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
     """`_split` by a hash of each state's block and its columns' blocks (random
-    odd multipliers, sums wrapping at 64 bits): distinct rows may collide, which
+    odd `multipliers`, sums wrapping at 64 bits): distinct rows may collide, which
     `_merges_soundly` catches."""
     signature = np.concatenate([blocks[:, None], blocks[columns]], axis=1).astype(np.uint64)
-    keys = (signature * (multipliers | np.uint64(1))).sum(axis=1, dtype=np.uint64)
+    keys = (signature * multipliers).sum(axis=1, dtype=np.uint64)
     return np.unique(keys, return_inverse=True)[1].reshape(-1)
 
 

@@ -89,7 +89,7 @@ def test_hashed_rounds_merge_what_the_exact_rounds_merge(pattern):
     blocks the exact rounds do; blocks a collision would give (here: every state
     one block, and two states of different futures in one) are caught."""
     by_class, accepting = _built(pattern)
-    multipliers = np.random.default_rng(0).integers(1, 2**63, by_class.shape[1] + 1, dtype=np.uint64)
+    multipliers = np.random.default_rng(0).integers(1, 2**63, by_class.shape[1] + 1, dtype=np.uint64) | 1
     hashed = dfa_minimise._refined(by_class, accepting,
                                    lambda b, _: dfa_minimise._hashed_split(b, by_class, multipliers))
     exact = dfa_minimise._refined(by_class, accepting, lambda b, n: dfa_minimise._split(b, by_class, n))
