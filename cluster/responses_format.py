@@ -156,7 +156,7 @@ class ResponseEvents:
             item = (message_item(new_id("msg"), "", "in_progress", [] if self.body.wants_logprobs else None)
                     if kind == "message"
                     else reasoning_item(new_id("rs"), "", "in_progress"))
-            part = item["content"].pop()
+            part = item["content"].pop()  # (the item is announced without its part, then the part)
             yield from self._add(item)
             item["content"].append(part)
             yield self._event("response.content_part.added", **self._where(), content_index=0, part=part)
