@@ -3,7 +3,8 @@
     serve run manifests/local.yaml      # import_path: cluster.app:build_app
 
 Endpoints: POST /generate (SGLang-style), POST /v1/completions, POST
-/v1/chat/completions (streaming SSE ending in [DONE]), POST /tokenize and
+/v1/chat/completions (streaming SSE ending in [DONE]), POST /v1/responses (and GET
+or DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items), POST /tokenize and
 /detokenize (vLLM's), GET /v1/models, GET /health
 (200 only when both pools are ready), GET /metrics (Prometheus text), and the
 OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
@@ -42,6 +43,7 @@ from cluster.config import AppSettings
 from cluster.ingress_guard import install_guard
 from cluster.pool_manager import get_or_create_pool
 from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
+from cluster.response_store import StoredResponses
 from cluster.response_streams import collect, merged, prepend
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
@@ -83,6 +85,7 @@ class Scheduler:
         self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len, kv_seed,
                                        model_config.eos_token_ids)
         self.model_name = self.settings.model.served_name
+        self.stored = StoredResponses(lambda: self.pool, self.settings.response_store_mib)
         app.state.settings = self.settings
         self._refresher: asyncio.Task | None = None
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
@@ -185,16 +188,35 @@ class Scheduler:
 
     @app.post("/v1/responses")
     async def responses(self, body: ResponsesBody):
-        """OpenAI's Responses API: the chat request it asks for
-        (cluster/responses_body.py), its answer as a response or its events
-        (cluster/responses_format.py)."""
-        chat = body.chat_body()
+        """OpenAI's Responses API: the chat request it asks for, going on from the
+        stored response it continues (cluster/responses_body.py), its answer as a
+        response or its events (cluster/responses_format.py), kept unless `store`
+        is false (cluster/response_store.py)."""
+        if body.stores and not self.stored.enabled:
+            body = body.model_copy(update={"store": False})  # (answered as not stored)
+        history = await self.stored.conversation(body.previous_response_id) if body.previous_response_id else []
+        chat = body.chat_body(history)
         prompt = self._chat_prompt(chat)
         reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
+        keep = functools.partial(self.stored.keep, input_items=body.input_items() if body.stores else [])
         if not body.stream:
-            return responses_format.whole(body, await self._openai(chat, [prompt], chat=True, reasoning=reasoning))
+            return await keep(responses_format.whole(body, await self._openai(chat, [prompt], chat=True,
+                                                                              reasoning=reasoning)))
         return await self._openai(chat, [prompt], chat=True, reasoning=reasoning,
-                                  stream_as=ResponseEvents(body, self.model_name).stream)
+                                  stream_as=ResponseEvents(body, self.model_name, keep).stream)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(self, response_id: str):
+        return (await self.stored.get(response_id)).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str):
+        return await self.stored.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, limit: int = 20, order: str = "desc",
+                                   after: str | None = None):
+        return await self.stored.input_items(response_id, limit, order, after)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):

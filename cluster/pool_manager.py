@@ -11,6 +11,10 @@ heals even with no scheduler running; and its control loop
 retires draining workers. Placement follows each pool's settings: `num_cpus`,
 `num_gpus` and a `label_selector` such as `{"tandem/role": "prefill"}`.
 
+It also owns the deployment's stored responses (`response_store`, started on
+first use: cluster/response_store.py), so they too outlive scheduler replicas and
+go with the pools.
+
 Draining (`drain`): the member is flagged `draining`; schedulers stop routing new
 requests to it on their next refresh; once it holds nothing it is killed. A
 draining worker that dies is not replaced.
@@ -29,6 +33,7 @@ from actors.deadlines import within
 from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
 from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
+from cluster.response_store import MIB, start_response_store
 from cluster.scaling_signals import PeerLoad, SchedulerReport
 from cluster.workers import start_worker
 
@@ -53,6 +58,7 @@ class PoolManager:
         self.settings = AppSettings.model_validate(settings)
         self.members: dict[str, Member] = {}
         self.num_replaced = 0
+        self._response_store = None  # (cluster/response_store.py; started on first use)
         self._ids = itertools.count()
         self._health_task: asyncio.Task | None = None
         self._control_task: asyncio.Task | None = None
@@ -176,6 +182,12 @@ class PoolManager:
     async def scaling_events(self, start: int = 0) -> list[ScalingEvent]:
         """Scaling events from index `start` on (the last 10,000 are kept)."""
         return self.scaler.events_since(start)
+
+    async def response_store(self):
+        """The handle of the deployment's stored responses, started on the first ask."""
+        if self._response_store is None:
+            self._response_store = start_response_store(int(self.settings.response_store_mib * MIB))
+        return self._response_store
 
     async def shutdown(self) -> None:
         for task in (self._health_task, self._control_task):

@@ -15,14 +15,16 @@ Items of `input` (a string is one user message):
 unless it says false (OpenAI's default here, unlike chat's): its calls are then
 held to its schema.
 
+`previous_response_id` continues a stored response: its conversation's items
+(cluster/response_store.py) come before `input`'s; its instructions do not.
+
 Refused with a 400, since serving without them would answer another request:
-`previous_response_id` and `conversation` (this server keeps no responses: send
-the whole conversation in `input`), `background`, `prompt` templates, tools other
-than functions (hosted ones: web search, files, computer use), images and files,
-`truncation: auto`, `max_tool_calls`. Fields that change nothing generated
-(`store`, `metadata`, `service_tier`, `include`, ...) are taken; the response says
-`store: false`. `include: ["message.output_text.logprobs"]` (or `top_logprobs`)
-gives the text's logprobs.
+`conversation` (Conversations API objects are not kept here), `background`,
+`prompt` templates, tools other than functions (hosted ones: web search, files,
+computer use), images and files, `truncation: auto`, `max_tool_calls`. Fields that
+change nothing generated (`metadata`, `service_tier`, ...) are taken.
+`include: ["message.output_text.logprobs"]` (or `top_logprobs`) gives the text's
+logprobs. `store` (true unless it says false) keeps the finished response.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.api_models import ApiError, ChatBody, RequestBody
 from cluster.ingress_guard import problem
+from cluster.responses_format import new_id
 
 TEXT_PARTS = {"input_text", "output_text", "text"}
 ROLES = {"user", "assistant", "system", "developer"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 class FunctionTool(BaseModel):
@@ -58,15 +62,16 @@ class FunctionTool(BaseModel):
 
 class ResponsesBody(RequestBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "previous_response_id": (None,), "conversation": (None,), "background": (None, False), "prompt": (None,),
-        "truncation": (None, "disabled"), "max_tool_calls": (None,),
+        "conversation": (None,), "background": (None, False), "prompt": (None,), "truncation": (None, "disabled"),
+        "max_tool_calls": (None,),
     }
-    UNSUPPORTED_WHY: ClassVar[dict[str, str]] = dict.fromkeys(
-        ("previous_response_id", "conversation"), "this server keeps no responses; send the whole conversation in "
-                                                  "`input`")
+    UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {
+        "conversation": "this server keeps no conversation objects; continue a stored response by "
+                        "previous_response_id, or send the whole conversation in `input`"}
 
     model: str | None = None
     input: str | list[dict] = Field(min_length=1)
+    previous_response_id: str | None = None
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
@@ -107,11 +112,31 @@ class ResponsesBody(RequestBody):
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
 
-    def chat_body(self) -> ChatBody:
-        """The chat request this asks for; 400s where the items or tools are not
-        ones this server can serve."""
+    @property
+    def stores(self) -> bool:
+        return self.store is not False  # (OpenAI's default: stored)
+
+    def input_items(self) -> list[dict]:
+        """`input` as a stored response keeps it: items, each with a type and an
+        id, a message's content as parts (as `input_items` lists them)."""
+        if isinstance(self.input, str):
+            return [_message_item("user", self.input)]
+        items = []
+        for item in self.input:
+            kind = item.get("type", "message")
+            item = {**item, "type": kind, "id": item["id"] if isinstance(item.get("id"), str) else
+                    new_id(ITEM_ID_PREFIXES.get(kind, "item"))}
+            if kind == "message" and isinstance(item["content"], str):
+                item = {**item, **_message_item(item["role"], item["content"]), "id": item["id"]}
+            items.append(item)
+        return items
+
+    def chat_body(self, history: list[dict] = ()) -> ChatBody:
+        """The chat request this asks for, going on from `history` (the items of
+        the stored conversation it continues); 400s where the items or tools are
+        not ones this server can serve."""
         fields = {
-            "model": self.model, "messages": self._messages(), "stream": self.stream,
+            "model": self.model, "messages": self._messages(history), "stream": self.stream,
             "stream_options": {"include_usage": True} if self.stream else None,
             "parallel_tool_calls": self.parallel_tool_calls, "max_completion_tokens": self.max_output_tokens,
             "logprobs": self.wants_logprobs, "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
@@ -131,12 +156,13 @@ class ResponsesBody(RequestBody):
         except ValidationError as exc:
             raise ApiError(400, f"as a chat request: {'; '.join(map(problem, exc.errors()))}") from None
 
-    def _messages(self) -> list[dict]:
+    def _messages(self, history: list[dict]) -> list[dict]:
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        for index, item in enumerate(items):
+        labelled = [*((f"previous_response_id's item {k}", item) for k, item in enumerate(history)),
+                    *((f"input.{k}", item) for k, item in enumerate(items))]
+        for where, item in labelled:
             kind = item.get("type", "message" if "role" in item else None)
-            where = f"input.{index}"
             if kind == "message":
                 if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                     raise ApiError(400, f"{where}.role: one of {', '.join(sorted(ROLES))}, not {item.get('role')!r}")
@@ -158,6 +184,12 @@ class ResponsesBody(RequestBody):
                 raise ApiError(400, f"{where}: item type {kind!r} is not supported (supported: message, "
                                     "function_call, function_call_output, reasoning)")
         return messages
+
+
+def _message_item(role: str, text: str) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": []} if role == "assistant" else \
+        {"type": "input_text", "text": text}
+    return {"type": "message", "id": new_id("msg"), "role": role, "content": [part], "status": "completed"}
 
 
 def _text(content, where: str) -> str:

@@ -68,8 +68,8 @@ def response(body, response_id: str, model: str, created: int, status: str, outp
         "output": output, "usage": usage(chat_usage), "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
-        "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": False,
+        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": body.stores,
         "temperature": body.temperature, "top_p": body.top_p, "text": text,
         "tool_choice": body.tool_choice or "auto", "tools": body.function_tools(), "truncation": "disabled",
         "user": body.user, "metadata": body.metadata or {},
@@ -97,10 +97,12 @@ def whole(body, completion: dict) -> dict:
 
 
 class ResponseEvents:
-    """The Responses events of one streamed chat choice's chunks (`stream`)."""
+    """The Responses events of one streamed chat choice's chunks (`stream`);
+    `keep`, given the final response, stores it and answers it as stored
+    (cluster/response_store.py), before the last event."""
 
-    def __init__(self, body, model: str) -> None:
-        self.body, self.model = body, model
+    def __init__(self, body, model: str, keep=None) -> None:
+        self.body, self.model, self.keep = body, model, keep
         self.response_id, self.created = new_id("resp"), int(time.time())
         self.sequence = 0
         self.items: list[dict] = []  # the output so far; the last is open while `open` is True
@@ -123,7 +125,7 @@ class ResponseEvents:
                     error = {"code": "server_error", "message": chunk["error"].get("message", "")}
                     for event in self._close("incomplete"):
                         yield event
-                    yield self._event("response.failed", response=self._response("failed", error))
+                    yield self._event("response.failed", response=await self._final("failed", error))
                     return
                 self.chat_usage = chunk.get("usage") or self.chat_usage
                 for choice in chunk.get("choices", ()):
@@ -135,7 +137,11 @@ class ResponseEvents:
                 yield event
         for event in self._close(status):
             yield event
-        yield self._event(f"response.{status}", response=self._response(status))
+        yield self._event(f"response.{status}", response=await self._final(status))
+
+    async def _final(self, status: str, error: dict | None = None) -> dict:
+        final = self._response(status, error)
+        return final if self.keep is None else await self.keep(final)
 
     def _choice(self, choice: dict):
         delta = choice.get("delta") or {}

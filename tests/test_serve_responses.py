@@ -1,8 +1,10 @@
 """OpenAI's Responses API (`POST /v1/responses`) over real HTTP, through the OpenAI
 client: each request answers what the chat request it stands for answers (the
 conversation's items as messages, its tools, its text format), as a response
-whole or as the Responses events; bad requests are 400s with a JSON message. (The
-translation: cluster/responses_body.py, cluster/responses_format.py.)"""
+whole or as the Responses events; bad requests are 400s with a JSON message; a stored response is continued by
+`previous_response_id` as the whole conversation would be, found, listed and
+deleted. (The translation: cluster/responses_body.py, cluster/responses_format.py;
+the store: cluster/response_store.py.)"""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ ARGS = {
     "engine": {"block_size": 16, "num_kv_blocks": 256},
     "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200},
     "pool_name": "test-pool-responses",
+    "scheduler_replicas": 2,  # (stored responses: any replica continues any response)
 }
 MODEL = "tandem-tiny-qwen2"
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 8}},
@@ -57,7 +60,7 @@ def test_a_conversation_answers_as_its_chat_request_does(client):
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                           tools=[{"type": "function", "function": {
                                               k: v for k, v in WEATHER.items() if k != "type"}}], tool_choice="none")
-    assert answer.object == "response" and answer.id.startswith("resp_") and answer.store is False
+    assert answer.object == "response" and answer.id.startswith("resp_") and answer.store is True
     assert answer.output_text == chat.choices[0].message.content
     assert [item.type for item in answer.output] == ["message"]
     assert answer.usage.input_tokens == chat.usage.prompt_tokens and answer.usage.output_tokens == 12
@@ -138,7 +141,8 @@ def test_logprobs_of_the_output_text(client):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "keeps no responses"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "Previous response with id 'resp_1' not found."),
+    ({"input": "x", "conversation": "conv_1"}, "keeps no conversation objects"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "reads text only"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item type 'item_reference'"),
@@ -185,3 +189,77 @@ def test_a_calls_output_items_go_back_as_the_next_turns_input(client):
     items += [*(item.model_dump() for item in second.output), {"role": "user", "content": "Thanks."}]
     third = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=4)
     assert third.output_text and third.usage.input_tokens > second.usage.input_tokens
+
+
+def test_a_continued_response_answers_as_the_whole_conversation_would(client):
+    """The second turn by previous_response_id: the same prompt (so the same
+    greedy answer and input tokens) as the first turn's items sent back whole,
+    without the first turn's instructions (OpenAI's rule); a third turn goes back
+    through both, the second's prompt from the prefix cache."""
+    first = client.responses.create(model=MODEL, instructions="Answer in one word.", input="Name a colour.",
+                                    temperature=0, max_output_tokens=6)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="And a fruit?",
+                                     temperature=0, max_output_tokens=6)
+    items = [{"role": "user", "content": "Name a colour."}, *(item.model_dump() for item in first.output),
+             {"role": "user", "content": "And a fruit?"}]
+    twin = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=6, store=False)
+    assert second.previous_response_id == first.id and second.store is True and twin.store is False
+    assert second.output_text == twin.output_text and second.usage.input_tokens == twin.usage.input_tokens
+    third = client.responses.create(model=MODEL, previous_response_id=second.id, input="And a tree?",
+                                    temperature=0, max_output_tokens=6)
+    assert third.usage.input_tokens_details.cached_tokens >= 32, third.usage
+    items += [*(item.model_dump() for item in second.output), {"role": "user", "content": "And a tree?"}]
+    assert third.output_text == client.responses.create(model=MODEL, input=items, temperature=0,
+                                                        max_output_tokens=6, store=False).output_text
+
+
+def test_a_streamed_response_is_stored_as_its_last_event_says(client):
+    first = client.responses.create(model=MODEL, input="Count to three.", temperature=0, max_output_tokens=8)
+    events = _events(client, model=MODEL, previous_response_id=first.id, input="Again.", temperature=0,
+                     max_output_tokens=8)
+    final = events[-1].response
+    assert events[0].response.store is True and final.previous_response_id == first.id
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    unstreamed = client.responses.create(model=MODEL, previous_response_id=first.id, input="Again.",
+                                         temperature=0, max_output_tokens=8)
+    assert unstreamed.output_text == final.output_text
+
+
+def test_a_stored_response_is_found_its_input_listed_and_deleted(client, base_url):
+    items = [{"role": "user", "content": f"line {k}"} for k in range(5)]
+    answer = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=3)
+    assert client.responses.retrieve(answer.id).model_dump() == answer.model_dump()
+    listed = client.responses.input_items.list(answer.id)  # (newest first, as OpenAI lists them)
+    assert [item.content[0].text for item in listed.data] == [f"line {k}" for k in reversed(range(5))]
+    assert all(item.id.startswith("msg_") for item in listed.data) and not listed.has_more
+    page = client.responses.input_items.list(answer.id, order="asc", limit=2)
+    rest = client.responses.input_items.list(answer.id, order="asc", limit=2, after=page.last_id)
+    assert [i.content[0].text for i in page.data + rest.data] == ["line 0", "line 1", "line 2", "line 3"]
+    assert page.has_more and rest.has_more
+    every = [item.id for item in client.responses.input_items.list(answer.id, order="asc")]  # (the pager's walk)
+    assert len(every) == 5 and every[:2] == [item.id for item in page.data]
+    deleted = httpx.delete(f"{base_url}/v1/responses/{answer.id}")
+    assert deleted.status_code == 200 and deleted.json() == {"id": answer.id, "object": "response", "deleted": True}
+    for response in (httpx.get(f"{base_url}/v1/responses/{answer.id}"),
+                     httpx.get(f"{base_url}/v1/responses/{answer.id}/input_items"),
+                     httpx.delete(f"{base_url}/v1/responses/{answer.id}")):
+        assert response.status_code == 404 and "not found" in response.json()["error"]["message"], response.text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, previous_response_id=answer.id, input="more")
+    assert refused.value.code == "previous_response_not_found" and refused.value.param == "previous_response_id"
+
+
+def test_what_is_not_stored_cannot_be_continued_and_a_gap_is_named(client, base_url):
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert httpx.get(f"{base_url}/v1/responses/{unstored.id}").status_code == 404
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="Hi again",
+                                     max_output_tokens=2)
+    client.responses.delete(first.id)
+    response = httpx.post(f"{base_url}/v1/responses", json={"previous_response_id": second.id, "input": "x"})
+    assert response.status_code == 400 and first.id in response.json()["error"]["message"], response.text
+    for query, message in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
+                           ("after=msg_none", "after"), ("limit=x", "limit")):
+        response = httpx.get(f"{base_url}/v1/responses/{second.id}/input_items?{query}")
+        assert response.status_code == 400 and message in response.json()["error"]["message"], (query,
+                                                                                                 response.text)

@@ -1,0 +1,96 @@
+"""The stored responses' bookkeeping (cluster/response_store.py), the actor's class
+run in this process: conversations walked back through their ancestors, the byte
+bound evicting least recently used first (a continued conversation is used, all
+of it), what an id no longer stored answers. Over HTTP, with the actor:
+tests/test_serve_responses.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from cluster.api_models import ApiError
+from cluster.response_store import ResponseStore, StoredResponses
+
+
+def _response(response_id: str, previous: str | None, text: str) -> dict:
+    output = [{"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    return {"id": response_id, "object": "response", "previous_response_id": previous, "output": output,
+            "store": True}
+
+
+def _asked(text: str) -> list[dict]:
+    return [{"type": "message", "id": f"in_{text}", "role": "user", "status": "completed",
+             "content": [{"type": "input_text", "text": text}]}]
+
+
+def _texts(items: list[dict]) -> list[str]:
+    return [item["content"][0]["text"] for item in items]
+
+
+def _size(response: dict, items: list[dict]) -> int:
+    return len(json.dumps([response, items], separators=(",", ":")))
+
+
+def test_a_conversation_is_its_ancestors_items_then_its_own():
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put(_response("a", None, "A1"), _asked("q1"))
+    store.put(_response("b", "a", "A2"), _asked("q2"))
+    store.put(_response("c", "b", "A3"), _asked("q3"))
+    store.put(_response("x", "a", "X2"), _asked("other"))  # (a branch: two responses continue "a")
+    assert _texts(store.conversation("c")) == ["q1", "A1", "q2", "A2", "q3", "A3"]
+    assert _texts(store.conversation("x")) == ["q1", "A1", "other", "X2"]
+    assert _texts(store.conversation("a")) == ["q1", "A1"]
+    assert store.conversation("nope") == "nope"
+    assert store.delete("b") and not store.delete("b")
+    assert store.conversation("c") == "b", "the ancestor missing is named"
+    assert _texts(store.conversation("x")) == ["q1", "A1", "other", "X2"], "a branch without it still stands"
+
+
+def test_the_bound_evicts_the_least_recently_used_and_a_continued_conversation_is_used_whole():
+    entries = [(_response(name, previous, "answer " + name), _asked(name))
+               for name, previous in (("a", None), ("b", "a"), ("p", None), ("q", "p"))]
+    sizes = [_size(*entry) for entry in entries]
+    store = ResponseStore(max_bytes=sum(sizes))
+    for entry in entries:
+        assert store.put(*entry)
+    assert store.num_bytes == sum(sizes) and store.stats()["responses"] == 4
+    assert _texts(store.conversation("b"))[:1] == ["a"]  # a and b used: p and q are now the oldest
+    new = (_response("r", None, "answer r"), _asked("r"))
+    assert store.put(*new)
+    assert store.get("p") is None, "the least recently used goes first"
+    assert store.get("a") is not None and store.get("b") is not None
+    assert store.num_bytes == sum(sizes) - sizes[2] + _size(*new) and store.num_evicted >= 1
+    assert store.num_bytes <= store.max_bytes
+
+
+def test_a_response_larger_than_the_bound_is_not_kept_and_evicts_nothing():
+    store = ResponseStore(max_bytes=600)
+    assert store.put(_response("a", None, "short"), _asked("q"))
+    assert not store.put(_response("big", None, "x" * 1000), _asked("q"))
+    assert store.get("big") is None and store.get("a") is not None and store.num_evicted == 0
+
+
+def test_keeping_a_response_again_replaces_it():
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put(_response("a", None, "one"), _asked("q"))
+    store.put(_response("a", None, "two, longer"), _asked("q"))
+    assert _texts(store.get("a").response["output"]) == ["two, longer"]
+    assert store.num_bytes == _size(_response("a", None, "two, longer"), _asked("q"))
+
+
+@pytest.mark.parametrize("call, status, message", [
+    (lambda stored: stored.conversation("resp_1"), 400, "stores no responses"),
+    (lambda stored: stored.get("resp_1"), 404, "not found"),
+    (lambda stored: stored.delete("resp_1"), 404, "not found"),
+])
+def test_with_the_store_off_ids_are_answered_as_unknown(call, status, message):
+    stored = StoredResponses(pool=None, max_mib=0)  # (off: the pool is never asked for a store)
+    with pytest.raises(ApiError) as raised:
+        asyncio.run(call(stored))
+    assert raised.value.status == status and message in str(raised.value)
+    kept = asyncio.run(stored.keep({"id": "resp_1", "store": False}, []))
+    assert kept["store"] is False
