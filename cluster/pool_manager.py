@@ -11,9 +11,9 @@ heals even with no scheduler running; and its control loop
 retires draining workers. Placement follows each pool's settings: `num_cpus`,
 `num_gpus` and a `label_selector` such as `{"tandem/role": "prefill"}`.
 
-It also owns the deployment's stored responses (`response_store`, started on
-first use: cluster/response_store.py), so they too outlive scheduler replicas and
-go with the pools.
+It also owns the deployment's stored responses (`response_store`:
+cluster/response_store.py), so they too outlive scheduler replicas and go with the
+pools.
 
 Draining (`drain`): the member is flagged `draining`; schedulers stop routing new
 requests to it on their next refresh; once it holds nothing it is killed. A
@@ -58,7 +58,9 @@ class PoolManager:
         self.settings = AppSettings.model_validate(settings)
         self.members: dict[str, Member] = {}
         self.num_replaced = 0
-        self._response_store = None  # (cluster/response_store.py; started on first use)
+        # The deployment's stored responses (cluster/response_store.py), started now, so no first request waits
+        store_bytes = int(self.settings.response_store_mib * MIB)
+        self._response_store = start_response_store(store_bytes) if store_bytes else None
         self._ids = itertools.count()
         self._health_task: asyncio.Task | None = None
         self._control_task: asyncio.Task | None = None
@@ -184,9 +186,7 @@ class PoolManager:
         return self.scaler.events_since(start)
 
     async def response_store(self):
-        """The handle of the deployment's stored responses, started on the first ask."""
-        if self._response_store is None:
-            self._response_store = start_response_store(int(self.settings.response_store_mib * MIB))
+        """The handle of the deployment's stored responses (None: it stores none)."""
         return self._response_store
 
     async def shutdown(self) -> None:

@@ -2,9 +2,10 @@
 its default) so that a later request continues it by `previous_response_id`, and
 `GET /v1/responses/{id}` (and its `input_items`) or `DELETE` find it.
 
-One store a deployment: an actor (`ResponseStore`) the pool manager starts on
-first use, so every scheduler replica finds the same one and it goes when the
-pools go. It holds at most `response_store_mib` of responses, counted as their
+One store a deployment: an actor (`ResponseStore`) the pool manager starts with
+the pools (a first request would wait about two seconds here for an actor to
+start), so every scheduler replica finds the same one and it goes when the pools
+go. It holds at most `response_store_mib` of responses, counted as their
 JSON, least recently used out first; continuing a conversation touches every
 response it goes back through, oldest first, so another conversation's last
 response leaves before this one's first. A cache, not a database: a response the
@@ -104,8 +105,10 @@ class ResponseStore:
 
 
 def start_response_store(max_bytes: int):
-    """A new store actor (the pool manager's: it owns it, so they go together)."""
-    return ray.remote(ResponseStore).options(num_cpus=0).remote(max_bytes)
+    """A new store actor (the pool manager's: it owns it, so they go together).
+    One that dies is restarted by Ray, empty, and the calls it was given are
+    made again there."""
+    return ray.remote(ResponseStore).options(num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(max_bytes)
 
 
 class StoredResponses:
@@ -120,16 +123,18 @@ class StoredResponses:
 
     async def _call(self, method: str, *args):
         """A call on the store; a store gone with its pool manager is asked for
-        again (the new one starts empty)."""
+        again (the new one starts empty); 503 while there is none."""
         for attempt in (0, 1):
-            if self._store is None:
-                self._store = await self.pool().response_store.remote()
             try:
+                if self._store is None:
+                    self._store = await self.pool().response_store.remote()
+                if self._store is None:  # (a pool manager started by settings that store nothing)
+                    raise ApiError(400, "this deployment's pool manager stores no responses (response_store_mib: 0)")
                 return await getattr(self._store, method).remote(*args)
             except ray.exceptions.RayActorError:
                 self._store = None
-                if attempt:
-                    raise
+        raise ApiError(503, "stored responses are unavailable while the pool manager restarts; retry shortly",
+                       kind="service_unavailable", headers={"Retry-After": "5"})
 
     async def conversation(self, previous_id: str) -> list[dict]:
         """The items a request continuing `previous_id` goes on from; a 400 as

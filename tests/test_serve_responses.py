@@ -263,3 +263,16 @@ def test_what_is_not_stored_cannot_be_continued_and_a_gap_is_named(client, base_
         response = httpx.get(f"{base_url}/v1/responses/{second.id}/input_items?{query}")
         assert response.status_code == 400 and message in response.json()["error"]["message"], (query,
                                                                                                  response.text)
+
+
+def test_a_store_that_dies_comes_back_empty_and_keeps_storing(client):
+    """Ray restarts the store actor: what it held is gone (answered as unknown
+    ids), and the responses after it are kept again."""
+    before = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
+    ray.kill(ray.get(pool.response_store.remote()), no_restart=False)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL, previous_response_id=before.id, input="more", max_output_tokens=2)
+    assert refused.value.code == "previous_response_not_found"
+    after = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert after.store is True and client.responses.retrieve(after.id).id == after.id
