@@ -21,4 +21,5 @@ BENCHMARKS = {
     "predictions": "benchmarks.predictions",
     "structured": "benchmarks.structured",
     "speculative": "benchmarks.speculative",
+    "responses": "benchmarks.responses",
 }

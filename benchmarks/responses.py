@@ -1,0 +1,124 @@
+"""Responses: a conversation continued by `previous_response_id` against one the client sends whole.
+
+OpenAI's Responses API lets a client send only a turn's new message and name the
+response it continues (cluster/response_store.py keeps them); the server then
+builds the prompt the whole conversation would give. This runs `--conversations`
+conversations of `--turns` turns through one disaggregated deployment (tiny
+preset), two ways, turn by turn, in alternating order:
+- `client-kept`: each turn's `input` is the whole conversation so far (the user
+  messages and the earlier answers' output items, as an agent loop sends them),
+  `store: false`;
+- `stored`: each turn's `input` is its new user message, with the previous
+  response's id (stored, the API's default).
+The two ways have conversations of their own (same lengths, other words), so
+neither finds the other's prefix in the cache. One request at a time, greedy,
+unstreamed. Reported, by turn and over all turns: the request's body bytes, the
+latency at the client (median), input and cached tokens. The prompts are the
+same length for both (the store hands the same items back): what differs is what
+crosses the network and the store's calls (a lookup, a put).
+
+    tandem bench responses         # about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from benchmarks import report
+from benchmarks.arguments import positive_int
+
+WORDS = ("river stone market lantern orchard copper signal harbour meadow ledger violet window canyon "
+         "thistle beacon saddle quarry summit willow engine parcel garnet tundra fable").split()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conversations", type=positive_int, default=4)
+    parser.add_argument("--turns", type=positive_int, default=8)
+    parser.add_argument("--first-words", type=positive_int, default=150, help="words of each first user message")
+    parser.add_argument("--user-words", type=positive_int, default=20, help="words of each later user message")
+    parser.add_argument("--output-tokens", type=positive_int, default=16, help="max_output_tokens a turn")
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "?"
+
+
+class Conversation:
+    """One conversation, sent one of the two ways."""
+
+    def __init__(self, way: str, seed: int, args) -> None:
+        self.way, self.args = way, args
+        self.rng = random.Random(seed)
+        self.items: list[dict] = []  # the whole conversation, as the client keeps it
+        self.previous: str | None = None
+
+    def turn(self, client, turn: int) -> dict:
+        message = {"role": "user", "content": _text(self.rng, self.args.first_words if turn == 0 else
+                                                    self.args.user_words)}
+        self.items.append(message)
+        body = {"max_output_tokens": self.args.output_tokens, "temperature": 0}
+        if self.way == "stored":
+            body |= {"input": [message], **({"previous_response_id": self.previous} if self.previous else {})}
+        else:
+            body |= {"input": self.items, "store": False}
+        payload = json.dumps(body).encode()
+        started = time.perf_counter()
+        response = client.post("/v1/responses", content=payload, headers={"content-type": "application/json"})
+        latency = time.perf_counter() - started
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.way} turn {turn}: {response.status_code} {response.text[:300]}")
+        answer = response.json()
+        self.previous = answer["id"]
+        self.items += answer["output"]
+        usage = answer["usage"]
+        return {"bytes": len(payload), "latency_s": latency, "input_tokens": usage["input_tokens"],
+                "cached_tokens": usage["input_tokens_details"]["cached_tokens"]}
+
+
+def main(args: argparse.Namespace) -> None:
+    import httpx
+
+    from benchmarks.serve_cluster import ServeCluster
+    from benchmarks.serve_scenarios import app_settings
+
+    settings = app_settings(argparse.Namespace(preset="tiny", arch="qwen2", kv_cache_mib=256), mode="disaggregated")
+    ways = ("client-kept", "stored")
+    runs: dict[str, list[list[dict]]] = {way: [[] for _ in range(args.turns)] for way in ways}
+    with ServeCluster(num_cpus=8) as cluster:
+        url = cluster.deploy({"responses": settings})["responses"]
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for way in ways:  # warm-up: a short conversation each way
+                warm = Conversation(way, -1, argparse.Namespace(**{**vars(args), "first_words": 8, "user_words": 4}))
+                for turn in range(2):
+                    warm.turn(client, turn)
+            conversations = {way: [Conversation(way, 1000 * k + w, args) for k in range(args.conversations)]
+                             for w, way in enumerate(ways)}
+            for turn in range(args.turns):
+                for k in range(args.conversations):
+                    order = ways if (turn + k) % 2 == 0 else ways[::-1]
+                    for way in order:
+                        runs[way][turn].append(conversations[way][k].turn(client, turn))
+    fields = ("bytes", "input_tokens", "cached_tokens", "latency_s")
+    medians = {way: [{f: report.median([run[f] for run in turn]) for f in fields} for turn in runs[way]]
+               for way in ways}
+    rows = [[turn + 1, *(medians[way][turn][f] * (1000 if f == "latency_s" else 1) for way in ways for f in fields),
+             report.fmt_ratio(report.ratio(medians["stored"][turn]["latency_s"],
+                                           medians["client-kept"][turn]["latency_s"]))]
+            for turn in range(args.turns)]
+    report.print_table(
+        f"{args.conversations} conversations of {args.turns} turns, one request at a time (medians over the "
+        "conversations)",
+        ["turn", *(f"{way} {label}" for way in ways for label in ("bytes", "input tokens", "cached", "ms")),
+         "stored / client-kept ms"], rows)
+    overall = {way: {f: report.median([run[f] for turn in runs[way] for run in turn]) for f in fields}
+               for way in ways}
+    latency_ratio = report.ratio(overall["stored"]["latency_s"], overall["client-kept"]["latency_s"])
+    bytes_ratio = report.ratio(medians["stored"][-1]["bytes"], medians["client-kept"][-1]["bytes"])
+    figure = (f"a stored conversation's turn takes {report.fmt_ratio(latency_ratio)} the client-kept one's time "
+              f"(median of all turns), its last turn sends {report.fmt_ratio(bytes_ratio)} the bytes")
+    report.finish("responses", args.out, {"args": vars(args) | {"func": None}, "runs": runs, "medians": medians,
+                                          "overall": overall, "machine": report.machine_info()},
+                  figure, "at most 1x the time")
