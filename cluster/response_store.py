@@ -46,6 +46,15 @@ class Stored:
     size: int  # bytes of their JSON
 
 
+@dataclass
+class Conversation:
+    """The items of a conversation up to a response, or the id of the first
+    response on the way back that is not stored (`missing_id`, the items empty)."""
+
+    items: list[dict]
+    missing_id: str | None = None
+
+
 class ResponseStore:
     """The responses, by id, in least-recently-used order (an actor: one a
     deployment, see `get_response_store`)."""
@@ -76,21 +85,20 @@ class ResponseStore:
             self.entries.move_to_end(response_id)
         return stored
 
-    def conversation(self, response_id: str) -> list[dict] | str:
-        """The items of the conversation up to and with this response (its
-        ancestors', then its input and output), or the id of the first response
-        on the way back that is not here."""
+    def conversation(self, response_id: str) -> Conversation:
+        """The items of the conversation up to and with this response: its
+        ancestors', then its input and output."""
         chain, at = [], response_id
         while at is not None:
             stored = self.entries.get(at)
             if stored is None:
-                return at
+                return Conversation([], missing_id=at)
             chain.append(stored)
             at = stored.response.get("previous_response_id")
         chain.reverse()
         for stored in chain:  # (oldest first: the one continued is the most recent)
             self.entries.move_to_end(stored.response["id"])
-        return [item for stored in chain for item in (*stored.input_items, *stored.response["output"])]
+        return Conversation([item for stored in chain for item in (*stored.input_items, *stored.response["output"])])
 
     def delete(self, response_id: str) -> bool:
         stored = self.entries.pop(response_id, None)
@@ -121,16 +129,17 @@ class StoredResponses:
         self.enabled = max_mib > 0
         self._store = None
 
-    async def _call(self, method: str, *args):
-        """A call on the store; a store gone with its pool manager is asked for
-        again (the new one starts empty); 503 while there is none."""
+    async def _call(self, call):
+        """`call(store)`, an actor call on the store's handle, awaited; a store gone
+        with its pool manager is asked for again (the new one starts empty); 503
+        while there is none."""
         for attempt in (0, 1):
             try:
                 if self._store is None:
                     self._store = await self.pool().response_store.remote()
                 if self._store is None:  # (a pool manager started by settings that store nothing)
                     raise ApiError(400, "this deployment's pool manager stores no responses (response_store_mib: 0)")
-                return await getattr(self._store, method).remote(*args)
+                return await call(self._store)
             except ray.exceptions.RayActorError:
                 self._store = None
         raise ApiError(503, "stored responses are unavailable while the pool manager restarts; retry shortly",
@@ -142,28 +151,29 @@ class StoredResponses:
         if not self.enabled:
             raise ApiError(400, "previous_response_id: this server stores no responses (response_store_mib is 0); "
                                 "send the whole conversation in `input`", param="previous_response_id")
-        items = await self._call("conversation", previous_id)
-        if isinstance(items, str):
-            gone = "" if items == previous_id else f" (it continues {items!r}, which is no longer stored)"
+        found = await self._call(lambda store: store.conversation.remote(previous_id))
+        if found.missing_id is not None:
+            gone = "" if found.missing_id == previous_id else \
+                f" (it continues {found.missing_id!r}, which is no longer stored)"
             raise ApiError(400, f"Previous response with id {previous_id!r} not found.{gone}",
                            param="previous_response_id", code="previous_response_not_found")
-        return items
+        return found.items
 
     async def keep(self, response: dict, input_items: list[dict]) -> dict:
         """Store a finished response if it asked to be; the response as answered
         (`store` false if it was not kept: too large for the store)."""
         if response["store"]:
-            response["store"] = await self._call("put", response, input_items)
+            response["store"] = await self._call(lambda store: store.put.remote(response, input_items))
         return response
 
     async def get(self, response_id: str) -> Stored:
-        stored = await self._call("get", response_id) if self.enabled else None
+        stored = await self._call(lambda store: store.get.remote(response_id)) if self.enabled else None
         if stored is None:
             raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
         return stored
 
     async def delete(self, response_id: str) -> dict:
-        if not (self.enabled and await self._call("delete", response_id)):
+        if not (self.enabled and await self._call(lambda store: store.delete.remote(response_id))):
             raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
         return {"id": response_id, "object": "response", "deleted": True}
 

@@ -41,13 +41,13 @@ def test_a_conversation_is_its_ancestors_items_then_its_own():
     store.put(_response("b", "a", "A2"), _asked("q2"))
     store.put(_response("c", "b", "A3"), _asked("q3"))
     store.put(_response("x", "a", "X2"), _asked("other"))  # (a branch: two responses continue "a")
-    assert _texts(store.conversation("c")) == ["q1", "A1", "q2", "A2", "q3", "A3"]
-    assert _texts(store.conversation("x")) == ["q1", "A1", "other", "X2"]
-    assert _texts(store.conversation("a")) == ["q1", "A1"]
-    assert store.conversation("nope") == "nope"
+    assert _texts(store.conversation("c").items) == ["q1", "A1", "q2", "A2", "q3", "A3"]
+    assert _texts(store.conversation("x").items) == ["q1", "A1", "other", "X2"]
+    assert _texts(store.conversation("a").items) == ["q1", "A1"]
+    assert store.conversation("nope").missing_id == "nope"
     assert store.delete("b") and not store.delete("b")
-    assert store.conversation("c") == "b", "the ancestor missing is named"
-    assert _texts(store.conversation("x")) == ["q1", "A1", "other", "X2"], "a branch without it still stands"
+    assert store.conversation("c").missing_id == "b", "the ancestor missing is named"
+    assert _texts(store.conversation("x").items) == ["q1", "A1", "other", "X2"], "a branch without it still stands"
 
 
 def test_the_bound_evicts_the_least_recently_used_and_a_continued_conversation_is_used_whole():
@@ -58,7 +58,7 @@ def test_the_bound_evicts_the_least_recently_used_and_a_continued_conversation_i
     for entry in entries:
         assert store.put(*entry)
     assert store.num_bytes == sum(sizes) and store.stats()["responses"] == 4
-    assert _texts(store.conversation("b"))[:1] == ["a"]  # a and b used: p and q are now the oldest
+    assert _texts(store.conversation("b").items)[:1] == ["a"]  # a and b used: p and q are now the oldest
     new = (_response("r", None, "answer r"), _asked("r"))
     assert store.put(*new)
     assert store.get("p") is None, "the least recently used goes first"
