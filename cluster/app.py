@@ -40,8 +40,10 @@ from cluster import sglang_format as sglang
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
 from cluster.config import AppSettings
+from cluster.conversation_truncation import drop_oldest_turns
 from cluster.ingress_guard import install_guard
 from cluster.pool_manager import get_or_create_pool
+from cluster.prompt_limits import prompt_room
 from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
 from cluster.response_store import StoredResponses
 from cluster.response_streams import collect, merged, prepend
@@ -196,6 +198,8 @@ class Scheduler:
             body = body.model_copy(update={"store": False})  # (answered as not stored)
         history = await self.stored.conversation(body.previous_response_id) if body.previous_response_id else []
         chat = body.chat_body(history)
+        if body.truncation == "auto":
+            chat = self._fitted(chat)
         prompt = self._chat_prompt(chat)
         reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
         keep = functools.partial(self.stored.keep, input_items=body.input_items() if body.stores else [])
@@ -251,6 +255,19 @@ class Scheduler:
                                                       **(body.chat_template_kwargs or {}))
         except Exception as exc:  # a template error is the client's messages
             raise ApiError(400, f"cannot apply the chat template: {exc}") from None
+
+    def _fitted(self, chat: ChatBody) -> ChatBody:
+        """`chat` with the oldest turns dropped that keep its prompt from fitting
+        the limits (cluster/conversation_truncation.py)."""
+        max_new_tokens = next((n for n in (chat.max_completion_tokens, chat.max_tokens) if n is not None),
+                              self.settings.limits.max_new_tokens)
+        room = prompt_room(self.settings.limits, self.service.max_model_len, max_new_tokens)
+
+        def fits(messages) -> bool:
+            prompt = self._chat_prompt(chat.model_copy(update={"messages": messages}))
+            return len(encode_prompt(self.tokenizer, prompt, add_special_tokens=chat.add_special_tokens)) <= room
+
+        return chat.model_copy(update={"messages": drop_oldest_turns(chat.messages, fits)})
 
     # ---- helpers ------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

@@ -24,7 +24,7 @@ def prompt_ids_within_limits(
 ) -> list[int]:
     ids = encode_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
     if keep_last is not None:
-        ids = ids[-(prompt_room(limits, max_model_len, params) if keep_last == -1 else keep_last):]
+        ids = ids[-(prompt_room(limits, max_model_len, params.max_new_tokens) if keep_last == -1 else keep_last):]
     if not ids:
         raise ApiError(400, "prompt is empty")
     vocab = len(tokenizer)
@@ -48,12 +48,12 @@ def prompt_ids_within_limits(
     return ids
 
 
-def prompt_room(limits: LimitSettings, max_model_len: int, params: SamplingParams) -> int:
-    """The most prompt tokens a request with `params` passes the checks above with
+def prompt_room(limits: LimitSettings, max_model_len: int, max_new_tokens: int) -> int:
+    """The most prompt tokens a request for `max_new_tokens` passes the checks above with
     (at least one: a request with no room is refused for its output's length).
     vLLM's -1 keeps the context's length, which leaves a prompt no room to
     generate in; here it keeps what the request can be served with."""
     room = min(limits.max_prompt_tokens, max_model_len - 1)
     if limits.max_total_tokens is not None:
-        room = min(room, limits.max_total_tokens - params.max_new_tokens)
+        room = min(room, limits.max_total_tokens - max_new_tokens)
     return max(room, 1)

@@ -21,7 +21,9 @@ held to its schema.
 Refused with a 400, since serving without them would answer another request:
 `conversation` (Conversations API objects are not kept here), `background`,
 `prompt` templates, tools other than functions (hosted ones: web search, files,
-computer use), images and files, `truncation: auto`, `max_tool_calls`. Fields that
+computer use), images and files, `max_tool_calls`. `truncation: "auto"` drops
+the conversation's oldest turns where it is longer than a prompt may be
+(cluster/conversation_truncation.py). Fields that
 change nothing generated (`metadata`, `service_tier`, ...) are taken.
 `include: ["message.output_text.logprobs"]` (or `top_logprobs`) gives the text's
 logprobs. `store` (true unless it says false) keeps the finished response.
@@ -62,8 +64,7 @@ class FunctionTool(BaseModel):
 
 class ResponsesBody(RequestBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "conversation": (None,), "background": (None, False), "prompt": (None,), "truncation": (None, "disabled"),
-        "max_tool_calls": (None,),
+        "conversation": (None,), "background": (None, False), "prompt": (None,), "max_tool_calls": (None,),
     }
     UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {
         "conversation": "this server keeps no conversation objects; continue a stored response by "
@@ -72,6 +73,7 @@ class ResponsesBody(RequestBody):
     model: str | None = None
     input: str | list[dict] = Field(min_length=1)
     previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: cluster/conversation_truncation.py
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None

@@ -71,7 +71,7 @@ def response(body, response_id: str, model: str, created: int, status: str, outp
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": body.stores,
         "temperature": body.temperature, "top_p": body.top_p, "text": text,
-        "tool_choice": body.tool_choice or "auto", "tools": body.function_tools(), "truncation": "disabled",
+        "tool_choice": body.tool_choice or "auto", "tools": body.function_tools(), "truncation": body.truncation or "disabled",
         "user": body.user, "metadata": body.metadata or {},
     }
 

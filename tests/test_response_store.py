@@ -1,17 +1,23 @@
 """The stored responses' bookkeeping (cluster/response_store.py), the actor's class
 run in this process: conversations walked back through their ancestors, the byte
 bound evicting least recently used first (a continued conversation is used, all
-of it), what an id no longer stored answers. Over HTTP, with the actor:
+of it), what an id no longer stored answers; and a conversation too long for a
+prompt losing its oldest turns (`truncation: "auto"`,
+cluster/conversation_truncation.py). Over HTTP, with the actor:
 tests/test_serve_responses.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from cluster.api_models import ApiError
+from cluster.api_models import ApiError, ChatMessage
+from cluster.conversation_truncation import drop_oldest_turns
 from cluster.response_store import ResponseStore, StoredResponses
 
 
@@ -94,3 +100,55 @@ def test_with_the_store_off_ids_are_answered_as_unknown(call, status, message):
     assert raised.value.status == status and message in str(raised.value)
     kept = asyncio.run(stored.keep({"id": "resp_1", "store": False}, []))
     assert kept["store"] is False
+
+
+def _chat(*turns: str) -> list[ChatMessage]:
+    """Messages from role:text strings (`a` an assistant's, `t` a tool's answer to call c)."""
+    roles = {"s": "system", "u": "user", "a": "assistant", "t": "tool"}
+    messages = []
+    for spec in turns:
+        role, text = spec.split(":", 1)
+        message = {"role": roles[role], "content": text}
+        if role == "t":
+            message["tool_call_id"] = "c"
+        messages.append(ChatMessage.model_validate(message))
+    return messages
+
+
+def _fits_within(limit: int, calls: list | None = None):
+    def fits(messages) -> bool:
+        if calls is not None:
+            calls.append(len(messages))
+        return sum(len(m.content) for m in messages) <= limit
+
+    return fits
+
+
+def test_truncation_keeps_a_conversation_that_fits_and_drops_the_fewest_oldest_turns():
+    messages = _chat("s:sys", "u:aaaa", "a:bbbb", "u:cccc", "a:dddd", "t:eeee", "a:ffff", "u:gggg")
+    assert drop_oldest_turns(messages, _fits_within(100)) is messages
+    kept = drop_oldest_turns(messages, _fits_within(3 + 16))  # sys + the last two turns (cccc ... gggg) is 23
+    assert [m.content for m in kept] == ["sys", "gggg"]
+    kept = drop_oldest_turns(messages, _fits_within(3 + 20))
+    assert [m.content for m in kept] == ["sys", "cccc", "dddd", "eeee", "ffff", "gggg"], "a call's output stays"
+    kept = drop_oldest_turns(messages, _fits_within(1))
+    assert [m.content for m in kept] == ["sys", "gggg"], "the last turn stays, for the prompt's check to refuse"
+
+
+@given(st.lists(st.tuples(st.sampled_from("uat"), st.integers(1, 30)), min_size=1, max_size=40),
+       st.integers(0, 400), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_truncation_drops_exactly_the_turns_a_scan_would_in_few_tries(parts, limit, with_system):
+    """Against the plain scan (drop one turn at a time, oldest first, until it
+    fits): the same messages, in at most log2(turns) + 2 renderings."""
+    specs = (["s:" + "s" * 5] if with_system else []) + [f"{role}:" + "x" * size for role, size in parts]
+    messages = _chat(*specs)
+    calls: list = []
+    kept = drop_oldest_turns(messages, _fits_within(limit, calls))
+    fits = _fits_within(limit)
+    head = [m for m in messages[:1] if m.role == "system"]
+    rest = messages[len(head):]
+    starts = [0] + [k for k, m in enumerate(rest) if k > 0 and m.role == "user"]
+    expected = next((head + rest[k:] for k in starts if fits(head + rest[k:])), head + rest[starts[-1]:])
+    assert kept == expected
+    assert len(calls) <= math.log2(len(starts)) + 2

@@ -148,7 +148,7 @@ def test_logprobs_of_the_output_text(client):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item type 'item_reference'"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input.0.call_id"),
-    ({"input": "x", "truncation": "auto"}, "truncation is not supported"),
+    ({"input": "x", "truncation": "middle"}, "truncation"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice must be"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "response_format type 'xml'"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {
@@ -276,3 +276,33 @@ def test_a_store_that_dies_comes_back_empty_and_keeps_storing(client):
     assert refused.value.code == "previous_response_not_found"
     after = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     assert after.store is True and client.responses.retrieve(after.id).id == after.id
+
+
+def test_truncation_auto_drops_a_long_conversations_oldest_turns(client, base_url):
+    """A stored conversation grown past the prompt limit (600 tokens here):
+    refused as it is, served with truncation "auto" as its newest turns sent
+    whole would be (the fewest oldest turns dropped, greedy: the same answer)."""
+    words = "river stone market lantern orchard copper signal harbour meadow ledger".split()
+    asked = [" ".join(words[(turn + k) % len(words)] for k in range(60)) + "?" for turn in range(6)]
+    previous, items = None, []
+    for text in asked[:-1]:
+        answer = client.responses.create(model=MODEL, input=text, previous_response_id=previous, temperature=0,
+                                         max_output_tokens=8, truncation="auto")
+        assert answer.truncation == "auto" and answer.usage.input_tokens <= 600
+        previous = answer.id
+        items += [{"role": "user", "content": text}, *(item.model_dump() for item in answer.output)]
+    refused = httpx.post(f"{base_url}/v1/responses", json={"input": asked[-1], "previous_response_id": previous,
+                                                           "max_output_tokens": 8})
+    assert refused.status_code == 400 and "the limit is 600" in refused.json()["error"]["message"], refused.text
+    last = client.responses.create(model=MODEL, input=asked[-1], previous_response_id=previous, temperature=0,
+                                   max_output_tokens=8, truncation="auto")
+    items.append({"role": "user", "content": asked[-1]})
+    starts = [k for k, item in enumerate(items) if item.get("role") == "user"]
+    for start in starts:  # the twin: the fewest oldest turns dropped by hand
+        twin = httpx.post(f"{base_url}/v1/responses", json={"input": items[start:], "store": False,
+                                                            "temperature": 0, "max_output_tokens": 8})
+        if twin.status_code == 200:
+            break
+    assert start > 0, "the whole conversation fitted: no truncation was needed"
+    assert twin.json()["usage"]["input_tokens"] == last.usage.input_tokens <= 600
+    assert twin.json()["output"][0]["content"][0]["text"] == last.output_text

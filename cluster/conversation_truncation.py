@@ -1,0 +1,42 @@
+"""`truncation: "auto"` of OpenAI's Responses API: a conversation longer than the
+prompt may be loses its oldest turns until it fits ("dropping items from the
+beginning of the conversation", OpenAI's words), instead of being refused.
+
+A turn starts at a user message and holds what answered it (assistant messages,
+their calls, the calls' outputs), so a call is never kept without the message
+that made it nor an output without its call (templates render them together).
+The leading system and developer messages (the request's `instructions`) stay,
+and so does the last turn: a conversation whose last turn alone is too long is
+left for the prompt's own check to refuse. The fewest turns are dropped, found
+by bisection over the turn boundaries (a prompt's length only shrinks as turns
+go), so a conversation of n turns costs about log2(n) renderings and
+tokenizations, one where it fits already.
+
+A stored conversation (cluster/response_store.py) is kept whole; each request
+continuing it is truncated anew.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+LEADING_ROLES = ("system", "developer")
+
+
+def drop_oldest_turns(messages: list, fits: Callable[[list], bool]) -> list:
+    """`messages` (chat messages: each has a `role`) as they are if they fit
+    (`fits`), else with the fewest oldest turns dropped that make them fit, or
+    all but the last turn if none does."""
+    if fits(messages):
+        return messages
+    num_head = next((k for k, m in enumerate(messages) if m.role not in LEADING_ROLES), len(messages))
+    head, rest = messages[:num_head], messages[num_head:]
+    cuts = [k for k, m in enumerate(rest) if k > 0 and m.role == "user"]  # where a later turn starts
+    low, high = 0, len(cuts) - 1  # the answer is among cuts[low:high + 1]; the last cut always stands
+    while low < high:
+        middle = (low + high) // 2
+        if fits(head + rest[cuts[middle]:]):
+            high = middle
+        else:
+            low = middle + 1
+    return head + rest[cuts[low]:] if cuts else messages
