@@ -306,3 +306,21 @@ def test_truncation_auto_drops_a_long_conversations_oldest_turns(client, base_ur
     assert start > 0, "the whole conversation fitted: no truncation was needed"
     assert twin.json()["usage"]["input_tokens"] == last.usage.input_tokens <= 600
     assert twin.json()["output"][0]["content"][0]["text"] == last.output_text
+
+
+def test_an_agent_loop_by_previous_response_id_sends_only_the_calls_output(client):
+    """The Agents SDK's way with a stored response: the next turn is the call's
+    output alone, answered as the whole conversation sent back would be."""
+    first = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",
+                                    parallel_tool_calls=False, temperature=0, max_output_tokens=150)
+    call = next(item for item in first.output if item.type == "function_call")
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input=[output], tools=[WEATHER],
+                                     tool_choice="none", temperature=0, max_output_tokens=8)
+    whole = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Weather in Oslo?"},
+                                                        *(item.model_dump() for item in first.output), output],
+                                    tools=[WEATHER], tool_choice="none", temperature=0, max_output_tokens=8,
+                                    store=False)
+    assert second.output_text == whole.output_text and second.usage.input_tokens == whole.usage.input_tokens
+    listed = client.responses.input_items.list(second.id)
+    assert [(item.type, item.call_id) for item in listed.data] == [("function_call_output", call.call_id)]
