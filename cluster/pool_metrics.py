@@ -1,4 +1,5 @@
-"""The pool manager's metrics, through `ray.util.metrics`: Ray exports them on each
+"""The pool manager's metrics (its stored responses' too, cluster/response_store.py),
+through `ray.util.metrics`: Ray exports them on each
 node's metrics port with a `ray_` prefix (counters also get `_total`), beside Ray's
 own series; the scheduler's `/metrics` (cluster/metrics.py) does not carry them.
 
@@ -15,6 +16,9 @@ SERIES = {
     "ray_tandem_pool_prefill_backlog_tokens": "gauge: queued prompt tokens per serving prefill worker",
     "ray_tandem_pool_kv_usage": "gauge: fraction of the decode pool's KV blocks in use",
     "ray_tandem_pool_replacements_total": "counter: dead workers replaced, by pool",
+    "ray_tandem_response_store_bytes": "gauge: stored Responses API responses, bytes of their JSON",
+    "ray_tandem_response_store_responses": "gauge: stored Responses API responses",
+    "ray_tandem_response_store_evictions_total": "counter: stored responses evicted by the store's bound",
 }
 
 
@@ -53,3 +57,23 @@ class PoolMetrics:
 
     def replaced(self, pool: str) -> None:
         self.replacements.inc(1, tags={"pool": pool})
+
+
+class ResponseStoreMetrics:
+    """What the store of responses holds, and what its bound evicted (too many
+    evictions: conversations lost; raise `response_store_mib`)."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.num_bytes = Gauge("tandem_response_store_bytes", description=SERIES["ray_tandem_response_store_bytes"])
+        self.num_responses = Gauge("tandem_response_store_responses",
+                                   description=SERIES["ray_tandem_response_store_responses"])
+        self.evictions = Counter("tandem_response_store_evictions",
+                                 description=SERIES["ray_tandem_response_store_evictions_total"])
+
+    def held(self, num_responses: int, num_bytes: int, num_evicted: int) -> None:
+        self.num_responses.set(num_responses)
+        self.num_bytes.set(num_bytes)
+        if num_evicted:
+            self.evictions.inc(num_evicted)

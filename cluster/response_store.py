@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import ray
 
 from cluster.api_models import ApiError
+from cluster.pool_metrics import ResponseStoreMetrics
 
 MIB = 2**20
 MAX_LISTED = 100  # input_items' `limit`, as OpenAI bounds it
@@ -59,8 +60,9 @@ class ResponseStore:
     """The responses, by id, in least-recently-used order (an actor: one a
     deployment, see `get_response_store`)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, metrics: ResponseStoreMetrics | None = None) -> None:
         self.max_bytes = max_bytes
+        self.metrics = metrics
         self.entries: OrderedDict[str, Stored] = OrderedDict()
         self.num_bytes = 0
         self.num_evicted = 0
@@ -71,12 +73,15 @@ class ResponseStore:
         if size > self.max_bytes:
             return False
         self.delete(response["id"])
+        num_evicted = 0
         while self.num_bytes + size > self.max_bytes:
             _, oldest = self.entries.popitem(last=False)
             self.num_bytes -= oldest.size
-            self.num_evicted += 1
+            num_evicted += 1
         self.entries[response["id"]] = Stored(response, input_items, size)
         self.num_bytes += size
+        self.num_evicted += num_evicted
+        self._held(num_evicted)
         return True
 
     def get(self, response_id: str) -> Stored | None:
@@ -105,18 +110,30 @@ class ResponseStore:
         if stored is None:
             return False
         self.num_bytes -= stored.size
+        self._held()
         return True
+
+    def _held(self, num_evicted: int = 0) -> None:
+        if self.metrics is not None:
+            self.metrics.held(len(self.entries), self.num_bytes, num_evicted)
 
     def stats(self) -> dict:
         return {"responses": len(self.entries), "bytes": self.num_bytes, "max_bytes": self.max_bytes,
                 "evicted": self.num_evicted}
 
 
+class ResponseStoreActor(ResponseStore):
+    """The store as the actor runs it: exporting its metrics (cluster/pool_metrics.py)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes, ResponseStoreMetrics())
+
+
 def start_response_store(max_bytes: int):
     """A new store actor (the pool manager's: it owns it, so they go together).
     One that dies is restarted by Ray, empty, and the calls it was given are
     made again there."""
-    return ray.remote(ResponseStore).options(num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(max_bytes)
+    return ray.remote(ResponseStoreActor).options(num_cpus=0, max_restarts=-1, max_task_retries=-1).remote(max_bytes)
 
 
 class StoredResponses:
