@@ -4,7 +4,8 @@
 
 Endpoints: POST /generate (SGLang-style), POST /v1/completions, POST
 /v1/chat/completions (streaming SSE ending in [DONE]), POST /v1/responses (and GET
-or DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items), POST /tokenize and
+or DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST
+/v1/responses/{id}/cancel), POST /tokenize and
 /detokenize (vLLM's), GET /v1/models, GET /health
 (200 only when both pools are ready), GET /metrics (Prometheus text), and the
 OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
@@ -39,18 +40,19 @@ from cluster import responses_format
 from cluster import sglang_format as sglang
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
+from cluster.background_responses import BackgroundResponses
 from cluster.config import AppSettings
 from cluster.conversation_truncation import drop_oldest_turns
 from cluster.ingress_guard import install_guard
 from cluster.pool_manager import get_or_create_pool
 from cluster.prompt_limits import prompt_room
 from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
-from cluster.response_store import StoredResponses
 from cluster.response_streams import collect, merged, prepend
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
 from cluster.service import GlobalScheduler
 from cluster.sglang_body import GenerateBody
+from cluster.stored_responses import StoredResponses
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, chat_answer
 
 log = logging.getLogger("tandem.app")
@@ -88,6 +90,7 @@ class Scheduler:
                                        model_config.eos_token_ids)
         self.model_name = self.settings.model.served_name
         self.stored = StoredResponses(lambda: self.pool, self.settings.response_store_mib)
+        self.background = BackgroundResponses(self.stored)
         app.state.settings = self.settings
         self._refresher: asyncio.Task | None = None
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
@@ -195,6 +198,9 @@ class Scheduler:
         response or its events (cluster/responses_format.py), kept unless `store`
         is false (cluster/response_store.py)."""
         if body.stores and not self.stored.enabled:
+            if body.background:
+                raise ApiError(400, "background: a background response is stored, and this server stores none "
+                                    "(response_store_mib is 0)")
             body = body.model_copy(update={"store": False})  # (answered as not stored)
         history = await self.stored.conversation(body.previous_response_id) if body.previous_response_id else []
         chat = body.chat_body(history)
@@ -202,16 +208,48 @@ class Scheduler:
             chat = self._fitted(chat)
         prompt = self._chat_prompt(chat)
         reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
-        keep = functools.partial(self.stored.keep, input_items=body.input_items() if body.stores else [])
+        items = body.input_items() if body.stores else []
+        if body.background:
+            return await self._background(body, chat, prompt, reasoning, items)
+        keep = functools.partial(self.stored.keep, input_items=items)
         if not body.stream:
             return await keep(responses_format.whole(body, await self._openai(chat, [prompt], chat=True,
                                                                               reasoning=reasoning)))
+        events = ResponseEvents(body, self.model_name, keep)
         return await self._openai(chat, [prompt], chat=True, reasoning=reasoning,
-                                  stream_as=ResponseEvents(body, self.model_name, keep).stream)
+                                  stream_as=lambda chunks: self._sse(events.stream(chunks)))
+
+    async def _background(self, body: ResponsesBody, chat: ChatBody, prompt: str, reasoning, items) -> dict:
+        """A background response (cluster/background_responses.py): checked (bad
+        input is still a 4xx), stored queued, and answered so; admitted and
+        served by this replica in a task of its own (a refusal then, such as an
+        SLO rejection, is the response's failure)."""
+        prepared = await self._prepared(chat, [prompt], True, reasoning)
+        queued = await self.stored.keep(responses_format.response(
+            body, responses_format.new_id("resp"), self.model_name, int(time.time()), "queued", []), items)
+        if not queued["store"]:
+            raise ApiError(400, "background: the request is too large to store")
+
+        async def answer():
+            try:
+                completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared)
+                final = responses_format.whole(body, completion, queued["id"], queued["created_at"])
+            except ApiError as exc:
+                final = {**queued, "status": "failed", "error": {"code": exc.kind, "message": str(exc)}}
+            await self.stored.finish(final, items)
+
+        self.background.start(queued["id"], answer())
+        return queued
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(self, response_id: str):
+    async def stored_response(self, response_id: str, stream: bool = False):
+        if stream:
+            raise ApiError(400, "stream: a stored response's events are not kept; GET it without stream")
         return (await self.stored.get(response_id)).response
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str):
+        return await self.stored.cancel(response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str):
@@ -277,11 +315,9 @@ class Scheduler:
             raise ApiError(404, f"model {model!r} not found; this server serves {self.model_name!r}",
                            kind="model_not_found")
 
-    async def _openai(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None, stream_as=None):
-        """One request per prompt and choice (`n`), choice k being prompt k // n's
-        choice k % n, as OpenAI numbers them (see `_start_choices`); `reasoning`: a
-        chat answer's reasoning is split off (cluster/reasoning.py); `stream_as`:
-        what writes a stream's chunks as SSE lines (OpenAI's chunks by default)."""
+    async def _prepared(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None) -> tuple:
+        """A body's sampling params and prompt ids, checked: 404 for another model,
+        400s for bad params or prompts past the limits, 503 while the pools start."""
         self._check_model(body.model)
         if chat:
             params = await _sampling(body, self.settings.limits.max_new_tokens, self.sampling_defaults, reasoning,
@@ -289,8 +325,17 @@ class Scheduler:
         else:
             params = await _sampling(body, 16, self.sampling_defaults)
         await self._require_ready()
-        prompt_ids = [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
-                                           keep_last=body.truncate_prompt_tokens) for prompt in prompts]
+        return params, [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
+                                             keep_last=body.truncate_prompt_tokens) for prompt in prompts]
+
+    async def _openai(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None, stream_as=None,
+                      prepared: tuple | None = None):
+        """One request per prompt and choice (`n`), choice k being prompt k // n's
+        choice k % n, as OpenAI numbers them (see `_start_choices`); `reasoning`: a
+        chat answer's reasoning is split off (cluster/reasoning.py); `stream_as`:
+        what a stream's chunk payloads become as the answer (OpenAI's chunks as SSE
+        by default); `prepared`: what `_prepared` gave for them, where it ran before."""
+        params, prompt_ids = prepared or await self._prepared(body, prompts, chat, reasoning)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
         streams = await self._start_choices([(prompt_ids[k // n], per_choice[k % n],
@@ -305,7 +350,7 @@ class Scheduler:
             writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
             chunks = self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo, writers,
                                          reasoning)
-            return self._sse((stream_as or fmt.sse_stream)(chunks))
+            return stream_as(chunks) if stream_as is not None else self._sse(fmt.sse_stream(chunks))
         results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]

@@ -17,23 +17,25 @@ held to its schema.
 
 `previous_response_id` continues a stored response: its conversation's items
 (cluster/response_store.py) come before `input`'s; its instructions do not.
+`truncation: "auto"` drops the conversation's oldest turns where it is longer
+than a prompt may be (cluster/conversation_truncation.py). `store` (true unless
+it says false) keeps the finished response. `background: true` answers at once
+with the response queued, and serves it on (cluster/background_responses.py);
+not with `stream`. `include: ["message.output_text.logprobs"]` (or
+`top_logprobs`) gives the text's logprobs.
 
 Refused with a 400, since serving without them would answer another request:
-`conversation` (Conversations API objects are not kept here), `background`,
-`prompt` templates, tools other than functions (hosted ones: web search, files,
-computer use), images and files, `max_tool_calls`. `truncation: "auto"` drops
-the conversation's oldest turns where it is longer than a prompt may be
-(cluster/conversation_truncation.py). Fields that
-change nothing generated (`metadata`, `service_tier`, ...) are taken.
-`include: ["message.output_text.logprobs"]` (or `top_logprobs`) gives the text's
-logprobs. `store` (true unless it says false) keeps the finished response.
+`conversation` (Conversations API objects are not kept here), `prompt`
+templates, tools other than functions (hosted ones: web search, files, computer
+use), images and files, `max_tool_calls`. Fields that change nothing generated
+(`metadata`, `service_tier`, ...) are taken.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.api_models import ApiError, ChatBody, RequestBody
 from cluster.ingress_guard import problem
@@ -64,7 +66,7 @@ class FunctionTool(BaseModel):
 
 class ResponsesBody(RequestBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "conversation": (None,), "background": (None, False), "prompt": (None,), "max_tool_calls": (None,),
+        "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
     }
     UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {
         "conversation": "this server keeps no conversation objects; continue a stored response by "
@@ -74,6 +76,7 @@ class ResponsesBody(RequestBody):
     input: str | list[dict] = Field(min_length=1)
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None  # auto: cluster/conversation_truncation.py
+    background: bool = False  # answered at once, queued; run on (cluster/background_responses.py)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
@@ -113,6 +116,15 @@ class ResponsesBody(RequestBody):
     @property
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
+
+    @model_validator(mode="after")
+    def _background_is_stored(self):
+        if self.background and self.store is False:
+            raise ValueError("background: a background response is stored (it is read back by its id): "
+                             "leave store true")
+        if self.background and self.stream:
+            raise ValueError("background with stream is not supported: poll GET /v1/responses/{id}")
+        return self
 
     @property
     def stores(self) -> bool:

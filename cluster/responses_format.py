@@ -71,14 +71,16 @@ def response(body, response_id: str, model: str, created: int, status: str, outp
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": body.stores,
         "temperature": body.temperature, "top_p": body.top_p, "text": text,
-        "tool_choice": body.tool_choice or "auto", "tools": body.function_tools(), "truncation": body.truncation or "disabled",
-        "user": body.user, "metadata": body.metadata or {},
+        "tool_choice": body.tool_choice or "auto", "tools": body.function_tools(),
+        "truncation": body.truncation or "disabled", "user": body.user, "metadata": body.metadata or {},
+        "background": body.background,
     }
 
 
-def whole(body, completion: dict) -> dict:
-    """A chat completion (one choice) as the response; where it was cut, its last
-    item is incomplete (the ones before it were written whole)."""
+def whole(body, completion: dict, response_id: str | None = None, created: int | None = None) -> dict:
+    """A chat completion (one choice) as the response (a new id, unless it has
+    one: a background response's); where it was cut, its last item is
+    incomplete (the ones before it were written whole)."""
     choice = completion["choices"][0]
     message = choice["message"]
     status = "incomplete" if choice["finish_reason"] == CUT else "completed"
@@ -92,8 +94,8 @@ def whole(body, completion: dict) -> dict:
     output += [call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
                for c in calls]
     output[-1]["status"] = status
-    return response(body, new_id("resp"), completion["model"], completion["created"], status, output,
-                    completion["usage"])
+    return response(body, response_id or new_id("resp"), completion["model"], created or completion["created"],
+                    status, output, completion["usage"])
 
 
 class ResponseEvents:

@@ -18,14 +18,15 @@ from hypothesis import strategies as st
 
 from cluster.api_models import ApiError, ChatMessage
 from cluster.conversation_truncation import drop_oldest_turns
-from cluster.response_store import ResponseStore, StoredResponses
+from cluster.response_store import LOST_AFTER_S, ResponseStore
+from cluster.stored_responses import StoredResponses
 
 
 def _response(response_id: str, previous: str | None, text: str) -> dict:
     output = [{"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
                "content": [{"type": "output_text", "text": text, "annotations": []}]}]
-    return {"id": response_id, "object": "response", "previous_response_id": previous, "output": output,
-            "store": True}
+    return {"id": response_id, "object": "response", "status": "completed", "previous_response_id": previous,
+            "output": output, "store": True}
 
 
 def _asked(text: str) -> list[dict]:
@@ -152,3 +153,34 @@ def test_truncation_drops_exactly_the_turns_a_scan_would_in_few_tries(parts, lim
     expected = next((head + rest[k:] for k in starts if fits(head + rest[k:])), head + rest[starts[-1]:])
     assert kept == expected
     assert len(calls) <= math.log2(len(starts)) + 2
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_a_background_response_runs_beats_and_finishes_unless_cancelled_or_lost():
+    clock = _Clock()
+    store = ResponseStore(max_bytes=1 << 20, clock=clock)
+    for name in ("done", "cancelled", "lost"):
+        store.put({**_response(name, None, ""), "status": "queued", "background": True}, _asked(name))
+    assert store.conversation("done").running_id == "done", "a running response cannot be continued yet"
+    clock.now_s = 10.0
+    assert [store.beat(name) for name in ("done", "cancelled")] == ["in_progress", "in_progress"]
+    assert store.finish({**_response("done", None, "answer"), "status": "completed"}, _asked("done"))
+    assert _texts(store.conversation("done").items) == ["done", "answer"]
+    assert store.cancel("cancelled").response["status"] == "cancelled"
+    assert store.beat("cancelled") == "cancelled", "its replica hears of it at its next beat"
+    assert not store.finish({**_response("cancelled", None, "late"), "status": "completed"}, _asked("x"))
+    assert store.get("cancelled").response["status"] == "cancelled" and store.cancel("cancelled") is not None
+    assert store.get("lost").response["status"] == "queued"  # 10 s without a beat: not yet given up
+    clock.now_s = 10.0 + LOST_AFTER_S + 0.1
+    assert store.get("done").response["status"] == "completed", "a finished response is never lost"
+    lost = store.get("lost").response
+    assert lost["status"] == "failed" and "stopped" in lost["error"]["message"]
+    assert store.beat("lost") == "failed", "a replica that comes back stops too"
+    assert store.beat("nope") is None

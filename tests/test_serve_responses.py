@@ -9,6 +9,7 @@ the store: cluster/response_store.py.)"""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -22,7 +23,7 @@ ARGS = {
     "mode": "colocated",
     "colocated": {"replicas": 1, "num_cpus": 1},
     "engine": {"block_size": 16, "num_kv_blocks": 256},
-    "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200},
+    "limits": {"max_prompt_tokens": 600, "max_new_tokens": 2000},
     "pool_name": "test-pool-responses",
     "scheduler_replicas": 2,  # (stored responses: any replica continues any response)
 }
@@ -324,3 +325,50 @@ def test_an_agent_loop_by_previous_response_id_sends_only_the_calls_output(clien
     assert second.output_text == whole.output_text and second.usage.input_tokens == whole.usage.input_tokens
     listed = client.responses.input_items.list(second.id)
     assert [(item.type, item.call_id) for item in listed.data] == [("function_call_output", call.call_id)]
+
+
+def _finished(client, response_id: str, within_s: float = 60.0):
+    deadline = time.monotonic() + within_s
+    while (answer := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"still {answer.status}"
+        time.sleep(0.2)
+    return answer
+
+
+def test_a_background_response_is_queued_then_polled_to_the_answer_it_would_have_given(client):
+    request = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 40, "temperature": 0}
+    queued = client.responses.create(**request, background=True)
+    assert queued.status == "queued" and queued.background is True and not queued.output
+    answer = _finished(client, queued.id)
+    assert answer.status == "incomplete" and answer.usage.output_tokens == 40 and answer.background is True
+    assert answer.output_text == client.responses.create(**request).output_text
+    later = client.responses.create(model=MODEL, previous_response_id=queued.id, input="more", max_output_tokens=2)
+    assert later.previous_response_id == queued.id
+
+
+def test_a_cancelled_background_response_stops_on_its_worker(client, base_url):
+    """Cancelled from whichever replica, the request stops at its replica's next
+    beat (a second at most), long before its 2000 tokens (some 8 s here)."""
+    queued = client.responses.create(model=MODEL, input="keep going", max_output_tokens=2000, background=True)
+    with pytest.raises(openai.BadRequestError, match="still in progress"):
+        client.responses.create(model=MODEL, previous_response_id=queued.id, input="more")
+    pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
+    [worker] = [member.handle for member in ray.get(pool.list_members.remote())]
+    deadline = time.monotonic() + 10
+    while ray.get(worker.check_accounting.remote()).num_running == 0:  # (admitted after the POST answered)
+        assert time.monotonic() < deadline, "the background request never reached the worker"
+        time.sleep(0.05)
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and client.responses.cancel(queued.id).status == "cancelled"
+    wait_idle(worker, within_s=4.0)
+    answer = client.responses.retrieve(queued.id)
+    assert answer.status == "cancelled" and not answer.output
+    done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for path, status in ((f"/v1/responses/{done.id}/cancel", 400), ("/v1/responses/resp_none/cancel", 404)):
+        response = httpx.post(f"{base_url}{path}")
+        assert response.status_code == status, response.text
+    streamed = httpx.get(f"{base_url}/v1/responses/{done.id}?stream=true")
+    assert streamed.status_code == 400 and "not kept" in streamed.json()["error"]["message"], streamed.text
+    for body, message in (({"store": False}, "leave store true"), ({"stream": True}, "poll GET")):
+        response = httpx.post(f"{base_url}/v1/responses", json={"input": "x", "background": True, **body})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text

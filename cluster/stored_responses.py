@@ -1,0 +1,116 @@
+"""A scheduler replica's view of the stored responses (cluster/response_store.py):
+what the HTTP endpoints answer over the store actor's calls: OpenAI's errors for
+an id not stored (`previous_response_not_found`, 404s), `input_items`' pages,
+the store asked for again when it went with its pool manager. Apart from the
+store, whose actor process then imports only what keeping responses needs.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from cluster.api_models import ApiError
+from cluster.response_store import Stored
+
+MAX_LISTED = 100  # input_items' `limit`, as OpenAI bounds it
+
+
+class StoredResponses:
+    """A scheduler replica's view of the store: the HTTP semantics (what an
+    unknown id answers, input_items' pages) over the actor's calls. `pool()`
+    gives the current pool manager, which hands out the store's handle."""
+
+    def __init__(self, pool, max_mib: float) -> None:
+        self.pool = pool
+        self.enabled = max_mib > 0
+        self._store = None
+
+    async def _call(self, call):
+        """`call(store)`, an actor call on the store's handle, awaited; a store gone
+        with its pool manager is asked for again (the new one starts empty); 503
+        while there is none."""
+        for attempt in (0, 1):
+            try:
+                if self._store is None:
+                    self._store = await self.pool().response_store.remote()
+                if self._store is None:  # (a pool manager started by settings that store nothing)
+                    raise ApiError(400, "this deployment's pool manager stores no responses (response_store_mib: 0)")
+                return await call(self._store)
+            except ray.exceptions.RayActorError:
+                self._store = None
+        raise ApiError(503, "stored responses are unavailable while the pool manager restarts; retry shortly",
+                       kind="service_unavailable", headers={"Retry-After": "5"})
+
+    async def conversation(self, previous_id: str) -> list[dict]:
+        """The items a request continuing `previous_id` goes on from; a 400 as
+        OpenAI's (`previous_response_not_found`) where it is not stored."""
+        if not self.enabled:
+            raise ApiError(400, "previous_response_id: this server stores no responses (response_store_mib is 0); "
+                                "send the whole conversation in `input`", param="previous_response_id")
+        found = await self._call(lambda store: store.conversation.remote(previous_id))
+        if found.running_id is not None:
+            raise ApiError(400, f"Previous response with id {previous_id!r} is still in progress: continue it once "
+                                "it has finished", param="previous_response_id")
+        if found.missing_id is not None:
+            gone = "" if found.missing_id == previous_id else \
+                f" (it continues {found.missing_id!r}, which is no longer stored)"
+            raise ApiError(400, f"Previous response with id {previous_id!r} not found.{gone}",
+                           param="previous_response_id", code="previous_response_not_found")
+        return found.items
+
+    async def keep(self, response: dict, input_items: list[dict]) -> dict:
+        """Store a finished response if it asked to be; the response as answered
+        (`store` false if it was not kept: too large for the store)."""
+        if response["store"]:
+            response["store"] = await self._call(lambda store: store.put.remote(response, input_items))
+        return response
+
+    async def finish(self, response: dict, input_items: list[dict]) -> dict:
+        """`keep` for a background response's last state (`ResponseStore.finish`)."""
+        await self._call(lambda store: store.finish.remote(response, input_items))
+        return response
+
+    async def beat(self, response_id: str) -> str | None:
+        return await self._call(lambda store: store.beat.remote(response_id))
+
+    async def cancel(self, response_id: str) -> dict:
+        """OpenAI's cancel: a background response's state once cancelled (one
+        finished already: as it is; cancelling twice is the same)."""
+        stored = await self.get(response_id)
+        if not stored.response.get("background"):
+            raise ApiError(400, f"Response with id {response_id!r} is not a background one: only background "
+                                "responses can be cancelled", param="response_id")
+        stored = await self._call(lambda store: store.cancel.remote(response_id))
+        if stored is None:
+            raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
+        return stored.response
+
+    async def get(self, response_id: str) -> Stored:
+        stored = await self._call(lambda store: store.get.remote(response_id)) if self.enabled else None
+        if stored is None:
+            raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
+        return stored
+
+    async def delete(self, response_id: str) -> dict:
+        if not (self.enabled and await self._call(lambda store: store.delete.remote(response_id))):
+            raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def input_items(self, response_id: str, limit: int = 20, order: str = "desc",
+                          after: str | None = None) -> dict:
+        """A page of a response's input items, as OpenAI lists them (newest
+        first unless `order` is "asc"; `after` an item id of the page before)."""
+        if not 1 <= limit <= MAX_LISTED:
+            raise ApiError(400, f"limit: between 1 and {MAX_LISTED}, not {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order: 'asc' or 'desc', not {order!r}", param="order")
+        items = (await self.get(response_id)).input_items
+        items = items if order == "asc" else items[::-1]
+        start = 0
+        if after is not None:
+            start = next((k + 1 for k, item in enumerate(items) if item["id"] == after), None)
+            if start is None:
+                raise ApiError(400, f"after: no input item {after!r} in response {response_id!r}", param="after")
+        page = items[start:start + limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
