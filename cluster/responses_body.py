@@ -27,8 +27,9 @@ not with `stream`. `include: ["message.output_text.logprobs"]` (or
 Refused with a 400, since serving without them would answer another request:
 `conversation` (Conversations API objects are not kept here), `prompt`
 templates, tools other than functions (hosted ones: web search, files, computer
-use), images and files, `max_tool_calls`. Fields that change nothing generated
-(`metadata`, `service_tier`, ...) are taken.
+use), images and files. Fields that change nothing generated (`metadata`,
+`service_tier`, `max_tool_calls`, which bounds calls to hosted tools only, ...)
+are taken.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class FunctionTool(BaseModel):
 
 class ResponsesBody(RequestBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
+        "conversation": (None,), "prompt": (None,),
     }
     UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {
         "conversation": "this server keeps no conversation objects; continue a stored response by "

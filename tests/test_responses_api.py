@@ -76,16 +76,25 @@ BODIES = st.fixed_dictionaries({"input": st.one_of(st.text(max_size=5), st.lists
                                               max_size=2),
     "tool_choice": st.one_of(VALUES, st.sampled_from(["auto", "required", "none"])), "text": st.one_of(VALUES, st.fixed_dictionaries(
         {"format": st.one_of(VALUES, st.fixed_dictionaries({"type": st.sampled_from(["text", "json_schema", "x"])}))})),
-    "reasoning": VALUES, "include": VALUES, "top_logprobs": VALUES, "max_output_tokens": VALUES})
+    "reasoning": VALUES, "include": VALUES, "top_logprobs": VALUES, "max_output_tokens": VALUES,
+    "truncation": st.one_of(VALUES, st.sampled_from(["auto", "disabled"])), "background": VALUES, "store": VALUES,
+    "stream": VALUES, "max_tool_calls": VALUES, "previous_response_id": VALUES})
 
 
 @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(body=BODIES)
 def test_hostile_requests_are_refused_with_a_message_and_nothing_else(body):
+    """... and what is served can be stored: its input as items, each with an id."""
     try:
-        ResponsesBody.model_validate(body).chat_body()
+        served = ResponsesBody.model_validate(body)
+        served.chat_body()
     except (ApiError, ValidationError) as exc:
         assert str(exc)
+        return
+    items = served.input_items()
+    assert len(items) == (1 if isinstance(served.input, str) else len(served.input))
+    assert all(isinstance(item["id"], str) and isinstance(item["type"], str) for item in items)
+    json.dumps(items)
 
 
 def _stream(body: ResponsesBody, chunks: list) -> list[dict]:
