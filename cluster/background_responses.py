@@ -51,11 +51,15 @@ class BackgroundResponses:
     async def _run(self, response_id: str, answer: Coroutine) -> None:
         work = asyncio.ensure_future(answer)
         try:
-            while not (await asyncio.wait({work}, timeout=BEAT_S))[0]:
+            while True:  # (the first beat at once: queued -> in_progress)
                 status = await self.stored.beat(response_id)
+                if work.done():  # (finished meanwhile: its last state stored)
+                    break
                 if status != "in_progress":  # cancelled, deleted or given up
                     log.info("background response %s stops: %s", response_id, status or "deleted")
                     return
+                if (await asyncio.wait({work}, timeout=BEAT_S))[0]:
+                    break
             work.result()
         except Exception:  # (nobody else would hear of it; unbeaten, the store gives it up)
             log.exception("background response %s failed", response_id)

@@ -358,6 +358,7 @@ def test_a_cancelled_background_response_stops_on_its_worker(client, base_url):
     while ray.get(worker.check_accounting.remote()).num_running == 0:  # (admitted after the POST answered)
         assert time.monotonic() < deadline, "the background request never reached the worker"
         time.sleep(0.05)
+    assert client.responses.retrieve(queued.id).status == "in_progress"
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and client.responses.cancel(queued.id).status == "cancelled"
     wait_idle(worker, within_s=4.0)
