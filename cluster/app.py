@@ -194,9 +194,10 @@ class Scheduler:
     @app.post("/v1/responses")
     async def responses(self, body: ResponsesBody):
         """OpenAI's Responses API: the chat request it asks for, going on from the
-        stored response it continues (cluster/responses_body.py), its answer as a
-        response or its events (cluster/responses_format.py), kept unless `store`
-        is false (cluster/response_store.py)."""
+        stored response it continues (cluster/responses_body.py; its oldest turns
+        dropped to fit, with `truncation: "auto"`), its answer as a response or its
+        events (cluster/responses_format.py), kept unless `store` is false
+        (cluster/stored_responses.py); or answered at once, with `background`."""
         if body.stores and not self.stored.enabled:
             if body.background:
                 raise ApiError(400, "background: a background response is stored, and this server stores none "

@@ -29,7 +29,7 @@ class StoredResponses:
         """`call(store)`, an actor call on the store's handle, awaited; a store gone
         with its pool manager is asked for again (the new one starts empty); 503
         while there is none."""
-        for attempt in (0, 1):
+        for _ in range(2):
             try:
                 if self._store is None:
                     self._store = await self.pool().response_store.remote()
@@ -71,6 +71,7 @@ class StoredResponses:
         return response
 
     async def beat(self, response_id: str) -> str | None:
+        """A running background response's replica at work on it (`ResponseStore.beat`)."""
         return await self._call(lambda store: store.beat.remote(response_id))
 
     async def cancel(self, response_id: str) -> dict:
@@ -82,18 +83,18 @@ class StoredResponses:
                                 "responses can be cancelled", param="response_id")
         stored = await self._call(lambda store: store.cancel.remote(response_id))
         if stored is None:
-            raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
+            raise _not_found(response_id)
         return stored.response
 
     async def get(self, response_id: str) -> Stored:
         stored = await self._call(lambda store: store.get.remote(response_id)) if self.enabled else None
         if stored is None:
-            raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
+            raise _not_found(response_id)
         return stored
 
     async def delete(self, response_id: str) -> dict:
         if not (self.enabled and await self._call(lambda store: store.delete.remote(response_id))):
-            raise ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
+            raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def input_items(self, response_id: str, limit: int = 20, order: str = "desc",
@@ -114,3 +115,7 @@ class StoredResponses:
         page = items[start:start + limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id {response_id!r} not found.", param="response_id")
