@@ -55,8 +55,6 @@ MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 
 
-
-
 class RegexError(InvalidRequestError):
     """A pattern that is not valid, or that Tandem cannot constrain an output to."""
 

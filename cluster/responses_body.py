@@ -77,7 +77,7 @@ class ResponsesBody(RequestBody):
     input: str | list[dict] = Field(min_length=1)
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None  # auto: cluster/conversation_truncation.py
-    background: bool = False  # answered at once, queued; run on (cluster/background_responses.py)
+    background: bool = False  # answered at once, queued; served on (cluster/background_responses.py)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None

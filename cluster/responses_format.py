@@ -101,7 +101,7 @@ def whole(body, completion: dict, response_id: str | None = None, created: int |
 class ResponseEvents:
     """The Responses events of one streamed chat choice's chunks (`stream`);
     `keep`, given the final response, stores it and answers it as stored
-    (cluster/response_store.py), before the last event."""
+    (cluster/stored_responses.py), before the last event."""
 
     def __init__(self, body, model: str, keep=None) -> None:
         self.body, self.model, self.keep = body, model, keep

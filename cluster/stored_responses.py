@@ -77,13 +77,12 @@ class StoredResponses:
     async def cancel(self, response_id: str) -> dict:
         """OpenAI's cancel: a background response's state once cancelled (one
         finished already: as it is; cancelling twice is the same)."""
-        stored = await self.get(response_id)
-        if not stored.response.get("background"):
-            raise ApiError(400, f"Response with id {response_id!r} is not a background one: only background "
-                                "responses can be cancelled", param="response_id")
-        stored = await self._call(lambda store: store.cancel.remote(response_id))
+        stored = await self._call(lambda store: store.cancel.remote(response_id)) if self.enabled else None
         if stored is None:
             raise _not_found(response_id)
+        if not stored.response.get("background"):  # (finished when stored: the store's cancel left it so)
+            raise ApiError(400, f"Response with id {response_id!r} is not a background one: only background "
+                                "responses can be cancelled", param="response_id")
         return stored.response
 
     async def get(self, response_id: str) -> Stored:
