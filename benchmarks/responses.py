@@ -1,21 +1,26 @@
-"""Responses: a conversation continued by `previous_response_id` against one the client sends whole.
+"""Responses: a conversation continued by `previous_response_id` or on a conversation object, against it sent whole.
 
 OpenAI's Responses API lets a client send only a turn's new message and name the
-response it continues (cluster/response_store.py keeps them); the server then
-builds the prompt the whole conversation would give. This runs `--conversations`
+response it continues (cluster/response_store.py keeps them), or the
+conversation it is on (cluster/stored_conversations.py); the server then builds
+the prompt the whole conversation would give. This runs `--conversations`
 conversations of `--turns` turns through one disaggregated deployment (tiny
-preset), two ways, turn by turn, in alternating order:
+preset), three ways, turn by turn, in rotating order:
 - `client-kept`: each turn's `input` is the whole conversation so far (the user
   messages and the earlier answers' output items, as an agent loop sends them),
   `store: false`;
 - `stored`: each turn's `input` is its new user message, with the previous
-  response's id (stored, the API's default).
-The two ways have conversations of their own (same lengths, other words), so
-neither finds the other's prefix in the cache. One request at a time, greedy,
+  response's id (stored, the API's default);
+- `conversation`: each turn's `input` is its new user message, with the id of a
+  conversation object made before the first turn (not timed); its responses are
+  stored too, the API's default.
+The ways have conversations of their own (same lengths, other words), so none
+finds another's prefix in the cache. One request at a time, greedy,
 unstreamed. Reported, by turn and over all turns: the request's body bytes, the
 latency at the client (median), input and cached tokens. The prompts are the
 same length for both (the store hands the same items back): what differs is what
-crosses the network and the store's calls (a lookup, a put).
+crosses the network and the store's calls (stored: a lookup, a put; on a
+conversation: its turn begun, ended, and the put).
 
     tandem bench responses         # about a minute
 """
@@ -54,6 +59,7 @@ class Conversation:
         self.rng = random.Random(seed)
         self.items: list[dict] = []  # the whole conversation, as the client keeps it
         self.previous: str | None = None
+        self.conversation_id: str | None = None
 
     def turn(self, client, turn: int) -> dict:
         message = {"role": "user", "content": _text(self.rng, self.args.first_words if turn == 0 else
@@ -62,6 +68,12 @@ class Conversation:
         body = {"max_output_tokens": self.args.output_tokens, "temperature": 0}
         if self.way == "stored":
             body |= {"input": [message], **({"previous_response_id": self.previous} if self.previous else {})}
+        elif self.way == "conversation":
+            if turn == 0:
+                made = client.post("/v1/conversations", json={})
+                made.raise_for_status()
+                self.conversation_id = made.json()["id"]
+            body |= {"input": [message], "conversation": self.conversation_id}
         else:
             body |= {"input": self.items, "store": False}
         payload = json.dumps(body).encode()
@@ -85,7 +97,7 @@ def main(args: argparse.Namespace) -> None:
     from benchmarks.serve_scenarios import app_settings
 
     settings = app_settings(argparse.Namespace(preset="tiny", arch="qwen2", kv_cache_mib=256), mode="disaggregated")
-    ways = ("client-kept", "stored")
+    ways = ("client-kept", "stored", "conversation")
     runs: dict[str, list[list[dict]]] = {way: [[] for _ in range(args.turns)] for way in ways}
     with ServeCluster(num_cpus=8) as cluster:
         url = cluster.deploy({"responses": settings})["responses"]
@@ -98,27 +110,33 @@ def main(args: argparse.Namespace) -> None:
                              for w, way in enumerate(ways)}
             for turn in range(args.turns):
                 for k in range(args.conversations):
-                    order = ways if (turn + k) % 2 == 0 else ways[::-1]
-                    for way in order:
+                    shift = (turn + k) % len(ways)
+                    for way in ways[shift:] + ways[:shift]:
                         runs[way][turn].append(conversations[way][k].turn(client, turn))
     fields = ("bytes", "input_tokens", "cached_tokens", "latency_s")
     medians = {way: [{f: report.median([run[f] for run in turn]) for f in fields} for turn in runs[way]]
                for way in ways}
+    kept_ways = ways[1:]  # (each against client-kept)
+
+    def ms_ratio(way: str, turn: int) -> str:
+        return report.fmt_ratio(report.ratio(medians[way][turn]["latency_s"],
+                                             medians["client-kept"][turn]["latency_s"]))
+
     rows = [[turn + 1, *(medians[way][turn][f] * (1000 if f == "latency_s" else 1) for way in ways for f in fields),
-             report.fmt_ratio(report.ratio(medians["stored"][turn]["latency_s"],
-                                           medians["client-kept"][turn]["latency_s"]))]
-            for turn in range(args.turns)]
+             *(ms_ratio(way, turn) for way in kept_ways)] for turn in range(args.turns)]
     report.print_table(
         f"{args.conversations} conversations of {args.turns} turns, one request at a time (medians over the "
         "conversations)",
         ["turn", *(f"{way} {label}" for way in ways for label in ("bytes", "input tokens", "cached", "ms")),
-         "stored / client-kept ms"], rows)
+         *(f"{way} / client-kept ms" for way in kept_ways)], rows)
     overall = {way: {f: report.median([run[f] for turn in runs[way] for run in turn]) for f in fields}
                for way in ways}
-    latency_ratio = report.ratio(overall["stored"]["latency_s"], overall["client-kept"]["latency_s"])
+    latency_ratios = {way: report.ratio(overall[way]["latency_s"], overall["client-kept"]["latency_s"])
+                      for way in kept_ways}
     bytes_ratio = report.ratio(medians["stored"][-1]["bytes"], medians["client-kept"][-1]["bytes"])
-    figure = (f"a stored conversation's turn takes {report.fmt_ratio(latency_ratio)} the client-kept one's time "
-              f"(median of all turns), its last turn sends {report.fmt_ratio(bytes_ratio)} the bytes")
+    figure = (f"a stored conversation's turn takes {report.fmt_ratio(latency_ratios['stored'])} the client-kept "
+              f"one's time, one on a conversation object {report.fmt_ratio(latency_ratios['conversation'])} (medians "
+              f"of all turns); the stored last turn sends {report.fmt_ratio(bytes_ratio)} the bytes")
     report.finish("responses", args.out, {"args": vars(args) | {"func": None}, "runs": runs, "medians": medians,
                                           "overall": overall, "machine": report.machine_info()},
                   figure, "at most 1x the time")

@@ -3,9 +3,8 @@
     serve run manifests/local.yaml      # import_path: cluster.app:build_app
 
 Endpoints: POST /generate (SGLang-style), POST /v1/completions, POST
-/v1/chat/completions (streaming SSE ending in [DONE]), POST /v1/responses (and GET
-or DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST
-/v1/responses/{id}/cancel), POST /tokenize and
+/v1/chat/completions (streaming SSE ending in [DONE]), POST /v1/responses (what it
+stores, and /v1/conversations: cluster/stored_endpoints.py), POST /tokenize and
 /detokenize (vLLM's), GET /v1/models, GET /health
 (200 only when both pools are ready), GET /metrics (Prometheus text), and the
 OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
@@ -38,6 +37,7 @@ from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
 from cluster import responses_format
 from cluster import sglang_format as sglang
+from cluster import stored_endpoints
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
 from cluster.background_responses import BackgroundResponses
@@ -52,12 +52,14 @@ from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
 from cluster.service import GlobalScheduler
 from cluster.sglang_body import GenerateBody
+from cluster.stored_conversations import ConversationTurn, StoredConversations
 from cluster.stored_responses import StoredResponses
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, chat_answer
 
 log = logging.getLogger("tandem.app")
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
 install_guard(app)  # the API key, the body size limit, errors as JSON (cluster/ingress_guard.py)
+app.include_router(stored_endpoints.router)  # stored responses and conversations (cluster/stored_endpoints.py)
 
 
 async def _sampling(body, *args):
@@ -90,8 +92,10 @@ class Scheduler:
                                        model_config.eos_token_ids)
         self.model_name = self.settings.model.served_name
         self.stored = StoredResponses(lambda: self.pool, self.settings.response_store_mib)
+        self.conversations = StoredConversations(self.stored, self.settings.limits.request_timeout_s)
         self.background = BackgroundResponses(self.stored)
         app.state.settings = self.settings
+        app.state.stored, app.state.conversations = self.stored, self.conversations  # (cluster/stored_endpoints.py)
         self._refresher: asyncio.Task | None = None
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
         # Membership and start-up profiles from now on, not from the first request:
@@ -194,42 +198,67 @@ class Scheduler:
     @app.post("/v1/responses")
     async def responses(self, body: ResponsesBody):
         """OpenAI's Responses API: the chat request it asks for, going on from the
-        stored response it continues (cluster/responses_body.py; its oldest turns
-        dropped to fit, with `truncation: "auto"`), its answer as a response or its
-        events (cluster/responses_format.py), kept unless `store` is false
-        (cluster/stored_responses.py); or answered at once, with `background`."""
+        stored response it continues or the conversation it is on
+        (cluster/responses_body.py; its oldest turns dropped to fit, with
+        `truncation: "auto"`), its answer as a response or its events
+        (cluster/responses_format.py), kept unless `store` is false
+        (cluster/stored_responses.py) and added to its conversation
+        (cluster/stored_conversations.py); or answered at once, with `background`."""
         if body.stores and not self.stored.enabled:
             if body.background:
                 raise ApiError(400, "background: a background response is stored, and this server stores none "
                                     "(response_store_mib is 0)")
             body = body.model_copy(update={"store": False})  # (answered as not stored)
-        history = await self.stored.conversation(body.previous_response_id) if body.previous_response_id else []
-        chat = body.chat_body(history)
+        response_id = responses_format.new_id("resp")
+        turn = await self.conversations.turn(body.conversation_id, response_id) if body.conversation_id else None
+        try:
+            return await self._respond(body, response_id, turn)
+        except BaseException:  # (refused, failed, or its client left before an answer)
+            if turn is not None:
+                turn.abandon()
+            raise
+
+    async def _respond(self, body: ResponsesBody, response_id: str, turn: ConversationTurn | None):
+        if turn is not None:
+            chat = body.chat_body(turn.items, "conversation")
+        else:
+            chat = body.chat_body(await self.stored.conversation(body.previous_response_id)
+                                  if body.previous_response_id else [])
         if body.truncation == "auto":
             chat = self._fitted(chat)
         prompt = self._chat_prompt(chat)
         reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
-        items = body.input_items() if body.stores else []
+        items = body.input_items() if body.stores or turn is not None else []
         if body.background:
-            return await self._background(body, chat, prompt, reasoning, items)
-        keep = functools.partial(self.stored.keep, input_items=items)
-        if not body.stream:
-            return await keep(responses_format.whole(body, await self._openai(chat, [prompt], chat=True,
-                                                                              reasoning=reasoning)))
-        events = ResponseEvents(body, self.model_name, keep)
-        return await self._openai(chat, [prompt], chat=True, reasoning=reasoning,
-                                  stream_as=lambda chunks: self._sse(events.stream(chunks)))
+            return await self._background(body, response_id, chat, prompt, reasoning, items, turn)
 
-    async def _background(self, body: ResponsesBody, chat: ChatBody, prompt: str, reasoning, items) -> dict:
+        async def keep(response: dict) -> dict:
+            if turn is not None:
+                await turn.end(response, items)
+            return await self.stored.keep(response, items)
+
+        if not body.stream:
+            completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning)
+            return await keep(responses_format.whole(body, completion, response_id))
+        events = ResponseEvents(body, self.model_name, keep, response_id)
+        stream = events.stream if turn is None else lambda chunks: turn.over_with(events.stream(chunks))
+        return await self._openai(chat, [prompt], chat=True, reasoning=reasoning,
+                                  stream_as=lambda chunks: self._sse(stream(chunks)))
+
+    async def _background(self, body: ResponsesBody, response_id: str, chat: ChatBody, prompt: str, reasoning,
+                          items: list[dict], turn: ConversationTurn | None) -> dict:
         """A background response (cluster/background_responses.py): checked (bad
         input is still a 4xx), stored queued, and answered so; admitted and
         served by this replica in a task of its own (a refusal then, such as an
-        SLO rejection, is the response's failure)."""
+        SLO rejection, is the response's failure). Its turn on a conversation is
+        the store's to end, as the response ends."""
         prepared = await self._prepared(chat, [prompt], True, reasoning)
         queued = await self.stored.keep(responses_format.response(
-            body, responses_format.new_id("resp"), self.model_name, int(time.time()), "queued", []), items)
+            body, response_id, self.model_name, int(time.time()), "queued", []), items)
         if not queued["store"]:
             raise ApiError(400, "background: the request is too large to store")
+        if turn is not None:
+            turn.handed_on()
 
         async def answer():
             try:
@@ -241,25 +270,6 @@ class Scheduler:
 
         self.background.start(queued["id"], answer())
         return queued
-
-    @app.get("/v1/responses/{response_id}")
-    async def stored_response(self, response_id: str, stream: bool = False):
-        if stream:
-            raise ApiError(400, "stream: a stored response's events are not kept; GET it without stream")
-        return (await self.stored.get(response_id)).response
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(self, response_id: str):
-        return await self.stored.cancel(response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(self, response_id: str):
-        return await self.stored.delete(response_id)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(self, response_id: str, limit: int = 20, order: str = "desc",
-                                   after: str | None = None):
-        return await self.stored.input_items(response_id, limit, order, after)
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):

@@ -15,7 +15,7 @@ Serve boundary; cross-field checks here, frozen engine dataclasses inside).
       kv_store: {host_gib: 2, disk_path: /var/tmp/tandem-kv, shared_path: /mnt/kv}   # optional
       scheduler_replicas: 2                   # the global scheduler's Serve replicas (default 1)
       sampling_defaults: model                # omitted sampling fields: generation_config.json's, or openai
-      response_store_mib: 64                  # stored Responses API responses (0: none), least recently used out
+      response_store_mib: 64                  # stored responses and conversations (0: none), least recently used out
 
 A pool's `replicas` is its initial size; it autoscales between `min_replicas` and
 `max_replicas` (both default to `replicas`: a fixed pool) - see cluster/autoscaling.py.
@@ -234,7 +234,8 @@ class AppSettings(_Strict):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
     scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
     api_key: str | None = None  # or TANDEM_API_KEY in the environment
-    # The Responses API's stored responses (previous_response_id; cluster/response_store.py): 0 stores none
+    # The Responses API's stored responses (previous_response_id) and conversations (/v1/conversations;
+    # cluster/response_store.py): 0 stores none
     response_store_mib: float = Field(64, ge=0)
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
 

@@ -16,9 +16,11 @@ SERIES = {
     "ray_tandem_pool_prefill_backlog_tokens": "gauge: queued prompt tokens per serving prefill worker",
     "ray_tandem_pool_kv_usage": "gauge: fraction of the decode pool's KV blocks in use",
     "ray_tandem_pool_replacements_total": "counter: dead workers replaced, by pool",
-    "ray_tandem_response_store_bytes": "gauge: stored Responses API responses, bytes of their JSON",
+    "ray_tandem_response_store_bytes": "gauge: stored Responses API responses and conversations, bytes of their JSON",
     "ray_tandem_response_store_responses": "gauge: stored Responses API responses",
-    "ray_tandem_response_store_evictions_total": "counter: stored responses evicted by the store's bound",
+    "ray_tandem_response_store_conversations": "gauge: stored Conversations API conversations",
+    "ray_tandem_response_store_evictions_total": "counter: stored responses and conversations evicted by the store's "
+                                                 "bound",
 }
 
 
@@ -60,8 +62,8 @@ class PoolMetrics:
 
 
 class ResponseStoreMetrics:
-    """What the store of responses holds, and what its bound evicted (too many
-    evictions: conversations lost; raise `response_store_mib`)."""
+    """What the store of responses and conversations holds, and what its bound
+    evicted (too many evictions: conversations lost; raise `response_store_mib`)."""
 
     def __init__(self) -> None:
         from ray.util.metrics import Counter, Gauge
@@ -69,11 +71,14 @@ class ResponseStoreMetrics:
         self.num_bytes = Gauge("tandem_response_store_bytes", description=SERIES["ray_tandem_response_store_bytes"])
         self.num_responses = Gauge("tandem_response_store_responses",
                                    description=SERIES["ray_tandem_response_store_responses"])
+        self.num_conversations = Gauge("tandem_response_store_conversations",
+                                       description=SERIES["ray_tandem_response_store_conversations"])
         self.evictions = Counter("tandem_response_store_evictions",
                                  description=SERIES["ray_tandem_response_store_evictions_total"])
 
-    def held(self, num_responses: int, num_bytes: int, num_evicted: int) -> None:
+    def held(self, num_responses: int, num_conversations: int, num_bytes: int, num_evicted: int) -> None:
         self.num_responses.set(num_responses)
+        self.num_conversations.set(num_conversations)
         self.num_bytes.set(num_bytes)
         if num_evicted:
             self.evictions.inc(num_evicted)

@@ -1,16 +1,21 @@
-"""Stored responses: what OpenAI's Responses API keeps of a response (`store`,
-its default) so that a later request continues it by `previous_response_id`, and
-`GET /v1/responses/{id}` (and its `input_items`) or `DELETE` find it.
+"""Stored responses and conversations: what OpenAI's Responses API keeps of a
+response (`store`, its default) so that a later request continues it by
+`previous_response_id`, and `GET /v1/responses/{id}` (and its `input_items`) or
+`DELETE` find it; and the Conversations API's conversations (`/v1/conversations`),
+which a response given `conversation` goes on from and adds its items to.
 
 One store a deployment: an actor (`ResponseStore`) the pool manager starts with
 the pools (a first request would wait about two seconds here for an actor to
 start), so every scheduler replica finds the same one and it goes when the pools
-go. It holds at most `response_store_mib` of responses, counted as their
-JSON, least recently used out first; continuing a conversation touches every
+go. It holds at most `response_store_mib` of responses and conversations, counted
+as their JSON, least recently used out first; continuing a conversation touches every
 response it goes back through, oldest first, so another conversation's last
-response leaves before this one's first. A cache, not a database: a response the
-bound evicted, one deleted, or one from before the pools restarted is answered as
-OpenAI answers an id it does not know (`previous_response_not_found`, or a 404).
+response leaves before this one's first. A cache, not a database: a response or
+conversation the bound evicted, one deleted, or one from before the pools
+restarted is answered as OpenAI answers an id it does not know
+(`previous_response_not_found`, or a 404). OpenAI keeps a conversation until it is
+deleted; here a long idle one can be evicted like a response (raise the bound, or
+watch `ray_tandem_response_store_evictions_total`).
 There are no tenants: whoever holds the API key reads every stored response, as
 with one OpenAI project's key.
 
@@ -22,9 +27,16 @@ Each response is kept with its own input items (a string input as one user
 message item; every item given an id, as `input_items` lists them) and the id of
 the response it continued. The conversation behind an id is its ancestors' input
 and output items, oldest first, then its own; their `instructions` are not carried
-over (OpenAI's rule: a request gives its own). What the HTTP endpoints make of
-it: cluster/stored_responses.py (this module stays light: the actor's process
-imports it, and so only json and Ray).
+over (OpenAI's rule: a request gives its own).
+
+A conversation object keeps its items itself. A response on it takes a turn
+(`begin_turn`): the conversation is held by that response until it ends
+(`end_turn`, its input and output items added if it completed or was cut), and
+another response on it meanwhile is refused, as OpenAI refuses it
+(`conversation_locked`); a turn nobody ends (its replica died) lapses after the
+lease it was taken for. What the HTTP endpoints make of all this:
+cluster/stored_responses.py and cluster/stored_conversations.py (this module
+stays light: the actor's process imports it, and so only json and Ray).
 """
 
 from __future__ import annotations
@@ -52,65 +64,82 @@ class Stored:
 
 
 @dataclass
+class KeptConversation:
+    conversation: dict  # the Conversations API's object: id, object, created_at, metadata
+    items: list[dict]
+    size: int  # bytes of their JSON: the object's as put, each item's as added
+    turn_id: str | None = None  # the response whose turn it is (None: free)
+    turn_until_s: float = 0.0  # when that turn lapses unless ended
+
+
+@dataclass
 class Conversation:
-    """The items of a conversation up to a response; or the id of the first
-    response on the way back that is not stored (`missing_id`), or of the one
-    named if it is still running (`running_id`), the items then empty."""
+    """The items of a conversation up to a response (or of a conversation
+    object); or the id of the first response on the way back that is not stored
+    (`missing_id`: for an object, its own), or of the one named if it is still
+    running (`running_id`: for an object, the response whose turn it is), the
+    items then empty."""
 
     items: list[dict]
     missing_id: str | None = None
     running_id: str | None = None
 
 
+def _size(value) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
+
+
 class ResponseStore:
-    """The responses, by id, in least-recently-used order (an actor: one a
-    deployment, see `start_response_store`). A background response
+    """The responses and conversations, by id (distinct prefixes: `resp_`,
+    `conv_`), in least-recently-used order (an actor: one a deployment, see
+    `start_response_store`). A background response
     (cluster/background_responses.py) is put first as queued; its replica then
     beats (`beat`) while it runs, which also tells it whether it was cancelled,
     and `finish` puts its last state unless it was cancelled meanwhile; one
-    whose replica stopped beating is answered as failed."""
+    whose replica stopped beating is answered as failed. Either way its turn on a
+    conversation ends with it."""
 
     def __init__(self, max_bytes: int, metrics: ResponseStoreMetrics | None = None, clock=time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.metrics = metrics
         self.clock = clock
-        self.entries: OrderedDict[str, Stored] = OrderedDict()
+        self.entries: OrderedDict[str, Stored | KeptConversation] = OrderedDict()
         self.num_bytes = 0
+        self.num_conversations = 0
         self.num_evicted = 0
 
     def put(self, response: dict, input_items: list[dict]) -> bool:
         """Keep a response (finished, or a background one queued); False if it
         alone is over the bound."""
-        size = len(json.dumps([response, input_items], separators=(",", ":")))
+        size = _size([response, input_items])
         if size > self.max_bytes:
             return False
         self.delete(response["id"])
-        num_evicted = 0
-        while self.num_bytes + size > self.max_bytes:
-            _, oldest = self.entries.popitem(last=False)
-            self.num_bytes -= oldest.size
-            num_evicted += 1
+        self._make_room(size)
         self.entries[response["id"]] = Stored(response, input_items, size, self.clock())
         self.num_bytes += size
-        self.num_evicted += num_evicted
-        self._held(num_evicted)
+        self._held()
         return True
 
     def get(self, response_id: str) -> Stored | None:
         stored = self.entries.get(response_id)
-        if stored is not None:
-            self.entries.move_to_end(response_id)
-            if stored.response["status"] in RUNNING and self.clock() - stored.beat_s > LOST_AFTER_S:
-                stored.response.update(status="failed", error={
-                    "code": "server_error", "message": "the scheduler replica running this response stopped"})
+        if not isinstance(stored, Stored):
+            return None
+        self.entries.move_to_end(response_id)
+        if self._is_lost(stored):
+            stored.response.update(status="failed", error={
+                "code": "server_error", "message": "the scheduler replica running this response stopped"})
+            self._turn_ends(stored.response, None)
         return stored
 
     def finish(self, response: dict, input_items: list[dict]) -> bool:
         """Put a background response's last state, unless it was cancelled or
-        given up meanwhile (then False, and the store keeps that)."""
+        given up meanwhile (then False, and the store keeps that); its turn on a
+        conversation ends."""
         stored = self.get(response["id"])
         if stored is not None and stored.response["status"] not in RUNNING:
             return False
+        self._turn_ends(response, input_items)
         return self.put(response, input_items)
 
     def beat(self, response_id: str) -> str | None:
@@ -124,11 +153,13 @@ class ResponseStore:
         return stored.response["status"]
 
     def cancel(self, response_id: str) -> Stored | None:
-        """A running response cancelled (its replica stops at its next beat);
-        a finished one as it is."""
+        """A running response cancelled (its replica stops at its next beat,
+        its turn on a conversation ends now, adding nothing); a finished one as
+        it is."""
         stored = self.get(response_id)
         if stored is not None and stored.response["status"] in RUNNING:
             stored.response["status"] = "cancelled"
+            self._turn_ends(stored.response, None)
         return stored
 
     def conversation(self, response_id: str) -> Conversation:
@@ -140,7 +171,7 @@ class ResponseStore:
         chain, at = [], response_id
         while at is not None:
             stored = self.entries.get(at)
-            if stored is None:
+            if not isinstance(stored, Stored):
                 return Conversation([], missing_id=at)
             chain.append(stored)
             at = stored.response.get("previous_response_id")
@@ -150,20 +181,142 @@ class ResponseStore:
         return Conversation([item for stored in chain for item in (*stored.input_items, *stored.response["output"])])
 
     def delete(self, response_id: str) -> bool:
-        stored = self.entries.pop(response_id, None)
+        """A response forgotten (a running one's turn on a conversation ends,
+        adding nothing; its replica stops at its next beat)."""
+        stored = self.get(response_id)
         if stored is None:
             return False
-        self.num_bytes -= stored.size
+        if stored.response["status"] in RUNNING:
+            self._turn_ends(stored.response, None)
+        return self._drop(response_id)
+
+    # ---- conversation objects ---------------------------------------------------------
+    def create_conversation(self, conversation: dict, items: list[dict]) -> bool:
+        """Keep a new conversation with its first items; False if it alone is over the bound."""
+        size = _size(conversation) + sum(map(_size, items))
+        if size > self.max_bytes:
+            return False
+        self._make_room(size)
+        self.entries[conversation["id"]] = KeptConversation(conversation, list(items), size)
+        self.num_bytes += size
+        self.num_conversations += 1
+        self._held()
+        return True
+
+    def get_conversation(self, conversation_id: str) -> KeptConversation | None:
+        kept = self.entries.get(conversation_id)
+        if not isinstance(kept, KeptConversation):
+            return None
+        self.entries.move_to_end(conversation_id)
+        if kept.turn_id is not None:
+            holder = self.entries.get(kept.turn_id)  # (a background response's, stored while it runs)
+            if self.clock() > kept.turn_until_s or (isinstance(holder, Stored) and self._is_lost(holder)):
+                kept.turn_id = None  # (whoever took it is gone)
+        return kept
+
+    def update_conversation(self, conversation_id: str, metadata: dict) -> dict | bool | None:
+        """The conversation with its metadata replaced (None: not stored; False:
+        it would be over the bound, and is as it was)."""
+        kept = self.get_conversation(conversation_id)
+        if kept is None or not self._grow(kept, _size(metadata) - _size(kept.conversation["metadata"])):
+            return None if kept is None else False
+        kept.conversation["metadata"] = metadata
+        return kept.conversation
+
+    def delete_conversation(self, conversation_id: str) -> bool:
+        return self.get_conversation(conversation_id) is not None and self._drop(conversation_id)
+
+    def add_items(self, conversation_id: str, items: list[dict]) -> KeptConversation | bool | None:
+        """Items added at the conversation's end: the conversation (None: not
+        stored; False: it would be over the bound, and nothing was added)."""
+        kept = self.get_conversation(conversation_id)
+        if kept is None:
+            return None
+        if not self._grow(kept, sum(map(_size, items))):
+            return False
+        kept.items += items
+        return kept
+
+    def delete_item(self, conversation_id: str, item_id: str) -> KeptConversation | bool | None:
+        """An item taken out: the conversation (None: not stored; False: it has no such item)."""
+        kept = self.get_conversation(conversation_id)
+        if kept is None:
+            return None
+        index = next((k for k, item in enumerate(kept.items) if item.get("id") == item_id), None)
+        if index is None:
+            return False
+        self._grow(kept, -_size(kept.items.pop(index)))
+        return kept
+
+    def begin_turn(self, conversation_id: str, response_id: str, lease_s: float) -> Conversation:
+        """A response's turn on the conversation, held for it at most `lease_s`
+        (a request's timeout): the items it goes on from; or the conversation
+        missing, or the response whose turn it is (nothing taken then)."""
+        kept = self.get_conversation(conversation_id)
+        if kept is None:
+            return Conversation([], missing_id=conversation_id)
+        if kept.turn_id is not None:
+            return Conversation([], running_id=kept.turn_id)
+        kept.turn_id, kept.turn_until_s = response_id, self.clock() + lease_s
+        return Conversation(list(kept.items))
+
+    def end_turn(self, conversation_id: str, response_id: str, items: list[dict] | None) -> bool:
+        """The response's turn over, its `items` added (None: it adds none,
+        having failed, been cancelled or left); False if the conversation is no
+        longer stored or they would be over the bound (then added are none)."""
+        kept = self.get_conversation(conversation_id)
+        if kept is not None and kept.turn_id == response_id:
+            kept.turn_id = None
+        return kept is not None and (items is None or self.add_items(conversation_id, items) is not False)
+
+    def _is_lost(self, stored: Stored) -> bool:
+        return stored.response["status"] in RUNNING and self.clock() - stored.beat_s > LOST_AFTER_S
+
+    def _turn_ends(self, response: dict, input_items: list[dict] | None) -> None:
+        """A background response's turn ends as it did: its items added if it
+        completed or was cut (`input_items` given), none otherwise."""
+        on = response.get("conversation")
+        if on is not None:
+            added = input_items is not None and response["status"] in ("completed", "incomplete")
+            self.end_turn(on["id"], response["id"], [*input_items, *response["output"]] if added else None)
+
+    # ---- the bound ---------------------------------------------------------------------
+    def _make_room(self, size: int) -> None:
+        """Evict the least recently used until `size` more bytes fit (an entry
+        growing is the most recent and fits alone, so it stays)."""
+        num_evicted = 0
+        while self.num_bytes + size > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+            num_evicted += 1
+        self.num_evicted += num_evicted
+        self._held(num_evicted)
+
+    def _grow(self, kept: KeptConversation, size: int) -> bool:
+        """`size` more bytes (fewer, if negative) for a conversation just used;
+        False if it would be over the bound alone (nothing evicted then)."""
+        if kept.size + size > self.max_bytes:
+            return False
+        self._make_room(size)
+        kept.size += size
+        self.num_bytes += size
+        self._held()
+        return True
+
+    def _drop(self, entry_id: str) -> bool:
+        entry = self.entries.pop(entry_id)
+        self.num_bytes -= entry.size
+        self.num_conversations -= isinstance(entry, KeptConversation)
         self._held()
         return True
 
     def _held(self, num_evicted: int = 0) -> None:
         if self.metrics is not None:
-            self.metrics.held(len(self.entries), self.num_bytes, num_evicted)
+            self.metrics.held(len(self.entries) - self.num_conversations, self.num_conversations, self.num_bytes,
+                              num_evicted)
 
     def stats(self) -> dict:
-        return {"responses": len(self.entries), "bytes": self.num_bytes, "max_bytes": self.max_bytes,
-                "evicted": self.num_evicted}
+        return {"responses": len(self.entries) - self.num_conversations, "conversations": self.num_conversations,
+                "bytes": self.num_bytes, "max_bytes": self.max_bytes, "evicted": self.num_evicted}
 
 
 class ResponseStoreActor(ResponseStore):

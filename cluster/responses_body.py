@@ -17,6 +17,9 @@ held to its schema.
 
 `previous_response_id` continues a stored response: its conversation's items
 (cluster/response_store.py) come before `input`'s; its instructions do not.
+`conversation` (an id, or `{"id": ...}`) goes on from a conversation object's
+items instead, and adds this response's input and output to them
+(cluster/stored_conversations.py); not with `previous_response_id`.
 `truncation: "auto"` drops the conversation's oldest turns where it is longer
 than a prompt may be (cluster/conversation_truncation.py). `store` (true unless
 it says false) keeps the finished response. `background: true` answers at once
@@ -25,8 +28,7 @@ not with `stream`. `include: ["message.output_text.logprobs"]` (or
 `top_logprobs`) gives the text's logprobs.
 
 Refused with a 400, since serving without them would answer another request:
-`conversation` (Conversations API objects are not kept here), `prompt`
-templates, tools other than functions (hosted ones: web search, files, computer
+`prompt` templates, tools other than functions (hosted ones: web search, files, computer
 use), images and files. Fields that change nothing generated (`metadata`,
 `service_tier`, `max_tool_calls`, which bounds calls to hosted tools only, ...)
 are taken.
@@ -66,16 +68,12 @@ class FunctionTool(BaseModel):
 
 
 class ResponsesBody(RequestBody):
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "conversation": (None,), "prompt": (None,),
-    }
-    UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {
-        "conversation": "this server keeps no conversation objects; continue a stored response by "
-                        "previous_response_id, or send the whole conversation in `input`"}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"prompt": (None,)}
 
     model: str | None = None
     input: str | list[dict] = Field(min_length=1)
     previous_response_id: str | None = None
+    conversation: str | dict | None = None  # an id, or {"id": ...} (cluster/stored_conversations.py)
     truncation: Literal["auto", "disabled"] | None = None  # auto: cluster/conversation_truncation.py
     background: bool = False  # answered at once, queued; served on (cluster/background_responses.py)
     instructions: str | None = None
@@ -118,8 +116,22 @@ class ResponsesBody(RequestBody):
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
 
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation["id"] if isinstance(self.conversation, dict) else self.conversation
+
+    @field_validator("conversation")
+    @classmethod
+    def _conversation_id(cls, conversation):
+        if isinstance(conversation, dict) and not isinstance(conversation.get("id"), str):
+            raise ValueError('a conversation\'s id, or {"id": ...}')
+        return conversation
+
     @model_validator(mode="after")
-    def _background_is_stored(self):
+    def _consistent(self):
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise ValueError("previous_response_id and conversation: give one (a response on a conversation goes on "
+                             "from all of it)")
         if self.background and self.store is False:
             raise ValueError("background: a background response is stored (it is read back by its id): "
                              "leave store true")
@@ -132,26 +144,20 @@ class ResponsesBody(RequestBody):
         return self.store is not False  # (OpenAI's default: stored)
 
     def input_items(self) -> list[dict]:
-        """`input` as a stored response keeps it: items, each with a type and an
-        id, a message's content as parts (as `input_items` lists them)."""
-        if isinstance(self.input, str):
-            return [_message_item("user", self.input)]
-        items = []
-        for item in self.input:
-            kind = item.get("type", "message")
-            item = {**item, "type": kind, "id": item["id"] if isinstance(item.get("id"), str) else
-                    new_id(ITEM_ID_PREFIXES.get(kind, "item"))}
-            if kind == "message" and isinstance(item["content"], str):
-                item = {**item, **_message_item(item["role"], item["content"]), "id": item["id"]}
-            items.append(item)
-        return items
+        """`input` as a stored response keeps it (`stored_items`)."""
+        return stored_items([{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input)
 
-    def chat_body(self, history: list[dict] = ()) -> ChatBody:
+    def chat_body(self, history: list[dict] = (), history_name: str = "previous_response_id") -> ChatBody:
         """The chat request this asks for, going on from `history` (the items of
-        the stored conversation it continues); 400s where the items or tools are
-        not ones this server can serve."""
+        the stored conversation it continues, `history_name`'s); 400s where the
+        items or tools are not ones this server can serve."""
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        instructions = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        messages = instructions + item_messages([*((f"{history_name}'s item {k}", item)
+                                                   for k, item in enumerate(history)),
+                                                 *((f"input.{k}", item) for k, item in enumerate(items))])
         fields = {
-            "model": self.model, "messages": self._messages(history), "stream": self.stream,
+            "model": self.model, "messages": messages, "stream": self.stream,
             "stream_options": {"include_usage": True} if self.stream else None,
             "parallel_tool_calls": self.parallel_tool_calls, "max_completion_tokens": self.max_output_tokens,
             "logprobs": self.wants_logprobs, "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
@@ -171,34 +177,48 @@ class ResponsesBody(RequestBody):
         except ValidationError as exc:
             raise ApiError(400, f"as a chat request: {'; '.join(map(problem, exc.errors()))}") from None
 
-    def _messages(self, history: list[dict]) -> list[dict]:
-        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        labelled = [*((f"previous_response_id's item {k}", item) for k, item in enumerate(history)),
-                    *((f"input.{k}", item) for k, item in enumerate(items))]
-        for where, item in labelled:
-            kind = item.get("type", "message" if "role" in item else None)
-            if kind == "message":
-                if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
-                    raise ApiError(400, f"{where}.role: one of {', '.join(sorted(ROLES))}, not {item.get('role')!r}")
-                messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
-            elif kind == "function_call":
-                call = {"id": _string(item, "call_id", where), "type": "function",
-                        "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments",
-                                                                                                where)}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant":
-                    last.setdefault("tool_calls", []).append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            elif kind == "function_call_output":
-                output = item.get("output")
-                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                                 "content": output if isinstance(output, str) else _text(output, where)})
-            elif kind != "reasoning":  # (an unknown kind of any JSON type: its repr names it)
-                raise ApiError(400, f"{where}: item type {kind!r} is not supported (supported: message, "
-                                    "function_call, function_call_output, reasoning)")
-        return messages
+
+def stored_items(items: list[dict]) -> list[dict]:
+    """Input items as a stored response or conversation keeps them: each with a
+    type and an id, a message's content as parts (as `input_items` lists them)."""
+    kept = []
+    for item in items:
+        kind = item.get("type", "message")
+        item = {**item, "type": kind, "id": item["id"] if isinstance(item.get("id"), str) else
+                new_id(ITEM_ID_PREFIXES.get(kind, "item"))}
+        if kind == "message" and isinstance(item["content"], str):
+            item = {**item, **_message_item(item["role"], item["content"]), "id": item["id"]}
+        kept.append(item)
+    return kept
+
+
+def item_messages(labelled: list[tuple[str, dict]]) -> list[dict]:
+    """The chat messages of items, each with where it came from (for a 400's
+    message: "input.3"); 400s for items this server cannot serve."""
+    messages = []
+    for where, item in labelled:
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
+                raise ApiError(400, f"{where}.role: one of {', '.join(sorted(ROLES))}, not {item.get('role')!r}")
+            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments",
+                                                                                            where)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                             "content": output if isinstance(output, str) else _text(output, where)})
+        elif kind != "reasoning":  # (an unknown kind of any JSON type: its repr names it)
+            raise ApiError(400, f"{where}: item type {kind!r} is not supported (supported: message, "
+                                "function_call, function_call_output, reasoning)")
+    return messages
 
 
 def _message_item(role: str, text: str) -> dict:

@@ -74,6 +74,7 @@ def response(body, response_id: str, model: str, created: int, status: str, outp
         "tool_choice": body.tool_choice or "auto", "tools": body.function_tools(),
         "truncation": body.truncation or "disabled", "user": body.user, "metadata": body.metadata or {},
         "background": body.background,
+        "conversation": None if body.conversation_id is None else {"id": body.conversation_id},
     }
 
 
@@ -103,9 +104,9 @@ class ResponseEvents:
     `keep`, given the final response, stores it and answers it as stored
     (cluster/stored_responses.py), before the last event."""
 
-    def __init__(self, body, model: str, keep=None) -> None:
+    def __init__(self, body, model: str, keep=None, response_id: str | None = None) -> None:
         self.body, self.model, self.keep = body, model, keep
-        self.response_id, self.created = new_id("resp"), int(time.time())
+        self.response_id, self.created = response_id or new_id("resp"), int(time.time())
         self.sequence = 0
         self.items: list[dict] = []  # the output so far; the last is open while `open` is True
         self.open = False

@@ -25,8 +25,8 @@ class StoredResponses:
         self.enabled = max_mib > 0
         self._store = None
 
-    async def _call(self, call):
-        """`call(store)`, an actor call on the store's handle, awaited; a store gone
+    async def call(self, remote):
+        """`remote(store)`, an actor call on the store's handle, awaited; a store gone
         with its pool manager is asked for again (the new one starts empty); 503
         while there is none."""
         for _ in range(2):
@@ -35,7 +35,7 @@ class StoredResponses:
                     self._store = await self.pool().response_store.remote()
                 if self._store is None:  # (a pool manager started by settings that store nothing)
                     raise ApiError(400, "this deployment's pool manager stores no responses (response_store_mib: 0)")
-                return await call(self._store)
+                return await remote(self._store)
             except ray.exceptions.RayActorError:
                 self._store = None
         raise ApiError(503, "stored responses are unavailable while the pool manager restarts; retry shortly",
@@ -47,7 +47,7 @@ class StoredResponses:
         if not self.enabled:
             raise ApiError(400, "previous_response_id: this server stores no responses (response_store_mib is 0); "
                                 "send the whole conversation in `input`", param="previous_response_id")
-        found = await self._call(lambda store: store.conversation.remote(previous_id))
+        found = await self.call(lambda store: store.conversation.remote(previous_id))
         if found.running_id is not None:
             raise ApiError(400, f"Previous response with id {previous_id!r} is still in progress: continue it once "
                                 "it has finished", param="previous_response_id")
@@ -62,22 +62,22 @@ class StoredResponses:
         """Store a finished response if it asked to be; the response as answered
         (`store` false if it was not kept: too large for the store)."""
         if response["store"]:
-            response["store"] = await self._call(lambda store: store.put.remote(response, input_items))
+            response["store"] = await self.call(lambda store: store.put.remote(response, input_items))
         return response
 
     async def finish(self, response: dict, input_items: list[dict]) -> dict:
         """`keep` for a background response's last state (`ResponseStore.finish`)."""
-        await self._call(lambda store: store.finish.remote(response, input_items))
+        await self.call(lambda store: store.finish.remote(response, input_items))
         return response
 
     async def beat(self, response_id: str) -> str | None:
         """A running background response's replica at work on it (`ResponseStore.beat`)."""
-        return await self._call(lambda store: store.beat.remote(response_id))
+        return await self.call(lambda store: store.beat.remote(response_id))
 
     async def cancel(self, response_id: str) -> dict:
         """OpenAI's cancel: a background response's state once cancelled (one
         finished already: as it is; cancelling twice is the same)."""
-        stored = await self._call(lambda store: store.cancel.remote(response_id)) if self.enabled else None
+        stored = await self.call(lambda store: store.cancel.remote(response_id)) if self.enabled else None
         if stored is None:
             raise _not_found(response_id)
         if not stored.response.get("background"):  # (finished when stored: the store's cancel left it so)
@@ -86,13 +86,13 @@ class StoredResponses:
         return stored.response
 
     async def get(self, response_id: str) -> Stored:
-        stored = await self._call(lambda store: store.get.remote(response_id)) if self.enabled else None
+        stored = await self.call(lambda store: store.get.remote(response_id)) if self.enabled else None
         if stored is None:
             raise _not_found(response_id)
         return stored
 
     async def delete(self, response_id: str) -> dict:
-        if not (self.enabled and await self._call(lambda store: store.delete.remote(response_id))):
+        if not (self.enabled and await self.call(lambda store: store.delete.remote(response_id))):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -100,20 +100,32 @@ class StoredResponses:
                           after: str | None = None) -> dict:
         """A page of a response's input items, as OpenAI lists them (newest
         first unless `order` is "asc"; `after` an item id of the page before)."""
-        if not 1 <= limit <= MAX_LISTED:
-            raise ApiError(400, f"limit: between 1 and {MAX_LISTED}, not {limit}", param="limit")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, f"order: 'asc' or 'desc', not {order!r}", param="order")
-        items = (await self.get(response_id)).input_items
-        items = items if order == "asc" else items[::-1]
-        start = 0
-        if after is not None:
-            start = next((k + 1 for k, item in enumerate(items) if item["id"] == after), None)
-            if start is None:
-                raise ApiError(400, f"after: no input item {after!r} in response {response_id!r}", param="after")
-        page = items[start:start + limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+        check_page(limit, order)
+        return page_of((await self.get(response_id)).input_items, limit, order, after, f"response {response_id!r}")
+
+
+def check_page(limit: int, order: str) -> None:
+    if not 1 <= limit <= MAX_LISTED:
+        raise ApiError(400, f"limit: between 1 and {MAX_LISTED}, not {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: 'asc' or 'desc', not {order!r}", param="order")
+
+
+def page_of(items: list[dict], limit: int, order: str, after: str | None, owner: str) -> dict:
+    """A page of items as OpenAI lists them (newest first unless `order` is
+    "asc"; `after` an item id of the page before, in `owner`)."""
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        start = next((k + 1 for k, item in enumerate(items) if item["id"] == after), None)
+        if start is None:
+            raise ApiError(400, f"after: no item {after!r} in {owner}", param="after")
+    return listed(items[start:start + limit], has_more=start + limit < len(items))
+
+
+def listed(items: list[dict], has_more: bool = False) -> dict:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
 
 
 def _not_found(response_id: str) -> ApiError:

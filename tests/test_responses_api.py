@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from cluster.api_models import ApiError
+from cluster.conversations_body import NewConversation, checked_items
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents, whole
 
@@ -78,7 +79,8 @@ BODIES = st.fixed_dictionaries({"input": st.one_of(st.text(max_size=5), st.lists
         {"format": st.one_of(VALUES, st.fixed_dictionaries({"type": st.sampled_from(["text", "json_schema", "x"])}))})),
     "reasoning": VALUES, "include": VALUES, "top_logprobs": VALUES, "max_output_tokens": VALUES,
     "truncation": st.one_of(VALUES, st.sampled_from(["auto", "disabled"])), "background": VALUES, "store": VALUES,
-    "stream": VALUES, "max_tool_calls": VALUES, "previous_response_id": VALUES})
+    "stream": VALUES, "max_tool_calls": VALUES, "previous_response_id": VALUES,
+    "conversation": st.one_of(VALUES, st.fixed_dictionaries({"id": VALUES}))})
 
 
 @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -93,6 +95,22 @@ def test_hostile_requests_are_refused_with_a_message_and_nothing_else(body):
         return
     items = served.input_items()
     assert len(items) == (1 if isinstance(served.input, str) else len(served.input))
+    assert all(isinstance(item["id"], str) and isinstance(item["type"], str) for item in items)
+    json.dumps(items)
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(body=st.fixed_dictionaries({}, optional={"items": st.one_of(VALUES, st.lists(ITEMS, max_size=4)),
+                                                "metadata": st.one_of(VALUES, st.dictionaries(st.text(max_size=70), VALUES))}))
+def test_hostile_conversation_items_are_refused_with_a_message_and_nothing_else(body):
+    """A new conversation's body (cluster/conversations_body.py): refused with a
+    message, or its items kept as a response's input is, each with an id."""
+    try:
+        items = checked_items(NewConversation.model_validate(body).items)
+    except (ApiError, ValidationError) as exc:
+        assert str(exc)
+        return
+    assert len(items) == len(body.get("items") or ())
     assert all(isinstance(item["id"], str) and isinstance(item["type"], str) for item in items)
     json.dumps(items)
 

@@ -143,7 +143,6 @@ def test_logprobs_of_the_output_text(client):
 
 @pytest.mark.parametrize("body, message", [
     ({"input": "x", "previous_response_id": "resp_1"}, "Previous response with id 'resp_1' not found."),
-    ({"input": "x", "conversation": "conv_1"}, "keeps no conversation objects"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "reads text only"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item type 'item_reference'"),
