@@ -232,9 +232,9 @@ class Scheduler:
         if body.background:
             return await self._background(body, response_id, chat, prompt, reasoning, items, turn)
 
-        async def keep(response: dict) -> dict:
+        async def keep(response: dict) -> dict:  # (stored, and its turn ended, by one store call)
             if turn is not None:
-                await turn.end(response, items)
+                turn.handed_on()
             return await self.stored.keep(response, items)
 
         if not body.stream:
@@ -253,9 +253,8 @@ class Scheduler:
         SLO rejection, is the response's failure). Its turn on a conversation is
         the store's to end, as the response ends."""
         prepared = await self._prepared(chat, [prompt], True, reasoning)
-        queued = await self.stored.keep(responses_format.response(
-            body, response_id, self.model_name, int(time.time()), "queued", []), items)
-        if not queued["store"]:
+        queued = responses_format.response(body, response_id, self.model_name, int(time.time()), "queued", [])
+        if not await self.stored.queue(queued, items):
             raise ApiError(400, "background: the request is too large to store")
         if turn is not None:
             turn.handed_on()

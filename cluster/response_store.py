@@ -114,7 +114,8 @@ class ResponseStore:
         size = _size([response, input_items])
         if size > self.max_bytes:
             return False
-        self.delete(response["id"])
+        if isinstance(self.entries.get(response["id"]), Stored):  # (replaced: a background one's last state)
+            self._drop(response["id"])
         self._make_room(size)
         self.entries[response["id"]] = Stored(response, input_items, size, self.clock())
         self.num_bytes += size
@@ -132,15 +133,20 @@ class ResponseStore:
             self._turn_ends(stored.response, None)
         return stored
 
+    def keep(self, response: dict, input_items: list[dict]) -> bool:
+        """A response as it ended: its turn on a conversation over (its input
+        and output added if it completed or was cut), then put if it asks to be
+        stored; whether it was put."""
+        self._turn_ends(response, input_items)
+        return bool(response["store"]) and self.put(response, input_items)
+
     def finish(self, response: dict, input_items: list[dict]) -> bool:
-        """Put a background response's last state, unless it was cancelled or
-        given up meanwhile (then False, and the store keeps that); its turn on a
-        conversation ends."""
+        """`keep` a background response's last state, unless it was cancelled or
+        given up meanwhile (then False, and the store keeps that)."""
         stored = self.get(response["id"])
         if stored is not None and stored.response["status"] not in RUNNING:
             return False
-        self._turn_ends(response, input_items)
-        return self.put(response, input_items)
+        return self.keep(response, input_items)
 
     def beat(self, response_id: str) -> str | None:
         """A running response's replica saying it works on it: its status now
@@ -273,8 +279,9 @@ class ResponseStore:
         return stored.response["status"] in RUNNING and self.clock() - stored.beat_s > LOST_AFTER_S
 
     def _turn_ends(self, response: dict, input_items: list[dict] | None) -> None:
-        """A background response's turn ends as it did: its items added if it
-        completed or was cut (`input_items` given), none otherwise."""
+        """A response's turn on its conversation (if it is on one) ends as the
+        response did: its items added if it completed or was cut (`input_items`
+        given), none otherwise."""
         on = response.get("conversation")
         if on is not None:
             added = input_items is not None and response["status"] in ("completed", "incomplete")

@@ -29,7 +29,6 @@ from cluster.response_store import KeptConversation
 from cluster.stored_responses import StoredResponses, check_page, listed, page_of
 
 TURN_MARGIN_S = 60.0  # a turn's lease past the request's timeout (a background response waits to be admitted)
-FINISHED = ("completed", "incomplete")  # a response in these states adds its items
 
 
 class StoredConversations:
@@ -99,11 +98,10 @@ class StoredConversations:
                            code="conversation_locked")
         return ConversationTurn(self, conversation_id, response_id, found.items)
 
-    async def end_turn(self, conversation_id: str, response_id: str, items: list[dict] | None) -> None:
-        await self.stored.call(lambda store: store.end_turn.remote(conversation_id, response_id, items))
-
-    def end_turn_later(self, conversation_id: str, response_id: str) -> None:
-        task = background_task(self.end_turn(conversation_id, response_id, None))
+    def abandon_turn(self, conversation_id: str, response_id: str) -> None:
+        """The turn over, nothing added: the store told in a task of its own."""
+        task = background_task(self.stored.call(
+            lambda store: store.end_turn.remote(conversation_id, response_id, None)))
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
@@ -122,10 +120,10 @@ class StoredConversations:
 
 class ConversationTurn:
     """A response's turn on a conversation, begun (`StoredConversations.turn`,
-    `items` what it goes on from), ended once: by `end` with the response as
-    answered, or by `abandon` (nothing added; the response never finished:
-    refused, failed or left by its client). A background response's turn is the
-    store's to end (`handed_on`)."""
+    `items` what it goes on from), ended once: by the store, as the response is
+    kept there (`handed_on`: `ResponseStore.keep`, or for a background one
+    `finish`, `cancel`, ...), or by `abandon` (nothing added; the response never
+    ended: refused, or left by its client)."""
 
     def __init__(self, view: StoredConversations, conversation_id: str, response_id: str,
                  items: list[dict]) -> None:
@@ -133,19 +131,12 @@ class ConversationTurn:
         self.items = items
         self.is_over = False
 
-    async def end(self, response: dict, input_items: list[dict]) -> None:
-        """The turn over as `response` ended: its input and output added if it finished."""
-        if not self.is_over:
-            self.is_over = True
-            added = [*input_items, *response["output"]] if response["status"] in FINISHED else None
-            await self.view.end_turn(self.conversation_id, self.response_id, added)
-
     def abandon(self) -> None:
         """The turn over, nothing added (from anywhere: a closing stream's
         `finally` too; the store is told in a task of its own)."""
         if not self.is_over:
             self.is_over = True
-            self.view.end_turn_later(self.conversation_id, self.response_id)
+            self.view.abandon_turn(self.conversation_id, self.response_id)
 
     async def over_with(self, events):
         """`events`, a streamed response's, then the turn abandoned if they ended
@@ -158,7 +149,7 @@ class ConversationTurn:
             self.abandon()
 
     def handed_on(self) -> None:
-        """The store ends it (a background response's: `ResponseStore.finish`, `cancel`)."""
+        """The store ends it, from now on."""
         self.is_over = True
 
 

@@ -59,11 +59,16 @@ class StoredResponses:
         return found.items
 
     async def keep(self, response: dict, input_items: list[dict]) -> dict:
-        """Store a finished response if it asked to be; the response as answered
-        (`store` false if it was not kept: too large for the store)."""
-        if response["store"]:
-            response["store"] = await self.call(lambda store: store.put.remote(response, input_items))
+        """A response as it ended (`ResponseStore.keep`: stored if it asked to
+        be, its turn on a conversation over), in one store call; the response as
+        answered (`store` false if it was not kept: too large for the store)."""
+        if response["store"] or response.get("conversation"):
+            response["store"] = await self.call(lambda store: store.keep.remote(response, input_items))
         return response
+
+    async def queue(self, response: dict, input_items: list[dict]) -> bool:
+        """A background response put as queued (`ResponseStore.put`); False if too large to store."""
+        return await self.call(lambda store: store.put.remote(response, input_items))
 
     async def finish(self, response: dict, input_items: list[dict]) -> dict:
         """`keep` for a background response's last state (`ResponseStore.finish`)."""

@@ -116,6 +116,22 @@ def test_a_turn_holds_off_a_second_response_until_it_ends_adding_only_what_finis
     assert not store.end_turn("conv_gone", "resp_4", None)
 
 
+def test_keeping_a_response_ends_its_turn_whether_or_not_it_is_stored():
+    """One call as a response ends: its items added (completed or cut), or none
+    (failed); the response put only where it asked to be."""
+    store = ResponseStore(max_bytes=1 << 20)
+    store.create_conversation(_conversation("conv_a"), [])
+    for name, status, stores in (("resp_1", "completed", False), ("resp_2", "failed", True),
+                                 ("resp_3", "incomplete", True)):
+        assert store.begin_turn("conv_a", name, 60).running_id is None
+        response = {**_response(name, status, f"said {name}", "conv_a"), "store": stores}
+        assert store.keep(response, [_item(f"asked {name}")]) is stores
+        assert (store.get(name) is not None) is stores
+    assert _texts(store.get_conversation("conv_a").items) == ["asked resp_1", "said resp_1", "asked resp_3",
+                                                              "said resp_3"]
+    assert store.get_conversation("conv_a").turn_id is None
+
+
 def test_a_turn_nobody_ends_lapses_after_its_lease():
     clock = _Clock()
     store = ResponseStore(max_bytes=1 << 20, clock=clock)

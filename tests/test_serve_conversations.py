@@ -99,13 +99,16 @@ def _once_free(client, conversation_id: str, within_s: float = 5.0, **request):
 
 
 def test_a_response_refused_after_its_turn_began_frees_the_conversation(client):
+    """... and one not stored (`store: false`) still adds its turn."""
     conversation = client.conversations.create()
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.responses.create(model="gpt-4o", conversation=conversation.id, input="Hi")
     with pytest.raises(openai.BadRequestError, match="input.0.role"):
         client.responses.create(model=MODEL, conversation=conversation.id, input=[{"role": "robot", "content": "x"}])
-    answer = _once_free(client, conversation.id, input="Hi", max_output_tokens=2)
-    assert _texts(_items(client, conversation.id)) == ["Hi", answer.output_text]
+    answer = _once_free(client, conversation.id, input="Hi", max_output_tokens=2, store=False)
+    assert _texts(_items(client, conversation.id)) == ["Hi", answer.output_text], "added, though not stored"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(answer.id)
 
 
 def test_a_conversation_takes_one_response_at_a_time(client):
