@@ -10,6 +10,7 @@ cluster/stored_conversations.py; the store: cluster/response_store.py.)"""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -136,6 +137,28 @@ def test_a_conversation_takes_one_response_at_a_time(client):
         time.sleep(0.2)
     assert answer.status == "incomplete"
     assert _texts(_items(client, conversation.id)) == ["Tell me a story.", "Once", answer.output_text]
+
+
+def test_responses_racing_on_one_conversation_add_whole_turns_one_after_another(client):
+    """Eight at once, across both replicas: each served or refused as locked,
+    and the conversation is the served ones' turns, each whole (its input, then
+    its output), one after another."""
+    conversation = client.conversations.create()
+
+    def one(k: int):
+        try:
+            return k, client.responses.create(model=MODEL, conversation=conversation.id, input=f"turn {k}",
+                                              max_output_tokens=3, temperature=0)
+        except openai.BadRequestError as exc:
+            assert exc.code == "conversation_locked", exc
+            return k, None
+
+    with ThreadPoolExecutor(8) as pool:
+        served = {f"turn {k}": answer.output[-1].id for k, answer in pool.map(one, range(8)) if answer is not None}
+    items = _items(client, conversation.id)
+    assert served and len(items) == 2 * len(served)
+    turns = {items[k]["content"][0]["text"]: items[k + 1]["id"] for k in range(0, len(items), 2)}
+    assert turns == served
 
 
 def test_a_conversations_items_are_paged_found_and_deleted_and_it_is_updated_and_deleted(client, base_url):
