@@ -40,7 +40,7 @@ from cluster import sglang_format as sglang
 from cluster import stored_endpoints
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
-from cluster.background_responses import BackgroundResponses
+from cluster.background_responses import BackgroundResponses, EventFeed, stream_to_store
 from cluster.config import AppSettings
 from cluster.conversation_truncation import drop_oldest_turns
 from cluster.ingress_guard import install_guard
@@ -254,10 +254,15 @@ class Scheduler:
         the store's to end, as the response ends."""
         prepared = await self._prepared(chat, [prompt], True, reasoning)
         queued = responses_format.response(body, response_id, self.model_name, int(time.time()), "queued", [])
-        if not await self.stored.queue(queued, items):
+        if not await self.stored.queue(queued, items, streamed=body.stream):
             raise ApiError(400, "background: the request is too large to store")
         if turn is not None:
             turn.handed_on()
+        if body.stream:
+            feed = EventFeed()
+            self.background.start(response_id, self._background_events(body, chat, prompt, reasoning, prepared,
+                                                                       queued, items, feed))
+            return self._sse(feed.read())
 
         async def answer():
             try:
@@ -269,6 +274,26 @@ class Scheduler:
 
         self.background.start(queued["id"], answer())
         return queued
+
+    async def _background_events(self, body: ResponsesBody, chat: ChatBody, prompt: str, reasoning, prepared,
+                                 queued: dict, items: list[dict], feed: EventFeed) -> None:
+        """A streamed background response, served: its events to `feed` and the
+        store (cluster/background_responses.py `stream_to_store`), the final
+        response stored with the last of them."""
+        final: dict = {}
+
+        async def hold(response: dict) -> dict:  # (stored with the last events, once they are written)
+            final.update(response)
+            return response
+
+        events = ResponseEvents(body, self.model_name, hold, queued["id"], queued["created_at"])
+        try:
+            stream = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared,
+                                        stream_as=events.stream)
+        except ApiError as exc:
+            stream = events.refused({"code": exc.kind, "message": str(exc)})
+        await stream_to_store(self.stored, queued["id"], stream, feed,
+                              lambda last: self.stored.finish(final, items, last))
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):

@@ -16,6 +16,14 @@ its workers. A replica that dies stops beating, and after `LOST_AFTER_S` the
 store answers the response as failed (cluster/response_store.py), rather than in
 progress for ever.
 
+With `stream`, the POST answers with the response's events as the task writes
+them (`EventFeed`), and the task keeps them in the store as it goes, every
+`FLUSH_S`, the last ones with the final state (`stream_to_store`): a client whose
+stream broke, or another, replays them from any replica by `GET
+/v1/responses/{id}?stream=true`, after the last sequence number it saw
+(`starting_after`). A client that leaves the POST's stream leaves the response
+running; a cancel ends the stream without a last event.
+
 The task belongs to no request (actors/background.py): the POST that started it
 has returned, and a Ray call made in its context would go with it.
 """
@@ -25,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 
 from actors.background import background_task
 
 BEAT_S = 1.0
+FLUSH_S = 0.1  # a streamed background response's events go to the store at most this late
 
 log = logging.getLogger("tandem.background")
 
@@ -67,3 +77,58 @@ class BackgroundResponses:
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await work
+
+
+class EventFeed:
+    """A streamed background response's events on this replica, as its task
+    writes them: the POST that started it reads them as they come (`read`)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.is_over = False
+        self._changed = asyncio.Event()
+
+    def add(self, event: str) -> None:
+        self.events.append(event)
+        self._changed.set()
+
+    def close(self) -> None:
+        self.is_over = True
+        self._changed.set()
+
+    async def read(self):
+        """Every event, from the first, until the feed is closed."""
+        num_read = 0
+        while True:
+            while num_read < len(self.events):
+                num_read += 1
+                yield self.events[num_read - 1]
+            if self.is_over:
+                return
+            self._changed.clear()  # (nothing runs between the checks above and the wait)
+            await self._changed.wait()
+
+
+async def stream_to_store(stored, response_id: str, events: AsyncIterator[str], feed: EventFeed,
+                          finish: Callable[[list[str]], Awaitable]) -> None:
+    """`events` to `feed` as they come and to the store (`stored`, the
+    replica's StoredResponses) at most `FLUSH_S` later; `finish(last)` stores
+    the final state with the last ones. Stopped (cancelled), the events close,
+    which ends the request, and those written are stored."""
+    pending, flushed_s = [], 0.0  # (the first event at once)
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                feed.add(event)
+                pending.append(event)
+                if time.monotonic() - flushed_s >= FLUSH_S:
+                    await stored.add_events(response_id, pending)
+                    pending, flushed_s = [], time.monotonic()
+        await finish(pending)
+    except asyncio.CancelledError:
+        if pending:
+            with contextlib.suppress(Exception):
+                await stored.add_events(response_id, pending)
+        raise
+    finally:
+        feed.close()

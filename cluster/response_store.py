@@ -34,7 +34,16 @@ A conversation object keeps its items itself. A response on it takes a turn
 (`end_turn`, its input and output items added if it completed or was cut), and
 another response on it meanwhile is refused, as OpenAI refuses it
 (`conversation_locked`); a turn nobody ends (its replica died) lapses after the
-lease it was taken for. What the HTTP endpoints make of all this:
+lease it was taken for.
+
+A background response created with `stream` keeps its events too (`add_events`,
+as its replica streams them; the last ones with its final state, in `finish`),
+so that `GET /v1/responses/{id}?stream=true` replays them from any replica, and
+a client whose stream broke resumes after the last sequence number it saw
+(`events`). They count against the bound with the response; where they would be
+over it, those kept stay a whole prefix and no more are added.
+
+What the HTTP endpoints make of all this:
 cluster/stored_responses.py and cluster/stored_conversations.py (this module
 stays light: the actor's process imports it, and so only json and Ray).
 """
@@ -59,8 +68,21 @@ LOST_AFTER_S = 15.0  # a running response whose replica has said nothing this lo
 class Stored:
     response: dict
     input_items: list[dict]
-    size: int  # bytes of their JSON, as put
+    size: int  # bytes of their JSON, as put, and of its events
     beat_s: float = 0.0  # a running response's: when its replica last said it works on it
+    events: list[str] | None = None  # a streamed background response's SSE events, from the first (None: not streamed)
+    events_done: bool = False  # its last event is among them
+    events_cut: bool = False  # one did not fit the bound: those kept are the first, and no more are
+
+
+@dataclass
+class Events:
+    """A streamed background response's events after a sequence number, and
+    whether they are all there will be (`is_over`: its last kept, or it
+    stopped: cancelled, or its replica lost)."""
+
+    events: list[str]
+    is_over: bool
 
 
 @dataclass
@@ -108,16 +130,16 @@ class ResponseStore:
         self.num_conversations = 0
         self.num_evicted = 0
 
-    def put(self, response: dict, input_items: list[dict]) -> bool:
-        """Keep a response (finished, or a background one queued); False if it
-        alone is over the bound."""
+    def put(self, response: dict, input_items: list[dict], streamed: bool = False) -> bool:
+        """Keep a response (finished, or a background one queued, `streamed`
+        if its events are to be kept too); False if it alone is over the bound."""
         size = _size([response, input_items])
         if size > self.max_bytes:
             return False
         if isinstance(self.entries.get(response["id"]), Stored):  # (replaced: a background one's last state)
             self._drop(response["id"])
         self._make_room(size)
-        self.entries[response["id"]] = Stored(response, input_items, size, self.clock())
+        self.entries[response["id"]] = Stored(response, input_items, size, self.clock(), [] if streamed else None)
         self.num_bytes += size
         self._held()
         return True
@@ -140,13 +162,46 @@ class ResponseStore:
         self._turn_ends(response, input_items)
         return bool(response["store"]) and self.put(response, input_items)
 
-    def finish(self, response: dict, input_items: list[dict]) -> bool:
-        """`keep` a background response's last state, unless it was cancelled or
-        given up meanwhile (then False, and the store keeps that)."""
+    def finish(self, response: dict, input_items: list[dict], events: list[str] = ()) -> bool:
+        """`keep` a background response's last state, and a streamed one's last
+        `events` with it (so a reader that sees it finished has them all),
+        unless it was cancelled or given up meanwhile (then False, and the store
+        keeps that)."""
         stored = self.get(response["id"])
         if stored is not None and stored.response["status"] not in RUNNING:
             return False
-        return self.keep(response, input_items)
+        if not self.keep(response, input_items):
+            return False
+        if stored is not None and stored.events is not None:  # (carried over to the entry put)
+            kept = self.entries[response["id"]]
+            kept.events, kept.events_cut = [], stored.events_cut
+            self.add_events(response["id"], [*stored.events, *events], done=True)
+        return True
+
+    def add_events(self, response_id: str, events: list[str], done: bool = False) -> bool:
+        """A streamed background response's next events (`done`: its last);
+        False if they are not kept (not streamed, gone, or over the bound: then
+        none of them nor any after, the first ones staying a whole prefix)."""
+        stored = self.get(response_id)
+        if stored is None or stored.events is None:
+            return False
+        stored.events_done = stored.events_done or done
+        if stored.events_cut:
+            return False
+        if not self._grow(stored, sum(map(len, events))):
+            stored.events_cut = True
+            return False
+        stored.events += events
+        return True
+
+    def events(self, response_id: str, after: int) -> Events | None:
+        """A streamed response's events with sequence numbers after `after`
+        (None: not stored, or not streamed)."""
+        stored = self.get(response_id)
+        if stored is None or stored.events is None:
+            return None
+        is_over = stored.events_done or stored.response["status"] not in RUNNING
+        return Events(stored.events[after + 1:], is_over)
 
     def beat(self, response_id: str) -> str | None:
         """A running response's replica saying it works on it: its status now
@@ -298,9 +353,10 @@ class ResponseStore:
         self.num_evicted += num_evicted
         self._held(num_evicted)
 
-    def _grow(self, kept: KeptConversation, size: int) -> bool:
-        """`size` more bytes (fewer, if negative) for a conversation just used;
-        False if it would be over the bound alone (nothing evicted then)."""
+    def _grow(self, kept: Stored | KeptConversation, size: int) -> bool:
+        """`size` more bytes (fewer, if negative) for an entry just used (the
+        most recent); False if it would be over the bound alone (nothing
+        evicted then)."""
         if kept.size + size > self.max_bytes:
             return False
         self._make_room(size)

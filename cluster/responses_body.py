@@ -24,7 +24,7 @@ items instead, and adds this response's input and output to them
 than a prompt may be (cluster/conversation_truncation.py). `store` (true unless
 it says false) keeps the finished response. `background: true` answers at once
 with the response queued, and serves it on (cluster/background_responses.py);
-not with `stream`. `include: ["message.output_text.logprobs"]` (or
+with `stream`, its events, which a broken stream resumes. `include: ["message.output_text.logprobs"]` (or
 `top_logprobs`) gives the text's logprobs.
 
 Refused with a 400, since serving without them would answer another request:
@@ -135,8 +135,6 @@ class ResponsesBody(RequestBody):
         if self.background and self.store is False:
             raise ValueError("background: a background response is stored (it is read back by its id): "
                              "leave store true")
-        if self.background and self.stream:
-            raise ValueError("background with stream is not supported: poll GET /v1/responses/{id}")
         return self
 
     @property

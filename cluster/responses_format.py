@@ -104,9 +104,9 @@ class ResponseEvents:
     `keep`, given the final response, stores it and answers it as stored
     (cluster/stored_responses.py), before the last event."""
 
-    def __init__(self, body, model: str, keep=None, response_id: str | None = None) -> None:
+    def __init__(self, body, model: str, keep=None, response_id: str | None = None, created: int | None = None) -> None:
         self.body, self.model, self.keep = body, model, keep
-        self.response_id, self.created = response_id or new_id("resp"), int(time.time())
+        self.response_id, self.created = response_id or new_id("resp"), created or int(time.time())
         self.sequence = 0
         self.items: list[dict] = []  # the output so far; the last is open while `open` is True
         self.open = False
@@ -141,6 +141,11 @@ class ResponseEvents:
         for event in self._close(status):
             yield event
         yield self._event(f"response.{status}", response=await self._final(status))
+
+    async def refused(self, error: dict):
+        """The events of a response refused as it was to start (a background
+        one's: its POST has answered already): its failure."""
+        yield self._event("response.failed", response=await self._final("failed", error))
 
     async def _final(self, status: str, error: dict | None = None) -> dict:
         final = self._response(status, error)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
-from cluster.api_models import ApiError
 from cluster.conversations_body import ConversationUpdate, NewConversation, NewItems, checked_items
 from cluster.responses_format import new_id
 
@@ -30,9 +30,12 @@ def _conversations(request: Request):
 
 # ---- stored responses ------------------------------------------------------------------
 @router.get("/v1/responses/{response_id}")
-async def stored_response(request: Request, response_id: str, stream: bool = False):
+async def stored_response(request: Request, response_id: str, stream: bool = False, starting_after: int = -1):
+    """The response; with `stream`, a streamed background response's events
+    replayed, after `starting_after` (a sequence number), to its last."""
     if stream:
-        raise ApiError(400, "stream: a stored response's events are not kept; GET it without stream")
+        events = await _stored(request).replay(response_id, starting_after)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return (await _stored(request).get(response_id)).response
 
 

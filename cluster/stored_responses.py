@@ -7,12 +7,15 @@ store, whose actor process then imports only what keeping responses needs.
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 from cluster.api_models import ApiError
 from cluster.response_store import Stored
 
 MAX_LISTED = 100  # input_items' `limit`, as OpenAI bounds it
+REPLAY_S = 0.1  # how often a replayed stream asks the store for its response's next events
 
 
 class StoredResponses:
@@ -66,14 +69,44 @@ class StoredResponses:
             response["store"] = await self.call(lambda store: store.keep.remote(response, input_items))
         return response
 
-    async def queue(self, response: dict, input_items: list[dict]) -> bool:
+    async def queue(self, response: dict, input_items: list[dict], streamed: bool = False) -> bool:
         """A background response put as queued (`ResponseStore.put`); False if too large to store."""
-        return await self.call(lambda store: store.put.remote(response, input_items))
+        return await self.call(lambda store: store.put.remote(response, input_items, streamed))
 
-    async def finish(self, response: dict, input_items: list[dict]) -> dict:
-        """`keep` for a background response's last state (`ResponseStore.finish`)."""
-        await self.call(lambda store: store.finish.remote(response, input_items))
+    async def finish(self, response: dict, input_items: list[dict], events: list[str] = ()) -> dict:
+        """`keep` for a background response's last state, and a streamed one's
+        last events (`ResponseStore.finish`)."""
+        await self.call(lambda store: store.finish.remote(response, input_items, list(events)))
         return response
+
+    async def add_events(self, response_id: str, events: list[str]) -> None:
+        await self.call(lambda store: store.add_events.remote(response_id, events))
+
+    async def replay(self, response_id: str, after: int = -1):
+        """A streamed background response's events after sequence number
+        `after`, as they are stored, until its last (polling every `REPLAY_S`
+        while it runs); a 404 where it is not stored, a 400 where it was not
+        streamed."""
+        if after < -1:
+            raise ApiError(400, f"starting_after: a sequence number (-1 or more), not {after}", param="starting_after")
+        page = await self.call(lambda store: store.events.remote(response_id, after)) if self.enabled else None
+        if page is None:
+            await self.get(response_id)  # (the 404, where it is not stored)
+            raise ApiError(400, f"Response with id {response_id!r} was not created with background and stream: "
+                                "its events are not kept; GET it without stream", param="stream")
+        return self._replayed(response_id, after, page)
+
+    async def _replayed(self, response_id: str, after: int, page):
+        while True:
+            for event in page.events:
+                yield event
+            after += len(page.events)
+            if page.is_over:
+                return
+            await asyncio.sleep(REPLAY_S)
+            page = await self.call(lambda store: store.events.remote(response_id, after))
+            if page is None:  # (deleted meanwhile)
+                return
 
     async def beat(self, response_id: str) -> str | None:
         """A running background response's replica at work on it (`ResponseStore.beat`)."""

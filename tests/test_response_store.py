@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.api_models import ApiError, ChatMessage
+from cluster.background_responses import EventFeed, stream_to_store
 from cluster.conversation_truncation import drop_oldest_turns
 from cluster.response_store import LOST_AFTER_S, ResponseStore
 from cluster.stored_responses import StoredResponses
@@ -184,3 +185,79 @@ def test_a_background_response_runs_beats_and_finishes_unless_cancelled_or_lost(
     assert lost["status"] == "failed" and "stopped" in lost["error"]["message"]
     assert store.beat("lost") == "failed", "a replica that comes back stops too"
     assert store.beat("nope") is None
+
+
+def test_a_streamed_responses_events_are_kept_a_whole_prefix_and_finished_with_it():
+    """Added as its replica writes them; the last ones with its final state in
+    one call (a reader that sees it finished has them all); over the bound,
+    those kept stay a prefix; a response not streamed keeps none."""
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
+    store.put({**_response("plain", None, ""), "status": "queued", "background": True}, _asked("p"))
+    assert store.add_events("s", ["e0", "e1"]) and not store.add_events("plain", ["e0"])
+    assert store.events("plain", -1) is None and store.events("nope", -1) is None
+    page = store.events("s", 0)
+    assert page.events == ["e1"] and not page.is_over
+    assert store.finish({**_response("s", None, "answer"), "status": "completed", "background": True}, _asked("s"),
+                        ["e2", "e3"])
+    page = store.events("s", -1)
+    assert page.events == ["e0", "e1", "e2", "e3"] and page.is_over
+    assert store.num_bytes == sum(entry.size for entry in store.entries.values())
+    small = ResponseStore(max_bytes=_size(_response("t", None, ""), _asked("t")) + 400)
+    small.put({**_response("t", None, ""), "status": "queued"}, _asked("t"), streamed=True)
+    assert small.add_events("t", ["a" * 100]) and not small.add_events("t", ["b" * 500])
+    assert not small.add_events("t", ["c"]), "none after one that did not fit: a whole prefix"
+    assert small.events("t", -1).events == ["a" * 100]
+    small.cancel("t")
+    assert small.events("t", -1).is_over, "cancelled: no more will come"
+
+
+def test_an_event_feed_gives_every_reader_every_event_from_the_first_until_closed():
+    async def run():
+        feed = EventFeed()
+        early = asyncio.ensure_future(_read_all(feed.read()))
+        for k in range(3):
+            feed.add(f"e{k}")
+            await asyncio.sleep(0)
+        late = asyncio.ensure_future(_read_all(feed.read()))
+        await asyncio.sleep(0)
+        feed.add("e3")
+        feed.close()
+        return await early, await late
+
+    assert asyncio.run(run()) == (["e0", "e1", "e2", "e3"],) * 2
+
+
+async def _read_all(events) -> list:
+    return [event async for event in events]
+
+
+def test_a_streamed_background_response_reaches_its_feed_and_the_store_whole():
+    """`stream_to_store` over the real store: every event to the feed, all kept
+    in order with the final state, however the flushes fell."""
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
+
+    class Replica:  # (the replica's view: the store's calls awaited, as over Ray)
+        async def add_events(self, response_id, events):
+            store.add_events(response_id, events)
+
+    async def written():
+        for k in range(50):
+            yield f"e{k}"
+            await asyncio.sleep(0.005)
+
+    async def run():
+        feed = EventFeed()
+        reading = asyncio.ensure_future(_read_all(feed.read()))
+        final = {**_response("s", None, "done"), "status": "completed", "background": True}
+
+        async def finish(last):
+            store.finish(final, _asked("s"), last)
+
+        await stream_to_store(Replica(), "s", written(), feed, finish)
+        return await reading
+
+    expected = [f"e{k}" for k in range(50)]
+    assert asyncio.run(run()) == expected
+    assert store.events("s", -1).events == expected and store.get("s").response["status"] == "completed"

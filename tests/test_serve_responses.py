@@ -369,6 +369,52 @@ def test_a_cancelled_background_response_stops_on_its_worker(client, base_url):
         assert response.status_code == status, response.text
     streamed = httpx.get(f"{base_url}/v1/responses/{done.id}?stream=true")
     assert streamed.status_code == 400 and "not kept" in streamed.json()["error"]["message"], streamed.text
-    for body, message in (({"store": False}, "leave store true"), ({"stream": True}, "poll GET")):
+    for body, message in (({"store": False}, "leave store true"),):
         response = httpx.post(f"{base_url}/v1/responses", json={"input": "x", "background": True, **body})
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
+def _dumped(events) -> list[dict]:
+    return [event.model_dump() for event in events]
+
+
+def test_a_streamed_background_response_is_replayed_from_any_replica_and_resumed(client):
+    """Its POST streams the events the unstreamed response is the last of; any
+    replica replays them all (`stream=true`), or those after a sequence number."""
+    request = {"model": MODEL, "input": "Tell me a story.", "max_output_tokens": 40, "temperature": 0}
+    events = list(client.responses.create(**request, background=True, stream=True))
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and final.background and final.status == "incomplete"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert final.output_text == client.responses.create(**request).output_text
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    for _ in range(2):  # (two scheduler replicas)
+        assert _dumped(client.responses.retrieve(final.id, stream=True)) == _dumped(events)
+    assert _dumped(client.responses.retrieve(final.id, stream=True, starting_after=5)) == _dumped(events[6:])
+
+
+def test_a_broken_background_stream_resumes_while_it_runs_and_a_cancelled_one_ends(client, base_url):
+    """Left after ten events, the response runs on, and a replay after the tenth
+    goes on from there as it runs, to its last event; cancelled, a replay ends
+    without one."""
+    request = {"model": MODEL, "input": "keep going", "max_output_tokens": 300, "temperature": 0,
+               "background": True, "stream": True}
+    with client.responses.create(**request) as stream:
+        first = [event for _, event in zip(range(10), stream)]
+    response_id = first[0].response.id
+    assert client.responses.retrieve(response_id).status == "in_progress", "the POST's client left; it runs on"
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=9))
+    assert [event.sequence_number for event in first + rest] == list(range(len(first) + len(rest)))
+    assert rest[-1].type == "response.incomplete" and rest[-1].response.usage.output_tokens == 300
+    with client.responses.create(**{**request, "max_output_tokens": 2000}) as stream:
+        response_id = next(iter(stream)).response.id
+    assert client.responses.cancel(response_id).status == "cancelled"
+    pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
+    for member in ray.get(pool.list_members.remote()):
+        wait_idle(member.handle, within_s=4.0)  # (stopped at its replica's next beat, its last events stored)
+    replayed = list(client.responses.retrieve(response_id, stream=True))
+    assert replayed[0].type == "response.created" and all(
+        event.type not in ("response.completed", "response.incomplete") for event in replayed)
+    for path, status in ((f"/v1/responses/{response_id}?stream=true&starting_after=-2", 400),
+                         ("/v1/responses/resp_none?stream=true", 404)):
+        assert httpx.get(f"{base_url}{path}").status_code == status, path
