@@ -15,7 +15,14 @@ preset), three ways, turn by turn, in rotating order:
   conversation object made before the first turn (not timed); its responses are
   stored too, the API's default.
 The ways have conversations of their own (same lengths, other words), so none
-finds another's prefix in the cache. One request at a time, greedy,
+finds another's prefix in the cache.
+
+Then `--streams` pairs of streamed answers of `--stream-tokens` tokens, alternating
+which goes first: one in the foreground (`stream`), one in the background
+(`background` and `stream`: its task writes the events the POST reads, and
+keeps them in the store every 100 ms). Reported: the time to the first text
+delta, the median gap between deltas, the whole stream's time (medians), and
+the background's whole time over the foreground's. One request at a time, greedy,
 unstreamed. Reported, by turn and over all turns: the request's body bytes, the
 latency at the client (median), input and cached tokens. The prompts are the
 same length for both (the store hands the same items back): what differs is what
@@ -45,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-words", type=positive_int, default=150, help="words of each first user message")
     parser.add_argument("--user-words", type=positive_int, default=20, help="words of each later user message")
     parser.add_argument("--output-tokens", type=positive_int, default=16, help="max_output_tokens a turn")
+    parser.add_argument("--streams", type=positive_int, default=6, help="pairs of streamed answers")
+    parser.add_argument("--stream-tokens", type=positive_int, default=200, help="max_output_tokens a streamed answer")
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -90,6 +99,23 @@ class Conversation:
                 "cached_tokens": usage["input_tokens_details"]["cached_tokens"]}
 
 
+def streamed(client, background: bool, tokens: int) -> dict:
+    """One streamed answer's timing at the client: first text delta, gaps, whole."""
+    body = {"input": "keep going", "max_output_tokens": tokens, "temperature": 0, "stream": True,
+            **({"background": True} if background else {})}
+    started = time.perf_counter()
+    arrivals = []
+    with client.stream("POST", "/v1/responses", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"streamed (background {background}): {response.status_code} {response.read()[:300]}")
+        for line in response.iter_lines():
+            if line == "event: response.output_text.delta":
+                arrivals.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return {"first_s": arrivals[0] - started, "gap_s": report.median(gaps), "total_s": time.perf_counter() - started,
+            "num_deltas": len(arrivals)}
+
+
 def main(args: argparse.Namespace) -> None:
     import httpx
 
@@ -113,6 +139,12 @@ def main(args: argparse.Namespace) -> None:
                     shift = (turn + k) % len(ways)
                     for way in ways[shift:] + ways[:shift]:
                         runs[way][turn].append(conversations[way][k].turn(client, turn))
+            streams: dict[str, list[dict]] = {"foreground": [], "background": []}
+            for k in range(args.streams + 1):  # (the first pair a warm-up)
+                for background in ((False, True) if k % 2 == 0 else (True, False)):
+                    timing = streamed(client, background, args.stream_tokens)
+                    if k:
+                        streams["background" if background else "foreground"].append(timing)
     fields = ("bytes", "input_tokens", "cached_tokens", "latency_s")
     medians = {way: [{f: report.median([run[f] for run in turn]) for f in fields} for turn in runs[way]]
                for way in ways}
@@ -137,6 +169,15 @@ def main(args: argparse.Namespace) -> None:
     figure = (f"a stored conversation's turn takes {report.fmt_ratio(latency_ratios['stored'])} the client-kept "
               f"one's time, one on a conversation object {report.fmt_ratio(latency_ratios['conversation'])} (medians "
               f"of all turns); the stored last turn sends {report.fmt_ratio(bytes_ratio)} the bytes")
+    stream_medians = {way: {f: report.median([run[f] for run in runs_]) for f in ("first_s", "gap_s", "total_s")}
+                      for way, runs_ in streams.items()}
+    report.print_table(
+        f"{args.streams} pairs of streamed answers of {args.stream_tokens} tokens (medians)",
+        ["way", "first delta ms", "gap between deltas ms", "whole stream ms"],
+        [[way, *(m[f] * 1000 for f in ("first_s", "gap_s", "total_s"))] for way, m in stream_medians.items()])
+    stream_ratio = report.ratio(stream_medians["background"]["total_s"], stream_medians["foreground"]["total_s"])
+    figure += f"; a background stream takes {report.fmt_ratio(stream_ratio)} the foreground one's time"
     report.finish("responses", args.out, {"args": vars(args) | {"func": None}, "runs": runs, "medians": medians,
-                                          "overall": overall, "machine": report.machine_info()},
+                                          "overall": overall, "streams": streams, "stream_medians": stream_medians,
+                                          "machine": report.machine_info()},
                   figure, "at most 1x the time")
