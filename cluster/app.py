@@ -43,7 +43,7 @@ from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBo
 from cluster.background_responses import BackgroundResponses, EventFeed, stream_to_store
 from cluster.config import AppSettings
 from cluster.conversation_truncation import drop_oldest_turns
-from cluster.ingress_guard import install_guard
+from cluster.ingress_guard import install_guard, refusal
 from cluster.pool_manager import get_or_create_pool
 from cluster.prompt_limits import prompt_room
 from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
@@ -60,6 +60,17 @@ log = logging.getLogger("tandem.app")
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
 install_guard(app)  # the API key, the body size limit, errors as JSON (cluster/ingress_guard.py)
 app.include_router(stored_endpoints.router)  # stored responses and conversations (cluster/stored_endpoints.py)
+
+
+def _failure(exc: Exception) -> dict:
+    """A background response's error: its request's refusal (an SLO rejection,
+    say), or a server error that names only the exception's type, as an
+    endpoint's 500 does (the traceback goes to the log)."""
+    refused = refusal(exc)
+    if refused is None:
+        log.exception("background response failed")
+        return {"code": "server_error", "message": f"internal error: {type(exc).__name__}"}
+    return {"code": refused.kind, "message": str(refused)}
 
 
 async def _sampling(body, *args):
@@ -268,8 +279,8 @@ class Scheduler:
             try:
                 completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared)
                 final = responses_format.whole(body, completion, queued["id"], queued["created_at"])
-            except ApiError as exc:
-                final = {**queued, "status": "failed", "error": {"code": exc.kind, "message": str(exc)}}
+            except Exception as exc:
+                final = {**queued, "status": "failed", "error": _failure(exc)}
             await self.stored.finish(final, items)
 
         self.background.start(queued["id"], answer())
@@ -290,8 +301,8 @@ class Scheduler:
         try:
             stream = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared,
                                         stream_as=events.stream)
-        except ApiError as exc:
-            stream = events.refused({"code": exc.kind, "message": str(exc)})
+        except Exception as exc:
+            stream = events.refused(_failure(exc))
         await stream_to_store(self.stored, queued["id"], stream, feed,
                               lambda last: self.stored.finish(final, items, last))
 

@@ -29,19 +29,15 @@ log = logging.getLogger("tandem.app")
 def install_guard(app: FastAPI) -> None:
     """The error handlers and the guard, on `app` (whose `state.settings`, once
     set, the guard reads)."""
-    for kind, handler in ((ApiError, _api_error), (RequestValidationError, _validation_error),
-                          (StarletteHTTPException, _http_error), (InvalidRequestError, _invalid_request),
-                          (SloRejected, _slo_rejected), (Exception, _unexpected)):
+    for kind, handler in ((ApiError, _refused), (RequestValidationError, _validation_error),
+                          (StarletteHTTPException, _http_error), (InvalidRequestError, _refused),
+                          (SloRejected, _refused), (Exception, _unexpected)):
         app.add_exception_handler(kind, handler)
     app.add_middleware(RequestGuard, owner=app)
 
 
 def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-async def _api_error(_: Request, exc: ApiError):
-    return _error(exc)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError):
@@ -73,16 +69,25 @@ async def _http_error(_: Request, exc: StarletteHTTPException):
     return _error(ApiError(exc.status_code, str(exc.detail), kind=kind, headers=exc.headers))
 
 
-async def _invalid_request(_: Request, exc: InvalidRequestError):
-    return _error(ApiError(400, error_message(exc)))  # a worker's refusal: its message, not its traceback
+def refusal(exc: Exception) -> ApiError | None:
+    """A request's refusal as the client is told it (None: not a refusal, but
+    unexpected): its own, a worker's (its message, not its traceback), or an
+    SLO rejection (429 with Retry-After and its predictions). Also what a
+    background response's failure says (cluster/app.py)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, error_message(exc))
+    if isinstance(exc, SloRejected):
+        return ApiError(
+            429, str(exc), kind="slo_rejection", headers={"Retry-After": str(exc.retry_after_s)},
+            predicted_ttft_ms=round(exc.best.ttft_s * 1e3, 1), target_ttft_ms=round(exc.ttft_slo_s * 1e3, 1),
+            predicted_tbt_ms=round(exc.best.tbt_s * 1e3, 1), target_tbt_ms=round(exc.tbt_slo_s * 1e3, 1))
+    return None
 
 
-async def _slo_rejected(_: Request, exc: SloRejected):
-    return _error(ApiError(
-        429, str(exc), kind="slo_rejection", headers={"Retry-After": str(exc.retry_after_s)},
-        predicted_ttft_ms=round(exc.best.ttft_s * 1e3, 1), target_ttft_ms=round(exc.ttft_slo_s * 1e3, 1),
-        predicted_tbt_ms=round(exc.best.tbt_s * 1e3, 1), target_tbt_ms=round(exc.tbt_slo_s * 1e3, 1),
-    ))
+async def _refused(_: Request, exc: Exception):
+    return _error(refusal(exc))
 
 
 async def _unexpected(_: Request, exc: Exception):

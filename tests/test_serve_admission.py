@@ -3,7 +3,10 @@ no request can meet: every admitted-looking request is refused before any prefil
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import openai
 import pytest
 import ray
 
@@ -51,3 +54,27 @@ def test_a_request_that_cannot_meet_its_slo_is_rejected_early(base_url):
     assert stats.num_running == 0 and stats.num_used_blocks == 0
     metrics = httpx.get(f"{base_url}/metrics", headers=AUTH).text
     assert "tandem_rejections_total" in metrics
+
+
+def test_a_background_response_refused_at_admission_is_failed_and_frees_its_conversation(base_url):
+    """Its POST answered already (queued), the refusal is the response's
+    failure: polled, or streamed as `response.failed` (replayed the same), and
+    the conversation it was on takes the next response (refused too, but not
+    as locked)."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="s3cret", max_retries=0)
+    conversation = client.conversations.create()
+    queued = client.responses.create(input="hello " * 50, max_output_tokens=8, background=True,
+                                     conversation=conversation.id)
+    deadline = time.monotonic() + 30
+    while (answer := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, answer.status
+        time.sleep(0.1)
+    assert answer.status == "failed" and answer.error.code == "slo_rejection", answer.error
+    with pytest.raises(openai.RateLimitError):  # (refused again: its turn was freed with its failure)
+        client.responses.create(input="hello " * 50, max_output_tokens=8, conversation=conversation.id)
+    assert client.conversations.items.list(conversation.id).data == [], "a failed response adds nothing"
+    events = list(client.responses.create(input="hello " * 50, max_output_tokens=8, background=True, stream=True))
+    assert [event.type for event in events] == ["response.failed"]
+    assert events[0].response.error.code == "slo_rejection" and events[0].response.status == "failed"
+    replayed = list(client.responses.retrieve(events[0].response.id, stream=True))
+    assert [event.model_dump() for event in replayed] == [event.model_dump() for event in events]
