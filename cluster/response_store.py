@@ -172,10 +172,11 @@ class ResponseStore:
             return False
         if not self.keep(response, input_items):
             return False
-        if stored is not None and stored.events is not None:  # (carried over to the entry put)
+        if stored is not None and stored.events is not None:  # (carried over to the entry put, then the last)
             kept = self.entries[response["id"]]
             kept.events, kept.events_cut = [], stored.events_cut
-            self.add_events(response["id"], [*stored.events, *events], done=True)
+            self.add_events(response["id"], stored.events)
+            self.add_events(response["id"], events, done=True)
         return True
 
     def add_events(self, response_id: str, events: list[str], done: bool = False) -> bool:

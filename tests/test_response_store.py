@@ -210,6 +210,11 @@ def test_a_streamed_responses_events_are_kept_a_whole_prefix_and_finished_with_i
     assert small.events("t", -1).events == ["a" * 100]
     small.cancel("t")
     assert small.events("t", -1).is_over, "cancelled: no more will come"
+    small.put({**_response("u", None, ""), "status": "queued"}, _asked("u"), streamed=True)
+    assert small.add_events("u", ["a" * 100])
+    assert small.finish({**_response("u", None, "done"), "status": "completed"}, _asked("u"), ["b" * 500])
+    page = small.events("u", -1)
+    assert page.events == ["a" * 100] and page.is_over, "last events too large: those before still kept"
 
 
 def test_an_event_feed_gives_every_reader_every_event_from_the_first_until_closed():
