@@ -99,9 +99,12 @@ def test_hostile_requests_are_refused_with_a_message_and_nothing_else(body):
     json.dumps(items)
 
 
+METADATA = st.one_of(VALUES, st.dictionaries(st.text(max_size=70), VALUES))
+
+
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(body=st.fixed_dictionaries({}, optional={"items": st.one_of(VALUES, st.lists(ITEMS, max_size=4)),
-                                                "metadata": st.one_of(VALUES, st.dictionaries(st.text(max_size=70), VALUES))}))
+                                                "metadata": METADATA}))
 def test_hostile_conversation_items_are_refused_with_a_message_and_nothing_else(body):
     """A new conversation's body (cluster/conversations_body.py): refused with a
     message, or its items kept as a response's input is, each with an id."""
