@@ -23,7 +23,7 @@ import time
 import uuid
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 import ray
 from ray import serve
 
@@ -191,7 +191,7 @@ class Scheduler:
         answered = [sglang.Answered(ids[k], prompt_ids[k // n], body.logprob_start_len, body.top_logprobs_num,
                                     token_text) for k in keys]
         if body.stream:
-            return self._sse(sglang.stream(streams, answered, indexed=body.answers_a_list))
+            return fmt.sse_response(sglang.stream(streams, answered, indexed=body.answers_a_list))
         results = await self._collect_all(streams)
         answers = [sglang.result(out, a) for out, a in zip(results, answered)]
         return answers if body.answers_a_list else answers[0]
@@ -254,7 +254,7 @@ class Scheduler:
         events = ResponseEvents(body, self.model_name, keep, response_id)
         stream = events.stream if turn is None else lambda chunks: turn.over_with(events.stream(chunks))
         return await self._openai(chat, [prompt], chat=True, reasoning=reasoning,
-                                  stream_as=lambda chunks: self._sse(stream(chunks)))
+                                  stream_as=lambda chunks: fmt.sse_response(stream(chunks)))
 
     async def _background(self, body: ResponsesBody, response_id: str, chat: ChatBody, prompt: str, reasoning,
                           items: list[dict], turn: ConversationTurn | None) -> dict:
@@ -273,7 +273,7 @@ class Scheduler:
             feed = EventFeed()
             self.background.start(response_id, self._background_events(body, chat, prompt, reasoning, prepared,
                                                                        queued, items, feed))
-            return self._sse(feed.read())
+            return fmt.sse_response(feed.read())
 
         async def answer():
             try:
@@ -396,7 +396,7 @@ class Scheduler:
             writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
             chunks = self._openai_chunks(streams, request_id, chat, num_prompt, body.include_usage, echo, writers,
                                          reasoning)
-            return stream_as(chunks) if stream_as is not None else self._sse(fmt.sse_stream(chunks))
+            return stream_as(chunks) if stream_as is not None else fmt.sse_response(fmt.sse_stream(chunks))
         results = await self._collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
@@ -492,9 +492,6 @@ class Scheduler:
             await events.aclose()
             raise ApiError(503, f"request failed: {first.error}", kind="service_unavailable")
         return prepend(first, events)
-
-    def _sse(self, chunks) -> StreamingResponse:
-        return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _reasoning_tokens(self, reasoning: Reasoning | None, answers: list[list[int]]) -> int | None:
         """The answers' reasoning tokens, where the manifest names a reasoning parser."""

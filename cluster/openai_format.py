@@ -7,6 +7,13 @@ import itertools
 import json
 import time
 
+from fastapi.responses import StreamingResponse
+
+
+def sse_response(lines) -> StreamingResponse:
+    """An HTTP answer streaming `lines` (SSE text) as they come."""
+    return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
 
 def sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))

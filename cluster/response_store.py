@@ -138,11 +138,7 @@ class ResponseStore:
             return False
         if isinstance(self.entries.get(response["id"]), Stored):  # (replaced: a background one's last state)
             self._drop(response["id"])
-        self._make_room(size)
-        self.entries[response["id"]] = Stored(response, input_items, size, self.clock(), [] if streamed else None)
-        self.num_bytes += size
-        self._held()
-        return True
+        return self._add(response["id"], Stored(response, input_items, size, self.clock(), [] if streamed else None))
 
     def get(self, response_id: str) -> Stored | None:
         stored = self.entries.get(response_id)
@@ -256,14 +252,7 @@ class ResponseStore:
     def create_conversation(self, conversation: dict, items: list[dict]) -> bool:
         """Keep a new conversation with its first items; False if it alone is over the bound."""
         size = _size(conversation) + sum(map(_size, items))
-        if size > self.max_bytes:
-            return False
-        self._make_room(size)
-        self.entries[conversation["id"]] = KeptConversation(conversation, list(items), size)
-        self.num_bytes += size
-        self.num_conversations += 1
-        self._held()
-        return True
+        return self._add(conversation["id"], KeptConversation(conversation, list(items), size))
 
     def get_conversation(self, conversation_id: str) -> KeptConversation | None:
         kept = self.entries.get(conversation_id)
@@ -344,6 +333,17 @@ class ResponseStore:
             self.end_turn(on["id"], response["id"], [*input_items, *response["output"]] if added else None)
 
     # ---- the bound ---------------------------------------------------------------------
+    def _add(self, entry_id: str, entry: Stored | KeptConversation) -> bool:
+        """A new entry, the most recent; False if it alone is over the bound."""
+        if entry.size > self.max_bytes:
+            return False
+        self._make_room(entry.size)
+        self.entries[entry_id] = entry
+        self.num_bytes += entry.size
+        self.num_conversations += isinstance(entry, KeptConversation)
+        self._held()
+        return True
+
     def _make_room(self, size: int) -> None:
         """Evict the least recently used until `size` more bytes fit (an entry
         growing is the most recent and fits alone, so it stays)."""

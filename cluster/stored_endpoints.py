@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from cluster.conversations_body import ConversationUpdate, NewConversation, NewItems, checked_items
+from cluster.openai_format import sse_response
 from cluster.responses_format import new_id
 
 router = APIRouter()
@@ -35,7 +35,7 @@ async def stored_response(request: Request, response_id: str, stream: bool = Fal
     replayed, after `starting_after` (a sequence number), to its last."""
     if stream:
         events = await _stored(request).replay(response_id, starting_after)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return sse_response(events)
     return (await _stored(request).get(response_id)).response
 
 
