@@ -79,7 +79,8 @@ def test_a_streamed_response_adds_its_items_and_one_its_client_leaves_adds_none(
     assert [item["type"] for item in _items(client, conversation.id)] == ["message", "message"]
     assert _items(client, conversation.id)[1]["id"] == final.output[-1].id
     with httpx.stream("POST", f"{base_url}/v1/responses", json={
-            "conversation": conversation.id, "input": "keep going", "max_output_tokens": 500, "stream": True}) as left:
+            "conversation": conversation.id, "input": "Tell me a story.", "max_output_tokens": 500, "temperature": 0,
+            "stream": True}) as left:  # (greedy, 500 tokens without an EOS: sampled, it ended at once once in CI)
         for index, _ in enumerate(left.iter_lines()):
             if index >= 12:
                 break
@@ -117,8 +118,8 @@ def test_a_conversation_takes_one_response_at_a_time(client):
     `conversation_locked`) until cancelled, which frees it and adds nothing; a
     background response that completes adds its items as one in the foreground."""
     conversation = client.conversations.create(items=[{"role": "user", "content": "Tell me a story."}])
-    queued = client.responses.create(model=MODEL, conversation=conversation.id, input="keep going",
-                                     max_output_tokens=2000, background=True)
+    queued = client.responses.create(model=MODEL, conversation=conversation.id, input="keep going", temperature=0,
+                                     max_output_tokens=2000, background=True)  # (greedy: 2000 tokens, no EOS)
     assert queued.conversation.id == conversation.id
     for _ in range(2):  # (two scheduler replicas)
         with pytest.raises(openai.BadRequestError) as locked:

@@ -348,7 +348,8 @@ def test_a_background_response_is_queued_then_polled_to_the_answer_it_would_have
 def test_a_cancelled_background_response_stops_on_its_worker(client, base_url):
     """Cancelled from whichever replica, the request stops at its replica's next
     beat (a second at most), long before its 2000 tokens (some 8 s here)."""
-    queued = client.responses.create(model=MODEL, input="keep going", max_output_tokens=2000, background=True)
+    queued = client.responses.create(model=MODEL, input="keep going", temperature=0, max_output_tokens=2000,
+                                     background=True)  # (greedy: 2000 tokens without an EOS, so it runs till cancelled)
     with pytest.raises(openai.BadRequestError, match="still in progress"):
         client.responses.create(model=MODEL, previous_response_id=queued.id, input="more")
     pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
