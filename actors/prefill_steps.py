@@ -36,6 +36,9 @@ class PrefillStepLog:
             return
         self._steps.append(PrefillStep(seq, tuple((c.num_new_tokens, c.start) for c in chunks), seconds))
 
+    def clear(self) -> None:
+        self._steps.clear()
+
     def latest(self, after: int = -1) -> tuple[PrefillStep, ...]:
         """The kept steps later than step `after`, oldest first."""
         return tuple(step for step in tuple(self._steps) if step.seq > after)

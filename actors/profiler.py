@@ -1,8 +1,10 @@
 """A short start-up profile of an engine: real prefill and decode-step timings that
 seed the scheduler's cost models before live traffic refines them.
 
-Runs on the engine thread (through `EngineLoop.call`) before the worker takes
-requests; prompts are random token ids and leave no trace but evictable cache.
+Runs once a worker, as its engine thread's first call (`WorkerBase.profile`), so
+before any request: it steps the engine itself and keeps the outputs, so a live
+request stepped by it would lose its tokens. Prompts are random token ids and leave
+no trace but evictable cache.
 
 Decode steps are timed at batches of 1, 4 and 16 short prompts, so the profile
 cannot tell a step's KV tokens from its rows (they grow together); a D's live
@@ -83,4 +85,5 @@ def profile_engine(
             if row is not None:
                 profile.decode.append(row)
     profile.num_steps = engine.num_steps
+    engine.prefill_steps.clear()  # (the profile's, in `profile`: the worker's stats carry live ones only)
     return profile

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
@@ -111,6 +111,7 @@ class WorkerBase:
             self.engine.store_bridge.sink = self.store_writer.submit
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{worker_id}-io")
         self.loop: EngineLoop | None = None
+        self._profiled: Future | None = None  # the start-up profile, once the engine thread runs (`profile`)
         self.streams: TokenStreams | None = None
         self.aio: asyncio.AbstractEventLoop | None = None
         freeze_startup_heap()  # last: a full collection must never walk the engine (actors/startup_heap.py)
@@ -127,6 +128,7 @@ class WorkerBase:
         self.streams = TokenStreams(self.aio, self.options.stream_interval)
         self.loop = EngineLoop(self.engine, self._on_step, self._on_tick, self._on_engine_error)
         self.loop.start()
+        self._profiled = self.loop.call(profile_engine)  # the engine thread's first call: before any request's
         self._feed_owners: dict[str, object] = {}  # subscription -> its consumer's actor handle
         background_task(self._watch_feed_owners())  # not part of the request that starts the worker
         self._on_started()
@@ -225,6 +227,8 @@ class WorkerBase:
 
     # ---- control surface --------------------------------------------------------
     async def ping(self) -> str:
+        """Answers at once; the first starts the engine thread, and so the profile."""
+        self._ensure_started()
         return self.worker_id
 
     async def startup_times(self) -> WorkerStartup:
@@ -351,8 +355,16 @@ class WorkerBase:
         return self.engine.pool.events_since(cursor)
 
     async def profile(self) -> EngineProfile:
-        """A short start-up profile (prefill and decode-step timings) for cost models."""
-        return await self.call(profile_engine)
+        """The start-up profile (prefill and decode-step timings) for cost models:
+        run once, as the engine thread's first call, so before any request; the
+        same one answered to every caller (each scheduler replica asks). Run on
+        demand, as it was, it stepped the engine with whatever was live: a
+        scheduler replica that started after another had sent requests profiled
+        the worker under them, the profile's steps took their tokens, and they
+        waited for the rest to their timeout (300 s; a fresh app's first
+        requests, about one start in ten on 2 CPUs)."""
+        self._ensure_started()
+        return await asyncio.wrap_future(self._profiled)
 
     async def shutdown(self) -> None:
         if self.loop is not None:

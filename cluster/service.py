@@ -165,13 +165,14 @@ class GlobalScheduler:
         self.lines.forget(worker_id)
 
     async def _profile_new(self, members) -> None:
-        """Cost models for workers that have none. The first worker of a role is
-        profiled (a few real prefills and decode steps); a later one (scale-up,
+        """Cost models for workers that have none. The first worker of a role
+        gives its profile (a few real prefills and decode steps, run as it
+        started: every replica gets the same one); a later one (scale-up,
         replacement) runs the same model on the same node type, so it starts from
-        a peer's fitted models and is routable at once, instead of first running
-        a profile on cores the load that made us scale up keeps busy (which both
-        delays it and makes it look slower than it is). Live timings refit both
-        (a P's prefill steps, a D's token gaps) and a P's TTFT bias."""
+        a peer's fitted models and is routable at once, without waiting for its
+        own profile, which ran on cores the load that made us scale up keeps busy
+        (it would make it look slower than it is). Live timings refit both (a
+        P's prefill steps, a D's token gaps) and a P's TTFT bias."""
         for member in members:
             if member.worker_id in self.profiled or member.worker_id not in self.stats:
                 continue

@@ -1,0 +1,49 @@
+"""A worker's start-up profile (actors/profiler.py, `WorkerBase.profile`): run
+once, before the worker's first request, and the same one answered to every
+scheduler replica that asks, whenever it asks. Asked for while a request ran,
+it used to step the engine under that request and keep its tokens: the request
+waited for the rest until its timeout (a fresh app's first requests, when its
+second scheduler replica profiled the worker after the first had sent them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.config import EngineConfig
+from actors.messages import GenerateRequest
+from actors.sampling_params import SamplingParams
+from cluster.token_feeds import TokenFeeds, colocated_events
+from cluster.workers import start_worker
+
+NUM_TOKENS = 300
+
+
+@pytest.fixture
+def worker(ray_local, tiny_qwen2_dir):
+    handle = start_worker("colocated", "profile-c", tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=256))
+    yield handle
+    ray_local.kill(handle)
+
+
+def test_a_profile_asked_for_while_a_request_runs_takes_none_of_its_tokens(ray_local, worker):
+    params = SamplingParams(max_new_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        feeds = TokenFeeds()
+        try:
+            events = colocated_events(feeds, worker, GenerateRequest("live-1", [3, 4, 5, 6], params))
+            got = [await events.__anext__()]  # (its first token: it runs)
+            profiles = [await worker.profile.remote(), await worker.profile.remote()]  # (two replicas ask)
+            stats = await worker.stats.remote()
+            got += [event async for event in events]
+            return got, profiles, stats
+        finally:
+            await feeds.close()
+
+    events, (first, second), stats = asyncio.run(asyncio.wait_for(run(), 60))
+    assert sum(len(event.token_ids) for event in events) == NUM_TOKENS
+    assert events[-1].finished and events[-1].finish_reason == "length"
+    assert first.prefill_steps and first.decode and first == second, "run once, the same answer to each"
+    assert all(step.seq > first.num_steps for step in stats.prefill_steps), "the stats carry live steps only"
