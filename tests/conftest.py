@@ -110,9 +110,8 @@ def wait_healthy(base_url: str, timeout_s: float = 180.0) -> None:
     raise TimeoutError(f"{base_url} never became healthy")
 
 
-def deploy_app(name: str, args: dict, port: int, warm: bool = False) -> str:
-    """Deploy the Tandem app under /<name>; returns its base URL once healthy
-    (and, with `warm`, once it has answered a request: `answered_once`)."""
+def deploy_app(name: str, args: dict, port: int) -> str:
+    """Deploy the Tandem app under /<name>; returns its base URL once healthy."""
     from ray import serve
 
     from cluster.app import build_app
@@ -120,45 +119,13 @@ def deploy_app(name: str, args: dict, port: int, warm: bool = False) -> str:
     serve.run(build_app(args), name=name, route_prefix=f"/{name}", blocking=False)
     base = f"http://127.0.0.1:{port}/{name}"
     wait_healthy(base)
-    if warm:
-        answered_once(base, args)
     return base
 
 
-def answered_once(base: str, args: dict) -> None:
-    """A one-token request answered (any status) on every scheduler replica,
-    before the app's tests start. A workaround, not a check: twice in the
-    twenty-ninth session a fresh app's first generation, sent within a second of
-    /health turning 200 and before the pool manager recorded its worker as
-    serving, hung until the request timeout (300 s) while later ones were
-    served; that start-up race is open (see the session's closing note). A
-    request that hangs here is left after WARM_TIMEOUT_S and sent again."""
-    import concurrent.futures
-
-    import httpx
-
-    headers = {"Authorization": f"Bearer {args['api_key']}"} if args.get("api_key") else {}
-
-    def once(_) -> None:
-        for _attempt in range(3):
-            try:
-                httpx.post(f"{base}/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 1}},
-                           headers=headers, timeout=WARM_TIMEOUT_S)
-                return
-            except httpx.TimeoutException:
-                continue
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        list(pool.map(once, range(2 * args.get("scheduler_replicas", 1))))
-
-
-WARM_TIMEOUT_S = 15.0
-
-
-def served_app(name: str, args: dict, port: int, warm: bool = False):
+def served_app(name: str, args: dict, port: int):
     """A module-scoped app fixture's body (`yield from served_app(...)`): the app
     deployed under /<name>, its base URL, then the app and its pool gone."""
-    yield deploy_app(name, args, port, warm)
+    yield deploy_app(name, args, port)
     undeploy_app(name, args["pool_name"])
 
 

@@ -33,7 +33,7 @@ MODEL = "tandem-tiny-qwen2"
 
 @pytest.fixture(scope="module")
 def base_url(serve_port):
-    yield from served_app("conversations", ARGS, serve_port, warm=True)  # (tests/conftest.py answered_once)
+    yield from served_app("conversations", ARGS, serve_port)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def base_url(serve_port):
-    yield from served_app("responses", ARGS, serve_port, warm=True)  # (tests/conftest.py answered_once)
+    yield from served_app("responses", ARGS, serve_port)
 
 
 @pytest.fixture(scope="module")
