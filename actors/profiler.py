@@ -71,6 +71,8 @@ def _decode_row(engine: Engine, prompts: list[list[int]], steps: int) -> tuple[i
 def profile_engine(
     engine: Engine, prompt_lens=(16, 64, 256, 1024), batch_sizes=(1, 4, 16), decode_steps: int = 3
 ) -> EngineProfile:
+    if engine.has_unfinished():  # (its steps would take a live request's tokens: it would wait for ever)
+        raise RuntimeError("profile an engine before its first request, not beside one")
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     profile = EngineProfile(kv_bytes_per_block=engine.runner.kv_cache[0].numel() * engine.runner.kv_cache.element_size())

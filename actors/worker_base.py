@@ -362,7 +362,7 @@ class WorkerBase:
         scheduler replica that started after another had sent requests profiled
         the worker under them, the profile's steps took their tokens, and they
         waited for the rest to their timeout (300 s; a fresh app's first
-        requests, about one start in ten on 2 CPUs)."""
+        requests, in about one start in ten of a one-off probe on 2 CPUs)."""
         self._ensure_started()
         return await asyncio.wrap_future(self._profiled)
 

@@ -80,7 +80,7 @@ def test_a_streamed_response_adds_its_items_and_one_its_client_leaves_adds_none(
     assert _items(client, conversation.id)[1]["id"] == final.output[-1].id
     with httpx.stream("POST", f"{base_url}/v1/responses", json={
             "conversation": conversation.id, "input": "Tell me a story.", "max_output_tokens": 500, "temperature": 0,
-            "stream": True}) as left:  # (greedy, 500 tokens without an EOS: sampled, it ended at once once in CI)
+            "stream": True}) as left:  # (greedy: 500 tokens, no EOS; sampled, it once ended in 4)
         for index, _ in enumerate(left.iter_lines()):
             if index >= 12:
                 break

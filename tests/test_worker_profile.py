@@ -12,7 +12,9 @@ import asyncio
 import pytest
 
 from actors.config import EngineConfig
+from actors.engine import Engine
 from actors.messages import GenerateRequest
+from actors.profiler import profile_engine
 from actors.sampling_params import SamplingParams
 from cluster.token_feeds import TokenFeeds, colocated_events
 from cluster.workers import start_worker
@@ -47,3 +49,10 @@ def test_a_profile_asked_for_while_a_request_runs_takes_none_of_its_tokens(ray_l
     assert events[-1].finished and events[-1].finish_reason == "length"
     assert first.prefill_steps and first.decode and first == second, "run once, the same answer to each"
     assert all(step.seq > first.num_steps for step in stats.prefill_steps), "the stats carry live steps only"
+
+
+def test_the_profile_refuses_an_engine_that_has_a_request(tiny_qwen2_dir):
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=256))
+    engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="before its first request"):
+        profile_engine(engine)
