@@ -54,10 +54,12 @@ from cluster.service import GlobalScheduler
 from cluster.sglang_body import GenerateBody
 from cluster.stored_conversations import ConversationTurn, StoredConversations
 from cluster.stored_responses import StoredResponses
+from cluster.strict_json import StrictJsonRoute
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, chat_answer
 
 log = logging.getLogger("tandem.app")
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
+app.router.route_class = StrictJsonRoute  # a lone surrogate in a body is a 400 (cluster/strict_json.py)
 install_guard(app)  # the API key, the body size limit, errors as JSON (cluster/ingress_guard.py)
 app.include_router(stored_endpoints.router)  # stored responses and conversations (cluster/stored_endpoints.py)
 

@@ -16,8 +16,9 @@ from fastapi import APIRouter, Request
 from cluster.conversations_body import ConversationUpdate, NewConversation, NewItems, checked_items
 from cluster.openai_format import sse_response
 from cluster.responses_format import new_id
+from cluster.strict_json import StrictJsonRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)  # as the app's (cluster/strict_json.py)
 
 
 def _stored(request: Request):

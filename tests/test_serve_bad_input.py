@@ -183,8 +183,13 @@ def test_token_ids_the_model_cannot_take_are_refused_before_routing(base_url):
         (b'{"text": "\\u00ff\\u00fe", "max_new_tokens": 2}', 200),  # JSON escapes are fine text
         (b'{"text": "' + bytes([0xFF, 0xFE]) + b'"}', 400),  # invalid UTF-8
         (b'{"text": "x"' + b" " * (10 * 2**20) + b"}", 413),  # a 10 MB body
+        (b'{"text": "\\ud83d\\ude00", "max_new_tokens": 2}', 200),  # a surrogate pair escaped: one character
+        (b'{"text": "\\\\ud800", "max_new_tokens": 2}', 200),  # an escaped backslash, then text
+        (b'{"text": "\\ud800", "max_new_tokens": 2}', 400),  # a lone surrogate (was a 500)
+        (b'{"text": "' + bytes([0xED, 0xA0, 0x80]) + b'", "max_new_tokens": 2}', 400),  # one as UTF-8 bytes
     ],
-    ids=["bad-json", "empty", "array", "escaped", "invalid-utf8", "10MB"],
+    ids=["bad-json", "empty", "array", "escaped", "invalid-utf8", "10MB", "pair", "backslash", "lone-surrogate",
+         "surrogate-bytes"],
 )
 def test_malformed_and_oversized_bodies(base_url, content, status):
     response = httpx.post(f"{base_url}/generate", content=content, headers={"content-type": "application/json"})
@@ -206,6 +211,26 @@ def test_a_body_that_is_no_json_object_says_what_it_is(base_url, content, conten
     response = httpx.post(f"{base_url}/generate", content=content, headers=headers)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/generate", {"text": "a\ud800"}, "text"),
+    ("/v1/completions", {"prompt": ["fine", "b\udfff"]}, "prompt.1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udbff!"}]}, "messages.0.content"),
+    ("/v1/responses", {"input": "x", "instructions": "\ud800"}, "instructions"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/conversations", {"metadata": {"\ud800": "v"}}, "metadata.\\ud800"),
+])
+def test_a_lone_surrogate_is_refused_where_it_is(base_url, path, body, field):
+    """JSON escapes can spell half a UTF-16 pair, which decodes to no Unicode
+    text: the tokenizer raised a TypeError and the store a UnicodeEncodeError
+    (500s). Now every endpoint refuses it as invalid JSON, naming the field
+    (cluster/strict_json.py)."""
+    content = json.dumps({"model": "tandem-tiny-qwen2", **body}).encode()  # ASCII: the surrogate as its escape
+    response = httpx.post(f"{base_url}{path}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith(f"the body is not valid JSON: {field} holds a lone surrogate"), message
 
 
 def test_a_body_that_is_not_json_says_where(base_url):
