@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import tempfile
 from pathlib import Path
 
 from actors.config import CheckpointError
@@ -74,7 +75,29 @@ def _add_benchmarks(sub) -> None:
         parser = names.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0])
         parser.add_argument("--out", default=f"benchmarks/results/{name}.json", help="JSON results file")
         module.add_arguments(parser)
-        parser.set_defaults(func=module.main)
+        parser.set_defaults(func=_checked_out(module.main))
+
+
+def _checked_out(run):
+    """A benchmark's main, run only once its `--out` can be written: a full run
+    takes minutes to hours, and it wrote its results only at the end (an
+    unwritable path was a traceback then, and the run lost)."""
+
+    def checked(args: argparse.Namespace) -> None:
+        out = Path(args.out)
+        if out.is_dir():
+            raise CliError(f"--out {out} is a folder: give a file's path (results.json)")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=out.parent):  # (a file can be made there: root's access() says yes to all)
+                pass
+        except (FileExistsError, NotADirectoryError):
+            raise CliError(f"cannot write --out {out}: a file stands where its folder would be") from None
+        except OSError as exc:
+            raise CliError(f"cannot write --out {out}: {exc.strerror or exc}") from None
+        run(args)
+
+    return checked
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ import argparse
 import pytest
 
 from benchmarks import arguments
-from cluster.cli import build_parser
+from cluster.cli import build_parser, main
 
 RANGED = {arguments.positive_int, arguments.non_negative_int, arguments.positive_float,
           arguments.non_negative_float, arguments.fraction}
@@ -62,3 +62,19 @@ def test_in_range_values_parse():
     assert args.threads == 0
     args = build_parser().parse_args(["bench", "soak", "--think-s", "0", "--cancel-share", "1"])
     assert (args.think_s, args.cancel_share) == (0.0, 1.0)
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_run(capsys, tmp_path):
+    """A full run takes minutes to hours and writes its results at the end: an
+    unwritable --out was a traceback then, and the run lost."""
+    (tmp_path / "a-file").write_text("")
+    for out, said in ((tmp_path / "a-file" / "results.json",
+                       f"cannot write --out {tmp_path}/a-file/results.json: a file stands where its folder would be"),
+                      (tmp_path, f"--out {tmp_path} is a folder: give a file's path (results.json)")):
+        assert main(["bench", "kernels", "--sections", "none", "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"tandem bench: {said}\n"
+        assert captured.out == ""  # the benchmark did not run
+    fresh = tmp_path / "new" / "folder" / "results.json"
+    assert main(["bench", "kernels", "--sections", "none", "--out", str(fresh)]) == 0
+    assert fresh.exists()  # its folder made, its results written
