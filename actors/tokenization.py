@@ -13,9 +13,16 @@ def load_tokenizer(model_dir: str | Path):
     if not Path(model_dir).is_dir():  # (transformers would take the path for a Hub repo id)
         raise CheckpointError(f"{model_dir}: no such checkpoint folder")
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as exc:  # transformers raises many types for a bad folder
         raise CheckpointError(f"{model_dir}: cannot load tokenizer ({type(exc).__name__}: {exc})") from None
+    # Without its vocabulary files transformers still builds a tokenizer, from the
+    # special tokens alone (a Qwen2 folder without tokenizer.json: 3 tokens), that
+    # encodes every text as no tokens: every prompt was then "empty".
+    if not tokenizer.encode("Hello, world", add_special_tokens=False):
+        raise CheckpointError(f"{model_dir}: the tokenizer encodes no text ({len(tokenizer)} tokens known): is its "
+                              "vocabulary there (tokenizer.json, or vocab.json and merges.txt, or tokenizer.model)?")
+    return tokenizer
 
 
 def encode_prompt(tokenizer, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:

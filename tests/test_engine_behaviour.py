@@ -298,6 +298,13 @@ def test_missing_and_corrupt_checkpoints(tmp_path, tiny_qwen2_dir):
     (broken / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config"):
         Engine(broken)
+    no_vocabulary = tmp_path / "no-vocabulary"
+    no_vocabulary.mkdir()
+    for item in tiny_qwen2_dir.iterdir():
+        if not item.name.startswith("tokenizer"):
+            (no_vocabulary / item.name).write_bytes(item.read_bytes())
+    with pytest.raises(CheckpointError, match="the tokenizer encodes no text"):  # (every prompt was "empty")
+        load_tokenizer(no_vocabulary)
 
 
 def test_abort_frees_blocks(tiny_qwen2_dir):
