@@ -1,7 +1,8 @@
 """The Conversations API's request bodies (`/v1/conversations`): a new
 conversation (its first items, its metadata), new metadata, new items. Items are
 the Responses API's input items, checked as a response's `input` is (only those
-this server can serve: cluster/responses_body.py) and given ids as stored; at
+this server can serve: cluster/responses_body.py) and given ids as stored (an
+id a client gives is one no other item of the conversation has); at
 most `MAX_ITEMS` a request and `MAX_METADATA` metadata pairs, OpenAI's bounds.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cluster.responses_body import item_messages, stored_items
+from cluster.responses_body import check_unique_ids, item_messages, stored_items
 
 MAX_ITEMS = 20
 MAX_METADATA = 16
@@ -19,6 +20,7 @@ MAX_KEY_CHARS, MAX_VALUE_CHARS = 64, 512
 def checked_items(items: list[dict]) -> list[dict]:
     """`items` as stored (each with an id); 400s for one this server cannot serve."""
     item_messages([(f"items.{k}", item) for k, item in enumerate(items)])
+    check_unique_ids(items, param="items")
     return stored_items(items)
 
 

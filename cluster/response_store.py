@@ -45,7 +45,10 @@ over it, those kept stay a whole prefix and no more are added.
 
 What the HTTP endpoints make of all this:
 cluster/stored_responses.py and cluster/stored_conversations.py (this module
-stays light: the actor's process imports it, and so only json and Ray).
+stays light: the actor's process imports it, and so only json and Ray). Each
+answer is what its endpoint shows (a page of items, a response's object), cut
+here: a GET that polls a background response, or pages a long conversation, is
+not sent every item and event each time.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from dataclasses import dataclass
 
 import ray
 
+from cluster.item_pages import Page, items_page
 from cluster.pool_metrics import ResponseStoreMetrics
 
 MIB = 2**20
@@ -210,15 +214,39 @@ class ResponseStore:
             stored.response["status"], stored.beat_s = "in_progress", self.clock()
         return stored.response["status"]
 
-    def cancel(self, response_id: str) -> Stored | None:
+    def cancel(self, response_id: str) -> dict | None:
         """A running response cancelled (its replica stops at its next beat,
         its turn on a conversation ends now, adding nothing); a finished one as
         it is."""
         stored = self.get(response_id)
-        if stored is not None and stored.response["status"] in RUNNING:
+        if stored is None:
+            return None
+        if stored.response["status"] in RUNNING:
             stored.response["status"] = "cancelled"
             self._turn_ends(stored.response, None)
-        return stored
+        return stored.response
+
+    # ---- views: what an endpoint answers alone, not a whole entry (its items, its events) ----
+    def response(self, response_id: str) -> dict | None:
+        stored = self.get(response_id)
+        return None if stored is None else stored.response
+
+    def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> Page | None:
+        stored = self.get(response_id)
+        return None if stored is None else items_page(stored.input_items, limit, order, after)
+
+    def conversation_object(self, conversation_id: str) -> dict | None:
+        kept = self.get_conversation(conversation_id)
+        return None if kept is None else kept.conversation
+
+    def conversation_items(self, conversation_id: str, limit: int, order: str, after: str | None) -> Page | None:
+        kept = self.get_conversation(conversation_id)
+        return None if kept is None else items_page(kept.items, limit, order, after)
+
+    def conversation_item(self, conversation_id: str, item_id: str) -> dict | bool | None:
+        """The item (None: no such conversation; False: no such item in it)."""
+        kept = self.get_conversation(conversation_id)
+        return None if kept is None else next((item for item in kept.items if item["id"] == item_id), False)
 
     def conversation(self, response_id: str) -> Conversation:
         """The items of the conversation up to and with this response: its
@@ -277,19 +305,24 @@ class ResponseStore:
     def delete_conversation(self, conversation_id: str) -> bool:
         return self.get_conversation(conversation_id) is not None and self._drop(conversation_id)
 
-    def add_items(self, conversation_id: str, items: list[dict]) -> KeptConversation | bool | None:
-        """Items added at the conversation's end: the conversation (None: not
-        stored; False: it would be over the bound, and nothing was added)."""
+    def add_items(self, conversation_id: str, items: list[dict]) -> str | bool | None:
+        """Items added at the conversation's end: True (None: not stored; False:
+        it would be over the bound; a string: the id of one the conversation has
+        already; nothing added then)."""
         kept = self.get_conversation(conversation_id)
         if kept is None:
             return None
+        held = {item["id"] for item in kept.items}
+        clash = next((item["id"] for item in items if item["id"] in held), None)
+        if clash is not None:
+            return clash
         if not self._grow(kept, sum(map(_size, items))):
             return False
         kept.items += items
-        return kept
+        return True
 
-    def delete_item(self, conversation_id: str, item_id: str) -> KeptConversation | bool | None:
-        """An item taken out: the conversation (None: not stored; False: it has no such item)."""
+    def delete_item(self, conversation_id: str, item_id: str) -> dict | bool | None:
+        """An item taken out: the conversation's object (None: not stored; False: it has no such item)."""
         kept = self.get_conversation(conversation_id)
         if kept is None:
             return None
@@ -297,7 +330,7 @@ class ResponseStore:
         if index is None:
             return False
         self._grow(kept, -_size(kept.items.pop(index)))
-        return kept
+        return kept.conversation
 
     def begin_turn(self, conversation_id: str, response_id: str, lease_s: float) -> Conversation:
         """A response's turn on the conversation, held for it at most `lease_s`
@@ -314,11 +347,12 @@ class ResponseStore:
     def end_turn(self, conversation_id: str, response_id: str, items: list[dict] | None) -> bool:
         """The response's turn over, its `items` added (None: it adds none,
         having failed, been cancelled or left); False if the conversation is no
-        longer stored or they would be over the bound (then added are none)."""
+        longer stored, they would be over the bound, or one's id is one it has
+        (added by id while the response ran): then added are none."""
         kept = self.get_conversation(conversation_id)
         if kept is not None and kept.turn_id == response_id:
             kept.turn_id = None
-        return kept is not None and (items is None or self.add_items(conversation_id, items) is not False)
+        return kept is not None and (items is None or self.add_items(conversation_id, items) is True)
 
     def _is_lost(self, stored: Stored) -> bool:
         return stored.response["status"] in RUNNING and self.clock() - stored.beat_s > LOST_AFTER_S

@@ -11,6 +11,8 @@ Items of `input` (a string is one user message):
   assistant message before it, as a chat assistant turn carries its calls, and
   its `function_call_output` (a `tool` message answering `call_id`);
 - `reasoning`: left out of the prompt (chat templates drop past reasoning too).
+An item may carry its id (a client sending back an output item): one another
+item has, in `input` or in what it goes on from, is OpenAI's 400.
 `instructions` is a system message put first. A function tool's `strict` is true
 unless it says false (OpenAI's default here, unlike chat's): its calls are then
 held to its schema.
@@ -25,7 +27,8 @@ than a prompt may be (cluster/conversation_truncation.py). `store` (true unless
 it says false) keeps the finished response. `background: true` answers at once
 with the response queued, and serves it on (cluster/background_responses.py);
 with `stream`, its events, which a broken stream resumes. `include: ["message.output_text.logprobs"]` (or
-`top_logprobs`) gives the text's logprobs.
+`top_logprobs`) gives the text's logprobs; `include`'s other values (OpenAI's)
+are taken and add nothing.
 
 Refused with a 400, since serving without them would answer another request:
 `prompt` templates, tools other than functions (hosted ones: web search, files, computer
@@ -47,6 +50,14 @@ from cluster.responses_format import new_id
 TEXT_PARTS = {"input_text", "output_text", "text"}
 ROLES = {"user", "assistant", "system", "developer"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# OpenAI's values of `include`: all taken (a misspelt one is a 400, as there);
+# only the logprobs add to an answer, the rest are of tools and inputs this
+# server has not (reasoning is not encrypted: a reasoning item sent back is
+# left out of the prompt).
+IncludeValue = Literal[LOGPROBS_INCLUDE, "reasoning.encrypted_content", "web_search_call.action.sources",
+                       "web_search_call.results", "code_interpreter_call.outputs",
+                       "computer_call_output.output.image_url", "file_search_call.results",
+                       "message.input_image.image_url"]
 ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
@@ -86,7 +97,7 @@ class ResponsesBody(RequestBody):
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    include: list[str] | None = None
+    include: list[IncludeValue] | None = None
     stream: bool = False
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -150,6 +161,7 @@ class ResponsesBody(RequestBody):
         the stored conversation it continues, `history_name`'s); 400s where the
         items or tools are not ones this server can serve."""
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        check_unique_ids(items, history)
         instructions = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         messages = instructions + item_messages([*((f"{history_name}'s item {k}", item)
                                                    for k, item in enumerate(history)),
@@ -188,6 +200,22 @@ def stored_items(items: list[dict]) -> list[dict]:
             item = {**item, **_message_item(item["role"], item["content"]), "id": item["id"]}
         kept.append(item)
     return kept
+
+
+def check_unique_ids(items: list, earlier: list[dict] = (), param: str = "input") -> None:
+    """A 400, OpenAI's, for an item whose id another has, in `items` (as a
+    client sent them: an id is optional) or in the `earlier` items they go on
+    from: GET and DELETE by id would find only the first, and OpenAI refuses
+    it too (a client that sends back an output item it was given, with its id,
+    as new input)."""
+    seen = {item.get("id") for item in earlier}
+    for item in items:
+        item_id = item.get("id") if isinstance(item, dict) else None
+        if isinstance(item_id, str):
+            if item_id in seen:
+                raise ApiError(400, f"Duplicate item found with id {item_id}. Remove duplicate items from your input "
+                                    "and try again.", param=param)
+            seen.add(item_id)
 
 
 def item_messages(labelled: list[tuple[str, dict]]) -> list[dict]:

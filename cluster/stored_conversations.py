@@ -25,8 +25,8 @@ import contextlib
 
 from actors.background import background_task
 from cluster.api_models import ApiError
-from cluster.response_store import KeptConversation
-from cluster.stored_responses import StoredResponses, check_page, listed, page_of
+from cluster.item_pages import listed
+from cluster.stored_responses import StoredResponses, check_page, listed_page
 
 TURN_MARGIN_S = 60.0  # a turn's lease past the request's timeout (a background response waits to be admitted)
 
@@ -45,8 +45,9 @@ class StoredConversations:
                           _too_large("items"))
         return conversation
 
-    async def get(self, conversation_id: str) -> KeptConversation:
-        return await self._found(conversation_id, lambda store: store.get_conversation.remote(conversation_id))
+    async def get(self, conversation_id: str) -> dict:
+        """The conversation's object (GET's answer)."""
+        return await self._found(conversation_id, lambda store: store.conversation_object.remote(conversation_id))
 
     async def update(self, conversation_id: str, metadata: dict) -> dict:
         return await self._found(conversation_id,
@@ -60,26 +61,28 @@ class StoredConversations:
 
     async def add_items(self, conversation_id: str, items: list[dict]) -> dict:
         """The items added, as OpenAI lists them."""
-        await self._found(conversation_id, lambda store: store.add_items.remote(conversation_id, items),
-                          _too_large("items"))
+        added = await self._found(conversation_id, lambda store: store.add_items.remote(conversation_id, items),
+                                  _too_large("items"))
+        if isinstance(added, str):
+            raise ApiError(400, f"Duplicate item found with id {added}: the conversation has one. Remove duplicate "
+                                "items from your input and try again.", param="items")
         return listed(items)
 
     async def items(self, conversation_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
         check_page(limit, order)
-        return page_of((await self.get(conversation_id)).items, limit, order, after,
-                       f"conversation {conversation_id!r}")
+        page = await self._found(conversation_id, lambda store: store.conversation_items.remote(
+            conversation_id, limit, order, after))
+        return listed_page(page, after, f"conversation {conversation_id!r}")
 
     async def item(self, conversation_id: str, item_id: str) -> dict:
-        item = next((item for item in (await self.get(conversation_id)).items if item.get("id") == item_id), None)
-        if item is None:
-            raise _item_not_found(conversation_id, item_id)
-        return item
+        return await self._found(conversation_id,
+                                 lambda store: store.conversation_item.remote(conversation_id, item_id),
+                                 _item_not_found(conversation_id, item_id))
 
     async def delete_item(self, conversation_id: str, item_id: str) -> dict:
         """The conversation without the item (OpenAI answers the conversation)."""
-        kept = await self._found(conversation_id, lambda store: store.delete_item.remote(conversation_id, item_id),
+        return await self._found(conversation_id, lambda store: store.delete_item.remote(conversation_id, item_id),
                                  _item_not_found(conversation_id, item_id))
-        return kept.conversation
 
     async def turn(self, conversation_id: str, response_id: str) -> ConversationTurn:
         """`response_id`'s turn on the conversation, begun: its items, to go on

@@ -37,7 +37,7 @@ async def stored_response(request: Request, response_id: str, stream: bool = Fal
     if stream:
         events = await _stored(request).replay(response_id, starting_after)
         return sse_response(events)
-    return (await _stored(request).get(response_id)).response
+    return await _stored(request).get(response_id)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -67,7 +67,7 @@ async def create_conversation(request: Request, body: NewConversation | None = N
 
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(request: Request, conversation_id: str):
-    return (await _conversations(request).get(conversation_id)).conversation
+    return await _conversations(request).get(conversation_id)
 
 
 @router.post("/v1/conversations/{conversation_id}")

@@ -12,7 +12,7 @@ import asyncio
 import ray
 
 from cluster.api_models import ApiError
-from cluster.response_store import Stored
+from cluster.item_pages import Page, listed
 
 MAX_LISTED = 100  # input_items' `limit`, as OpenAI bounds it
 REPLAY_S = 0.1  # how often a replayed stream asks the store for its response's next events
@@ -115,19 +115,20 @@ class StoredResponses:
     async def cancel(self, response_id: str) -> dict:
         """OpenAI's cancel: a background response's state once cancelled (one
         finished already: as it is; cancelling twice is the same)."""
-        stored = await self.call(lambda store: store.cancel.remote(response_id)) if self.enabled else None
-        if stored is None:
+        response = await self.call(lambda store: store.cancel.remote(response_id)) if self.enabled else None
+        if response is None:
             raise _not_found(response_id)
-        if not stored.response.get("background"):  # (finished when stored: the store's cancel left it so)
+        if not response.get("background"):  # (finished when stored: the store's cancel left it so)
             raise ApiError(400, f"Response with id {response_id!r} is not a background one: only background "
                                 "responses can be cancelled", param="response_id")
-        return stored.response
+        return response
 
-    async def get(self, response_id: str) -> Stored:
-        stored = await self.call(lambda store: store.get.remote(response_id)) if self.enabled else None
-        if stored is None:
+    async def get(self, response_id: str) -> dict:
+        """The response's object (GET's answer)."""
+        response = await self.call(lambda store: store.response.remote(response_id)) if self.enabled else None
+        if response is None:
             raise _not_found(response_id)
-        return stored
+        return response
 
     async def delete(self, response_id: str) -> dict:
         if not (self.enabled and await self.call(lambda store: store.delete.remote(response_id))):
@@ -139,7 +140,11 @@ class StoredResponses:
         """A page of a response's input items, as OpenAI lists them (newest
         first unless `order` is "asc"; `after` an item id of the page before)."""
         check_page(limit, order)
-        return page_of((await self.get(response_id)).input_items, limit, order, after, f"response {response_id!r}")
+        page = await self.call(lambda store: store.input_items.remote(response_id, limit, order, after)) \
+            if self.enabled else None
+        if page is None:
+            raise _not_found(response_id)
+        return listed_page(page, after, f"response {response_id!r}")
 
 
 def check_page(limit: int, order: str) -> None:
@@ -149,21 +154,12 @@ def check_page(limit: int, order: str) -> None:
         raise ApiError(400, f"order: 'asc' or 'desc', not {order!r}", param="order")
 
 
-def page_of(items: list[dict], limit: int, order: str, after: str | None, owner: str) -> dict:
-    """A page of items as OpenAI lists them (newest first unless `order` is
-    "asc"; `after` an item id of the page before, in `owner`)."""
-    items = items if order == "asc" else items[::-1]
-    start = 0
-    if after is not None:
-        start = next((k + 1 for k, item in enumerate(items) if item["id"] == after), None)
-        if start is None:
-            raise ApiError(400, f"after: no item {after!r} in {owner}", param="after")
-    return listed(items[start:start + limit], has_more=start + limit < len(items))
-
-
-def listed(items: list[dict], has_more: bool = False) -> dict:
-    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+def listed_page(page: Page, after: str | None, owner: str) -> dict:
+    """A page (cluster/item_pages.py) as OpenAI lists it; a 400 where `after`
+    names no item of `owner`."""
+    if not page.after_found:
+        raise ApiError(400, f"after: no item {after!r} in {owner}", param="after")
+    return listed(page.items, page.has_more)
 
 
 def _not_found(response_id: str) -> ApiError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 
 import pytest
 
@@ -31,9 +32,13 @@ def _conversation(conversation_id: str) -> dict:
     return {"id": conversation_id, "object": "conversation", "created_at": 0, "metadata": {}}
 
 
+def _item_id(text: str) -> str:
+    return f"msg_{zlib.crc32(text.encode()):08x}"  # (one a text: unique, as the store's are)
+
+
 def _item(text: str, role: str = "user") -> dict:
     kind = "output_text" if role == "assistant" else "input_text"
-    return {"type": "message", "id": f"msg_{text[:8]}", "role": role, "status": "completed",
+    return {"type": "message", "id": _item_id(text), "role": role, "status": "completed",
             "content": [{"type": kind, "text": text}]}
 
 
@@ -62,16 +67,50 @@ def test_items_are_added_listed_and_deleted_and_their_bytes_counted():
     store = ResponseStore(max_bytes=1 << 20)
     assert store.create_conversation(_conversation("conv_a"), [_item("one")])
     assert store.num_bytes == _size(_conversation("conv_a")) + _size(_item("one"))
-    kept = store.add_items("conv_a", [_item("two"), _item("three", "assistant")])
-    assert _texts(kept.items) == ["one", "two", "three"] and _counted(store)
+    assert store.add_items("conv_a", [_item("two"), _item("three", "assistant")]) is True
+    assert _texts(store.get_conversation("conv_a").items) == ["one", "two", "three"] and _counted(store)
     assert store.update_conversation("conv_a", {"topic": "numbers"})["metadata"] == {"topic": "numbers"}
     assert _counted(store) and store.get_conversation("conv_a").conversation["metadata"] == {"topic": "numbers"}
-    assert _texts(store.delete_item("conv_a", "msg_two").items) == ["one", "three"] and _counted(store)
-    assert store.delete_item("conv_a", "msg_two") is False and store.delete_item("conv_x", "msg_one") is None
+    assert store.delete_item("conv_a", _item_id("two"))["id"] == "conv_a"
+    assert _texts(store.get_conversation("conv_a").items) == ["one", "three"] and _counted(store)
+    assert store.delete_item("conv_a", _item_id("two")) is False
+    assert store.delete_item("conv_x", _item_id("one")) is None
     assert store.add_items("conv_x", [_item("x")]) is None and store.update_conversation("conv_x", {}) is None
     assert store.stats()["conversations"] == 1 and store.stats()["responses"] == 0
     assert store.delete_conversation("conv_a") and not store.delete_conversation("conv_a")
     assert store.num_bytes == 0 and store.stats()["conversations"] == 0
+
+
+def test_an_endpoint_is_answered_its_page_or_object_alone():
+    """What crosses from the actor is what GET shows: a page of items, one
+    item, the object; not the whole conversation each call."""
+    store = ResponseStore(max_bytes=1 << 20)
+    store.create_conversation(_conversation("conv_a"), [_item(f"line {k}") for k in range(5)])
+    newest = store.conversation_items("conv_a", 2, "desc", None)
+    assert _texts(newest.items) == ["line 4", "line 3"] and newest.has_more
+    rest = store.conversation_items("conv_a", 10, "desc", newest.items[-1]["id"])
+    assert _texts(rest.items) == ["line 2", "line 1", "line 0"] and not rest.has_more
+    assert _texts(store.conversation_items("conv_a", 2, "asc", _item_id("line 2")).items) == ["line 3", "line 4"]
+    assert not store.conversation_items("conv_a", 2, "asc", "msg_none").after_found
+    assert store.conversation_items("conv_x", 2, "asc", None) is None
+    assert store.conversation_item("conv_a", _item_id("line 1")) == _item("line 1")
+    assert store.conversation_item("conv_a", "msg_none") is False and store.conversation_item("conv_x", "m") is None
+    assert store.conversation_object("conv_a") == _conversation("conv_a") and store.conversation_object("x") is None
+    store.put(_response("resp_a", "completed", "hi", None), [_item("ask")])
+    assert store.response("resp_a")["output"] == [_item("hi", "assistant")] and store.response("resp_x") is None
+    assert _texts(store.input_items("resp_a", 20, "desc", None).items) == ["ask"]
+    assert store.input_items("resp_x", 20, "desc", None) is None
+
+
+def test_items_with_an_id_the_conversation_has_are_not_added():
+    store = ResponseStore(max_bytes=1 << 20)
+    store.create_conversation(_conversation("conv_a"), [_item("one")])
+    assert store.add_items("conv_a", [_item("two"), _item("one")]) == _item_id("one")
+    assert _texts(store.get_conversation("conv_a").items) == ["one"] and _counted(store)
+    assert store.begin_turn("conv_a", "resp_a", 60.0).items
+    assert store.end_turn("conv_a", "resp_a", [_item("one", "assistant")]) is False  # (its turn ends all the same)
+    kept = store.get_conversation("conv_a")
+    assert kept.turn_id is None and _texts(kept.items) == ["one"]
 
 
 def test_a_growing_conversation_evicts_the_least_recently_used_but_never_itself():
@@ -155,7 +194,7 @@ def test_a_background_responses_turn_ends_as_it_does():
         store.put(_response(f"resp_{name}", "queued", "", f"conv_{name}"), [_item(f"ask {name}")])
     assert store.finish(_response("resp_done", "completed", "answer", "conv_done"), [_item("ask done")])
     assert _texts(store.get_conversation("conv_done").items) == ["ask done", "answer"]
-    assert store.cancel("resp_cancelled").response["status"] == "cancelled"
+    assert store.cancel("resp_cancelled")["status"] == "cancelled"
     assert store.delete("resp_deleted")
     clock.now_s = LOST_AFTER_S - 1
     assert store.begin_turn("conv_lost", "resp_next", 600.0).running_id == "resp_lost"

@@ -174,7 +174,7 @@ def test_a_background_response_runs_beats_and_finishes_unless_cancelled_or_lost(
     assert [store.beat(name) for name in ("done", "cancelled")] == ["in_progress", "in_progress"]
     assert store.finish({**_response("done", None, "answer"), "status": "completed"}, _asked("done"))
     assert _texts(store.conversation("done").items) == ["done", "answer"]
-    assert store.cancel("cancelled").response["status"] == "cancelled"
+    assert store.cancel("cancelled")["status"] == "cancelled"
     assert store.beat("cancelled") == "cancelled", "its replica hears of it at its next beat"
     assert not store.finish({**_response("cancelled", None, "late"), "status": "completed"}, _asked("x"))
     assert store.get("cancelled").response["status"] == "cancelled" and store.cancel("cancelled") is not None

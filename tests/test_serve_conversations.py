@@ -199,6 +199,8 @@ def test_a_conversations_items_are_paged_found_and_deleted_and_it_is_updated_and
     ("/v1/conversations/conv_none/items", {"items": []}, "items"),
     ("/v1/conversations/conv_none/items", {"items": [{"role": "user", "content": "x"}]}, "not found"),
     ("/v1/conversations/conv_none", {"metadata": {}}, "not found"),
+    ("/v1/conversations", {"items": [{"id": "msg_1", "role": "user", "content": "x"}] * 2}, "Duplicate item"),
+    ("/v1/responses", {"input": [{"id": "msg_1", "role": "user", "content": "x"}] * 2}, "Duplicate item"),
     ("/v1/responses", {"input": "x", "conversation": "conv_a", "previous_response_id": "resp_a"}, "give one"),
     ("/v1/responses", {"input": "x", "conversation": {"name": "c"}}, "conversation"),
     ("/v1/responses", {"input": "x", "conversation": "conv_none"}, "not found"),
@@ -206,3 +208,21 @@ def test_a_conversations_items_are_paged_found_and_deleted_and_it_is_updated_and
 def test_bad_requests_are_4xx_with_a_message(base_url, path, body, message):
     response = httpx.post(f"{base_url}{path}", json=body)
     assert 400 <= response.status_code < 500 and message in response.json()["error"]["message"], response.text
+
+
+def test_an_item_whose_id_the_conversation_has_is_refused_and_nothing_is_added(client, base_url):
+    """OpenAI's 400 (a client sending back an output item, id and all, as new
+    input): GET and DELETE by id would find only the first of two."""
+    conversation = client.conversations.create(items=[{"id": "msg_mine", "role": "user", "content": "hello"}])
+    again = {"id": "msg_mine", "type": "message", "role": "user", "content": "hello again"}
+    added = httpx.post(f"{base_url}/v1/conversations/{conversation.id}/items", json={"items": [again]})
+    assert added.status_code == 400 and "Duplicate item found with id msg_mine" in added.json()["error"]["message"]
+    answer = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, "conversation": conversation.id,
+                                                          "input": [again], "max_output_tokens": 2})
+    assert answer.status_code == 400 and "msg_mine" in answer.json()["error"]["message"], answer.text
+    assert _texts(_items(client, conversation.id)) == ["hello"]
+    response = client.responses.create(model=MODEL, conversation=conversation.id, input="go on", max_output_tokens=2)
+    output_item = response.output[0].model_dump(exclude_none=True)  # (the conversation was freed)
+    sent_back = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, "previous_response_id": response.id,
+                                                             "input": [output_item], "max_output_tokens": 2})
+    assert sent_back.status_code == 400 and output_item["id"] in sent_back.json()["error"]["message"]

@@ -155,6 +155,7 @@ def test_logprobs_of_the_output_text(client):
         "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}]}, "multipleOf"),
     ({"input": "x", "model": "gpt-4o"}, "not found"),
     ({"input": ""}, "input"),
+    ({"input": "x", "include": ["message.output_text.logprob"]}, "'message.output_text.logprobs'"),
 ])
 def test_requests_it_cannot_serve_are_refused(base_url, body, message):
     response = httpx.post(f"{base_url}/v1/responses", json=body)
