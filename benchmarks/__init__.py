@@ -22,4 +22,5 @@ BENCHMARKS = {
     "structured": "benchmarks.structured",
     "speculative": "benchmarks.speculative",
     "responses": "benchmarks.responses",
+    "store-pages": "benchmarks.store_pages",
 }
