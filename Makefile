@@ -28,7 +28,7 @@ serve: kernels
 	$(BIN)/serve run manifests/local.yaml
 
 test: kernels
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

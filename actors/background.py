@@ -11,9 +11,12 @@ What serves more than the request that happens to start it is started here, in a
 context of its own: a scheduler replica's token feed to a worker and its
 membership refresh, the report of a dead worker (the pool starts its
 replacement), the pool manager's health and control loops, a prefill worker's
-channel to a decode worker, a worker's watchdogs. A feed made in a request's
-context went with that request, failing every other request on it
-(tests/test_token_feeds.py). Checked on this machine: a streaming call made in a
+channel to a decode worker, a worker's watchdogs, and the abort a request sends
+its workers as it ends unfinished. A feed made in a request's context went with
+that request, failing every other request on it (tests/test_token_feeds.py).
+The abort was made in the request's context once: in one CI run of that test a
+cancelled request's worker went on generating, whether because Ray's cancel of
+the request's calls reached it too or otherwise was not seen. Checked on this machine: a streaming call made in a
 request's context ended in TaskCancelledError when the request was cancelled;
 made in a fresh context, or in one copied outside any request, it kept running.
 """

@@ -212,6 +212,12 @@ class DecodeWorker(WorkerBase):
         the last chunk activated it, P is no longer needed and decoding goes on.
         Returns whether the request was dropped."""
         self._ensure_started()
+        return await self._drop_pending(request_id, reason)
+
+    async def _drop_pending(self, request_id: str, reason: str) -> bool:
+        """Drop a request still waiting for its KV; whether it was. Checked as it is
+        dropped, with no await between: a request its last chunk activated since an
+        earlier look is decoding, and is left alone."""
         with self._pending_lock:
             waiting = request_id in self._pending
         if waiting:
@@ -226,8 +232,10 @@ class DecodeWorker(WorkerBase):
             with self._pending_lock:
                 pending = list(self._pending.items())
             expired = [rid for rid, p in pending if now - p.created_s > self.options.reservation_ttl_s]
+            # The snapshot goes stale at each await: a request whose last chunk came in
+            # meanwhile is decoding and must not be dropped (_drop_pending checks).
             for rid in expired:
-                await self._drop(rid, f"reservation expired after {self.options.reservation_ttl_s:.0f}s")
+                await self._drop_pending(rid, f"reservation expired after {self.options.reservation_ttl_s:.0f}s")
             handles = {id(p.prefill_handle): p.prefill_handle for _, p in pending if p.prefill_handle is not None}
             handles.update({id(h): h for h in self._channel_owners.values()})
             for key, handle in handles.items():
@@ -235,7 +243,7 @@ class DecodeWorker(WorkerBase):
                     continue
                 for rid, p in pending:
                     if id(p.prefill_handle) == key:
-                        await self._drop(rid, "prefill worker died before the transfer finished")
+                        await self._drop_pending(rid, "prefill worker died before the transfer finished")
                 for name, owner in list(self._channel_owners.items()):
                     if id(owner) == key:
                         await self.close_channel(name)

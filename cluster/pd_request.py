@@ -22,6 +22,7 @@ import asyncio
 
 import ray
 
+from actors.background import background_call
 from actors.deadlines import within
 from actors.messages import (GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, WorkerDied,
                              error_message)
@@ -81,9 +82,9 @@ class DisaggregatedCall:
             if not finished:
                 if prefill_task is not None:
                     prefill_task.cancel()
-                await asyncio.gather(
-                    self.prefill.abort.remote(request_id), self.decode.abort.remote(request_id), return_exceptions=True
-                )
+                # Made outside the request, which Ray may be cancelling with its calls.
+                aborts = background_call(lambda: [w.abort.remote(request_id) for w in (self.prefill, self.decode)])
+                await asyncio.gather(*aborts, return_exceptions=True)
             if self.feeds is None:
                 await feeds.close()
 

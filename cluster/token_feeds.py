@@ -187,5 +187,6 @@ async def colocated_events(feeds: TokenFeeds, worker, request: GenerateRequest):
                 finished = event.finished
                 yield event
     finally:
-        if not finished:
-            await asyncio.gather(worker.abort.remote(request.request_id), return_exceptions=True)
+        if not finished:  # made outside the request, which Ray may be cancelling with its calls
+            await asyncio.gather(background_call(lambda: worker.abort.remote(request.request_id)),
+                                 return_exceptions=True)

@@ -259,6 +259,36 @@ def test_prefill_dies_after_the_transfer_decode_goes_on(ray_local, tiny_qwen2_di
     wait_idle(d)
 
 
+def test_a_death_seen_after_the_last_chunk_leaves_the_request_decoding(ray_local, tiny_qwen2_dir):
+    """D's watchdog looks at its reservations, then pings their prefill workers; a
+    transfer may finish while it waits. Here the ping answers "dead" only once the
+    last chunk is in: the request, decoding by then, is not dropped. It was, from the
+    watchdog's earlier look (a CI run of the test above saw it)."""
+    p, d = start("prefill", "p-late-death", tiny_qwen2_dir), start("decode", "d-late-death", tiny_qwen2_dir)
+
+    def death_seen_late(worker):
+        is_dead = worker._is_dead
+
+        async def answer(ping) -> bool:
+            if not worker._pending:
+                return await is_dead(ping)
+            worker.waited_for_transfer = True
+            while worker._pending:
+                await asyncio.sleep(0.01)
+            return True
+
+        worker.waited_for_transfer = False
+        worker._is_dead = answer
+
+    ray.get(d.__ray_call__.remote(death_seen_late))
+    request = GenerateRequest("late-death", LONG_PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    events = asyncio.run(asyncio.wait_for(consume(DisaggregatedCall(p, d, request, "gloo")), timeout=60))
+    assert ray.get(d.__ray_call__.remote(lambda worker: worker.waited_for_transfer))
+    assert events[-1].finished and events[-1].error is None
+    assert sum(len(e.token_ids) for e in events) == 8
+    wait_idle(d)
+
+
 def test_prefill_dead_before_the_request_ends_it_clearly(ray_local, tiny_qwen2_dir):
     p, d = start("prefill", "p-before", tiny_qwen2_dir), start("decode", "d-before", tiny_qwen2_dir)
     ray.kill(p)
