@@ -58,6 +58,7 @@ from cluster.strict_json import StrictJsonRoute
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, chat_answer
 
 log = logging.getLogger("tandem.app")
+SHUTDOWN_MARGIN_S = 10.0  # a stopping replica's grace past the request timeout (build_app)
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
 app.router.route_class = StrictJsonRoute  # a lone surrogate in a body is a 400 (cluster/strict_json.py)
 install_guard(app)  # the API key, the body size limit, errors as JSON (cluster/ingress_guard.py)
@@ -549,4 +550,12 @@ class Scheduler:
 def build_app(args: dict):
     """Serve's application builder: `import_path: cluster.app:build_app`."""
     settings = AppSettings.model_validate(args)
-    return Scheduler.options(num_replicas=settings.scheduler_replicas).bind(settings.model_dump())
+    # A replica that Serve stops (a redeploy, fewer replicas, `serve shutdown`) takes
+    # no new request and finishes those it has: each ends within the request timeout,
+    # where Serve's default grace of 20 s would cut a long stream short. It checks for
+    # them every quarter second (Serve's default waits 2 s even when it has none).
+    return Scheduler.options(
+        num_replicas=settings.scheduler_replicas,
+        graceful_shutdown_timeout_s=settings.limits.request_timeout_s + SHUTDOWN_MARGIN_S,
+        graceful_shutdown_wait_loop_s=0.25,
+    ).bind(settings.model_dump())

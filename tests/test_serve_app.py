@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ import openai
 import pydantic
 import pytest
 import ray
+from ray import serve
 
 from actors.llm import LLM
 from actors.model_builder import ensure_checkpoint
@@ -660,3 +662,30 @@ def test_fuzzed_requests_from_the_openapi_schema_never_get_a_5xx(base_url):
         check()
     assert httpx.post(f"{base_url}/generate", json={"text": "alive", "max_new_tokens": 2}).status_code == 200
     wait_workers_idle(ARGS["pool_name"])
+
+
+def test_a_stopping_replica_finishes_the_stream_it_serves(base_url):
+    """Serve stops a scheduler replica (here the app is deleted; a redeploy or fewer
+    replicas stop one the same way) while it streams: the stream runs to its last
+    token and [DONE], and the stop waits for it (cluster/app.py's build_app). The
+    module's last test: the app is gone after it."""
+    lines, started = [], threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "keep going", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    serve.delete("main")  # returns once the replica has stopped
+    assert not reader.is_alive()  # the stream had ended by then
+    reader.join()
+    assert lines[-1] == "[DONE]"
+    assert json.loads(lines[-2])["usage"]["completion_tokens"] == 200
+    assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "length"
