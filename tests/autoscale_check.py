@@ -49,7 +49,7 @@ SETTINGS = {
     "decode": {**POOL, "label_selector": {"tandem/role": "decode"}},
     "slo": {"ttft_ms": 60000, "tbt_ms": 5000, "attainment": 0.9, "early_rejection": False},
     "limits": {"request_timeout_s": 90},
-    "autoscaling": {"interval_s": 1.0, "window_s": 20, "scale_up_cooldown_s": 5, "scale_down_cooldown_s": 15,
+    "autoscaling": {"interval_s": 1.0, "window_s": 10, "scale_up_cooldown_s": 5, "scale_down_cooldown_s": 15,
                     "prefill_backlog_up_tokens": 3000, "prefill_backlog_down_tokens": 300,
                     "kv_usage_up": 0.12, "kv_usage_down": 0.03, "drain_grace_s": 2.0},
     "pool_name": "autoscale-check-pool",
