@@ -366,6 +366,14 @@ class WorkerBase:
         self._ensure_started()
         return await asyncio.wrap_future(self._profiled)
 
+    async def profile_error(self) -> str | None:
+        """Why the start-up profile failed (the engine could not run its first
+        steps, so neither will it run a request's), at once: None while it runs and
+        once it has run."""
+        self._ensure_started()
+        error = self._profiled.exception() if self._profiled.done() else None
+        return None if error is None else f"{type(error).__name__}: {error}"
+
     async def shutdown(self) -> None:
         if self.loop is not None:
             self.loop.stop()

@@ -153,10 +153,8 @@ class Scheduler:
     @app.get("/health")
     async def health(self):
         self._ensure_refreshing()
-        if not self.service.ready:
-            return JSONResponse({"status": "starting"}, status_code=503)
-        roles = sorted({m.role for m in self.service.members.values()})
-        return {"status": "ready", "pools": roles, "workers": len(self.service.members)}
+        status, body = self.service.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics(self):

@@ -77,6 +77,7 @@ class GlobalScheduler:
         self.cache_cursors: dict[str, Cursor] = {}  # worker_id -> where this replica read its cache events to
         self.store_index = StoreIndex(kv_seed, settings.kv_store.store_settings()) if settings.kv_store else None
         self.profiled: set[str] = set()
+        self.profile_errors: dict[str, str] = {}  # worker_id -> why its start-up profile failed (never routed)
         self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
         self.ready = False
         self._ids = itertools.count()
@@ -89,7 +90,7 @@ class GlobalScheduler:
         """Members from the pool manager; stats (and a start-up profile) per worker."""
         members = await self.pool.list_members.remote()
         self.members = {m.worker_id: m for m in members}
-        for gone in (set(self.stats) | self.profiled) - set(self.members):
+        for gone in (set(self.stats) | self.profiled | set(self.profile_errors)) - set(self.members):
             self._forget(gone)
         results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
         for member, stats in zip(members, results):
@@ -138,6 +139,18 @@ class GlobalScheduler:
             # AttributeError: a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
 
+    def health(self) -> tuple[int, dict]:
+        """/health's status code and body: 503 "starting" until a worker of each
+        role needed can be routed, then 200 "ready"; either names the workers whose
+        start-up profile failed ("failing"), which get no requests."""
+        body: dict = {"status": "starting"}
+        if self.ready:
+            body = {"status": "ready", "pools": sorted({m.role for m in self.members.values()}),
+                    "workers": len(self.members)}
+        if self.profile_errors:
+            body["failing"] = dict(sorted(self.profile_errors.items()))
+        return (200 if self.ready else 503), body
+
     def _apply_cache_events(self, worker_id: str, batch: CacheEvents) -> None:
         """A worker's prefix-cache events since this replica's cursor, or a snapshot
         of its cache (a first read, or one that fell behind its log)."""
@@ -150,7 +163,7 @@ class GlobalScheduler:
         about the old workers (cost models, prefix indexes, stats) carries over."""
         self.pool = pool
         self.ready = False
-        for worker_id in set(self.members) | set(self.stats) | self.profiled:
+        for worker_id in set(self.members) | set(self.stats) | self.profiled | set(self.profile_errors):
             self._forget(worker_id)
         self.members = {}
 
@@ -160,6 +173,7 @@ class GlobalScheduler:
         self.prefix.pop(worker_id, None)
         self.cache_cursors.pop(worker_id, None)
         self.profiled.discard(worker_id)
+        self.profile_errors.pop(worker_id, None)
         self.num_routed.pop(worker_id, None)
         self.models.forget(worker_id)
         self.lines.forget(worker_id)
@@ -172,19 +186,36 @@ class GlobalScheduler:
         a peer's fitted models and is routable at once, without waiting for its
         own profile, which ran on cores the load that made us scale up keeps busy
         (it would make it look slower than it is). Live timings refit both (a
-        P's prefill steps, a D's token gaps) and a P's TTFT bias."""
+        P's prefill steps, a D's token gaps) and a P's TTFT bias.
+
+        A worker whose own profile failed (its engine could not step) is never
+        routed, seeded or not: /health names it, with why (`profile_errors`), and
+        the log says it once."""
         for member in members:
-            if member.worker_id in self.profiled or member.worker_id not in self.stats:
+            worker_id = member.worker_id
+            if worker_id in self.profiled or worker_id not in self.stats or worker_id in self.profile_errors:
                 continue
             peer = next((w for w in self.profiled if w in self.members and self.members[w].role == member.role), None)
-            if peer is not None:
-                self.models.seed_from(peer, member.worker_id)
-                self.profiled.add(member.worker_id)
-                continue
+            error = None
             try:
-                profile = await member.handle.profile.remote()
+                if peer is None:
+                    profile = await member.handle.profile.remote()
+                else:
+                    error = await member.handle.profile_error.remote()
+            except ray.exceptions.RayActorError:
+                continue  # dead: its stats call reports it
             except ray.exceptions.RayError as exc:
-                log.warning("profiling %s failed: %s", member.worker_id, exc)
+                cause = getattr(exc, "cause", None) or exc
+                error = f"{type(cause).__name__}: {cause}"
+            except AttributeError:  # a worker of an older version, without profile_error
+                pass
+            if error is not None:
+                self.profile_errors[worker_id] = f"start-up profile failed: {error}"
+                log.error("%s %s: %s; it gets no requests", member.role, worker_id, self.profile_errors[worker_id])
+                continue
+            if peer is not None:
+                self.models.seed_from(peer, worker_id)
+                self.profiled.add(worker_id)
                 continue
             self.models.observe_prefill_steps(member.worker_id, profile.prefill_steps)
             self.models.skip_prefill_steps(member.worker_id, profile.num_steps)
