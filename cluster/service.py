@@ -204,9 +204,12 @@ class GlobalScheduler:
                     error = await member.handle.profile_error.remote()
             except ray.exceptions.RayActorError:
                 continue  # dead: its stats call reports it
-            except ray.exceptions.RayError as exc:
+            except ray.exceptions.RayTaskError as exc:  # its engine raised
                 cause = getattr(exc, "cause", None) or exc
                 error = f"{type(cause).__name__}: {cause}"
+            except ray.exceptions.RayError as exc:  # on the way, not the engine's: asked again next refresh
+                log.warning("profiling %s failed: %s", worker_id, exc)
+                continue
             except AttributeError:  # a worker of an older version, without profile_error
                 pass
             if error is not None:
