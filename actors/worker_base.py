@@ -66,6 +66,8 @@ class WorkerStats:
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, since the worker started
     num_accepted_draft_tokens: int = 0  # ... those its samples confirmed
     prefill_steps: tuple[PrefillStep, ...] = ()  # the latest prompt-only steps, timed (actors/prefill_steps.py)
+    is_profiled: bool = False  # the start-up profile has run (`profile`), whether or not it failed
+    profile_error: str | None = None  # why it failed: the engine could not step, so it runs no request
 
 
 @dataclass(frozen=True)
@@ -319,6 +321,8 @@ class WorkerBase:
             num_draft_tokens=engine.num_draft_tokens,
             num_accepted_draft_tokens=engine.num_accepted_draft_tokens,
             prefill_steps=engine.prefill_steps.latest(),
+            is_profiled=self._profiled.done(),
+            profile_error=self._profile_error(),
         )
 
     async def check_accounting(self) -> WorkerStats:
@@ -366,11 +370,12 @@ class WorkerBase:
         self._ensure_started()
         return await asyncio.wrap_future(self._profiled)
 
-    async def profile_error(self) -> str | None:
-        """Why the start-up profile failed (the engine could not run its first
-        steps, so neither will it run a request's), at once: None while it runs and
-        once it has run."""
-        self._ensure_started()
+    def _profile_error(self) -> str | None:
+        """Why the start-up profile failed (None while it runs and once it has
+        run): the engine could not run its first steps, so neither will it run a
+        request's. Read through `stats`, by the schedulers (which route it
+        nothing) and the pool manager (which starts another, see
+        cluster/restart_backoff.py)."""
         error = self._profiled.exception() if self._profiled.done() else None
         return None if error is None else f"{type(error).__name__}: {error}"
 

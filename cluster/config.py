@@ -153,6 +153,10 @@ class AutoscalingSettings(_Strict):
     drain_grace_s: float = Field(5.0, ge=0)  # a draining worker lives at least this long (schedulers catch up)
     drain_timeout_s: float = Field(600.0, gt=0)  # then it is killed even with requests in flight
     start_timeout_s: float = Field(600.0, gt=0)  # a new worker not ready by then is given up
+    # A worker that failed to start is started again after restart_backoff_s, twice that after a
+    # second failure in a row, ... up to restart_backoff_max_s (cluster/restart_backoff.py)
+    restart_backoff_s: float = Field(2.0, gt=0)
+    restart_backoff_max_s: float = Field(120.0, gt=0)
 
     @model_validator(mode="after")
     def _down_below_up(self):
@@ -160,6 +164,8 @@ class AutoscalingSettings(_Strict):
             raise ValueError("prefill_backlog_down_tokens must be below prefill_backlog_up_tokens")
         if self.kv_usage_down >= self.kv_usage_up:
             raise ValueError("kv_usage_down must be below kv_usage_up")
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError("restart_backoff_max_s must be at least restart_backoff_s")
         return self
 
 

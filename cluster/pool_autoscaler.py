@@ -6,7 +6,10 @@ One step:
    ready within `start_timeout_s` is given up (killed). It is *serving* from the
    first request a scheduler reports having routed to it.
 2. Stats of every ready worker (`WorkerStats`: KV blocks, running, waiting,
-   reserved requests).
+   reserved requests; whether its start-up profile ran, or failed).
+   Start failures (died before its profile ran, the profile failed, not ready in
+   time) are started again after a delay that grows with each in a row
+   (cluster/restart_backoff.py); restarts that wait count as starting workers.
 3. Drains. A draining worker is retired (its block accounting checked, then the
    actor killed) once it has drained for `drain_grace_s`, holds no request
    (nothing running, waiting or reserved) and every live scheduler replica reports
@@ -17,7 +20,7 @@ One step:
    serving worker with the least work (the newest on a tie).
 
 Every change is logged and kept as a `ScalingEvent` (kinds: up, down, started,
-ready, serving, start_failed, drain_started, drained, drain_timeout,
+ready, serving, start_failed, restart, drain_started, drained, drain_timeout,
 died_draining, replaced);
 decisions are counted in `ray_tandem_autoscale_decisions_total`.
 """
@@ -37,6 +40,7 @@ from actors.worker_base import WorkerStats
 from cluster.autoscaling import Action, Decision, PoolObservation, make_policy
 from cluster.config import AppSettings
 from cluster.pool_metrics import PoolMetrics
+from cluster.restart_backoff import RestartBackoff, StartFailure, death_reason
 from cluster.scaling_signals import SchedulerReport, SignalBook
 
 log = logging.getLogger("tandem.autoscaler")
@@ -63,6 +67,7 @@ class _Track:
     ready: object  # concurrent Future of the worker's first answer (its WorkerStartup)
     requested_wall: float = 0.0  # time.time() when the actor was asked for
     ready_s: float | None = None
+    profiled_s: float | None = None  # its start-up profile ran: from then on a death is not a start failure
     serving_s: float | None = None
     drain_started_s: float | None = None
     stats: WorkerStats | None = None
@@ -96,6 +101,7 @@ class PoolAutoscaler:
         self.events: deque[ScalingEvent] = deque(maxlen=MAX_EVENTS)
         self.num_events = 0  # ever recorded (the index of the next one)
         self.metrics = PoolMetrics()
+        self.restarts = RestartBackoff(self.knobs.restart_backoff_s, self.knobs.restart_backoff_max_s)
 
     # ---- what the manager tells us --------------------------------------------------------
     def on_started(self, member) -> None:
@@ -109,8 +115,30 @@ class PoolAutoscaler:
             return False
         return track.ready_s is not None or (track.ready.done() and track.ready.exception() is None)
 
+    def has_started(self, worker_id: str) -> bool:
+        """The worker ran its start-up profile, as its latest stats said (up to
+        `interval_s` late): a death after it is no start failure."""
+        track = self.tracks.get(worker_id)
+        return track is not None and track.profiled_s is not None
+
     def on_gone(self, worker_id: str) -> None:
         self.tracks.pop(worker_id, None)
+
+    def start_failed(self, member, reason: str) -> None:
+        """The worker failed to start: gone (killed), another of its role started
+        after the backoff's delay."""
+        self.manager.members.pop(member.worker_id, None)
+        self.tracks.pop(member.worker_id, None)
+        try:
+            ray.kill(member.handle)
+        except Exception:  # already gone
+            pass
+        delay_s = self.restarts.failed(member.role, member.worker_id, reason, self.clock())
+        self.metrics.start_failed(member.role)
+        self.record(member.role, "start_failed", member.worker_id, reason=f"{reason}; next start in {delay_s:g} s")
+
+    def start_failures(self) -> dict[str, StartFailure]:
+        return self.restarts.failures(self.clock())
 
     def on_drain(self, member, reason: str) -> None:
         track = self.tracks.get(member.worker_id)
@@ -149,8 +177,13 @@ class PoolAutoscaler:
 
     async def step(self) -> None:
         now = self.clock()
+        for role in self.restarts.take_due(now):
+            latest = self.restarts.failures(now).get(role)
+            self.record(role, "restart", reason=f"after {latest.worker_id} failed to start ({latest.failures_in_a_row} "
+                        "in a row)" if latest else "after a start failure")
+            self.manager._start(role)
         self._check_readiness(now)
-        await self._poll_stats()
+        await self._poll_stats(now)
         await self._finish_drains(now)
         for role in self.roles:
             observation = self.observe(role, now)
@@ -171,26 +204,31 @@ class PoolAutoscaler:
             if track is None or track.ready_s is not None:
                 continue
             if track.ready.done():
-                if track.ready.exception() is None:  # a dead one is the health loop's to replace
+                error = track.ready.exception()
+                if error is None:
                     track.ready_s = now
                     where = track.ready.result().describe(track.requested_wall)
                     self.record(member.role, "ready", member.worker_id,
                                 reason=f"{now - track.started_s:.1f} s after start: {where}")
+                elif isinstance(error, ray.exceptions.RayActorError):  # died starting
+                    self.start_failed(member, f"died starting: {death_reason(error)}")
             elif now - track.started_s > self.knobs.start_timeout_s:
-                self.manager.members.pop(member.worker_id, None)
-                self.tracks.pop(member.worker_id, None)
-                ray.kill(member.handle)
-                self.record(member.role, "start_failed", member.worker_id,
-                            reason=f"not ready within {self.knobs.start_timeout_s:.0f} s (no node for it?)")
+                self.start_failed(member, f"not ready within {self.knobs.start_timeout_s:.0f} s (no node for it?)")
 
-    async def _poll_stats(self) -> None:
+    async def _poll_stats(self, now: float) -> None:
         ready = [m for m in self._members() if self.tracks.get(m.worker_id) and self.tracks[m.worker_id].ready_s]
         results = await asyncio.gather(
             *(within(m.handle.stats.remote(), self.stats_timeout_s) for m in ready), return_exceptions=True)
         for member, stats in zip(ready, results):
             track = self.tracks.get(member.worker_id)
-            if track is not None and isinstance(stats, WorkerStats):
-                track.stats = stats
+            if track is None or not isinstance(stats, WorkerStats):
+                continue
+            track.stats = stats
+            if stats.profile_error is not None:
+                self.start_failed(member, f"start-up profile failed: {stats.profile_error}")
+            elif stats.is_profiled and track.profiled_s is None:
+                track.profiled_s = now
+                self.restarts.started(member.role)
 
     def observe(self, role: str, now: float) -> PoolObservation:
         members = self._members(role)
@@ -198,6 +236,7 @@ class PoolAutoscaler:
         serving = [m.worker_id for m in members if not m.draining and tracks[m.worker_id]
                    and tracks[m.worker_id].ready_s is not None]
         starting = [m for m in members if not m.draining and not (tracks[m.worker_id] and tracks[m.worker_id].ready_s)]
+        num_starting = len(starting) + self.restarts.num_waiting(role)
         draining = [m for m in members if m.draining]
         policy = self.policies.get(role)
         since = policy.settled_s if policy is not None else float("-inf")
@@ -213,7 +252,7 @@ class PoolAutoscaler:
         while history[0][0] < now - self.knobs.window_s:
             history.popleft()
         return PoolObservation(
-            num_serving=len(serving), num_starting=len(starting), num_draining=len(draining),
+            num_serving=len(serving), num_starting=num_starting, num_draining=len(draining),
             attainment=attainment, num_samples=num_samples, backlog_tokens=backlog,
             kv_blocks_used=decoding, kv_blocks_total=sum(s.num_blocks for s in stats.values()),
             backlog_tokens_peak=max(b for _, b, _ in history), kv_blocks_used_peak=max(k for _, _, k in history))

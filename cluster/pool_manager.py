@@ -6,7 +6,8 @@ Scheduler replicas find it by name (`get_or_create_pool`), ask for the members a
 their handles, report dead workers, and send a `SchedulerReport` on every refresh
 (SLO outcomes, backlog, requests in flight). The manager also runs its own health
 loop (a ping per worker every `health_interval_s`) and replaces what died, so a pool
-heals even with no scheduler running; and its control loop
+heals even with no scheduler running (what died starting is started again after a
+growing delay, cluster/restart_backoff.py); and its control loop
 (cluster/pool_autoscaler.py), which scales each pool between its min and max and
 retires draining workers. Placement follows each pool's settings: `num_cpus`,
 `num_gpus` and a `label_selector` such as `{"tandem/role": "prefill"}`.
@@ -34,6 +35,7 @@ from actors.worker_base import WorkerOptions
 from cluster.config import AppSettings, PoolSettings
 from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
 from cluster.response_store import MIB, start_response_store
+from cluster.restart_backoff import StartFailure, death_reason
 from cluster.scaling_signals import PeerLoad, SchedulerReport
 from cluster.workers import start_worker
 
@@ -118,7 +120,7 @@ class PoolManager:
             )
             for member, result in zip(members, results):
                 if isinstance(result, ray.exceptions.RayActorError):
-                    await self.report_dead(member.worker_id)
+                    await self.report_dead(member.worker_id, death_reason(result))
 
     async def list_members(self) -> list[Member]:
         """Members that answered their first ping, draining ones included (flagged).
@@ -142,12 +144,17 @@ class PoolManager:
         await within(asyncio.gather(*(m.handle.ping.remote() for m in members)), timeout_s)
         return members
 
-    async def report_dead(self, worker_id: str) -> Member | None:
+    async def report_dead(self, worker_id: str, reason: str = "reported dead") -> Member | None:
         """A caller saw this worker die: replace it (same role), unless it was
-        draining. Idempotent."""
-        member = self.members.pop(worker_id, None)
+        draining, or died before its start-up profile ran (a start failure:
+        another starts after a delay, and None is returned). Idempotent."""
+        member = self.members.get(worker_id)
         if member is None:
             return None
+        if not member.draining and not self.scaler.has_started(worker_id):
+            self.scaler.start_failed(member, f"died starting: {reason}")
+            return None
+        del self.members[worker_id]
         try:
             ray.kill(member.handle)
         except Exception:  # already gone
@@ -181,8 +188,15 @@ class PoolManager:
         self.scaler.on_drain(member, reason)
         return True
 
+    async def start_failures(self) -> dict[str, StartFailure]:
+        """Each role whose latest worker failed to start (none since has run its
+        start-up profile): which, why, how many in a row, when the next starts."""
+        self._ensure_health_loop()
+        return self.scaler.start_failures()
+
     async def scaling_events(self, start: int = 0) -> list[ScalingEvent]:
         """Scaling events from index `start` on (the last 10,000 are kept)."""
+        self._ensure_health_loop()
         return self.scaler.events_since(start)
 
     async def response_store(self):

@@ -16,6 +16,8 @@ SERIES = {
     "ray_tandem_pool_prefill_backlog_tokens": "gauge: queued prompt tokens per serving prefill worker",
     "ray_tandem_pool_kv_usage": "gauge: fraction of the decode pool's KV blocks in use",
     "ray_tandem_pool_replacements_total": "counter: dead workers replaced, by pool",
+    "ray_tandem_pool_start_failures_total": "counter: workers that failed to start (died starting, start-up profile "
+                                            "failed, not placed in time), by pool",
     "ray_tandem_response_store_bytes": "gauge: stored Responses API responses and conversations, bytes of their JSON",
     "ray_tandem_response_store_responses": "gauge: stored Responses API responses",
     "ray_tandem_response_store_conversations": "gauge: stored Conversations API conversations",
@@ -40,6 +42,8 @@ class PoolMetrics:
                               tag_keys=("pool",))
         self.replacements = Counter("tandem_pool_replacements", description=SERIES[
             "ray_tandem_pool_replacements_total"], tag_keys=("pool",))
+        self.start_failures = Counter("tandem_pool_start_failures", description=SERIES[
+            "ray_tandem_pool_start_failures_total"], tag_keys=("pool",))
 
     def decision(self, pool: str, action: str, signal: str) -> None:
         self.decisions.inc(1, tags={"pool": pool, "action": action, "signal": signal})
@@ -59,6 +63,9 @@ class PoolMetrics:
 
     def replaced(self, pool: str) -> None:
         self.replacements.inc(1, tags={"pool": pool})
+
+    def start_failed(self, pool: str) -> None:
+        self.start_failures.inc(1, tags={"pool": pool})
 
 
 class ResponseStoreMetrics:

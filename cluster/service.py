@@ -40,6 +40,7 @@ from cluster.decode_lines import DecodeLines
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
 from cluster.prompt_limits import prompt_ids_within_limits
+from cluster.restart_backoff import StartFailure
 from cluster.router import PrefixIndex, make_policy, match_any
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
@@ -77,7 +78,7 @@ class GlobalScheduler:
         self.cache_cursors: dict[str, Cursor] = {}  # worker_id -> where this replica read its cache events to
         self.store_index = StoreIndex(kv_seed, settings.kv_store.store_settings()) if settings.kv_store else None
         self.profiled: set[str] = set()
-        self.profile_errors: dict[str, str] = {}  # worker_id -> why its start-up profile failed (never routed)
+        self.start_failures: dict[str, StartFailure] = {}  # role -> its latest, from the pool manager (/health)
         self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
         self.ready = False
         self._ids = itertools.count()
@@ -90,7 +91,7 @@ class GlobalScheduler:
         """Members from the pool manager; stats (and a start-up profile) per worker."""
         members = await self.pool.list_members.remote()
         self.members = {m.worker_id: m for m in members}
-        for gone in (set(self.stats) | self.profiled | set(self.profile_errors)) - set(self.members):
+        for gone in (set(self.stats) | self.profiled) - set(self.members):
             self._forget(gone)
         results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
         for member, stats in zip(members, results):
@@ -98,6 +99,8 @@ class GlobalScheduler:
                 await self._report_dead(member.worker_id)
             elif not isinstance(stats, BaseException):
                 self.stats[member.worker_id] = stats
+                if stats.profile_error is not None:  # never routed (a seeded one whose profile failed since)
+                    self.profiled.discard(member.worker_id)
                 if member.role == "decode":
                     self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_waiting_handshakes,
                                        time.monotonic())
@@ -133,22 +136,26 @@ class GlobalScheduler:
         draining = [m.worker_id for m in members if m.draining]
         try:
             report = self.outcomes.report(list(self.models.inflight.values()), draining)
-            peers = await self.pool.report.remote(report)
+            peers, self.start_failures = await asyncio.gather(self.pool.report.remote(report),
+                                                              self.pool.start_failures.remote())
             self.models.peers = peers if isinstance(peers, PeerLoad) else PeerLoad()
         except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on
             # AttributeError: a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
 
     def health(self) -> tuple[int, dict]:
-        """/health's status code and body: 503 "starting" until a worker of each
-        role needed can be routed, then 200 "ready"; either names the workers whose
-        start-up profile failed ("failing"), which get no requests."""
-        body: dict = {"status": "starting"}
+        """/health's status code and body: 200 "ready" once a worker of each role
+        needed can be routed; until then 503, "starting", or "failing" when the
+        latest start of a role failed. Either names those roles ("failing"): the
+        worker, why, how many in a row, and when the pool manager starts the next
+        (cluster/restart_backoff.py)."""
         if self.ready:
             body = {"status": "ready", "pools": sorted({m.role for m in self.members.values()}),
                     "workers": len(self.members)}
-        if self.profile_errors:
-            body["failing"] = dict(sorted(self.profile_errors.items()))
+        else:
+            body = {"status": "failing" if self.start_failures else "starting"}
+        if self.start_failures:
+            body["failing"] = {role: dataclasses.asdict(failure) for role, failure in self.start_failures.items()}
         return (200 if self.ready else 503), body
 
     def _apply_cache_events(self, worker_id: str, batch: CacheEvents) -> None:
@@ -163,7 +170,7 @@ class GlobalScheduler:
         about the old workers (cost models, prefix indexes, stats) carries over."""
         self.pool = pool
         self.ready = False
-        for worker_id in set(self.members) | set(self.stats) | self.profiled | set(self.profile_errors):
+        for worker_id in set(self.members) | set(self.stats) | self.profiled:
             self._forget(worker_id)
         self.members = {}
 
@@ -173,7 +180,6 @@ class GlobalScheduler:
         self.prefix.pop(worker_id, None)
         self.cache_cursors.pop(worker_id, None)
         self.profiled.discard(worker_id)
-        self.profile_errors.pop(worker_id, None)
         self.num_routed.pop(worker_id, None)
         self.models.forget(worker_id)
         self.lines.forget(worker_id)
@@ -188,37 +194,27 @@ class GlobalScheduler:
         (it would make it look slower than it is). Live timings refit both (a
         P's prefill steps, a D's token gaps) and a P's TTFT bias.
 
-        A worker whose own profile failed (its engine could not step) is never
-        routed, seeded or not: /health names it, with why (`profile_errors`), and
-        the log says it once."""
+        A worker whose own profile failed (its engine could not step: its stats
+        say why) is never routed, seeded or not; the pool manager starts another
+        (cluster/restart_backoff.py)."""
         for member in members:
             worker_id = member.worker_id
-            if worker_id in self.profiled or worker_id not in self.stats or worker_id in self.profile_errors:
+            stats = self.stats.get(worker_id)
+            if worker_id in self.profiled or stats is None or stats.profile_error is not None:
                 continue
             peer = next((w for w in self.profiled if w in self.members and self.members[w].role == member.role), None)
-            error = None
-            try:
-                if peer is None:
-                    profile = await member.handle.profile.remote()
-                else:
-                    error = await member.handle.profile_error.remote()
-            except ray.exceptions.RayActorError:
-                continue  # dead: its stats call reports it
-            except ray.exceptions.RayTaskError as exc:  # its engine raised
-                cause = getattr(exc, "cause", None) or exc
-                error = f"{type(cause).__name__}: {cause}"
-            except ray.exceptions.RayError as exc:  # on the way, not the engine's: asked again next refresh
-                log.warning("profiling %s failed: %s", worker_id, exc)
-                continue
-            except AttributeError:  # a worker of an older version, without profile_error
-                pass
-            if error is not None:
-                self.profile_errors[worker_id] = f"start-up profile failed: {error}"
-                log.error("%s %s: %s; it gets no requests", member.role, worker_id, self.profile_errors[worker_id])
-                continue
             if peer is not None:
                 self.models.seed_from(peer, worker_id)
                 self.profiled.add(worker_id)
+                continue
+            try:
+                profile = await member.handle.profile.remote()
+            except ray.exceptions.RayActorError:
+                continue  # dead: its stats call reports it
+            except ray.exceptions.RayTaskError:
+                continue  # its engine raised: its stats say so from now on (and the pool manager logs it)
+            except ray.exceptions.RayError as exc:  # on the way, not the engine's: asked again next refresh
+                log.warning("profiling %s failed: %s", worker_id, exc)
                 continue
             self.models.observe_prefill_steps(member.worker_id, profile.prefill_steps)
             self.models.skip_prefill_steps(member.worker_id, profile.num_steps)

@@ -1,0 +1,70 @@
+"""Restarts of workers that failed to start: each failure in a row of a role waits
+twice as long as the one before, up to a cap; a worker of the role that runs its
+start-up profile ends the run (cluster/restart_backoff.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.restart_backoff import RestartBackoff, StartFailure, death_reason
+
+
+def test_each_failure_in_a_row_waits_twice_as_long_up_to_the_cap():
+    backoff = RestartBackoff(first_s=2.0, max_s=10.0)
+    delays = [backoff.failed("prefill", f"p{i}", "boom", now_s=100.0 * i) for i in range(5)]
+    assert delays == [2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_roles_back_off_apart():
+    backoff = RestartBackoff(first_s=1.0, max_s=60.0)
+    backoff.failed("prefill", "p0", "boom", 0.0)
+    backoff.failed("prefill", "p1", "boom", 0.0)
+    assert backoff.failed("decode", "d2", "boom", 0.0) == 1.0
+
+
+def test_a_started_worker_ends_the_run():
+    backoff = RestartBackoff(first_s=1.0, max_s=60.0)
+    backoff.failed("decode", "d0", "boom", 0.0)
+    backoff.failed("decode", "d1", "boom", 0.0)
+    backoff.started("decode")
+    assert "decode" not in backoff.failures(0.0)
+    assert backoff.failed("decode", "d2", "boom", 0.0) == 1.0
+
+
+def test_a_restart_is_taken_once_when_due_and_counts_as_waiting_until_then():
+    backoff = RestartBackoff(first_s=1.0, max_s=60.0)
+    backoff.failed("prefill", "p0", "boom", now_s=10.0)  # due at 11
+    backoff.failed("prefill", "p1", "boom", now_s=10.0)  # due at 12
+    assert backoff.take_due(10.5) == [] and backoff.num_waiting("prefill") == 2
+    assert backoff.take_due(11.0) == ["prefill"] and backoff.num_waiting("prefill") == 1
+    assert backoff.take_due(13.0) == ["prefill"] and backoff.num_waiting("prefill") == 0
+    assert backoff.take_due(100.0) == []
+
+
+def test_failures_name_the_latest_worker_why_and_when_the_next_starts():
+    backoff = RestartBackoff(first_s=2.0, max_s=60.0)
+    backoff.failed("prefill", "p0", "first", now_s=0.0)  # due at 2
+    backoff.failed("prefill", "p3", "second", now_s=1.0)  # due at 5
+    assert backoff.failures(1.5) == {"prefill": StartFailure("p3", "second", 2, 0.5)}
+    backoff.take_due(10.0)
+    assert backoff.failures(10.0) == {"prefill": StartFailure("p3", "second", 2, None)}
+    backoff.started("prefill")
+    assert backoff.failures(10.0) == {}
+
+
+def test_death_reason_is_the_constructors_exception_or_the_first_line():
+    traceback = ("The actor died because of an error raised in its creation task, \x1b[36mray::W.__init__()\x1b[39m "
+                 "(pid=1)\n  File \"/a.py\", line 3, in __init__\n    raise ValueError('bad header')\n"
+                 "           ^^^^^^^^\nValueError: bad header\nsecond line")
+    assert death_reason(RuntimeError(traceback)) == "ValueError: bad header second line"
+    assert death_reason(RuntimeError("The actor died unexpectedly.\nmore")) == "The actor died unexpectedly."
+    assert death_reason(RuntimeError("")) == "RuntimeError"
+
+
+def test_the_cap_must_not_be_below_the_first_delay():
+    from pydantic import ValidationError
+
+    from cluster.config import AutoscalingSettings
+
+    with pytest.raises(ValidationError, match="restart_backoff_max_s"):
+        AutoscalingSettings(restart_backoff_s=10, restart_backoff_max_s=5)
