@@ -228,7 +228,7 @@ class PoolAutoscaler:
                 self.start_failed(member, f"start-up profile failed: {stats.profile_error}")
             elif stats.is_profiled and track.profiled_s is None:
                 track.profiled_s = now
-                self.restarts.started(member.role)
+                self.restarts.started(member.role, track.started_s)
 
     def observe(self, role: str, now: float) -> PoolObservation:
         members = self._members(role)

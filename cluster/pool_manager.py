@@ -129,10 +129,11 @@ class PoolManager:
         waits up to `initial_wait_s` for every initial worker, so a scheduler
         reports ready with the whole pool; a slower one joins when it is up."""
         self._ensure_health_loop()
-        if not self._initial_ready:
+        if not self._initial_ready:  # (each worker's first answer, which `is_ready` reads: not a later ping's)
+            first_answers = [asyncio.wrap_future(t.ready) for t in self.scaler.tracks.values()]
             try:
-                await self.wait_ready(self.initial_wait_s)
-            except (asyncio.TimeoutError, ray.exceptions.RayError):  # slow or dead: list what is up
+                await within(asyncio.gather(*first_answers, return_exceptions=True), self.initial_wait_s)
+            except asyncio.TimeoutError:  # slow: list what is up
                 pass
             self._initial_ready = True
         return [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]

@@ -9,8 +9,9 @@ and lost a worker of each role every 4 s, for ever, and `/health` said only
 "starting". So each failure in a row of a role waits twice as long as the one
 before it (`restart_backoff_s`, then 2x, 4x, ... up to `restart_backoff_max_s`),
 as Kubernetes spaces the restarts of a crashing container. The run ends when a
-worker of the role has run its start-up profile: the next failure waits
-`restart_backoff_s` again.
+worker of the role started since its latest failure has run its start-up
+profile (an older one doing so says nothing of the starts that fail): the next
+failure waits `restart_backoff_s` again.
 
 Plain Python with the caller's clock: the pool manager's control loop
 (cluster/pool_autoscaler.py) reports failures, takes the restarts that are due,
@@ -38,23 +39,26 @@ class RestartBackoff:
         self.first_s = first_s
         self.max_s = max_s
         self._in_a_row: dict[str, int] = defaultdict(int)
-        self._latest: dict[str, tuple[str, str]] = {}  # role -> (worker_id, error)
+        self._latest: dict[str, tuple[str, str, float]] = {}  # role -> (worker_id, error, when)
         self._waiting: dict[str, list[float]] = defaultdict(list)  # role -> when each waiting restart is due
 
     def failed(self, role: str, worker_id: str, error: str, now_s: float) -> float:
         """A worker of `role` failed to start: its restart is due after the delay
         returned (seconds)."""
         self._in_a_row[role] += 1
-        self._latest[role] = (worker_id, error)
+        self._latest[role] = (worker_id, error, now_s)
         delay_s = min(self.first_s * 2 ** (self._in_a_row[role] - 1), self.max_s)
         self._waiting[role].append(now_s + delay_s)
         return delay_s
 
-    def started(self, role: str) -> None:
-        """A worker of `role` ran its start-up profile: the run of failures ends
+    def started(self, role: str, started_s: float) -> None:
+        """A worker of `role`, started at `started_s`, ran its start-up profile:
+        if it started after the role's latest failure, the run of failures ends
         (restarts already waiting keep their time)."""
-        self._in_a_row.pop(role, None)
-        self._latest.pop(role, None)
+        latest = self._latest.get(role)
+        if latest is not None and started_s >= latest[2]:
+            self._in_a_row.pop(role, None)
+            self._latest.pop(role, None)
 
     def take_due(self, now_s: float) -> list[str]:
         """The role of each restart due by now (each is taken once)."""
@@ -70,7 +74,7 @@ class RestartBackoff:
     def failures(self, now_s: float) -> dict[str, StartFailure]:
         """Each role whose latest start failed, and nothing since started."""
         out = {}
-        for role, (worker_id, error) in sorted(self._latest.items()):
+        for role, (worker_id, error, _) in sorted(self._latest.items()):
             times = self._waiting[role]
             out[role] = StartFailure(worker_id, error, self._in_a_row[role],
                                      round(max(min(times) - now_s, 0.0), 1) if times else None)

@@ -22,13 +22,15 @@ def test_roles_back_off_apart():
     assert backoff.failed("decode", "d2", "boom", 0.0) == 1.0
 
 
-def test_a_started_worker_ends_the_run():
+def test_a_worker_started_since_the_latest_failure_ends_the_run_an_older_one_does_not():
     backoff = RestartBackoff(first_s=1.0, max_s=60.0)
-    backoff.failed("decode", "d0", "boom", 0.0)
-    backoff.failed("decode", "d1", "boom", 0.0)
-    backoff.started("decode")
-    assert "decode" not in backoff.failures(0.0)
-    assert backoff.failed("decode", "d2", "boom", 0.0) == 1.0
+    backoff.failed("decode", "d0", "boom", 5.0)
+    backoff.failed("decode", "d1", "boom", 7.0)
+    backoff.started("decode", started_s=6.0)  # (started before d1 failed)
+    assert backoff.failures(7.0)["decode"].failures_in_a_row == 2
+    backoff.started("decode", started_s=8.0)
+    assert "decode" not in backoff.failures(8.0)
+    assert backoff.failed("decode", "d2", "boom", 9.0) == 1.0
 
 
 def test_a_restart_is_taken_once_when_due_and_counts_as_waiting_until_then():
@@ -48,7 +50,7 @@ def test_failures_name_the_latest_worker_why_and_when_the_next_starts():
     assert backoff.failures(1.5) == {"prefill": StartFailure("p3", "second", 2, 0.5)}
     backoff.take_due(10.0)
     assert backoff.failures(10.0) == {"prefill": StartFailure("p3", "second", 2, None)}
-    backoff.started("prefill")
+    backoff.started("prefill", started_s=10.0)
     assert backoff.failures(10.0) == {}
 
 

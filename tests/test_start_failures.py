@@ -17,7 +17,7 @@ ENGINE = {"block_size": 16, "prefill_chunk_size": 64, "max_num_batched_tokens": 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
     "engine": ENGINE,
-    "prefill": {"replicas": 3},
+    "prefill": {"replicas": 2},
     "decode": {"replicas": 1},
     "slo": {"early_rejection": False},
     "autoscaling": {"interval_s": 0.25, "restart_backoff_s": 0.5},
@@ -36,11 +36,10 @@ async def _failed_profile(pool, settings):
         worker._profiled = failed
 
     members = await pool.list_members.remote()
-    first, second, third = [m.worker_id for m in members if m.role == "prefill"]
+    first, second = [m.worker_id for m in members if m.role == "prefill"]
     handles = {m.worker_id: m.handle for m in members}
-    await asyncio.gather(*(h.profile.remote() for h in handles.values()))  # all ran theirs: then two fail
-    await asyncio.gather(handles[first].__ray_call__.remote(fail_profile),
-                         handles[third].__ray_call__.remote(fail_profile))
+    await asyncio.gather(*(h.profile.remote() for h in handles.values()))  # all ran theirs: then one fails
+    await handles[first].__ray_call__.remote(fail_profile)
     scheduler = build_scheduler(settings, pool)
     picks, failing = set(), None
     async with refreshing(scheduler, interval_s=0.25):
@@ -52,27 +51,27 @@ async def _failed_profile(pool, settings):
             failing = (status, body) if "failing" in body else failing
             routed = scheduler.profiled & set(scheduler.members)
             prefills = {w for w in routed if scheduler.members[w].role == "prefill"}
-            if len(prefills) == 3 and not {first, third} & prefills and failing is not None:
+            if len(prefills) == 2 and first not in prefills and failing is not None:
                 break
             await asyncio.sleep(0.1)
         tokens, error = await complete(scheduler, list(range(3, 43)), SHORT)
         events = await pool.scaling_events.remote()
-        return dict(first=first, second=second, third=third, picks=picks, tokens=tokens, error=error,
+        return dict(first=first, second=second, picks=picks, tokens=tokens, error=error,
                     prefills=prefills, failing=failing, events=events)
 
 
 def test_a_worker_whose_profile_failed_gets_no_requests_and_another_starts(ray_local, tiny_qwen2_dir):
     r = run_with_pool(SETTINGS, _failed_profile)
-    assert r["first"] not in r["picks"] and r["third"] not in r["picks"] and r["second"] in r["picks"]
+    assert r["first"] not in r["picks"] and r["second"] in r["picks"]
     assert r["error"] is None and len(r["tokens"]) == 4
     failed = [e for e in r["events"] if e.kind == "start_failed"]
-    assert [e.worker_id for e in failed] == [r["first"], r["third"]]
+    assert [e.worker_id for e in failed] == [r["first"]]
     assert all(e.reason.startswith(INJECTED + "; next start in ") for e in failed), failed
-    assert len([e for e in r["events"] if e.kind == "restart" and e.role == "prefill"]) == 2
-    assert r["second"] in r["prefills"] and len(r["prefills"]) == 3  # two new ones serve beside it
+    assert len([e for e in r["events"] if e.kind == "restart" and e.role == "prefill"]) == 1
+    assert r["second"] in r["prefills"] and len(r["prefills"]) == 2  # a new one (seeded from it) serves beside it
     status, body = r["failing"]
     assert status == 200 and body["status"] == "ready"
-    assert body["failing"]["prefill"]["worker_id"] == r["third"] and body["failing"]["prefill"]["error"] == INJECTED
+    assert body["failing"]["prefill"]["worker_id"] == r["first"] and body["failing"]["prefill"]["error"] == INJECTED
 
 
 def _broken_checkpoint(source, folder):
@@ -86,9 +85,9 @@ def _broken_checkpoint(source, folder):
 async def _die_starting(pool, settings):
     scheduler = build_scheduler(settings, pool)
     async with refreshing(scheduler, interval_s=0.25):
-        while True:  # each role's third failure in a row
+        while True:  # each role's second failure in a row
             events = await pool.scaling_events.remote()
-            if all(len([e for e in events if e.kind == "start_failed" and e.role == role]) >= 3
+            if all(len([e for e in events if e.kind == "start_failed" and e.role == role]) >= 2
                    for role in ("prefill", "decode")):
                 break
             await asyncio.sleep(0.25)
@@ -100,7 +99,7 @@ def test_workers_that_die_starting_are_started_again_ever_later_and_health_says_
         ray_local, tiny_qwen2_dir, tmp_path):
     broken = _broken_checkpoint(tiny_qwen2_dir, tmp_path / "broken")
     settings = {**SETTINGS, "model": {"path": str(broken)}, "prefill": {"replicas": 1},
-                "autoscaling": {"interval_s": 0.25, "restart_backoff_s": 0.5, "restart_backoff_max_s": 1.0},
+                "autoscaling": {"interval_s": 0.25, "restart_backoff_s": 0.5},
                 "pool_name": "test-pool-broken-checkpoint"}
     r = run_with_pool(settings, _die_starting)
     assert not r["ready"]
@@ -109,14 +108,13 @@ def test_workers_that_die_starting_are_started_again_ever_later_and_health_says_
         failed = [e for e in events if e.kind == "start_failed"]
         assert all(e.reason.startswith("died starting: actors.config.CheckpointError: ") and "safetensors" in e.reason
                    for e in failed), failed
-        assert [e.reason.rsplit("; ", 1)[1] for e in failed[:3]] == [
-            "next start in 0.5 s", "next start in 1 s", "next start in 1 s"]  # doubled, then at the cap
+        assert [e.reason.rsplit("; ", 1)[1] for e in failed[:2]] == ["next start in 0.5 s", "next start in 1 s"]
         for failure, restart in zip(failed, [e for e in events if e.kind == "restart"]):
             assert events.index(restart) == events.index(failure) + 1  # one restart per failure, none sooner
             assert restart.time_s - failure.time_s >= float(failure.reason.rsplit(" ", 2)[1]) - 0.05
     status, body = r["health"]
     assert status == 503 and body["status"] == "failing" and set(body["failing"]) == {"prefill", "decode"}
-    assert all("CheckpointError" in f["error"] and f["failures_in_a_row"] >= 3 for f in body["failing"].values())
+    assert all("CheckpointError" in f["error"] and f["failures_in_a_row"] >= 2 for f in body["failing"].values())
 
 
 async def _never_placed(pool, settings):
