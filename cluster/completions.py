@@ -1,0 +1,195 @@
+"""OpenAI's completions and chat completions, answered: one request per prompt and
+choice, admitted before any response starts, then read to a whole body or turned
+into chunks as their tokens come (tool calls and reasoning split off a chat's
+text). The ingress (cluster/app.py) checks a body and gives its params and
+prompt ids; /generate starts its requests here too (`start_choices`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+
+from actors.request import TokenLogprob
+from cluster import openai_format as fmt
+from cluster.api_models import ApiError, ChatBody, choice_params
+from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
+from cluster.response_streams import collect, merged, prepend
+from cluster.tool_calls import StreamedCalls, chat_answer
+
+
+class Completions:
+    def __init__(self, service, tokenizer, model_name: str, tool_format) -> None:
+        self.service = service  # the GlobalScheduler: generate(prompt_ids, params, request_id)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.tool_format = tool_format  # how the model writes tool calls (cluster/tool_calls.py)
+
+    async def answer(self, body, prompts: list, params, prompt_ids: list[list[int]], chat: bool,
+                     reasoning: Reasoning | None = None, stream_as=None):
+        """One request per prompt and choice (`n`), choice k being prompt k // n's
+        choice k % n, as OpenAI numbers them (see `start_choices`); `params` and
+        `prompt_ids`: the body's, checked; `reasoning`: a chat answer's reasoning
+        is split off (cluster/reasoning.py); `stream_as`: what a stream's chunk
+        payloads become as the answer (OpenAI's chunks as SSE by default)."""
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        per_choice, n = choice_params(params, body.n), body.n
+        streams = await self.start_choices([(prompt_ids[k // n], per_choice[k % n],
+                                             f"{request_id}-{k}" if k else request_id)
+                                            for k in range(len(prompts) * n)], n)
+        num_prompt = sum(len(ids) for ids in prompt_ids)
+        echoed = prompts if body.truncate_prompt_tokens is None else prompt_ids  # a truncated prompt: its ids' text
+        echo = [(lambda out, k=k: self._echoed(echoed[k // n], prompt_ids[k // n], out, body.prompt_only,
+                                               body.logprobs))
+                for k in range(len(streams))] if not chat and body.echo else None
+        if body.stream:
+            writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
+            chunks = self._chunks(streams, request_id, chat, num_prompt, body.include_usage, echo, writers, reasoning)
+            return stream_as(chunks) if stream_as is not None else fmt.sse_response(fmt.sse_stream(chunks))
+        results = await self.collect_all(streams)
+        if echo is not None:
+            results = [echo[k](out) for k, out in enumerate(results)]
+        as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
+        texts, reasons = [out.text for out in results], [fmt.finish_reason(out.finish_reason) for out in results]
+        calls = thoughts = None
+        if chat:  # a message's reasoning (cluster/reasoning.py), text and calls (cluster/tool_calls.py)
+            thoughts = [split(text, reasoning.opened) if reasoning else Thought(None, text) for text in texts]
+            answers = [chat_answer(thought.content, reason, body.tools, body.tool_choice,
+                                   body.parallel_tool_calls, self.tool_format)
+                       for thought, reason in zip(thoughts, reasons)]
+            texts, calls, reasons = zip(*answers)
+        choices = [(text, reason, as_logprobs(self.tokenizer, out.logprobs))
+                   for text, reason, out in zip(texts, reasons, results)]
+        usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), results[0].num_cached_tokens,
+                          self._reasoning_tokens(reasoning, [out.token_ids for out in results]))
+        prompt_logprobs = None if body.prompt_logprobs is None else [
+            fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
+            for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
+        return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls,
+                                   [t.reasoning for t in thoughts] if reasoning else None)
+
+    def _chat_deltas(self, body: ChatBody, reasoning: Reasoning | None):
+        """What writes a streamed chat choice's deltas where they are not its text
+        as it comes: tool calls, reasoning (None: the text)."""
+        calls = StreamedCalls.of(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_format)
+        return ReasoningDeltas(reasoning, calls) if reasoning is not None else calls
+
+    async def start_choices(self, requests: list[tuple], n: int) -> list:
+        """`_start` (prompt ids, params, request id) each, request k being a prompt's
+        choice k % n. Each prompt's first choice is admitted and prefilled first;
+        its others start once it has its first token, when the prompt's KV is in
+        its workers' prefix caches, so they prefill only what the cache lacks (vLLM
+        and SGLang prefill once and fork instead). All are admitted before any
+        response starts; if one is refused, those started are closed."""
+        keys = range(len(requests))
+        started: dict[int, object] = {}  # request k -> its events
+        for group in ([k for k in keys if k % n == 0], [k for k in keys if k % n]):  # firsts, then the rest
+            try:
+                events = await self._start_all([requests[k] for k in group])
+            except BaseException:
+                await asyncio.gather(*(s.aclose() for s in started.values()))
+                raise
+            started.update(zip(group, events))
+        return [started[k] for k in keys]
+
+    @staticmethod
+    async def collect_all(streams) -> list:
+        """Every request read to its end; if one fails (or the client leaves), the
+        others stop too."""
+        collecting = [asyncio.ensure_future(collect(s)) for s in streams]
+        try:
+            return await asyncio.gather(*collecting)
+        finally:
+            for task in collecting:
+                task.cancel()
+
+    async def _start_all(self, requests: list[tuple]) -> list:
+        """`_start` each (prompt ids, params, request id) at once; if one is refused,
+        the others are closed (their requests aborted) and its error raised."""
+        started = await asyncio.gather(*(self._start(*request) for request in requests), return_exceptions=True)
+        failed = next((r for r in started if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(s.aclose() for s in started if not isinstance(s, BaseException)))
+            raise failed
+        return started
+
+    def _echoed(self, prompt, prompt_ids: list[int], out, prompt_only: bool, num_top: int | None):
+        """A completion (a `Collected`, or a streamed choice's first `TokenEvent`)
+        with its prompt in front, OpenAI's echo: the prompt's text and, with
+        logprobs, its tokens' (None for the first; `num_top` best each, however
+        many prompt_logprobs asked for); prompt_only drops the one token generated."""
+        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
+        if prompt_only:
+            out = out._replace(text="", token_ids=[], finish_reason="length",
+                               logprobs=[] if out.logprobs is not None else None)
+        logprobs = out.logprobs
+        if logprobs is not None:
+            first = TokenLogprob(prompt_ids[0], None, [])
+            prompt_logprobs = [dataclasses.replace(lp, top=lp.top[:num_top]) for lp in (out.prompt_logprobs or [])[1:]]
+            logprobs = [first, *prompt_logprobs, *logprobs]
+        return out._replace(text=prompt_text + out.text, logprobs=logprobs)
+
+    async def _start(self, prompt_ids, params, request_id):
+        """Admission happens here, before any response starts: rejections and
+        early failures keep their HTTP status even for streaming requests."""
+        events = self.service.generate(prompt_ids, params, request_id)
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(500, "request produced no output", kind="internal_error") from None
+        if first.error:
+            await events.aclose()
+            raise ApiError(503, f"request failed: {first.error}", kind="service_unavailable")
+        return prepend(first, events)
+
+    def _reasoning_tokens(self, reasoning: Reasoning | None, answers: list[list[int]]) -> int | None:
+        """The answers' reasoning tokens, where the manifest names a reasoning parser."""
+        if reasoning is None:
+            return None
+        return sum(num_reasoning_tokens(self.tokenizer, ids, reasoning.opened) for ids in answers)
+
+    async def _chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, writers=None,
+                      reasoning: Reasoning | None = None):
+        """Every choice's events as they come, as chunk payloads (then "[DONE]"),
+        each chunk naming its choice; `echo[k]` rewrites choice k's first event
+        (see `_echoed`); `writers[k]`, where not None, writes choice k's deltas
+        (`_chat_deltas`); `reasoning`: how a chat answer starts, for the usage's
+        reasoning tokens."""
+        num_tokens, cached, first = 0, 0, [True] * len(streams)
+        answers: list[list[int]] = [[] for _ in streams]  # each choice's tokens, for its reasoning's count
+        token_chars = [0] * len(streams)  # the length of each choice's token texts so far (its next text_offset)
+        async with contextlib.aclosing(merged(streams)) as events:
+            async for index, event in events:
+                if event.error:
+                    yield {"error": {"message": event.error, "type": "worker_error"}}
+                    break
+                if first[index] and echo is not None:
+                    event = echo[index](event)
+                num_tokens += len(event.token_ids)
+                if reasoning is not None and include_usage:
+                    answers[index] += event.token_ids
+                cached = event.num_cached_tokens if index == 0 else cached
+                reason = fmt.finish_reason(event.finish_reason) if event.finished else None
+                delta = None
+                writer = writers[index] if writers is not None else None
+                if writer is not None:
+                    delta, reason = writer.delta(event.text, event.finished), writer.finish_reason(reason)
+                    if delta is None and not first[index] and not event.logprobs:
+                        continue
+                    delta = delta or {}
+                if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)
+                    if chat:
+                        logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs)
+                    else:
+                        logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
+                        token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
+                    yield fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
+                                               first[index], index, delta)
+                    first[index] = False
+        if include_usage:
+            yield {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                   "created": int(time.time()), "model": self.model_name, "choices": [],
+                   "usage": fmt.usage(num_prompt, num_tokens, cached, self._reasoning_tokens(reasoning, answers))}
+        yield "[DONE]"
