@@ -24,7 +24,7 @@ kernels: $(STAMP)
 	$(BIN)/python -m kernels.cpu_build
 
 serve: kernels
-	$(BIN)/tandem check-manifest manifests/local.yaml
+	$(BIN)/tandem check-manifest --local manifests/local.yaml
 	$(BIN)/serve run manifests/local.yaml
 
 test: kernels

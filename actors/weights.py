@@ -44,6 +44,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def tensor_names(model_dir: Path) -> list[str]:
+    """The names of a checkpoint's tensors, read from each file's header alone (no
+    tensor is read): a check that a worker will find its weights readable, cheap
+    enough to run offline (`tandem check-manifest`). Raises CheckpointError."""
+    names = []
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as reader:
+                names += reader.keys()
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: corrupt or unreadable safetensors ({exc})") from None
+    return names
+
+
 def _expert_slice(model: ForCausalLM, name: str) -> tuple[str, int, int, int] | None:
     """For an expert's HF weight: (param name, expert, row start, rows)."""
     match = _EXPERT.match(name)

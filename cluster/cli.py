@@ -59,7 +59,7 @@ def _cmd_check_cluster(args: argparse.Namespace) -> None:
 def _cmd_check_manifest(args: argparse.Namespace) -> None:
     from cluster.manifest_check import check_manifest
 
-    problems = check_manifest(args.manifest)
+    problems = check_manifest(args.manifest, local=args.local)
     if problems:
         raise CliError(f"{args.manifest} is not valid:\n  " + "\n  ".join(problems))
     print(f"{args.manifest}: valid (Serve's config schema and Tandem's settings)")
@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     manifest = sub.add_parser("check-manifest", help="validate a Serve manifest (serve run / serve deploy) offline")
     manifest.add_argument("manifest", help="Serve config YAML, or a RayService")
+    manifest.add_argument("--local", action="store_true",
+                          help="served from this machine: its model.path must be a checkpoint folder here")
     manifest.set_defaults(func=_cmd_check_manifest)
 
     _add_benchmarks(sub)

@@ -3,7 +3,14 @@ config schema, then each Tandem application's `args` as `AppSettings`, before
 anything starts. `serve run` on a manifest with a misspelt setting builds the app
 four times, logs each failure's traceback and then waits on; `make serve` runs
 this first and stops at the first line. A RayService manifest's `serveConfigV2`
-is checked the same way. Returns a list of problems; empty means valid."""
+is checked the same way. Returns a list of problems; empty means valid.
+
+A `model.path` that is a folder on this machine is checked as a worker would load
+it (config.json, the tokenizer, each weights file's header); one that is not here
+is a problem only with `local` (`make serve`: the manifest is served from here),
+as it may name a folder on the cluster's nodes. Otherwise a bad checkpoint fails
+the scheduler replica's start in Serve's retries, or the workers' in the pool's
+(cluster/restart_backoff.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from pydantic import ValidationError
 IMPORT_PATH = "cluster.app:build_app"
 
 
-def check_manifest(path: str | Path) -> list[str]:
+def check_manifest(path: str | Path, local: bool = False) -> list[str]:
     from ray.serve.schema import ServeDeploySchema
 
     from cluster.config import AppSettings
@@ -37,13 +44,35 @@ def check_manifest(path: str | Path) -> list[str]:
         if application.import_path != IMPORT_PATH:
             continue  # another app in the same config: not Tandem's to check
         try:
-            AppSettings.model_validate(application.args)
+            settings = AppSettings.model_validate(application.args)
         except ValidationError as exc:
             problems += [f"application {application.name!r}: {_where(e) or 'args'}: {_message(e)}"
                          for e in exc.errors()]
+            continue
+        problem = _checkpoint_problem(settings.model.path, local)
+        if problem is not None:
+            problems.append(f"application {application.name!r}: model.path: {problem}")
     if not any(a.import_path == IMPORT_PATH for a in schema.applications):
         problems.append(f"no application has import_path {IMPORT_PATH}")
     return problems
+
+
+def _checkpoint_problem(path: str | None, local: bool) -> str | None:
+    """Why the checkpoint folder at `path` would not load here, if it would not."""
+    if path is None or not (local or Path(path).is_dir()):
+        return None
+    from actors.config import CheckpointError, ModelConfig, ModelLocation
+    from actors.tokenization import load_tokenizer
+    from actors.weights import tensor_names
+
+    try:
+        model_dir = ModelLocation(path).resolve()
+        ModelConfig.from_hf(model_dir)
+        load_tokenizer(model_dir)
+        tensor_names(model_dir)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def _where(error: dict) -> str:

@@ -44,6 +44,41 @@ def test_check_manifest_names_each_problem_in_one_line(tmp_path):
     assert cli.stderr.splitlines()[1:] == [f"  {p}" for p in problems]
 
 
+def _with_model_path(tmp_path, folder) -> Path:
+    local = (Path(__file__).parent.parent / "manifests" / "local.yaml").read_text()
+    manifest = tmp_path / "custom.yaml"
+    manifest.write_text(local.replace("model: {preset: tiny, arch: qwen2}", f"model: {{path: '{folder}'}}"))
+    return manifest
+
+
+def test_a_model_folder_here_is_checked_as_a_worker_loads_it(tmp_path, tiny_qwen2_dir):
+    import shutil
+
+    assert check_manifest(_with_model_path(tmp_path, tiny_qwen2_dir), local=True) == []
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen2_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")
+    manifest = _with_model_path(tmp_path, broken)
+    [problem] = check_manifest(manifest)
+    assert problem.startswith(f"application 'tandem': model.path: {broken}/model.safetensors: corrupt or unreadable "
+                              "safetensors (")
+    (broken / "tokenizer.json").unlink()
+    (broken / "vocab.json").unlink(missing_ok=True)
+    [problem] = check_manifest(manifest)
+    assert "tokenizer" in problem, problem
+    cli = subprocess.run([sys.executable, "-m", "cluster.cli", "check-manifest", str(manifest)], capture_output=True,
+                         text=True, cwd=Path(__file__).parent.parent)
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr and cli.stderr.splitlines()[1:] == [f"  {problem}"]
+
+
+def test_a_model_folder_not_here_is_a_problem_only_for_a_local_manifest(tmp_path):
+    manifest = _with_model_path(tmp_path, tmp_path / "on-the-cluster")
+    assert check_manifest(manifest) == []
+    [problem] = check_manifest(manifest, local=True)
+    assert problem.startswith(f"application 'tandem': model.path: model folder {tmp_path / 'on-the-cluster'} not "
+                              "found")
+
+
 def test_rayservice_has_labelled_prefill_and_decode_groups():
     raw = yaml.safe_load((Path(__file__).parent.parent / "manifests" / "rayservice.yaml").read_text())
     assert raw["kind"] == "RayService"
