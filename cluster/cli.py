@@ -1,4 +1,5 @@
-"""The `tandem` command line: build models, run the offline demo, benchmarks.
+"""The `tandem` command line: build models, run the offline demo, check manifests,
+look at and drain a running deployment's pools, benchmarks.
 
 Every subcommand turns bad input into a one-line message on stderr and exit code 2;
 no traceback reaches the user for a mistake they can fix.
@@ -14,10 +15,8 @@ from pathlib import Path
 
 from actors.config import CheckpointError
 from actors.model_builder import ARCH_SPECS, UnknownModel
-
-
-class CliError(Exception):
-    """A user mistake: printed as one line, exit code 2."""
+from cluster.cli_error import CliError
+from cluster.pool_cli import add_pool_commands
 
 
 def _cmd_make_model(args: argparse.Namespace) -> None:
@@ -129,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="served from this machine: its model.path must be a checkpoint folder here")
     manifest.set_defaults(func=_cmd_check_manifest)
 
+    add_pool_commands(sub)  # tandem pools, tandem drain (cluster/pool_cli.py)
     _add_benchmarks(sub)
     return parser
 

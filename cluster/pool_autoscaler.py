@@ -121,6 +121,16 @@ class PoolAutoscaler:
         track = self.tracks.get(worker_id)
         return track is not None and track.profiled_s is not None
 
+    def state_of(self, member) -> str:
+        """starting (no first answer yet), ready, serving (a scheduler routed it a
+        request), or draining."""
+        track = self.tracks.get(member.worker_id)
+        if member.draining:
+            return "draining"
+        if track is None or not self.is_ready(member.worker_id):
+            return "starting"
+        return "serving" if track.serving_s is not None else "ready"
+
     def on_gone(self, worker_id: str) -> None:
         self.tracks.pop(worker_id, None)
 

@@ -50,6 +50,13 @@ class Member:
     draining: bool = False  # takes no new requests; killed once it holds nothing
 
 
+@dataclass(frozen=True)
+class WorkerState:
+    worker_id: str
+    role: str
+    state: str  # starting, ready, serving or draining
+
+
 class PoolManager:
     health_interval_s = 2.0
     health_timeout_s = 30.0  # a worker busy loading or computing still answers pings
@@ -188,6 +195,12 @@ class PoolManager:
         self.members[worker_id] = replace(member, draining=True)
         self.scaler.on_drain(member, reason)
         return True
+
+    async def workers(self) -> list[WorkerState]:
+        """Every worker, starting ones too (`list_members` leaves them out), with
+        its state (cluster/pool_autoscaler.py `state_of`): for `tandem pools`."""
+        self._ensure_health_loop()
+        return [WorkerState(m.worker_id, m.role, self.scaler.state_of(m)) for m in self.members.values()]
 
     async def start_failures(self) -> dict[str, StartFailure]:
         """Each role whose latest worker failed to start (none since has run its

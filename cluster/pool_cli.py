@@ -1,0 +1,108 @@
+"""`tandem pools` and `tandem drain`: a running deployment's worker pools from the
+command line, through its pool manager (cluster/pool_manager.py) on the Ray
+cluster at `--address` (default `auto`: the one `ray start` or `ray up` runs
+here). What the Python one-liners of docs/operations.md did, with a one-line
+error for a cluster or pool that is not there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+from dataclasses import asdict
+
+from cluster.cli_error import CliError
+
+
+def add_pool_commands(sub) -> None:
+    pools = sub.add_parser("pools", help="a running deployment's workers, start failures and scaling events")
+    _connection_args(pools)
+    pools.add_argument("--events", type=int, default=20, help="how many of the latest scaling events (default 20)")
+    pools.add_argument("--json", action="store_true", help="as one JSON object")
+    pools.set_defaults(func=_cmd_pools)
+
+    drain = sub.add_parser("drain", help="take a worker out of a running deployment without failing its requests")
+    drain.add_argument("worker_id", help="as `tandem pools` lists it, e.g. p0")
+    _connection_args(drain)
+    drain.set_defaults(func=_cmd_drain)
+
+
+def _connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="auto", help="the Ray cluster (default: auto, the one running here)")
+    parser.add_argument("--pool-name", default="tandem-pool", help="the manifest's pool_name (default tandem-pool)")
+
+
+def _pool_manager(args: argparse.Namespace):
+    import ray
+
+    problem = _unreachable(args.address)
+    if problem is not None:  # (Ray itself retries an address it cannot reach for minutes)
+        raise CliError(f"cannot reach the Ray cluster at {args.address!r} ({problem}): pass the head's GCS address "
+                       "(host:6379), or run this on a node of the cluster") from None
+    try:
+        ray.init(address=args.address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
+    except (ConnectionError, ValueError) as exc:
+        raise CliError(f"no Ray cluster at {args.address!r} ({str(exc).splitlines()[0]}): start one "
+                       "(ray start, ray up), or pass --address") from None
+    try:
+        return ray.get_actor(args.pool_name, namespace="tandem")
+    except ValueError:
+        raise CliError(f"no pool manager {args.pool_name!r} on this cluster: is the app deployed, with this "
+                       "pool_name (--pool-name)?") from None
+
+
+def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why a host:port address takes no TCP connection (None: it does, or the
+    address is not host:port, such as `auto`)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def _cmd_pools(args: argparse.Namespace) -> None:
+    import ray
+
+    if args.events < 0:
+        raise CliError(f"--events must be 0 or more, got {args.events}")
+    pool = _pool_manager(args)
+    workers, failures, events = ray.get([pool.workers.remote(), pool.start_failures.remote(),
+                                         pool.scaling_events.remote()])
+    latest = events[len(events) - args.events:] if args.events else []
+    if args.json:
+        print(json.dumps({"pool_name": args.pool_name, "workers": [asdict(w) for w in workers],
+                          "failing": {role: asdict(f) for role, f in failures.items()},
+                          "events": [{k: v for k, v in asdict(e).items() if k != "stats"} for e in latest]}))
+        return
+    print(f"pool {args.pool_name}: {len(workers)} workers")
+    for worker in sorted(workers, key=lambda w: (w.role, w.worker_id)):
+        print(f"  {worker.worker_id:<8} {worker.role:<10} {worker.state}")
+    for role, failure in failures.items():
+        retry = "" if failure.next_start_in_s is None else f"; next start in {failure.next_start_in_s:g} s"
+        print(f"failing: {role}: {failure.worker_id} ({failure.failures_in_a_row} in a row): {failure.error}{retry}")
+    if latest:
+        print(f"scaling events, the latest {len(latest)} of {len(events)}:")
+    for event in latest:
+        when = time.strftime("%H:%M:%S", time.localtime(event.time_s))
+        what = " ".join(part for part in (event.kind, event.worker_id or "", event.signal) if part)
+        print(f"  {when} {event.role} {what}" + (f": {event.reason}" if event.reason else ""))
+
+
+def _cmd_drain(args: argparse.Namespace) -> None:
+    import ray
+
+    pool = _pool_manager(args)
+    workers = {w.worker_id: w for w in ray.get(pool.workers.remote())}
+    worker = workers.get(args.worker_id)
+    if worker is None:
+        raise CliError(f"no worker {args.worker_id!r} in pool {args.pool_name!r}; its workers: "
+                       f"{', '.join(sorted(workers)) or 'none'}")
+    if not ray.get(pool.drain.remote(args.worker_id, "by hand (tandem drain)")):
+        raise CliError(f"{args.worker_id} is draining already")
+    print(f"{args.worker_id} ({worker.role}) is draining: it takes no new requests and goes once it holds none "
+          "(at most autoscaling.drain_timeout_s)")

@@ -1,0 +1,62 @@
+"""`tandem pools` and `tandem drain` against a running pool manager on a real Ray
+cluster (the tests' own, through its GCS address), and their one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ray
+
+from benchmarks.scheduler_driver import run_with_pool
+
+SETTINGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "engine": {"block_size": 16, "num_kv_blocks": 64},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "autoscaling": {"drain_grace_s": 120},  # the drained worker stays draining through the test
+    "pool_name": "test-pool-cli",
+}
+
+
+def _tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent.parent, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+
+
+async def _scenario(pool, settings):
+    await pool.list_members.remote()  # both up
+    where = ["--address", ray.get_runtime_context().gcs_address, "--pool-name", settings.pool_name]
+    run = lambda *args: asyncio.to_thread(_tandem, *args)  # noqa: E731
+    listed = await run("pools", *where, "--json")
+    drained = await run("drain", "p0", *where)
+    again = await run("drain", "p0", *where)
+    unknown = await run("drain", "x9", *where)
+    text = await run("pools", *where, "--events", "2")
+    no_pool = await run("pools", "--address", where[1], "--pool-name", "no-such-pool")
+    return dict(listed=listed, drained=drained, again=again, unknown=unknown, text=text, no_pool=no_pool)
+
+
+def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_dir):
+    r = run_with_pool(SETTINGS, _scenario)
+    assert r["listed"].returncode == 0, r["listed"].stderr
+    listed = json.loads(r["listed"].stdout)
+    assert {(w["worker_id"], w["role"], w["state"]) for w in listed["workers"]} == {
+        ("p0", "prefill", "ready"), ("d1", "decode", "ready")}
+    assert listed["failing"] == {} and {e["kind"] for e in listed["events"]} >= {"started", "ready"}
+    assert r["drained"].returncode == 0 and r["drained"].stdout.startswith("p0 (prefill) is draining")
+    lines = r["text"].stdout.splitlines()
+    assert lines[:3] == ["pool test-pool-cli: 2 workers", "  d1       decode     ready",
+                         "  p0       prefill    draining"]
+    assert lines[3] == f"scaling events, the latest 2 of {len(listed['events']) + 1}:" and len(lines) == 6
+    assert lines[5].endswith(" prefill drain_started p0: by hand (tandem drain)")
+    for failed, message in ((r["again"], "tandem drain: p0 is draining already"),
+                            (r["unknown"], "tandem drain: no worker 'x9' in pool 'test-pool-cli'; its workers: d1, p0"),
+                            (r["no_pool"], "tandem pools: no pool manager 'no-such-pool' on this cluster")):
+        assert failed.returncode == 2 and "Traceback" not in failed.stderr
+        assert failed.stderr.startswith(message), failed.stderr
