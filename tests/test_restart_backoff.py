@@ -70,3 +70,20 @@ def test_the_cap_must_not_be_below_the_first_delay():
 
     with pytest.raises(ValidationError, match="restart_backoff_max_s"):
         AutoscalingSettings(restart_backoff_s=10, restart_backoff_max_s=5)
+
+
+def test_a_waiting_restart_counts_as_starting_so_the_policy_holds_rather_than_start_one_through_its_minimum():
+    from types import SimpleNamespace
+
+    from cluster.autoscaling import Action
+    from cluster.config import AppSettings
+    from cluster.pool_autoscaler import PoolAutoscaler
+
+    settings = AppSettings.model_validate({"model": {"preset": "tiny"},
+                                           "prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 2}})
+    scaler = PoolAutoscaler(SimpleNamespace(members={}), settings, ("prefill", "decode"), clock=lambda: 100.0)
+    policy = scaler.policies["prefill"]
+    assert policy.decide(scaler.observe("prefill", 100.0), 100.0).action is Action.UP  # below its minimum
+    scaler.restarts.failed("prefill", "p0", "died starting: boom", 100.0)
+    observation = scaler.observe("prefill", 100.0)
+    assert observation.num_starting == 1 and policy.decide(observation, 100.0).action is Action.HOLD
