@@ -17,11 +17,12 @@ One step:
    killed regardless; the scheduler retries what had no token yet.
 4. Policies (cluster/autoscaling.py), one per pool that autoscales: observation ->
    decision. `up` starts a worker with the pool's placement; `down` drains the
-   serving worker with the least work (the newest on a tie).
+   serving worker with the least work (the newest on a tie). A fixed pool is
+   kept at its `replicas` (`_keep_size`).
 
 Every change is logged and kept as a `ScalingEvent` (kinds: up, down, started,
 ready, serving, start_failed, restart, drain_started, drained, drain_timeout,
-died_draining, replaced);
+died_draining, replaced, resized);
 decisions are counted in `ray_tandem_autoscale_decisions_total`.
 """
 
@@ -94,6 +95,7 @@ class PoolAutoscaler:
         self.roles = roles
         slo = settings.slo
         self.signals = SignalBook(slo.ttft_ms / 1e3, slo.tbt_ms / 1e3, self.knobs.window_s)
+        self.attainment_target = slo.attainment
         self.policies = {role: make_policy(role, getattr(settings, role), self.knobs, slo.attainment)
                          for role in roles if getattr(settings, role).autoscales}
         self.tracks: dict[str, _Track] = {}
@@ -146,6 +148,15 @@ class PoolAutoscaler:
         delay_s = self.restarts.failed(member.role, member.worker_id, reason, self.clock())
         self.metrics.start_failed(member.role)
         self.record(member.role, "start_failed", member.worker_id, reason=f"{reason}; next start in {delay_s:g} s")
+
+    def set_pool(self, role: str, pool) -> None:
+        """A pool's new sizes (a redeploy): its policy anew, or none for a fixed pool."""
+        if pool.autoscales:
+            self.policies[role] = make_policy(role, pool, self.knobs, self.attainment_target)
+        else:
+            self.policies.pop(role, None)
+        sizes = f"{pool.min_size} to {pool.max_size} workers" if pool.autoscales else f"size {pool.replicas}"
+        self.record(role, "resized", reason=f"redeployed: {sizes}")
 
     def start_failures(self) -> dict[str, StartFailure]:
         return self.restarts.failures(self.clock())
@@ -200,6 +211,7 @@ class PoolAutoscaler:
             self._export(role, observation)
             policy = self.policies.get(role)
             if policy is None:
+                await self._keep_size(role, observation)
                 continue
             decision = policy.decide(observation, now)
             if decision.action is not Action.HOLD:
@@ -286,6 +298,20 @@ class PoolAutoscaler:
             return
         self.record(role, "down", victim, decision.signal, decision.reason)
         await self.manager.drain(victim, f"scale down: {decision.reason}")
+
+    async def _keep_size(self, role: str, obs: PoolObservation) -> None:
+        """A fixed pool at its `replicas`: what is missing started (a worker no
+        node took, one drained by hand, a bigger size redeployed), one too many
+        drained each step (a smaller size)."""
+        size = self.manager.pools[role].replicas
+        have = obs.num_serving + obs.num_starting
+        for _ in range(size - have):
+            self.record(role, "up", signal="below_size", reason=f"{have} workers, the pool's size is {size}")
+            self.manager._start(role)
+        victim = self._least_loaded(role) if have > size else None
+        if victim is not None:
+            self.record(role, "down", victim, "above_size", f"{have} workers, the pool's size is {size}")
+            await self.manager.drain(victim, f"the pool's size is {size}")
 
     def _least_loaded(self, role: str) -> str | None:
         now = self.clock()

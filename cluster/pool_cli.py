@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 
 from cluster.cli_error import CliError
+from cluster.pool_manager import NAMESPACE
 
 
 def add_pool_commands(sub) -> None:
@@ -30,7 +31,7 @@ def add_pool_commands(sub) -> None:
 
 def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="auto", help="the Ray cluster (default: auto, the one running here)")
-    parser.add_argument("--pool-name", default="tandem-pool", help="the manifest's pool_name (default tandem-pool)")
+    parser.add_argument("--pool-name", help="the manifest's pool_name (default: the cluster's only pool manager)")
 
 
 def _pool_manager(args: argparse.Namespace):
@@ -45,11 +46,16 @@ def _pool_manager(args: argparse.Namespace):
     except (ConnectionError, ValueError) as exc:
         raise CliError(f"no Ray cluster at {args.address!r} ({str(exc).splitlines()[0]}): start one "
                        "(ray start, ray up), or pass --address") from None
-    try:
-        return ray.get_actor(args.pool_name, namespace="tandem")
-    except ValueError:
-        raise CliError(f"no pool manager {args.pool_name!r} on this cluster: is the app deployed, with this "
-                       "pool_name (--pool-name)?") from None
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE)
+    if args.pool_name is None:  # (the namespace holds the pool managers alone)
+        if len(names) != 1:
+            raise CliError(f"several pool managers on this cluster ({', '.join(names)}): pass --pool-name" if names
+                           else "no pool manager on this cluster: is the app deployed?")
+        args.pool_name = names[0]
+    if args.pool_name not in names:
+        raise CliError(f"no pool manager {args.pool_name!r} on this cluster (its pool managers: "
+                       f"{', '.join(names) or 'none'}): is the app deployed, with this pool_name?")
+    return ray.get_actor(args.pool_name, namespace=NAMESPACE)
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -73,7 +79,7 @@ def _cmd_pools(args: argparse.Namespace) -> None:
     pool = _pool_manager(args)
     workers, failures, events = ray.get([pool.workers.remote(), pool.start_failures.remote(),
                                          pool.scaling_events.remote()])
-    latest = events[len(events) - args.events:] if args.events else []
+    latest = events[-args.events:] if args.events else []
     if args.json:
         print(json.dumps({"pool_name": args.pool_name, "workers": [asdict(w) for w in workers],
                           "failing": {role: asdict(f) for role, f in failures.items()},

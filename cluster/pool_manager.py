@@ -40,6 +40,7 @@ from cluster.scaling_signals import PeerLoad, SchedulerReport
 from cluster.workers import start_worker
 
 ROLES = ("prefill", "decode", "colocated")
+NAMESPACE = "tandem"  # the pool managers' alone (`tandem pools` lists them by it)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class PoolManager:
             kv_store=self.settings.kv_store.store_settings() if self.settings.kv_store else None,
             stream_interval=self.settings.stream_interval,
         )
+        # Each pool's size and placement: the manifest's, until a redeploy brings others (`apply_pools`)
+        self.pools: dict[str, PoolSettings] = {role: getattr(self.settings, role) for role in self._roles()}
         self.scaler = PoolAutoscaler(self, self.settings, self._roles())
         for role in self._roles():
             for _ in range(self._pool(role).replicas):
@@ -89,7 +92,7 @@ class PoolManager:
         return ("prefill", "decode") if self.settings.mode == "disaggregated" else ("colocated",)
 
     def _pool(self, role: str) -> PoolSettings:
-        return getattr(self.settings, role)
+        return self.pools[role]
 
     def _start(self, role: str) -> Member:
         pool = self._pool(role)
@@ -187,14 +190,33 @@ class PoolManager:
     async def drain(self, worker_id: str, reason: str = "requested") -> bool:
         """Stop routing new requests to this worker, let what it holds finish, then
         kill it (the control loop does, see cluster/pool_autoscaler.py). False if it
-        is unknown or already draining. Does not check the pool's minimum."""
+        is unknown or already draining. A drain that leaves the pool below its
+        minimum (a fixed pool's `replicas`) starts a worker in its place at once."""
         self._ensure_health_loop()
         member = self.members.get(worker_id)
         if member is None or member.draining:
             return False
         self.members[worker_id] = replace(member, draining=True)
+        live = [m for m in self.members.values() if m.role == member.role and not m.draining]
+        minimum = self._pool(member.role).min_size
+        if len(live) + self.scaler.restarts.num_waiting(member.role) < minimum:  # (by hand: never below it)
+            reason += f"; {self._start(member.role).worker_id} starts in its place (the pool's minimum is {minimum})"
         self.scaler.on_drain(member, reason)
         return True
+
+    async def apply_pools(self, settings: dict) -> list[str]:
+        """A (re)deployed scheduler's settings: each pool's size (and the
+        placement of the workers started from now on) becomes theirs; the control
+        loop brings a fixed pool to its new `replicas`, an autoscaling one within
+        its new bounds. Returns the roles changed. Every other setting (model,
+        engine, channel) stays the pools' own until they are torn down."""
+        self._ensure_health_loop()
+        new = AppSettings.model_validate(settings)
+        changed = [role for role in self._roles() if getattr(new, role) != self.pools[role]]
+        for role in changed:
+            self.pools[role] = getattr(new, role)
+            self.scaler.set_pool(role, self.pools[role])
+        return changed
 
     async def workers(self) -> list[WorkerState]:
         """Every worker, starting ones too (`list_members` leaves them out), with
@@ -230,7 +252,7 @@ def get_or_create_pool(settings: AppSettings):
     """The pool manager named in the settings, created (detached) if absent."""
     actor = ray.remote(PoolManager).options(
         name=settings.pool_name,
-        namespace="tandem",
+        namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         num_cpus=0,

@@ -81,6 +81,7 @@ class GlobalScheduler:
         self.start_failures: dict[str, StartFailure] = {}  # role -> its latest, from the pool manager (/health)
         self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
         self.ready = False
+        self.pools_applied = False  # this deployment's pool sizes given to the pool manager (`refresh`)
         self._ids = itertools.count()
         self._replica_tag = uuid.uuid4().hex[:8]
         self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
@@ -88,7 +89,17 @@ class GlobalScheduler:
 
     # ---- membership and load ------------------------------------------------------
     async def refresh(self) -> None:
-        """Members from the pool manager; stats (and a start-up profile) per worker."""
+        """Members from the pool manager; stats (and a start-up profile) per worker.
+        The first also gives the pool manager this deployment's pool sizes: a
+        redeploy's, where the pools outlived the replicas before."""
+        if not self.pools_applied:
+            try:
+                changed = await self.pool.apply_pools.remote(self.settings.model_dump())
+                if changed:
+                    log.info("pool sizes of this deployment applied: %s", ", ".join(changed))
+            except (ray.exceptions.RayTaskError, AttributeError) as exc:  # (AttributeError: an older pool manager)
+                log.warning("could not apply this deployment's pool sizes: %s", exc)
+            self.pools_applied = True
         members = await self.pool.list_members.remote()
         self.members = {m.worker_id: m for m in members}
         for gone in (set(self.stats) | self.profiled) - set(self.members):

@@ -37,9 +37,11 @@ async def _scenario(pool, settings):
     drained = await run("drain", "p0", *where)
     again = await run("drain", "p0", *where)
     unknown = await run("drain", "x9", *where)
-    text = await run("pools", *where, "--events", "2")
+    text = await run("pools", *where, "--events", "3")
     no_pool = await run("pools", "--address", where[1], "--pool-name", "no-such-pool")
-    return dict(listed=listed, drained=drained, again=again, unknown=unknown, text=text, no_pool=no_pool)
+    only = await run("pools", "--address", where[1], "--json")  # the only pool manager: no --pool-name needed
+    return dict(listed=listed, drained=drained, again=again, unknown=unknown, text=text, no_pool=no_pool,
+                only=only)
 
 
 def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_dir):
@@ -50,13 +52,17 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
         ("p0", "prefill", "ready"), ("d1", "decode", "ready")}
     assert listed["failing"] == {} and {e["kind"] for e in listed["events"]} >= {"started", "ready"}
     assert r["drained"].returncode == 0 and r["drained"].stdout.startswith("p0 (prefill) is draining")
-    lines = r["text"].stdout.splitlines()
-    assert lines[:3] == ["pool test-pool-cli: 2 workers", "  d1       decode     ready",
+    lines = r["text"].stdout.splitlines()  # p2 took p0's place (the pool's size is 1)
+    assert lines[:3] == ["pool test-pool-cli: 3 workers", "  d1       decode     ready",
                          "  p0       prefill    draining"]
-    assert lines[3] == f"scaling events, the latest 2 of {len(listed['events']) + 1}:" and len(lines) == 6
-    assert lines[5].endswith(" prefill drain_started p0: by hand (tandem drain)")
+    assert lines[3].split()[:2] == ["p2", "prefill"] and lines[3].split()[2] in ("starting", "ready")
+    assert lines[4].startswith("scaling events, the latest 3 of ") and len(lines) == 8
+    assert any(line.endswith(" prefill drain_started p0: by hand (tandem drain); p2 starts in its place (the "
+                             "pool's minimum is 1)") for line in lines[5:]), lines
+    assert json.loads(r["only"].stdout)["pool_name"] == "test-pool-cli"
     for failed, message in ((r["again"], "tandem drain: p0 is draining already"),
-                            (r["unknown"], "tandem drain: no worker 'x9' in pool 'test-pool-cli'; its workers: d1, p0"),
-                            (r["no_pool"], "tandem pools: no pool manager 'no-such-pool' on this cluster")):
+                            (r["unknown"], "tandem drain: no worker 'x9' in pool 'test-pool-cli'; its workers: d1, p0, p2"),
+                            (r["no_pool"], "tandem pools: no pool manager 'no-such-pool' on this cluster (its pool "
+                                           "managers: test-pool-cli)")):
         assert failed.returncode == 2 and "Traceback" not in failed.stderr
         assert failed.stderr.startswith(message), failed.stderr

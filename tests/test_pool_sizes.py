@@ -1,0 +1,61 @@
+"""A fixed pool keeps its size: a worker drained by hand is started anew at once
+(never below the pool's minimum), and a redeploy's new `replicas` reaches the
+pool manager through the first refresh of a new scheduler replica, which brings
+the pool to it, up or down (cluster/pool_manager.py `apply_pools`,
+cluster/pool_autoscaler.py `_keep_size`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from benchmarks.scheduler_driver import build_scheduler, refreshing, run_with_pool
+from cluster.config import AppSettings
+
+SETTINGS = {
+    "model": {"preset": "tiny", "arch": "qwen2"},
+    "engine": {"block_size": 16, "num_kv_blocks": 64},
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "autoscaling": {"interval_s": 0.25, "drain_grace_s": 0.5},
+    "pool_name": "test-pool-sizes",
+}
+
+
+async def _prefills(pool, count: int, timeout_s: float = 120) -> list:
+    """Once the prefill pool has `count` workers that are not draining."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        workers = [w for w in await pool.workers.remote() if w.role == "prefill"]
+        if len([w for w in workers if w.state != "draining"]) == count and len(workers) == count:
+            return workers
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"the prefill pool did not come to {count} workers: {workers}")
+
+
+async def _scenario(pool, settings):
+    await pool.list_members.remote()
+    drained = await pool.drain.remote("p0", "by hand")
+    after_drain = await _prefills(pool, 1)
+    bigger = AppSettings.model_validate({**SETTINGS, "prefill": {"replicas": 2}})
+    async with refreshing(build_scheduler(bigger, pool), interval_s=0.25):  # a redeployed replica
+        after_redeploy = await _prefills(pool, 2)
+        smaller = await pool.apply_pools.remote(SETTINGS)
+        after_shrink = await _prefills(pool, 1)  # (the replica reports the one drained as left alone)
+    unchanged = await pool.apply_pools.remote(SETTINGS)
+    events = [e for e in await pool.scaling_events.remote() if e.role == "prefill"]
+    return dict(drained=drained, after_drain=after_drain, after_redeploy=after_redeploy, smaller=smaller,
+                after_shrink=after_shrink, unchanged=unchanged, events=events)
+
+
+def test_a_fixed_pool_keeps_its_size_through_a_drain_and_takes_a_redeploys(ray_local, tiny_qwen2_dir):
+    r = run_with_pool(SETTINGS, _scenario)
+    assert r["drained"] is True
+    [drain] = [e for e in r["events"] if e.kind == "drain_started" and e.worker_id == "p0"]
+    replacement = r["after_drain"][0].worker_id
+    assert replacement != "p0" and drain.reason == f"by hand; {replacement} starts in its place (the pool's minimum is 1)"
+    assert [e.reason for e in r["events"] if e.kind == "resized"] == ["redeployed: size 2", "redeployed: size 1"]
+    assert [e.signal for e in r["events"] if e.kind == "up"] == ["below_size"]  # 1 -> 2
+    downs = [e for e in r["events"] if e.kind == "down"]
+    assert [e.signal for e in downs] == ["above_size"] and downs[0].worker_id not in {
+        w.worker_id for w in r["after_shrink"]}
+    assert r["smaller"] == ["prefill"] and r["unchanged"] == []
