@@ -61,7 +61,8 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
                              "pool's minimum is 1)") for line in lines[5:]), lines
     assert json.loads(r["only"].stdout)["pool_name"] == "test-pool-cli"
     for failed, message in ((r["again"], "tandem drain: p0 is draining already"),
-                            (r["unknown"], "tandem drain: no worker 'x9' in pool 'test-pool-cli'; its workers: d1, p0, p2"),
+                            (r["unknown"], "tandem drain: no worker 'x9' in pool 'test-pool-cli'; its workers: "
+                                           "d1, p0, p2"),
                             (r["no_pool"], "tandem pools: no pool manager 'no-such-pool' on this cluster (its pool "
                                            "managers: test-pool-cli)")):
         assert failed.returncode == 2 and "Traceback" not in failed.stderr

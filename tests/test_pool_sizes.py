@@ -52,7 +52,8 @@ def test_a_fixed_pool_keeps_its_size_through_a_drain_and_takes_a_redeploys(ray_l
     assert r["drained"] is True
     [drain] = [e for e in r["events"] if e.kind == "drain_started" and e.worker_id == "p0"]
     replacement = r["after_drain"][0].worker_id
-    assert replacement != "p0" and drain.reason == f"by hand; {replacement} starts in its place (the pool's minimum is 1)"
+    assert replacement != "p0"
+    assert drain.reason == f"by hand; {replacement} starts in its place (the pool's minimum is 1)"
     assert [e.reason for e in r["events"] if e.kind == "resized"] == ["redeployed: size 2", "redeployed: size 1"]
     assert [e.signal for e in r["events"] if e.kind == "up"] == ["below_size"]  # 1 -> 2
     downs = [e for e in r["events"] if e.kind == "down"]
