@@ -139,12 +139,7 @@ class PoolAutoscaler:
     def start_failed(self, member, reason: str) -> None:
         """The worker failed to start: gone (killed), another of its role started
         after the backoff's delay."""
-        self.manager.members.pop(member.worker_id, None)
-        self.tracks.pop(member.worker_id, None)
-        try:
-            ray.kill(member.handle)
-        except Exception:  # already gone
-            pass
+        self._remove(member)
         delay_s = self.restarts.failed(member.role, member.worker_id, reason, self.clock())
         self.metrics.start_failed(member.role)
         self.record(member.role, "start_failed", member.worker_id, reason=f"{reason}; next start in {delay_s:g} s")
@@ -157,6 +152,15 @@ class PoolAutoscaler:
             self.policies.pop(role, None)
         sizes = f"{pool.min_size} to {pool.max_size} workers" if pool.autoscales else f"size {pool.replicas}"
         self.record(role, "resized", reason=f"redeployed: {sizes}")
+
+    def _remove(self, member) -> None:
+        """The worker out of the pool and its actor killed."""
+        self.manager.members.pop(member.worker_id, None)
+        self.tracks.pop(member.worker_id, None)
+        try:
+            ray.kill(member.handle)
+        except Exception:  # already gone
+            pass
 
     def start_failures(self) -> dict[str, StartFailure]:
         return self.restarts.failures(self.clock())
@@ -349,10 +353,5 @@ class PoolAutoscaler:
             reason += f"; accounting ok, {stats.num_used_blocks} blocks in use"
         except Exception as exc:  # a broken invariant or a dead worker: say so, retire anyway
             reason += f"; accounting check failed: {type(exc).__name__}: {exc}"
-        self.manager.members.pop(member.worker_id, None)
-        self.tracks.pop(member.worker_id, None)
-        try:
-            ray.kill(member.handle)
-        except Exception:  # already gone
-            pass
+        self._remove(member)
         self.record(member.role, kind, member.worker_id, reason=reason, stats=stats)
