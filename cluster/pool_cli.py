@@ -34,7 +34,9 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-name", help="the manifest's pool_name (default: the cluster's only pool manager)")
 
 
-def _pool_manager(args: argparse.Namespace):
+def _pool_manager(args: argparse.Namespace) -> tuple[str, object]:
+    """The pool manager's name and actor handle: the one --pool-name names, or
+    the cluster's only one."""
     import ray
 
     problem = _unreachable(args.address)
@@ -47,15 +49,16 @@ def _pool_manager(args: argparse.Namespace):
         raise CliError(f"no Ray cluster at {args.address!r} ({str(exc).splitlines()[0]}): start one "
                        "(ray start, ray up), or pass --address") from None
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE)
-    if args.pool_name is None:  # (the namespace holds the pool managers alone)
+    name = args.pool_name
+    if name is None:  # (the namespace holds the pool managers alone)
         if len(names) != 1:
             raise CliError(f"several pool managers on this cluster ({', '.join(names)}): pass --pool-name" if names
                            else "no pool manager on this cluster: is the app deployed?")
-        args.pool_name = names[0]
-    if args.pool_name not in names:
-        raise CliError(f"no pool manager {args.pool_name!r} on this cluster (its pool managers: "
+        name = names[0]
+    if name not in names:
+        raise CliError(f"no pool manager {name!r} on this cluster (its pool managers: "
                        f"{', '.join(names) or 'none'}): is the app deployed, with this pool_name?")
-    return ray.get_actor(args.pool_name, namespace=NAMESPACE)
+    return name, ray.get_actor(name, namespace=NAMESPACE)
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -76,16 +79,16 @@ def _cmd_pools(args: argparse.Namespace) -> None:
 
     if args.events < 0:
         raise CliError(f"--events must be 0 or more, got {args.events}")
-    pool = _pool_manager(args)
+    name, pool = _pool_manager(args)
     workers, failures, events = ray.get([pool.workers.remote(), pool.start_failures.remote(),
                                          pool.scaling_events.remote()])
     latest = events[-args.events:] if args.events else []
     if args.json:
-        print(json.dumps({"pool_name": args.pool_name, "workers": [asdict(w) for w in workers],
+        print(json.dumps({"pool_name": name, "workers": [asdict(w) for w in workers],
                           "failing": {role: asdict(f) for role, f in failures.items()},
                           "events": [{k: v for k, v in asdict(e).items() if k != "stats"} for e in latest]}))
         return
-    print(f"pool {args.pool_name}: {len(workers)} workers")
+    print(f"pool {name}: {len(workers)} workers")
     for worker in sorted(workers, key=lambda w: (w.role, w.worker_id)):
         print(f"  {worker.worker_id:<8} {worker.role:<10} {worker.state}")
     for role, failure in failures.items():
@@ -102,11 +105,11 @@ def _cmd_pools(args: argparse.Namespace) -> None:
 def _cmd_drain(args: argparse.Namespace) -> None:
     import ray
 
-    pool = _pool_manager(args)
+    name, pool = _pool_manager(args)
     workers = {w.worker_id: w for w in ray.get(pool.workers.remote())}
     worker = workers.get(args.worker_id)
     if worker is None:
-        raise CliError(f"no worker {args.worker_id!r} in pool {args.pool_name!r}; its workers: "
+        raise CliError(f"no worker {args.worker_id!r} in pool {name!r}; its workers: "
                        f"{', '.join(sorted(workers)) or 'none'}")
     if not ray.get(pool.drain.remote(args.worker_id, "by hand (tandem drain)")):
         raise CliError(f"{args.worker_id} is draining already")
