@@ -115,14 +115,14 @@ async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
 
     scheduler = build_scheduler(settings, pool)
     seen: list[Observed] = []
-    observe = scheduler.models.observe_ttft
+    observe = scheduler.view.models.observe_ttft
 
     def observe_and_keep(prediction, observed_s: float) -> None:
         seen.append(Observed(time.monotonic() - observed_s, prediction.uncached_tokens, prediction.ttft_s,
                              prediction.ttft_bias_s, observed_s))
         observe(prediction, observed_s)
 
-    scheduler.models.observe_ttft = observe_and_keep  # the real method, its arguments kept on the way
+    scheduler.view.models.observe_ttft = observe_and_keep  # the real method, its arguments kept on the way
     params = SamplingParams(max_new_tokens=args.output, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     lengths = itertools.cycle(args.lengths or [args.prompt])

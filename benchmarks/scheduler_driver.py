@@ -51,7 +51,7 @@ async def refreshing(scheduler: GlobalScheduler, interval_s: float = 1.0):
     async def loop():
         while True:
             try:
-                await scheduler.refresh()
+                await scheduler.view.refresh()
             except Exception as exc:  # as the deployment does: keep refreshing
                 log.warning("refresh failed: %s", exc)
             await asyncio.sleep(interval_s)
@@ -69,7 +69,7 @@ async def wait_ready(scheduler: GlobalScheduler, timeout_s: float, workers: int 
     """Until the scheduler is ready and routes to at least `workers` workers (it
     is ready with one of each role; the others may still be starting)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while not scheduler.ready or len(scheduler.profiled & set(scheduler.members)) < workers:
+    while not scheduler.view.ready or len(scheduler.view.profiled & set(scheduler.view.members)) < workers:
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError(f"scheduler not ready with {workers} workers within {timeout_s:.0f} s")
         await asyncio.sleep(0.2)

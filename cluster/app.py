@@ -131,20 +131,20 @@ class Scheduler:
         for good (its workers went with it) is replaced: the new one starts fresh
         pools and /health says "starting" until they are ready."""
         try:
-            await self.service.refresh()
+            await self.service.view.refresh()
         except ray.exceptions.RayActorError as exc:
             log.warning("pool manager %s is gone (%s); starting a new one", self.settings.pool_name, exc)
             self.pool = get_or_create_pool(self.settings)
-            self.service.replace_pool(self.pool)
+            self.service.view.replace_pool(self.pool)
         except Exception as exc:  # keep refreshing; /health reports not ready
             log.warning("refresh failed: %s", exc)
-            self.service.ready = False
+            self.service.view.ready = False
 
     async def _require_ready(self) -> None:
         self._ensure_refreshing()
-        if not self.service.ready:  # a client that leaves meanwhile must not cancel the refresh's calls
+        if not self.service.view.ready:  # a client that leaves meanwhile must not cancel the refresh's calls
             await asyncio.shield(background_task(self._refresh()))
-        if not self.service.ready:
+        if not self.service.view.ready:
             raise ApiError(503, "worker pools are starting; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
 
@@ -152,7 +152,7 @@ class Scheduler:
     @app.get("/health")
     async def health(self):
         self._ensure_refreshing()
-        status, body = self.service.health()
+        status, body = self.service.view.health()
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")

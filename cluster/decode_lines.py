@@ -10,7 +10,7 @@ first served, so a request joining a line of k waits about (k + 1) / rate; k
 counts, besides the line at the last reading, this replica's requests sent to D
 since then and not yet through its handshake (a burst joins the line between two
 readings). With room for the prompt once the line has what it asks for (the
-scheduler's `_headroom`), no wait. With no grant in the window while
+scheduler's `PoolView.headroom`), no wait. With no grant in the window while
 handshakes wait, D frees nothing now: the wait is the whole handshake wait, at
 whose end the request would be refused. Without two readings a second apart, no
 prediction (no wait).

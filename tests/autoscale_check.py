@@ -88,7 +88,7 @@ class ClosedLoop:
             task.cancel()
         if stuck:
             inflight = [(r.request_id, r.prefill_id, r.decode_id, r.num_generated)
-                        for r in self.scheduler.models.inflight.values()]
+                        for r in self.scheduler.view.models.inflight.values()]
             self.results.append((0, f"{len(stuck)} requests still running after {timeout_s:.0f} s: {inflight}"))
         failed = [e for n, e in self.results if e is not None or n != self.params.max_new_tokens]
         return {"num_requests": len(self.results), "failed": failed[:5], "num_failed": len(failed)}
@@ -119,13 +119,14 @@ async def wait_until(condition, timeout_s: float, what: str, trace: list) -> flo
 
 def scheduler_view(scheduler) -> dict:
     """What the scheduler believed when a phase timed out (for the failure message)."""
-    members = {w: (m.role, m.draining, w in scheduler.profiled) for w, m in scheduler.members.items()}
-    prefills = [w for w, m in scheduler.members.items() if m.role == "prefill" and w in scheduler.profiled]
-    decodes = [w for w, m in scheduler.members.items() if m.role == "decode" and w in scheduler.profiled]
-    predictions = {f"{p}->{d}": scheduler.models.predict(p, d, 32, 0) for p in prefills for d in decodes}
-    inflight = [(r.prefill_id, r.decode_id, r.num_generated, r.in_prefill) for r in scheduler.models.inflight.values()]
-    return {"members": members, "ready": scheduler.ready, "predictions": predictions, "inflight": inflight,
-            "stats": {w: s for w, s in scheduler.stats.items()}}
+    view = scheduler.view
+    members = {w: (m.role, m.draining, w in view.profiled) for w, m in view.members.items()}
+    prefills = [w for w, m in view.members.items() if m.role == "prefill" and w in view.profiled]
+    decodes = [w for w, m in view.members.items() if m.role == "decode" and w in view.profiled]
+    predictions = {f"{p}->{d}": view.models.predict(p, d, 32, 0) for p in prefills for d in decodes}
+    inflight = [(r.prefill_id, r.decode_id, r.num_generated, r.in_prefill) for r in view.models.inflight.values()]
+    return {"members": members, "ready": view.ready, "predictions": predictions, "inflight": inflight,
+            "stats": {w: s for w, s in view.stats.items()}}
 
 
 def pool_metric_names() -> list[str]:

@@ -219,19 +219,19 @@ def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] 
         {"model": {"preset": "tiny"}, "slo": {"ttft_ms": ttft_ms, "tbt_ms": tbt_ms}, "engine": {"block_size": 16}}
     )
     scheduler = GlobalScheduler(settings, _Tokenizer(), pool=None, max_model_len=2048, kv_seed=b"")
-    scheduler.models = _models()
+    scheduler.view.models = _models()
     for worker_id, role in (("p0", "prefill"), *((d, "decode") for d in decodes)):
-        scheduler.members[worker_id] = Member(worker_id, role, handle=None)
-        scheduler.stats[worker_id] = _idle_stats(worker_id)
-        scheduler.prefix[worker_id] = PrefixIndex(1000)
-        scheduler.profiled.add(worker_id)
+        scheduler.view.members[worker_id] = Member(worker_id, role, handle=None)
+        scheduler.view.stats[worker_id] = _idle_stats(worker_id)
+        scheduler.view.prefix[worker_id] = PrefixIndex(1000)
+        scheduler.view.profiled.add(worker_id)
     return scheduler
 
 
 def test_a_queue_that_breaks_the_slo_rejects_and_a_relaxed_slo_admits():
     prompt = list(range(300))  # predicted prefill: 0.3 s on p0
     strict = _scheduler(ttft_ms=1000)
-    strict.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=2.0)
+    strict.view.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=2.0)
     with pytest.raises(SloRejected) as rejected:
         strict.plan(prompt)
     assert rejected.value.best.ttft_s == pytest.approx(2.3, abs=0.3)
@@ -239,7 +239,7 @@ def test_a_queue_that_breaks_the_slo_rejects_and_a_relaxed_slo_admits():
     assert said and int(said.group(1)) == pytest.approx(2300, abs=300)  # (the queue's wait shrinks as time passes)
 
     relaxed = _scheduler(ttft_ms=5000)
-    relaxed.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=2.0)
+    relaxed.view.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=2.0)
     choice = relaxed.plan(prompt)
     assert (choice.prefill_id, choice.decode_id) == ("p0", "d0")
 
@@ -251,9 +251,9 @@ def test_a_full_decode_workers_line_counts_in_the_ttft_and_a_long_wait_rejects()
 
     def full_d(ttft_ms: float):
         scheduler = _scheduler(ttft_ms=ttft_ms)
-        scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=1000, num_waiting_handshakes=4)
-        scheduler.lines.observe("d0", num_granted=10, num_waiting=4, now_s=0.0)
-        scheduler.lines.observe("d0", num_granted=14, num_waiting=4, now_s=2.0)
+        scheduler.view.stats["d0"] = _idle_stats("d0", num_used_blocks=1000, num_waiting_handshakes=4)
+        scheduler.view.lines.observe("d0", num_granted=10, num_waiting=4, now_s=0.0)
+        scheduler.view.lines.observe("d0", num_granted=14, num_waiting=4, now_s=2.0)
         return scheduler
 
     with pytest.raises(SloRejected, match=r"predicted TTFT \d+ ms \(of which 2500 ms waiting for a decode worker's "
@@ -263,21 +263,21 @@ def test_a_full_decode_workers_line_counts_in_the_ttft_and_a_long_wait_rejects()
     assert choice.line_wait_s == pytest.approx(2.5) and choice.ttft_s == pytest.approx(2.8, abs=0.1)
     burst = full_d(5000)  # two of this replica's requests sent to d0 since the reading, still in the handshake
     for name in ("mine-1", "mine-2"):
-        burst.models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=0.1)
+        burst.view.models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=0.1)
     assert burst.plan(prompt).line_wait_s == pytest.approx(3.5)
     roomy = _scheduler(ttft_ms=2000)  # the same D with room and nobody waiting: no wait
-    roomy.lines.observe("d0", num_granted=10, num_waiting=0, now_s=0.0)
-    roomy.lines.observe("d0", num_granted=14, num_waiting=0, now_s=2.0)
+    roomy.view.lines.observe("d0", num_granted=10, num_waiting=0, now_s=0.0)
+    roomy.view.lines.observe("d0", num_granted=14, num_waiting=0, now_s=2.0)
     assert roomy.plan(prompt).line_wait_s == 0.0
 
 
 def test_among_full_decode_workers_the_shortest_line_gets_the_request():
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
-    scheduler.models.seed_from("d0", "d1")
+    scheduler.view.models.seed_from("d0", "d1")
     for d, waiting in (("d0", 4), ("d1", 1)):  # both full, granting 2 a second: 2.5 s and 1 s
-        scheduler.stats[d] = _idle_stats(d, num_used_blocks=1000, num_waiting_handshakes=waiting)
-        scheduler.lines.observe(d, num_granted=10, num_waiting=waiting, now_s=0.0)
-        scheduler.lines.observe(d, num_granted=14, num_waiting=waiting, now_s=2.0)
+        scheduler.view.stats[d] = _idle_stats(d, num_used_blocks=1000, num_waiting_handshakes=waiting)
+        scheduler.view.lines.observe(d, num_granted=10, num_waiting=waiting, now_s=0.0)
+        scheduler.view.lines.observe(d, num_granted=14, num_waiting=waiting, now_s=2.0)
     choice = scheduler.plan(list(range(32)))
     assert (choice.decode_id, choice.line_wait_s) == ("d1", pytest.approx(1.0))
 
@@ -312,7 +312,7 @@ def test_a_request_waiting_in_a_decode_workers_line_is_not_its_prefill_workers_w
 def test_a_decode_worker_too_busy_for_the_tbt_slo_rejects():
     scheduler = _scheduler(ttft_ms=10_000, tbt_ms=50)
     for index in range(10):  # ten long decodes on d0: batch 11 -> ~0.11 s per step
-        scheduler.models.inflight[f"r{index}"] = InFlight(
+        scheduler.view.models.inflight[f"r{index}"] = InFlight(
             f"r{index}", "p0", "d0", 10, 1000, 0.0, first_token_s=time.monotonic())
     with pytest.raises(SloRejected, match="predicted TBT"):
         scheduler.plan(list(range(32)))
@@ -325,21 +325,21 @@ def test_other_replicas_load_counts_in_the_predictions_and_the_routing():
     shared = _scheduler(ttft_ms=10_000, tbt_ms=1000, decodes=("d0", "d1"))
     for scheduler in (alone, shared):
         for batch in (1, 4, 16):  # d1 as fast as d0
-            scheduler.models.decode_model("d1").observe(decode_features(batch, 0), 0.01 * batch)
-    shared.models.peers = PeerLoad(backlog_tokens={"p0": 2000}, decoding={"d0": 9}, decoding_kv_tokens={"d0": 900},
+            scheduler.view.models.decode_model("d1").observe(decode_features(batch, 0), 0.01 * batch)
+    shared.view.models.peers = PeerLoad(backlog_tokens={"p0": 2000}, decoding={"d0": 9}, decoding_kv_tokens={"d0": 900},
                                    inflight={"p0": 3, "d0": 12})
     prompt = list(range(300))
-    assert alone.models.queued_prefill_s("p0") == 0.0
-    assert shared.models.queued_prefill_s("p0") == pytest.approx(2.0, abs=0.1)  # 2000 tokens at 1 ms a token
-    assert shared.models.decode_load("d0") == (9, 900)
-    assert shared.models.tbt_at("d0", 0.0, 300) == pytest.approx(0.1, abs=0.01)  # batch 10
-    assert alone.models.tbt_at("d0", 0.0, 300) == pytest.approx(0.01, abs=0.01)
+    assert alone.view.models.queued_prefill_s("p0") == 0.0
+    assert shared.view.models.queued_prefill_s("p0") == pytest.approx(2.0, abs=0.1)  # 2000 tokens at 1 ms a token
+    assert shared.view.models.decode_load("d0") == (9, 900)
+    assert shared.view.models.tbt_at("d0", 0.0, 300) == pytest.approx(0.1, abs=0.01)  # batch 10
+    assert alone.view.models.tbt_at("d0", 0.0, 300) == pytest.approx(0.01, abs=0.01)
     assert alone.plan(prompt).decode_id == "d0"  # idle equals: the first
     assert shared.plan(prompt).decode_id == "d1"  # d0 is busy with the other replica's requests
     assert shared.plan(prompt).ttft_s == pytest.approx(alone.plan(prompt).ttft_s + 2.0, abs=0.1)
     with pytest.raises(SloRejected, match="predicted TTFT"):
         strict = _scheduler(ttft_ms=1000)
-        strict.models.peers = shared.models.peers
+        strict.view.models.peers = shared.view.models.peers
         strict.plan(prompt)
 
 
@@ -372,14 +372,14 @@ def test_decode_choice_within_the_slo_is_the_least_busy_not_the_fastest_profile(
     requests while the busy one is within the SLO; past the SLO, speed decides."""
     scheduler = _scheduler(ttft_ms=10_000, tbt_ms=200, decodes=("d0", "d1"))
     for batch in (1, 4, 16):  # d1 profiled twice as slow as d0
-        scheduler.models.decode_model("d1").observe(decode_features(batch, 0), 0.02 * batch)
+        scheduler.view.models.decode_model("d1").observe(decode_features(batch, 0), 0.02 * batch)
     for index in range(3):  # three decodes on d0
-        scheduler.models.inflight[f"r{index}"] = InFlight(
+        scheduler.view.models.inflight[f"r{index}"] = InFlight(
             f"r{index}", "p0", "d0", 10, 1000, 0.0, first_token_s=time.monotonic())
     assert scheduler.plan(list(range(32))).decode_id == "d1"
     strict = _scheduler(ttft_ms=10_000, tbt_ms=30, decodes=("d0", "d1"))  # d1 alone: ~0.04 s per step
     for batch in (1, 4, 16):
-        strict.models.decode_model("d1").observe(decode_features(batch, 0), 0.04 * batch)
+        strict.view.models.decode_model("d1").observe(decode_features(batch, 0), 0.04 * batch)
     assert strict.plan(list(range(32))).decode_id == "d0"
 
 
@@ -391,13 +391,13 @@ def test_a_scaled_up_worker_starts_from_a_peers_models_and_takes_the_next_reques
     from cluster.pool_manager import Member
 
     scheduler = _scheduler(ttft_ms=10_000)
-    scheduler.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=3.0)
-    scheduler.members["p1"] = Member("p1", "prefill", handle=None)
-    scheduler.stats["p1"] = _idle_stats("p1")
-    scheduler.prefix["p1"] = PrefixIndex(1000)
-    asyncio.run(scheduler._profile_new(list(scheduler.members.values())))
-    assert "p1" in scheduler.profiled
-    assert scheduler.models.prefill_s("p1", 300, 0) == pytest.approx(scheduler.models.prefill_s("p0", 300, 0))
+    scheduler.view.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=3.0)
+    scheduler.view.members["p1"] = Member("p1", "prefill", handle=None)
+    scheduler.view.stats["p1"] = _idle_stats("p1")
+    scheduler.view.prefix["p1"] = PrefixIndex(1000)
+    asyncio.run(scheduler.view._profile_new(list(scheduler.view.members.values())))
+    assert "p1" in scheduler.view.profiled
+    assert scheduler.view.models.prefill_s("p1", 300, 0) == pytest.approx(scheduler.view.models.prefill_s("p0", 300, 0))
     assert scheduler.plan(list(range(300))).prefill_id == "p1"
 
 
@@ -405,18 +405,19 @@ def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     """The new pool's workers reuse ids (p0, d0) but are new processes: no cost
     model, prefix index or stats of the old ones may carry over."""
     scheduler = _scheduler(ttft_ms=10_000)
-    scheduler.ready = True
+    scheduler.view.ready = True
     new_pool = object()
-    scheduler.replace_pool(new_pool)
-    assert scheduler.pool is new_pool and not scheduler.ready
-    assert not (scheduler.members or scheduler.stats or scheduler.prefix or scheduler.profiled)
-    assert not scheduler.models.prefill_model("p0").is_fitted and not scheduler.models.decode_model("d0").is_fitted
+    scheduler.view.replace_pool(new_pool)
+    assert scheduler.view.pool is new_pool and not scheduler.view.ready
+    assert not (scheduler.view.members or scheduler.view.stats or scheduler.view.prefix or scheduler.view.profiled)
+    models = scheduler.view.models
+    assert not models.prefill_model("p0").is_fitted and not models.decode_model("d0").is_fitted
 
 
 def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
-    scheduler.models.seed_from("d0", "d1")
-    scheduler.num_routed["d0"] = 5  # d0 has served before; both idle now
+    scheduler.view.models.seed_from("d0", "d1")
+    scheduler.view.num_routed["d0"] = 5  # d0 has served before; both idle now
     assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 
@@ -424,9 +425,10 @@ def test_a_decode_worker_whose_line_asks_for_its_free_blocks_has_no_headroom():
     """Handshakes waiting for a D's blocks (actors/reservation_queue.py) will take
     what it frees: another D with room gets the request."""
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
-    scheduler.models.seed_from("d0", "d1")
+    scheduler.view.models.seed_from("d0", "d1")
     assert scheduler.plan(list(range(32))).decode_id == "d0"  # equals: the first
-    scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=900, num_waiting_handshakes=2, num_waiting_blocks=100)
+    scheduler.view.stats["d0"] = _idle_stats("d0", num_used_blocks=900, num_waiting_handshakes=2,
+                                             num_waiting_blocks=100)
     assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 
@@ -436,9 +438,9 @@ def test_handshakes_passing_through_an_idle_decode_workers_line_predict_no_wait(
     however few reservations D granted lately (CI once saw 4.7 s predicted on an
     idle cluster, and a 429, from such a reading)."""
     scheduler = _scheduler(ttft_ms=1000)
-    scheduler.stats["d0"] = _idle_stats("d0", num_waiting_handshakes=3, num_waiting_blocks=6)
-    scheduler.lines.observe("d0", num_granted=10, num_waiting=3, now_s=time.monotonic() - 5.0)
-    scheduler.lines.observe("d0", num_granted=11, num_waiting=3, now_s=time.monotonic())
+    scheduler.view.stats["d0"] = _idle_stats("d0", num_waiting_handshakes=3, num_waiting_blocks=6)
+    scheduler.view.lines.observe("d0", num_granted=10, num_waiting=3, now_s=time.monotonic() - 5.0)
+    scheduler.view.lines.observe("d0", num_granted=11, num_waiting=3, now_s=time.monotonic())
     choice = scheduler.plan(list(range(32)))
     assert choice.line_wait_s == 0.0 and choice.ttft_s < 1.0
 
@@ -448,16 +450,17 @@ def test_requests_sent_to_a_decode_worker_since_its_stats_were_read_use_its_room
     two prompts of 150 tokens since (10 blocks each), d1 two of 10 (1 each): d0
     has no room left, and the next request goes to d1."""
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
-    scheduler.models.seed_from("d0", "d1")
-    scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=980)
-    scheduler.stats["d1"] = _idle_stats("d1", num_used_blocks=990)
+    scheduler.view.models.seed_from("d0", "d1")
+    scheduler.view.stats["d0"] = _idle_stats("d0", num_used_blocks=980)
+    scheduler.view.stats["d1"] = _idle_stats("d1", num_used_blocks=990)
     for d in ("d0", "d1"):
-        scheduler.lines.observe(d, num_granted=0, num_waiting=0, now_s=time.monotonic())
+        scheduler.view.lines.observe(d, num_granted=0, num_waiting=0, now_s=time.monotonic())
     assert scheduler.plan(list(range(32))).decode_id == "d0"  # none in flight on either: the most headroom
+    inflight = scheduler.view.models.inflight
     for name in ("sent-1", "sent-2"):
-        scheduler.models.inflight[name] = InFlight(name, "p0", "d0", 150, 10, predicted_ttft_s=0.2, first_token_s=1.0)
-    scheduler.models.inflight["d1-1"] = InFlight("d1-1", "p0", "d1", 10, 10, predicted_ttft_s=0.2, first_token_s=1.0)
-    scheduler.models.inflight["d1-2"] = InFlight("d1-2", "p0", "d1", 10, 10, predicted_ttft_s=0.2, first_token_s=1.0)
+        inflight[name] = InFlight(name, "p0", "d0", 150, 10, predicted_ttft_s=0.2, first_token_s=1.0)
+    inflight["d1-1"] = InFlight("d1-1", "p0", "d1", 10, 10, predicted_ttft_s=0.2, first_token_s=1.0)
+    inflight["d1-2"] = InFlight("d1-2", "p0", "d1", 10, 10, predicted_ttft_s=0.2, first_token_s=1.0)
     assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 
@@ -465,9 +468,9 @@ def test_draining_workers_get_no_new_requests():
     from dataclasses import replace
 
     scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
-    scheduler.models.decode_model("d1").observe(decode_features(1, 0), 0.01)
-    scheduler.models.decode_model("d1").observe(decode_features(16, 0), 0.16)
-    scheduler.members["d0"] = replace(scheduler.members["d0"], draining=True)
+    scheduler.view.models.decode_model("d1").observe(decode_features(1, 0), 0.01)
+    scheduler.view.models.decode_model("d1").observe(decode_features(16, 0), 0.16)
+    scheduler.view.members["d0"] = replace(scheduler.view.members["d0"], draining=True)
     assert {scheduler.plan(list(range(i, i + 40))).decode_id for i in range(10)} == {"d1"}
 
 
@@ -478,14 +481,14 @@ def test_a_decode_workers_room_counts_what_its_requests_and_the_new_one_will_gro
     for a request of 132 tokens at its end (9 blocks) but not of 532 (34): that one
     waits in D's line."""
     scheduler = _scheduler(ttft_ms=10_000)
-    scheduler.stats["d0"] = _idle_stats("d0", num_used_blocks=950)
-    scheduler.lines.observe("d0", num_granted=10, num_waiting=0, now_s=time.monotonic() - 2.0)
-    scheduler.lines.observe("d0", num_granted=14, num_waiting=0, now_s=time.monotonic() - 1.0)
+    scheduler.view.stats["d0"] = _idle_stats("d0", num_used_blocks=950)
+    scheduler.view.lines.observe("d0", num_granted=10, num_waiting=0, now_s=time.monotonic() - 2.0)
+    scheduler.view.lines.observe("d0", num_granted=14, num_waiting=0, now_s=time.monotonic() - 1.0)
     for name in ("a", "b"):
-        scheduler.models.inflight[name] = InFlight(name, "p0", "d0", 100, 200, predicted_ttft_s=0.1,
+        scheduler.view.models.inflight[name] = InFlight(name, "p0", "d0", 100, 200, predicted_ttft_s=0.1,
                                                    admitted_s=time.monotonic() - 5.0, first_token_s=time.monotonic(),
                                                    num_generated=10)
-    assert scheduler._headroom("d0") == 50 - 2 * 12
+    assert scheduler.view.headroom("d0") == 50 - 2 * 12
     assert scheduler.plan(list(range(32)), max_new_tokens=100).line_wait_s == 0.0
     waiting = scheduler.plan(list(range(32)), max_new_tokens=500)
     assert waiting.line_wait_s == pytest.approx(0.25, rel=1e-3)  # the line's 1 / 4 grants a second

@@ -37,14 +37,14 @@ async def _scenario(pool, settings):
     async with refreshing(scheduler, interval_s=0.5):
         await wait_ready(scheduler, timeout_s=180, workers=3)
         long_request = asyncio.ensure_future(complete(scheduler, list(range(3, 43)), LONG))
-        while not any(r.num_generated > 3 for r in scheduler.models.inflight.values()):
+        while not any(r.num_generated > 3 for r in scheduler.view.models.inflight.values()):
             await asyncio.sleep(0.01)
-        (busy,) = [r.decode_id for r in scheduler.models.inflight.values()]
-        other = next(w for w, m in scheduler.members.items() if m.role == "decode" and w != busy)
+        (busy,) = [r.decode_id for r in scheduler.view.models.inflight.values()]
+        other = next(w for w, m in scheduler.view.members.items() if m.role == "decode" and w != busy)
         assert await pool.drain.remote(busy, "test")
         assert not await pool.drain.remote(busy, "again")  # already draining
 
-        while not scheduler.members[busy].draining:  # the next refresh tells the scheduler
+        while not scheduler.view.members[busy].draining:  # the next refresh tells the scheduler
             await asyncio.sleep(0.05)
         picks = {scheduler.plan(list(range(100 + i, 160 + i))).decode_id for i in range(20)}
         shorts = await asyncio.gather(*(complete(scheduler, list(range(200 + i, 230 + i)), SHORT) for i in range(4)))

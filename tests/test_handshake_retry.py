@@ -29,14 +29,14 @@ async def _scenario(pool, settings):
     # picks fills up.
     prompt = list(range(3, 60))
     full_id = scheduler.plan(prompt).decode_id
-    full = scheduler.members[full_id].handle
+    full = scheduler.view.members[full_id].handle
     hold = GenerateRequest("hold", list(range(1, 384)), SamplingParams(max_new_tokens=1))  # all 24 blocks
     await full.reserve.remote(hold, "unread")
     try:
         tokens, error = await complete(scheduler, prompt, SHORT)
     finally:
         await full.abort.remote("hold")
-    return full_id, tokens, error, dict(scheduler.num_routed)
+    return full_id, tokens, error, dict(scheduler.view.num_routed)
 
 
 def test_a_request_refused_by_a_full_decode_worker_is_served_by_another(ray_local, tiny_qwen2_dir):

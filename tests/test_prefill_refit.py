@@ -148,15 +148,16 @@ async def _a_long_prompt(pool, settings):
     scheduler = build_scheduler(settings, pool)
     async with refreshing(scheduler, interval_s=0.3):
         await wait_ready(scheduler, timeout_s=180)
-        (prefill_id,) = [w for w, m in scheduler.members.items() if m.role == "prefill"]
-        profiled_through = scheduler.models.last_prefill_step(prefill_id)
+        view, models = scheduler.view, scheduler.view.models
+        (prefill_id,) = [w for w, m in view.members.items() if m.role == "prefill"]
+        profiled_through = models.last_prefill_step(prefill_id)
         _, error = await complete(scheduler, list(range(3, 603)), SamplingParams(max_new_tokens=2, ignore_eos=True))
-        stats = await scheduler.members[prefill_id].handle.stats.remote()
+        stats = await view.members[prefill_id].handle.stats.remote()
         live = [s for s in stats.prefill_steps if s.seq > profiled_through]
         deadline = time.monotonic() + 10
-        while live and scheduler.models.last_prefill_step(prefill_id) < live[-1].seq and time.monotonic() < deadline:
+        while live and models.last_prefill_step(prefill_id) < live[-1].seq and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        return error, profiled_through, live, scheduler.models.last_prefill_step(prefill_id)
+        return error, profiled_through, live, models.last_prefill_step(prefill_id)
 
 
 def test_the_scheduler_fits_a_prefill_workers_live_steps(ray_local, tiny_qwen2_dir):

@@ -52,15 +52,15 @@ async def _scenario(pool, settings):
             await _until(lambda: _cached(a, second_prompt) == 80 and _cached(b, second_prompt) == 80, 10,
                          "both see the second prefix")
 
-            (worker,) = a.members
+            (worker,) = a.view.members
             long_request = asyncio.ensure_future(complete(a, list(range(1000, 1040)), LONG))
-            await _until(lambda: b.models.peers.decoding.get(worker) == 1, 30, "B sees A's decoding request")
-            batch, kv_tokens = b.models.decode_load(worker)
-            inflight_b = len(b.models.inflight)
+            await _until(lambda: b.view.models.peers.decoding.get(worker) == 1, 30, "B sees A's decoding request")
+            batch, kv_tokens = b.view.models.decode_load(worker)
+            inflight_b = len(b.view.models.inflight)
             long_request.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await long_request
-            await _until(lambda: not b.models.peers.decoding, 10, "B sees A's request end")
+            await _until(lambda: not b.view.models.peers.decoding, 10, "B sees A's request end")
     return dict(batch=batch, kv_tokens=kv_tokens, inflight_b=inflight_b)
 
 

@@ -65,13 +65,13 @@ def _two_prefill_workers_p0_cold(ttft_ms: float):
     """p0 and p1 alike, but p0's first request paid a cold start: a 0.5 s residual,
     so a 0.5 s bias; p0 holds the first 288 tokens of `PROMPT`."""
     scheduler = _scheduler(ttft_ms=ttft_ms)
-    scheduler.members["p1"] = Member("p1", "prefill", handle=None)
-    scheduler.stats["p1"] = _idle_stats("p1")
-    scheduler.prefix["p1"] = PrefixIndex(1000)
-    scheduler.profiled.add("p1")
-    cold = scheduler.models.predict("p0", "d0", num_prompt_tokens=32, cached_tokens=0)
-    scheduler.models.observe_ttft(cold, observed_s=cold.ttft_s + 0.5)
-    scheduler.prefix["p0"].insert(block_hashes(PROMPT, 16, b""))
+    scheduler.view.members["p1"] = Member("p1", "prefill", handle=None)
+    scheduler.view.stats["p1"] = _idle_stats("p1")
+    scheduler.view.prefix["p1"] = PrefixIndex(1000)
+    scheduler.view.profiled.add("p1")
+    cold = scheduler.view.models.predict("p0", "d0", num_prompt_tokens=32, cached_tokens=0)
+    scheduler.view.models.observe_ttft(cold, observed_s=cold.ttft_s + 0.5)
+    scheduler.view.prefix["p0"].insert(block_hashes(PROMPT, 16, b""))
     return scheduler
 
 

@@ -29,7 +29,7 @@ async def _scenario(pool, settings):
         await wait_ready(scheduler, timeout_s=180, workers=3)
         prompt = list(range(3, 40))
         results = [await complete(scheduler, prompt, SAMPLED) for _ in range(3)]
-    return results, dict(scheduler.num_routed)
+    return results, dict(scheduler.view.num_routed)
 
 
 def test_unseeded_requests_on_different_workers_sample_apart(ray_local, tiny_qwen2_dir):

@@ -1,0 +1,257 @@
+"""What one scheduler replica knows of its pool, refreshed each second: the
+members (from the pool manager), each worker's stats, prefix index and cache
+cursor, the cost models (`WorkerModels`, with this replica's requests in flight),
+decode lines, start failures, and readiness.
+
+Each refresh sends the pool manager a report for its autoscaler
+(cluster/scaling_signals.py): SLO outcomes, backlog and requests in flight; the
+answer is the other replicas' load (`WorkerModels.peers`). Each replica reads
+every worker's prefix-cache events from a cursor of its own (actors/event_log.py),
+so all of them route by the whole cache. The scheduler (cluster/service.py)
+admits and pairs by this view and runs requests; this file decides nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import ray
+
+from actors.background import background_call
+from actors.block_pool import blocks_to_reserve
+from actors.decode_room import growth_blocks
+from actors.event_log import CacheEvents, Cursor
+from cluster.admission import WorkerModels
+from cluster.config import AppSettings
+from cluster.cost_model import decode_features
+from cluster.decode_lines import DecodeLines
+from cluster.metrics import Metrics
+from cluster.restart_backoff import StartFailure
+from cluster.router import PrefixIndex, match_any
+from cluster.scaling_signals import OutcomeRecorder, PeerLoad
+from cluster.store_index import StoreIndex
+
+log = logging.getLogger("tandem.scheduler")
+
+
+class PoolView:
+    def __init__(self, settings: AppSettings, pool, kv_seed: bytes, metrics: Metrics,
+                 outcomes: OutcomeRecorder) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.block_size = settings.engine.block_size
+        self.metrics = metrics
+        self.outcomes = outcomes  # this replica's SLO outcomes: each refresh reports them
+        self.models = WorkerModels(self.block_size, ttft_quantile=settings.slo.attainment,
+                                   prefill_chunk_size=settings.engine.prefill_chunk_size,
+                                   max_num_batched_tokens=settings.engine.max_num_batched_tokens)
+        self.lines = DecodeLines(settings.timeouts.handshake_s)  # waits for D's KV blocks, for admission
+        self.members: dict[str, object] = {}  # worker_id -> Member
+        self.stats: dict[str, object] = {}  # worker_id -> WorkerStats
+        self.prefix: dict[str, PrefixIndex] = {}
+        self.cache_cursors: dict[str, Cursor] = {}  # worker_id -> where this replica read its cache events to
+        self.store_index = StoreIndex(kv_seed, settings.kv_store.store_settings()) if settings.kv_store else None
+        self.profiled: set[str] = set()
+        self.start_failures: dict[str, StartFailure] = {}  # role -> its latest, from the pool manager (/health)
+        self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
+        self.ready = False
+        self.pools_applied = False  # this deployment's pool sizes given to the pool manager (`refresh`)
+
+    async def refresh(self) -> None:
+        """Members from the pool manager; stats (and a start-up profile) per worker.
+        The first also gives the pool manager this deployment's pool sizes: a
+        redeploy's, where the pools outlived the replicas before."""
+        if not self.pools_applied:
+            try:
+                changed = await self.pool.apply_pools.remote(self.settings.model_dump())
+                if changed:
+                    log.info("pool sizes of this deployment applied: %s", ", ".join(changed))
+            except (ray.exceptions.RayTaskError, AttributeError) as exc:  # (AttributeError: an older pool manager)
+                log.warning("could not apply this deployment's pool sizes: %s", exc)
+            self.pools_applied = True
+        members = await self.pool.list_members.remote()
+        self.members = {m.worker_id: m for m in members}
+        for gone in (set(self.stats) | self.profiled) - set(self.members):
+            self._forget(gone)
+        results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
+        for member, stats in zip(members, results):
+            if isinstance(stats, ray.exceptions.RayActorError):
+                await self.report_dead(member.worker_id)
+            elif not isinstance(stats, BaseException):
+                self.stats[member.worker_id] = stats
+                if stats.profile_error is not None:  # never routed (a seeded one whose profile failed since)
+                    self.profiled.discard(member.worker_id)
+                if member.role == "decode":
+                    self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_waiting_handshakes,
+                                       time.monotonic())
+                self.prefix.setdefault(member.worker_id, PrefixIndex(stats.num_blocks))
+                self.metrics.set("kv_blocks_used", "KV blocks in use per worker", stats.num_used_blocks,
+                                 worker=member.worker_id, role=member.role)
+                self.metrics.set("queue_depth", "requests waiting or running per worker",
+                                 stats.num_waiting + stats.num_running, worker=member.worker_id, role=member.role)
+                self.metrics.set("handshakes_waiting", "handshakes waiting in a decode worker's line for KV blocks",
+                                 stats.num_waiting_handshakes, worker=member.worker_id, role=member.role)
+                self.metrics.set("preemptions", "running requests preempted by recompute for KV room, since start",
+                                 stats.num_preemptions, worker=member.worker_id, role=member.role)
+                self.metrics.set("draft_tokens", "speculative decoding: draft tokens verified, since start",
+                                 stats.num_draft_tokens, worker=member.worker_id, role=member.role)
+                self.metrics.set("draft_tokens_accepted", "speculative decoding: draft tokens the samples confirmed",
+                                 stats.num_accepted_draft_tokens, worker=member.worker_id, role=member.role)
+                if member.role != "decode" and member.worker_id in self.profiled:
+                    self.models.observe_prefill_steps(member.worker_id, stats.prefill_steps)
+        indexed = [m for m in members if m.worker_id in self.prefix]
+        batches = await asyncio.gather(
+            *(m.handle.cache_events.remote(self.cache_cursors.get(m.worker_id)) for m in indexed),
+            return_exceptions=True,
+        )
+        for member, batch in zip(indexed, batches):
+            if not isinstance(batch, BaseException):
+                self._apply_cache_events(member.worker_id, batch)
+        if self.store_index is not None:
+            await self.store_index.refresh({s.node_id for s in self.stats.values() if s.node_id})
+        await self._profile_new(members)
+        roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled}
+        needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
+        self.ready = needed <= roles
+        draining = [m.worker_id for m in members if m.draining]
+        try:
+            report = self.outcomes.report(list(self.models.inflight.values()), draining)
+            peers, self.start_failures = await asyncio.gather(self.pool.report.remote(report),
+                                                              self.pool.start_failures.remote())
+            self.models.peers = peers if isinstance(peers, PeerLoad) else PeerLoad()
+        except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on
+            # AttributeError: a pool manager left running by an older version (restart it to autoscale)
+            log.warning("could not report to the pool manager: %s", exc)
+
+    def health(self) -> tuple[int, dict]:
+        """/health's status code and body: 200 "ready" once a worker of each role
+        needed can be routed; until then 503, "starting", or "failing" when the
+        latest start of a role failed. Either names those roles ("failing"): the
+        worker, why, how many in a row, and when the pool manager starts the next
+        (cluster/restart_backoff.py)."""
+        if self.ready:
+            body = {"status": "ready", "pools": sorted({m.role for m in self.members.values()}),
+                    "workers": len(self.members)}
+        else:
+            body = {"status": "failing" if self.start_failures else "starting"}
+        if self.start_failures:
+            body["failing"] = {role: dataclasses.asdict(failure) for role, failure in self.start_failures.items()}
+        return (200 if self.ready else 503), body
+
+    def _apply_cache_events(self, worker_id: str, batch: CacheEvents) -> None:
+        """A worker's prefix-cache events since this replica's cursor, or a snapshot
+        of its cache (a first read, or one that fell behind its log)."""
+        self.prefix[worker_id].update(batch)
+        self.cache_cursors[worker_id] = batch.cursor
+
+    def replace_pool(self, pool) -> None:
+        """A new pool manager replaced a dead one: its workers are new processes
+        even where their ids repeat the old ones (p0, d1, ...), so nothing learned
+        about the old workers (cost models, prefix indexes, stats) carries over."""
+        self.pool = pool
+        self.ready = False
+        for worker_id in set(self.members) | set(self.stats) | self.profiled:
+            self._forget(worker_id)
+        self.members = {}
+
+    def _forget(self, worker_id: str) -> None:
+        """Drop everything learned about one worker."""
+        self.stats.pop(worker_id, None)
+        self.prefix.pop(worker_id, None)
+        self.cache_cursors.pop(worker_id, None)
+        self.profiled.discard(worker_id)
+        self.num_routed.pop(worker_id, None)
+        self.models.forget(worker_id)
+        self.lines.forget(worker_id)
+
+    async def _profile_new(self, members) -> None:
+        """Cost models for workers that have none. The first worker of a role
+        gives its profile (a few real prefills and decode steps, run as it
+        started: every replica gets the same one); a later one (scale-up,
+        replacement) runs the same model on the same node type, so it starts from
+        a peer's fitted models and is routable at once, without waiting for its
+        own profile, which ran on cores the load that made us scale up keeps busy
+        (it would make it look slower than it is). Live timings refit both (a
+        P's prefill steps, a D's token gaps) and a P's TTFT bias.
+
+        A worker whose own profile failed (its engine could not step: its stats
+        say why) is never routed, seeded or not; the pool manager starts another
+        (cluster/restart_backoff.py)."""
+        for member in members:
+            worker_id = member.worker_id
+            stats = self.stats.get(worker_id)
+            if worker_id in self.profiled or stats is None or stats.profile_error is not None:
+                continue
+            peer = next((w for w in self.profiled if w in self.members and self.members[w].role == member.role), None)
+            if peer is not None:
+                self.models.seed_from(peer, worker_id)
+                self.profiled.add(worker_id)
+                continue
+            try:
+                profile = await member.handle.profile.remote()
+            except ray.exceptions.RayActorError:
+                continue  # dead: its stats call reports it
+            except ray.exceptions.RayTaskError:
+                continue  # its engine raised: its stats say so from now on (and the pool manager logs it)
+            except ray.exceptions.RayError as exc:  # on the way, not the engine's: asked again next refresh
+                log.warning("profiling %s failed: %s", worker_id, exc)
+                continue
+            self.models.observe_prefill_steps(member.worker_id, profile.prefill_steps)
+            self.models.skip_prefill_steps(member.worker_id, profile.num_steps)
+            for batch, kv_tokens, seconds in profile.decode:
+                self.models.decode_model(member.worker_id).observe(decode_features(batch, kv_tokens), seconds)
+            self.models.transfers.block_bytes = profile.kv_bytes_per_block
+            self.profiled.add(member.worker_id)
+
+    async def report_dead(self, worker_id: str) -> None:
+        """A worker found dead (a call raised RayActorError): out of the view at
+        once, and told to the pool manager, which replaces it."""
+        self.members.pop(worker_id, None)
+        self.stats.pop(worker_id, None)
+        try:  # maybe in a request: the replacement it starts must not go with that request
+            await background_call(lambda: self.pool.report_dead.remote(worker_id))
+        except ray.exceptions.RayError as exc:
+            log.warning("could not report dead worker %s: %s", worker_id, exc)
+
+    def routable(self, role: str, exclude: set[str] = frozenset()) -> list[str]:
+        """The workers of a role that may take a request: profiled, not draining, not excluded."""
+        return [w for w, m in self.members.items()
+                if m.role == role and not m.draining and w in self.profiled and w not in exclude]
+
+    def cached_tokens(self, worker_id: str, hashes: list[bytes]) -> int:
+        """Prompt tokens the worker need not compute: its device prefix cache, then
+        its node's KV store tiers (a load costs far less than a recompute)."""
+        index = self.prefix.get(worker_id)
+        if index is None:
+            return 0
+        indexes = [index]
+        stats = self.stats.get(worker_id)
+        if self.store_index is not None and stats is not None:
+            indexes += self.store_index.indexes_for(stats.node_id)
+        return match_any(indexes, hashes) * self.block_size
+
+    def headroom(self, worker_id: str) -> int:
+        """D's free KV blocks now, as far as this replica knows: those free at the
+        last reading of D's stats, less those the handshakes then in D's line ask
+        for (they take what comes free first), less those of this replica's
+        requests sent to D since (the reading does not show them yet), less the
+        growth D keeps for this replica's requests there (actors/decode_room.py;
+        the other replicas' are not known request by request). Counting
+        no headroom while any handshake waited instead, a burst passing through
+        an idle D's line (one engine-thread call each) read as a full D: admission
+        predicted a 4.7 s wait there and answered 429."""
+        stats = self.stats.get(worker_id)
+        if stats is None:
+            return 0
+        read_at = self.lines.read_at_s(worker_id)
+        mine = [r for r in self.models.inflight.values() if r.decode_id == worker_id]
+        sent = 0 if read_at is None else sum(
+            blocks_to_reserve(r.num_prompt_tokens, self.block_size) for r in mine if r.admitted_s > read_at)
+        reserve = self.settings.engine.decode_reserve_tokens
+        owed = sum(growth_blocks(r.num_prompt_tokens + r.num_generated, r.num_generated, r.max_new_tokens,
+                                 blocks_to_reserve(r.num_prompt_tokens + r.num_generated, self.block_size),
+                                 reserve, self.block_size) for r in mine)
+        return max(stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks - sent - owed, 0)
