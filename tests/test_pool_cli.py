@@ -30,7 +30,9 @@ def _tandem(*args: str) -> subprocess.CompletedProcess:
 
 
 async def _scenario(pool, settings):
-    await pool.list_members.remote()  # both up
+    await pool.list_members.remote()  # both up; a control step records them ready (at most interval_s later)
+    while len([e for e in await pool.scaling_events.remote() if e.kind == "ready"]) < 2:
+        await asyncio.sleep(0.1)
     where = ["--address", ray.get_runtime_context().gcs_address, "--pool-name", settings.pool_name]
     run = lambda *args: asyncio.to_thread(_tandem, *args)  # noqa: E731
     listed = await run("pools", *where, "--json")
