@@ -66,7 +66,6 @@ class WorkerStats:
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, since the worker started
     num_accepted_draft_tokens: int = 0  # ... those its samples confirmed
     prefill_steps: tuple[PrefillStep, ...] = ()  # the latest prompt-only steps, timed (actors/prefill_steps.py)
-    is_profiled: bool = False  # the start-up profile has run (`profile`), whether or not it failed
     profile_error: str | None = None  # why it failed: the engine could not step, so it runs no request
 
 
@@ -321,7 +320,6 @@ class WorkerBase:
             num_draft_tokens=engine.num_draft_tokens,
             num_accepted_draft_tokens=engine.num_accepted_draft_tokens,
             prefill_steps=engine.prefill_steps.latest(),
-            is_profiled=self._profiled.done(),
             profile_error=self._profile_error(),
         )
 

@@ -5,10 +5,12 @@ One step:
 1. Readiness. A started worker is *ready* once its first ping answers; one not
    ready within `start_timeout_s` is given up (killed). It is *serving* from the
    first request a scheduler reports having routed to it.
+   A worker has *started* once its start-up profile answers (a call the
+   autoscaler makes as the worker starts).
 2. Stats of every ready worker (`WorkerStats`: KV blocks, running, waiting,
-   reserved requests; whether its start-up profile ran, or failed).
-   Start failures (died before its profile ran, the profile failed, not ready in
-   time) are started again after a delay that grows with each in a row
+   reserved requests; why its start-up profile failed, if it did).
+   Start failures (died before its profile answered, the profile failed, not
+   ready in time) are started again after a delay that grows with each in a row
    (cluster/restart_backoff.py); restarts that wait count as starting workers.
 3. Drains. A draining worker is retired (its block accounting checked, then the
    actor killed) once it has drained for `drain_grace_s`, holds no request
@@ -66,9 +68,10 @@ class _Track:
 
     started_s: float
     ready: object  # concurrent Future of the worker's first answer (its WorkerStartup)
+    profiled: object  # concurrent Future of its start-up profile (`profile`)
     requested_wall: float = 0.0  # time.time() when the actor was asked for
     ready_s: float | None = None
-    profiled_s: float | None = None  # its start-up profile ran: from then on a death is not a start failure
+    profiled_s: float | None = None  # a step saw its profile answered: from then on a death is no start failure
     serving_s: float | None = None
     drain_started_s: float | None = None
     stats: WorkerStats | None = None
@@ -107,21 +110,24 @@ class PoolAutoscaler:
 
     # ---- what the manager tells us --------------------------------------------------------
     def on_started(self, member) -> None:
-        ready = member.handle.startup_times.remote().future()
-        self.tracks[member.worker_id] = _Track(self.clock(), ready, time.time())
+        handle = member.handle
+        self.tracks[member.worker_id] = _Track(self.clock(), handle.startup_times.remote().future(),
+                                               handle.profile.remote().future(), time.time())
         self.record(member.role, "started", member.worker_id)
 
     def is_ready(self, worker_id: str) -> bool:
         track = self.tracks.get(worker_id)
         if track is None:
             return False
-        return track.ready_s is not None or (track.ready.done() and track.ready.exception() is None)
+        return track.ready_s is not None or _succeeded(track.ready)
 
     def has_started(self, worker_id: str) -> bool:
-        """The worker ran its start-up profile, as its latest stats said (up to
-        `interval_s` late): a death after it is no start failure."""
+        """The worker answered its start-up profile: a death after it is no start
+        failure. Read from the profile's future, not the latest stats (up to
+        `interval_s` old), so that a worker killed just after its profile is
+        replaced at once, not started again after a backoff as a failure."""
         track = self.tracks.get(worker_id)
-        return track is not None and track.profiled_s is not None
+        return track is not None and (track.profiled_s is not None or _succeeded(track.profiled))
 
     def state_of(self, member) -> str:
         """starting (no first answer yet), ready, serving (a scheduler routed it a
@@ -202,8 +208,10 @@ class PoolAutoscaler:
 
     async def step(self) -> None:
         now = self.clock()
-        for role in self.restarts.take_due(now):
-            latest = self.restarts.failures(now).get(role)
+        due = self.restarts.take_due(now)
+        failures = self.restarts.failures(now) if due else {}
+        for role in due:
+            latest = failures.get(role)
             self.record(role, "restart", reason=f"after {latest.worker_id} failed to start ({latest.failures_in_a_row} "
                         "in a row)" if latest else "after a start failure")
             self.manager._start(role)
@@ -227,7 +235,12 @@ class PoolAutoscaler:
     def _check_readiness(self, now: float) -> None:
         for member in self._members():
             track = self.tracks.get(member.worker_id)
-            if track is None or track.ready_s is not None:
+            if track is None:
+                continue
+            if track.profiled_s is None and _succeeded(track.profiled):  # a failed one: its stats say why
+                track.profiled_s = now
+                self.restarts.started(member.role, track.started_s)
+            if track.ready_s is not None:
                 continue
             if track.ready.done():
                 error = track.ready.exception()
@@ -252,9 +265,6 @@ class PoolAutoscaler:
             track.stats = stats
             if stats.profile_error is not None:
                 self.start_failed(member, f"start-up profile failed: {stats.profile_error}")
-            elif stats.is_profiled and track.profiled_s is None:
-                track.profiled_s = now
-                self.restarts.started(member.role, track.started_s)
 
     def observe(self, role: str, now: float) -> PoolObservation:
         members = self._members(role)
@@ -355,3 +365,8 @@ class PoolAutoscaler:
             reason += f"; accounting check failed: {type(exc).__name__}: {exc}"
         self._remove(member)
         self.record(member.role, kind, member.worker_id, reason=reason, stats=stats)
+
+
+def _succeeded(future) -> bool:
+    """A concurrent Future of an actor call that has answered, without an error."""
+    return future.done() and not future.cancelled() and future.exception() is None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass, replace
 
 import ray
@@ -140,11 +141,11 @@ class PoolManager:
         reports ready with the whole pool; a slower one joins when it is up."""
         self._ensure_health_loop()
         if not self._initial_ready:  # (each worker's first answer, which `is_ready` reads: not a later ping's)
-            first_answers = [asyncio.wrap_future(t.ready) for t in self.scaler.tracks.values()]
-            try:
-                await within(asyncio.gather(*first_answers, return_exceptions=True), self.initial_wait_s)
-            except asyncio.TimeoutError:  # slow: list what is up
-                pass
+            # Polled, not awaited under a timeout: a timeout cancels what it awaits,
+            # and a cancelled first answer broke every later control step.
+            deadline = time.monotonic() + self.initial_wait_s
+            while not all(t.ready.done() for t in self.scaler.tracks.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             self._initial_ready = True
         return [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]
 

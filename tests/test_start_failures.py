@@ -10,6 +10,8 @@ import asyncio
 import shutil
 from concurrent.futures import Future
 
+import ray
+
 from actors.sampling_params import SamplingParams
 from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
@@ -47,10 +49,10 @@ async def _failed_profile(pool, settings):
         deadline = asyncio.get_running_loop().time() + 180
         while asyncio.get_running_loop().time() < deadline:
             picks |= {scheduler.plan(list(range(100 + i, 160 + i))).prefill_id for i in range(5)}
-            status, body = scheduler.health()
+            status, body = scheduler.view.health()
             failing = (status, body) if "failing" in body else failing
-            routed = scheduler.profiled & set(scheduler.members)
-            prefills = {w for w in routed if scheduler.members[w].role == "prefill"}
+            routed = scheduler.view.profiled & set(scheduler.view.members)
+            prefills = {w for w in routed if scheduler.view.members[w].role == "prefill"}
             if len(prefills) == 2 and first not in prefills and failing is not None:
                 break
             await asyncio.sleep(0.1)
@@ -92,7 +94,7 @@ async def _die_starting(pool, settings):
                 break
             await asyncio.sleep(0.25)
         await asyncio.sleep(0.5)  # a refresh reads the pool's start failures
-        return dict(events=events, health=scheduler.health(), ready=scheduler.ready)
+        return dict(events=events, health=scheduler.view.health(), ready=scheduler.view.ready)
 
 
 def test_workers_that_die_starting_are_started_again_ever_later_and_health_says_why(
@@ -139,3 +141,52 @@ def test_a_worker_no_node_takes_is_given_up_and_another_asked_for(ray_local, tin
                                               "not ready within 1 s (no node for it?); next start in 1 s"]
     failure = r["failures"]["prefill"]
     assert failure.failures_in_a_row >= 2 and failure.error == "not ready within 1 s (no node for it?)"
+
+
+async def _killed_after_profile(pool, settings):
+    (decode,) = [m for m in await pool.list_members.remote() if m.role == "decode"]
+    await decode.handle.profile.remote()
+    ray.kill(decode.handle)  # long before the next control step reads its stats
+    deadline = asyncio.get_running_loop().time() + 60
+    while asyncio.get_running_loop().time() < deadline:
+        events = [e for e in await pool.scaling_events.remote() if e.worker_id == decode.worker_id]
+        if any(e.kind in ("replaced", "start_failed") for e in events):
+            break
+        await asyncio.sleep(0.1)
+    return dict(worker_id=decode.worker_id, kinds=[e.kind for e in events],
+                failures=await pool.start_failures.remote())
+
+
+def test_a_worker_killed_just_after_its_profile_answered_is_replaced_at_once_not_a_start_failure(
+        ray_local, tiny_qwen2_dir):
+    # A control step every 30 s: the pool learns that the profile ran from the
+    # profile's own answer, not from stats a step reads.
+    settings = {**SETTINGS, "prefill": {"replicas": 1}, "autoscaling": {"interval_s": 30.0},
+                "pool_name": "test-pool-killed-after-profile"}
+    r = run_with_pool(settings, _killed_after_profile)
+    assert "replaced" in r["kinds"] and "start_failed" not in r["kinds"], r["kinds"]
+    assert r["failures"] == {}
+
+
+async def _slower_than_the_first_listing(pool, settings):
+    def impatient(manager) -> None:  # (nested: Ray ships it by value to the pool manager)
+        manager.initial_wait_s = 0.01  # as if the workers took longer to start than the first listing waits
+
+    await pool.__ray_call__.remote(impatient)
+    first = await pool.list_members.remote()
+    deadline = asyncio.get_running_loop().time() + 120
+    while asyncio.get_running_loop().time() < deadline:
+        ready = [e.worker_id for e in await pool.scaling_events.remote() if e.kind == "ready"]
+        if len(ready) == 2:
+            break
+        await asyncio.sleep(0.1)
+    return dict(first=first, ready=ready, listed=await pool.list_members.remote())
+
+
+def test_workers_slower_than_the_first_listing_are_listed_once_up(ray_local, tiny_qwen2_dir):
+    # The first listing's wait timed out before, cancelled the workers' first
+    # answers, and from then on every listing and control step raised CancelledError.
+    settings = {**SETTINGS, "prefill": {"replicas": 1}, "pool_name": "test-pool-slow-start"}
+    r = run_with_pool(settings, _slower_than_the_first_listing)
+    assert r["first"] == []
+    assert sorted(r["ready"]) == ["d1", "p0"] and sorted(m.worker_id for m in r["listed"]) == ["d1", "p0"]
