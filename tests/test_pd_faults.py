@@ -41,13 +41,23 @@ async def consume(call: DisaggregatedCall, stop_after: int | None = None):
 
 
 async def mid_transfer(p, d, request: GenerateRequest):
-    """Start a request and return once its transfer is under way: (call, task
-    consuming its events)."""
+    """Start a request and return once its transfer is under way, its first chunk
+    landed in D's blocks and more to come: (call, task consuming its events). (A
+    fixed wait after the reservation missed the transfer, when a quick moment of
+    the machine had sent all of the prompt's chunks within it.)"""
+    request_id = request.request_id
+
+    def chunks_landed(worker) -> int | None:  # (nested: Ray ships it by value to D)
+        with worker._pending_lock:
+            pending = worker._pending.get(request_id)
+        return None if pending is None else pending.next_chunk
+
     call = DisaggregatedCall(p, d, request, "gloo")
     task = asyncio.ensure_future(consume(call))
-    while call.reservation is None:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while call.reservation is None or not await d.__ray_call__.remote(chunks_landed):
+        assert not task.done() and time.monotonic() < deadline, "the transfer ended before the test saw a chunk land"
+        await asyncio.sleep(0.005)
     return call, task
 
 
@@ -62,11 +72,7 @@ def test_prefill_dies_mid_transfer(ray_local, tiny_qwen2_dir):
     request = GenerateRequest("p-dies-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
 
     async def scenario():
-        call = DisaggregatedCall(p, d, request, "gloo")
-        task = asyncio.ensure_future(consume(call))
-        while call.reservation is None or ray.get(d.stats.remote()).num_reserved == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        call, task = await mid_transfer(p, d, request)
         ray.kill(p)
         return call, await asyncio.wait_for(task, timeout=30)
 
