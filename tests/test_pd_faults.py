@@ -172,16 +172,22 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
     with pytest.raises(ReservationRefused, match=r"no room for 59 prompt tokens within 0.5 s"):
         asyncio.run(consume(DisaggregatedCall(p, d, too_much, "gloo", handshake_timeout_s=0.5)))
 
+    async def line_holds(num_handshakes: int):
+        """D's stats once that many handshakes wait in its line (or 10 s on)."""
+        deadline = time.monotonic() + 10
+        while (stats := await d.stats.remote()).num_waiting_handshakes < num_handshakes and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return stats
+
     async def in_line():
         long = asyncio.ensure_future(d.reserve.remote(GenerateRequest("long", list(range(1, 120)), params),
                                                       "unread", p, 30))  # 8 blocks
-        await asyncio.sleep(0.3)
+        await line_holds(1)  # the long prompt first in line
         short = asyncio.ensure_future(d.reserve.remote(GenerateRequest("short", list(range(200, 240)), params),
                                                        "unread", p, 30))  # 3 blocks
         aborted = asyncio.ensure_future(d.reserve.remote(GenerateRequest("aborted", list(range(300, 310)), params),
                                                          "unread", p, 30))
-        await asyncio.sleep(0.3)
-        stats = await d.stats.remote()
+        stats = await line_holds(3)
         assert (stats.num_waiting_handshakes, stats.num_waiting_blocks) == (3, 8 + 3 + 1)
         await d.abort.remote("aborted")
         with pytest.raises(ReservationRefused, match="aborted while it waited"):
