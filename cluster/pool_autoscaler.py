@@ -71,7 +71,7 @@ class _Track:
     profiled: object  # concurrent Future of its start-up profile (`profile`)
     requested_wall: float = 0.0  # time.time() when the actor was asked for
     ready_s: float | None = None
-    profiled_s: float | None = None  # a step saw its profile answered: from then on a death is no start failure
+    profiled_s: float | None = None  # a step saw its profile answered (and told the restart backoff)
     serving_s: float | None = None
     drain_started_s: float | None = None
     stats: WorkerStats | None = None
@@ -119,7 +119,7 @@ class PoolAutoscaler:
         track = self.tracks.get(worker_id)
         if track is None:
             return False
-        return track.ready_s is not None or _succeeded(track.ready)
+        return _succeeded(track.ready)
 
     def has_started(self, worker_id: str) -> bool:
         """The worker answered its start-up profile: a death after it is no start
@@ -127,7 +127,7 @@ class PoolAutoscaler:
         `interval_s` old), so that a worker killed just after its profile is
         replaced at once, not started again after a backoff as a failure."""
         track = self.tracks.get(worker_id)
-        return track is not None and (track.profiled_s is not None or _succeeded(track.profiled))
+        return track is not None and _succeeded(track.profiled)
 
     def state_of(self, member) -> str:
         """starting (no first answer yet), ready, serving (a scheduler routed it a
