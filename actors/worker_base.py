@@ -364,9 +364,12 @@ class WorkerBase:
         scheduler replica that started after another had sent requests profiled
         the worker under them, the profile's steps took their tokens, and they
         waited for the rest to their timeout (300 s; a fresh app's first
-        requests, in about one start in ten of a one-off probe on 2 CPUs)."""
+        requests, in about one start in ten of a one-off probe on 2 CPUs).
+        Shielded: a caller that gives up (its own timeout, `ray.cancel`) before
+        the engine thread has taken the call must not cancel the one profile
+        every other caller, and `stats`, read."""
         self._ensure_started()
-        return await asyncio.wrap_future(self._profiled)
+        return await asyncio.shield(asyncio.wrap_future(self._profiled))
 
     def _profile_error(self) -> str | None:
         """Why the start-up profile failed (None while it runs and once it has
@@ -374,7 +377,11 @@ class WorkerBase:
         request's. Read through `stats`, by the schedulers (which route it
         nothing) and the pool manager (which starts another, see
         cluster/restart_backoff.py)."""
-        error = self._profiled.exception() if self._profiled.done() else None
+        if not self._profiled.done():
+            return None
+        if self._profiled.cancelled():  # (`profile` shields it; `exception()` would raise here)
+            return "CancelledError: the start-up profile was cancelled"
+        error = self._profiled.exception()
         return None if error is None else f"{type(error).__name__}: {error}"
 
     async def shutdown(self) -> None:

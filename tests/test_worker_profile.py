@@ -56,3 +56,39 @@ def test_the_profile_refuses_an_engine_that_has_a_request(tiny_qwen2_dir):
     engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="before its first request"):
         profile_engine(engine)
+
+
+def test_a_caller_that_gives_up_on_the_profile_leaves_it_to_the_others(ray_local, worker):
+    """The window is the engine thread's pick-up of its first call: a caller
+    cancelled before then cancelled the shared future, and every later
+    `profile` and `stats` raised. A pending future the engine thread never
+    takes holds that window open."""
+    ray_local.get(worker.profile.remote())
+
+    def hold_the_window_and_call(self):
+        from concurrent.futures import Future
+
+        self.test_profile = self._profiled
+        self._profiled = Future()  # (pending, as before the engine thread takes it)
+        self.test_caller = asyncio.run_coroutine_threadsafe(self.profile(), self.aio)  # (a task on the actor's loop)
+
+    async def a_few_turns():
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    def cancel_the_caller(self):
+        self.test_caller.cancel()
+
+    def close_the_window(self):
+        asyncio.run_coroutine_threadsafe(a_few_turns(), self.aio).result()  # (the cancel reaches the task)
+        cancelled = self._profiled.cancelled(), self.test_caller.cancelled()
+        if not cancelled[0]:
+            self._profiled.set_result(self.test_profile.result())
+        return cancelled
+
+    ray_local.get(worker.__ray_call__.remote(hold_the_window_and_call))
+    ray_local.get(worker.__ray_call__.remote(cancel_the_caller))
+    shared_cancelled, caller_cancelled = ray_local.get(worker.__ray_call__.remote(close_the_window))
+    assert caller_cancelled and not shared_cancelled
+    assert ray_local.get(worker.profile.remote()).prefill_steps
+    assert ray_local.get(worker.stats.remote()).profile_error is None
