@@ -6,9 +6,11 @@ and those its params name: logit_bias, allowed and stop token ids; and allowed
 ids not all banned from the first draw by the model's end tokens under
 min_new_tokens), and the prompt, the output and both together within `limits`
 (cluster/config.py) and the model's context. Each refusal is an ApiError 400
-that names the limit. (A logit_bias id outside the vocabulary was found by P's
-engine, after D had reserved blocks for the request, and counted among the
-failed requests.)"""
+that names the limit, and the output's length in words, not by one API's
+field (max_tokens, max_completion_tokens, max_output_tokens, max_new_tokens:
+each API that shares this check names it its own way). (A logit_bias id
+outside the vocabulary was found by P's engine, after D had reserved blocks
+for the request, and counted among the failed requests.)"""
 
 from __future__ import annotations
 
@@ -39,10 +41,12 @@ def prompt_ids_within_limits(
     if len(ids) >= max_model_len:
         raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is {max_model_len}")
     if params.max_new_tokens > limits.max_new_tokens:
-        raise ApiError(400, f"max_new_tokens {params.max_new_tokens} exceeds the limit of {limits.max_new_tokens}")
+        raise ApiError(400, f"the request asks for up to {params.max_new_tokens} new tokens; "
+                            f"the limit is {limits.max_new_tokens}")
     total = len(ids) + params.max_new_tokens
     if limits.max_total_tokens is not None and total > limits.max_total_tokens:
-        raise ApiError(400, f"prompt plus max_new_tokens is {total} tokens; the limit is {limits.max_total_tokens}")
+        raise ApiError(400, f"prompt plus the new tokens asked for is {total} tokens; "
+                            f"the limit is {limits.max_total_tokens}")
     if len(params.stop) > limits.max_stop_sequences:
         raise ApiError(400, f"{len(params.stop)} stop sequences; the limit is {limits.max_stop_sequences}")
     return ids

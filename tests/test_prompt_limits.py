@@ -36,5 +36,5 @@ def test_keeping_the_most_a_request_can_be_served_with(tokenizer, limits, max_mo
 
 def test_no_room_for_the_output_is_refused_for_the_output(tokenizer):
     limits = LimitSettings(max_prompt_tokens=600, max_new_tokens=100, max_total_tokens=40)
-    with pytest.raises(ApiError, match="prompt plus max_new_tokens is 51 tokens; the limit is 40"):
+    with pytest.raises(ApiError, match="prompt plus the new tokens asked for is 51 tokens; the limit is 40"):
         prompt_ids_within_limits(tokenizer, limits, 2048, PROMPT, SamplingParams(max_new_tokens=50), keep_last=-1)

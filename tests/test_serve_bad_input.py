@@ -47,7 +47,7 @@ def client(base_url):
         ("/generate", {"text": "x", "top_p": 0}, "top_p"),
         ("/generate", {"text": "x" * 2000}, "limit is 600"),
         ("/generate", {"input_ids": [99999999]}, "token ids"),
-        ("/generate", {"text": "x", "max_new_tokens": 5000}, "limit of 200"),
+        ("/generate", {"text": "x", "max_new_tokens": 5000}, "up to 5000 new tokens; the limit is 200"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c"]}, "stop sequences"),
         ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
         ("/v1/completions", {"prompt": ["x"] * 33, "n": 2}, "more than 64 requests"),
