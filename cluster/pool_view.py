@@ -24,7 +24,7 @@ from actors.background import background_call
 from actors.block_pool import blocks_to_reserve
 from actors.decode_room import growth_blocks
 from actors.event_log import CacheEvents, Cursor
-from cluster.admission import WorkerModels
+from cluster.admission import InFlight, WorkerModels
 from cluster.config import AppSettings
 from cluster.cost_model import decode_features
 from cluster.decode_lines import DecodeLines
@@ -243,15 +243,44 @@ class PoolView:
         no headroom while any handshake waited instead, a burst passing through
         an idle D's line (one engine-thread call each) read as a full D: admission
         predicted a 4.7 s wait there and answered 429."""
+        room, sent = self._room_and_sent(worker_id)
+        return max(room - sum(blocks for _, blocks in sent), 0)
+
+    def num_joined_line(self, worker_id: str) -> int:
+        """This replica's requests that joined D's line since the last reading of
+        D's stats: sent to D since, still in their handshake, and past the room
+        `headroom` counts, taken in the order they were sent (those the room held
+        are granted as they come). Counting every request still in its handshake
+        instead, a burst's own first requests read as a line ahead of its last:
+        admission predicted waits of 3.8-5.6 s and answered 429 where every first
+        token came within 1 s."""
+        room, sent = self._room_and_sent(worker_id)
+        joined = 0
+        for request, blocks in sent:
+            room -= blocks
+            joined += room < 0 and request.prefill_id is not None and request.reserved_s is None
+        return joined
+
+    def _room_and_sent(self, worker_id: str) -> tuple[int, list[tuple[InFlight, int]]]:
+        """D's free blocks at the last reading of its stats, less those its line
+        then asked for and the growth D keeps for this replica's requests read
+        there; and this replica's requests sent to D since, in the order they
+        were sent, each with the blocks it takes (its prompt's and its growth)."""
         stats = self.stats.get(worker_id)
         if stats is None:
-            return 0
+            return 0, []
         read_at = self.lines.read_at_s(worker_id)
-        mine = [r for r in self.models.inflight.values() if r.decode_id == worker_id]
-        sent = 0 if read_at is None else sum(
-            blocks_to_reserve(r.num_prompt_tokens, self.block_size) for r in mine if r.admitted_s > read_at)
         reserve = self.settings.engine.decode_reserve_tokens
-        owed = sum(growth_blocks(r.num_prompt_tokens + r.num_generated, r.num_generated, r.max_new_tokens,
-                                 blocks_to_reserve(r.num_prompt_tokens + r.num_generated, self.block_size),
-                                 reserve, self.block_size) for r in mine)
-        return max(stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks - sent - owed, 0)
+        room = stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks
+        sent = []
+        for r in self.models.inflight.values():
+            if r.decode_id != worker_id:
+                continue
+            held = blocks_to_reserve(r.num_prompt_tokens + r.num_generated, self.block_size)
+            owed = growth_blocks(r.num_prompt_tokens + r.num_generated, r.num_generated, r.max_new_tokens, held,
+                                 reserve, self.block_size)
+            if read_at is not None and r.admitted_s > read_at:
+                sent.append((r, held + owed))
+            else:
+                room -= owed
+        return room, sent

@@ -135,12 +135,7 @@ class GlobalScheduler:
         `has_room`: D's headroom holds the prompt (its line's blocks counted)."""
         if has_room:
             return prediction
-        read_at = self.view.lines.read_at_s(decode_id)
-        joined = 0 if read_at is None else sum(
-            1 for r in self.view.models.inflight.values()
-            if r.decode_id == decode_id and r.prefill_id is not None and r.reserved_s is None
-            and r.admitted_s > read_at)
-        wait = self.view.lines.wait_s(decode_id, has_room=False, joined=joined)
+        wait = self.view.lines.wait_s(decode_id, has_room=False, joined=self.view.num_joined_line(decode_id))
         if not wait:
             return prediction
         return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + wait, line_wait_s=wait)

@@ -134,8 +134,10 @@ def test_tbt_prediction_drops_requests_that_finish_before_the_prefill():
     models = _models()
     now = time.monotonic()
     # One request decoding with 2 tokens left (~0.02 s), one with 1000 left.
-    models.inflight["short"] = InFlight("short", "p0", "d0", 10, 12, 0.0, admitted_s=now, first_token_s=now, num_generated=10)
-    models.inflight["long"] = InFlight("long", "p0", "d0", 10, 1010, 0.0, admitted_s=now, first_token_s=now, num_generated=10)
+    models.inflight["short"] = InFlight("short", "p0", "d0", 10, 12, 0.0, admitted_s=now, first_token_s=now,
+                                       num_generated=10)
+    models.inflight["long"] = InFlight("long", "p0", "d0", 10, 1010, 0.0, admitted_s=now, first_token_s=now,
+                                       num_generated=10)
     soon = models.tbt_at("d0", at_s=0.0, extra_kv_tokens=0)
     later = models.tbt_at("d0", at_s=1.0, extra_kv_tokens=0)
     assert soon == pytest.approx(0.03, rel=0.05)  # batch of 3
@@ -282,21 +284,18 @@ def test_among_full_decode_workers_the_shortest_line_gets_the_request():
     assert (choice.decode_id, choice.line_wait_s) == ("d1", pytest.approx(1.0))
 
 
-def test_the_decode_lines_wait_from_the_grant_rate():
-    from cluster.decode_lines import DecodeLines
-
-    lines = DecodeLines(max_wait_s=10.0)
-    lines.observe("d0", num_granted=0, num_waiting=3, now_s=0.0)
-    assert lines.wait_s("d0", has_room=False) == 0.0  # one reading: no rate, no prediction
-    for second in range(1, 9):  # 4 grants a second, then 1 a second from t=5
-        lines.observe("d0", num_granted=4 * min(second, 5) + max(second - 5, 0), num_waiting=3, now_s=float(second))
-    assert lines.grant_rate("d0") == pytest.approx((23 - 12) / (8 - 3))  # over the last 5 s only
-    assert lines.wait_s("d0", has_room=False) == pytest.approx(4 / 2.2)
-    assert lines.wait_s("d0", has_room=True) == pytest.approx(4 / 2.2)  # room, but others wait ahead
-    lines.observe("d0", num_granted=23, num_waiting=3, now_s=14.0)
-    assert lines.wait_s("d0", has_room=False) == 10.0  # nothing granted while handshakes wait: stuck
-    lines.observe("d0", num_granted=2, num_waiting=0, now_s=15.0)  # a new worker under the id: start again
-    assert lines.grant_rate("d0") is None and lines.wait_s("d0", has_room=True) == 0.0
+def test_a_burst_joins_the_line_only_past_the_room_it_found():
+    """D had a line a moment ago (2 grants a second) and none now, and room for 3
+    of this replica's 5 requests sent since the reading: the 2 it did not hold
+    are ahead of a new request in the line, the 3 it held are not."""
+    scheduler = _scheduler(ttft_ms=5000)
+    scheduler.view.stats["d0"] = _idle_stats("d0", num_used_blocks=1000 - 3 * 7)  # 7 blocks a request below
+    scheduler.view.lines.observe("d0", num_granted=10, num_waiting=2, now_s=0.0)
+    scheduler.view.lines.observe("d0", num_granted=14, num_waiting=0, now_s=2.0)
+    for index in range(5):  # 100 prompt tokens and 10 out: 7 blocks each, none reserved yet
+        scheduler.view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 100, 10, 0.1)
+    assert scheduler.view.num_joined_line("d0") == 2
+    assert scheduler.plan(list(range(300))).line_wait_s == pytest.approx((0 + 2 + 1) / 2)
 
 
 def test_a_request_waiting_in_a_decode_workers_line_is_not_its_prefill_workers_work_yet():
@@ -482,8 +481,8 @@ def test_a_decode_workers_room_counts_what_its_requests_and_the_new_one_will_gro
     waits in D's line."""
     scheduler = _scheduler(ttft_ms=10_000)
     scheduler.view.stats["d0"] = _idle_stats("d0", num_used_blocks=950)
-    scheduler.view.lines.observe("d0", num_granted=10, num_waiting=0, now_s=time.monotonic() - 2.0)
-    scheduler.view.lines.observe("d0", num_granted=14, num_waiting=0, now_s=time.monotonic() - 1.0)
+    scheduler.view.lines.observe("d0", num_granted=10, num_waiting=1, now_s=time.monotonic() - 2.0)  # a line,
+    scheduler.view.lines.observe("d0", num_granted=14, num_waiting=0, now_s=time.monotonic() - 1.0)  # gone since
     for name in ("a", "b"):
         scheduler.view.models.inflight[name] = InFlight(name, "p0", "d0", 100, 200, predicted_ttft_s=0.1,
                                                    admitted_s=time.monotonic() - 5.0, first_token_s=time.monotonic(),
@@ -491,7 +490,7 @@ def test_a_decode_workers_room_counts_what_its_requests_and_the_new_one_will_gro
     assert scheduler.view.headroom("d0") == 50 - 2 * 12
     assert scheduler.plan(list(range(32)), max_new_tokens=100).line_wait_s == 0.0
     waiting = scheduler.plan(list(range(32)), max_new_tokens=500)
-    assert waiting.line_wait_s == pytest.approx(0.25, rel=1e-3)  # the line's 1 / 4 grants a second
+    assert waiting.line_wait_s == pytest.approx(0.25, rel=1e-3)  # 1 / the 4 grants a second with a line
 
 
 def _fixed_cost_models() -> WorkerModels:
