@@ -15,6 +15,11 @@ the served and how many met the SLO, and the TTFTs the rejections predicted
 rejected while every served one met the SLO with room to spare was turned away
 for nothing: admission mispredicted a burst's queue, the cluster was not full.
 Goal: none rejected while the served requests' worst TTFT is within the SLO.
+
+With `--size 80 --prompt 96 --output 160 --bursts 4 --every-s 10` a burst asks
+for more than D's pool (16 blocks a request, 1024 in the pool): its last requests
+wait in D's line until the first ones finish, and admission must predict that
+wait, not take the burst's own first requests for a line ahead of it.
 """
 
 from __future__ import annotations

@@ -5,25 +5,31 @@ A decode worker (D) without room for a prompt keeps its handshake waiting
 only then does the prefill start. Admission adds that wait to the predicted TTFT.
 It is predicted from D's stats, read at each refresh by every scheduler replica
 alike: the handshakes waiting now, and the reservations D granted per second
-while handshakes waited, over the last `WINDOW_S`. D grants a waiting handshake
-only as blocks come free, so that rate is how fast D frees room; between
-readings without a line it is how fast requests came, which says nothing of it
-(a burst onto a D with room read as a slow D: its own requests, predicted
-behind each other at the rate the previous burst arrived, were turned away).
+in the last `WINDOW_S` since a reading first found handshakes waiting. D grants a
+waiting handshake only as blocks come free, so from then on the rate is about
+how fast D frees room; before, it was how fast requests came to a D with room,
+which says nothing of it (a burst onto an idle D read as a D that frees
+nothing, and its last requests were turned away with a predicted wait of 10 s).
+Readings without a line after the first with one still count: under a steady
+overload D's line comes and goes between readings, and the rate over only the
+readings with a line was the higher one, the waits it predicted too short (in
+`tandem bench handshake --short-every-ms 20 --ttft-slo-ms 1500`, 0.38-0.94 of
+the admitted within the SLO against 0.76-0.99, six runs a side;
+docs/benchmarks.md).
 First come, first served, so a request joining a line of k waits about
 (k + 1) / rate; k counts, besides the line at the last reading, this replica's
 requests sent to D since then that its room did not hold
 (`PoolView.num_joined_line`: a burst joins the line between two readings). With
 room for the prompt once the line has what it asks for (the scheduler's
-`PoolView.headroom`), no wait. With no grant while handshakes waited for
-`MIN_SPAN_S` or more, D frees nothing now: the wait is the whole handshake wait,
+`PoolView.headroom`), no wait. With no grant for `MIN_SPAN_S` or more since
+handshakes waited, D frees nothing now: the wait is the whole handshake wait,
 at whose end the request would be refused. Without a line read for `MIN_SPAN_S`
-in the window, no prediction (no wait).
+in the window, no prediction here: the scheduler predicts the wait from when
+its requests on D will finish (`PoolView.release_wait_s`).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 
 WINDOW_S = 5.0  # the grant rate's window
@@ -48,26 +54,24 @@ class DecodeLines:
         self._readings.pop(worker_id, None)
 
     def grant_rate(self, worker_id: str) -> float | None:
-        """Reservations granted per second between readings of the window that
-        found handshakes waiting, to the next reading; None before `MIN_SPAN_S`
-        of those."""
+        """Reservations granted per second in the window since the first reading
+        that found handshakes waiting; None before `MIN_SPAN_S` of that."""
         readings = self._readings.get(worker_id, ())
-        span_s = granted = 0
-        for (start_s, start, waiting), (end_s, end, _) in itertools.pairwise(readings):
-            if waiting:
-                span_s += end_s - start_s
-                granted += end - start
-        return granted / span_s if span_s >= MIN_SPAN_S else None
+        first = next(((at_s, granted) for at_s, granted, waiting in readings if waiting), None)
+        if first is None or readings[-1][0] - first[0] < MIN_SPAN_S:
+            return None
+        return (readings[-1][1] - first[1]) / (readings[-1][0] - first[0])
 
     def read_at_s(self, worker_id: str) -> float | None:
         """When D's stats were last read (monotonic)."""
         readings = self._readings.get(worker_id)
         return readings[-1][0] if readings else None
 
-    def wait_s(self, worker_id: str, has_room: bool, joined: int = 0) -> float:
+    def wait_s(self, worker_id: str, has_room: bool, joined: int = 0) -> float | None:
         """The predicted wait of a request joining D's line now; `has_room`: D's
         free blocks held its prompt at the last reading; `joined`: requests sent
-        to D since that reading that joined its line."""
+        to D since that reading that joined its line. None without a grant rate
+        to go by."""
         readings = self._readings.get(worker_id)
         waiting = readings[-1][2] if readings else 0
         if has_room and not waiting:
@@ -75,7 +79,7 @@ class DecodeLines:
         waiting += joined
         rate = self.grant_rate(worker_id)
         if rate is None:
-            return 0.0
+            return None
         if rate <= 0:
             return self.max_wait_s if waiting else 0.0
         return min((waiting + 1) / rate, self.max_wait_s)

@@ -251,15 +251,56 @@ class PoolView:
         D's stats: sent to D since, still in their handshake, and past the room
         `headroom` counts, taken in the order they were sent (those the room held
         are granted as they come). Counting every request still in its handshake
-        instead, a burst's own first requests read as a line ahead of its last:
-        admission predicted waits of 3.8-5.6 s and answered 429 where every first
-        token came within 1 s."""
+        instead, a burst's own first requests read as a line ahead of its last
+        (with the grant rate of readings before D's line, `tandem bench bursts
+        --size 80 --prompt 96 --output 160` had 49-78 of 320 answered 429,
+        predicted at up to 14 s, while every first token served came within 3 s)."""
         room, sent = self._room_and_sent(worker_id)
         joined = 0
         for request, blocks in sent:
             room -= blocks
             joined += room < 0 and request.prefill_id is not None and request.reserved_s is None
         return joined
+
+    def release_wait_s(self, worker_id: str, needed_blocks: int, step_s: float) -> float | None:
+        """How long until D frees `needed_blocks` more blocks than `headroom`
+        leaves (what the requests ahead of one more in its line take first),
+        from this replica's requests D holds: each runs to its `max_new_tokens`
+        at `step_s` a token (as `WorkerModels.tbt_at` takes them to) and then
+        frees its blocks and the growth D kept for it. Past what they hold, D is
+        taken to free blocks at the pace they did (it turns its pool over
+        again). None with nothing of this replica's on D to go by. For a D whose
+        line no reading has shown yet (`DecodeLines.wait_s` is None): with no
+        prediction there, the start of an overload admitted a second's arrivals
+        whole, and D's line made them late. A request run to its end is the
+        most it can take: one that stops early frees its blocks sooner."""
+        room, sent = self._room_and_sent(worker_id)
+        short = needed_blocks - (room - sum(blocks for _, blocks in sent))
+        if short <= 0:
+            return 0.0
+        now = time.monotonic()
+        releases = []
+        for r in self.models.inflight.values():
+            if r.decode_id != worker_id or r.reserved_s is None:
+                continue
+            first_token_in_s = 0.0 if r.first_token_s is not None else max((r.first_token_due_s or now) - now, 0.0)
+            releases.append((first_token_in_s + (r.max_new_tokens - r.num_generated) * step_s, sum(self._blocks(r))))
+        freed = 0
+        for at_s, blocks in sorted(releases):
+            freed += blocks
+            if freed >= short:
+                return at_s
+        if not freed or step_s <= 0:
+            return None
+        return max(at_s for at_s, _ in releases) * short / freed
+
+    def _blocks(self, request: InFlight) -> tuple[int, int]:
+        """The blocks `request` holds on its D, and the growth D keeps for it
+        (actors/decode_room.py)."""
+        num_tokens = request.num_prompt_tokens + request.num_generated
+        held = blocks_to_reserve(num_tokens, self.block_size)
+        return held, growth_blocks(num_tokens, request.num_generated, request.max_new_tokens, held,
+                                   self.settings.engine.decode_reserve_tokens, self.block_size)
 
     def _room_and_sent(self, worker_id: str) -> tuple[int, list[tuple[InFlight, int]]]:
         """D's free blocks at the last reading of its stats, less those its line
@@ -270,15 +311,12 @@ class PoolView:
         if stats is None:
             return 0, []
         read_at = self.lines.read_at_s(worker_id)
-        reserve = self.settings.engine.decode_reserve_tokens
         room = stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks
         sent = []
         for r in self.models.inflight.values():
             if r.decode_id != worker_id:
                 continue
-            held = blocks_to_reserve(r.num_prompt_tokens + r.num_generated, self.block_size)
-            owed = growth_blocks(r.num_prompt_tokens + r.num_generated, r.num_generated, r.max_new_tokens, held,
-                                 reserve, self.block_size)
+            held, owed = self._blocks(r)
             if read_at is not None and r.admitted_s > read_at:
                 sent.append((r, held + owed))
             else:

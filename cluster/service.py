@@ -103,7 +103,7 @@ class GlobalScheduler:
             for p in view.routable("prefill", exclude):
                 cached = view.cached_tokens(p, usable_hashes)
                 per_d = [
-                    self._waiting_for(d, headroom[d] >= needed_blocks, models.predict(
+                    self._waiting_for(d, headroom[d], needed_blocks, models.predict(
                         p, d, len(prompt_ids), cached, view.cached_tokens(d, usable_hashes)))
                     for d in decodes
                 ]
@@ -130,12 +130,20 @@ class GlobalScheduler:
             choice = best
         return choice
 
-    def _waiting_for(self, decode_id: str, has_room: bool, prediction: Prediction) -> Prediction:
-        """`prediction` with the wait for D's KV blocks added to its TTFT;
-        `has_room`: D's headroom holds the prompt (its line's blocks counted)."""
-        if has_room:
+    def _waiting_for(self, decode_id: str, headroom: int, needed_blocks: int, prediction: Prediction) -> Prediction:
+        """`prediction` with the wait for D's KV blocks added to its TTFT: none
+        where D's `headroom` (its line's blocks counted) holds the `needed_blocks`;
+        else from the reservations D granted while its line waited
+        (cluster/decode_lines.py), and before any reading showed a line, from
+        when this replica's requests on D will free blocks (at D's predicted
+        step time now, `PoolView.release_wait_s`)."""
+        if headroom >= needed_blocks:
             return prediction
-        wait = self.view.lines.wait_s(decode_id, has_room=False, joined=self.view.num_joined_line(decode_id))
+        lines = self.view.lines
+        wait = lines.wait_s(decode_id, has_room=False, joined=self.view.num_joined_line(decode_id))
+        if wait is None:
+            step_s = self.view.models.tbt_at(decode_id, 0.0, 0)  # D's step now (the line's requests not in it)
+            wait = min(self.view.release_wait_s(decode_id, needed_blocks, step_s) or 0.0, lines.max_wait_s)
         if not wait:
             return prediction
         return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + wait, line_wait_s=wait)

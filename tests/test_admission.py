@@ -211,15 +211,15 @@ def _idle_stats(worker_id: str, **figures):
     return WorkerStats(worker_id, **{**idle, **figures})
 
 
-def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] = ("d0",)):
-    """A GlobalScheduler with one P and the given Ds whose cost models are known."""
+def _scheduler(ttft_ms: float, tbt_ms: float = 1000.0, decodes: tuple[str, ...] = ("d0",), **engine):
+    """A GlobalScheduler with one P and the given Ds whose cost models are known
+    (`engine`: engine settings besides a block size of 16)."""
     from cluster.config import AppSettings
     from cluster.pool_manager import Member
     from cluster.service import GlobalScheduler
 
-    settings = AppSettings.model_validate(
-        {"model": {"preset": "tiny"}, "slo": {"ttft_ms": ttft_ms, "tbt_ms": tbt_ms}, "engine": {"block_size": 16}}
-    )
+    settings = AppSettings.model_validate({"model": {"preset": "tiny"}, "slo": {"ttft_ms": ttft_ms, "tbt_ms": tbt_ms},
+                                           "engine": {"block_size": 16, **engine}})
     scheduler = GlobalScheduler(settings, _Tokenizer(), pool=None, max_model_len=2048, kv_seed=b"")
     scheduler.view.models = _models()
     for worker_id, role in (("p0", "prefill"), *((d, "decode") for d in decodes)):
@@ -296,6 +296,27 @@ def test_a_burst_joins_the_line_only_past_the_room_it_found():
         scheduler.view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 100, 10, 0.1)
     assert scheduler.view.num_joined_line("d0") == 2
     assert scheduler.plan(list(range(300))).line_wait_s == pytest.approx((0 + 2 + 1) / 2)
+
+
+def test_before_a_line_was_read_a_full_ds_wait_is_when_its_requests_finish():
+    """D is full and no reading has shown a line on it. This replica's three
+    requests there (8 blocks each, no growth kept) have 10, 20 and 30 tokens to
+    go, at 10 ms a step: 10 blocks come free with the second, at 0.2 s; 40, past
+    the 24 they hold, at their pace: 0.3 s * 40 / 24."""
+    scheduler = _scheduler(ttft_ms=10_000, decode_reserve_tokens=0)
+    view = scheduler.view
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=1000)
+    now = time.monotonic()
+    view.lines.observe("d0", num_granted=10, num_waiting=0, now_s=now - 2.0)
+    view.lines.observe("d0", num_granted=14, num_waiting=0, now_s=now - 1.0)
+    for index, left in enumerate((30, 10, 20)):
+        view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 127, left, 0.1,
+                                                         admitted_s=now - 5, reserved_s=now - 4, first_token_s=now - 3)
+    assert view.release_wait_s("d0", needed_blocks=10, step_s=0.01) == pytest.approx(0.2)
+    assert view.release_wait_s("d0", needed_blocks=40, step_s=0.01) == pytest.approx(0.5)
+    choice = scheduler.plan(list(range(300)))  # 19 blocks: when the third finishes, at D's step time now
+    step_s = view.models.tbt_at("d0", 0.0, 0)
+    assert step_s > 0 and choice.line_wait_s == pytest.approx(30 * step_s)
 
 
 def test_a_request_waiting_in_a_decode_workers_line_is_not_its_prefill_workers_work_yet():
