@@ -133,8 +133,8 @@ class GlobalScheduler:
     def _waiting_for(self, decode_id: str, headroom: int, needed_blocks: int, prediction: Prediction) -> Prediction:
         """`prediction` with the wait for D's KV blocks added to its TTFT: none
         where D's `headroom` (its line's blocks counted) holds the `needed_blocks`;
-        else from the reservations D granted while its line waited
-        (cluster/decode_lines.py), and before any reading showed a line, from
+        else from the reservations D granted since a reading showed its line
+        (cluster/decode_lines.py), and before any reading did, from
         when this replica's requests on D will free blocks (at D's predicted
         step time now, `PoolView.release_wait_s`)."""
         if headroom >= needed_blocks:
