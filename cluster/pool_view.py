@@ -285,14 +285,15 @@ class PoolView:
                 continue
             first_token_in_s = 0.0 if r.first_token_s is not None else max((r.first_token_due_s or now) - now, 0.0)
             releases.append((first_token_in_s + (r.max_new_tokens - r.num_generated) * step_s, sum(self._blocks(r))))
+        releases.sort()
         freed = 0
-        for at_s, blocks in sorted(releases):
+        for at_s, blocks in releases:
             freed += blocks
             if freed >= short:
                 return at_s
         if not freed or step_s <= 0:
             return None
-        return max(at_s for at_s, _ in releases) * short / freed
+        return releases[-1][0] * short / freed
 
     def _blocks(self, request: InFlight) -> tuple[int, int]:
         """The blocks `request` holds on its D, and the growth D keeps for it

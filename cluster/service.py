@@ -48,6 +48,13 @@ log = logging.getLogger("tandem.scheduler")
 GAPS_PER_OBSERVATION = 8
 
 
+def _waiting(prediction: Prediction, line_wait_s: float) -> Prediction:
+    """`prediction` with the wait in D's line for KV blocks added to its TTFT."""
+    if not line_wait_s:
+        return prediction
+    return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + line_wait_s, line_wait_s=line_wait_s)
+
+
 class GlobalScheduler:
     def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int, kv_seed: bytes,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
@@ -98,13 +105,14 @@ class GlobalScheduler:
         else:
             headroom = {d: view.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
             decodes = [d for d, room in headroom.items() if room >= needed_blocks] or list(headroom)
+            line_wait = {d: self._line_wait_s(d, headroom[d], needed_blocks) for d in decodes}  # once: P aside
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             candidates = []
             for p in view.routable("prefill", exclude):
                 cached = view.cached_tokens(p, usable_hashes)
                 per_d = [
-                    self._waiting_for(d, headroom[d], needed_blocks, models.predict(
-                        p, d, len(prompt_ids), cached, view.cached_tokens(d, usable_hashes)))
+                    _waiting(models.predict(p, d, len(prompt_ids), cached, view.cached_tokens(d, usable_hashes)),
+                             line_wait[d])
                     for d in decodes
                 ]
                 # D: within the TBT SLO, the shortest wait for KV blocks (none where
@@ -130,23 +138,21 @@ class GlobalScheduler:
             choice = best
         return choice
 
-    def _waiting_for(self, decode_id: str, headroom: int, needed_blocks: int, prediction: Prediction) -> Prediction:
-        """`prediction` with the wait for D's KV blocks added to its TTFT: none
-        where D's `headroom` (its line's blocks counted) holds the `needed_blocks`;
-        else from the reservations D granted since a reading showed its line
-        (cluster/decode_lines.py), and before any reading did, from
-        when this replica's requests on D will free blocks (at D's predicted
-        step time now, `PoolView.release_wait_s`)."""
+    def _line_wait_s(self, decode_id: str, headroom: int, needed_blocks: int) -> float:
+        """The predicted wait for D's KV blocks: none where D's `headroom` (its
+        line's blocks counted) holds the `needed_blocks`; else from the
+        reservations D granted since a reading showed its line
+        (cluster/decode_lines.py), and before any reading did, from when this
+        replica's requests on D will free blocks (at D's predicted step time
+        now, `PoolView.release_wait_s`)."""
         if headroom >= needed_blocks:
-            return prediction
+            return 0.0
         lines = self.view.lines
         wait = lines.wait_s(decode_id, has_room=False, joined=self.view.num_joined_line(decode_id))
         if wait is None:
             step_s = self.view.models.tbt_at(decode_id, 0.0, 0)  # D's step now (the line's requests not in it)
             wait = min(self.view.release_wait_s(decode_id, needed_blocks, step_s) or 0.0, lines.max_wait_s)
-        if not wait:
-            return prediction
-        return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + wait, line_wait_s=wait)
+        return wait
 
     # ---- running a request --------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
