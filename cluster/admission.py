@@ -13,10 +13,10 @@ within the SLO is rejected before any prefill compute is spent on it.
 The models start from each worker's start-up profile (pure compute) and then learn
 from what the scheduler observes: P's timed prefill steps (read with its stats)
 refit its prefill model, every gap between tokens refits D's step model, every
-first token updates P's TTFT bias (see `observe_prefill_steps`,
-`observe_token_gap`, `observe_ttft`), which fades while no first token comes
-(`ttft_bias`), and every prefill's chunk timings refit its P-D pair's transfer
-model.
+first token updates P's TTFT bias and every finished request D's TBT bias (see
+`observe_prefill_steps`, `observe_token_gap`, `observe_ttft`, `observe_tbt`;
+each bias the attainment quantile of the model's errors, `cluster.learned_bias`),
+and every prefill's chunk timings refit its P-D pair's transfer model.
 
 With several scheduler replicas each admits its own requests, so each adds the
 others' load (`peers`, from the pool manager's answer to its latest report, at most
@@ -31,19 +31,14 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from actors.messages import PrefillStep
 from cluster.cost_model import LinearCostModel, decode_features, prefill_step_features
+from cluster.learned_bias import LearnedBias
 from cluster.scaling_signals import PeerLoad
 from cluster.transfer_model import TransferModels
-
-BIAS_HALF_LIFE_S = 10.0  # a learned TTFT bias halves every this long without an observation
-RESIDUAL_WINDOW = 64  # the latest TTFT residuals a P's bias is the quantile of
 
 
 @dataclass
@@ -91,6 +86,7 @@ class Prediction:
     uncached_tokens: int
     ttft_bias_s: float = 0.0  # the learned part of ttft_s (see WorkerModels.observe_ttft)
     line_wait_s: float = 0.0  # the part of ttft_s spent waiting for D's KV blocks (cluster/decode_lines.py)
+    tbt_bias_s: float = 0.0  # the learned part of tbt_s (see WorkerModels.observe_tbt)
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         return self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_slo_s
@@ -119,20 +115,20 @@ class SloRejected(Exception):
 class WorkerModels:
     """Per-worker cost models and in-flight bookkeeping."""
 
-    def __init__(self, block_size: int, ttft_quantile: float = 0.9, prefill_chunk_size: int = 256,
+    def __init__(self, block_size: int, bias_quantile: float = 0.9, prefill_chunk_size: int = 256,
                  max_num_batched_tokens: int = 1024) -> None:
         self.block_size = block_size
         # A prompt's tokens a step, at most (the engine also keeps a chunk within a step): see prefill_s.
         self.prefill_chunk_size = min(prefill_chunk_size, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens  # a worker's step, in tokens: see own_prefill_s
-        self.ttft_quantile = ttft_quantile  # the SLO's attainment target: see observe_ttft
         self.prefill: dict[str, LinearCostModel] = {}
         self.decode: dict[str, LinearCostModel] = {}
         self.inflight: dict[str, InFlight] = {}
         self.peers = PeerLoad()  # the other scheduler replicas' load per worker
         self.transfers = TransferModels(block_size, self.prefill_chunk_size)
-        self._ttft_bias: dict[str, tuple[float, float]] = {}  # per P (or colocated worker): (bias, when learned)
-        self._residuals: dict[str, deque[tuple[float, float]]] = {}  # per P: (observed - predicted, when)
+        # The SLO's attainment target as a quantile of the models' errors: see observe_ttft, observe_tbt.
+        self.ttft_bias = LearnedBias(bias_quantile)  # per P (or colocated worker)
+        self.tbt_bias = LearnedBias(bias_quantile)  # per D (or colocated worker)
         self._steps_seen: dict[str, int] = {}  # per P: the last of its prefill steps fitted (PrefillStep.seq)
 
     def prefill_model(self, worker_id: str) -> LinearCostModel:
@@ -145,20 +141,20 @@ class WorkerModels:
         """Start `worker_id`'s models from a copy of `peer_id`'s (same model, same
         node type); they diverge as the new worker's own timings arrive: a D's
         step model refits on the token gaps it serves, a P's prefill model on
-        its steps and its TTFT bias on its first tokens."""
+        its steps and its TTFT bias on its first tokens, a D's TBT bias on the
+        requests it finishes."""
         if peer_id in self.prefill:
             self.prefill[worker_id] = copy.deepcopy(self.prefill[peer_id])
         if peer_id in self.decode:
             self.decode[worker_id] = copy.deepcopy(self.decode[peer_id])
-        if peer_id in self._ttft_bias:
-            self._ttft_bias[worker_id] = self._ttft_bias[peer_id]
-            self._residuals[worker_id] = copy.copy(self._residuals[peer_id])
+        self.ttft_bias.seed_from(peer_id, worker_id)
+        self.tbt_bias.seed_from(peer_id, worker_id)
 
     def forget(self, worker_id: str) -> None:
         self.prefill.pop(worker_id, None)
         self.decode.pop(worker_id, None)
-        self._ttft_bias.pop(worker_id, None)
-        self._residuals.pop(worker_id, None)
+        self.ttft_bias.forget(worker_id)
+        self.tbt_bias.forget(worker_id)
         self._steps_seen.pop(worker_id, None)
         self.transfers.forget(worker_id)
 
@@ -200,35 +196,25 @@ class WorkerModels:
 
     def observe_ttft(self, prediction: Prediction, observed_s: float) -> None:
         """Learn P's TTFT error (handshake, Ray calls, a line's wait misjudged): the
-        bias added to later predictions is the `ttft_quantile` quantile (the SLO's
-        attainment target) of observed minus the model's prediction (without the
-        bias) over P's latest `RESIDUAL_WINDOW` first tokens, each faded by its age
-        as the bias itself fades (`ttft_bias`), never below zero. A quantile, not a
-        mean: a request admitted because its predicted TTFT is just inside the SLO
-        meets it as often as the prediction is not short, and with a mean error that
-        was about half of them (docs/benchmarks.md, tandem bench handshake: the
-        residuals' median -0.12 s, their 90th percentile +0.41 s, while an average
-        stayed at 0-0.1 s)."""
-        prefill_id = prediction.prefill_id or prediction.decode_id
-        now = time.monotonic()
-        window = self._residuals.setdefault(prefill_id, deque(maxlen=RESIDUAL_WINDOW))
-        window.append((observed_s - (prediction.ttft_s - prediction.ttft_bias_s), now))
-        faded = [r * 0.5 ** (max(now - at, 0.0) / BIAS_HALF_LIFE_S) for r, at in window]
-        self._ttft_bias[prefill_id] = (max(float(np.quantile(faded, self.ttft_quantile)), 0.0), now)
+        bias added to later predictions is the attainment quantile of observed minus
+        the model's prediction (without the bias) over P's latest first tokens
+        (`cluster.learned_bias`). A quantile, not a mean: a request admitted because
+        its predicted TTFT is just inside the SLO meets it as often as the
+        prediction is not short, and with a mean error that was about half of them
+        (docs/benchmarks.md, tandem bench handshake: the residuals' median -0.12 s,
+        their 90th percentile +0.41 s, while an average stayed at 0-0.1 s)."""
+        self.ttft_bias.observe(prediction.prefill_id or prediction.decode_id,
+                               observed_s - (prediction.ttft_s - prediction.ttft_bias_s))
 
-    def ttft_bias(self, worker_id: str) -> float:
-        """The learned TTFT bias of a P (or colocated worker), halved every
-        `BIAS_HALF_LIFE_S` without an observation. Only admitted requests are
-        observed, so a bias learned in a bad spell that put every prediction past
-        the SLO would otherwise reject every request from then on (it did, in
-        `tandem bench handshake` with early rejection: after an overloaded warm-up,
-        all 538 requests of the next two rounds); decayed, requests get in again
-        and their TTFTs say what the bias is now."""
-        entry = self._ttft_bias.get(worker_id)
-        if entry is None:
-            return 0.0
-        bias, learned_s = entry
-        return bias * 0.5 ** (max(time.monotonic() - learned_s, 0.0) / BIAS_HALF_LIFE_S)
+    def observe_tbt(self, prediction: Prediction, observed_s: float) -> None:
+        """Learn D's TBT error from a finished request: its mean gap between tokens
+        (what the SLO holds it to, `RequestTimer`) less the step time predicted at
+        admission for when it joined D's batch (without the bias). D's step model
+        is fitted to the mean of the gaps it serves, and a request's own gaps
+        follow D's batch as others join and leave it after its admission: held to
+        the mean prediction, a request admitted just inside the TBT SLO missed it
+        about as often as not."""
+        self.tbt_bias.observe(prediction.decode_id, observed_s - (prediction.tbt_s - prediction.tbt_bias_s))
 
     # ---- predictions ------------------------------------------------------------
     def prefill_s(self, worker_id: str, new_tokens: int, cached_tokens: int) -> float:
@@ -349,4 +335,6 @@ class WorkerModels:
             transfer = self.transfers.last_chunk_s(prefill_id, decode_id, uncached, blocks)
         bias = self.ttft_bias(prefill_id or decode_id)
         ttft = queued + prefill + transfer + bias
-        return Prediction(prefill_id, decode_id, ttft, self.tbt_at(decode_id, ttft, num_prompt_tokens), uncached, bias)
+        tbt_bias = self.tbt_bias(decode_id)
+        tbt = self.tbt_at(decode_id, ttft, num_prompt_tokens) + tbt_bias
+        return Prediction(prefill_id, decode_id, ttft, tbt, uncached, bias, tbt_bias_s=tbt_bias)

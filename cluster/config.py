@@ -130,7 +130,7 @@ class SloSettings(_Strict):
     ttft_ms: float = Field(5000.0, gt=0)
     tbt_ms: float = Field(500.0, gt=0)
     # The share of requests to serve within the SLO: the autoscaler's target, and the
-    # quantile of P's TTFT errors that admission adds to its predictions.
+    # quantile of P's TTFT errors and D's TBT errors that admission adds to its predictions.
     attainment: float = Field(0.9, gt=0, le=1)
     early_rejection: bool = True
 

@@ -45,7 +45,7 @@ class PoolView:
         self.block_size = settings.engine.block_size
         self.metrics = metrics
         self.outcomes = outcomes  # this replica's SLO outcomes: each refresh reports them
-        self.models = WorkerModels(self.block_size, ttft_quantile=settings.slo.attainment,
+        self.models = WorkerModels(self.block_size, bias_quantile=settings.slo.attainment,
                                    prefill_chunk_size=settings.engine.prefill_chunk_size,
                                    max_num_batched_tokens=settings.engine.max_num_batched_tokens)
         self.lines = DecodeLines(settings.timeouts.handshake_s)  # waits for D's KV blocks, for admission

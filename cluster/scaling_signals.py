@@ -92,12 +92,19 @@ class RequestTimer:
         self.last_s = now_s
         self.num_tokens += count
 
+    @property
+    def tbt_s(self) -> float | None:
+        """The request's TBT so far: its mean gap between tokens (None before two)."""
+        if self.num_tokens < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.num_tokens - 1)
+
     def end(self, outcome: str) -> None:
         """outcome: "ok", "error", "cancelled" or "rejected" (as the scheduler's metric)."""
         if outcome == "error" and self.first_s is None:
             self.recorder.record_ttft(math.inf)
-        elif outcome == "ok" and self.num_tokens >= 2:
-            self.recorder.record_tbt((self.last_s - self.first_s) / (self.num_tokens - 1))
+        elif outcome == "ok" and self.tbt_s is not None:
+            self.recorder.record_tbt(self.tbt_s)
 
 
 class OutcomeRecorder:

@@ -207,6 +207,8 @@ class GlobalScheduler:
                         timer.tokens(len(event.token_ids), time.monotonic())
                         if event.finished:
                             outcome = "error" if event.error else "ok"
+                            if outcome == "ok" and timer.tbt_s is not None:  # D's TBT bias learns it
+                                self.view.models.observe_tbt(choice, timer.tbt_s)
                         yield event
                     else:
                         return

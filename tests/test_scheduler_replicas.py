@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import time
 
+import pytest
+
 from actors.sampling_params import SamplingParams
 from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, run_with_pool, wait_ready
 
@@ -37,12 +39,33 @@ def _cached(scheduler, prompt: list[int]) -> int:
     return len(prompt) - choice.uncached_tokens
 
 
+async def _mean_gap_s(scheduler, prompt: list[int], params) -> float:
+    """One request to its end, and its mean gap between tokens as its caller saw them."""
+    first_s = last_s = None
+    num_tokens = 0
+    async for event in scheduler.generate(prompt, params):
+        assert event.error is None
+        if event.token_ids:
+            last_s = time.monotonic()
+            first_s = first_s or last_s
+            num_tokens += len(event.token_ids)
+    return (last_s - first_s) / (num_tokens - 1)
+
+
+def _kept(models, name: str) -> list:
+    """The arguments of each call to one of the models' observe_* methods (which still runs)."""
+    calls, real = [], getattr(models, name)
+    setattr(models, name, lambda *args: (calls.append(args), real(*args)))
+    return calls
+
+
 async def _scenario(pool, settings):
     first_prompt, second_prompt = list(range(3, 99)), list(range(500, 596))  # 96 tokens: 5 blocks can hit
     a = build_scheduler(settings, pool)
     async with refreshing(a, interval_s=0.3):
         await wait_ready(a, timeout_s=180)
-        assert (await complete(a, first_prompt, SHORT))[1] is None
+        tbt_seen = _kept(a.view.models, "observe_tbt")
+        mean_gap_s = await _mean_gap_s(a, first_prompt, SHORT)
         await _until(lambda: _cached(a, first_prompt) == 80, 10, "A routes by the prefix it sent")
         b = build_scheduler(settings, pool)  # starts after A has read the cache events
         async with refreshing(b, interval_s=0.3):
@@ -61,10 +84,15 @@ async def _scenario(pool, settings):
             with contextlib.suppress(asyncio.CancelledError):
                 await long_request
             await _until(lambda: not b.view.models.peers.decoding, 10, "B sees A's request end")
-    return dict(batch=batch, kv_tokens=kv_tokens, inflight_b=inflight_b)
+    return dict(batch=batch, kv_tokens=kv_tokens, inflight_b=inflight_b, worker=worker, tbt_seen=tbt_seen,
+                mean_gap_s=mean_gap_s)
 
 
 def test_replicas_share_the_cache_view_and_count_each_others_load(ray_local, tiny_qwen2_dir):
     r = run_with_pool(SETTINGS, _scenario)
     assert r["inflight_b"] == 0  # the request is A's, and B counts it all the same
     assert r["batch"] == 1 and r["kv_tokens"] > 40
+    # A's D learns its TBT bias from the request it finished (its mean gap between
+    # tokens as its caller saw them, as the SLO counts it); not from the one cancelled.
+    ((prediction, observed_s),) = r["tbt_seen"]
+    assert prediction.decode_id == r["worker"] and observed_s == pytest.approx(r["mean_gap_s"], abs=1e-3)

@@ -1,6 +1,8 @@
-"""The learned TTFT bias (cluster/admission.py, `WorkerModels.observe_ttft`): what
-it learns, how it fades, and where it counts: in admission's SLO check, not in
-cache-aware routing's ranking (no Ray)."""
+"""The learned biases (cluster/learned_bias.py): P's TTFT bias
+(`WorkerModels.observe_ttft`), what it learns, how it fades, and where it counts:
+in admission's SLO check, not in cache-aware routing's ranking; D's TBT bias
+(`WorkerModels.observe_tbt`), learned from finished requests' mean gaps, in the
+SLO check and the choice of D (no Ray)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def test_the_ttft_bias_is_the_attainment_quantile_of_the_errors_not_their_mean()
     """Predictions mostly right or pessimistic, one in five 0.5 s short: a mean
     (about 0.04 s) would leave the requests predicted just inside the SLO missing it
     whenever theirs was short; the 90th percentile covers them."""
-    models, median = _models(), WorkerModels(block_size=16, ttft_quantile=0.5)
+    models, median = _models(), WorkerModels(block_size=16, bias_quantile=0.5)
     for built in (models, median):
         for i in range(60):
             prediction = built.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
@@ -43,12 +45,13 @@ def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_e
     """Only admitted requests are observed: a bias that puts every prediction past
     the SLO would reject every request for good if it did not fade."""
     import cluster.admission as admission
+    from cluster.learned_bias import HALF_LIFE_S
 
     models = _models()
     prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
     models.observe_ttft(prediction, observed_s=prediction.ttft_s + 8.0)  # a bad spell: 8 s late
     assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 8.0, rel=0.05)
-    later = time.monotonic() + 3 * admission.BIAS_HALF_LIFE_S
+    later = time.monotonic() + 3 * HALF_LIFE_S
     monkeypatch.setattr(admission.time, "monotonic", lambda: later)
     assert models.ttft_bias("p0") == pytest.approx(1.0, rel=0.01)
     assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 1.0, rel=0.05)
@@ -83,3 +86,55 @@ def test_cache_aware_routing_ranks_without_a_cold_start_bias():
     assert choice.prefill_id == "p0" and choice.uncached_tokens == 12
     assert choice.ttft_s == pytest.approx(0.012 + 0.5, abs=0.02)
     assert _two_prefill_workers_p0_cold(ttft_ms=400).plan(PROMPT).prefill_id == "p1"
+
+
+def _tbt_errors(models: WorkerModels, decode_id: str, errors) -> None:
+    """Finished requests on D whose mean gap between tokens was the model's prediction plus each error."""
+    for error in errors:
+        prediction = models.predict("p0", decode_id, num_prompt_tokens=32, cached_tokens=0)
+        models.observe_tbt(prediction, observed_s=prediction.tbt_s - prediction.tbt_bias_s + error)
+
+
+def test_a_tbt_bias_is_the_attainment_quantile_of_finished_requests_errors():
+    """D's step model is a mean (0.01 s a step at batch 1 here): with one request
+    in five 15 ms slower than that, a request admitted at the mean would miss a
+    TBT SLO just above it one time in five; the 90th percentile is added."""
+    models = _models()
+    assert models.predict("p0", "d0", 32, 0).tbt_s == pytest.approx(0.01, rel=0.01)
+    _tbt_errors(models, "d0", [0.015 if i % 5 == 0 else -0.001 for i in range(60)])
+    prediction = models.predict("p0", "d0", 32, 0)
+    assert prediction.tbt_bias_s == pytest.approx(models.tbt_bias("d0"), rel=1e-3)
+    assert prediction.tbt_bias_s == pytest.approx(0.015, abs=1e-3)
+    assert prediction.tbt_s == pytest.approx(0.01 + 0.015, abs=1e-3)
+    assert models.ttft_bias("p0") == 0.0 and prediction.ttft_bias_s == 0.0  # the TTFT bias is P's own
+    _tbt_errors(models, "d0", [-0.004] * 64)  # D got faster than its model: no bias below zero
+    assert models.tbt_bias("d0") == 0.0
+
+
+def test_a_tbt_bias_past_the_slo_sends_the_request_to_another_d_or_rejects_it():
+    from cluster.admission import SloRejected
+    from tests.test_admission import _models as fitted
+
+    one_d = _scheduler(ttft_ms=5000, tbt_ms=20)
+    assert one_d.plan(PROMPT).decode_id == "d0"  # 10 ms predicted: inside 20 ms
+    _tbt_errors(one_d.view.models, "d0", [0.015] * 8)
+    with pytest.raises(SloRejected, match=r"^predicted TBT 25 ms exceeds the SLO of 20 ms$"):
+        one_d.plan(PROMPT)
+
+    two_ds = _scheduler(ttft_ms=5000, tbt_ms=20, decodes=("d0", "d1"))
+    two_ds.view.models.decode["d1"] = fitted().decode_model("d0")  # d1 as fast as d0
+    _tbt_errors(two_ds.view.models, "d0", [0.015] * 8)
+    choice = two_ds.plan(PROMPT)
+    assert choice.decode_id == "d1" and choice.tbt_s == pytest.approx(0.01, rel=0.01)
+
+
+def test_the_quantile_interpolates_between_ranks_as_numpy_does():
+    import numpy as np
+
+    from cluster.learned_bias import quantile
+
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 5, 64):
+        values = list(rng.normal(size=size))
+        for q in (0.0, 0.1, 0.5, 0.9, 1.0):
+            assert quantile(values, q) == pytest.approx(float(np.quantile(values, q)), abs=1e-12)
