@@ -1,4 +1,4 @@
-"""Predictions: how close admission's predicted TTFT comes to the one observed.
+"""Predictions: how close admission's predicted TTFT and TBT come to those observed.
 
     tandem bench predictions [--bursts 8] [--size 16] [--lengths 64,512,1800] [--out FILE.json]
 
@@ -6,8 +6,9 @@ System: disaggregated 1 P + 1 D, tiny model, a KV pool far larger than the load,
 early rejection off (every request is served, so every prediction is checked).
 The global scheduler runs in this process (benchmarks/scheduler_driver.py: the
 deployment's `GlobalScheduler`, without Serve's HTTP hop), its
-`WorkerModels.observe_ttft` wrapped to keep what the scheduler hands it at each
-first token: the prediction the request was admitted on and the TTFT it then
+`WorkerModels.observe_ttft` and `observe_tbt` wrapped to keep what the scheduler
+hands them at each first token and each finished request: the prediction the
+request was admitted on and the TTFT (the mean gap between tokens) it then
 took. Workload: `--bursts` bursts of `--size` short requests started at the same
 instant (fresh random prompts, so no prefix hits), `--every-s` apart; one burst
 first as a warm-up, not counted. With `--lengths`, the prompts take those
@@ -21,9 +22,15 @@ predicted TTFT without the learned bias (the model: queue, prefill, transfer, D'
 line), the median observed TTFT, and the median residual (observed less model);
 over all requests, the residuals' 10th, 50th and 90th percentiles, their slope
 against the place in the burst (least squares, ms a request ahead), and the mean
-absolute error of the whole prediction (bias included). A model that sees P's
-queue as it is leaves residuals flat across a burst, a latency the bias then
-covers once; a slope is what each request ahead costs beyond what the model says.
+absolute error of the whole prediction (bias included), and the share of
+requests whose TTFT came within it (with the bias, the `slo.attainment` quantile
+of the residuals, about 0.9 is calibrated). A model that sees P's queue as it is
+leaves residuals flat across a burst, a latency the bias then covers once; a
+slope is what each request ahead costs beyond what the model says. The same for
+TBT, over all requests: D's step model predicted at admission for when the
+request joins D's batch, against the request's mean gap between tokens; the
+share within the model alone (a mean: about half) and within the prediction
+(D's learned TBT bias added).
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ def main(args: argparse.Namespace) -> None:
     settings["pool_name"] = "bench-predictions-pool"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        bursts = run_with_pool(settings, lambda pool, app: _drive(pool, app, args, TINY_VOCAB))
+        bursts, tbts = run_with_pool(settings, lambda pool, app: _drive(pool, app, args, TINY_VOCAB))
     finally:
         ray.shutdown()
     places = [[b[k] for b in bursts if k < len(b)] for k in range(args.size)]
@@ -93,7 +100,14 @@ def main(args: argparse.Namespace) -> None:
                "residual_p90_ms": report.percentile(residuals, 90) * 1e3,
                "residual_slope_ms_per_place": slope_ms,
                "mean_abs_error_ms": sum(abs(o.observed_s - o.predicted_s) for o in every) / len(every) * 1e3,
-               "bias_median_ms": report.median([o.bias_s for o in every]) * 1e3}
+               "bias_median_ms": report.median([o.bias_s for o in every]) * 1e3,
+               "within_prediction": _within(every, "predicted_s")}
+    tbt_residuals = [o.residual_s for o in tbts]
+    tbt = {"requests": len(tbts), "residual_p10_ms": report.percentile(tbt_residuals, 10) * 1e3,
+           "residual_median_ms": report.median(tbt_residuals) * 1e3,
+           "residual_p90_ms": report.percentile(tbt_residuals, 90) * 1e3,
+           "bias_median_ms": report.median([o.bias_s for o in tbts]) * 1e3,
+           "within_model": _within(tbts, "model_s"), "within_prediction": _within(tbts, "predicted_s")}
     columns = ["requests", "model ms (median)", "observed ms (median)", "residual ms (median)"]
     tokens_in = ", ".join(map(str, args.lengths)) if args.lengths else args.prompt
     report.print_table(f"{args.bursts} bursts of {args.size} ({tokens_in} tokens in, {args.output} out), by place in "
@@ -101,15 +115,17 @@ def main(args: argparse.Namespace) -> None:
     if len(lengths) > 1:
         report.print_table("By prompt length", ["prompt tokens", *columns], by_length)
     report.print_table("All requests", list(summary), [list(summary.values())])
+    report.print_table("TBT, all requests", list(tbt), [list(tbt.values())])
     report.finish("predictions", args.out, {"args": vars(args) | {"func": None}, "summary": summary,
-                                            "by_place": rows, "by_length": by_length},
+                                            "by_place": rows, "by_length": by_length, "tbt": tbt},
                   f"residual slope {slope_ms:.1f} ms a place in the burst, residuals p10-p90 "
                   f"{summary['residual_p10_ms']:.0f} to {summary['residual_p90_ms']:.0f} ms",
                   "a flat slope (|slope| <= 2 ms a place)")
 
 
-async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
-    """The bursts, each as the scheduler observed its first tokens, in admission order."""
+async def _drive(pool, settings, args, vocab: int) -> tuple[list[list[Observed]], list[Observed]]:
+    """The bursts, each as the scheduler observed its first tokens, in admission
+    order; and every counted request's TBT as the scheduler observed it."""
     from actors.sampling_params import SamplingParams
     from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, wait_ready
 
@@ -123,6 +139,15 @@ async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
         observe(prediction, observed_s)
 
     scheduler.view.models.observe_ttft = observe_and_keep  # the real method, its arguments kept on the way
+    tbts: list[Observed] = []
+    observe_tbt = scheduler.view.models.observe_tbt
+
+    def observe_tbt_and_keep(prediction, observed_s: float) -> None:
+        tbts.append(Observed(time.monotonic(), prediction.uncached_tokens, prediction.tbt_s, prediction.tbt_bias_s,
+                             observed_s))
+        observe_tbt(prediction, observed_s)
+
+    scheduler.view.models.observe_tbt = observe_tbt_and_keep
     params = SamplingParams(max_new_tokens=args.output, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     lengths = itertools.cycle(args.lengths or [args.prompt])
@@ -131,6 +156,7 @@ async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
         await wait_ready(scheduler, timeout_s=300)
         for burst in range(args.bursts + 1):  # the first: a warm-up
             seen.clear()
+            num_tbts = len(tbts)
             prompts = [[rng.randrange(3, vocab) for _ in range(next(lengths))] for _ in range(args.size)]
             results = await asyncio.gather(*(complete(scheduler, prompt, params) for prompt in prompts))
             failed = [error for _, error in results if error]
@@ -138,12 +164,19 @@ async def _drive(pool, settings, args, vocab: int) -> list[list[Observed]]:
                 raise RuntimeError(f"{len(failed)} requests of burst {burst} failed: {failed[0]}")
             if burst:
                 bursts.append(sorted(seen, key=lambda o: o.admitted_s))
+            else:
+                del tbts[num_tbts:]
             await asyncio.sleep(args.every_s)
-    return bursts
+    return bursts, tbts
 
 
 def _medians_ms(seen: list[Observed]) -> list[float]:
     return [report.median([getattr(o, name) for o in seen]) * 1e3 for name in ("model_s", "observed_s", "residual_s")]
+
+
+def _within(seen: list[Observed], predicted: str) -> float:
+    """The share of requests whose observed figure came within `predicted` (an attribute)."""
+    return sum(o.observed_s <= getattr(o, predicted) for o in seen) / len(seen)
 
 
 def _slope(points: list[tuple[float, float]]) -> float:
