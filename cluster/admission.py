@@ -211,9 +211,9 @@ class WorkerModels:
         (what the SLO holds it to, `RequestTimer`) less the step time predicted at
         admission for when it joined D's batch (without the bias). D's step model
         is fitted to the mean of the gaps it serves, and a request's own gaps
-        follow D's batch as others join and leave it after its admission: held to
-        the mean prediction, a request admitted just inside the TBT SLO missed it
-        about as often as not."""
+        follow D's batch as others join and leave it after its admission: 30-37%
+        of the requests took longer than their mean prediction, 15-17% than the
+        prediction with this bias (docs/benchmarks.md, tandem bench predictions)."""
         self.tbt_bias.observe(prediction.decode_id, observed_s - (prediction.tbt_s - prediction.tbt_bias_s))
 
     # ---- predictions ------------------------------------------------------------

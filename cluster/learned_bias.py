@@ -3,10 +3,12 @@
 Admission admits a request when its predicted TTFT and TBT are within the SLO,
 and the SLO is met when `slo.attainment` of the requests (0.9) meet it. A model
 fitted by least squares predicts a mean: a request admitted just inside the SLO
-on a mean prediction misses it about half the time. So each prediction adds the
+on a mean prediction misses it as often as the mean is short (for D's TBT, 30-37%
+of requests in `tandem bench predictions`). So each prediction adds the
 `quantile` (the attainment target) of its worker's latest residuals (observed
 less the model's prediction, never below zero): a request predicted inside the
-SLO then meets it about as often as the target asks.
+SLO then meets it nearer as often as the target asks (83-85% within the TBT
+prediction there; the fading below keeps it short of 90%).
 
 The residuals fade: each halves every `half_life_s` since it was observed, and
 the bias with them while none comes. Only admitted requests are observed, so a
