@@ -16,7 +16,11 @@ The ends: in an accepting state the request's end tokens (EOS unless `ignore_eos
 its stop tokens) may be drawn besides the tokens that continue a match; a token
 that leaves the output in a state that accepts and has no way on ends the request
 ("stop") without another draw, as SGLang ends a request whose grammar terminated.
-`max_new_tokens` may still cut a match short ("length"), as everywhere. A pattern
+`max_new_tokens` may still cut a match short ("length"), as everywhere. A stop id
+the request named that is also text of the pattern is drawn only where the output
+matches, or where it is the one way on: it then ends the request short of a match
+("stop", as asked), or under `min_new_tokens`, whose ban on stop ids gives way
+there (kernels/logit_bias.py), it is drawn as text. A pattern
 is applied to the output only, from its first token: on a P/D pair, P draws the
 first token from the start state and D walks it before its own first draw, so the
 state is the output's alone and nothing crosses with the KV.

@@ -29,15 +29,30 @@ def add_logit_bias_(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequen
                     values: Sequence[Sequence[float] | np.ndarray]) -> None:
     """Add `values[i][j]` to entry `token_ids[i][j]` of row `rows[i]` of `logits`
     [B, V] (contiguous; in place): one scatter-add of the named entries. Arrays
-    cost a concatenation (lists a conversion: make long ones arrays once)."""
+    cost a concatenation (lists a conversion: make long ones arrays once).
+
+    A row whose bans (minus infinities) would leave it no token to draw keeps what
+    it had before this call: its other rules (a pattern's one way on, its allowed
+    ids) outrank them, as a pattern's mask keeps a stop id where it is the one way
+    on (actors/structured_output.py). A row of minus infinities would sample an
+    arbitrary id. Checked on the device, for the rows with a ban only."""
     lengths = [len(ids) for ids in token_ids]
     if not sum(lengths):
         return
     columns = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_ids])
-    keys = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths) + columns
+    row_offsets = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths)
     added = np.concatenate([np.asarray(v, dtype=np.float64) for v in values])
-    keys = to_device(torch.from_numpy(keys), logits.device)
+    banned = np.isneginf(added)
+    has_bans = bool(banned.any())
+    if has_bans:
+        banning = to_device(torch.from_numpy(np.unique(row_offsets[banned]) // logits.shape[1]), logits.device)
+        before = logits[banning]  # (a copy)
+    keys = to_device(torch.from_numpy(row_offsets + columns), logits.device)
     logits.view(-1).index_add_(0, keys, to_device(torch.from_numpy(added).to(logits.dtype), logits.device))
+    if has_bans:
+        after = logits[banning]
+        emptied = torch.isneginf(after).all(dim=1, keepdim=True)
+        logits[banning] = torch.where(emptied, before, after)
 
 
 def keep_only_(logits: torch.Tensor, rows: Sequence[int], allowed: Sequence[Sequence[int] | np.ndarray]) -> None:

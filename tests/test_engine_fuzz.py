@@ -10,6 +10,7 @@ a server, with edge values a schema does not know to try."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 from hypothesis import HealthCheck, given, settings
@@ -134,20 +135,40 @@ def test_a_batch_of_hostile_requests_never_fails_a_step(tiny_qwen2_dir):
 
 def _holds_to(params: SamplingParams, tokens: list[int], engine: Engine) -> None:
     """The output obeys what its params promise: each token is one its draw could
-    take (allowed, not banned as a stop token under min_new_tokens, nor as a bad
-    word's next token: where the bans left nothing, any), and a stop token ends it."""
+    take (allowed, a way on in its pattern, and not banned as a stop token under
+    min_new_tokens nor as a bad word's next token; where the bans leave nothing, they
+    give way: kernels/logit_bias.py), a stop token past the minimum ends it, and a
+    pattern's output is a match's beginning that an end token ends only where it
+    matches or was the one way on."""
     assert 1 <= len(tokens) <= params.max_new_tokens
     assert all(0 <= t < VOCAB for t in tokens)
     stops = params.stop_ids(engine.model_config.eos_token_ids)
-    assert all(t not in stops for t in tokens[:-1])
+    assert all(t not in stops for i, t in enumerate(tokens[:-1]) if i >= params.min_new_tokens)
     bad = encode_bad_words(engine.tokenizer, params.bad_words, VOCAB)
     allowed = set(params.allowed_token_ids or range(VOCAB))
+    dfa = None
+    if params.regex is not None:
+        dfa, token_bytes = compile_regex(params.regex), tuple(engine.byte_level.without_special[:VOCAB])
+    state = 1
     for index, token in enumerate(tokens):
         banned = set(bad.banned(tokens, index) if bad else ()) | (stops if index < params.min_new_tokens else set())
-        if allowed - banned:
-            assert token in allowed - banned, (index, token)
-    if params.regex is not None:  # every token keeps the output a match's beginning; an end token ends a match
-        dfa, token_bytes = compile_regex(params.regex), engine.byte_level.without_special
-        ended = tokens[-1] in stops
-        state = dfa.walk(1, b"".join(token_bytes[t] for t in (tokens[:-1] if ended else tokens)))
-        assert state and (dfa.accepting[state] or not ended), (params.regex, tokens)
+        candidates = allowed if dfa is None else allowed & _ways_on(params.regex, state, frozenset(stops), token_bytes)
+        assert token in (candidates - banned or candidates), (index, token)
+        if dfa is not None:
+            state = dfa.walk(state, token_bytes[token])
+    if dfa is not None:  # (the walk above took every token: an end token has no bytes, or is the pattern's text)
+        ended = tokens[-1] in stops and len(tokens) > params.min_new_tokens
+        before_end = dfa.walk(1, b"".join(token_bytes[t] for t in (tokens[:-1] if ended else tokens)))
+        one_way_on = not _ways_on(params.regex, before_end, frozenset(), token_bytes) - stops
+        assert before_end and (dfa.accepting[before_end] or not ended or one_way_on), (params.regex, tokens)
+
+
+@functools.cache
+def _ways_on(pattern: str, state: int, stops: frozenset, token_bytes: tuple[bytes, ...]) -> frozenset:
+    """The tokens a draw in `state` of `pattern` may take, found by walking each one
+    (actors/structured_output.py's rule): those whose bytes keep the output a match's
+    beginning, with the end tokens where the output matches; elsewhere an end token
+    only where it is the one way on."""
+    dfa = compile_regex(pattern)
+    going_on = frozenset(t for t, data in enumerate(token_bytes) if data and dfa.walk(state, data))
+    return going_on | stops if dfa.accepting[state] else (going_on - stops or going_on)

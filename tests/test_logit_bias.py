@@ -31,6 +31,20 @@ def test_bias_adds_to_the_named_entries_and_a_repeated_token_gets_the_sum():
     assert torch.equal(out, want)
 
 
+def test_a_row_its_bans_would_leave_with_nothing_keeps_what_it_had():
+    """Bans that cover every token a row may still take (all its allowed tokens are
+    stop tokens under min_new_tokens, say) would leave it nothing to draw: a row of
+    minus infinities samples an arbitrary id. That row is left as it was before
+    them; the other rows take theirs."""
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    logits[0, 2:] = -math.inf  # row 0 may take 0 and 1 alone
+    want = logits.clone()
+    want[1, 4] = -math.inf
+    out = logits.clone()
+    add_logit_bias_(out, [0, 1], [[0, 1, 5], [4]], [[-math.inf, -math.inf, 3.0], [-math.inf]])
+    assert torch.equal(out, want)
+
+
 def test_a_requests_rules_give_each_draw_its_bias_and_bans():
     params = SamplingParams(logit_bias={9: 2.0, 4: -1.0}, allowed_token_ids=[8, 3], min_new_tokens=2)
     rules = LogitRules.of(params, {7, 5})
@@ -119,4 +133,20 @@ def test_stop_tokens_and_strings_wait_for_min_new_tokens(tiny_qwen2_dir):
     assert reason == "stop" and len(cut) < 30
     kept, kept_text, _ = _greedy(engine, prompt, max_new_tokens=30, stop=[stop_string], min_new_tokens=10)
     assert len(kept) >= 10 and kept[:10] == plain[:10]
+    engine.pool.check()
+
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_bad_word_that_bans_every_allowed_token_gives_way_to_them(tiny_qwen2_dir, temperature):
+    """allowed_token_ids "a" and the bad word "aa": from the second draw on the ban
+    covers every allowed token (a first draw so banned is refused when the request
+    comes). The draws keep to the allowed token; before, they took EOS or the last
+    id of the vocabulary every other token."""
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16))
+    [a] = engine.tokenizer.encode("a", add_special_tokens=False)
+    assert engine.tokenizer.encode("aa", add_special_tokens=False) == [a, a]
+    tokens, text, _ = _greedy(engine, [5, 6, 7], max_new_tokens=6, allowed_token_ids=[a], bad_words=["aa"],
+                              temperature=temperature, seed=3)
+    assert tokens == [a] * 6 and text == "a" * 6
     engine.pool.check()

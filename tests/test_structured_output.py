@@ -329,3 +329,16 @@ def test_a_stop_id_that_is_text_of_the_pattern_is_drawn_only_where_the_output_ma
     assert not allowed[t] and allowed.any()  # "th", "the", ... go on by other tokens
     after = np.unpackbits(constraint.mask([t], 1))[:len(token_bytes)]
     assert after[t]  # a match: the stop id may end it
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_stop_id_that_is_a_patterns_one_way_on_is_drawn_as_text_under_the_minimum(llm, temperature):
+    """The pattern's only way on is a token the request named as a stop id, which
+    min_new_tokens bans: the draw takes it, as text (under the minimum it ends
+    nothing), and the match completes. Before, the bans left the row nothing, and a
+    sampled request wrote an arbitrary id forever ("derderder")."""
+    [x] = llm.engine.tokenizer.encode("x", add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=1, regex="x", stop_token_ids=[x],
+                            min_new_tokens=2)
+    [output] = llm.generate(["Once upon a time"], params)
+    assert (output.token_ids, output.text, output.finish_reason) == ([x], "x", "stop")
