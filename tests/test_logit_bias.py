@@ -32,8 +32,8 @@ def test_bias_adds_to_the_named_entries_and_a_repeated_token_gets_the_sum():
 
 
 def test_a_row_its_bans_would_leave_with_nothing_keeps_what_it_had():
-    """Bans that cover every token a row may still take (all its allowed tokens are
-    stop tokens under min_new_tokens, say) would leave it nothing to draw: a row of
+    """Bans that cover every token a row may still take (a pattern's one way on is a
+    stop id under min_new_tokens, say) would leave it nothing to draw: a row of
     minus infinities samples an arbitrary id. That row is left as it was before
     them; the other rows take theirs."""
     logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
@@ -134,7 +134,6 @@ def test_stop_tokens_and_strings_wait_for_min_new_tokens(tiny_qwen2_dir):
     kept, kept_text, _ = _greedy(engine, prompt, max_new_tokens=30, stop=[stop_string], min_new_tokens=10)
     assert len(kept) >= 10 and kept[:10] == plain[:10]
     engine.pool.check()
-
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
