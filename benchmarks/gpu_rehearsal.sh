@@ -3,14 +3,14 @@
 # H200's image, so that a device run (15 minutes, all tries together) does not first
 # fail on a missing package or a version it had not met:
 #
-#   bash benchmarks/gpu_rehearsal.sh        # about 5 min the first time, 1 min after
+#   bash benchmarks/gpu_rehearsal.sh        # about 2 min the first time (1 min 52 s here), 1 min after
 #
 # The image (device tool's KINDS.md, read 2026-11) has Python 3.12, CUDA torch 2.11,
 # Triton 3.6, transformers 5.17, tokenizers 0.23.2, huggingface_hub 1.33, aiohttp,
 # grpcio and prometheus_client, and no Ray, pydantic, fastapi, uvicorn, aiohttp_cors
 # or opencensus (so Ray runs as its minimal install there). This builds a venv with
-# those versions (torch: the CPU 2.13.0 wheel on this machine's disk, for Python
-# 3.11; the one departure), takes Ray from the wheels `benchmarks/gpu_wheels.sh`
+# those versions (torch and Python depart from it: the CPU 2.13.0 wheel on this
+# machine's disk, for Python 3.11), takes Ray from the wheels `benchmarks/gpu_wheels.sh`
 # gathers, installed as on the device (`--target`, then PYTHONPATH), and runs the GPU
 # check's steps on CPU with the tiny model. The `kernels` step is left out: Triton
 # 3.6's interpreter cannot run the attention kernels (docs/benchmarks.md, GPU check);

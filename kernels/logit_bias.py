@@ -40,14 +40,14 @@ def add_logit_bias_(logits: torch.Tensor, rows: Sequence[int], token_ids: Sequen
     if not sum(lengths):
         return
     columns = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in token_ids])
-    row_offsets = np.repeat(np.asarray(rows, dtype=np.int64) * logits.shape[1], lengths)
+    row_of = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
     added = np.concatenate([np.asarray(v, dtype=np.float64) for v in values])
     banned = np.isneginf(added)
     has_bans = bool(banned.any())
     if has_bans:
-        banning = to_device(torch.from_numpy(np.unique(row_offsets[banned]) // logits.shape[1]), logits.device)
+        banning = to_device(torch.from_numpy(np.unique(row_of[banned])), logits.device)
         before = logits[banning]  # (a copy)
-    keys = to_device(torch.from_numpy(row_offsets + columns), logits.device)
+    keys = to_device(torch.from_numpy(row_of * logits.shape[1] + columns), logits.device)
     logits.view(-1).index_add_(0, keys, to_device(torch.from_numpy(added).to(logits.dtype), logits.device))
     if has_bans:
         after = logits[banning]
