@@ -36,9 +36,12 @@ replays it for any lengths.
 V row at the token's slot.
 
 Prefill attention is in `kernels/triton_prefill.py`, block copies for transfers in
-`kernels/triton_blocks.py`. No speed is claimed for any of them: none has been
-timed on a GPU yet (`benchmarks/gpu_check_kernels.py` does that, the decode kernel
-with and without splits).
+`kernels/triton_blocks.py`. Measured on an H200 (forty-fifth session, bf16,
+qwen2.5-0.5b's attention; docs/benchmarks.md, GPU check): at batch 64 the decode
+kernel reads KV at about 1 TB/s over 160-token contexts and 2 TB/s over 1056 (the
+split rule leaves batch 64 unsplit; 4 splits took 15% less time at 1056 tokens
+but add the combine kernel's launch to every step, short contexts too); it is
+about a sixth of a decode step's device time at 160 tokens.
 
 This module imports Triton at import time: import it only where Triton is
 installed (the `gpu` extra). `supports_decode` says which shapes the kernel takes
@@ -59,7 +62,13 @@ import triton.language as tl
 _MIN_DOT = 16  # tl.dot's smallest dimension
 MAX_SPLITS = 64  # programs per (sequence, KV head) at most
 MIN_SPLIT_KEYS = 128  # a sequence is split only into shares of at least this many keys
-_TILE_BYTES = 8192  # K (or V) bytes of one KV head a step of the walk reads, at 2 bytes an element
+_TILE_BYTES = 8192  # K (or V) bytes of one KV head a step of the prefill walk reads, at 2 bytes an element
+# The decode walk's: twice that. Measured on an H200 (benchmarks/gpu_decode_sweep.py,
+# bf16, qwen2.5-0.5b's attention in the engine's cache layout), 128 keys a step
+# against 64: 16.1 us against 24.9 at batch 64 x 1056 tokens, 5.05 against 5.72 at
+# 64 x 160, 10.8 against 13.9 at 8 x 4096 (8 splits); 8 warps instead of 4 was
+# slower at every shape.
+_DECODE_TILE_BYTES = 16384
 _STAND_IN_SMS = 132  # an H200's SM count, for splitting tensors that are not on a GPU (the interpreter)
 
 
@@ -83,9 +92,10 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda
     return min(MAX_SPLITS, 1 << max(0, per_sequence.bit_length() - 1))
 
 
-def tile_keys(head_dim: int) -> int:
-    """Keys a step of the walk reads: 64 at head_dim 64, 32 at 128."""
-    return max(_MIN_DOT, _TILE_BYTES // (2 * head_dim))
+def tile_keys(head_dim: int, tile_bytes: int = _TILE_BYTES) -> int:
+    """Keys a step of the prefill walk reads: 64 at head_dim 64, 32 at 128 (the
+    decode walk, `tile_bytes=_DECODE_TILE_BYTES`: 128 and 64)."""
+    return max(_MIN_DOT, tile_bytes // (2 * head_dim))
 
 
 @triton.jit
@@ -187,12 +197,14 @@ def _combine_splits_kernel(
 
 def paged_decode_attention(
     q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    splits: int | None = None,
+    splits: int | None = None, tile: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """q: [B, H, d]; block_tables: [B, max_blocks] int; context_lens: [B] int, each
     >= 1. Returns [B, H, d] in q's dtype. Shapes must pass `supports_decode`.
     `splits`: programs allowed per (sequence, KV head), a power of two; by default
-    `num_splits` for this batch on q's device."""
+    `num_splits` for this batch on q's device. `tile` (keys a step of the walk
+    reads, a power of two of at least 16; by default 16 KB of K) and
+    `num_warps` are for measuring other launch shapes."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     assert supports_decode(num_heads, num_kv_heads, head_dim, block_size), (q.shape, layer_cache.shape)
@@ -215,8 +227,8 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, PADDED_GROUP=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, TILE=tile_keys(head_dim), SPLITS=splits, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HEAD_DIM=head_dim, TILE=tile or tile_keys(head_dim, _DECODE_TILE_BYTES), SPLITS=splits, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     if splits > 1:
         _combine_splits_kernel[(batch, num_heads)](

@@ -9,11 +9,11 @@ head are laid out as rows, token-major (`row = token * GROUP + head_in_group`), 
 one program takes a tile of BLOCK_M consecutive rows for one KV head. So each K/V
 block is read once per tile for all the query heads of its group, and a group size
 that is not a power of two (Qwen2.5-0.5B's 7) wastes no rows except at the chunk's
-end. The program walks the sequence's keys a tile at a time (the decode kernel's
-`tile_keys`: 64 keys at head_dim 64, several cache blocks, each key's block looked
-up in the table), up to the last position any of its rows may see, reading K and V
-in place from the cache (no gather copy), with an online softmax (running max and
-sum per row), so no score matrix over the whole context is materialised. Every row sees key 0, so the
+end. The program walks the sequence's keys a tile at a time (`tile_keys`, 64 keys
+at head_dim 64: several cache blocks, each key's block looked up in the table), up
+to the last position any of its rows may see, reading K and V in place from the
+cache (no gather copy), with an online softmax (running max and sum per row), so no
+score matrix over the whole context is materialised. Every row sees key 0, so the
 running max is finite after the first block and no row divides by zero.
 Scores and the output accumulate in float32; with a float32 cache the dot products
 use IEEE precision (no TF32), so float32 results track the reference closely.
