@@ -197,6 +197,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     kernel_backend: str = "auto"  # auto: C++ (CPU) / Triton (CUDA) kernels where they apply; torch: the references
     cuda_graphs: bool = True  # on CUDA, decode steps of up to min(max_num_seqs, 256) sequences replay CUDA graphs
+    # On CUDA, a step that is one prompt's chunk from position 0 replays a CUDA graph
+    # (actors/prefill_graphs.py); off until measured on a GPU.
+    prefill_graphs: bool = False
     # Launch the next decode step before reading this one's tokens (actors/engine.py).
     # None: on CUDA only, where the host then works while the device computes.
     overlap_decode: bool | None = None

@@ -21,8 +21,8 @@ replays them with one call. What a graph needs, and how this class gives it:
   context lengths on the device; the torch reference (`.tolist()`) cannot be
   captured, so when capture fails for any reason (that, an old driver, a kernel
   that syncs) the runner logs it and runs decode steps eagerly, as before.
-- **One memory pool** for all buckets, captured largest first (vLLM and SGLang do
-  the same), so the graphs share their intermediate activations.
+- **One memory pool** for all buckets, captured largest first
+  (`actors/graph_capture.py`), so the graphs share their intermediate activations.
 
 Prefill and mixed steps run eagerly (their shapes vary with every chunk); sampling
 runs eagerly after the replay. With `capture=False` the same padded, static-shape
@@ -33,7 +33,6 @@ row's hidden state by a single bit).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,8 +40,7 @@ import torch
 
 from actors.attention_metadata import AttentionMetadata
 from actors.block_table_rows import BlockTableRows
-
-logger = logging.getLogger(__name__)
+from actors.graph_capture import capture_buckets
 
 # Larger decode batches run eagerly: launches are amortised there, and every bucket
 # costs capture time at start-up (vLLM caps its capture sizes at 512 likewise).
@@ -112,27 +110,10 @@ class DecodeGraphs:
         )
         return self.model(self.token_ids[:batch], self.positions[:batch], self.kv_cache, meta)
 
-    @torch.inference_mode()
     def _capture(self) -> None:
-        """Capture every bucket, largest first, into one memory pool. The buffers
-        hold padding only, so capture and warm-up write nothing but the scratch
-        block."""
-        pool = torch.cuda.graph_pool_handle()
-        try:
-            for batch in reversed(self.buckets):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks
-                    self._forward(batch)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self._forward(batch)
-                self._graphs[batch] = (graph, hidden)
-        except Exception as exc:  # any kernel that cannot be captured: decode eagerly
-            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
-            self._graphs.clear()
-        torch.cuda.synchronize()
+        """Capture every bucket (the buffers hold padding only, so capture and
+        warm-up write nothing but the scratch block)."""
+        self._graphs = capture_buckets(self.buckets, self._forward, "decode steps")
 
     def _copy_in(self, device_view: torch.Tensor, host: torch.Tensor) -> None:
         """Host to device without stalling the host: from pinned memory, which

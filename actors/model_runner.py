@@ -5,8 +5,10 @@ and so the whole-block copies in and out of it that KV transfers make. The step'
 tokens are laid out multi-token chunks first (each a `PrefillSpan`), then every
 single-token chunk as one batched decode (a decode's drafts too, a row a token,
 actors/speculation.py). On CUDA a step of decodes only replays a CUDA graph
-(`actors/decode_graphs.py`); the cache holds one block more than the block pool
-hands out, the scratch block that the graphs' padding rows write.
+(`actors/decode_graphs.py`), and so, with `prefill_graphs`, does a step of one
+prompt's chunk from position 0 (`actors/prefill_graphs.py`); the cache holds one
+block more than the block pool hands out, the scratch block that the graphs'
+padding rows write.
 
 Streams, on CUDA. A worker's engine thread computes on `compute_stream`, a stream
 of its own created non-blocking, so it never waits implicitly for other work on
@@ -34,6 +36,7 @@ from actors.decode_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from actors.host_tensors import int64_tensor, padded_int64_rows
 from actors.launched_step import LaunchedStep, to_host
 from actors.model import ForCausalLM, ModelKernels
+from actors.prefill_graphs import PrefillGraphs
 from actors.request import Request, TokenLogprob
 from actors.scheduler import ScheduledChunk
 from actors.weights import load_weights
@@ -99,10 +102,15 @@ class ModelRunner:
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self.step_done: torch.cuda.Event | None = None  # recorded after each step's work (CUDA)
         self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if config.cuda_graphs and cuda and not model_config.is_moe:  # (experts' groups are sized on the host)
             self.decode_graphs = self.static_decode(capture=True)
             if not self.decode_graphs.is_captured:
                 self.decode_graphs = None
+        if config.prefill_graphs and cuda and not model_config.is_moe:
+            self.prefill_graphs = self.static_prefill(capture=True)
+            if not self.prefill_graphs.is_captured:
+                self.prefill_graphs = None
         if cuda:  # weights and the zeroed cache, written on this thread's stream, are in place
             torch.cuda.synchronize(self.device)
 
@@ -115,6 +123,14 @@ class ModelRunner:
         max_blocks = -(-max_len // self.config.block_size)
         max_batch = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
         return DecodeGraphs(self.model, self.kv_cache, self.scratch_block, max_batch, max_blocks, capture)
+
+    def static_prefill(self, capture: bool) -> PrefillGraphs:
+        """Static-shape prefill steps of one chunk from position 0, of up to the
+        largest chunk a step holds; `capture` records them as CUDA graphs (CUDA only)."""
+        max_positions = self.model_config.max_position_embeddings
+        max_len = min(self.config.max_model_len or max_positions, max_positions)
+        max_tokens = min(self.config.prefill_chunk_size, self.config.max_num_batched_tokens, max_len)
+        return PrefillGraphs(self.model, self.kv_cache, self.scratch_block, max_tokens, capture)
 
     def use_compute_stream(self) -> None:
         """Make the compute stream the calling thread's current stream (CUDA; the
@@ -210,6 +226,8 @@ class ModelRunner:
         assert input_ids is None or (only_decodes and len(input_ids) == num_rows), "input_ids: decodes only"
         if self.decode_graphs is not None and only_decodes and self.decode_graphs.fits(num_rows):
             hidden = self.run_static_decode(self.decode_graphs, ordered, input_ids)
+        elif self.prefill_graphs is not None and self.prefill_graphs.fits(ordered):
+            hidden = self.prefill_graphs.run(ordered[0])
         else:
             known_ids, positions, meta = self._metadata(ordered)
             hidden = self.model(known_ids if input_ids is None else input_ids, positions, self.kv_cache, meta)

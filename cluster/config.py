@@ -76,6 +76,7 @@ class EngineSettings(_Strict):
     enable_prefix_cache: bool = True
     kernel_backend: Literal["auto", "torch"] = "auto"
     cuda_graphs: bool = True
+    prefill_graphs: bool = False  # on CUDA: a prompt's chunk from position 0 replays a CUDA graph
     overlap_decode: bool | None = None  # None: on CUDA only
     decode_reserve_tokens: int = Field(512, ge=0)  # room a decode worker keeps for each request's next tokens
     jump_forward: bool = True  # structured output: fixed text appended without sampling (actors/engine.py)
