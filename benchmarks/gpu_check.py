@@ -13,7 +13,8 @@ the others still run):
 2. `exactness`: greedy token ids of Tandem's engine against transformers'
    `generate`, float32, same device, same prompts.
 3. `roofline`: the device's measured peaks (matmul FLOP/s in the model dtype, copy
-   bandwidth), prefill MFU on one `--prefill-tokens` prompt and decode MBU at batch
+   bandwidth), prefill MFU on one `--prefill-tokens` prompt, eagerly (the default)
+   and replayed from a CUDA graph (`prefill_graphs`, which must capture), and decode MBU at batch
    `--decode-batch` (step time from two runs that differ only in decode steps),
    and the decode forward's MBU alone (its CUDA graph replayed back to back: what
    the kernels reach without the engine's host time per step), both at 128-token
@@ -25,9 +26,12 @@ the others still run):
    CUDA graphs, and graphs with overlapped decode (`overlap_decode`, the step after
    launched before this one's tokens are read): greedy tokens of a mixed batch
    (float32, so all three must agree), seeded sampling with logprobs (graphs with
-   and without overlap must agree; so must graphs with speculative decoding,
-   whose drafts are decode rows), the decode step time of each at batch 1
-   and `--decode-batch`, and (CUDA) the host syncs in overlapped decode steps.
+   and without overlap must draw the same tokens, their logprobs within
+   `LOGPROB_TOLERANCE`; so must graphs with speculative decoding, whose drafts are
+   decode rows), greedy tokens with prefill graphs against without (one prompt a
+   step, so that every prefill step replays one), the decode step time of each
+   mode at batch 1 and `--decode-batch`, and (CUDA) the host syncs in overlapped
+   decode steps.
    On CPU the padded static step runs without capture (its twin) and overlap
    saves nothing (a CPU step runs while it is launched).
 5. `pd`: a prefill and a decode worker as two Ray actors sharing the one device
@@ -113,6 +117,14 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     llm.generate([[rng.randrange(3, vocab) for _ in range(64)]], [one])  # warm-up
     prompt = [rng.randrange(3, vocab) for _ in range(prefill_tokens)]
     prefill_s = min(_timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
+    # The same prefill replayed from a CUDA graph (`prefill_graphs`, off by default;
+    # on CPU its uncaptured twin, for the plumbing), then back to eager for decode.
+    runner = llm.engine.runner
+    runner.prefill_graphs = runner.static_prefill(capture=device == "cuda")
+    graphs_captured = runner.prefill_graphs.is_captured
+    llm.generate([prompt], [one])  # warm-up
+    prefill_graphs_s = min(_timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
+    runner.prefill_graphs = None
     counts = model_counts(llm.engine.runner.model)
     prefill = prefill_flops(config, counts, prefill_tokens)
     element = torch.tensor([], dtype=torch_dtype).element_size()
@@ -123,20 +135,23 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "peaks": peaks, "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
         "prefill_mfu": prefill / prefill_s / peaks["matmul_flops"],
+        "prefill_graphs_captured": graphs_captured, "prefill_graphs_s": prefill_graphs_s,
+        "prefill_graphs_mfu": prefill / prefill_graphs_s / peaks["matmul_flops"],
         "decode_batch": decode_batch, **short, "decode_long_context": long,
-        "ok": True,
+        "ok": graphs_captured or device != "cuda",
     }
 
 
 def _decode_mbus(torch, llm, device: str, batch: int, prompt_len: int, rng, counts: dict, element: int,
                  peaks: dict, steps: int = 64) -> dict:
-    """Decode MBU at `batch` prompts of `prompt_len` tokens: the engine's step (64
-    steps, so about prompt_len + 32 tokens of context) and the decode forward alone.
-    The bytes a step reads are the weights plus the KV cache it attends to."""
+    """Decode MBU at `batch` prompts of `prompt_len` tokens: the engine's step (the 64
+    steps timed follow 16 untimed, so about prompt_len + 48 tokens of context) and the
+    decode forward alone. The bytes a step reads are the weights plus the KV cache it
+    attends to."""
     from benchmarks.roofline import kv_bytes
 
     config = llm.engine.model_config
-    context = prompt_len + steps // 2
+    context = prompt_len + steps // 4 + steps // 2  # _decode_step_s: the timed steps' middle
     step_s = _decode_step_s(torch, llm, device, batch, prompt_len, steps, rng)
     step_bytes = counts["params_read_per_decode_step"] * element + kv_bytes(config, batch * context, element)
     forward_s = _static_decode_step_s(torch, llm.engine.runner, device, batch, context)
@@ -148,15 +163,21 @@ def _decode_mbus(torch, llm, device: str, batch: int, prompt_len: int, rng, coun
 
 
 def _decode_step_s(torch, llm, device: str, batch: int, prompt_len: int, steps: int, rng) -> float:
-    """One decode step's time at `batch`: two runs that differ only in decode steps."""
+    """One decode step's time at `batch`: two runs that differ only in `steps` decode
+    steps (both decode some, so what a request's end costs is in both), each the
+    best of two, after one untimed run of the longer (the first decode steps at a
+    batch size compile what is compiled lazily: on the first H200 run, untimed
+    warm-up missing, that put 13.8 ms a step where 1.2 was the steady figure)."""
     from actors.sampling_params import SamplingParams
 
     vocab = min(llm.engine.model_config.vocab_size, 8000)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
-    longer = SamplingParams(max_new_tokens=steps + 1, temperature=0, ignore_eos=True)
-    short = _timed(torch, device, lambda: llm.generate(prompts, [one] * batch))
-    full = _timed(torch, device, lambda: llm.generate(prompts, [longer] * batch))
+    first = 1 + steps // 4
+    shorter = SamplingParams(max_new_tokens=first, temperature=0, ignore_eos=True)
+    longer = SamplingParams(max_new_tokens=first + steps, temperature=0, ignore_eos=True)
+    llm.generate(prompts, [longer] * batch)
+    short = min(_timed(torch, device, lambda: llm.generate(prompts, [shorter] * batch)) for _ in range(2))
+    full = min(_timed(torch, device, lambda: llm.generate(prompts, [longer] * batch)) for _ in range(2))
     return (full - short) / steps
 
 
@@ -200,6 +221,8 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
         runner = llm.engine.runner
         if settings["cuda_graphs"] and device != "cuda":  # the CPU twin: padded static steps, no capture
             runner.decode_graphs = runner.static_decode(capture=False)
+        if more.get("prefill_graphs") and device != "cuda":
+            runner.prefill_graphs = runner.static_prefill(capture=False)
         return llm
 
     rng = random.Random(2)
@@ -227,7 +250,9 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
     result = {
         "prompts": len(prompts),
         "identical_greedy": {mode: sum(a == b for a, b in zip(tokens["eager"], tokens[mode])) for mode in DECODE_MODES},
-        "identical_sampled_with_overlap": sum(a == b for a, b in zip(*sampled_tokens.values())),
+        "identical_sampled_with_overlap": sum(_same_draws(a, b) for a, b in zip(*sampled_tokens.values())),
+        "sampled_differences": _differences(*sampled_tokens.values(),
+                                            kinds=[i % len(extras) for i in range(len(prompts))]),
         "identical_with_speculation": sum(a == b for a, b in zip(speculated, tokens["graphs"])) + sum(
             ids == b[0] and top == [lp.token_id for lp in b[1]]
             for (ids, top), b in zip(speculated_sampled, sampled_tokens["graphs"])),
@@ -235,6 +260,15 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
         "step_s": {},
     }
     del llm
+    # Prefill graphs (`prefill_graphs`): one prompt at a time, so that each prefill
+    # step is one prompt's chunk from position 0, the steps they replay.
+    one_by_one = {}
+    for prefill_graphs in (False, True):
+        llm = engine(exact_model_dir, "float32", "graphs", prefill_graphs=prefill_graphs)
+        one_by_one[prefill_graphs] = [llm.generate([p], [g])[0].token_ids for p, g in zip(prompts, greedy)]
+        result["prefill_graphs_captured"] = llm.engine.runner.prefill_graphs is not None
+        del llm
+    result["identical_with_prefill_graphs"] = sum(a == b for a, b in zip(*one_by_one.values()))
     for mode in DECODE_MODES:
         llm = engine(model_dir, dtype, mode)
         if mode == "graphs":
@@ -256,8 +290,47 @@ def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str
                     and result["identical_sampled_with_overlap"] == len(prompts)
                     and result["identical_with_speculation"] == 2 * len(prompts) and result["drafts_confirmed"] > 0
                     and result["steps_launched_ahead"] > 0
+                    and result["identical_with_prefill_graphs"] == len(prompts) and result["prefill_graphs_captured"]
                     and (result["captured"] or device != "cuda"))
     return result
+
+
+# Logprob values may differ in the last bits between runs whose batches differ in
+# size (overlapped decode launches a step for a request before it sees it finish):
+# cuBLAS picks its kernel by the batch's rows, and a row's sums then run in another
+# order. The first H200 run saw up to 3.7e-6 in float32, the tokens all the same.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _same_draws(first: tuple, second: tuple) -> bool:
+    """The same tokens, the same top-logprob ids, logprob values within LOGPROB_TOLERANCE."""
+    (ids_a, lps_a), (ids_b, lps_b) = first, second
+    if ids_a != ids_b or len(lps_a) != len(lps_b):
+        return False
+    for a, b in zip(lps_a, lps_b):
+        if a.token_id != b.token_id or [t for t, _ in a.top] != [t for t, _ in b.top]:
+            return False
+        values = [(a.logprob, b.logprob)] + [(x, y) for (_, x), (_, y) in zip(a.top, b.top)]
+        if any(abs(x - y) > LOGPROB_TOLERANCE for x, y in values):
+            return False
+    return True
+
+
+def _differences(first: list, second: list, kinds: list[int]) -> list[dict]:
+    """Where two runs' (token ids, logprobs) of the same requests part: each differing
+    request's index, its kind of extras (the index into check_graphs' `extras`), the
+    first output position whose token differs (None if only logprob values do), and
+    the largest logprob difference over the positions before it."""
+    found = []
+    for index, ((ids_a, lps_a), (ids_b, lps_b), kind) in enumerate(zip(first, second, kinds)):
+        if (ids_a, lps_a) == (ids_b, lps_b):
+            continue
+        parted = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), None)
+        same = len(ids_a) if parted is None else parted
+        gaps = [abs(a.logprob - b.logprob) for a, b in zip(lps_a[:same], lps_b[:same])]
+        found.append({"request": index, "kind": kind, "first_token_difference": parted, "length": len(ids_a),
+                      "max_logprob_difference": max(gaps, default=0.0)})
+    return found
 
 
 def _decode_host_syncs(torch, llm, batch: int) -> dict:
@@ -337,12 +410,16 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     structured = SamplingParams(max_new_tokens=40, temperature=0, regex=r'\{"id": \d{1,3}, "ok": (true|false)\}')
     prompt = list(range(3, 300))
-    config = EngineConfig(device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
-    llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=512 * 2**20, max_num_seqs=decode_batch)
+    # Long enough that every request decodes at once through the pair: on the H200,
+    # 256 tokens (~1.5 ms a step) ended the first requests before P had sent the last.
+    output_tokens = 1024 if device == "cuda" else 256
+    kv_cache_bytes = 2 * 2**30 if device == "cuda" else 512 * 2**20  # the batch's whole contexts fit
+    config = EngineConfig(device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, max_num_seqs=decode_batch)
+    llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, max_num_seqs=decode_batch)
     expected, expected_structured = llm.generate([prompt, prompt], [params, structured])
     batch = [[3 + (i * 7 + j) % 1000 for j in range(128)] for i in range(decode_batch)]
-    engine_rate(llm, batch[:2], 256)  # warm-up
-    alone = engine_rate(llm, batch, 256)
+    engine_rate(llm, batch[:2], output_tokens)  # warm-up
+    alone = engine_rate(llm, batch, output_tokens)
     del llm
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -365,11 +442,12 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
         tokens, result = asyncio.run(run("gpu-check", params))
         # Structured output on the device (the packed masks unpacked there), P's first token and D's rest:
         structured_tokens, _ = asyncio.run(run("gpu-check-structured", structured))
-        rate = asyncio.run(feed_rate(p, d, batch, 256, "object_store"))
+        rate = asyncio.run(feed_rate(p, d, batch, output_tokens, "object_store"))
         identical = tokens == expected.token_ids and structured_tokens == expected_structured.token_ids
         return {"identical_to_engine": identical, "tokens": len(tokens),
                 "structured_text": expected_structured.text, "bytes_sent": result.num_bytes_sent,
-                "batch": decode_batch, "delivered_tokens_per_s": rate, "engine_alone_tokens_per_s": alone,
+                "batch": decode_batch, "output_tokens": output_tokens, "delivered_tokens_per_s": rate,
+                "engine_alone_tokens_per_s": alone,
                 "delivered_over_engine": rate / alone, "ok": identical}
     finally:
         if started_ray:

@@ -5,7 +5,12 @@
 #
 # Runs benchmarks/gpu_check.py on CUDA (kernels against torch, engine token-exactness
 # against transformers, prefill MFU and decode MBU against measured peaks, P and D as
-# two actors on the one GPU), then the NCCL channel tests where two GPUs are present.
+# two actors on the one GPU), then the diagnostics that say why the figures are what
+# they are (benchmarks/gpu_profile.py: where a prefill's and a decode step's time
+# goes; benchmarks/gpu_decode_sweep.py: the decode kernel's launch shapes), then the
+# NCCL channel tests where two GPUs are present. On the first H200 run (forty-fifth
+# session) the check's steps took 135 s with the installs and model builds, the
+# diagnostics about a minute.
 # Uses $PYTHON, else .venv/bin/python if it sees a GPU, else python3; that Python
 # needs a CUDA torch, Triton and transformers, and for the P/D step Ray (and cupy for
 # NCCL): `pip install -e '.[gpu]'` on a machine with network; on one without, a
@@ -27,6 +32,8 @@ fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 status=0
 timeout 420 "$PY" -m benchmarks.gpu_check --device cuda --out-dir "$OUT" 2>&1 | tee "$OUT/gpu_check.log" || status=1
+timeout 120 "$PY" -m benchmarks.gpu_profile --device cuda --out-dir "$OUT" 2>&1 | tee "$OUT/diagnostics.log" || status=1
+timeout 120 "$PY" -m benchmarks.gpu_decode_sweep --out-dir "$OUT" 2>&1 | tee -a "$OUT/diagnostics.log" || status=1
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then  # NCCL P2P needs two GPUs
   timeout 120 "$PY" -m pytest -q tests/test_kv_channels.py 2>&1 | tee "$OUT/nccl_channels.log" || status=1
 else

@@ -11,9 +11,9 @@ reference computed in float32 from the same inputs; copies: bit-exact or not):
   write (`rope_and_write_kv`, one kernel) and SiLU-and-multiply against their
   torch references (max abs difference, in the input's dtype).
 
-Times on CUDA (median of 20, CUDA events), bfloat16, at qwen2.5-0.5b's attention
-shape (14 heads, 2 KV heads, head_dim 64, blocks of 16), each beside what torch does
-in its place:
+Times on CUDA (`cuda_time_ms`: CUDA-graph replays timed with CUDA events),
+bfloat16, at qwen2.5-0.5b's attention shape (14 heads, 2 KV heads, head_dim 64,
+blocks of 16), each beside what torch does in its place:
 - decode at batch 64 x 1024-token contexts, 8 x 4096 and 1 x 8192: Triton as
   dispatched (split-K where the batch leaves SMs idle), Triton unsplit, the torch
   reference; KV GB/s;
@@ -201,10 +201,10 @@ def _time_elementwise(triton_elementwise) -> dict:
     for num_tokens in (64, 4096):
         inputs = _elementwise_inputs("cuda", torch.bfloat16, num_tokens)
         for name, (ours, reference) in _elementwise_pairs(triton_elementwise, inputs).items():
-            times[f"{name}_{num_tokens}_triton_ms"] = _cuda_time_ms(ours)
-            times[f"{name}_{num_tokens}_torch_ms"] = _cuda_time_ms(reference)
+            times[f"{name}_{num_tokens}_triton_ms"] = cuda_time_ms(ours)
+            times[f"{name}_{num_tokens}_torch_ms"] = cuda_time_ms(reference)
         args = (inputs["q"], inputs["v"], inputs["cos"], inputs["sin"], inputs["cache"], inputs["slots"])
-        times[f"rope_and_write_kv_{num_tokens}_two_triton_kernels_ms"] = _cuda_time_ms(
+        times[f"rope_and_write_kv_{num_tokens}_two_triton_kernels_ms"] = cuda_time_ms(
             lambda: rope_and_write_kv(*args, rope=triton_elementwise.apply_rope, write=triton_attention.write_kv_slots))
     return times
 
@@ -225,7 +225,8 @@ def _time_decode(triton_attention) -> dict:
         times = {"splits": triton_attention.num_splits(batch, kv_heads)}
         for name, fn in (("triton_ms", triton_attention.paged_decode_attention), ("triton_unsplit_ms", unsplit),
                          ("torch_reference_ms", decode_attention)):
-            times[name] = _cuda_time_ms(lambda fn=fn: fn(q, cache, tables, lens, 0.125))
+            times[name] = cuda_time_ms(lambda fn=fn: fn(q, cache, tables, lens, 0.125),
+                                       capture=fn is not decode_attention)  # the reference reads lengths to the host
         kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
         for name in ("triton_ms", "triton_unsplit_ms"):
             times[name.replace("_ms", "_gb_s")] = kv_bytes / (times[name] / 1e3) / 1e9
@@ -248,9 +249,9 @@ def _time_prefill(triton_prefill) -> dict:
         k_new, v_new = _chunk_kv(cache, table, num_cached, ctx_len)
         args = (q, k_new, v_new, cache, table, ctx_len, scale)
         sdpa_only = _sdpa_on_contiguous_kv(q, cache, table, num_cached, ctx_len, scale)
-        times = {"triton_ms": _cuda_time_ms(lambda: triton_prefill.paged_prefill_attention(*args)),
-                 "torch_reference_ms": _cuda_time_ms(lambda: prefill_attention(*args)),
-                 "torch_sdpa_contiguous_kv_ms": _cuda_time_ms(sdpa_only)}
+        times = {"triton_ms": cuda_time_ms(lambda: triton_prefill.paged_prefill_attention(*args)),
+                 "torch_reference_ms": cuda_time_ms(lambda: prefill_attention(*args)),
+                 "torch_sdpa_contiguous_kv_ms": cuda_time_ms(sdpa_only)}
         flops = 4 * heads * head_dim * (q_len * num_cached + q_len * (q_len + 1) // 2)
         for name in list(times):
             times[name.replace("_ms", "_tflop_s")] = flops / (times[name] / 1e3) / 1e12
@@ -281,25 +282,44 @@ def _time_block_copies(triton_blocks) -> dict:
                         dtype=torch.bfloat16)
     block_ids = torch.randperm(num_blocks, device="cuda")[:64]
     blocks = gather_blocks(cache, block_ids)
-    times = {"triton_gather_ms": _cuda_time_ms(lambda: triton_blocks.gather_blocks(cache, block_ids)),
-             "torch_gather_ms": _cuda_time_ms(lambda: gather_blocks(cache, block_ids)),
-             "triton_scatter_ms": _cuda_time_ms(lambda: triton_blocks.scatter_blocks(cache, block_ids, blocks)),
-             "torch_scatter_ms": _cuda_time_ms(lambda: scatter_blocks(cache, block_ids, blocks))}
+    times = {"triton_gather_ms": cuda_time_ms(lambda: triton_blocks.gather_blocks(cache, block_ids)),
+             "torch_gather_ms": cuda_time_ms(lambda: gather_blocks(cache, block_ids)),
+             "triton_scatter_ms": cuda_time_ms(lambda: triton_blocks.scatter_blocks(cache, block_ids, blocks)),
+             "torch_scatter_ms": cuda_time_ms(lambda: scatter_blocks(cache, block_ids, blocks))}
     moved_bytes = 2 * blocks.numel() * blocks.element_size()
     for name in list(times):
         times[name.replace("_ms", "_gb_s")] = moved_bytes / (times[name] / 1e3) / 1e9
     return times
 
 
-def _cuda_time_ms(fn, repeats: int = 20) -> float:
+def cuda_time_ms(fn, repeats: int = 20, inner: int = 10, capture: bool = True) -> float:
+    """Device time of one call of `fn`: `inner` calls captured in one CUDA graph,
+    the median of `repeats` replays over `inner`. Timed launch by launch, a small
+    kernel's figure is the host's launch time instead (the first H200 run: 84 us
+    for an RMSNorm of 64 rows, launched from Python under a sandboxed host). A
+    function that cannot be captured (`capture=False`: the torch decode reference
+    reads lengths to the host), or whose capture fails, is timed call by call with
+    CUDA events."""
     fn()
+    torch.cuda.synchronize()
+    run, per_run = fn, 1
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    fn()
+            graph.replay()
+            run, per_run = graph.replay, inner
+        except Exception:  # not capturable after all: call by call
+            pass
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append(start.elapsed_time(end) / per_run)
     return statistics.median(samples)

@@ -5,15 +5,17 @@
 #
 #   bash benchmarks/gpu_rehearsal.sh        # about 2 min the first time (1 min 52 s here), 1 min after
 #
-# The image (device tool's KINDS.md, read 2026-11) has Python 3.12, CUDA torch 2.11,
+# The image (device tool's KINDS.md, read 2026-11; so it was on the H200 lent in the
+# forty-fifth session) has Python 3.12, CUDA torch 2.11,
 # Triton 3.6, transformers 5.17, tokenizers 0.23.2, huggingface_hub 1.33, aiohttp,
 # grpcio and prometheus_client, and no Ray, pydantic, fastapi, uvicorn, aiohttp_cors
 # or opencensus (so Ray runs as its minimal install there). This builds a venv with
 # those versions (torch and Python depart from it: the CPU 2.13.0 wheel on this
 # machine's disk, for Python 3.11), takes Ray from the wheels `benchmarks/gpu_wheels.sh`
 # gathers, installed as on the device (`--target`, then PYTHONPATH), and runs the GPU
-# check's steps on CPU with the tiny model. The `kernels` step is left out: Triton
-# 3.6's interpreter cannot run the attention kernels (docs/benchmarks.md, GPU check);
+# check's steps and its profile on CPU with the tiny model. The `kernels` step (and
+# the decode sweep, CUDA only) is left out: Triton 3.6's interpreter cannot run the
+# attention kernels (docs/benchmarks.md, GPU check);
 # `tests/triton_compile_checks.py` checks them against 3.6's compiler instead.
 # ENV_DIR (default /tmp/tandem-device-like) holds the venv, wheels and site; OUT the
 # results (default ./gpu-rehearsal).
@@ -41,3 +43,4 @@ PY_VERSION="$version" bash benchmarks/gpu_wheels.sh "$ENV_DIR/wheels"
 export PYTHONPATH="$ENV_DIR/site" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" PYTHONUNBUFFERED=1
 "$ENV_DIR/bin/python" -m benchmarks.gpu_check --device cpu --steps exactness,roofline,graphs,pd \
   --prefill-tokens 128 --decode-batch 4 --out-dir "$OUT"
+"$ENV_DIR/bin/python" -m benchmarks.gpu_profile --device cpu --prefill-tokens 64 --decode-batch 4 --out-dir "$OUT"

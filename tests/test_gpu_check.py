@@ -29,6 +29,8 @@ def test_gpu_check_steps_run_on_cpu(tmp_path):
     assert set(graphs["identical_greedy"].values()) == {graphs["prompts"]} and not graphs["captured"]
     assert graphs["identical_sampled_with_overlap"] == graphs["prompts"] and graphs["steps_launched_ahead"] > 0
     assert graphs["identical_with_speculation"] == 2 * graphs["prompts"] and graphs["drafts_confirmed"] > 0
+    assert graphs["identical_with_prefill_graphs"] == graphs["prompts"] and graphs["prefill_graphs_captured"]
+    assert roofline["prefill_graphs_mfu"] > 0 and not roofline["prefill_graphs_captured"]  # (the CPU twin)
 
 
 def test_gpu_check_script_says_what_it_needs_without_a_gpu(tmp_path):
@@ -37,3 +39,34 @@ def test_gpu_check_script_says_what_it_needs_without_a_gpu(tmp_path):
                           timeout=120, cwd=root, env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path),
                                                       "PYTHON": sys.executable})
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr, (done.stdout, done.stderr)
+
+
+def test_gpu_profile_runs_on_cpu(tmp_path):
+    root = Path(__file__).parent.parent
+    cmd = [sys.executable, "-m", "benchmarks.gpu_profile", "--device", "cpu", "--prefill-tokens", "64",
+           "--decode-batch", "4", "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    results = json.loads((tmp_path / "gpu_profile.json").read_text())
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert not any("error" in part for part in (results["prefill"], results["engine_decode"], *results["decode_forward"]))
+    assert len(results["prefill"]["wall_ms"]) == 3 and results["engine_decode"]["wall_ms_per_step"] > 0
+    assert [part["context"] for part in results["decode_forward"]] == [160, 1056]
+    assert any("model.py" in line for line in results["prefill"]["cprofile"])  # where the host's time goes
+
+
+def test_sampled_runs_agree_within_the_logprob_tolerance():
+    from actors.request import TokenLogprob
+    from benchmarks.gpu_check import LOGPROB_TOLERANCE, _differences, _same_draws
+
+    def run(ids, shift=0.0, top=((7, -1.5),)):
+        return ids, [TokenLogprob(i, -0.5 + shift, [(t, lp + shift) for t, lp in top]) for i in ids]
+
+    assert _same_draws(run([1, 2]), run([1, 2], shift=LOGPROB_TOLERANCE / 10))  # the last bits: the same draws
+    assert not _same_draws(run([1, 2]), run([1, 2], shift=LOGPROB_TOLERANCE * 10))
+    assert not _same_draws(run([1, 2]), run([1, 3]))
+    assert not _same_draws(run([1, 2]), run([1, 2], top=((8, -1.5),)))
+    found = _differences([run([1, 2]), run([4, 5])], [run([1, 2], shift=1e-6), run([4, 6])], kinds=[0, 3])
+    assert found == [{"request": 0, "kind": 0, "first_token_difference": None, "length": 2,
+                      "max_logprob_difference": pytest.approx(1e-6)},
+                     {"request": 1, "kind": 3, "first_token_difference": 1, "length": 2,
+                      "max_logprob_difference": 0.0}]

@@ -1,0 +1,215 @@
+"""Where a GPU's time goes: the kernels of a prefill and of a decode forward, and the
+host's share of an engine decode step (issue: GPU path).
+
+    python -m benchmarks.gpu_profile --device cuda --out-dir "$OUT"
+    python -m benchmarks.gpu_profile --device cpu        # the plumbing, tiny model
+
+`benchmarks/gpu_check.py` measures MFU and MBU; this says why they are what they
+are, in one run of about a minute on an H200:
+- `prefill`: one `--prefill-tokens` prefill (the roofline's engine settings): its
+  wall time (three runs), each kernel's device time under torch's profiler, summed
+  by name, and cProfile's top functions (where the host's time goes).
+- `decode_forward`: the decode forward at `--decode-batch` sequences of 160 and 1056
+  tokens of context, its padded static step run eagerly under the profiler (a
+  graph's kernels are the same kernels; eagerly each is reported by name), and the
+  captured graph replayed back to back (the time the kernels take with no launch
+  gaps).
+- `engine_decode`: 32 engine decode steps at `--decode-batch` (CUDA graphs and
+  overlapped decode, the defaults), after a warm-up: wall time a step, the CUDA
+  runtime calls a step makes and their host time (what a sandboxed host pays for
+  each), and cProfile's top functions by own time.
+Results go to `<out>/gpu_profile.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from benchmarks.arguments import positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default=None, help="default: qwen2.5-0.5b on cuda, tiny on cpu")
+    parser.add_argument("--prefill-tokens", type=positive_int, default=None, help="default: 4096 on cuda, 512 on cpu")
+    parser.add_argument("--decode-batch", type=positive_int, default=64)
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-results"))
+
+
+def kernel_table(prof, rows: int = 15) -> dict:
+    """Device time summed by kernel name (microseconds), largest first, and the host
+    time of the CUDA runtime calls by name: what the profiler saw."""
+    device_us: dict[str, float] = defaultdict(float)
+    device_calls: dict[str, int] = defaultdict(int)
+    runtime_us: dict[str, float] = defaultdict(float)
+    runtime_calls: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        kind = str(getattr(event, "device_type", "")).rsplit(".", 1)[-1]
+        if kind == "CUDA":
+            device_us[event.name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            device_calls[event.name] += 1
+        elif event.name.startswith("cuda") and kind == "CPU":
+            runtime_us[event.name] += event.cpu_time_total
+            runtime_calls[event.name] += 1
+    top = sorted(device_us.items(), key=lambda item: -item[1])[:rows]
+    return {
+        "device_us_total": sum(device_us.values()),
+        "kernels": [{"name": name[:90], "us": round(us, 1), "calls": device_calls[name]} for name, us in top],
+        "runtime_calls": {name: {"calls": runtime_calls[name], "host_us": round(us, 1)}
+                          for name, us in sorted(runtime_us.items(), key=lambda item: -item[1])},
+    }
+
+
+def _synchronize(torch, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profiler(torch, device: str):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def profile_prefill(torch, llm, device: str, prefill_tokens: int) -> dict:
+    from actors.sampling_params import SamplingParams
+
+    rng = random.Random(1)
+    vocab = min(llm.engine.model_config.vocab_size, 8000)
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    prompt = [rng.randrange(3, vocab) for _ in range(prefill_tokens)]
+    llm.generate([prompt], [one])  # warm-up: the same shapes
+    walls = []
+    for _ in range(3):
+        _synchronize(torch, device)
+        started = time.perf_counter()
+        llm.generate([prompt], [one])
+        _synchronize(torch, device)
+        walls.append((time.perf_counter() - started) * 1e3)
+    with _profiler(torch, device) as prof:
+        llm.generate([prompt], [one])
+        _synchronize(torch, device)
+    return {"tokens": prefill_tokens, "wall_ms": walls, **kernel_table(prof),
+            "cprofile": _cprofiled(lambda: (llm.generate([prompt], [one]), _synchronize(torch, device)))}
+
+
+def _cprofiled(fn, rows: int = 30) -> list[str]:
+    """cProfile's top functions by own time, then by cumulative time, over one call."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    lines = []
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(rows)
+        lines += [line for line in text.getvalue().splitlines() if line.strip()][: rows + 5]
+    return lines
+
+
+def profile_decode_forward(torch, runner, device: str, batch: int, context_len: int, repeats: int = 20) -> dict:
+    """The padded static decode step, eagerly under the profiler, then its graph
+    (where there is one) replayed `repeats` times back to back."""
+    size = runner.config.block_size
+    num_blocks = -(-context_len // size)
+    inputs = dict(token_ids=[5] * batch, positions=[context_len - 1] * batch,
+                  block_tables=[list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(batch)])
+    eager = runner.static_decode(capture=False)
+    eager.run(**inputs)  # warm-up
+    _synchronize(torch, device)
+    with _profiler(torch, device) as prof:
+        eager.run(**inputs)
+        _synchronize(torch, device)
+    result = {"batch": batch, "context": context_len, "eager_step": kernel_table(prof, rows=25)}
+    if runner.decode_graphs is not None:
+        runner.decode_graphs.run(**inputs)
+        _synchronize(torch, device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            runner.decode_graphs.run(**inputs)
+        _synchronize(torch, device)
+        result["graph_replay_ms"] = (time.perf_counter() - started) / repeats * 1e3
+    return result
+
+
+def profile_engine_decode(torch, llm, device: str, batch: int, steps: int = 32) -> dict:
+    from actors.sampling_params import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(4)
+    vocab = min(engine.model_config.vocab_size, 8000)
+    params = SamplingParams(max_new_tokens=4 * steps, temperature=0, ignore_eos=True)
+    llm.generate([[rng.randrange(3, vocab) for _ in range(128)] for _ in range(batch)], [params] * batch)  # warm-up
+    for _ in range(batch):
+        engine.add_request([rng.randrange(3, vocab) for _ in range(128)], params)
+    while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    _synchronize(torch, device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _synchronize(torch, device)
+    wall_ms = (time.perf_counter() - started) / steps * 1e3
+    with _profiler(torch, device) as prof:
+        for _ in range(steps):
+            engine.step()
+        _synchronize(torch, device)
+    lines = _cprofiled(lambda: [engine.step() for _ in range(steps)], rows=25)
+    while engine.has_unfinished():
+        engine.step()
+    table = kernel_table(prof)
+    for calls in table["runtime_calls"].values():
+        calls["per_step"] = calls["calls"] / steps
+    return {"batch": batch, "steps": steps, "wall_ms_per_step": wall_ms, **table, "cprofile": lines}
+
+
+def main(args: argparse.Namespace) -> dict:
+    import torch
+
+    from actors.llm import LLM
+    from actors.model_builder import ensure_checkpoint
+
+    preset = args.preset or ("qwen2.5-0.5b" if args.device == "cuda" else "tiny")
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    prefill_tokens = args.prefill_tokens or (4096 if args.device == "cuda" else 512)
+    model_dir = ensure_checkpoint(preset, "qwen2")
+    llm = LLM(model_dir, device=args.device, dtype=dtype,
+              kv_cache_bytes=8 * 2**30 if args.device == "cuda" else 256 * 2**20,
+              max_num_batched_tokens=max(prefill_tokens, 2048), prefill_chunk_size=prefill_tokens,
+              max_num_seqs=max(args.decode_batch, 64), enable_prefix_cache=False)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": args.device, "preset": preset, "dtype": dtype}
+    steps = {
+        "prefill": lambda: profile_prefill(torch, llm, args.device, prefill_tokens),
+        "decode_forward": lambda: [profile_decode_forward(torch, llm.engine.runner, args.device, args.decode_batch, n)
+                                   for n in (160, 1056)],
+        "engine_decode": lambda: profile_engine_decode(torch, llm, args.device, args.decode_batch),
+    }
+    for name, step in steps.items():
+        started = time.perf_counter()
+        try:
+            results[name] = step()
+        except Exception as exc:  # record it; the other parts still run
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"{name}: {time.perf_counter() - started:.1f} s", flush=True)
+        (out_dir / "gpu_profile.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    main(parser.parse_args())
