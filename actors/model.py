@@ -251,6 +251,9 @@ class ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_cache, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits of `hidden`'s rows, in float32 unless `float32=False` (then the
+        model's dtype: enough for an argmax, which picks the same token from both)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.linear(hidden, weight).float()
+        logits = self.linear(hidden, weight)
+        return logits.float() if float32 else logits

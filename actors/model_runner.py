@@ -238,7 +238,9 @@ class ModelRunner:
             step.prompt_parts = list(self._prompt_logprobs(hidden, ordered))
         if sampling:
             rows = hidden[: len(ends)] if ends[-1] == len(ends) - 1 else hidden[int64_tensor(ends, self.device)]
-            logits = self.model.compute_logits(rows)
+            # An argmax alone needs no float32 copy of the logits (at batch 64 on an H200,
+            # 0.5B preset: 28 us of a 1.07 ms step, and the argmax reads half the bytes).
+            logits = self.model.compute_logits(rows, float32=not all(r.params.argmax_only for r in sampling))
             if input_ids is not None and any(request.reads_output for request in sampling):
                 step.unsampled = logits, token_indexes, input_ids
             else:

@@ -48,6 +48,7 @@ class SamplingParams:
     # Set from the fields above; plain fields, read for every row of every step.
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
+    argmax_only: bool = field(init=False, repr=False, compare=False, default=False)  # greedy, logits used for nothing else
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +104,8 @@ class SamplingParams:
         object.__setattr__(self, "has_penalties", has_penalties)
         object.__setattr__(self, "processes_logits", has_penalties or bool(self.logit_bias) or self.min_new_tokens > 0
                            or bool(self.allowed_token_ids) or bool(self.bad_words) or self.regex is not None)
+        object.__setattr__(self, "argmax_only", self.temperature == 0 and self.logprobs is None
+                           and not self.processes_logits)
 
     def _check_regex(self) -> None:
         from actors.regex_dfa import compile_regex  # (it imports this module)

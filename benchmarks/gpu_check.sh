@@ -10,7 +10,7 @@
 # goes; benchmarks/gpu_decode_sweep.py: the decode kernel's launch shapes), then the
 # NCCL channel tests where two GPUs are present. On the first H200 run (forty-fifth
 # session) the check's steps took 135 s with the installs and model builds, the
-# diagnostics about a minute.
+# diagnostics (run apart there) about a minute more.
 # Uses $PYTHON, else .venv/bin/python if it sees a GPU, else python3; that Python
 # needs a CUDA torch, Triton and transformers, and for the P/D step Ray (and cupy for
 # NCCL): `pip install -e '.[gpu]'` on a machine with network; on one without, a

@@ -1,7 +1,7 @@
 """Launch shapes of the Triton paged decode attention, timed side by side on CUDA
 (issue: GPU path): what `num_splits`, the tile and the warps should be.
 
-    python -m benchmarks.gpu_decode_sweep --out-dir "$OUT"     # about half a minute on an H200
+    python -m benchmarks.gpu_decode_sweep --out-dir "$OUT"     # under a minute on the H200
 
 For qwen2.5-0.5b's attention (14 heads, 2 KV heads, head_dim 64, blocks of 16), in
 bfloat16, on a layer's view of a 4-layer cache laid out as the engine lays it out

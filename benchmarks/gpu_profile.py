@@ -5,7 +5,7 @@ host's share of an engine decode step (issue: GPU path).
     python -m benchmarks.gpu_profile --device cpu        # the plumbing, tiny model
 
 `benchmarks/gpu_check.py` measures MFU and MBU; this says why they are what they
-are, in one run of about a minute on an H200:
+are, in one run (its three parts took 6 to 8 s on the H200, the model load aside):
 - `prefill`: one `--prefill-tokens` prefill (the roofline's engine settings): its
   wall time (three runs), each kernel's device time under torch's profiler, summed
   by name, and cProfile's top functions (where the host's time goes).

@@ -84,7 +84,8 @@ def sample(
     draws: Sequence[float],
     min_ps: Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row. logits: [B, V] float32. Temperature 0 means greedy;
+    """Pick one token per row. logits: [B, V] float32 (any float dtype where every
+    row is greedy: an argmax alone, actors/model_runner.py). Temperature 0 means greedy;
     top_k 0, top_p 1.0 and min_p 0 (None: every row's) mean no filtering; `draws`
     (from `uniform_draws`) are read for the rows that sample. Returns [B] int64 on
     the logits' device."""

@@ -207,6 +207,32 @@ def test_a_vanishing_temperature_is_greedy(llm):
     assert all(out.token_ids == greedy.token_ids for out in tiny)
 
 
+def test_an_argmax_alone_reads_the_logits_in_the_models_dtype(tiny_qwen2_dir):
+    """A step whose rows are all greedy, with no logprobs and no logit processing,
+    takes its argmax from bfloat16 logits (no float32 copy); every other step gets
+    float32. The tokens are those of float32 logits: the conversion is exact."""
+    llm = LLM(tiny_qwen2_dir, dtype="bfloat16", enable_prefix_cache=False)
+    model, asked = llm.engine.runner.model, []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda rows, float32=True: asked.append(float32) or compute_logits(rows, float32)
+    prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(4)]
+    plain = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0)
+    tokens = [out.token_ids for out in llm.generate(prompts, plain)]
+    assert asked and not any(asked)
+    model.compute_logits = lambda rows, float32=True: compute_logits(rows, True)  # float32 always
+    assert [out.token_ids for out in llm.generate(prompts, plain)] == tokens
+    model.compute_logits = lambda rows, float32=True: asked.append(float32) or compute_logits(rows, float32)
+    asked.clear()
+    beside = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0)  # ends with the other row
+    for params in (SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0, logprobs=1),
+                   SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0, repetition_penalty=1.1),
+                   SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.7, seed=1)):
+        llm.generate(prompts[:1] * 2, [beside, params])
+        assert asked and all(asked)
+        asked.clear()
+    assert not SamplingParams(temperature=0, regex="[a-z]+").argmax_only and SamplingParams(temperature=0).argmax_only
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
