@@ -24,8 +24,8 @@ replays them with one call. What a graph needs, and how this class gives it:
 - **One memory pool** for all buckets, captured largest first
   (`actors/graph_capture.py`), so the graphs share their intermediate activations.
 
-Prefill and mixed steps run eagerly (their shapes vary with every chunk); sampling
-runs eagerly after the replay. With `capture=False` the same padded, static-shape
+Prefill and mixed steps run eagerly (their shapes vary with every chunk), but for
+those `actors/prefill_graphs.py` takes; sampling runs eagerly after the replay. With `capture=False` the same padded, static-shape
 step runs without graphs, on any device: that is how CPU tests check the padding
 (the C++ CPU kernels are batch-invariant, so padded rows must not change a real
 row's hidden state by a single bit).

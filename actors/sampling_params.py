@@ -48,7 +48,8 @@ class SamplingParams:
     # Set from the fields above; plain fields, read for every row of every step.
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
-    argmax_only: bool = field(init=False, repr=False, compare=False, default=False)  # greedy, logits used for nothing else
+    # Greedy, and its logits used for nothing else (an argmax alone: actors/model_runner.py).
+    argmax_only: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -43,7 +43,8 @@ def main(args: argparse.Namespace) -> dict:
         cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, device="cuda",
                             dtype=torch.bfloat16, generator=generator)
         layer = cache[:, 1]
-        tables = torch.randperm(num_blocks - 1, device="cuda", generator=generator)[: batch * per_seq].view(batch, per_seq)
+        shuffled = torch.randperm(num_blocks - 1, device="cuda", generator=generator)
+        tables = shuffled[: batch * per_seq].view(batch, per_seq)
         q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
         lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
         want = decode_attention(q.float(), layer.float(), tables, lens, 0.125)

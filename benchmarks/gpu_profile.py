@@ -55,7 +55,8 @@ def kernel_table(prof, rows: int = 15) -> dict:
     for event in prof.events():
         kind = str(getattr(event, "device_type", "")).rsplit(".", 1)[-1]
         if kind == "CUDA":
-            device_us[event.name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            total = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            device_us[event.name] += total
             device_calls[event.name] += 1
         elif event.name.startswith("cuda") and kind == "CPU":
             runtime_us[event.name] += event.cpu_time_total

@@ -227,7 +227,8 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, PADDED_GROUP=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, TILE=tile or tile_keys(head_dim, _DECODE_TILE_BYTES), SPLITS=splits, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
+        HEAD_DIM=head_dim, TILE=tile or tile_keys(head_dim, _DECODE_TILE_BYTES), SPLITS=splits,
+        MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     if splits > 1:

@@ -48,7 +48,8 @@ def test_gpu_profile_runs_on_cpu(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
     results = json.loads((tmp_path / "gpu_profile.json").read_text())
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
-    assert not any("error" in part for part in (results["prefill"], results["engine_decode"], *results["decode_forward"]))
+    parts = (results["prefill"], results["engine_decode"], *results["decode_forward"])
+    assert not any("error" in part for part in parts)
     assert len(results["prefill"]["wall_ms"]) == 3 and results["engine_decode"]["wall_ms_per_step"] > 0
     assert [part["context"] for part in results["decode_forward"]] == [160, 1056]
     assert any("model.py" in line for line in results["prefill"]["cprofile"])  # where the host's time goes
