@@ -25,8 +25,9 @@ replays them with one call. What a graph needs, and how this class gives it:
   (`actors/graph_capture.py`), so the graphs share their intermediate activations.
 
 Prefill and mixed steps run eagerly (their shapes vary with every chunk), but for
-those `actors/prefill_graphs.py` takes; sampling runs eagerly after the replay. With `capture=False` the same padded, static-shape
-step runs without graphs, on any device: that is how CPU tests check the padding
+those `actors/prefill_graphs.py` takes; sampling runs eagerly after the replay.
+With `capture=False` the same padded, static-shape step runs without graphs, on
+any device: that is how CPU tests check the padding
 (the C++ CPU kernels are batch-invariant, so padded rows must not change a real
 row's hidden state by a single bit).
 """
@@ -41,6 +42,7 @@ import torch
 from actors.attention_metadata import AttentionMetadata
 from actors.block_table_rows import BlockTableRows
 from actors.graph_capture import capture_buckets
+from kernels import copy_into
 
 # Larger decode batches run eagerly: launches are amortised there, and every bucket
 # costs capture time at start-up (vLLM caps its capture sizes at 512 likewise).
@@ -115,13 +117,6 @@ class DecodeGraphs:
         warm-up write nothing but the scratch block)."""
         self._graphs = capture_buckets(self.buckets, self._forward, "decode steps")
 
-    def _copy_in(self, device_view: torch.Tensor, host: torch.Tensor) -> None:
-        """Host to device without stalling the host: from pinned memory, which
-        torch's caching host allocator keeps until the copy has run."""
-        if device_view.is_cuda:
-            host = host.pin_memory()
-        device_view.copy_(host, non_blocking=True)
-
     def run(
         self,
         token_ids: Sequence[int] | torch.Tensor,
@@ -150,11 +145,11 @@ class DecodeGraphs:
         inputs[1, :batch] = position
         inputs[2, :batch] = self.host_block_tables.array[np.arange(batch), block_index] * size + position % size
         inputs[3, :batch] = position + 1
-        self._copy_in(self.step_inputs[:, :bucket], torch.from_numpy(inputs))
+        copy_into(self.step_inputs[:, :bucket], torch.from_numpy(inputs))
         if on_device:
             self.token_ids[:batch].copy_(token_ids)
         tables = torch.from_numpy(self.host_block_tables.array[:bucket, :width])
-        self._copy_in(self.block_tables[:bucket, :width], tables)
+        copy_into(self.block_tables[:bucket, :width], tables)
         if bucket in self._graphs:
             graph, hidden = self._graphs[bucket]
             graph.replay()

@@ -118,19 +118,20 @@ class ModelRunner:
         """Static-shape decode steps over this runner's model and cache, for up to
         max_num_seqs (at most MAX_GRAPH_BATCH) sequences of up to max_model_len
         tokens; `capture` records them as CUDA graphs (CUDA only)."""
-        max_positions = self.model_config.max_position_embeddings
-        max_len = min(self.config.max_model_len or max_positions, max_positions)
-        max_blocks = -(-max_len // self.config.block_size)
+        max_blocks = -(-self._max_len() // self.config.block_size)
         max_batch = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
         return DecodeGraphs(self.model, self.kv_cache, self.scratch_block, max_batch, max_blocks, capture)
 
     def static_prefill(self, capture: bool) -> PrefillGraphs:
         """Static-shape prefill steps of one chunk from position 0, of up to the
         largest chunk a step holds; `capture` records them as CUDA graphs (CUDA only)."""
-        max_positions = self.model_config.max_position_embeddings
-        max_len = min(self.config.max_model_len or max_positions, max_positions)
-        max_tokens = min(self.config.prefill_chunk_size, self.config.max_num_batched_tokens, max_len)
+        max_tokens = min(self.config.prefill_chunk_size, self.config.max_num_batched_tokens, self._max_len())
         return PrefillGraphs(self.model, self.kv_cache, self.scratch_block, max_tokens, capture)
+
+    def _max_len(self) -> int:
+        """The longest sequence: max_model_len, at most the model's positions."""
+        max_positions = self.model_config.max_position_embeddings
+        return min(self.config.max_model_len or max_positions, max_positions)
 
     def use_compute_stream(self) -> None:
         """Make the compute stream the calling thread's current stream (CUDA; the

@@ -41,6 +41,7 @@ import torch
 from actors.attention_metadata import AttentionMetadata, PrefillSpan
 from actors.graph_capture import capture_buckets
 from actors.scheduler import ScheduledChunk
+from kernels import copy_into
 
 _SMALL_BUCKETS = (16, 32, 64, 128, 256)
 _BUCKET_STEP = 256
@@ -112,10 +113,7 @@ class PrefillGraphs:
         inputs[0, :num_tokens] = chunk.request.token_ids_between(0, num_tokens)
         inputs[1, :num_tokens] = position
         inputs[2, :num_tokens] = table[position // size] * size + position % size
-        host = torch.from_numpy(inputs)
-        if self.step_inputs.is_cuda:
-            host = host.pin_memory()  # kept by torch's caching host allocator until the copy has run
-        self.step_inputs[:, :bucket].copy_(host, non_blocking=True)
+        copy_into(self.step_inputs[:, :bucket], torch.from_numpy(inputs))
         if bucket in self._graphs:
             graph, hidden = self._graphs[bucket]
             graph.replay()

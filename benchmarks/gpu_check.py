@@ -22,9 +22,10 @@ the others still run):
    (`decode_long_context`: the KV cache about as many bytes as the weights, the
    decode attention kernel's share); FLOPs and bytes counted as `tandem bench
    roofline` counts them.
-4. `graphs`: decode steps three ways: eager (`cuda_graphs: false`), replayed from
-   CUDA graphs, and graphs with overlapped decode (`overlap_decode`, the step after
-   launched before this one's tokens are read): greedy tokens of a mixed batch
+4. `graphs` (`benchmarks/gpu_check_graphs.py`): decode steps three ways: eager
+   (`cuda_graphs: false`), replayed from CUDA graphs, and graphs with overlapped
+   decode (`overlap_decode`, the step after launched before this one's tokens are
+   read): greedy tokens of a mixed batch
    (float32, so all three must agree), seeded sampling with logprobs (graphs with
    and without overlap must draw the same tokens, their logprobs within
    `LOGPROB_TOLERANCE`; so must graphs with speculative decoding, whose drafts are
@@ -56,6 +57,8 @@ import traceback
 from pathlib import Path
 
 from benchmarks.arguments import positive_int, preset
+from benchmarks.gpu_check_graphs import check_graphs
+from benchmarks.gpu_timing import decode_step_s, static_decode_step_s, timed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,14 +119,14 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     llm.generate([[rng.randrange(3, vocab) for _ in range(64)]], [one])  # warm-up
     prompt = [rng.randrange(3, vocab) for _ in range(prefill_tokens)]
-    prefill_s = min(_timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
+    prefill_s = min(timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
     # The same prefill replayed from a CUDA graph (`prefill_graphs`, off by default;
     # on CPU its uncaptured twin, for the plumbing), then back to eager for decode.
     runner = llm.engine.runner
     runner.prefill_graphs = runner.static_prefill(capture=device == "cuda")
     graphs_captured = runner.prefill_graphs.is_captured
     llm.generate([prompt], [one])  # warm-up
-    prefill_graphs_s = min(_timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
+    prefill_graphs_s = min(timed(torch, device, lambda: llm.generate([prompt], [one])) for _ in range(3))
     runner.prefill_graphs = None
     counts = model_counts(llm.engine.runner.model)
     prefill = prefill_flops(config, counts, prefill_tokens)
@@ -151,10 +154,10 @@ def _decode_mbus(torch, llm, device: str, batch: int, prompt_len: int, rng, coun
     from benchmarks.roofline import kv_bytes
 
     config = llm.engine.model_config
-    context = prompt_len + steps // 4 + steps // 2  # _decode_step_s: the timed steps' middle
-    step_s = _decode_step_s(torch, llm, device, batch, prompt_len, steps, rng)
+    context = prompt_len + steps // 4 + steps // 2  # decode_step_s: the timed steps' middle
+    step_s = decode_step_s(torch, llm, device, batch, prompt_len, steps, rng)
     step_bytes = counts["params_read_per_decode_step"] * element + kv_bytes(config, batch * context, element)
-    forward_s = _static_decode_step_s(torch, llm.engine.runner, device, batch, context)
+    forward_s = static_decode_step_s(torch, llm.engine.runner, device, batch, context)
     forward_bytes = (counts["params_read_per_decode_step"] - counts["params_lm_head"]) * element \
         + kv_bytes(config, batch * context, element)  # no LM head: logits are computed after the graph
     bandwidth = peaks["bandwidth_bytes_s"]
@@ -162,231 +165,13 @@ def _decode_mbus(torch, llm, device: str, batch: int, prompt_len: int, rng, coun
             "decode_forward_s": forward_s, "decode_forward_mbu": forward_bytes / forward_s / bandwidth}
 
 
-def _decode_step_s(torch, llm, device: str, batch: int, prompt_len: int, steps: int, rng) -> float:
-    """One decode step's time at `batch`: two runs that differ only in `steps` decode
-    steps (both decode some, so what a request's end costs is in both), each the
-    best of two, after one untimed run of the longer (the first decode steps at a
-    batch size compile what is compiled lazily: on the first H200 run, untimed
-    warm-up missing, that put 13.8 ms a step where 1.2 was the steady figure)."""
-    from actors.sampling_params import SamplingParams
-
-    vocab = min(llm.engine.model_config.vocab_size, 8000)
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-    first = 1 + steps // 4
-    shorter = SamplingParams(max_new_tokens=first, temperature=0, ignore_eos=True)
-    longer = SamplingParams(max_new_tokens=first + steps, temperature=0, ignore_eos=True)
-    llm.generate(prompts, [longer] * batch)
-    short = min(_timed(torch, device, lambda: llm.generate(prompts, [shorter] * batch)) for _ in range(2))
-    full = min(_timed(torch, device, lambda: llm.generate(prompts, [longer] * batch)) for _ in range(2))
-    return (full - short) / steps
-
-
-def _static_decode_step_s(torch, runner, device: str, batch: int, context_len: int, repeats: int = 50) -> float:
-    """The decode forward alone at `batch` sequences of `context_len` tokens: inputs
-    copied in and the step's graph replayed (the padded static step where there is
-    no graph), back to back; no scheduling, sampling or detokenizing. Writes K/V at
-    each sequence's last position in the first blocks of the cache (the engine is
-    idle, nothing there is in use)."""
-    static = runner.decode_graphs or runner.static_decode(capture=False)
-    size = runner.config.block_size
-    num_blocks = -(-context_len // size)
-    tables = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(batch)]
-    last = context_len - 1
-    inputs = dict(token_ids=[5] * batch, positions=[last] * batch, block_tables=tables)
-    static.run(**inputs)  # warm-up
-    return _timed(torch, device, lambda: [static.run(**inputs) for _ in range(repeats)]) / repeats
-
-
-# ---- 4. CUDA graphs and overlapped decode -------------------------------------------
-HELD_TEXT = "[a-z ,.]{1,200}"  # a pattern some of the check's sampled requests are held to
-DECODE_MODES = {  # engine settings of each way to run decode steps, slowest first
-    "eager": dict(cuda_graphs=False, overlap_decode=False),
-    "graphs": dict(cuda_graphs=True, overlap_decode=False),
-    "graphs+overlap": dict(cuda_graphs=True, overlap_decode=True),
-}
-
-
-def check_graphs(model_dir: Path, exact_model_dir: Path, device: str, dtype: str, decode_batch: int) -> dict:
-    import random
-
-    import torch
-
-    from actors.llm import LLM
-    from actors.sampling_params import SamplingParams
-
-    def engine(model: Path, dtype: str, mode: str, **more) -> LLM:
-        settings = DECODE_MODES[mode]
-        llm = LLM(model, device=device, dtype=dtype, kv_cache_bytes=2 * 2**30 if device == "cuda" else 128 * 2**20,
-                  max_num_seqs=max(decode_batch, 8), enable_prefix_cache=False, **settings, **more)
-        runner = llm.engine.runner
-        if settings["cuda_graphs"] and device != "cuda":  # the CPU twin: padded static steps, no capture
-            runner.decode_graphs = runner.static_decode(capture=False)
-        if more.get("prefill_graphs") and device != "cuda":
-            runner.prefill_graphs = runner.static_prefill(capture=False)
-        return llm
-
-    rng = random.Random(2)
-    prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(1, 150))] for _ in range(11)]
-    greedy = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0, ignore_eos=True) for _ in prompts]
-    # Some rows also penalised, biased, held to a minimum (kernels/penalties.py,
-    # kernels/logit_bias.py: their gathers and scatters on the device too), or held
-    # to a pattern (its mask crosses to the device; overlapped, such a step is
-    # sampled once the host has the tokens before: ModelRunner.sample_deferred).
-    extras = [{}, dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3),
-              dict(logit_bias={5: 3.0, 6: -100.0}, min_new_tokens=3), dict(regex=HELD_TEXT)]
-    sampled = [SamplingParams(max_new_tokens=rng.randint(4, 40), temperature=0.8, top_p=0.95, seed=i,
-                              ignore_eos=True, logprobs=2, **extras[i % len(extras)]) for i, _ in enumerate(prompts)]
-    tokens, sampled_tokens = {}, {}
-    for mode in DECODE_MODES:
-        llm = engine(exact_model_dir, "float32", mode)
-        tokens[mode] = [o.token_ids for o in llm.generate(prompts, greedy)]
-        if mode != "eager":  # the same kernels: seeded sampling must agree too
-            sampled_tokens[mode] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, sampled)]
-        del llm
-    # Speculative decoding through the graphs: drafts as decode rows (actors/speculation.py), the same tokens.
-    llm = engine(exact_model_dir, "float32", "graphs", num_speculative_tokens=4, prompt_lookup_min=1)
-    speculated = [o.token_ids for o in llm.generate(prompts, greedy)]
-    speculated_sampled = [(o.token_ids, [lp.token_id for lp in o.logprobs]) for o in llm.generate(prompts, sampled)]
-    result = {
-        "prompts": len(prompts),
-        "identical_greedy": {mode: sum(a == b for a, b in zip(tokens["eager"], tokens[mode])) for mode in DECODE_MODES},
-        "identical_sampled_with_overlap": sum(_same_draws(a, b) for a, b in zip(*sampled_tokens.values())),
-        "sampled_differences": _differences(*sampled_tokens.values(),
-                                            kinds=[i % len(extras) for i in range(len(prompts))]),
-        "identical_with_speculation": sum(a == b for a, b in zip(speculated, tokens["graphs"])) + sum(
-            ids == b[0] and top == [lp.token_id for lp in b[1]]
-            for (ids, top), b in zip(speculated_sampled, sampled_tokens["graphs"])),
-        "drafts_confirmed": llm.engine.num_accepted_draft_tokens,
-        "step_s": {},
-    }
-    del llm
-    # Prefill graphs (`prefill_graphs`): one prompt at a time, so that each prefill
-    # step is one prompt's chunk from position 0, the steps they replay.
-    one_by_one = {}
-    for prefill_graphs in (False, True):
-        llm = engine(exact_model_dir, "float32", "graphs", prefill_graphs=prefill_graphs)
-        one_by_one[prefill_graphs] = [llm.generate([p], [g])[0].token_ids for p, g in zip(prompts, greedy)]
-        result["prefill_graphs_captured"] = llm.engine.runner.prefill_graphs is not None
-        del llm
-    result["identical_with_prefill_graphs"] = sum(a == b for a, b in zip(*one_by_one.values()))
-    for mode in DECODE_MODES:
-        llm = engine(model_dir, dtype, mode)
-        if mode == "graphs":
-            graphs_used = llm.engine.runner.decode_graphs
-            result["captured"] = graphs_used is not None and graphs_used.is_captured
-        for batch in (1, decode_batch):
-            step_s = _decode_step_s(torch, llm, device, batch, 128, 32, random.Random(3))
-            result["step_s"][f"{mode}_batch{batch}"] = step_s
-        if mode == "graphs+overlap":
-            result["steps_launched_ahead"] = llm.engine.num_steps_launched_ahead
-            if device == "cuda":
-                result["decode_host_syncs"] = _decode_host_syncs(torch, llm, decode_batch)
-        del llm
-    for batch in (1, decode_batch):
-        times = {mode: result["step_s"][f"{mode}_batch{batch}"] for mode in DECODE_MODES}
-        result[f"speedup_batch{batch}"] = times["eager"] / times["graphs"]
-        result[f"overlap_speedup_batch{batch}"] = times["graphs"] / times["graphs+overlap"]
-    result["ok"] = (all(n == len(prompts) for n in result["identical_greedy"].values())
-                    and result["identical_sampled_with_overlap"] == len(prompts)
-                    and result["identical_with_speculation"] == 2 * len(prompts) and result["drafts_confirmed"] > 0
-                    and result["steps_launched_ahead"] > 0
-                    and result["identical_with_prefill_graphs"] == len(prompts) and result["prefill_graphs_captured"]
-                    and (result["captured"] or device != "cuda"))
-    return result
-
-
-# Logprob values may differ in the last bits between runs whose batches differ in
-# size (overlapped decode launches a step for a request before it sees it finish):
-# cuBLAS picks its kernel by the batch's rows, and a row's sums then run in another
-# order. The first H200 run saw up to 3.7e-6 in float32, the tokens all the same.
-LOGPROB_TOLERANCE = 1e-4
-
-
-def _same_draws(first: tuple, second: tuple) -> bool:
-    """The same tokens, the same top-logprob ids, logprob values within LOGPROB_TOLERANCE."""
-    (ids_a, lps_a), (ids_b, lps_b) = first, second
-    if ids_a != ids_b or len(lps_a) != len(lps_b):
-        return False
-    for a, b in zip(lps_a, lps_b):
-        if a.token_id != b.token_id or [t for t, _ in a.top] != [t for t, _ in b.top]:
-            return False
-        values = [(a.logprob, b.logprob)] + [(x, y) for (_, x), (_, y) in zip(a.top, b.top)]
-        if any(abs(x - y) > LOGPROB_TOLERANCE for x, y in values):
-            return False
-    return True
-
-
-def _differences(first: list, second: list, kinds: list[int]) -> list[dict]:
-    """Where two runs' (token ids, logprobs) of the same requests part: each differing
-    request's index, its kind of extras (the index into check_graphs' `extras`), the
-    first output position whose token differs (None if only logprob values do), and
-    the largest logprob difference over the positions before it."""
-    found = []
-    for index, ((ids_a, lps_a), (ids_b, lps_b), kind) in enumerate(zip(first, second, kinds)):
-        if (ids_a, lps_a) == (ids_b, lps_b):
-            continue
-        parted = next((i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), None)
-        same = len(ids_a) if parted is None else parted
-        gaps = [abs(a.logprob - b.logprob) for a, b in zip(lps_a[:same], lps_b[:same])]
-        found.append({"request": index, "kind": kind, "first_token_difference": parted, "length": len(ids_a),
-                      "max_logprob_difference": max(gaps, default=0.0)})
-    return found
-
-
-def _decode_host_syncs(torch, llm, batch: int) -> dict:
-    """Where decode steps make the host wait for the device, other than reading a
-    step's tokens (an event, which torch does not report): torch's sync debug mode
-    warns on every synchronising op (`.item()`, a blocking copy, ...). Any in the
-    launch path would undo overlapped decode. Counted over 16 decode steps at
-    `batch` after the prefills; a diagnostic, so its own failure is recorded, not
-    raised."""
-    import random
-    import warnings
-
-    from actors.sampling_params import SamplingParams
-
-    try:
-        rng = random.Random(4)
-        engine = llm.engine
-        params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-        held = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, regex=HELD_TEXT)
-        for i in range(batch):  # (a quarter held to a pattern: its masks are made in the launch path)
-            engine.add_request([rng.randrange(3, 2000) for _ in range(64)], held if i % 4 == 3 else params)
-        while engine.scheduler.waiting or any(r.is_prefill for r in engine.scheduler.running):
-            engine.step()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(16):
-                    engine.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        while engine.has_unfinished():
-            engine.step()
-        messages = sorted({str(w.message)[:200] for w in caught})
-        return {"steps": 16, "warnings": len(caught), "distinct": messages[:5]}
-    except Exception as exc:  # a diagnostic: record it, keep the step's results
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _timed(torch, device: str, fn) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
-
-
 def _peaks(torch, device: str, dtype) -> dict:
     n = 8192 if device == "cuda" else 1024
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    matmul_s = min(_timed(torch, device, lambda: a @ b) for _ in range(5))
+    matmul_s = min(timed(torch, device, lambda: a @ b) for _ in range(5))
     src = torch.empty((2**30 if device == "cuda" else 2**27) // 4, device=device)
     dst = torch.empty_like(src)
-    copy_s = min(_timed(torch, device, lambda: dst.copy_(src)) for _ in range(5))
+    copy_s = min(timed(torch, device, lambda: dst.copy_(src)) for _ in range(5))
     return {"matmul_flops": 2 * n**3 / matmul_s, "bandwidth_bytes_s": 2 * src.numel() * 4 / copy_s}
 
 

@@ -35,6 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.arguments import positive_int
+from benchmarks.gpu_timing import static_decode_step_s, timed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,13 +91,7 @@ def profile_prefill(torch, llm, device: str, prefill_tokens: int) -> dict:
     one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     prompt = [rng.randrange(3, vocab) for _ in range(prefill_tokens)]
     llm.generate([prompt], [one])  # warm-up: the same shapes
-    walls = []
-    for _ in range(3):
-        _synchronize(torch, device)
-        started = time.perf_counter()
-        llm.generate([prompt], [one])
-        _synchronize(torch, device)
-        walls.append((time.perf_counter() - started) * 1e3)
+    walls = [timed(torch, device, lambda: llm.generate([prompt], [one])) * 1e3 for _ in range(3)]
     with _profiler(torch, device) as prof:
         llm.generate([prompt], [one])
         _synchronize(torch, device)
@@ -133,13 +128,7 @@ def profile_decode_forward(torch, runner, device: str, batch: int, context_len: 
         _synchronize(torch, device)
     result = {"batch": batch, "context": context_len, "eager_step": kernel_table(prof, rows=25)}
     if runner.decode_graphs is not None:
-        runner.decode_graphs.run(**inputs)
-        _synchronize(torch, device)
-        started = time.perf_counter()
-        for _ in range(repeats):
-            runner.decode_graphs.run(**inputs)
-        _synchronize(torch, device)
-        result["graph_replay_ms"] = (time.perf_counter() - started) / repeats * 1e3
+        result["graph_replay_ms"] = static_decode_step_s(torch, runner, device, batch, context_len, repeats) * 1e3
     return result
 
 
@@ -157,12 +146,7 @@ def profile_engine_decode(torch, llm, device: str, batch: int, steps: int = 32) 
         engine.step()
     for _ in range(4):
         engine.step()
-    _synchronize(torch, device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _synchronize(torch, device)
-    wall_ms = (time.perf_counter() - started) / steps * 1e3
+    wall_ms = timed(torch, device, lambda: [engine.step() for _ in range(steps)]) / steps * 1e3
     with _profiler(torch, device) as prof:
         for _ in range(steps):
             engine.step()

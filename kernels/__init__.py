@@ -39,3 +39,11 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def copy_into(view: torch.Tensor, host: torch.Tensor) -> None:
+    """`host` (a CPU tensor) copied into `view` (a tensor on any device), as
+    `to_device` copies: to CUDA from pinned memory, without waiting."""
+    if view.is_cuda:
+        host = host.pin_memory()
+    view.copy_(host, non_blocking=True)

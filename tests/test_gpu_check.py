@@ -57,16 +57,16 @@ def test_gpu_profile_runs_on_cpu(tmp_path):
 
 def test_sampled_runs_agree_within_the_logprob_tolerance():
     from actors.request import TokenLogprob
-    from benchmarks.gpu_check import LOGPROB_TOLERANCE, _differences, _same_draws
+    from benchmarks.gpu_check_graphs import LOGPROB_TOLERANCE, differences, same_draws
 
     def run(ids, shift=0.0, top=((7, -1.5),)):
         return ids, [TokenLogprob(i, -0.5 + shift, [(t, lp + shift) for t, lp in top]) for i in ids]
 
-    assert _same_draws(run([1, 2]), run([1, 2], shift=LOGPROB_TOLERANCE / 10))  # the last bits: the same draws
-    assert not _same_draws(run([1, 2]), run([1, 2], shift=LOGPROB_TOLERANCE * 10))
-    assert not _same_draws(run([1, 2]), run([1, 3]))
-    assert not _same_draws(run([1, 2]), run([1, 2], top=((8, -1.5),)))
-    found = _differences([run([1, 2]), run([4, 5])], [run([1, 2], shift=1e-6), run([4, 6])], kinds=[0, 3])
+    assert same_draws(run([1, 2]), run([1, 2], shift=LOGPROB_TOLERANCE / 10))  # the last bits: the same draws
+    assert not same_draws(run([1, 2]), run([1, 2], shift=LOGPROB_TOLERANCE * 10))
+    assert not same_draws(run([1, 2]), run([1, 3]))
+    assert not same_draws(run([1, 2]), run([1, 2], top=((8, -1.5),)))
+    found = differences([run([1, 2]), run([4, 5])], [run([1, 2], shift=1e-6), run([4, 6])], kinds=[0, 3])
     assert found == [{"request": 0, "kind": 0, "first_token_difference": None, "length": 2,
                       "max_logprob_difference": pytest.approx(1e-6)},
                      {"request": 1, "kind": 3, "first_token_difference": 1, "length": 2,
