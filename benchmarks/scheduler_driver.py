@@ -24,14 +24,15 @@ log = logging.getLogger("benchmarks.scheduler_driver")
 
 def run_with_pool(settings: dict, scenario):
     """`await scenario(pool, settings)` against a new pool manager for `settings`,
-    shut down (its workers killed) afterwards."""
+    shut down (its workers killed) afterwards, unless the scenario did."""
     app_settings = AppSettings.model_validate(settings)
     pool = get_or_create_pool(app_settings)
     try:
         return asyncio.run(scenario(pool, app_settings))
     finally:
-        ray.get(pool.shutdown.remote())
-        ray.kill(pool)
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            ray.get(pool.shutdown.remote())
+            ray.kill(pool)
 
 
 def build_scheduler(settings: AppSettings, pool) -> GlobalScheduler:

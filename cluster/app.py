@@ -44,6 +44,7 @@ from cluster.config import AppSettings
 from cluster.conversation_truncation import drop_oldest_turns
 from cluster.ingress_guard import install_guard, refusal
 from cluster.pool_manager import get_or_create_pool
+from cluster.pool_settings import check_redeploy, redeploy_refusal
 from cluster.prompt_limits import prompt_room
 from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
@@ -144,7 +145,11 @@ class Scheduler:
         self._ensure_refreshing()
         if not self.service.view.ready:  # a client that leaves meanwhile must not cancel the refresh's calls
             await asyncio.shield(background_task(self._refresh()))
-        if not self.service.view.ready:
+        view = self.service.view
+        if view.settings_kept:
+            raise ApiError(503, redeploy_refusal(self.settings.pool_name, view.settings_kept),
+                           kind="service_unavailable")
+        if not view.ready:
             raise ApiError(503, "worker pools are starting; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
 
@@ -386,6 +391,7 @@ class Scheduler:
 def build_app(args: dict):
     """Serve's application builder: `import_path: cluster.app:build_app`."""
     settings = AppSettings.model_validate(args)
+    check_redeploy(settings)  # pools started from another manifest run: refused, the replicas before serve on
     # A replica that Serve stops (a redeploy, fewer replicas, `serve shutdown`) takes
     # no new request and finishes those it has: each ends within the request timeout,
     # where Serve's default grace of 20 s would cut a long stream short. It checks for

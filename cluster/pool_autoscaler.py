@@ -159,6 +159,22 @@ class PoolAutoscaler:
         sizes = f"{pool.min_size} to {pool.max_size} workers" if pool.autoscales else f"size {pool.replicas}"
         self.record(role, "resized", reason=f"redeployed: {sizes}")
 
+    def retune(self, settings: AppSettings) -> None:
+        """A redeploy's autoscaling knobs and SLO targets, from now on: the signals
+        judge new outcomes by the new SLO (those already in the window keep their
+        verdicts until they age out of it), and each autoscaling pool's policy is
+        rebuilt on them, keeping when its pool last settled (its cooldowns run on)."""
+        self.knobs, slo = settings.autoscaling, settings.slo
+        self.attainment_target = slo.attainment
+        self.signals.slo_s = {"ttft": slo.ttft_ms / 1e3, "tbt": slo.tbt_ms / 1e3}
+        self.signals.window_s = self.knobs.window_s
+        self.restarts.first_s, self.restarts.max_s = self.knobs.restart_backoff_s, self.knobs.restart_backoff_max_s
+        for role, policy in list(self.policies.items()):
+            self.policies[role] = make_policy(role, getattr(settings, role), self.knobs, slo.attainment)
+            self.policies[role].settled_s = policy.settled_s
+        for role in self.roles:
+            self.record(role, "retuned", reason="redeployed: autoscaling and slo settings")
+
     def _remove(self, member) -> None:
         """The worker out of the pool and its actor killed."""
         self.manager.members.pop(member.worker_id, None)

@@ -1,4 +1,4 @@
-"""`tandem pools` and `tandem drain`: a running deployment's worker pools from the
+"""`tandem pools`, `tandem drain` and `tandem teardown`: a running deployment's worker pools from the
 command line, through its pool manager (cluster/pool_manager.py) on the Ray
 cluster at `--address` (default `auto`: the one `ray start` or `ray up` runs
 here). What the Python one-liners of docs/operations.md did, with a one-line
@@ -27,6 +27,11 @@ def add_pool_commands(sub) -> None:
     drain.add_argument("worker_id", help="as `tandem pools` lists it, e.g. p0")
     _connection_args(drain)
     drain.set_defaults(func=_cmd_drain)
+
+    teardown = sub.add_parser("teardown", help="stop a deployment's worker pools and their pool manager (after "
+                                               "`serve shutdown`: a deploy then starts new ones from its manifest)")
+    _connection_args(teardown)
+    teardown.set_defaults(func=_cmd_teardown)
 
 
 def _connection_args(parser: argparse.ArgumentParser) -> None:
@@ -115,3 +120,17 @@ def _cmd_drain(args: argparse.Namespace) -> None:
         raise CliError(f"{args.worker_id} is draining already")
     print(f"{args.worker_id} ({worker.role}) is draining: it takes no new requests and goes once it holds none "
           "(at most autoscaling.drain_timeout_s)")
+
+
+def _cmd_teardown(args: argparse.Namespace) -> None:
+    """The pool manager's workers stopped, then the pool manager: what a deploy of
+    settings the pools keep (cluster/pool_settings.py) needs first. Scheduler
+    replicas still deployed start a new pool manager from their own manifest at
+    their next refresh."""
+    import ray
+
+    name, pool = _pool_manager(args)
+    num_workers = len(ray.get(pool.workers.remote()))
+    ray.get(pool.shutdown.remote())
+    ray.kill(pool)
+    print(f"pool {name}: its {num_workers} workers and its pool manager stopped")

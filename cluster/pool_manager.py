@@ -207,17 +207,28 @@ class PoolManager:
 
     async def apply_pools(self, settings: dict) -> list[str]:
         """A (re)deployed scheduler's settings: each pool's size (and the
-        placement of the workers started from now on) becomes theirs; the control
-        loop brings a fixed pool to its new `replicas`, an autoscaling one within
-        its new bounds. Returns the roles changed. Every other setting (model,
-        engine, channel) stays the pools' own until they are torn down."""
+        placement of the workers started from now on) becomes theirs, the control
+        loop bringing a fixed pool to its new `replicas`, an autoscaling one within
+        its new bounds; and so do the autoscaler's knobs and SLO targets. Returns
+        what changed: the roles resized, then `autoscaling` or `slo`. The rest
+        stays the pools' own until they are torn down (cluster/pool_settings.py)."""
         self._ensure_health_loop()
         new = AppSettings.model_validate(settings)
         changed = [role for role in self._roles() if getattr(new, role) != self.pools[role]]
         for role in changed:
             self.pools[role] = getattr(new, role)
             self.scaler.set_pool(role, self.pools[role])
-        return changed
+        retuned = [name for name in ("autoscaling", "slo") if getattr(new, name) != getattr(self.settings, name)]
+        if retuned:
+            self.settings = self.settings.model_copy(update={"autoscaling": new.autoscaling, "slo": new.slo})
+            self.scaler.retune(self.settings.model_copy(update=self.pools))
+        return changed + retuned
+
+    async def running_settings(self) -> dict:
+        """The settings the pools run: those they were started from, with the
+        pool sizes, autoscaling and SLO a redeploy brought since. A deploy is
+        checked against their `POOL_OWNED` part (cluster/pool_settings.py)."""
+        return self.settings.model_copy(update=self.pools).model_dump()
 
     async def workers(self) -> list[WorkerState]:
         """Every worker, starting ones too (`list_members` leaves them out), with

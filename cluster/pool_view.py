@@ -29,6 +29,7 @@ from cluster.config import AppSettings
 from cluster.cost_model import decode_features
 from cluster.decode_lines import DecodeLines
 from cluster.metrics import Metrics
+from cluster.pool_settings import pools_keep, redeploy_refusal
 from cluster.restart_backoff import StartFailure
 from cluster.router import PrefixIndex, match_any
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
@@ -59,16 +60,20 @@ class PoolView:
         self.num_routed: dict[str, int] = {}  # requests routed per decode (or colocated) worker
         self.ready = False
         self.pools_applied = False  # this deployment's pool sizes given to the pool manager (`refresh`)
+        self.settings_kept: list[str] = []  # what the pools run that this deployment changes (`refresh`)
 
     async def refresh(self) -> None:
         """Members from the pool manager; stats (and a start-up profile) per worker.
         The first also gives the pool manager this deployment's pool sizes: a
-        redeploy's, where the pools outlived the replicas before."""
+        redeploy's, where the pools outlived the replicas before; unless the pools
+        run settings this deployment changes (`_pools_keep_settings`)."""
         if not self.pools_applied:
+            if await self._pools_keep_settings():
+                return
             try:
                 changed = await self.pool.apply_pools.remote(self.settings.model_dump())
                 if changed:
-                    log.info("pool sizes of this deployment applied: %s", ", ".join(changed))
+                    log.info("settings of this deployment applied to the pools: %s", ", ".join(changed))
             except (ray.exceptions.RayTaskError, AttributeError) as exc:  # (AttributeError: an older pool manager)
                 log.warning("could not apply this deployment's pool sizes: %s", exc)
             self.pools_applied = True
@@ -126,12 +131,31 @@ class PoolView:
             # AttributeError: a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
 
+    async def _pools_keep_settings(self) -> bool:
+        """Whether the pools run settings this deployment changes and cannot apply
+        (cluster/pool_settings.py): then this replica routes nothing, and says why,
+        until the pools are torn down (its next refresh starts new ones from its
+        own settings) or the manifest they run is deployed again."""
+        try:
+            running = await self.pool.running_settings.remote()
+        except AttributeError:  # an older pool manager: nothing to compare
+            return False
+        kept = pools_keep(running, self.settings.model_dump())
+        if kept and kept != self.settings_kept:
+            log.error("%s", redeploy_refusal(self.settings.pool_name, kept))
+        self.settings_kept = kept
+        self.ready = self.ready and not kept
+        return bool(kept)
+
     def health(self) -> tuple[int, dict]:
         """/health's status code and body: 200 "ready" once a worker of each role
         needed can be routed; until then 503, "starting", or "failing" when the
         latest start of a role failed. Either names those roles ("failing"): the
         worker, why, how many in a row, and when the pool manager starts the next
         (cluster/restart_backoff.py)."""
+        if self.settings_kept:
+            return 503, {"status": "failing", "settings_not_applied": self.settings_kept,
+                         "error": redeploy_refusal(self.settings.pool_name, self.settings_kept)}
         if self.ready:
             body = {"status": "ready", "pools": sorted({m.role for m in self.members.values()}),
                     "workers": len(self.members)}

@@ -1,4 +1,4 @@
-"""`tandem pools` and `tandem drain` against a running pool manager on a real Ray
+"""`tandem pools`, `tandem drain` and `tandem teardown` against a running pool manager on a real Ray
 cluster (the tests' own, through its GCS address), and their one-line errors."""
 
 from __future__ import annotations
@@ -42,8 +42,18 @@ async def _scenario(pool, settings):
     text = await run("pools", *where, "--events", "3")
     no_pool = await run("pools", "--address", where[1], "--pool-name", "no-such-pool")
     only = await run("pools", "--address", where[1], "--json")  # the only pool manager: no --pool-name needed
+    handles = [m.handle for m in await pool.list_members.remote()]
+    torn = await run("teardown", *where)
+    gone = await run("pools", *where)
+    workers_alive = []
+    for handle in handles:
+        try:
+            await asyncio.wait_for(handle.ping.remote(), 30)
+            workers_alive.append(handle)
+        except ray.exceptions.RayActorError:
+            pass
     return dict(listed=listed, drained=drained, again=again, unknown=unknown, text=text, no_pool=no_pool,
-                only=only)
+                only=only, torn=torn, gone=gone, workers_alive=workers_alive)
 
 
 def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_dir):
@@ -69,3 +79,8 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
                                            "managers: test-pool-cli)")):
         assert failed.returncode == 2 and "Traceback" not in failed.stderr
         assert failed.stderr.startswith(message), failed.stderr
+    assert r["torn"].returncode == 0, r["torn"].stderr
+    assert r["torn"].stdout == "pool test-pool-cli: its 3 workers and its pool manager stopped\n"
+    assert r["gone"].returncode == 2 and r["gone"].stderr.startswith(
+        "tandem pools: no pool manager 'test-pool-cli' on this cluster"), r["gone"].stderr
+    assert r["workers_alive"] == []

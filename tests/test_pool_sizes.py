@@ -2,14 +2,19 @@
 (never below the pool's minimum), and a redeploy's new `replicas` reaches the
 pool manager through the first refresh of a new scheduler replica, which brings
 the pool to it, up or down (cluster/pool_manager.py `apply_pools`,
-cluster/pool_autoscaler.py `_keep_size`)."""
+cluster/pool_autoscaler.py `_keep_size`). A redeploy's SLO reaches the
+autoscaler the same way; one that changes what the workers were started from
+is refused, by the app builder and by a replica (cluster/pool_settings.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from benchmarks.scheduler_driver import build_scheduler, refreshing, run_with_pool
 from cluster.config import AppSettings
+from cluster.pool_settings import check_redeploy
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
@@ -42,9 +47,22 @@ async def _scenario(pool, settings):
         smaller = await pool.apply_pools.remote(SETTINGS)
         after_shrink = await _prefills(pool, 1)  # (the replica reports the one drained as left alone)
     unchanged = await pool.apply_pools.remote(SETTINGS)
+    stricter = await pool.apply_pools.remote({**SETTINGS, "slo": {"ttft_ms": 700}})
+    running = await pool.running_settings.remote()
     events = [e for e in await pool.scaling_events.remote() if e.role == "prefill"]
+    # A redeploy that changes an engine setting: the builder refuses it, and a
+    # replica of it (built where the builder could not check) routes nothing.
+    other_engine = AppSettings.model_validate({**SETTINGS, "engine": {"block_size": 32, "num_kv_blocks": 64}})
+    with pytest.raises(ValueError) as refused:
+        await asyncio.to_thread(check_redeploy, other_engine)
+    await asyncio.to_thread(check_redeploy, AppSettings.model_validate({**SETTINGS, "slo": {"ttft_ms": 700}}))
+    mismatched = build_scheduler(other_engine, pool)
+    for _ in range(3):
+        await mismatched.view.refresh()
     return dict(drained=drained, after_drain=after_drain, after_redeploy=after_redeploy, smaller=smaller,
-                after_shrink=after_shrink, unchanged=unchanged, events=events)
+                after_shrink=after_shrink, unchanged=unchanged, stricter=stricter, running=running, events=events,
+                refused=str(refused.value), mismatched=mismatched.view.health(),
+                mismatched_members=mismatched.view.members)
 
 
 def test_a_fixed_pool_keeps_its_size_through_a_drain_and_takes_a_redeploys(ray_local, tiny_qwen2_dir):
@@ -60,3 +78,10 @@ def test_a_fixed_pool_keeps_its_size_through_a_drain_and_takes_a_redeploys(ray_l
     assert [e.signal for e in downs] == ["above_size"] and downs[0].worker_id not in {
         w.worker_id for w in r["after_shrink"]}
     assert r["smaller"] == ["prefill"] and r["unchanged"] == []
+    assert r["stricter"] == ["slo"] and r["running"]["slo"]["ttft_ms"] == 700
+    assert "retuned" in [e.kind for e in r["events"]]
+    assert r["refused"].startswith("the running worker pools 'test-pool-sizes' keep the settings they were started "
+                                   "from; this manifest changes engine.block_size: 16 -> 32: to apply them")
+    status, body = r["mismatched"]
+    assert status == 503 and body["status"] == "failing" and body["error"] == r["refused"]
+    assert body["settings_not_applied"] == ["engine.block_size: 16 -> 32"] and r["mismatched_members"] == {}

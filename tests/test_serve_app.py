@@ -554,6 +554,23 @@ def test_models_health_metrics_openapi(base_url, client):
     assert {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"} <= set(schema["paths"])
 
 
+def test_a_redeploy_that_changes_what_the_workers_run_is_refused_and_the_app_serves_on(base_url):
+    """`serve run`/`serve deploy` of the manifest with an engine setting changed:
+    the app builder refuses it, naming the setting and how to apply it, before
+    Serve touches the running deployment, which goes on serving
+    (cluster/pool_settings.py; the replica's own check: tests/test_pool_sizes.py)."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    changed = {**ARGS, "engine": {**ENGINE, "prefill_chunk_size": 32}}
+    with pytest.raises(ValueError, match=r"changes engine\.prefill_chunk_size: 64 -> 32: to apply them, tear"):
+        serve.run(build_app(changed), name="main", route_prefix="/main", blocking=False)
+    assert httpx.get(f"{base_url}/health").json()["status"] == "ready"
+    response = httpx.post(f"{base_url}/generate", json={"text": "still here", "max_new_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
 def unhandled_errors_logged() -> int:
     """How many times cluster/app.py's handler of unexpected errors has logged one
     (Serve's replicas write their stderr to the session's worker logs)."""
