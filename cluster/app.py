@@ -89,7 +89,7 @@ async def _sampling(body, *args):
 class Scheduler:
     def __init__(self, settings: dict) -> None:
         self.settings = AppSettings.model_validate(settings)
-        model_dir = self.settings.model.location().resolve()
+        model_dir = self.model_dir = self.settings.model.location().resolve()
         self.tokenizer = load_tokenizer(model_dir)
         # A token id's text alone (SGLang's return_text_in_logprobs), cached: a streamed
         # /generate rebuilds its logprob entries at every event.
@@ -173,6 +173,23 @@ class Scheduler:
         """OpenAI's retrieve (`client.models.retrieve`); 404 for a model not served here."""
         self._check_model(model)
         return self._model_card()
+
+    @app.get("/get_model_info")
+    async def model_info(self):
+        """SGLang's: the checkpoint this deployment serves (SGLang's clients, such as
+        its frontend language's `RuntimeEndpoint`, read it on connecting)."""
+        return {"model_path": str(self.model_dir), "tokenizer_path": str(self.model_dir), "is_generation": True,
+                "served_model_name": self.model_name}
+
+    @app.post("/flush_cache")
+    async def flush_cache(self):
+        """SGLang's (vLLM's /reset_prefix_cache): every worker's device prefix
+        cache forgotten, so that the prompts after it are computed anew (a cold
+        benchmark run). Blocks in use keep their KV; the KV store's tiers keep
+        their copies (prompts found there are fetched, not computed)."""
+        await self._require_ready()
+        flushed = await self.service.view.flush_prefix_caches()
+        return {"message": "Cache flushed.", "workers": flushed}
 
     def _model_card(self) -> dict:  # max_model_len: vLLM's field, which clients size prompts by
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",

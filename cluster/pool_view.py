@@ -230,6 +230,23 @@ class PoolView:
             self.models.transfers.block_bytes = profile.kv_bytes_per_block
             self.profiled.add(member.worker_id)
 
+    async def flush_prefix_caches(self) -> list[str]:
+        """Each worker's device prefix cache reset (`/flush_cache`); returns the
+        workers flushed. Every replica's prefix index learns it from their cache
+        events (evictions) at its next refresh; a worker found dead is reported."""
+        members = list(self.members.values())
+        results = await asyncio.gather(*(m.handle.reset_prefix_cache.remote() for m in members),
+                                       return_exceptions=True)
+        flushed = []
+        for member, result in zip(members, results):
+            if isinstance(result, ray.exceptions.RayActorError):
+                await self.report_dead(member.worker_id)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                flushed.append(member.worker_id)
+        return sorted(flushed)
+
     async def report_dead(self, worker_id: str) -> None:
         """A worker found dead (a call raised RayActorError): out of the view at
         once, and told to the pool manager, which replaces it."""

@@ -554,6 +554,22 @@ def test_models_health_metrics_openapi(base_url, client):
     assert {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"} <= set(schema["paths"])
 
 
+def test_sglangs_model_info_and_cache_flush(base_url):
+    """/get_model_info names the checkpoint; /flush_cache makes every worker
+    forget its cached prefixes: a prompt cached on its second run is computed
+    anew on its third."""
+    info = httpx.get(f"{base_url}/get_model_info").json()
+    assert info["is_generation"] is True and info["served_model_name"] == "tandem-tiny-qwen2"
+    assert (Path(info["model_path"]) / "config.json").is_file() and info["tokenizer_path"] == info["model_path"]
+    body = {"text": "a prefix to flush " * 12, "max_new_tokens": 1, "temperature": 0}
+    cached = [httpx.post(f"{base_url}/generate", json=body).json()["meta_info"]["cached_tokens"] for _ in range(2)]
+    flushed = httpx.post(f"{base_url}/flush_cache")
+    assert flushed.status_code == 200, flushed.text
+    assert flushed.json()["workers"] == sorted(m.worker_id for m in pool_members(ARGS["pool_name"]))
+    after = httpx.post(f"{base_url}/generate", json=body).json()["meta_info"]["cached_tokens"]
+    assert cached[0] == 0 and cached[1] >= 32 and after == 0, (cached, after)
+
+
 def test_a_redeploy_that_changes_what_the_workers_run_is_refused_and_the_app_serves_on(base_url):
     """`serve run`/`serve deploy` of the manifest with an engine setting changed:
     the app builder refuses it, naming the setting and how to apply it, before
