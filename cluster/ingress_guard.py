@@ -8,6 +8,7 @@ rejection as a 429 with Retry-After and its predictions, anything unexpected as 
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -95,6 +96,13 @@ async def _unexpected(_: Request, exc: Exception):
     return _error(ApiError(500, f"internal error: {type(exc).__name__}", kind="internal_error"))
 
 
+def _is_key(authorization: str, key: str) -> bool:
+    """Whether an Authorization header carries the API key, compared in constant
+    time (`hmac.compare_digest`): `!=` stops at the first byte that differs, and
+    how long it took says how many were right."""
+    return hmac.compare_digest(authorization.encode(), f"Bearer {key}".encode())
+
+
 class RequestGuard:
     """API key (every endpoint but /health) and the request body size limit, as
     plain ASGI middleware: Starlette's `@app.middleware("http")` wraps every
@@ -118,7 +126,7 @@ class RequestGuard:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         key = settings.resolved_api_key
         route = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
-        if key and route != "/health" and headers.get("authorization", "") != f"Bearer {key}":
+        if key and route != "/health" and not _is_key(headers.get("authorization", ""), key):
             error = ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                              kind="authentication_error")
             return await _error(error)(scope, receive, send)

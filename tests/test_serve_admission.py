@@ -34,8 +34,10 @@ def test_health_needs_no_key_but_everything_else_does(base_url):
     for path in ("/v1/models", "/metrics"):
         response = httpx.get(f"{base_url}{path}")
         assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
-    wrong = httpx.post(f"{base_url}/generate", json={"text": "x"}, headers={"Authorization": "Bearer nope"})
-    assert wrong.status_code == 401
+    for wrong_key in ("Bearer nope", "Bearer s3cre", "Bearer s3crett", "Bearer s3creT", "s3cret", b"Bearer s3cr\xe9t"):
+        wrong = httpx.post(f"{base_url}/generate", json={"text": "x"}, headers={"Authorization": wrong_key})
+        assert wrong.status_code == 401, (wrong_key, wrong.text)
+    assert httpx.post(f"{base_url}/flush_cache").status_code == 401
     assert httpx.get(f"{base_url}/v1/models", headers=AUTH).status_code == 200
 
 
