@@ -18,6 +18,15 @@ are, in one run (its three parts took 6 to 8 s on the H200, the model load aside
   overlapped decode, the defaults), after a warm-up: wall time a step, the CUDA
   runtime calls a step makes and their host time (what a sandboxed host pays for
   each), and cProfile's top functions by own time.
+- `kernel_floor`: what a forward of many small kernels costs before any of them
+  does its work, from the decode forward's own kernel count (`kernels_per_step`,
+  counted from `decode_forward`'s profile): that many one-element adds replayed
+  from one CUDA graph (the fixed cost a kernel pays inside a graph: launch, ramp,
+  tail), and the model's weights read once each by a `sum` a tensor (QKV, output,
+  gate-up and down of every layer and the LM head, in the forward's order) against
+  the same bytes read by one kernel: the best a kernel-per-op forward's weight
+  reads can reach, and so a ceiling on its decode MBU that no kernel's own speed
+  lifts. On CPU the same calls run eagerly (the plumbing; times mean nothing).
 Results go to `<out>/gpu_profile.json`.
 """
 
@@ -160,6 +169,66 @@ def profile_engine_decode(torch, llm, device: str, batch: int, steps: int = 32) 
     return {"batch": batch, "steps": steps, "wall_ms_per_step": wall_ms, **table, "cprofile": lines}
 
 
+def _kernels_per_step(decode_forward) -> int:
+    """Kernels in the decode forward's eager step (its first profiled context),
+    copies left out; 245, the H200 run's count (batch 64), where the profile has
+    none (it failed, or ran on CPU)."""
+    try:
+        kernels = decode_forward[0]["eager_step"]["kernels"]
+        return sum(k["calls"] for k in kernels if not k["name"].startswith("Memcpy")) or 245
+    except (TypeError, KeyError, IndexError):
+        return 245
+
+
+def kernel_floor(torch, model, device: str, num_kernels: int, repeats: int = 20) -> dict:
+    """`num_kernels` empty kernels (one-element adds), then the model's weights
+    read once each by a `sum` per tensor against one read of as many bytes, each
+    replayed from a CUDA graph (run eagerly on CPU); median device time of
+    `repeats` replays."""
+    layers = model.model.layers
+    weights = [m.weight for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    weights.append(model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    num_bytes = sum(w.numel() * w.element_size() for w in weights)
+    one = torch.zeros(1, device=device)
+    flat = torch.empty(num_bytes // weights[0].element_size(), dtype=weights[0].dtype, device=device)
+    sums = torch.empty(len(weights), dtype=torch.float32, device=device)
+    whole = torch.empty(1, dtype=torch.float32, device=device)
+
+    def empty_kernels():
+        for _ in range(num_kernels):
+            one.add_(1)
+
+    def weight_reads():
+        for i, w in enumerate(weights):
+            torch.sum(w, dim=(0, 1), dtype=torch.float32, out=sums[i])
+
+    def one_read():
+        torch.sum(flat, dim=0, dtype=torch.float32, out=whole[0])
+
+    with torch.inference_mode():  # (the weights are parameters)
+        times_s = {name: _replayed_s(torch, fn, device, repeats) for name, fn in
+                   (("empty", empty_kernels), ("weights", weight_reads), ("one_read", one_read))}
+    return {"kernels": num_kernels, "empty_kernel_us": times_s["empty"] / num_kernels * 1e6,
+            "weight_tensors": len(weights), "weight_bytes": num_bytes,
+            "weight_reads_us": times_s["weights"] * 1e6, "one_read_us": times_s["one_read"] * 1e6,
+            "weight_reads_over_one_read": times_s["weights"] / times_s["one_read"]}
+
+
+def _replayed_s(torch, fn, device: str, repeats: int) -> float:
+    """Median time of `fn`: replayed from a CUDA graph on CUDA, called on CPU."""
+    fn()  # warm-up (library initialisation)
+    run = fn
+    if device == "cuda":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    samples = sorted(timed(torch, device, run) for _ in range(repeats))
+    return samples[len(samples) // 2]
+
+
 def main(args: argparse.Namespace) -> dict:
     import torch
 
@@ -182,6 +251,8 @@ def main(args: argparse.Namespace) -> dict:
         "decode_forward": lambda: [profile_decode_forward(torch, llm.engine.runner, args.device, args.decode_batch, n)
                                    for n in (160, 1056)],
         "engine_decode": lambda: profile_engine_decode(torch, llm, args.device, args.decode_batch),
+        "kernel_floor": lambda: kernel_floor(torch, llm.engine.runner.model, args.device,
+                                             _kernels_per_step(results.get("decode_forward"))),
     }
     for name, step in steps.items():
         started = time.perf_counter()

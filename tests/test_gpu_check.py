@@ -53,6 +53,9 @@ def test_gpu_profile_runs_on_cpu(tmp_path):
     assert len(results["prefill"]["wall_ms"]) == 3 and results["engine_decode"]["wall_ms_per_step"] > 0
     assert [part["context"] for part in results["decode_forward"]] == [160, 1056]
     assert any("model.py" in line for line in results["prefill"]["cprofile"])  # where the host's time goes
+    floor = results["kernel_floor"]
+    assert "error" not in floor and floor["kernels"] == 245  # (on CPU the profile counts no kernels)
+    assert floor["weight_tensors"] == 4 * 2 + 1 and floor["empty_kernel_us"] > 0 and floor["one_read_us"] > 0
 
 
 def test_sampled_runs_agree_within_the_logprob_tolerance():
