@@ -42,6 +42,11 @@ the others still run):
    get from the pair through one token feed (`cluster/token_feeds.py`), as
    `tandem bench delivery` measures it (no HTTP), beside the engine alone's.
 
+The JSON's `goals` (also printed last) reads the roofline against the issue's
+goals (prefill MFU 0.5, decode MBU 0.7 at batch 64) and says whether prefill
+graphs earned their default (`prefill_graphs_by_default`: captured, faster than
+eager, and the graphs step's tokens identical with them).
+
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here
 before Triton is imported) and times are not taken; the step plumbing is what the
 smoke run checks (`tests/test_gpu_check.py`).
@@ -239,6 +244,33 @@ def check_pd(model_dir: Path, device: str, dtype: str, decode_batch: int) -> dic
             ray.shutdown()
 
 
+# ---- the issue's goals ---------------------------------------------------------------
+GOALS = {"prefill_mfu": 0.5, "decode_mbu": 0.7}  # on an H200, bf16, qwen2.5-0.5b: a 4k prompt, batch 64
+
+
+def goals(steps: dict) -> dict | None:
+    """The roofline step's figures against the issue's goals, and whether prefill
+    graphs earned their default (captured, faster, and the graphs step's tokens
+    identical with and without them); None without a roofline."""
+    roofline, graphs = steps.get("roofline", {}), steps.get("graphs", {})
+    if "prefill_mfu" not in roofline:
+        return None
+    captured = roofline["prefill_graphs_captured"]
+    prefill = max(roofline["prefill_mfu"], roofline["prefill_graphs_mfu"] if captured else 0.0)
+    identical = "prompts" in graphs and graphs.get("identical_with_prefill_graphs") == graphs["prompts"]
+    faster = captured and roofline["prefill_graphs_mfu"] > roofline["prefill_mfu"]
+    return {
+        "prefill_mfu": {"goal": GOALS["prefill_mfu"], "eager": roofline["prefill_mfu"],
+                        "graphs": roofline["prefill_graphs_mfu"] if captured else None,
+                        "met": prefill >= GOALS["prefill_mfu"]},
+        "decode_mbu": {"goal": GOALS["decode_mbu"], "engine": roofline["decode_mbu"],
+                       "forward": roofline["decode_forward_mbu"],
+                       "engine_long_context": roofline["decode_long_context"]["decode_mbu"],
+                       "met": roofline["decode_mbu"] >= GOALS["decode_mbu"]},
+        "prefill_graphs_by_default": faster and identical,
+    }
+
+
 # ---- driver ------------------------------------------------------------------------
 def _check_kernels(device: str) -> dict:
     from benchmarks.gpu_check_kernels import check_kernels  # imports Triton: after TRITON_INTERPRET is set
@@ -279,6 +311,7 @@ def main(args: argparse.Namespace) -> dict:
         print(f"{name}: {verdict} ({step['seconds']:.1f} s)", flush=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
     results["ok"] = all(step["ok"] for step in results["steps"].values())
+    results["goals"] = goals(results["steps"])
     (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
     print(json.dumps({k: v for k, v in results.items() if k != "steps"}), flush=True)
     return results

@@ -31,6 +31,9 @@ def test_gpu_check_steps_run_on_cpu(tmp_path):
     assert graphs["identical_with_speculation"] == 2 * graphs["prompts"] and graphs["drafts_confirmed"] > 0
     assert graphs["identical_with_prefill_graphs"] == graphs["prompts"] and graphs["prefill_graphs_captured"]
     assert roofline["prefill_graphs_mfu"] > 0 and not roofline["prefill_graphs_captured"]  # (the CPU twin)
+    goals = results["goals"]  # the goals, read from the roofline (not met on CPU, and graphs not captured)
+    assert goals["prefill_mfu"]["eager"] == roofline["prefill_mfu"] and goals["prefill_mfu"]["graphs"] is None
+    assert goals["decode_mbu"]["engine"] == roofline["decode_mbu"] and goals["prefill_graphs_by_default"] is False
 
 
 def test_gpu_check_script_says_what_it_needs_without_a_gpu(tmp_path):
