@@ -30,12 +30,14 @@ from actors.background import background_task
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
 from actors.sampling_defaults import SamplingDefaults
+from actors.sampling_params import SamplingParams
 from actors.startup_heap import freeze_startup_heap
 from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
 from cluster import responses_format
 from cluster import sglang_format as sglang
 from cluster import stored_endpoints
+from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
 from cluster.background_responses import BackgroundResponses, EventFeed, stream_to_store
@@ -58,6 +60,7 @@ from cluster.tool_calls import TOOL_CALL_FORMATS
 
 log = logging.getLogger("tandem.app")
 SHUTDOWN_MARGIN_S = 10.0  # a stopping replica's grace past the request timeout (build_app)
+HEALTH_GENERATE_S = 20.0  # /health_generate's token must come within this (SGLang's default)
 app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serving on Ray", version="0.1.0")
 app.router.route_class = StrictJsonRoute  # a lone surrogate in a body is a 400 (cluster/strict_json.py)
 install_guard(app)  # the API key, the body size limit, errors as JSON (cluster/ingress_guard.py)
@@ -159,6 +162,31 @@ class Scheduler:
         self._ensure_refreshing()
         status, body = self.service.view.health()
         return JSONResponse(body, status_code=status)
+
+    @app.get("/health_generate")
+    async def health_generate(self):
+        """SGLang's deep health check: one greedy token generated through the whole
+        path (tokenizer, routing, prefill, the KV transfer, decode) within
+        HEALTH_GENERATE_S: 200 with the seconds it took; 503 saying what failed.
+        A probe that SLO admission turns away answers 200 `busy`: the pools work
+        and are full, and a liveness probe must not restart a server for its load."""
+        await self._require_ready()
+        params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+        prompt_ids = encode_prompt(self.tokenizer, "ping")
+        started = time.monotonic()
+
+        async def one_token():
+            streams = await self.completions.start_choices([(prompt_ids, params, f"health-{uuid.uuid4().hex}")], 1)
+            await self.completions.collect_all(streams)
+
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_S)
+        except SloRejected as exc:
+            return {"status": "busy", "message": str(exc)}
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"no token generated within {HEALTH_GENERATE_S:g} s", kind="service_unavailable",
+                           headers={"Retry-After": "5"}) from None
+        return {"status": "ok", "seconds": round(time.monotonic() - started, 3)}
 
     @app.get("/metrics")
     async def metrics(self):

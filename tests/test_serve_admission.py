@@ -38,6 +38,11 @@ def test_health_needs_no_key_but_everything_else_does(base_url):
         wrong = httpx.post(f"{base_url}/generate", json={"text": "x"}, headers={"Authorization": wrong_key})
         assert wrong.status_code == 401, (wrong_key, wrong.text)
     assert httpx.post(f"{base_url}/flush_cache").status_code == 401
+    # SLO admission turns every request away here (ttft_ms 0.001): a deep health
+    # probe says the pools are busy, not that the server is down.
+    probe = httpx.get(f"{base_url}/health_generate", headers=AUTH, timeout=60)
+    assert probe.status_code == 200 and probe.json()["status"] == "busy", probe.text
+    assert "predicted TTFT" in probe.json()["message"]
     assert httpx.get(f"{base_url}/v1/models", headers=AUTH).status_code == 200
 
 
