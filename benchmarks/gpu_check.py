@@ -17,11 +17,12 @@ the others still run):
    and replayed from a CUDA graph (`prefill_graphs`, which must capture), and decode MBU at batch
    `--decode-batch` (step time from two runs that differ only in decode steps),
    and the decode forward's MBU alone (its CUDA graph replayed back to back: what
-   the kernels reach without the engine's host time per step), both at 128-token
-   prompts (the weights are most of the bytes) and 1024-token ones
+   the kernels reach without the engine's host time per step), at 128-token
+   prompts (the weights are most of the bytes), 1024-token ones
    (`decode_long_context`: the KV cache about as many bytes as the weights, the
-   decode attention kernel's share); FLOPs and bytes counted as `tandem bench
-   roofline` counts them.
+   decode attention kernel's share) and, on CUDA, 4096-token ones
+   (`decode_4k_context`: the KV cache three times the weights); FLOPs and bytes
+   counted as `tandem bench roofline` counts them.
 4. `graphs` (`benchmarks/gpu_check_graphs.py`): decode steps three ways: eager
    (`cuda_graphs: false`), replayed from CUDA graphs, and graphs with overlapped
    decode (`overlap_decode`, the step after launched before this one's tokens are
@@ -137,8 +138,8 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
     prefill = prefill_flops(config, counts, prefill_tokens)
     element = torch.tensor([], dtype=torch_dtype).element_size()
     decode = {prompt_len: _decode_mbus(torch, llm, device, decode_batch, prompt_len, rng, counts, element, peaks)
-              for prompt_len in (128, 1024 if device == "cuda" else 160)}
-    short, long = decode.values()
+              for prompt_len in ((128, 1024, 4096) if device == "cuda" else (128, 160))}
+    short, long, *longest = decode.values()
     return {
         "cuda_graphs": llm.engine.runner.decode_graphs is not None,
         "peaks": peaks, "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
@@ -146,6 +147,7 @@ def check_roofline(model_dir: Path, device: str, dtype: str, prefill_tokens: int
         "prefill_graphs_captured": graphs_captured, "prefill_graphs_s": prefill_graphs_s,
         "prefill_graphs_mfu": prefill / prefill_graphs_s / peaks["matmul_flops"],
         "decode_batch": decode_batch, **short, "decode_long_context": long,
+        "decode_4k_context": longest[0] if longest else None,
         "ok": graphs_captured or device != "cuda",
     }
 
@@ -266,6 +268,7 @@ def goals(steps: dict) -> dict | None:
         "decode_mbu": {"goal": GOALS["decode_mbu"], "engine": roofline["decode_mbu"],
                        "forward": roofline["decode_forward_mbu"],
                        "engine_long_context": roofline["decode_long_context"]["decode_mbu"],
+                       "engine_4k_context": (roofline["decode_4k_context"] or {}).get("decode_mbu"),
                        "met": roofline["decode_mbu"] >= GOALS["decode_mbu"]},
         "prefill_graphs_by_default": faster and identical,
     }

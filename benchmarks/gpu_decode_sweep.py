@@ -7,8 +7,8 @@ For qwen2.5-0.5b's attention (14 heads, 2 KV heads, head_dim 64, blocks of 16), 
 bfloat16, on a layer's view of a 4-layer cache laid out as the engine lays it out
 (a block's layers side by side, so one layer's blocks are strided), with each
 sequence's blocks scattered over the cache: every (splits, tile, warps) of the grid
-below at batch 64 x 160 and 1056 tokens of context (the GPU check's decode MBU
-contexts) and 8 x 4096, timed by CUDA-graph replay (`cuda_time_ms`), each
+below at batch 64 x 160, 1056 and 4096 tokens of context (near the GPU check's
+decode MBU contexts) and 8 x 4096, timed by CUDA-graph replay (`cuda_time_ms`), each
 checked against the torch reference (max abs error). Results, fastest first per
 shape, go to `<out>/gpu_decode_sweep.json`.
 """
@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-SHAPES = ((64, 160), (64, 1056), (8, 4096))  # batch, context
+SHAPES = ((64, 160), (64, 1056), (64, 4096), (8, 4096))  # batch, context
 SPLITS = {64: (1, 2, 4, 8), 8: (4, 8, 16, 32)}
 TILES = (64, 128)
 WARPS = (4, 8)

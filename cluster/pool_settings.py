@@ -41,8 +41,10 @@ HOW_TO_APPLY = ("to apply them, tear the pools down: `serve shutdown`, `tandem t
 
 
 def _get(data: dict, path: str):
+    """The value at a dotted path; None where a dump has no such key (a pool
+    manager started by an older version)."""
     for key in path.split("."):
-        data = data[key]
+        data = data.get(key) if isinstance(data, dict) else None
     return data
 
 
