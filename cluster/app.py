@@ -202,6 +202,11 @@ class Scheduler:
         self._check_model(model)
         return self._model_card()
 
+    @app.get("/version")
+    async def version(self):
+        """vLLM's: the server's version."""
+        return {"version": app.version}
+
     @app.get("/get_model_info")
     async def model_info(self):
         """SGLang's: the checkpoint this deployment serves (SGLang's clients, such as
@@ -210,8 +215,9 @@ class Scheduler:
                 "served_model_name": self.model_name}
 
     @app.post("/flush_cache")
+    @app.post("/reset_prefix_cache")
     async def flush_cache(self):
-        """SGLang's (vLLM's /reset_prefix_cache): every worker's device prefix
+        """SGLang's, and vLLM's /reset_prefix_cache: every worker's device prefix
         cache forgotten, so that the prompts after it are computed anew (a cold
         benchmark run). Blocks in use keep their KV; the KV store's tiers keep
         their copies (prompts found there are fetched, not computed)."""

@@ -557,9 +557,9 @@ def test_models_health_metrics_openapi(base_url, client):
 
 
 def test_sglangs_model_info_and_cache_flush(base_url):
-    """/get_model_info names the checkpoint; /flush_cache makes every worker
-    forget its cached prefixes: a prompt cached on its second run is computed
-    anew on its third."""
+    """/get_model_info names the checkpoint; /flush_cache (vLLM's
+    /reset_prefix_cache) makes every worker forget its cached prefixes: a prompt
+    cached on its second run is computed anew on its third; /version."""
     info = httpx.get(f"{base_url}/get_model_info").json()
     assert info["is_generation"] is True and info["served_model_name"] == "tandem-tiny-qwen2"
     assert (Path(info["model_path"]) / "config.json").is_file() and info["tokenizer_path"] == info["model_path"]
@@ -570,6 +570,8 @@ def test_sglangs_model_info_and_cache_flush(base_url):
     assert flushed.json()["workers"] == sorted(m.worker_id for m in pool_members(ARGS["pool_name"]))
     after = httpx.post(f"{base_url}/generate", json=body).json()["meta_info"]["cached_tokens"]
     assert cached[0] == 0 and cached[1] >= 32 and after == 0, (cached, after)
+    assert httpx.post(f"{base_url}/reset_prefix_cache").json()["workers"] == flushed.json()["workers"]  # vLLM's name
+    assert httpx.get(f"{base_url}/version").json() == {"version": "0.1.0"}
 
 
 def test_a_redeploy_that_changes_what_the_workers_run_is_refused_and_the_app_serves_on(base_url):
