@@ -62,7 +62,11 @@ def node_store_name(node_id: str, namespace: bytes, settings: KVStoreSettings) -
 
 def open_kv_store(namespace: bytes, settings: KVStoreSettings) -> KVStoreClient:
     """The node's shared store under Ray (created on first use), else a store in
-    this process."""
+    this process. A store whose process dies (out of memory, say) is started
+    again by Ray on its node, under the same handle: its host tier starts empty,
+    its disk and shared tiers are indexed again; calls made meanwhile fail, and the
+    workers compute instead of loading (`WorkerBase`), as they do for any store
+    error."""
     import ray
 
     if not ray.is_initialized():
@@ -75,6 +79,7 @@ def open_kv_store(namespace: bytes, settings: KVStoreSettings) -> KVStoreClient:
         namespace="tandem-kv",
         get_if_exists=True,
         lifetime="detached",
+        max_restarts=-1,
         num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(namespace, settings)

@@ -1,13 +1,15 @@
 """The KV store behind real P and D workers on a local Ray: a prefix computed by one
 prefill worker is loaded, not recomputed, by a fresh one; the decode side loads what
 it lacks, so P sends only the delta; the `store` channel moves a request's KV; after
-the workers and the node's store restart, the disk tier still serves hits. Outputs
-stay token-identical to HF throughout."""
+the workers and the node's store restart, the disk tier still serves hits; a store
+that crashes is started again and serves the workers that had it. Outputs stay
+token-identical to HF throughout."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -123,4 +125,39 @@ def test_disk_tier_serves_hits_after_everything_restarts(ray_local, tiny_qwen2_d
     assert after == before
     assert_idle(ray_local, p, d)
     for actor in (p, d):
+        ray_local.kill(actor)
+
+
+def test_a_crashed_store_is_started_again_and_the_workers_use_it_again(ray_local, tiny_qwen2_dir):
+    """The node's store process dies (Ray restarts it: `max_restarts`): the
+    workers that held its handle go on serving, write through to the new one (its
+    host tier started empty), and a fresh prefill worker loads from it."""
+    from actors.block_pool import kv_namespace
+    from actors.kv_store_client import node_store_name
+
+    settings = KVStoreSettings(host_bytes=32 << 20)
+    p, d = start_pair(ray_local, tiny_qwen2_dir, "crash-a", settings)
+    run_pd(p, d, GenerateRequest("before-crash", [random.Random(8).randrange(3, 2000) for _ in range(100)], GREEDY))
+    assert ray_local.get(p.kv_store_stats.remote()).tiers["host"]["entries"] > 0  # written through
+    namespace = kv_namespace(tiny_qwen2_dir, CONFIG.dtype, CONFIG.block_size)
+    store = ray_local.get_actor(node_store_name(ray_local.get_runtime_context().get_node_id(), namespace, settings),
+                                namespace="tandem-kv")
+    ray_local.kill(store, no_restart=False)  # as a crash: Ray starts it again
+    deadline = time.monotonic() + 60
+    while True:  # calls in flight while it restarts fail (the workers compute instead of loading)
+        try:
+            assert ray_local.get(store.stats.remote(), timeout=60).tiers["host"]["entries"] == 0  # a new process
+            break
+        except ray_local.exceptions.ActorUnavailableError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    prompt = [random.Random(9).randrange(3, 2000) for _ in range(100)]  # 6 full blocks
+    _, served = run_pd(p, d, GenerateRequest("after-crash", prompt, GREEDY))
+    assert served == hf_greedy(tiny_qwen2_dir, prompt, GREEDY.max_new_tokens)
+    assert ray_local.get(p.kv_store_stats.remote()).tiers["host"]["entries"] > 0  # written to the new store
+    fresh_p, fresh_d = start_pair(ray_local, tiny_qwen2_dir, "crash-b", settings)
+    call, again = run_pd(fresh_p, fresh_d, GenerateRequest("from-new-store", prompt, GREEDY))
+    assert call.prefill_result.num_computed_tokens == 100 - 6 * 16 and again == served
+    assert_idle(ray_local, p, d, fresh_p, fresh_d)
+    for actor in (p, d, fresh_p, fresh_d, store):
         ray_local.kill(actor)
