@@ -55,6 +55,9 @@ class RemoteKVStore:
         return self.handle.stats.remote().future().result()
 
 
+STORE_NAMESPACE = "tandem-kv"  # Ray namespace of the nodes' store actors
+
+
 def node_store_name(node_id: str, namespace: bytes, settings: KVStoreSettings) -> str:
     fingerprint = hashlib.sha256(namespace + repr(settings).encode()).hexdigest()[:12]
     return f"tandem-kv-{node_id[:12]}-{fingerprint}"
@@ -76,7 +79,7 @@ def open_kv_store(namespace: bytes, settings: KVStoreSettings) -> KVStoreClient:
     node_id = ray.get_runtime_context().get_node_id()
     handle = ray.remote(KVStore).options(
         name=node_store_name(node_id, namespace, settings),
-        namespace="tandem-kv",
+        namespace=STORE_NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
         max_restarts=-1,

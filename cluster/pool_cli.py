@@ -31,6 +31,9 @@ def add_pool_commands(sub) -> None:
     teardown = sub.add_parser("teardown", help="stop a deployment's worker pools and their pool manager (after "
                                                "`serve shutdown`: a deploy then starts new ones from its manifest)")
     _connection_args(teardown)
+    teardown.add_argument("--kv-stores", action="store_true",
+                          help="also stop every node's KV store actors, of every deployment on the cluster: their "
+                               "host memory is freed, their disk and shared tiers stay on disk for the next ones")
     teardown.set_defaults(func=_cmd_teardown)
 
 
@@ -126,11 +129,21 @@ def _cmd_teardown(args: argparse.Namespace) -> None:
     """The pool manager's workers stopped, then the pool manager: what a deploy of
     settings the pools keep (cluster/pool_settings.py) needs first. Scheduler
     replicas still deployed start a new pool manager from their own manifest at
-    their next refresh."""
+    their next refresh. With --kv-stores, the nodes' KV store actors too (detached,
+    they outlive every deployment: a new `kv_store` setting starts new ones beside
+    them, whose host memory the old ones would keep)."""
     import ray
+
+    from actors.kv_store_client import STORE_NAMESPACE
 
     name, pool = _pool_manager(args)
     num_workers = len(ray.get(pool.workers.remote()))
     ray.get(pool.shutdown.remote())
     ray.kill(pool)
     print(f"pool {name}: its {num_workers} workers and its pool manager stopped")
+    if args.kv_stores:
+        actors = ray.util.list_named_actors(all_namespaces=True)
+        stores = [a["name"] for a in actors if a["namespace"] == STORE_NAMESPACE]
+        for store in stores:
+            ray.kill(ray.get_actor(store, namespace=STORE_NAMESPACE))
+        print(f"{len(stores)} KV store actors stopped (their disk and shared tiers stay on disk)")

@@ -15,7 +15,7 @@ import ray
 
 from actors.event_log import CacheEvents, Cursor
 from actors.kv_store import KVStoreSettings
-from actors.kv_store_client import node_store_name
+from actors.kv_store_client import STORE_NAMESPACE, node_store_name
 from cluster.router import PrefixIndex
 
 log = logging.getLogger("tandem.scheduler")
@@ -44,7 +44,7 @@ class StoreIndex:
         for node_id in node_ids:
             try:
                 store = self._stores.get(node_id) or ray.get_actor(
-                    node_store_name(node_id, self.namespace, self.settings), namespace="tandem-kv")
+                    node_store_name(node_id, self.namespace, self.settings), namespace=STORE_NAMESPACE)
                 batches = await store.events_since.remote(self._cursors.get(node_id))
             except (ValueError, ray.exceptions.RayError) as exc:
                 self._stores.pop(node_id, None)  # not created yet, or gone: look it up again next time

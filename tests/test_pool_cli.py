@@ -12,6 +12,8 @@ from pathlib import Path
 
 import ray
 
+from actors.kv_store import KVStoreSettings
+from actors.kv_store_client import STORE_NAMESPACE, open_kv_store
 from benchmarks.scheduler_driver import run_with_pool
 
 SETTINGS = {
@@ -43,7 +45,10 @@ async def _scenario(pool, settings):
     no_pool = await run("pools", "--address", where[1], "--pool-name", "no-such-pool")
     only = await run("pools", "--address", where[1], "--json")  # the only pool manager: no --pool-name needed
     handles = [m.handle for m in await pool.list_members.remote()]
-    torn = await run("teardown", *where)
+    store = open_kv_store(b"test-pool-cli", KVStoreSettings(host_bytes=1 << 20))  # a node's store, detached
+    await store.handle.stats.remote()
+    torn = await run("teardown", *where, "--kv-stores")
+    stores_left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == STORE_NAMESPACE]
     gone = await run("pools", *where)
     workers_alive = []
     for handle in handles:
@@ -53,7 +58,7 @@ async def _scenario(pool, settings):
         except ray.exceptions.RayActorError:
             pass
     return dict(listed=listed, drained=drained, again=again, unknown=unknown, text=text, no_pool=no_pool,
-                only=only, torn=torn, gone=gone, workers_alive=workers_alive)
+                only=only, torn=torn, gone=gone, workers_alive=workers_alive, stores_left=stores_left)
 
 
 def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_dir):
@@ -80,7 +85,10 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
         assert failed.returncode == 2 and "Traceback" not in failed.stderr
         assert failed.stderr.startswith(message), failed.stderr
     assert r["torn"].returncode == 0, r["torn"].stderr
-    assert r["torn"].stdout == "pool test-pool-cli: its 3 workers and its pool manager stopped\n"
+    first, stores = r["torn"].stdout.splitlines()
+    assert first == "pool test-pool-cli: its 3 workers and its pool manager stopped"
+    assert stores.endswith(" KV store actors stopped (their disk and shared tiers stay on disk)")
+    assert int(stores.split()[0]) >= 1 and r["stores_left"] == []
     assert r["gone"].returncode == 2 and r["gone"].stderr.startswith(
         "tandem pools: no pool manager 'test-pool-cli' on this cluster"), r["gone"].stderr
     assert r["workers_alive"] == []
