@@ -17,7 +17,8 @@ from cluster.pool_manager import NAMESPACE
 
 
 def add_pool_commands(sub) -> None:
-    pools = sub.add_parser("pools", help="a running deployment's workers, start failures and scaling events")
+    pools = sub.add_parser("pools", help="a running deployment's workers, start failures, scaling events and the "
+                                         "settings its workers run")
     _connection_args(pools)
     pools.add_argument("--events", type=int, default=20, help="how many of the latest scaling events (default 20)")
     pools.add_argument("--json", action="store_true", help="as one JSON object")
@@ -88,15 +89,19 @@ def _cmd_pools(args: argparse.Namespace) -> None:
     if args.events < 0:
         raise CliError(f"--events must be 0 or more, got {args.events}")
     name, pool = _pool_manager(args)
-    workers, failures, events = ray.get([pool.workers.remote(), pool.start_failures.remote(),
-                                         pool.scaling_events.remote()])
+    workers, failures, events, settings = ray.get([pool.workers.remote(), pool.start_failures.remote(),
+                                                   pool.scaling_events.remote(), pool.running_settings.remote()])
     latest = events[-args.events:] if args.events else []
     if args.json:
         print(json.dumps({"pool_name": name, "workers": [asdict(w) for w in workers],
                           "failing": {role: asdict(f) for role, f in failures.items()},
-                          "events": [{k: v for k, v in asdict(e).items() if k != "stats"} for e in latest]}))
+                          "events": [{k: v for k, v in asdict(e).items() if k != "stats"} for e in latest],
+                          "settings": settings}))
         return
-    print(f"pool {name}: {len(workers)} workers")
+    model = settings["model"]
+    source = model["path"] or f"preset {model['preset']} ({model['arch']})"
+    print(f"pool {name}: {len(workers)} workers, {settings['mode']}, model {source}, "
+          f"engine on {settings['engine']['device']}")
     for worker in sorted(workers, key=lambda w: (w.role, w.worker_id)):
         print(f"  {worker.worker_id:<8} {worker.role:<10} {worker.state}")
     for role, failure in failures.items():

@@ -68,10 +68,11 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
     assert {(w["worker_id"], w["role"], w["state"]) for w in listed["workers"]} == {
         ("p0", "prefill", "ready"), ("d1", "decode", "ready")}
     assert listed["failing"] == {} and {e["kind"] for e in listed["events"]} >= {"started", "ready"}
+    assert listed["settings"]["engine"]["num_kv_blocks"] == 64 and listed["settings"]["prefill"]["replicas"] == 1
     assert r["drained"].returncode == 0 and r["drained"].stdout.startswith("p0 (prefill) is draining")
     lines = r["text"].stdout.splitlines()  # p2 took p0's place (the pool's size is 1)
-    assert lines[:3] == ["pool test-pool-cli: 3 workers", "  d1       decode     ready",
-                         "  p0       prefill    draining"]
+    assert lines[:3] == ["pool test-pool-cli: 3 workers, disaggregated, model preset tiny (qwen2), engine on cpu",
+                         "  d1       decode     ready", "  p0       prefill    draining"]
     assert lines[3].split()[:2] == ["p2", "prefill"] and lines[3].split()[2] in ("starting", "ready")
     assert lines[4].startswith("scaling events, the latest 3 of ") and len(lines) == 8
     assert any(line.endswith(" prefill drain_started p0: by hand (tandem drain); p2 starts in its place (the "
