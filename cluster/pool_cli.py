@@ -1,8 +1,9 @@
-"""`tandem pools`, `tandem drain` and `tandem teardown`: a running deployment's worker pools from the
-command line, through its pool manager (cluster/pool_manager.py) on the Ray
-cluster at `--address` (default `auto`: the one `ray start` or `ray up` runs
-here). What the Python one-liners of docs/operations.md did, with a one-line
-error for a cluster or pool that is not there."""
+"""`tandem pools`, `tandem drain` and `tandem teardown`: a running deployment's
+worker pools from the command line, through its pool manager
+(cluster/pool_manager.py) on the Ray cluster at `--address` (default `auto`: the
+one `ray start` or `ray up` runs here). What the Python one-liners of
+docs/operations.md did, with a one-line error for a cluster or pool that is not
+there."""
 
 from __future__ import annotations
 
@@ -89,8 +90,12 @@ def _cmd_pools(args: argparse.Namespace) -> None:
     if args.events < 0:
         raise CliError(f"--events must be 0 or more, got {args.events}")
     name, pool = _pool_manager(args)
-    workers, failures, events, settings = ray.get([pool.workers.remote(), pool.start_failures.remote(),
-                                                   pool.scaling_events.remote(), pool.running_settings.remote()])
+    workers, failures, events = ray.get([pool.workers.remote(), pool.start_failures.remote(),
+                                         pool.scaling_events.remote()])
+    try:
+        settings = ray.get(pool.running_settings.remote())
+    except AttributeError:  # a pool manager of an older version
+        settings = None
     latest = events[-args.events:] if args.events else []
     if args.json:
         print(json.dumps({"pool_name": name, "workers": [asdict(w) for w in workers],
@@ -98,10 +103,12 @@ def _cmd_pools(args: argparse.Namespace) -> None:
                           "events": [{k: v for k, v in asdict(e).items() if k != "stats"} for e in latest],
                           "settings": settings}))
         return
-    model = settings["model"]
-    source = model["path"] or f"preset {model['preset']} ({model['arch']})"
-    print(f"pool {name}: {len(workers)} workers, {settings['mode']}, model {source}, "
-          f"engine on {settings['engine']['device']}")
+    runs = ""
+    if settings is not None:
+        model = settings["model"]
+        source = model["path"] or f"preset {model['preset']} ({model['arch']})"
+        runs = f", {settings['mode']}, model {source}, engine on {settings['engine']['device']}"
+    print(f"pool {name}: {len(workers)} workers{runs}")
     for worker in sorted(workers, key=lambda w: (w.role, w.worker_id)):
         print(f"  {worker.worker_id:<8} {worker.role:<10} {worker.state}")
     for role, failure in failures.items():
