@@ -184,3 +184,29 @@ def test_colocated_pools_do_not_autoscale():
     with pytest.raises(ValidationError, match="only the prefill and decode pools autoscale"):
         AppSettings.model_validate({"model": {"preset": "tiny"}, "mode": "colocated",
                                     "colocated": {"replicas": 1, "max_replicas": 2}})
+
+
+def test_a_redeploys_slo_and_knobs_retune_the_autoscaler_and_its_cooldowns_run_on():
+    """`PoolAutoscaler.retune` (a redeploy's `autoscaling` and `slo`, through
+    `PoolManager.apply_pools`): new outcomes are judged by the new SLO, the
+    policies take the new target and knobs, and each keeps when its pool last
+    settled."""
+    from types import SimpleNamespace
+
+    from cluster.pool_autoscaler import PoolAutoscaler
+
+    settings = AppSettings.model_validate({"model": {"preset": "tiny"},
+                                           "prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 4}})
+    scaler = PoolAutoscaler(SimpleNamespace(members={}), settings, ("prefill", "decode"), clock=lambda: 100.0)
+    scaler.policies["prefill"].settled_s = 90.0
+    redeployed = AppSettings.model_validate({
+        "model": {"preset": "tiny"}, "prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 4},
+        "slo": {"ttft_ms": 200, "tbt_ms": 50, "attainment": 0.95},
+        "autoscaling": {"window_s": 10, "scale_up_cooldown_s": 5, "restart_backoff_s": 1, "restart_backoff_max_s": 8}})
+    scaler.retune(redeployed)
+    assert scaler.signals.slo_s == {"ttft": 0.2, "tbt": 0.05} and scaler.signals.window_s == 10
+    policy = scaler.policies["prefill"]
+    assert policy.target == 0.95 and policy.knobs.scale_up_cooldown_s == 5 and policy.settled_s == 90.0
+    assert set(scaler.policies) == {"prefill"}  # the fixed decode pool still has none
+    assert (scaler.restarts.first_s, scaler.restarts.max_s) == (1, 8)
+    assert [(e.role, e.kind) for e in scaler.events] == [("prefill", "retuned"), ("decode", "retuned")]
