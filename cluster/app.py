@@ -46,7 +46,7 @@ from cluster.config import AppSettings
 from cluster.conversation_truncation import drop_oldest_turns
 from cluster.ingress_guard import install_guard, refusal
 from cluster.pool_manager import get_or_create_pool
-from cluster.pool_settings import check_redeploy, redeploy_refusal
+from cluster.pool_settings import check_redeploy
 from cluster.prompt_limits import prompt_room
 from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
@@ -149,9 +149,8 @@ class Scheduler:
         if not self.service.view.ready:  # a client that leaves meanwhile must not cancel the refresh's calls
             await asyncio.shield(background_task(self._refresh()))
         view = self.service.view
-        if view.settings_kept:
-            raise ApiError(503, redeploy_refusal(self.settings.pool_name, view.settings_kept),
-                           kind="service_unavailable")
+        if view.settings_refusal:
+            raise ApiError(503, view.settings_refusal, kind="service_unavailable")
         if not view.ready:
             raise ApiError(503, "worker pools are starting; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})

@@ -58,7 +58,7 @@ def _pool_manager(args: argparse.Namespace) -> tuple[str, object]:
     except (ConnectionError, ValueError) as exc:
         raise CliError(f"no Ray cluster at {args.address!r} ({str(exc).splitlines()[0]}): start one "
                        "(ray start, ray up), or pass --address") from None
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE)
+    names = sorted(_actor_names(NAMESPACE))
     name = args.pool_name
     if name is None:  # (the namespace holds the pool managers alone)
         if len(names) != 1:
@@ -69,6 +69,13 @@ def _pool_manager(args: argparse.Namespace) -> tuple[str, object]:
         raise CliError(f"no pool manager {name!r} on this cluster (its pool managers: "
                        f"{', '.join(names) or 'none'}): is the app deployed, with this pool_name?")
     return name, ray.get_actor(name, namespace=NAMESPACE)
+
+
+def _actor_names(namespace: str) -> list[str]:
+    """The named actors of a Ray namespace on the connected cluster."""
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
@@ -154,8 +161,7 @@ def _cmd_teardown(args: argparse.Namespace) -> None:
     ray.kill(pool)
     print(f"pool {name}: its {num_workers} workers and its pool manager stopped")
     if args.kv_stores:
-        actors = ray.util.list_named_actors(all_namespaces=True)
-        stores = [a["name"] for a in actors if a["namespace"] == STORE_NAMESPACE]
+        stores = _actor_names(STORE_NAMESPACE)
         for store in stores:
             ray.kill(ray.get_actor(store, namespace=STORE_NAMESPACE))
         print(f"{len(stores)} KV store actors stopped (their disk and shared tiers stay on disk)")

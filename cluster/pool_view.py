@@ -141,11 +141,16 @@ class PoolView:
         except AttributeError:  # an older pool manager: nothing to compare
             return False
         kept = pools_keep(running, self.settings.model_dump())
-        if kept and kept != self.settings_kept:
-            log.error("%s", redeploy_refusal(self.settings.pool_name, kept))
-        self.settings_kept = kept
-        self.ready = self.ready and not kept
+        changed, self.settings_kept = kept != self.settings_kept, kept
+        if kept and changed:
+            log.error("%s", self.settings_refusal)
         return bool(kept)
+
+    @property
+    def settings_refusal(self) -> str | None:
+        """Why this replica routes nothing (pools keep settings this deployment
+        changes), for /health and every request; None when it may route."""
+        return redeploy_refusal(self.settings.pool_name, self.settings_kept) if self.settings_kept else None
 
     def health(self) -> tuple[int, dict]:
         """/health's status code and body: 200 "ready" once a worker of each role
@@ -155,7 +160,7 @@ class PoolView:
         (cluster/restart_backoff.py)."""
         if self.settings_kept:
             return 503, {"status": "failing", "settings_not_applied": self.settings_kept,
-                         "error": redeploy_refusal(self.settings.pool_name, self.settings_kept)}
+                         "error": self.settings_refusal}
         if self.ready:
             body = {"status": "ready", "pools": sorted({m.role for m in self.members.values()}),
                     "workers": len(self.members)}
