@@ -14,15 +14,12 @@ from pathlib import Path
 
 import torch
 
+from actors.checkpoint_error import CheckpointError
 from kernels import check_kernel_backend
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                            "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that is missing, incomplete, corrupt or unsupported."""
 
 
 @dataclass(frozen=True)

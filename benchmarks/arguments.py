@@ -39,7 +39,7 @@ def positive_ints(text: str) -> list[int]:
 
 def preset(text: str) -> str:
     """A built-in model preset's name (actors/model_builder.py)."""
-    from actors.model_builder import PRESETS
+    from actors.model_shapes import PRESETS
 
     if text not in PRESETS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(sorted(PRESETS))}, got {text!r}")
@@ -48,7 +48,7 @@ def preset(text: str) -> str:
 
 def arch(text: str) -> str:
     """A built-in model architecture's name (actors/model_builder.py)."""
-    from actors.model_builder import ARCH_SPECS
+    from actors.model_shapes import ARCH_SPECS
 
     if text not in ARCH_SPECS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(ARCH_SPECS)}, got {text!r}")

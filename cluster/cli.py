@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from actors.config import CheckpointError
-from actors.model_builder import ARCH_SPECS, UnknownModel
+from actors.checkpoint_error import CheckpointError
+from actors.model_shapes import ARCH_SPECS, UnknownModel
 from cluster.cli_error import CliError
 from cluster.pool_cli import add_pool_commands
 

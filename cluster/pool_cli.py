@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict
 
 from cluster.cli_error import CliError
-from cluster.pool_manager import NAMESPACE
 
 
 def add_pool_commands(sub) -> None:
@@ -48,6 +47,8 @@ def _pool_manager(args: argparse.Namespace) -> tuple[str, object]:
     """The pool manager's name and actor handle: the one --pool-name names, or
     the cluster's only one."""
     import ray
+
+    from cluster.pool_manager import NAMESPACE  # (here, not at the top: `tandem --help` loads no torch)
 
     problem = _unreachable(args.address)
     if problem is not None:  # (Ray itself retries an address it cannot reach for minutes)

@@ -108,7 +108,7 @@ def test_workers_that_die_starting_are_started_again_ever_later_and_health_says_
     for role in ("prefill", "decode"):
         events = [e for e in r["events"] if e.role == role and e.kind in ("start_failed", "restart")]
         failed = [e for e in events if e.kind == "start_failed"]
-        assert all(e.reason.startswith("died starting: actors.config.CheckpointError: ") and "safetensors" in e.reason
+        assert all(e.reason.startswith("died starting: actors.checkpoint_error.CheckpointError: ") and "safetensors" in e.reason
                    for e in failed), failed
         assert [e.reason.rsplit("; ", 1)[1] for e in failed[:2]] == ["next start in 0.5 s", "next start in 1 s"]
         for failure, restart in zip(failed, [e for e in events if e.kind == "restart"]):
