@@ -15,8 +15,9 @@ Times on CUDA (`cuda_time_ms`: CUDA-graph replays timed with CUDA events),
 bfloat16, at qwen2.5-0.5b's attention shape (14 heads, 2 KV heads, head_dim 64,
 blocks of 16), each beside what torch does in its place:
 - decode at batch 64 x 1024-token contexts, 8 x 4096 and 1 x 8192: Triton as
-  dispatched (split-K where the batch leaves SMs idle), Triton unsplit, the torch
-  reference; KV GB/s;
+  dispatched (split-K as `num_splits` and `split_keys` allow: where the batch leaves
+  SMs idle, and long contexts at any batch), Triton unsplit, the torch reference;
+  KV GB/s;
 - prefill of a 2048-token prompt and of a 512-token chunk over 3584 cached tokens:
   Triton, the torch reference (gather + SDPA), and SDPA alone on K/V that are
   already contiguous (the reference without its gather); attention TFLOP/s;
@@ -209,8 +210,8 @@ def _time_elementwise(triton_elementwise) -> dict:
     return times
 
 def _time_decode(triton_attention) -> dict:
-    """Each batch x context: Triton as dispatched (split where the batch leaves SMs
-    idle), Triton with one program per (sequence, KV head), and the torch reference."""
+    """Each batch x context: Triton as dispatched, Triton with one program per
+    (sequence, KV head), and the torch reference."""
     from kernels.attention import decode_attention
 
     heads, kv_heads, head_dim, block_size = 14, 2, 64, 16

@@ -14,7 +14,7 @@
 # machine's disk, for Python 3.11), takes Ray from the wheels `benchmarks/gpu_wheels.sh`
 # gathers, installed as on the device (`--target`, then PYTHONPATH), and runs the GPU
 # check's steps and its profile on CPU with the tiny model. The `kernels` step (and
-# the decode sweep, CUDA only) is left out: Triton 3.6's interpreter cannot run the
+# the decode sweep) is left out: Triton 3.6's interpreter cannot run the
 # attention kernels (docs/benchmarks.md, GPU check);
 # `tests/triton_compile_checks.py` checks them against 3.6's compiler instead.
 # ENV_DIR (default /tmp/tandem-device-like) holds the venv, wheels and site; OUT the

@@ -19,18 +19,28 @@ Why splits: one program per (sequence, KV head) is 2 programs for Qwen2.5-0.5B a
 batch 1, on a GPU of 132 SMs; a 4k-token context is then read by 2 SMs, a few
 percent of the memory bandwidth, and attention, not the weights, sets the step
 time. So `num_splits(batch, num_kv_heads)` allows up to `SMs // (batch * KV heads)`
-programs per (sequence, KV head) (a power of two, at most `MAX_SPLITS`); 1 from
-batch 34 up for that model on an H200, so a large batch pays nothing for it. Each
-sequence then uses `min(allowed, ceil(length / MIN_SPLIT_KEYS))` of them, from its
-own length, so short sequences are never split. Split programs write their running
-max, sum and unnormalised output; `_combine_splits_kernel` rescales them to a common
-max and adds them up (the log-sum-exp merge of flash decoding; vLLM's paged
-attention v2 and SGLang's Triton decode backend do the same). A sequence read by
-one program gets its output from it directly, bit for bit what it gets in any other
-batch; one that is split depends on how many splits the batch allows (a different
-float32 summation order, not a different result beyond rounding). The grid depends
-only on the batch size, so the CUDA-graph decode step (captured per batch size)
-replays it for any lengths.
+programs per (sequence, KV head) (a power of two, at most `MAX_SPLITS`), and at
+least `FULL_GRID_SPLITS`: one program per SM still reads a long context slowly, a
+tile at a time (on the H200, batch 64 x 1056 tokens took 16.1 us unsplit and 13.6
+split four ways, the merge a kernel of its own then). Each sequence uses
+`min(allowed, ceil(length / split_keys))` of them, from its own length:
+`split_keys` is MIN_SPLIT_KEYS while the batch leaves SMs idle and
+FULL_GRID_SPLIT_KEYS once its (sequence, KV head) pairs fill half of them, so
+short sequences are never split, and at a large batch only long ones are. Split
+programs write their running max, sum and unnormalised output; the last of a
+sequence's programs to finish (a count per (sequence, KV head), taken with an
+atomic add) rescales them to a common max and adds them up (the log-sum-exp merge
+of flash decoding, as vLLM's paged attention v2 and SGLang's Triton decode backend
+merge, but in the same kernel: no second launch, so a batch whose sequences are all
+short pays for the allowance only with the programs that find no keys and exit).
+The counts live in one zeroed buffer per device (`_arrival_counts`) that the merging
+program sets back to zero, so it stays zeroed between launches, CUDA-graph replays
+included; launches on one device must not overlap (the engine launches its layers
+on one stream). A sequence read by one program gets its output from it directly,
+bit for bit what it gets in any batch where it is read by one program; one that is
+split depends on how many programs read it (a different float32 summation order,
+not a different result beyond rounding). The grid depends only on the batch size,
+so the CUDA-graph decode step (captured per batch size) replays it for any lengths.
 
 `write_kv_slots` runs one program per (token, KV head) and stores that head's K and
 V row at the token's slot.
@@ -61,7 +71,10 @@ import triton.language as tl
 
 _MIN_DOT = 16  # tl.dot's smallest dimension
 MAX_SPLITS = 64  # programs per (sequence, KV head) at most
+FULL_GRID_SPLITS = 4  # ... and at least (the H200's best at batch 64 x 1056 tokens; see num_splits)
 MIN_SPLIT_KEYS = 128  # a sequence is split only into shares of at least this many keys
+FULL_GRID_SPLIT_KEYS = 256  # ... of at least this many when the batch alone fills half the SMs
+_MAX_ARRIVAL_COUNTS = 1 << 16  # (sequence, KV head) pairs a launch may have: the counts buffer's size
 _TILE_BYTES = 8192  # K (or V) bytes of one KV head a step of the prefill walk reads, at 2 bytes an element
 # The decode walk's: twice that. Measured on an H200 (benchmarks/gpu_decode_sweep.py,
 # bf16, qwen2.5-0.5b's attention in the engine's cache layout), 128 keys a step
@@ -87,9 +100,28 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 def num_splits(batch: int, num_kv_heads: int, device: torch.device | str = "cuda") -> int:
     """Programs allowed per (sequence, KV head): as many as fill the GPU's SMs once,
-    rounded down to a power of two, between 1 and MAX_SPLITS."""
+    rounded down to a power of two, between FULL_GRID_SPLITS and MAX_SPLITS."""
+    return max(FULL_GRID_SPLITS, _sm_filling_splits(batch, num_kv_heads, device))
+
+
+def split_keys(batch: int, num_kv_heads: int, device: torch.device | str = "cuda") -> int:
+    """The fewest keys a split of a sequence reads: MIN_SPLIT_KEYS while the batch's
+    (sequence, KV head) pairs leave more than half the SMs idle, FULL_GRID_SPLIT_KEYS
+    once they do not (at batch 64 x 160 tokens, splitting in two cost the H200 36%)."""
+    return MIN_SPLIT_KEYS if _sm_filling_splits(batch, num_kv_heads, device) > 1 else FULL_GRID_SPLIT_KEYS
+
+
+def _sm_filling_splits(batch: int, num_kv_heads: int, device: torch.device | str) -> int:
     per_sequence = _multiprocessor_count(torch.device(device)) // max(1, batch * num_kv_heads)
     return min(MAX_SPLITS, 1 << max(0, per_sequence.bit_length() - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _arrival_counts(device: torch.device) -> torch.Tensor:
+    """The split programs of each (sequence, KV head) that have finished, this launch:
+    zeros between launches (the merging program resets its count). Made on first use,
+    before any CUDA graph is captured (the engine runs its steps eagerly first)."""
+    return torch.zeros(_MAX_ARRIVAL_COUNTS, dtype=torch.int32, device=device)
 
 
 def tile_keys(head_dim: int, tile_bytes: int = _TILE_BYTES) -> int:
@@ -112,27 +144,28 @@ def online_softmax_step(scores, v, running_max, running_sum, acc, PRECISION: tl.
 
 
 @triton.jit
-def _splits_used(context_len, SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr):
+def _splits_used(context_len, SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     """How many programs read a sequence of `context_len` keys: by its own length,
     at most what the batch allows."""
-    return tl.minimum(SPLITS, tl.cdiv(context_len, MIN_SPLIT_KEYS))
+    return tl.minimum(SPLITS, tl.cdiv(context_len, SPLIT_KEYS))
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, scale, num_heads,
+    q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, arrivals_ptr,
+    scale, num_heads, num_kv_heads,
     stride_qb, stride_qh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     stride_tb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(lens_ptr + seq)
-    splits_used = _splits_used(context_len, SPLITS, MIN_SPLIT_KEYS)
+    splits_used = _splits_used(context_len, SPLITS, SPLIT_KEYS)
     if split < splits_used:
         # This program's share: whole tiles, split after split (the last ones may get none).
         tiles_per_split = tl.cdiv(tl.cdiv(context_len, TILE), splits_used)
@@ -160,55 +193,68 @@ def _paged_decode_kernel(
             scores = tl.where(valid[None, :], scores, float("-inf"))
             running_max, running_sum, acc = online_softmax_step(scores, v, running_max, running_sum, acc,
                                                                 PRECISION)
+        outputs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         if splits_used == 1:
-            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                     (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+            tl.store(outputs, (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=in_group[:, None])
         else:
             # Partials are [batch, heads, SPLITS(, HEAD_DIM)], contiguous, float32.
-            slots = (seq * num_heads + heads) * SPLITS + split
-            tl.store(split_max_ptr + slots, running_max, mask=in_group)
-            tl.store(split_sum_ptr + slots, running_sum, mask=in_group)
-            tl.store(split_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], acc, mask=in_group[:, None])
+            slots = (seq * num_heads + heads) * SPLITS
+            tl.store(split_max_ptr + slots + split, running_max, mask=in_group)
+            tl.store(split_sum_ptr + slots + split, running_sum, mask=in_group)
+            tl.store(split_acc_ptr + (slots + split)[:, None] * HEAD_DIM + dims[None, :], acc, mask=in_group[:, None])
+            # Count this program in, after all its threads' stores (the barrier; the
+            # count's release orders them before it): the program that counts last
+            # sees every partial (the count's acquire) and merges them.
+            tl.debug_barrier()
+            count = arrivals_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == splits_used - 1:
+                tl.store(count, 0)
+                _merge_splits(outputs, split_acc_ptr, split_max_ptr, split_sum_ptr, slots, splits_used, in_group,
+                              dims, PADDED_GROUP, HEAD_DIM)
 
 
 @triton.jit
-def _combine_splits_kernel(
-    lens_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, out_ptr, num_heads,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
-):
-    """One program per (sequence, query head): the split partials rescaled to their
-    common max and summed. Splits that got no keys hold max -inf and weigh 0."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits_used = _splits_used(tl.load(lens_ptr + seq), SPLITS, MIN_SPLIT_KEYS)
-    if splits_used > 1:
-        splits = tl.arange(0, SPLITS)
-        used = splits < splits_used
-        slots = (seq * num_heads + head) * SPLITS + splits
-        maxes = tl.load(split_max_ptr + slots, mask=used, other=float("-inf"))
-        weights = tl.exp(maxes - tl.max(maxes, 0))
-        sums = tl.load(split_sum_ptr + slots, mask=used, other=0.0)
-        dims = tl.arange(0, HEAD_DIM)
-        acc = tl.load(split_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
-        out = tl.sum(acc * weights[:, None], 0) / tl.sum(sums * weights, 0)
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+def _merge_splits(outputs, split_acc_ptr, split_max_ptr, split_sum_ptr, slots, splits_used, in_group, dims,
+                  PADDED_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The group's outputs from its splits' partials: each rescaled to the common
+    max and summed. A split that got no keys holds max -inf and weighs 0. Loads
+    bypass L1 (`.cg`): the partials were written by other SMs, and this SM may
+    hold an earlier launch's lines of them. (The pointers are the output's, of its
+    dtype, in a launch that allows one split a sequence; this is never reached then,
+    but it is compiled, hence the casts.)"""
+    maxes = split_max_ptr + slots
+    common_max = tl.load(maxes, mask=in_group, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for split in range(1, splits_used):
+        common_max = tl.maximum(common_max, tl.load(maxes + split, mask=in_group, other=0.0, cache_modifier=".cg"))
+    total = tl.zeros([PADDED_GROUP], tl.float32)
+    acc = tl.zeros([PADDED_GROUP, HEAD_DIM], tl.float32)
+    for split in range(0, splits_used):
+        weight = tl.exp(tl.load(maxes + split, mask=in_group, other=0.0, cache_modifier=".cg").to(tl.float32)
+                        - common_max)
+        total += weight * tl.load(split_sum_ptr + slots + split, mask=in_group, other=1.0, cache_modifier=".cg")
+        acc += weight[:, None] * tl.load(split_acc_ptr + (slots + split)[:, None] * HEAD_DIM + dims[None, :],
+                                         mask=in_group[:, None], other=0.0, cache_modifier=".cg")
+    tl.store(outputs, (acc / total[:, None]).to(outputs.dtype.element_ty), mask=in_group[:, None])
 
 
 def paged_decode_attention(
     q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    splits: int | None = None, tile: int | None = None, num_warps: int = 4,
+    splits: int | None = None, min_split_keys: int | None = None, tile: int | None = None, num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q: [B, H, d]; block_tables: [B, max_blocks] int; context_lens: [B] int, each
     >= 1. Returns [B, H, d] in q's dtype. Shapes must pass `supports_decode`.
-    `splits`: programs allowed per (sequence, KV head), a power of two; by default
-    `num_splits` for this batch on q's device. `tile` (keys a step of the walk
-    reads, a power of two of at least 16; by default 16 KB of K) and
-    `num_warps` are for measuring other launch shapes."""
+    `splits`: programs allowed per (sequence, KV head), a power of two, and
+    `min_split_keys`, the fewest keys a split reads; by default `num_splits` and
+    `split_keys` for this batch on q's device. `tile` (keys a step of the walk
+    reads, a power of two of at least 16; by default 16 KB of K), `num_warps` and
+    `num_stages` (Triton's software pipelining of the walk's loads; by default
+    Triton's) are for measuring other launch shapes."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     assert supports_decode(num_heads, num_kv_heads, head_dim, block_size), (q.shape, layer_cache.shape)
     assert layer_cache.stride(4) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    assert batch * num_kv_heads <= _MAX_ARRIVAL_COUNTS, (batch, num_kv_heads)
     splits = splits or num_splits(batch, num_kv_heads, q.device)
     assert splits & (splits - 1) == 0, splits
     group = num_heads // num_kv_heads
@@ -220,23 +266,19 @@ def paged_decode_attention(
         split_acc = torch.empty(batch, num_heads, splits, head_dim, device=q.device, dtype=torch.float32)
         split_max = torch.empty(batch, num_heads, splits, device=q.device, dtype=torch.float32)
         split_sum = torch.empty_like(split_max)
+    launch = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     _paged_decode_kernel[(batch, num_kv_heads, splits)](
-        q, layer_cache, block_tables, context_lens, out, split_acc, split_max, split_sum, float(scale), num_heads,
+        q, layer_cache, block_tables, context_lens, out, split_acc, split_max, split_sum, _arrival_counts(q.device),
+        float(scale), num_heads, num_kv_heads,
         q.stride(0), q.stride(1),
         layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, PADDED_GROUP=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, TILE=tile or tile_keys(head_dim, _DECODE_TILE_BYTES), SPLITS=splits,
-        MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        SPLIT_KEYS=min_split_keys or split_keys(batch, num_kv_heads, q.device),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch,
     )
-    if splits > 1:
-        _combine_splits_kernel[(batch, num_heads)](
-            context_lens, split_acc, split_max, split_sum, out, num_heads,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS=splits, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
-        )
     return out
 
 

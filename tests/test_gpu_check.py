@@ -61,6 +61,22 @@ def test_gpu_profile_runs_on_cpu(tmp_path):
     assert floor["weight_tensors"] == 4 * 2 + 1 and floor["empty_kernel_us"] > 0 and floor["one_read_us"] > 0
 
 
+def test_gpu_decode_sweep_runs_on_cpu(tmp_path):
+    """The sweep's plumbing under Triton's interpreter: each launch shape's output
+    checked against the reference, and the dispatcher's pick timed beside them."""
+    root = Path(__file__).parent.parent
+    cmd = [sys.executable, "-m", "benchmarks.gpu_decode_sweep", "--device", "cpu", "--shapes", "64x24,8x150",
+           "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    results = json.loads((tmp_path / "gpu_decode_sweep.json").read_text())
+    assert sorted(results) == ["batch64_ctx24", "batch8_ctx150"]
+    assert [len(results[shape]["rows"]) for shape in ("batch64_ctx24", "batch8_ctx150")] == [5, 3]
+    assert all(row["max_abs_err"] < 2e-3 for shape in results.values() for row in shape["rows"])
+    assert results["batch64_ctx24"]["dispatched"]["splits"] == 4  # (132 SMs stand in off a GPU)
+    assert results["batch64_ctx24"]["dispatched"]["split_keys"] == 256
+
+
 def test_sampled_runs_agree_within_the_logprob_tolerance():
     from actors.request import TokenLogprob
     from benchmarks.gpu_check_graphs import LOGPROB_TOLERANCE, differences, same_draws

@@ -90,12 +90,11 @@ def test_attention_kernels_compile_for_hopper(hopper, shape, dtype):
     from kernels import triton_attention, triton_prefill
 
     num_heads, num_kv_heads, head_dim, block_size = shape
-    decode, combine, write = hopper(triton_attention, "_paged_decode_kernel", "_combine_splits_kernel",
-                                    "_write_slots_kernel")
+    decode, write = hopper(triton_attention, "_paged_decode_kernel", "_write_slots_kernel")
     (prefill,) = hopper(triton_prefill, "_paged_prefill_kernel")
     layer_cache = torch.zeros(8, 2, 2, block_size, num_kv_heads, head_dim, dtype=dtype)[:, 1]
     tables, lens = torch.zeros(3, 4, dtype=torch.long), torch.ones(3, dtype=torch.long)
-    for splits in (1, 16):  # one program per sequence, and split-K with its combine
+    for splits in (1, 16):  # one program per sequence, and split-K with its merge
         triton_attention.paged_decode_attention(torch.zeros(3, num_heads, head_dim, dtype=dtype), layer_cache,
                                                 tables, lens, 0.125, splits=splits)
     k = torch.zeros(5, num_kv_heads, head_dim, dtype=dtype)
@@ -103,7 +102,7 @@ def test_attention_kernels_compile_for_hopper(hopper, shape, dtype):
     q = torch.zeros(5, num_heads, head_dim, dtype=dtype)
     triton_prefill.paged_prefill_attention(q, k, k, layer_cache, torch.arange(4), 40, 0.125)
     assert len(decode.compiled) == 2
-    assert len(combine.compiled) == len(write.compiled) == len(prefill.compiled) == 1
+    assert len(write.compiled) == len(prefill.compiled) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -90,11 +90,37 @@ def test_split_decode_matches_the_reference(triton_attention, num_heads, num_kv_
 
 
 def test_splits_fill_the_gpu_once_and_never_exceed_the_cap(triton_attention):
-    """132 SMs (an H200; the stand-in off a GPU): Qwen2.5-0.5B's 2 KV heads."""
+    """132 SMs (an H200; the stand-in off a GPU): Qwen2.5-0.5B's 2 KV heads. At
+    least four programs a sequence are allowed, but once the batch fills half the SMs
+    only sequences of 256 keys a split are split."""
     splits = lambda batch, kv_heads: triton_attention.num_splits(batch, kv_heads, "cpu")  # noqa: E731
+    keys = lambda batch, kv_heads: triton_attention.split_keys(batch, kv_heads, "cpu")  # noqa: E731
     assert splits(1, 2) == triton_attention.MAX_SPLITS == 64
-    assert [splits(b, 2) for b in (8, 16, 32, 33, 64, 256)] == [8, 4, 2, 2, 1, 1]
-    assert splits(16, 8) == 1
+    assert [splits(b, 2) for b in (8, 16, 32, 33, 64, 256)] == [8, 4, 4, 4, 4, 4]
+    assert [keys(b, 2) for b in (8, 16, 32, 33, 34, 64, 256)] == [128] * 4 + [256] * 3
+    assert splits(16, 8) == 4 and keys(16, 8) == 256
+
+
+def test_split_programs_merge_in_the_launch_and_leave_their_counts_at_zero(triton_attention):
+    """The last split program of a (sequence, KV head) merges the partials: with
+    every length split (down to one tile a split, some splits left with none) the
+    output is the reference's; the arrival counts are all zero after the launch,
+    so the next launch, the same one again, gives the same output bit for bit."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_heads, num_kv_heads, head_dim, block_size, lengths = 14, 2, 32, 16, [17, 64, 300, 1000]
+    max_blocks = max(-(-n // block_size) for n in lengths)
+    cache = _cache(len(lengths) * max_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    tables = torch.randperm(cache.shape[0], generator=generator).view(len(lengths), max_blocks)
+    q = 3 * torch.randn(len(lengths), num_heads, head_dim, generator=generator)
+    context_lens = torch.tensor(lengths)
+    want = decode_attention(q, cache, tables, context_lens, head_dim ** -0.5)
+    for splits, keys in ((4, 16), (16, 16), (8, 256)):
+        call = lambda: triton_attention.paged_decode_attention(  # noqa: E731
+            q, cache, tables, context_lens, head_dim ** -0.5, splits=splits, min_split_keys=keys, tile=16)
+        first = call()
+        assert not triton_attention._arrival_counts(torch.device("cpu")).any()
+        torch.testing.assert_close(first, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(call(), first), (splits, keys)
 
 
 def test_unsupported_shapes_are_reported(triton_attention):
