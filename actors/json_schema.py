@@ -26,7 +26,10 @@ A keyword that would constrain the value in a way the expression does not
 (`multipleOf`, `uniqueItems`, `patternProperties`, `not`, another format, ...) is
 refused with its name rather than ignored: the output would not be held to it.
 Annotations (`title`, `description`, `default`, `examples`, `$schema`, ...) are
-ignored.
+ignored. A schema must first be a valid one: it is checked against the JSON Schema
+meta-schema its `$schema` names (2020-12 without one; the `jsonschema` package), so
+`"required": "a"` or `"$defs": 5` is refused with where and why, as is an `enum` or
+`const` whose values its own `type` does not allow (no output could be valid).
 """
 
 from __future__ import annotations
@@ -79,20 +82,59 @@ def free_json_regex(depth: int = FREE_DEPTH, top: str = "object") -> str:
     return containers[top] if top in containers else f"(?:{inner}|{containers['object']}|{containers['array']})"
 
 
-def schema_regex(schema) -> str:
+def schema_regex(schema, what: str = "json_schema") -> str:
     """The pattern of the JSON text `schema` describes; RegexError (a 400) if it
-    is not a schema this can hold an output to."""
+    is not a schema this can hold an output to. `what` names the schema in the
+    meta-schema's complaints (a tool's parameters, say)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError as exc:
             raise RegexError(f"json_schema is not valid JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise RegexError("json_schema must be a JSON object (a schema)")
+    check_json_schema(schema, what)
     try:
         return _Writer(schema).value(schema, path="")
     except RecursionError:
         raise RegexError("json_schema is nested too deeply") from None
+
+
+def check_json_schema(schema, what: str = "json_schema") -> None:
+    """RegexError (a 400) saying where and why, if `schema` is not a JSON object
+    that keeps to the meta-schema of its draft."""
+    if not isinstance(schema, dict):
+        raise RegexError(f"{what} must be a JSON object (a schema)")
+    problem = _meta_schema_problem(schema)
+    if problem is not None:
+        raise RegexError(f"{what} is not a valid JSON schema: {problem}")
+
+
+def _meta_schema_problem(schema: dict) -> str | None:
+    """Where and why `schema` breaks the meta-schema of its draft, or None."""
+    from jsonschema import exceptions, validators
+
+    draft = validators.validator_for(schema, default=validators.Draft202012Validator)
+    try:
+        error = exceptions.best_match(draft(draft.META_SCHEMA).iter_errors(schema))
+    except RecursionError:
+        return "it is nested too deeply"
+    if error is None:
+        return None
+    where = "/".join(str(part) for part in error.absolute_path)
+    message = " or ".join(e.message for e in error.context) or error.message  # (anyOf's: each option's reason)
+    message = message if len(message) <= 300 else message[:300] + "..."
+    return f"at {where}: {message}" if where else message
+
+
+JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
+              "integer": int, "number": (int, float)}
+
+
+def _is_of_type(value, kind: str) -> bool:
+    if isinstance(value, bool) and kind in ("integer", "number"):
+        return False  # (a bool is an int to Python, not to JSON)
+    if kind == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, JSON_TYPES[kind])
 
 
 class _Writer:
@@ -123,12 +165,14 @@ class _Writer:
             return self.value(parts[0], f"{path}.allOf[0]")
         if "const" in schema:
             self._only(schema, {"const", "type"}, where)
+            self._typed(schema, [schema["const"]], f"{where}.const")
             return re.escape(json.dumps(schema["const"], ensure_ascii=False))
         if "enum" in schema:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise RegexError(f"json_schema: {where}.enum must be a non-empty list")
             self._only(schema, {"enum", "type"}, where)
+            self._typed(schema, values, f"{where}.enum")
             return "(?:" + "|".join(re.escape(json.dumps(v, ensure_ascii=False)) for v in values) + ")"
         kind = schema.get("type")
         if kind is None:
@@ -160,6 +204,18 @@ class _Writer:
         if kind == "number":
             return self._number(schema, where)
         return SCALARS[kind]
+
+    @staticmethod
+    def _typed(schema: dict, values: list, where: str) -> None:
+        """Every value of an enum or const is of the schema's `type`, where it has one."""
+        kinds = schema.get("type")
+        if kinds is None:
+            return
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        for value in values:
+            if not any(_is_of_type(value, kind) for kind in kinds):
+                raise RegexError(f"json_schema: {where} value {json.dumps(value)[:80]} is not of type "
+                                 f"{' or '.join(kinds)}: no output could match the schema")
 
     def _bounds(self, schema: dict, where: str) -> tuple[float | None, float | None]:
         """(lowest, highest) allowed: minimum/maximum, or their exclusive forms."""

@@ -42,7 +42,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.json_schema import NESTED_FREE_DEPTH, free_json_regex, schema_regex
+from actors.json_schema import NESTED_FREE_DEPTH, check_json_schema, free_json_regex, schema_regex
 from actors.sampling_params import InvalidRequestError
 from cluster import hermes_calls, llama_calls, mistral_calls
 from cluster.answer_parts import ParsedCalls, known_call
@@ -148,18 +148,25 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt
     tool_choice = _effective(tools, tool_choice)
     named = named_choice(tools, tool_choice)
     if named is not None:
-        return schema_regex(named.parameters or NO_PARAMETERS)
+        return schema_regex(named.parameters or NO_PARAMETERS, _parameters_of(named.name))
     if tool_choice == "auto" and (_is_held(tools) or content is not None):
         held = _is_held(tools)
-        return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS) if held
+        return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS,
+                                                                _parameters_of(tool.function.name)) if held
                                else free_json_regex(NESTED_FREE_DEPTH) for tool in tools}, parallel, content)
     if tool_choice != "required":
         return None
+    for tool in tools:  # (each alone first: a complaint about the array of calls would name none of them)
+        check_json_schema(tool.function.parameters or NO_PARAMETERS, _parameters_of(tool.function.name))
     calls = [{"type": "object", "required": ["name", "parameters"], "properties": {
         "name": {"const": tool.function.name}, "parameters": tool.function.parameters or NO_PARAMETERS}}
         for tool in tools]
-    return schema_regex({"type": "array", "minItems": 1, "maxItems": None if parallel else 1,
-                         "items": {"anyOf": calls}})
+    at_most_one = {} if parallel else {"maxItems": 1}
+    return schema_regex({"type": "array", "minItems": 1, "items": {"anyOf": calls}, **at_most_one})
+
+
+def _parameters_of(name: str) -> str:
+    return f"tool {name!r}'s parameters"
 
 
 class ChatAnswer(NamedTuple):

@@ -120,6 +120,19 @@ def client(base_url):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
          "tool_choice 'required' needs tools"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "{"}}, "json_schema is not valid JSON"),
+        # Schemas that break the meta-schema (each was a 500: a TypeError in the writer)
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"$defs": 5}}}},
+         "not a valid JSON schema: at $defs: 5 is not of type 'object'"),
+        ("/v1/completions", {"prompt": "x", "guided_json": {"type": {}}}, "at type: {} is not one of ['array', "),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": '{"type": "string", "format": []}'}},
+         "at format: [] is not of type 'string'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"type": ["string", {}]}}}}}]},
+         "tool 'f''s parameters is not a valid JSON schema: at properties/a/type/1: {}"),
+        ("/v1/completions", {"prompt": "x", "guided_json": {"type": "integer", "enum": ["a"]}},
+         'enum value "a" is not of type integer: no output could match the schema'),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search is not supported"),
         ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be >= 1"),

@@ -208,7 +208,16 @@ def test_any_json_object_parses():
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "array", "uniqueItems": True}, "uses uniqueItems"), ({"type": "strin"}, "not a JSON type"),
+    ({"type": "array", "uniqueItems": True}, "uses uniqueItems"),
+    ({"type": "strin"}, r"at type: 'strin' is not one of \['array', "),
+    # not schemas at all (the meta-schema's complaints; each was a TypeError, a 500 over HTTP)
+    ({"$defs": 5}, "at \\$defs: 5 is not of type 'object'"), ({"type": "string", "format": []}, "at format: "),
+    ({"type": "object", "required": "a"}, "at required: 'a' is not of type 'array'"),
+    ({"type": "array", "minItems": True}, "at minItems: True is not of type 'integer'"),
+    # schemas no output could match
+    ({"type": "integer", "enum": ["a"]}, "not of type integer: no output could match"),
+    ({"type": ["number", "null"], "enum": [1, True]}, "value true is not of type number or null"),
+    ({"type": "string", "const": 3}, "const value 3 is not of type string"),
     ("{", "not valid JSON"), ({"$ref": "#/$defs/X"}, "not a definition"),
     ({"properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"$ref": "#/$defs/A"}}}, "recursive"),
     ({"type": "object", "properties": {}, "required": ["a"]}, "not in properties"),
