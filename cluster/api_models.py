@@ -279,6 +279,10 @@ class _ChatTemplateFields(RequestBody):
                              f"{'it' if len(taken) == 1 else 'them'}")
         return kwargs
 
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template writes into the prompt: none here."""
+        return None
+
     @model_validator(mode="after")
     def _one_ending(self):
         if self.add_generation_prompt and self.continue_final_message:
@@ -363,12 +367,18 @@ class TokenizeBody(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None  # written into a chat's prompt by its template, as the chat request's are
     add_special_tokens: bool | None = None
+
+    def template_tools(self) -> list[dict] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of `prompt` or `messages`")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go with `messages` (the chat template writes them), not with a `prompt`")
         if self.add_special_tokens is None:
             self.add_special_tokens = self.messages is None
         return self

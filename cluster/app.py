@@ -48,6 +48,7 @@ from cluster.ingress_guard import install_guard, refusal
 from cluster.pool_manager import get_or_create_pool
 from cluster.pool_settings import check_redeploy
 from cluster.prompt_limits import prompt_room
+from cluster.prompt_thread import PromptThread
 from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
@@ -99,6 +100,7 @@ class Scheduler:
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.tokenizer.decode([token_id]))
         self.sampling_defaults = SamplingDefaults.load(model_dir, self.settings.sampling_defaults)
         self.tool_format = TOOL_CALL_FORMATS[self.settings.tool_call_parser]  # how the model writes calls
+        self.prompt_thread = PromptThread()  # templates and tokenizing, off the event loop (cluster/prompt_thread.py)
         model_config = ModelConfig.from_hf(model_dir)
         model_len = model_config.max_position_embeddings
         max_model_len = min(self.settings.engine.max_model_len or model_len, model_len)
@@ -235,7 +237,8 @@ class Scheduler:
         or one made up), with `-j` for choice j when n > 1."""
         per_prompt = await _sampling(body, self.sampling_defaults)
         await self._require_ready()
-        prompt_ids = [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)]
+        prompt_ids = await self.prompt_thread.run(
+            lambda: [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)])
         n = body.num_choices
         rids = [rid or uuid.uuid4().hex for rid in body.rids()]
         choices = [choice_params(params, n) for params in per_prompt]
@@ -258,7 +261,7 @@ class Scheduler:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatBody):
-        prompt = self._chat_prompt(body)
+        prompt = await self.prompt_thread.run(self._chat_prompt, body)
         reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
         return await self._openai(body, [prompt], chat=True, reasoning=reasoning)
 
@@ -292,8 +295,8 @@ class Scheduler:
             chat = body.chat_body(await self.stored.conversation(body.previous_response_id)
                                   if body.previous_response_id else [])
         if body.truncation == "auto":
-            chat = self._fitted(chat)
-        prompt = self._chat_prompt(chat)
+            chat = await self.prompt_thread.run(self._fitted, chat)
+        prompt = await self.prompt_thread.run(self._chat_prompt, chat)
         reasoning = Reasoning.of(prompt) if self.settings.reasoning_parser else None
         items = body.input_items() if body.stores or turn is not None else []
         if body.background:
@@ -367,8 +370,12 @@ class Scheduler:
         """The token ids a completion (`prompt`) or chat (`messages`) request would
         give the model, as vLLM's /tokenize answers (count them before sending)."""
         self._check_model(body.model)
-        prompt = self._chat_prompt(body) if body.messages is not None else body.prompt
-        ids = encode_prompt(self.tokenizer, prompt, add_special_tokens=body.add_special_tokens)
+
+        def tokenized() -> list[int]:
+            prompt = self._chat_prompt(body) if body.messages is not None else body.prompt
+            return encode_prompt(self.tokenizer, prompt, add_special_tokens=body.add_special_tokens)
+
+        ids = await self.prompt_thread.run(tokenized)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.service.max_model_len}
 
     @app.post("/detokenize")
@@ -387,9 +394,7 @@ class Scheduler:
             raise ApiError(400, "continue_final_message continues an assistant's message: the last message's role "
                                 f"is {messages[-1]['role']!r}")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      tools=body.template_tools() if isinstance(body, ChatBody)
-                                                      else None,
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, tools=body.template_tools(),
                                                       add_generation_prompt=body.add_generation_prompt,
                                                       continue_final_message=body.continue_final_message,
                                                       **(body.chat_template_kwargs or {}))
@@ -427,8 +432,9 @@ class Scheduler:
         else:
             params = await _sampling(body, 16, self.sampling_defaults)
         await self._require_ready()
-        return params, [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
-                                             keep_last=body.truncate_prompt_tokens) for prompt in prompts]
+        return params, await self.prompt_thread.run(
+            lambda: [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
+                                          keep_last=body.truncate_prompt_tokens) for prompt in prompts])
 
     async def _openai(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None, stream_as=None,
                       prepared: tuple | None = None):

@@ -216,9 +216,15 @@ def test_tokenize_gives_the_ids_requests_use(base_url, client):
     chat_tokens = httpx.post(f"{base_url}/tokenize", json={"messages": messages}).json()
     chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, max_tokens=2)
     assert chat.usage.prompt_tokens == chat_tokens["count"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = httpx.post(f"{base_url}/tokenize", json={"messages": messages, "tools": tools}).json()
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, tools=tools, max_tokens=2)
+    assert chat.usage.prompt_tokens == with_tools["count"] > chat_tokens["count"]  # (the tools were left out)
     text = httpx.post(f"{base_url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == "The quick brown fox"
     for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "x", "messages": messages}),
+                       ("/tokenize", {"prompt": "x", "tools": tools}),
                        ("/detokenize", {"tokens": [10**9]}), ("/detokenize", {"tokens": "abc"})):
         response = httpx.post(f"{base_url}{path}", json=body)
         assert response.status_code == 400 and "message" in response.json()["error"], (path, body)

@@ -1,0 +1,55 @@
+"""cluster/prompt_thread.py: a replica's prompt work runs on one thread of its own,
+in the order it came, while the event loop goes on; results and errors come back
+to the awaiting request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from cluster.prompt_thread import PromptThread
+
+
+def test_the_loop_goes_on_while_a_prompt_is_prepared():
+    """The loop itself releases the work it waits on: were the work on the loop,
+    it would wait for the loop, forever (here, 5 s, then fail)."""
+    prompts = PromptThread()
+    started, release = threading.Event(), threading.Event()
+
+    def slow_prompt() -> str:
+        started.set()
+        assert release.wait(5), "the loop never came round: the work held it"
+        return threading.current_thread().name
+
+    async def serve() -> str:
+        prepared = asyncio.create_task(prompts.run(slow_prompt))
+        await asyncio.to_thread(started.wait, 5)
+        release.set()  # (the loop, running while the work waits for it)
+        return await prepared
+
+    assert asyncio.run(serve()).startswith("tandem-prompt")
+
+
+def test_prompts_are_prepared_one_at_a_time_in_order_and_errors_reach_their_request():
+    prompts = PromptThread()
+    done, running = [], []
+
+    def prepare(i: int) -> int:
+        running.append(i)
+        assert len(running) == 1, running  # never two at once
+        done.append(i)
+        running.remove(i)
+        if i == 3:
+            raise ValueError("prompt 3 is past the limit")
+        return i * 10
+
+    async def serve():
+        return await asyncio.gather(*(prompts.run(prepare, i) for i in range(8)), return_exceptions=True)
+
+    results = asyncio.run(serve())
+    assert done == list(range(8))
+    assert [r for i, r in enumerate(results) if i != 3] == [0, 10, 20, 40, 50, 60, 70]
+    with pytest.raises(ValueError, match="prompt 3"):
+        raise results[3]
