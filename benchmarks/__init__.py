@@ -23,4 +23,5 @@ BENCHMARKS = {
     "speculative": "benchmarks.speculative",
     "responses": "benchmarks.responses",
     "store-pages": "benchmarks.store_pages",
+    "large-bodies": "benchmarks.large_bodies",
 }

@@ -22,6 +22,7 @@ from actors.sampling_params import InvalidRequestError
 from cluster.admission import SloRejected
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
+from cluster.prompt_thread import BODY_BYTES
 from cluster.sglang_body import MANY, ONE
 
 log = logging.getLogger("tandem.app")
@@ -149,7 +150,9 @@ class RequestGuard:
             async def replay():
                 return messages.pop(0) if messages else await receive()
 
+            BODY_BYTES.set(size)  # (where its prompt is prepared: cluster/prompt_thread.py)
             return await self.app(scope, replay, send)
+        BODY_BYTES.set(int(length or 0))
         return await self.app(scope, receive, send)
 
 

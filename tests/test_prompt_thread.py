@@ -1,6 +1,6 @@
-"""cluster/prompt_thread.py: a replica's prompt work runs on one thread of its own,
-in the order it came, while the event loop goes on; results and errors come back
-to the awaiting request."""
+"""cluster/prompt_thread.py: a large body's prompt work runs on one thread of its
+own, in the order it came, while the event loop goes on; a small body's on the
+loop; results and errors come back to the awaiting request."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import threading
 
 import pytest
 
-from cluster.prompt_thread import PromptThread
+from cluster.prompt_thread import BODY_BYTES, INLINE_BODY_BYTES, PromptThread
+
+LARGE = INLINE_BODY_BYTES + 1
 
 
 def test_the_loop_goes_on_while_a_prompt_is_prepared():
@@ -24,6 +26,7 @@ def test_the_loop_goes_on_while_a_prompt_is_prepared():
         return threading.current_thread().name
 
     async def serve() -> str:
+        BODY_BYTES.set(LARGE)  # (as the ingress guard sets it for a request)
         prepared = asyncio.create_task(prompts.run(slow_prompt))
         await asyncio.to_thread(started.wait, 5)
         release.set()  # (the loop, running while the work waits for it)
@@ -46,6 +49,7 @@ def test_prompts_are_prepared_one_at_a_time_in_order_and_errors_reach_their_requ
         return i * 10
 
     async def serve():
+        BODY_BYTES.set(LARGE)
         return await asyncio.gather(*(prompts.run(prepare, i) for i in range(8)), return_exceptions=True)
 
     results = asyncio.run(serve())
@@ -53,3 +57,15 @@ def test_prompts_are_prepared_one_at_a_time_in_order_and_errors_reach_their_requ
     assert [r for i, r in enumerate(results) if i != 3] == [0, 10, 20, 40, 50, 60, 70]
     with pytest.raises(ValueError, match="prompt 3"):
         raise results[3]
+
+
+def test_a_small_body_is_prepared_where_it_is_asked_for():
+    """No thread hop for the common request, and no wait behind a large body."""
+    prompts = PromptThread()
+
+    async def serve(body_bytes: int) -> str:
+        BODY_BYTES.set(body_bytes)
+        return await prompts.run(lambda: threading.current_thread().name)
+
+    assert asyncio.run(serve(INLINE_BODY_BYTES)) == threading.current_thread().name
+    assert asyncio.run(serve(LARGE)).startswith("tandem-prompt")
