@@ -186,7 +186,7 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
     if tool_choice == "auto":
         parsed = fmt.parse_of(_is_held(tools))(text, tool_names(tools), parallel)
         calls = [call(name, arguments) for name, arguments in parsed.calls] or None
-        return ChatAnswer(parsed.content, calls, _auto_reason(finish_reason, calls))
+        return ChatAnswer(parsed.content, calls, _calls_reason(finish_reason, calls))
     named = named_choice(tools, tool_choice) if tools else None
     if named is not None:
         return ChatAnswer(None, [call(named.name, text)], finish_reason)
@@ -199,7 +199,7 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
     calls = [known_call(item, tool_names(tools), "parameters") for item in items] if isinstance(items, list) else [None]
     if not calls or None in calls:  # (held to the pattern, only a cut answer is not calls)
         return ChatAnswer(text, None, finish_reason)
-    return ChatAnswer(None, [call(name, arguments) for name, arguments in calls], finish_reason)
+    return ChatAnswer(None, [call(name, arguments) for name, arguments in calls], _calls_reason(finish_reason, calls))
 
 
 def chooses_freely(tools: list[Tool] | None, tool_choice) -> bool:
@@ -221,7 +221,10 @@ def _effective(tools: list[Tool] | None, tool_choice):
     return "auto" if tools and tool_choice is None else tool_choice
 
 
-def _auto_reason(finish_reason: str | None, calls) -> str | None:
+def _calls_reason(finish_reason: str | None, calls) -> str | None:
+    """An answer of calls that ended by itself ends for "tool_calls" (OpenAI's and
+    vLLM's reason, for tool_choice "auto" and "required"; a named function's
+    answer, which can only be its call, ends for "stop", as OpenAI's does)."""
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
@@ -282,11 +285,12 @@ class StreamedCalls:
         answer = chat_answer("".join(self.pieces), None, self.tools, self.tool_choice, self.parallel)
         if answer.calls is None:
             return {"content": answer.content}
+        self.num_calls = len(answer.calls)
         return {"tool_calls": [{"index": i, **each} for i, each in enumerate(answer.calls)]}
 
     def finish_reason(self, reason: str | None) -> str | None:
         """The choice's finish reason, given its output's."""
-        return _auto_reason(reason, self.num_calls) if self.auto is not None else reason
+        return reason if self.named is not None else _calls_reason(reason, self.num_calls)
 
     def _auto_delta(self, pieces: list) -> dict:
         delta: dict = {}

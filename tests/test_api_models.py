@@ -14,7 +14,7 @@ from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError
 from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody
 from cluster.sglang_body import GenerateBody
-from cluster.tool_calls import TOOL_CALL_FORMATS, Tool, chat_answer
+from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, Tool, chat_answer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -172,3 +172,24 @@ def test_a_response_format_beside_tools_holds_the_text_and_leaves_the_calls(stri
         sizes = [len(compile_regex(ChatBody(messages=MESSAGES, tools=tools, response_format=answer).output_regex())
                      .accepting) for tools in (many[:1], many)]
         assert sizes[1] < sizes[0] + 40, sizes
+
+
+def test_an_answer_of_calls_ends_for_tool_calls_but_a_named_functions_for_stop():
+    """OpenAI's reasons, and vLLM's: "tool_calls" for calls under tool_choice
+    "required" (it was "stop", and agent loops that wait for "tool_calls" missed
+    the call) as under "auto"; "stop" for a named function's call; a cut answer
+    keeps "length"."""
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": CITY}})]
+    calls = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert chat_answer(calls, "stop", tools, "required").finish_reason == "tool_calls"
+    assert chat_answer(calls[:-5], "length", tools, "required").finish_reason == "length"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat_answer('{"city": "Oslo"}', "stop", tools, named).finish_reason == "stop"
+    streamed = StreamedCalls.of(tools, "required")
+    assert streamed.delta(calls[:20], False) is None and streamed.delta(calls[20:], True)["tool_calls"]
+    assert streamed.finish_reason("stop") == "tool_calls"
+    cut = StreamedCalls.of(tools, "required")
+    assert cut.delta(calls[:-5], True) == {"content": calls[:-5]} and cut.finish_reason("length") == "length"
+    streamed_named = StreamedCalls.of(tools, named)
+    assert streamed_named.delta('{"city": "Oslo"}', True)["tool_calls"]
+    assert streamed_named.finish_reason("stop") == "stop"

@@ -380,6 +380,7 @@ def test_tool_calls_by_a_named_function_or_required(client):
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     [call] = named.choices[0].message.tool_calls
     assert named.choices[0].message.content is None and call.function.name == "get_weather"
+    assert named.choices[0].finish_reason == "stop"  # (OpenAI's, for a named function: its call is the only answer)
     assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
     streamed = list(client.chat.completions.create(
         model="tandem-tiny-qwen2", messages=messages, tools=[WEATHER, CLOCK], max_tokens=60, temperature=1.0,
@@ -387,12 +388,13 @@ def test_tool_calls_by_a_named_function_or_required(client):
     deltas = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments  # seeded: the same
+    assert streamed[-1].choices[0].finish_reason == "stop"
     # One call (a random model may go on adding calls to an open list until the length cuts it):
     required = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, tools=[WEATHER, CLOCK],
                                               max_tokens=150, temperature=1.0, seed=5, tool_choice="required",
                                               parallel_tool_calls=False)
     calls = required.choices[0].message.tool_calls
-    assert required.choices[0].finish_reason == "stop" and len(calls) == 1
+    assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1  # (as OpenAI's and vLLM's; was "stop")
     assert all(c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments), dict)
                for c in calls)
     # Streamed with logprobs, the calls come at the end and every token's logprob on the way (they were dropped).
@@ -402,6 +404,7 @@ def test_tool_calls_by_a_named_function_or_required(client):
         stream_options={"include_usage": True}))
     logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
     assert len(logprobs) == chunks[-1].usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     # The next turn: the call and its answer go back into the prompt.
     history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                           {"role": "tool", "tool_call_id": call.id, "content": "12 C"}]
