@@ -90,6 +90,8 @@ class OutputWriter:
 
         may_stop = len(output_ids) > params.min_new_tokens
         if may_stop and token_id in request.stop_token_ids:
+            if params.include_stop_str_in_output:  # its text ends the output, as vLLM's (an end token's is none)
+                request.detokenizer.add(token_id)
             return self.finish(request, FinishReason.STOP)
         delta = request.detokenizer.add(token_id)
         if request.stop_strings is not None and delta and may_stop:

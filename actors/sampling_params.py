@@ -42,7 +42,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # non-empty: only these can be sampled (vLLM's); (): any token
     min_new_tokens: int = 0  # no EOS, stop token or stop string before this many tokens (vLLM's min_tokens)
     bad_words: tuple[str, ...] = ()  # words the output must not contain (vLLM's; actors/bad_words.py)
-    include_stop_str_in_output: bool = False  # a stop string ends the text instead of being cut off
+    include_stop_str_in_output: bool = False  # a stop string (or stop token's text) ends the text, not cut off
     prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob and its n best
     regex: str | None = None  # the output must match it whole (actors/structured_output.py)
     # Set from the fields above; plain fields, read for every row of every step.

@@ -58,6 +58,11 @@ def test_stop_token_ids_end_the_request(llm):
     )[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason is FinishReason.STOP
+    # The stop token's text is left out of the text, as vLLM leaves it, unless asked for (it was left out always)
+    kept = llm.generate(["Stop here"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,
+                                                      stop_token_ids=(stop_id,), include_stop_str_in_output=True))[0]
+    assert kept.token_ids == out.token_ids
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1]) and kept.text == llm.tokenizer.decode(out.token_ids)
 
 
 def test_eos_ends_the_request_unless_ignored(llm, tiny_qwen2_dir, tmp_path):
