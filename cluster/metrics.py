@@ -42,6 +42,15 @@ class Metrics:
             self._help[name] = ("gauge", help_text)
             self._gauges[name][self._key(labels)] = value
 
+    def forget_gauges(self, **labels) -> None:
+        """Drop every gauge series carrying these labels (a worker that is gone: its
+        last values would otherwise be reported beside its replacement's forever)."""
+        wanted = set(labels.items())
+        with self._lock:
+            for series in self._gauges.values():
+                for key in [key for key in series if wanted <= set(key)]:
+                    del series[key]
+
     def observe(self, name: str, help_text: str, value: float, **labels) -> None:
         with self._lock:
             self._help[name] = ("histogram", help_text)

@@ -195,6 +195,7 @@ class PoolView:
         self.num_routed.pop(worker_id, None)
         self.models.forget(worker_id)
         self.lines.forget(worker_id)
+        self.metrics.forget_gauges(worker=worker_id)
 
     async def _profile_new(self, members) -> None:
         """Cost models for workers that have none. The first worker of a role

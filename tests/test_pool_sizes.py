@@ -42,10 +42,14 @@ async def _scenario(pool, settings):
     drained = await pool.drain.remote("p0", "by hand")
     after_drain = await _prefills(pool, 1)
     bigger = AppSettings.model_validate({**SETTINGS, "prefill": {"replicas": 2}})
-    async with refreshing(build_scheduler(bigger, pool), interval_s=0.25):  # a redeployed replica
+    replica = build_scheduler(bigger, pool)
+    async with refreshing(replica, interval_s=0.25):  # a redeployed replica
         after_redeploy = await _prefills(pool, 2)
         smaller = await pool.apply_pools.remote(SETTINGS)
         after_shrink = await _prefills(pool, 1)  # (the replica reports the one drained as left alone)
+        await asyncio.sleep(1.0)  # (refreshes that see it gone)
+        gauged = _gauged_workers(replica.metrics.render())
+        members = set(replica.view.members)
     unchanged = await pool.apply_pools.remote(SETTINGS)
     stricter = await pool.apply_pools.remote({**SETTINGS, "slo": {"ttft_ms": 700}})
     running = await pool.running_settings.remote()
@@ -61,8 +65,14 @@ async def _scenario(pool, settings):
         await mismatched.view.refresh()
     return dict(drained=drained, after_drain=after_drain, after_redeploy=after_redeploy, smaller=smaller,
                 after_shrink=after_shrink, unchanged=unchanged, stricter=stricter, running=running, events=events,
-                refused=str(refused.value), mismatched=mismatched.view.health(),
+                refused=str(refused.value), mismatched=mismatched.view.health(), gauged=gauged, members=members,
                 mismatched_members=mismatched.view.members)
+
+
+def _gauged_workers(metrics: str) -> set[str]:
+    """The workers /metrics reports a KV block gauge for."""
+    return {line.split('worker="')[1].split('"')[0] for line in metrics.splitlines()
+            if line.startswith("tandem_kv_blocks_used{")}
 
 
 def test_a_fixed_pool_keeps_its_size_through_a_drain_and_takes_a_redeploys(ray_local, tiny_qwen2_dir):
@@ -78,6 +88,7 @@ def test_a_fixed_pool_keeps_its_size_through_a_drain_and_takes_a_redeploys(ray_l
     assert [e.signal for e in downs] == ["above_size"] and downs[0].worker_id not in {
         w.worker_id for w in r["after_shrink"]}
     assert r["smaller"] == ["prefill"] and r["unchanged"] == []
+    assert r["gauged"] == r["members"] and downs[0].worker_id not in r["gauged"]  # (a gone worker's were kept)
     assert r["stricter"] == ["slo"] and r["running"]["slo"]["ttft_ms"] == 700
     assert "retuned" in [e.kind for e in r["events"]]
     assert r["refused"].startswith("the running worker pools 'test-pool-sizes' keep the settings they were started "
