@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 
+from actors.detokenizer import ByteLevelTables
 from actors.request import TokenLogprob
 from cluster import openai_format as fmt
 from cluster.api_models import ApiError, ChatBody, choice_params
@@ -26,6 +28,8 @@ class Completions:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.tool_format = tool_format  # how the model writes tool calls (cluster/tool_calls.py)
+        tables = ByteLevelTables.of(tokenizer)  # each token's own bytes, for chat logprobs (None: not byte-level)
+        self.token_bytes = tables.with_special if tables is not None else None
 
     async def answer(self, body, prompts: list, params, prompt_ids: list[list[int]], chat: bool,
                      reasoning: Reasoning | None = None, stream_as=None):
@@ -51,7 +55,8 @@ class Completions:
         results = await self.collect_all(streams)
         if echo is not None:
             results = [echo[k](out) for k, out in enumerate(results)]
-        as_logprobs = fmt.chat_logprobs if chat else fmt.completion_logprobs
+        as_logprobs = functools.partial(fmt.chat_logprobs, token_bytes=self.token_bytes) if chat \
+            else fmt.completion_logprobs
         texts, reasons = [out.text for out in results], [fmt.finish_reason(out.finish_reason) for out in results]
         calls = thoughts = None
         if chat:  # a message's reasoning (cluster/reasoning.py), text and calls (cluster/tool_calls.py)
@@ -181,7 +186,7 @@ class Completions:
                     delta = delta or {}
                 if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)
                     if chat:
-                        logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs)
+                        logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs, self.token_bytes)
                     else:
                         logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
                         token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0

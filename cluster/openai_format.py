@@ -71,22 +71,23 @@ def _top_logprobs(tokenizer, text: str, logprob) -> dict[str, float]:
     return top
 
 
-def chat_logprobs(tokenizer, logprobs) -> dict | None:
+def chat_logprobs(tokenizer, logprobs, token_bytes: list[bytes] | None = None) -> dict | None:
+    """OpenAI's chat `logprobs.content`: each token's text, logprob, bytes and the n
+    best. `token_bytes`: each token id's own bytes (a byte-level tokenizer's,
+    actors/detokenizer.py `ByteLevelTables`), so that a token holding part of a
+    character (an emoji, a CJK character split in two) gives its bytes, from which
+    a client rebuilds the text, not the replacement character's (239, 191, 189)
+    its text alone decodes to; without them, its text's."""
     if logprobs is None:
         return None
-    content = []
-    for lp in logprobs:
-        token = tokenizer.decode([lp.token_id])
-        content.append({
-            "token": token,
-            "logprob": lp.logprob,
-            "bytes": list(token.encode()),
-            "top_logprobs": [
-                {"token": tokenizer.decode([t]), "logprob": v, "bytes": list(tokenizer.decode([t]).encode())}
-                for t, v in lp.top
-            ],
-        })
-    return {"content": content}
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        own = token_bytes is not None and token_id < len(token_bytes)
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes[token_id] if own else text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
 
 
 def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list:

@@ -413,6 +413,30 @@ def test_tool_calls_by_a_named_function_or_required(client):
     assert answer.choices[0].message.tool_calls is None and answer.usage.completion_tokens >= 1
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own(client):
+    """A token holding part of a character gives its own bytes (it gave its text's,
+    the replacement character's 239, 191, 189), so a client rebuilds the answer
+    from them: here an emoji and CJK characters, held by a pattern and split across
+    tokens by this tokenizer."""
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=24, logprobs=True, top_logprobs=2,
+                                          extra_body={"guided_regex": "😀漢字"})
+    choice = chat.choices[0]
+    assert choice.message.content == "😀漢字"
+    pieces = [bytes(lp.bytes) for lp in choice.logprobs.content]
+    assert b"".join(pieces) == "😀漢字".encode()
+    assert any(_is_partial(piece) for piece in pieces)  # (else this would prove nothing)
+    assert all(len(lp.top_logprobs) == 2 for lp in choice.logprobs.content)
+
+
+def _is_partial(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 def test_tool_calls_the_model_chooses_under_auto(client):
     """tool_choice "auto" (OpenAI's default with tools): the model's own
     `<tool_call>` blocks are its calls, the rest its text. A random model does not
