@@ -129,6 +129,12 @@ class _OpenAIBody(RequestBody):
             raise ValueError("prompt_logprobs is not available with stream: true")
         return self
 
+    @model_validator(mode="after")
+    def _stream_options_with_a_stream(self):
+        if self.stream_options is not None and not self.stream:  # (as OpenAI and vLLM refuse it)
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _keeps_a_token(cls, value: int | None) -> int | None:
@@ -292,7 +298,18 @@ class _ChatTemplateFields(RequestBody):
 
 
 class ChatBody(_ChatTemplateFields, _OpenAIBody):
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "echo": (None, False)}  # vLLM's chat echo
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_OpenAIBody.UNSUPPORTED, "echo": (None, False),  # vLLM's chat echo
+        # vLLM's template inputs, and OpenAI's audio output (each was taken and ignored)
+        "chat_template": (None,), "documents": (None, []), "mm_processor_kwargs": (None, {}),
+        "return_tokens_as_token_ids": (None, False), "modalities": (None, ["text"]), "audio": (None,),
+    }
+    UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {
+        "chat_template": "the checkpoint's chat template renders every request (vLLM, too, takes one only when "
+                         "started with --trust-request-chat-template)",
+        "documents": "the chat template is given messages and tools only; put the documents in a message",
+        "modalities": "the answer is text only",
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None

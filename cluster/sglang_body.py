@@ -89,6 +89,7 @@ class GenerateBody(RequestBody):
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "lora_path": (None,), "image_data": (None,), "input_embeds": (None,), "custom_logit_processor": (None,),
+        "return_hidden_states": (None, False), "session_params": (None,),
     }
 
     text: Text | None = None
