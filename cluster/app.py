@@ -158,7 +158,7 @@ class Scheduler:
                            headers={"Retry-After": "5"})
 
     # ---- endpoints --------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers probe with HEAD too)
     async def health(self):
         self._ensure_refreshing()
         status, body = self.service.view.health()

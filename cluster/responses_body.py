@@ -58,6 +58,24 @@ IncludeValue = Literal[LOGPROBS_INCLUDE, "reasoning.encrypted_content", "web_sea
                        "web_search_call.results", "code_interpreter_call.outputs",
                        "computer_call_output.output.image_url", "file_search_call.results",
                        "message.input_image.image_url"]
+MAX_METADATA = 16  # OpenAI's bounds on `metadata` (responses and conversations alike)
+MAX_KEY_CHARS, MAX_VALUE_CHARS = 64, 512
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
+
+
+def bounded_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """`metadata`, checked against OpenAI's bounds (a ValueError, a 400, past them)."""
+    if metadata is None:
+        return metadata
+    if len(metadata) > MAX_METADATA:
+        raise ValueError(f"at most {MAX_METADATA} pairs, not {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_KEY_CHARS or len(value) > MAX_VALUE_CHARS:
+            raise ValueError(f"keys of at most {MAX_KEY_CHARS} characters, values of at most {MAX_VALUE_CHARS}: "
+                             f"not {key[:MAX_KEY_CHARS + 1]!r}")
+    return metadata
+
+
 ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
@@ -108,6 +126,19 @@ class ResponsesBody(RequestBody):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded(cls, metadata):
+        return bounded_metadata(metadata)
+
+    @field_validator("reasoning")
+    @classmethod
+    def _known_effort(cls, reasoning: dict | None) -> dict | None:
+        effort = (reasoning or {}).get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise ValueError(f"effort must be one of {', '.join(REASONING_EFFORTS)}, not {effort!r}")
+        return reasoning
 
     @field_validator("tools", mode="before")
     @classmethod

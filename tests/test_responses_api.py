@@ -61,6 +61,19 @@ def test_tools_and_formats_in_chat_spelling():
     assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
 
 
+def test_metadata_and_reasoning_effort_are_held_to_openais_bounds():
+    """Metadata of at most 16 pairs, keys of 64 characters, values of 512 (as a
+    conversation's), and a reasoning effort OpenAI names (each was taken as given)."""
+    ok = {"input": "x", "metadata": {"k" * 64: "v" * 512}, "reasoning": {"effort": "minimal"}}
+    assert ResponsesBody.model_validate(ok).metadata == ok["metadata"]
+    for bad, said in (({"metadata": {str(i): "v" for i in range(17)}}, "at most 16 pairs, not 17"),
+                      ({"metadata": {"k" * 65: "v"}}, "keys of at most 64 characters"),
+                      ({"metadata": {"k": "v" * 513}}, "values of at most 512"),
+                      ({"reasoning": {"effort": "bogus"}}, "effort must be one of none, minimal, low")):
+        with pytest.raises(ValidationError, match=said):
+            ResponsesBody.model_validate({"input": "x", **bad})
+
+
 VALUES = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(st.integers(), max_size=2),
                    st.dictionaries(st.sampled_from(["type", "text"]), st.text(max_size=5), max_size=2))
 PARTS = st.lists(st.one_of(VALUES, st.fixed_dictionaries(

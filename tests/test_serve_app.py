@@ -575,6 +575,8 @@ def test_models_health_metrics_openapi(base_url, client):
     assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
     health = httpx.get(f"{base_url}/health").json()
     assert health["status"] == "ready" and health["pools"] == ["decode", "prefill"]
+    probed = httpx.head(f"{base_url}/health")  # (as load balancers probe: it was a 405)
+    assert probed.status_code == 200 and probed.content == b""
     deep = httpx.get(f"{base_url}/health_generate", timeout=60)  # one token through P, the KV transfer and D
     assert deep.status_code == 200 and deep.json()["status"] == "ok" and deep.json()["seconds"] > 0, deep.text
     served = client.completions.create(model="tandem-tiny-qwen2", prompt="count me", max_tokens=2)  # what is counted
