@@ -168,7 +168,7 @@ class Completions:
         async with contextlib.aclosing(merged(streams)) as events:
             async for index, event in events:
                 if event.error:
-                    yield {"error": {"message": event.error, "type": "worker_error"}}
+                    yield {"error": {"message": event.error, "type": "worker_error", "code": 500}}  # (as a 500 body)
                     break
                 if first[index] and echo is not None:
                     event = echo[index](event)

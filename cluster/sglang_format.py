@@ -108,7 +108,7 @@ async def stream(streams: list, answered: list[Answered], indexed: bool):
     async with contextlib.aclosing(merged(streams)) as events:
         async for k, event in events:
             if event.error:
-                yield sse({"error": {"message": event.error, "type": "worker_error"}})
+                yield sse({"error": {"message": event.error, "type": "worker_error", "code": 500}})
                 break
             chunks[k].add(event.text, event.token_ids)
             if event.logprobs is not None:  # extended in place: a copy an event would be quadratic
