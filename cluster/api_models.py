@@ -18,9 +18,9 @@ the model's default fills exactly those the request left out.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
@@ -70,6 +70,9 @@ class RequestBody(BaseModel):
 
 
 MAX_CHOICES = 16  # OpenAI's `n` (and SGLang's), at most
+# A token id as JSON writes one: an integer, never a bool or a string of digits
+# (pydantic's lax mode took [true] for the prompt [1]).
+TokenId = Annotated[int, Strict()]
 MAX_BATCH_REQUESTS = 64  # prompts x n in one completions or /generate call
 
 
@@ -97,7 +100,7 @@ class _OpenAIBody(RequestBody):
     stream: bool = False
     stream_options: dict | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (vLLM-style)
+    stop_token_ids: list[TokenId] | None = None  # extension (vLLM-style)
     seed: int | None = None
     top_k: int | None = Field(None, ge=0)  # extension (vLLM-style)
     min_p: float | None = None  # extension (vLLM-style)
@@ -109,7 +112,7 @@ class _OpenAIBody(RequestBody):
     include_stop_str_in_output: bool = False  # extension (vLLM-style)
     skip_special_tokens: bool = True  # extension (vLLM-style)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
-    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
     bad_words: list[str] | None = None  # extension (vLLM-style): words the output must not contain
     # Structured output (cluster/output_format.py): OpenAI's, then vLLM's extensions
     response_format: dict | None = None
@@ -188,7 +191,7 @@ class CompletionBody(_OpenAIBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, ""), "tools": (None, []),
                                                "tool_choice": (None, "none")}
 
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]  # one prompt, or a batch of them
     add_special_tokens: bool = True  # extension (vLLM's): a text prompt gets the tokenizer's BOS
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -403,4 +406,4 @@ class TokenizeBody(_ChatTemplateFields):
 
 class DetokenizeBody(RequestBody):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[TokenId] = Field(max_length=1 << 20)

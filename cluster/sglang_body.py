@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
-from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, RequestBody, stop_tuple
+from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, RequestBody, TokenId, stop_tuple
 from cluster.output_format import sglang_regex
 
 
@@ -32,7 +32,7 @@ class SglangSamplingParams(RequestBody):
     top_k: int | None = Field(None, ge=-1)  # SGLang's -1 means off
     min_p: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None  # the sampling seed (SGLang: sampling_seed)
@@ -70,7 +70,7 @@ def _is_list_of_lists(value) -> bool:
 
 Rid = Annotated[str, Field(max_length=128)]
 Text = _one_or_many(str, list[str], _is_list)
-InputIds = _one_or_many(list[int], list[list[int]], _is_list_of_lists)
+InputIds = _one_or_many(list[TokenId], list[list[TokenId]], _is_list_of_lists)
 Params = _one_or_many(SglangSamplingParams, list[SglangSamplingParams], _is_list)
 Rids = _one_or_many(Rid, list[Rid], _is_list)
 
@@ -106,7 +106,7 @@ class GenerateBody(RequestBody):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     min_new_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     no_stop_trim: bool | None = None

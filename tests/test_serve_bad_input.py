@@ -162,6 +162,11 @@ def client(base_url):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids is not supported"),
         ("/generate", {"text": "x", "return_hidden_states": True}, "return_hidden_states is not supported"),
+        # Token ids that are not integers (a bool was read as the id 1)
+        ("/v1/completions", {"prompt": [True, 5]}, "prompt"),
+        ("/generate", {"input_ids": [1, "2"]}, "input_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [False]}, "stop_token_ids"),
+        ("/detokenize", {"tokens": [True]}, "tokens"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
          "stream_options is only allowed with stream: true"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
