@@ -66,9 +66,11 @@ class ModelConfig:
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: no config.json (is this a checkpoint folder?)")
         try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:  # (ValueError: not UTF-8, not JSON)
             raise CheckpointError(f"{path}: unreadable config ({exc})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         archs = raw.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:

@@ -112,7 +112,8 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
-            raise CheckpointError(f"{model_dir}: no such checkpoint folder")
+            raise CheckpointError(f"{model_dir}: " + ("a file, not a checkpoint folder" if model_dir.exists()
+                                                      else "no such checkpoint folder"))
         self.config = config or EngineConfig()
         self.model_config = ModelConfig.from_hf(model_dir)
         self.tokenizer = load_tokenizer(model_dir)

@@ -37,6 +37,26 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def rates(text: str) -> str:
+    """Comma-separated offered rates, req/s, each > 0 (`--rates 2,4,8`), checked up
+    front and kept as written (a bad one surfaced minutes later, after the apps
+    were deployed)."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be rates > 0 in req/s, comma-separated, got {text!r}") from None
+    if not all(value > 0 and value != float("inf") for value in values):
+        raise argparse.ArgumentTypeError(f"must be rates > 0 in req/s, comma-separated, got {text!r}")
+    return text
+
+
+def block_size(text: str) -> int:
+    """A KV block size the engine takes: 16, 32 or 64."""
+    if text not in ("16", "32", "64"):
+        raise argparse.ArgumentTypeError(f"must be 16, 32 or 64, got {text!r}")
+    return int(text)
+
+
 def preset(text: str) -> str:
     """A built-in model preset's name (actors/model_builder.py)."""
     from actors.model_shapes import PRESETS

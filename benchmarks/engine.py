@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.arguments import arch, positive_int
+from benchmarks.arguments import arch, block_size, positive_int
 from benchmarks.engine_profile import profile_tandem, sweep
 from benchmarks.engine_systems import HFContinuousSystem, HFStaticSystem, RunResult, TandemSystem, load_hf_model
 from benchmarks.engine_workloads import Workload, equal_workload, mixed_workload
@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads (both systems)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=positive_int, default=16)
-    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--block-size", type=block_size, default=16)
     parser.add_argument("--prefill-chunk-size", type=positive_int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     parser.add_argument("--max-num-seqs", type=positive_int, default=64)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks import report
 from benchmarks import workload as wl
-from benchmarks.arguments import arch, fraction, positive_float, positive_int, preset
+from benchmarks.arguments import arch, fraction, positive_float, positive_int, preset, rates
 
 MAX_EXTENSIONS = 2  # extra sweep rates when the capacity is outside the first sweep
 RUN_HEADERS = ["app", "load", "rate req/s", "requests", "rejected", "attainment (offered)", "attainment (admitted)",
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, fixed rates: a smoke run")
     parser.add_argument("--preset", type=preset, default=None, help="model preset (default: bench; tiny with --quick)")
     parser.add_argument("--arch", type=arch, default="qwen2")
-    parser.add_argument("--rates", default=None, help="capacity sweep rates, req/s (default: calibrated)")
+    parser.add_argument("--rates", type=rates, default=None, help="capacity sweep rates, req/s (default: calibrated)")
     parser.add_argument("--capacity", type=positive_float, default=None, help="skip the sweep: capacity in req/s")
     parser.add_argument("--window-s", type=positive_float, default=None,
                         help="offered window per run (default 50, quick 4)")

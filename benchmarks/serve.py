@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.arguments import arch, fraction, positive_float, positive_int, preset
+from benchmarks.arguments import arch, fraction, positive_float, positive_int, preset, rates
 from benchmarks.serve_scenarios import SCENARIOS, Scenario, build_scenario
 
 RUN_HEADERS = ["system", "rate req/s", "requests", "ok", "TTFT p50 s", "TTFT p99 s", "TBT p50 ms", "TBT p99 ms",
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, short requests, two rates: a smoke run")
     parser.add_argument("--preset", type=preset, default=None, help="model preset (default: bench; tiny with --quick)")
     parser.add_argument("--arch", type=arch, default="qwen2")
-    parser.add_argument("--rates", default=None, help="comma-separated offered rates in req/s (default: calibrated)")
+    parser.add_argument("--rates", type=rates, default=None, help="comma-separated offered rates in req/s (default: calibrated)")
     parser.add_argument("--window-s", type=positive_float, default=None,
                         help="offered window per run (default 50, quick 4)")
     parser.add_argument("--min-requests", type=positive_int, default=5, help="requests per run at least")

@@ -22,6 +22,8 @@ from cluster.pool_cli import add_pool_commands
 def _cmd_make_model(args: argparse.Namespace) -> None:
     from actors.model_builder import build_checkpoint
 
+    if not args.out.strip():
+        raise CliError("--out is empty: give the folder to write the checkpoint to")
     try:
         out = build_checkpoint(args.preset, args.arch, Path(args.out), progress=True)
     except OSError as exc:

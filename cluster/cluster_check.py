@@ -17,21 +17,25 @@ ROLE_LABEL = "tandem/role"
 
 
 def check_cluster_config(path: str | Path) -> list[str]:
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        return [f"{path}: cannot read YAML ({exc})"]
+    raw, problem = read_yaml(path, "the cluster config")
+    if problem is not None:
+        return [problem]
     if not isinstance(raw, dict):
         return [f"{path}: expected a mapping at the top level"]
     problems = _ray_schema_problems(raw)
     node_types = raw.get("available_node_types") or {}
+    if not isinstance(node_types, dict):
+        return problems + ["available_node_types must be a mapping of node type names to their settings"]
     roles: dict[str, list[str]] = {}
     for name, node_type in node_types.items():
-        labels = (node_type or {}).get("labels") or {}
-        role = labels.get(ROLE_LABEL)
+        shape = _shape_problem(name, node_type)
+        if shape is not None:
+            problems.append(shape)
+            continue
+        role = (node_type.get("labels") or {}).get(ROLE_LABEL)
         if role:
             roles.setdefault(role, []).append(name)
-        for resource, amount in ((node_type or {}).get("resources") or {}).items():
+        for resource, amount in (node_type.get("resources") or {}).items():
             if not isinstance(amount, int):
                 problems.append(f"node type {name}: resource {resource} must be an integer, got {amount!r}")
         low, high = node_type.get("min_workers", 0), node_type.get("max_workers", 0)
@@ -40,7 +44,33 @@ def check_cluster_config(path: str | Path) -> list[str]:
     for role in ("prefill", "decode"):
         if role not in roles:
             problems.append(f"no node type labelled {ROLE_LABEL}: {role} (the {role} pool has nowhere to run)")
-    return problems
+    return list(dict.fromkeys(problems))  # (Ray's schema may say the same)
+
+
+def _shape_problem(name, node_type) -> str | None:
+    """What is not a mapping where a node type, its labels or its resources must be one."""
+    if not isinstance(node_type, dict):
+        return f"node type {name}: expected a mapping of its settings, got {node_type!r}"
+    for field in ("labels", "resources"):
+        if not isinstance(node_type.get(field) or {}, dict):
+            return f"node type {name}: {field} must be a mapping (name: value), got {node_type[field]!r}"
+    return None
+
+
+def read_yaml(path: str | Path, what: str):
+    """(the document, None) or (None, a one-line problem naming `what` it should
+    have been): a file that cannot be read, is not UTF-8, is not YAML, or nests
+    too deeply to load."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8")), None
+    except OSError as exc:
+        return None, f"cannot read {what}: {path}: {exc.strerror or exc}"
+    except UnicodeDecodeError as exc:
+        return None, f"cannot read {what}: {path} is not UTF-8 text (byte {exc.start})"
+    except yaml.YAMLError as exc:
+        return None, f"cannot read {what}: {path} is not valid YAML ({' '.join(str(exc).split())})"
+    except RecursionError:
+        return None, f"cannot read {what}: {path} nests too deeply"
 
 
 def _ray_schema_problems(raw: dict) -> list[str]:
@@ -48,6 +78,8 @@ def _ray_schema_problems(raw: dict) -> list[str]:
 
     try:
         validate_config(prepare_config(copy.deepcopy(raw)))
+    except KeyError as exc:  # (a required key, as Ray's prepare_config reads it)
+        return [f"Ray's cluster schema: {exc.args[0]!r} is required"]
     except Exception as exc:  # jsonschema / ValueError from Ray's validator
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return [f"Ray's cluster schema: {message}"]

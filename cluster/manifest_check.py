@@ -25,14 +25,21 @@ IMPORT_PATH = "cluster.app:build_app"
 def check_manifest(path: str | Path, local: bool = False) -> list[str]:
     from ray.serve.schema import ServeDeploySchema
 
+    from cluster.cluster_check import read_yaml
     from cluster.config import AppSettings
 
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-        if isinstance(raw, dict) and raw.get("kind") == "RayService":
-            raw = yaml.safe_load(raw["spec"]["serveConfigV2"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as exc:
-        return [f"cannot read a Serve config ({exc})"]
+    raw, problem = read_yaml(path, "a Serve config")
+    if problem is not None:
+        return [problem]
+    if isinstance(raw, dict) and raw.get("kind") == "RayService":
+        config = (raw.get("spec") or {}).get("serveConfigV2") if isinstance(raw.get("spec"), dict) else None
+        if not isinstance(config, str):
+            return ["a RayService's spec.serveConfigV2 must be the Serve config as a YAML string (`serveConfigV2: |`), "
+                    f"got {type(config).__name__}"]
+        try:
+            raw = yaml.safe_load(config)
+        except yaml.YAMLError as exc:
+            return [f"spec.serveConfigV2 is not valid YAML ({' '.join(str(exc).split())})"]
     if not isinstance(raw, dict):
         return ["expected a mapping at the top level"]
     try:

@@ -48,6 +48,9 @@ def test_every_preset_option_is_checked_against_the_presets():
     (["kernels", "--threads", "x"], "argument --threads: must be an integer >= 0, got 'x'"),
     (["transfer", "--preset", "nope"], "argument --preset: must be one of bench, qwen2.5-0.5b, tiny, got 'nope'"),
     (["predictions", "--lengths", "64,0"], "argument --lengths: must be integers > 0, comma-separated, got '64,0'"),
+    (["serve", "--rates", "abc"], "argument --rates: must be rates > 0 in req/s, comma-separated, got 'abc'"),
+    (["overload", "--rates", "2,-1"], "argument --rates: must be rates > 0 in req/s, comma-separated, got '2,-1'"),
+    (["engine", "--block-size", "7"], "argument --block-size: must be 16, 32 or 64, got '7'"),
 ])
 def test_an_option_out_of_range_is_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -50,4 +50,26 @@ def test_cli_exit_codes(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("cluster_name: [unterminated")
     result = subprocess.run([sys.executable, "-m", "cluster.cli", "check-cluster", str(bad)], capture_output=True, text=True)
-    assert result.returncode == 2 and "Traceback" not in result.stderr and "cannot read YAML" in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "is not valid YAML" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 2  # (the heading, then the problem in one line)
+
+
+def test_malformed_files_and_settings_are_problems_not_tracebacks(tmp_path):
+    """Each was an AttributeError, UnicodeDecodeError or RecursionError from the CLI."""
+    cases = {
+        "labels as a string": lambda raw: raw["available_node_types"]["decode_gpu"].update(labels="tandem/role=decode"),
+        "an empty node type": lambda raw: raw["available_node_types"].update(decode_gpu=None),
+        "node types as a list": lambda raw: raw.update(available_node_types=["decode_gpu"]),
+        "resources as a string": lambda raw: raw["available_node_types"]["decode_gpu"].update(resources="lots"),
+    }
+    for case, mutate in cases.items():
+        problems = check_cluster_config(_variant(tmp_path, mutate))
+        assert problems and all("\n" not in p for p in problems), case
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 100_000 + "]" * 100_000)
+    assert check_cluster_config(tmp_path / "binary.yaml") == [
+        f"cannot read the cluster config: {tmp_path / 'binary.yaml'} is not UTF-8 text (byte 0)"]
+    assert check_cluster_config(tmp_path / "deep.yaml") == [
+        f"cannot read the cluster config: {tmp_path / 'deep.yaml'} nests too deeply"]
+    no_provider = _variant(tmp_path, lambda raw: raw.pop("provider"))
+    assert "Ray's cluster schema: 'provider' is required" in check_cluster_config(no_provider)

@@ -44,6 +44,29 @@ def test_check_manifest_names_each_problem_in_one_line(tmp_path):
     assert cli.stderr.splitlines()[1:] == [f"  {p}" for p in problems]
 
 
+def test_malformed_manifests_are_problems_not_tracebacks(tmp_path, tiny_qwen2_dir):
+    """Each was a traceback from the CLI: bytes that are not UTF-8, YAML nested too
+    deeply, a RayService whose serveConfigV2 is a mapping (the `|` forgotten) or
+    missing, a model folder whose config.json is JSON but no object."""
+    import shutil
+
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00bad")
+    assert check_manifest(tmp_path / "binary.yaml") == [
+        f"cannot read a Serve config: {tmp_path / 'binary.yaml'} is not UTF-8 text (byte 0)"]
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 100_000 + "]" * 100_000)
+    assert check_manifest(tmp_path / "deep.yaml") == [
+        f"cannot read a Serve config: {tmp_path / 'deep.yaml'} nests too deeply"]
+    for config in ("\n    applications: []", " null", ""):
+        (tmp_path / "rs.yaml").write_text(f"kind: RayService\nspec:\n  serveConfigV2:{config}\n")
+        [problem] = check_manifest(tmp_path / "rs.yaml")
+        assert problem.startswith("a RayService's spec.serveConfigV2 must be the Serve config as a YAML string"), config
+    listed = tmp_path / "listed"
+    shutil.copytree(tiny_qwen2_dir, listed)
+    (listed / "config.json").write_text("[1, 2]")
+    [problem] = check_manifest(_with_model_path(tmp_path, listed))
+    assert problem == f"application 'tandem': model.path: {listed}/config.json: expected a JSON object, got list"
+
+
 def _with_model_path(tmp_path, folder) -> Path:
     local = (Path(__file__).parent.parent / "manifests" / "local.yaml").read_text()
     manifest = tmp_path / "custom.yaml"

@@ -246,6 +246,10 @@ def test_cli_demo_with_an_unknown_preset_is_one_line(capsys):
     assert main(["demo", "--preset", "nope"]) == 2
     assert capsys.readouterr().err == "tandem demo: unknown preset 'nope'; choose one of ['bench', 'qwen2.5-0.5b', " \
                                       "'tiny']\n"
+    assert main(["make-model", "--preset", "tiny", "--out", ""]) == 2  # (it wrote into the working folder)
+    assert capsys.readouterr().err == "tandem make-model: --out is empty: give the folder to write the checkpoint to\n"
+    assert main(["demo", "--model", __file__]) == 2
+    assert capsys.readouterr().err == f"tandem demo: {__file__}: a file, not a checkpoint folder\n"
 
 
 def test_a_manifest_takes_every_preset():
