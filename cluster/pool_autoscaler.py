@@ -12,7 +12,8 @@ One step:
    Start failures (died before its profile answered, the profile failed, not
    ready in time) are started again after a delay that grows with each in a row
    (cluster/restart_backoff.py); restarts that wait count as starting workers.
-3. Drains. A draining worker is retired (its block accounting checked, then the
+3. Drains. A drain that waits for another worker of its role to start (make
+   before break: pool_manager.py `drain`) begins once one has. A draining worker is retired (its block accounting checked, then the
    actor killed) once it has drained for `drain_grace_s`, holds no request
    (nothing running, waiting or reserved) and every live scheduler replica reports
    it as draining with nothing in flight there. After `drain_timeout_s` it is
@@ -23,7 +24,7 @@ One step:
    kept at its `replicas` (`_keep_size`).
 
 Every change is logged and kept as a `ScalingEvent` (kinds: up, down, started,
-ready, serving, start_failed, restart, drain_started, drained, drain_timeout,
+ready, serving, start_failed, restart, drain_waits, drain_started, drained, drain_timeout,
 died_draining, replaced, resized);
 decisions are counted in `ray_tandem_autoscale_decisions_total`.
 """
@@ -102,6 +103,8 @@ class PoolAutoscaler:
         self.policies = {role: make_policy(role, getattr(settings, role), self.knobs, slo.attainment)
                          for role in roles if getattr(settings, role).autoscales}
         self.tracks: dict[str, _Track] = {}
+        self.awaiting_drain: dict[str, tuple[str, float]] = {}  # worker id -> (its drain's reason, since), until
+        # another of its role has started
         self.history: dict[str, deque[tuple[float, int, int]]] = {role: deque() for role in roles}  # load per step
         self.events: deque[ScalingEvent] = deque(maxlen=MAX_EVENTS)
         self.num_events = 0  # ever recorded (the index of the next one)
@@ -141,6 +144,7 @@ class PoolAutoscaler:
 
     def on_gone(self, worker_id: str) -> None:
         self.tracks.pop(worker_id, None)
+        self.awaiting_drain.pop(worker_id, None)
 
     def start_failed(self, member, reason: str) -> None:
         """The worker failed to start: gone (killed), another of its role started
@@ -186,6 +190,28 @@ class PoolAutoscaler:
 
     def start_failures(self) -> dict[str, StartFailure]:
         return self.restarts.failures(self.clock())
+
+    def drain_when_replaced(self, member, reason: str) -> None:
+        """Drain `member` once another worker of its role has started; it serves until then."""
+        self.awaiting_drain[member.worker_id] = (reason, self.clock())
+        self.record(member.role, "drain_waits", member.worker_id,
+                    reason=f"{reason}; it serves until another {member.role} worker has started")
+
+    def _begin_awaited_drains(self, now: float) -> None:
+        for worker_id, (reason, since) in list(self.awaiting_drain.items()):
+            member = self.manager.members.get(worker_id)
+            if member is None:
+                del self.awaiting_drain[worker_id]
+            elif any(self.has_started(m.worker_id) for m in self._members(member.role) if not self._leaving(m)):
+                del self.awaiting_drain[worker_id]
+                self.manager.begin_drain(member, reason)
+            elif now - since >= self.knobs.start_timeout_s:
+                del self.awaiting_drain[worker_id]
+                self.manager.begin_drain(member, f"{reason}; none started within {self.knobs.start_timeout_s:g} s")
+
+    def _leaving(self, member) -> bool:
+        """Draining, or waiting to drain: not counted, chosen or replaced as a serving worker."""
+        return member.draining or member.worker_id in self.awaiting_drain
 
     def on_drain(self, member, reason: str) -> None:
         track = self.tracks.get(member.worker_id)
@@ -233,6 +259,7 @@ class PoolAutoscaler:
             self.manager._start(role)
         self._check_readiness(now)
         await self._poll_stats(now)
+        self._begin_awaited_drains(now)
         await self._finish_drains(now)
         for role in self.roles:
             observation = self.observe(role, now)
@@ -285,11 +312,12 @@ class PoolAutoscaler:
     def observe(self, role: str, now: float) -> PoolObservation:
         members = self._members(role)
         tracks = {m.worker_id: self.tracks.get(m.worker_id) for m in members}
-        serving = [m.worker_id for m in members if not m.draining and tracks[m.worker_id]
+        serving = [m.worker_id for m in members if not self._leaving(m) and tracks[m.worker_id]
                    and tracks[m.worker_id].ready_s is not None]
-        starting = [m for m in members if not m.draining and not (tracks[m.worker_id] and tracks[m.worker_id].ready_s)]
+        starting = [m for m in members
+                    if not self._leaving(m) and not (tracks[m.worker_id] and tracks[m.worker_id].ready_s)]
         num_starting = len(starting) + self.restarts.num_waiting(role)
-        draining = [m for m in members if m.draining]
+        draining = [m for m in members if self._leaving(m)]
         policy = self.policies.get(role)
         since = policy.settled_s if policy is not None else float("-inf")
         attainment, num_samples = (self.signals.attainment(FIGURE[role], now, since, self.knobs.min_samples)
@@ -348,7 +376,7 @@ class PoolAutoscaler:
         candidates = []
         for member in self._members(role):
             track = self.tracks.get(member.worker_id)
-            if member.draining or track is None or track.ready_s is None:
+            if self._leaving(member) or track is None or track.ready_s is None:
                 continue
             stats = track.stats
             work = self.signals.inflight(member.worker_id, now)

@@ -139,8 +139,13 @@ def _cmd_drain(args: argparse.Namespace) -> None:
     if worker is None:
         raise CliError(f"no worker {args.worker_id!r} in pool {name!r}; its workers: "
                        f"{', '.join(sorted(workers)) or 'none'}")
-    if not ray.get(pool.drain.remote(args.worker_id, "by hand (tandem drain)")):
-        raise CliError(f"{args.worker_id} is draining already")
+    state = ray.get(pool.drain.remote(args.worker_id, "by hand (tandem drain)"))
+    if state is None:
+        raise CliError(f"{args.worker_id} is draining already (or waits to, for its replacement)")
+    if state == "waiting":
+        print(f"{args.worker_id} ({worker.role}) drains once another {worker.role} worker has started, and serves "
+              "until then (it is its role's only one: `tandem pools` shows the one starting in its place)")
+        return
     print(f"{args.worker_id} ({worker.role}) is draining: it takes no new requests and goes once it holds none "
           "(at most autoscaling.drain_timeout_s)")
 

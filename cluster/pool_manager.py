@@ -18,7 +18,16 @@ pools.
 
 Draining (`drain`): the member is flagged `draining`; schedulers stop routing new
 requests to it on their next refresh; once it holds nothing it is killed. A
-draining worker that dies is not replaced.
+draining worker that dies is not replaced. Make before break: a drain that would
+leave its role with no other worker that has started (the only decode worker of a
+1P + 1D deployment, drained by hand) starts one in its place and waits for it,
+the worker serving on meanwhile (a `drain_waits` event, then `drain_started`);
+before, every new request was answered 503 for the replacement's start-up. Only
+where the cluster has room for the replacement beside it (its CPUs and GPUs free,
+counted cluster-wide): without room the replacement could not be placed until the
+worker leaves, so it drains at once, as before. The wait ends after
+`autoscaling.start_timeout_s` in any case (room on a node the pool's label
+selector does not take).
 """
 
 from __future__ import annotations
@@ -163,7 +172,8 @@ class PoolManager:
         member = self.members.get(worker_id)
         if member is None:
             return None
-        if not member.draining and not self.scaler.has_started(worker_id):
+        leaving = member.draining or worker_id in self.scaler.awaiting_drain
+        if not leaving and not self.scaler.has_started(worker_id):
             self.scaler.start_failed(member, f"died starting: {reason}")
             return None
         del self.members[worker_id]
@@ -172,7 +182,7 @@ class PoolManager:
         except Exception:  # already gone
             pass
         self.scaler.on_gone(worker_id)
-        if member.draining:
+        if leaving:  # (its replacement, if it needed one, was started by the drain)
             self.scaler.record(member.role, "died_draining", worker_id)
             return None
         self.num_replaced += 1
@@ -188,22 +198,40 @@ class PoolManager:
         self.scaler.on_report(report)
         return self.scaler.signals.peer_load(report.replica_id, self.scaler.clock())
 
-    async def drain(self, worker_id: str, reason: str = "requested") -> bool:
+    async def drain(self, worker_id: str, reason: str = "requested") -> str | None:
         """Stop routing new requests to this worker, let what it holds finish, then
-        kill it (the control loop does, see cluster/pool_autoscaler.py). False if it
-        is unknown or already draining. A drain that leaves the pool below its
-        minimum (a fixed pool's `replicas`) starts a worker in its place at once."""
+        kill it (the control loop does, see cluster/pool_autoscaler.py): "draining".
+        A drain that leaves the pool below its minimum (a fixed pool's `replicas`)
+        starts a worker in its place at once; one that leaves its role no other
+        worker that has started waits for one, the worker serving on meanwhile:
+        "waiting". None if the worker is unknown, or draining or waiting already."""
         self._ensure_health_loop()
         member = self.members.get(worker_id)
-        if member is None or member.draining:
-            return False
-        self.members[worker_id] = replace(member, draining=True)
-        live = [m for m in self.members.values() if m.role == member.role and not m.draining]
+        if member is None or member.draining or worker_id in self.scaler.awaiting_drain:
+            return None
+        others = [m for m in self.members.values() if m.role == member.role and m.worker_id != worker_id
+                  and not m.draining and m.worker_id not in self.scaler.awaiting_drain]
         minimum = self._pool(member.role).min_size
-        if len(live) + self.scaler.restarts.num_waiting(member.role) < minimum:  # (by hand: never below it)
+        room = self._room_for(member.role)  # (before a replacement takes it)
+        if len(others) + self.scaler.restarts.num_waiting(member.role) < minimum:  # (by hand: never below it)
             reason += f"; {self._start(member.role).worker_id} starts in its place (the pool's minimum is {minimum})"
+        if not any(self.scaler.has_started(m.worker_id) for m in others):
+            if room:
+                self.scaler.drain_when_replaced(member, reason)
+                return "waiting"
+            reason += "; no room for another beside it, so it drains at once"
+        self.begin_drain(member, reason)
+        return "draining"
+
+    def _room_for(self, role: str) -> bool:
+        """Whether the cluster has the CPUs and GPUs free that a worker of `role` takes."""
+        pool, free = self._pool(role), ray.available_resources()
+        return free.get("CPU", 0.0) >= pool.num_cpus and free.get("GPU", 0.0) >= pool.num_gpus
+
+    def begin_drain(self, member: Member, reason: str) -> None:
+        """The member flagged draining (schedulers route it nothing new from their next refresh)."""
+        self.members[member.worker_id] = replace(member, draining=True)
         self.scaler.on_drain(member, reason)
-        return True
 
     async def apply_pools(self, settings: dict) -> list[str]:
         """A (re)deployed scheduler's settings: each pool's size (and the

@@ -69,16 +69,20 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
         ("p0", "prefill", "ready"), ("d1", "decode", "ready")}
     assert listed["failing"] == {} and {e["kind"] for e in listed["events"]} >= {"started", "ready"}
     assert listed["settings"]["engine"]["num_kv_blocks"] == 64 and listed["settings"]["prefill"]["replicas"] == 1
-    assert r["drained"].returncode == 0 and r["drained"].stdout.startswith("p0 (prefill) is draining")
-    lines = r["text"].stdout.splitlines()  # p2 took p0's place (the pool's size is 1)
-    assert lines[:3] == ["pool test-pool-cli: 3 workers, disaggregated, model preset tiny (qwen2), engine on cpu",
-                         "  d1       decode     ready", "  p0       prefill    draining"]
+    # p0 is the only prefill worker: it serves until p2, started in its place, has started (make before break)
+    assert r["drained"].returncode == 0 and r["drained"].stdout.startswith(
+        "p0 (prefill) drains once another prefill worker has started, and serves until then")
+    lines = r["text"].stdout.splitlines()
+    assert lines[:2] == ["pool test-pool-cli: 3 workers, disaggregated, model preset tiny (qwen2), engine on cpu",
+                         "  d1       decode     ready"]
+    assert lines[2].split()[:2] == ["p0", "prefill"] and lines[2].split()[2] in ("ready", "draining")
     assert lines[3].split()[:2] == ["p2", "prefill"] and lines[3].split()[2] in ("starting", "ready")
     assert lines[4].startswith("scaling events, the latest 3 of ") and len(lines) == 8
-    assert any(line.endswith(" prefill drain_started p0: by hand (tandem drain); p2 starts in its place (the "
-                             "pool's minimum is 1)") for line in lines[5:]), lines
+    assert any(line.endswith(" prefill drain_waits p0: by hand (tandem drain); p2 starts in its place (the "
+                             "pool's minimum is 1); it serves until another prefill worker has started")
+               for line in lines[5:]), lines
     assert json.loads(r["only"].stdout)["pool_name"] == "test-pool-cli"
-    for failed, message in ((r["again"], "tandem drain: p0 is draining already"),
+    for failed, message in ((r["again"], "tandem drain: p0 is draining already"),  # (or waiting to)
                             (r["unknown"], "tandem drain: no worker 'x9' in pool 'test-pool-cli'; its workers: "
                                            "d1, p0, p2"),
                             (r["no_pool"], "tandem pools: no pool manager 'no-such-pool' on this cluster (its pool "

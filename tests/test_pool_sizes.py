@@ -77,11 +77,15 @@ def _gauged_workers(metrics: str) -> set[str]:
 
 def test_a_fixed_pool_keeps_its_size_through_a_drain_and_takes_a_redeploys(ray_local, tiny_qwen2_dir):
     r = run_with_pool(SETTINGS, _scenario)
-    assert r["drained"] is True
+    assert r["drained"] == "waiting"  # p0 is its role's only worker: it serves until its replacement has started
+    [waits] = [e for e in r["events"] if e.kind == "drain_waits" and e.worker_id == "p0"]
     [drain] = [e for e in r["events"] if e.kind == "drain_started" and e.worker_id == "p0"]
     replacement = r["after_drain"][0].worker_id
     assert replacement != "p0"
     assert drain.reason == f"by hand; {replacement} starts in its place (the pool's minimum is 1)"
+    assert waits.reason == drain.reason + "; it serves until another prefill worker has started"
+    [started] = [e for e in r["events"] if e.kind == "started" and e.worker_id == replacement]
+    assert started.time_s <= waits.time_s < drain.time_s  # (its replacement started with the drain, then answered)
     assert [e.reason for e in r["events"] if e.kind == "resized"] == ["redeployed: size 2", "redeployed: size 1"]
     assert [e.signal for e in r["events"] if e.kind == "up"] == ["below_size"]  # 1 -> 2
     downs = [e for e in r["events"] if e.kind == "down"]
