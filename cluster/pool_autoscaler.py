@@ -13,11 +13,12 @@ One step:
    ready in time) are started again after a delay that grows with each in a row
    (cluster/restart_backoff.py); restarts that wait count as starting workers.
 3. Drains. A drain that waits for another worker of its role to start (make
-   before break: pool_manager.py `drain`) begins once one has. A draining worker is retired (its block accounting checked, then the
-   actor killed) once it has drained for `drain_grace_s`, holds no request
-   (nothing running, waiting or reserved) and every live scheduler replica reports
-   it as draining with nothing in flight there. After `drain_timeout_s` it is
-   killed regardless; the scheduler retries what had no token yet.
+   before break: pool_manager.py `drain`) begins once one has. A draining worker
+   is retired (its block accounting checked, then the actor killed) once it has
+   drained for `drain_grace_s`, holds no request (nothing running, waiting or
+   reserved) and every live scheduler replica reports it as draining with nothing
+   in flight there. After `drain_timeout_s` it is killed regardless; the
+   scheduler retries what had no token yet.
 4. Policies (cluster/autoscaling.py), one per pool that autoscales: observation ->
    decision. `up` starts a worker with the pool's placement; `down` drains the
    serving worker with the least work (the newest on a tie). A fixed pool is
@@ -103,8 +104,8 @@ class PoolAutoscaler:
         self.policies = {role: make_policy(role, getattr(settings, role), self.knobs, slo.attainment)
                          for role in roles if getattr(settings, role).autoscales}
         self.tracks: dict[str, _Track] = {}
-        self.awaiting_drain: dict[str, tuple[str, float]] = {}  # worker id -> (its drain's reason, since), until
-        # another of its role has started
+        # Drains waiting for another worker of their role to start: worker id -> (the drain's reason, since)
+        self.awaiting_drain: dict[str, tuple[str, float]] = {}
         self.history: dict[str, deque[tuple[float, int, int]]] = {role: deque() for role in roles}  # load per step
         self.events: deque[ScalingEvent] = deque(maxlen=MAX_EVENTS)
         self.num_events = 0  # ever recorded (the index of the next one)
@@ -202,14 +203,14 @@ class PoolAutoscaler:
             member = self.manager.members.get(worker_id)
             if member is None:
                 del self.awaiting_drain[worker_id]
-            elif any(self.has_started(m.worker_id) for m in self._members(member.role) if not self._leaving(m)):
+            elif any(self.has_started(m.worker_id) for m in self._members(member.role) if not self.is_leaving(m)):
                 del self.awaiting_drain[worker_id]
                 self.manager.begin_drain(member, reason)
             elif now - since >= self.knobs.start_timeout_s:
                 del self.awaiting_drain[worker_id]
                 self.manager.begin_drain(member, f"{reason}; none started within {self.knobs.start_timeout_s:g} s")
 
-    def _leaving(self, member) -> bool:
+    def is_leaving(self, member) -> bool:
         """Draining, or waiting to drain: not counted, chosen or replaced as a serving worker."""
         return member.draining or member.worker_id in self.awaiting_drain
 
@@ -312,12 +313,12 @@ class PoolAutoscaler:
     def observe(self, role: str, now: float) -> PoolObservation:
         members = self._members(role)
         tracks = {m.worker_id: self.tracks.get(m.worker_id) for m in members}
-        serving = [m.worker_id for m in members if not self._leaving(m) and tracks[m.worker_id]
+        serving = [m.worker_id for m in members if not self.is_leaving(m) and tracks[m.worker_id]
                    and tracks[m.worker_id].ready_s is not None]
         starting = [m for m in members
-                    if not self._leaving(m) and not (tracks[m.worker_id] and tracks[m.worker_id].ready_s)]
+                    if not self.is_leaving(m) and not (tracks[m.worker_id] and tracks[m.worker_id].ready_s)]
         num_starting = len(starting) + self.restarts.num_waiting(role)
-        draining = [m for m in members if self._leaving(m)]
+        draining = [m for m in members if self.is_leaving(m)]
         policy = self.policies.get(role)
         since = policy.settled_s if policy is not None else float("-inf")
         attainment, num_samples = (self.signals.attainment(FIGURE[role], now, since, self.knobs.min_samples)
@@ -376,7 +377,7 @@ class PoolAutoscaler:
         candidates = []
         for member in self._members(role):
             track = self.tracks.get(member.worker_id)
-            if self._leaving(member) or track is None or track.ready_s is None:
+            if self.is_leaving(member) or track is None or track.ready_s is None:
                 continue
             stats = track.stats
             work = self.signals.inflight(member.worker_id, now)

@@ -172,7 +172,7 @@ class PoolManager:
         member = self.members.get(worker_id)
         if member is None:
             return None
-        leaving = member.draining or worker_id in self.scaler.awaiting_drain
+        leaving = self.scaler.is_leaving(member)
         if not leaving and not self.scaler.has_started(worker_id):
             self.scaler.start_failed(member, f"died starting: {reason}")
             return None
@@ -207,10 +207,10 @@ class PoolManager:
         "waiting". None if the worker is unknown, or draining or waiting already."""
         self._ensure_health_loop()
         member = self.members.get(worker_id)
-        if member is None or member.draining or worker_id in self.scaler.awaiting_drain:
+        if member is None or self.scaler.is_leaving(member):
             return None
-        others = [m for m in self.members.values() if m.role == member.role and m.worker_id != worker_id
-                  and not m.draining and m.worker_id not in self.scaler.awaiting_drain]
+        others = [m for m in self.members.values()
+                  if m.role == member.role and m.worker_id != worker_id and not self.scaler.is_leaving(m)]
         minimum = self._pool(member.role).min_size
         room = self._room_for(member.role)  # (before a replacement takes it)
         if len(others) + self.scaler.restarts.num_waiting(member.role) < minimum:  # (by hand: never below it)
