@@ -12,12 +12,17 @@ class ColocatedWorker(WorkerBase):
         """Queue a request; its token events, from the first token to the end, go
         to `subscription`'s feed (`WorkerBase.feed`)."""
         self._ensure_started()
-        self.streams.open(request.request_id, subscription)
+        self.streams.open(request.request_id, subscription, request.client_rid)
         try:
             await self.prepare_pattern(request)
             held = await self.import_prefix(request)
-            await self.call(lambda e: e.add_request(request.prompt_token_ids, request.params, request.request_id,
-                                                    pinned_block_ids=held))
+
+            def add(engine) -> None:
+                if self.streams.is_open(request.request_id):  # else its client aborted it meanwhile
+                    engine.add_request(request.prompt_token_ids, request.params, request.request_id,
+                                       pinned_block_ids=held)
+
+            await self.call(add)
         except Exception:
             self.streams.forget(request.request_id)
             raise

@@ -25,6 +25,7 @@ import torch
 
 from actors.background import background_task
 from actors.block_pool import blocks_to_reserve
+from actors.engine import Engine
 from actors.kv_channel import (
     GlooPair,
     GlooReceiver,
@@ -34,7 +35,8 @@ from actors.kv_channel import (
     ObjectStoreReceiver,
     StoreReceiver,
 )
-from actors.messages import ChunkMeta, GenerateRequest, ReservationInfo, ReservationRefused, TransferFailed
+from actors.messages import (ChunkMeta, GenerateRequest, RequestAborted, ReservationInfo, ReservationRefused,
+                             TransferFailed)
 from actors.request import SampledToken
 from actors.reservation_queue import ReservationQueue, Withdrawn
 from actors.worker_base import WorkerBase
@@ -70,12 +72,15 @@ class DecodeWorker(WorkerBase):
         self._ensure_started()
         await self.prepare_pattern(request)
         request_id = request.request_id
-        self.streams.open(request_id, subscription)
+        self.streams.open(request_id, subscription, request.client_rid)
         self._line_blocks[request_id] = blocks_to_reserve(len(request.prompt_token_ids), self.engine.pool.block_size)
         try:
-            reservation = await self.handshakes.wait_turn(request_id, lambda: self._try_reserve(request), wait_s)
-        except Withdrawn:
+            reservation = await self.handshakes.wait_turn(
+                request_id, lambda: self._try_reserve(request, prefill_handle), wait_s)
+        except Withdrawn as exc:
             self.streams.forget(request_id)
+            if exc.aborted:
+                raise RequestAborted(f"request {request_id} was aborted by its client") from None
             raise ReservationRefused(f"request {request_id} was aborted while it waited for KV blocks") from None
         except BaseException:  # a refusal, or the call cancelled (its caller left)
             self.streams.forget(request_id)
@@ -90,16 +95,28 @@ class DecodeWorker(WorkerBase):
                 f"within {wait_s:g} s ({self.engine.pool.num_available} blocks free{behind})"
             )
         self.num_granted += 1
-        with self._pending_lock:
-            self._pending[request.request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic())
         return ReservationInfo(
             request.request_id, self.worker_id, reservation.block_ids, reservation.num_cached_blocks
         )
 
-    async def _try_reserve(self, request: GenerateRequest):
-        """The engine's reservation for `request` now, or None if its pool has no room."""
+    async def _try_reserve(self, request: GenerateRequest, prefill_handle):
+        """The engine's reservation for `request` now, then waiting for its KV, or
+        None if its pool has no room. Raises RequestAborted if its client aborted
+        it: checked on the engine thread, where `end_aborted` ends its stream."""
         held = await self.import_prefix(request, computes_prompt=False, reserving=True)  # reused by the reservation
-        return await self.call(lambda e: e.reserve(request.prompt_token_ids, request.params, request.request_id, held))
+        request_id = request.request_id
+
+        def reserve(engine: Engine):
+            if not self.streams.is_open(request_id):
+                engine.pool.release(held)
+                raise RequestAborted(f"request {request_id} was aborted by its client")
+            reservation = engine.reserve(request.prompt_token_ids, request.params, request_id, held)
+            if reservation is not None:
+                with self._pending_lock:
+                    self._pending[request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic())
+            return reservation
+
+        return await self.call(reserve)
 
     def _on_step(self, exported, outputs) -> None:
         super()._on_step(exported, outputs)
@@ -206,6 +223,19 @@ class DecodeWorker(WorkerBase):
         aborted = await super().abort(request_id, reason)
         self.handshakes.room_freed()
         return aborted or waiting
+
+    async def end_aborted(self, request_ids: list[str]) -> None:
+        """As `abort`, but each stream ends as aborted: a handshake waiting in line
+        is answered with RequestAborted, a request waiting for its KV is dropped
+        (P's next chunk is refused, which ends P's side)."""
+        for request_id in request_ids:
+            self.handshakes.withdraw(request_id, aborted=True)
+        await super().end_aborted(request_ids)
+        self.handshakes.room_freed()
+
+    def _release_aborted(self, request_id: str) -> None:
+        with self._pending_lock:
+            self._pending.pop(request_id, None)
 
     async def abort_transfer(self, request_id: str, reason: str) -> bool:
         """Drop a request whose prefill failed, unless its KV has all arrived: once

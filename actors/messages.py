@@ -18,6 +18,11 @@ class ReservationRefused(RuntimeError):
     """The decode worker cannot hold this request's KV now: try another one."""
 
 
+class RequestAborted(RuntimeError):
+    """The client aborted the request (`/abort_request`) before D reserved its
+    blocks: it ends with finish_reason "abort", not as a failure to retry."""
+
+
 class TransferFailed(RuntimeError):
     """A P/D transfer could not complete (peer died, timed out, or was cancelled)."""
 
@@ -38,6 +43,9 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # The client's name for it (SGLang's `rid`, an OpenAI response's id), which
+    # `/abort_request` finds it by on the workers; "" if it has none.
+    client_rid: str = ""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from actors.background import background_task
 from actors.config import EngineConfig
 from actors.engine import Engine, ExportedChunk
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
-from actors.messages import ChunkMeta, ChunkTiming, GenerateRequest, PrefillResult, ReservationInfo, TransferFailed
+from actors.messages import (ChunkMeta, ChunkTiming, GenerateRequest, PrefillResult, RequestAborted, ReservationInfo,
+                             TransferFailed)
 from actors.request import Request, RequestOutput
 from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerBase
@@ -264,6 +265,16 @@ class PrefillWorker(WorkerBase):
 
         return await self.in_thread(send_all)
 
+    async def abort_named(self, client_rid: str | None) -> list[str]:
+        """`/abort_request` on P: stop the named prefills (every one for None);
+        each one's caller gets RequestAborted, and ends the request on D as
+        aborted too (cluster/pd_request.py)."""
+        self._ensure_started()
+        jobs = [job for job in self._jobs.values() if client_rid is None or job.request.client_rid == client_rid]
+        for job in jobs:
+            self.fail_job(job, RequestAborted(f"request {job.request.request_id} was aborted by its client"))
+        return [job.request.request_id for job in jobs]
+
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         self._ensure_started()
         job = self._jobs.get(request_id)
@@ -334,13 +345,14 @@ class PrefillWorker(WorkerBase):
         self.aio.call_soon_threadsafe(_resolve, job.future, result, None)
 
     def fail_job(self, job: _Job, exc: BaseException) -> None:
-        """Stop a request's transfer (any thread): the caller gets TransferFailed."""
+        """Stop a request's transfer (any thread): the caller gets TransferFailed,
+        or RequestAborted where its client aborted it."""
         if job.failed:
             return
         job.failed = True
         request_id = job.request.request_id
         self.loop.call(lambda e: e.abort(request_id))
-        error = exc if isinstance(exc, TransferFailed) else TransferFailed(
+        error = exc if isinstance(exc, (TransferFailed, RequestAborted)) else TransferFailed(
             f"request {request_id}: transfer to {job.reservation.decode_worker_id} failed: {type(exc).__name__}: {exc}"
         )
         self.aio.call_soon_threadsafe(_resolve, job.future, None, error)

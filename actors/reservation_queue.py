@@ -36,13 +36,18 @@ RETRY_S = 0.25
 
 
 class Withdrawn(Exception):
-    """The request was aborted while it waited."""
+    """The request was aborted while it waited: by its client (`aborted`, through
+    `/abort_request`), or because its caller went away."""
+
+    def __init__(self, request_id: str, aborted: bool = False) -> None:
+        super().__init__(request_id)
+        self.aborted = aborted
 
 
 class ReservationQueue:
     def __init__(self) -> None:
         self._line: dict[str, asyncio.Event] = {}  # request id -> its wake-up, in arrival order
-        self._withdrawn: set[str] = set()
+        self._withdrawn: dict[str, bool] = {}  # request id -> whether its client aborted it
 
     def __len__(self) -> int:
         return len(self._line)
@@ -80,7 +85,7 @@ class ReservationQueue:
                         timer.cancel()
                 wake.clear()
                 if request_id in self._withdrawn:
-                    raise Withdrawn(request_id)
+                    raise Withdrawn(request_id, self._withdrawn[request_id])
                 if next(iter(self._line)) != request_id:
                     continue
                 result = await attempt()
@@ -88,7 +93,7 @@ class ReservationQueue:
                     return result
         finally:
             del self._line[request_id]
-            self._withdrawn.discard(request_id)
+            self._withdrawn.pop(request_id, None)
             self.room_freed()  # the next in line takes its turn
 
     def room_freed(self) -> None:
@@ -96,12 +101,12 @@ class ReservationQueue:
         if self._line:
             next(iter(self._line.values())).set()
 
-    def withdraw(self, request_id: str) -> bool:
-        """End a waiting request's wait (its `wait_turn` raises Withdrawn); whether
-        it was waiting."""
+    def withdraw(self, request_id: str, aborted: bool = False) -> bool:
+        """End a waiting request's wait (its `wait_turn` raises Withdrawn, saying
+        whether its client `aborted` it); whether it was waiting."""
         wake = self._line.get(request_id)
         if wake is None:
             return False
-        self._withdrawn.add(request_id)
+        self._withdrawn[request_id] = aborted
         wake.set()
         return True

@@ -36,6 +36,7 @@ from actors.request import RequestOutput
 @dataclass
 class _Stream:
     subscription: str
+    client_rid: str = ""  # the client's name for the request (`GenerateRequest.client_rid`)
     num_tokens_sent: int = 0
     num_chars_sent: int = 0
     closed: bool = False
@@ -61,11 +62,11 @@ class TokenStreams:
         self._closed_subscriptions: set[str] = set()
 
     # ---- on the event loop ----------------------------------------------------
-    def open(self, request_id: str, subscription: str) -> None:
+    def open(self, request_id: str, subscription: str, client_rid: str = "") -> None:
         """Deliver `request_id`'s events to `subscription` (opened here if its feed
         has not started yet)."""
         self._subscription(subscription)
-        self._streams[request_id] = _Stream(subscription)
+        self._streams[request_id] = _Stream(subscription, client_rid)
 
     def _subscription(self, name: str) -> _Subscription:
         """A subscription, made on first use (a request may name it before its feed
@@ -79,6 +80,17 @@ class TokenStreams:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
+
+    def is_open(self, request_id: str) -> bool:
+        """Whether `request_id` streams here and has not ended."""
+        stream = self._streams.get(request_id)
+        return stream is not None and not stream.closed
+
+    def named(self, client_rid: str | None) -> list[str]:
+        """The requests still streaming that the client named `client_rid`; every
+        one still streaming for None."""
+        return [rid for rid, s in self._streams.items()
+                if not s.closed and (client_rid is None or s.client_rid == client_rid)]
 
     async def batches(self, subscription: str):
         """The subscription's events, a list each time there are some, as plain
@@ -155,9 +167,21 @@ class TokenStreams:
 
     def fail(self, request_id: str, error: str) -> None:
         """End a request's stream with an error event."""
+        self._end(request_id, "error", error)
+
+    def end_aborted(self, request_id: str, output: RequestOutput | None) -> None:
+        """End a request's stream as aborted: with its aborted `output` (the
+        tokens it made since its last event, finish_reason "abort"), or, for a
+        request that had not started decoding here, an empty abort event."""
+        if output is not None:
+            self.publish([output])
+        else:
+            self._end(request_id, "abort", None)
+
+    def _end(self, request_id: str, reason: str, error: str | None) -> None:
         stream = self._streams.get(request_id)
         if stream is None or stream.closed:
             return
         stream.closed = True
-        event = TokenEvent(request_id, [], "", None, True, "error", time.time(), error=error)
+        event = TokenEvent(request_id, [], "", None, True, reason, time.time(), error=error)
         self._loop.call_soon_threadsafe(self._deliver, [event], [stream.subscription])

@@ -293,6 +293,36 @@ class WorkerBase:
             self.streams.fail(request_id, reason)
         return bool(out)
 
+    async def abort_named(self, client_rid: str | None) -> list[str]:
+        """`/abort_request`: end the requests streaming from here that the client
+        named `client_rid` (every one for None) as aborted, with finish_reason
+        "abort" and the tokens made so far, not as errors (which a scheduler
+        would retry elsewhere); frees what they hold. Returns their ids."""
+        self._ensure_started()
+        request_ids = self.streams.named(client_rid) if self.streams is not None else []
+        if request_ids:
+            await self.end_aborted(request_ids)
+        return request_ids
+
+    async def end_aborted(self, request_ids: list[str]) -> None:
+        """End requests here as aborted by their client (as `abort_named`), in one
+        call on the engine thread, every stream's one writer; a request about to
+        start here (added, reserved) finds its stream closed and does not."""
+        self._ensure_started()
+
+        def end(engine: Engine) -> None:
+            for request_id in request_ids:
+                self._release_aborted(request_id)
+                output = engine.abort(request_id)
+                engine.cancel_reservation(request_id)
+                self.streams.end_aborted(request_id, output)
+
+        await self.call(end)
+
+    def _release_aborted(self, request_id: str) -> None:
+        """What this role holds for an aborted request besides the engine's (on
+        the engine thread)."""
+
     async def stats(self) -> WorkerStats:
         """Load and KV figures now, read without waiting for the engine thread: a
         prefill step can take seconds, and the scheduler's refresh (membership,

@@ -53,7 +53,7 @@ from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
 from cluster.service import GlobalScheduler
-from cluster.sglang_body import GenerateBody
+from cluster.sglang_body import AbortBody, GenerateBody
 from cluster.stored_conversations import ConversationTurn, StoredConversations
 from cluster.stored_responses import StoredResponses
 from cluster.strict_json import StrictJsonRoute
@@ -226,6 +226,16 @@ class Scheduler:
         flushed = await self.service.view.flush_prefix_caches()
         return {"message": "Cache flushed.", "workers": flushed}
 
+    @app.post("/abort_request")
+    async def abort_request(self, body: AbortBody):
+        """SGLang's: end the requests the client named `rid` (or every one,
+        `abort_all`) on whichever replica they run; each answers as it stands,
+        with finish_reason "abort". Reaches what the workers hold now, not a
+        request still being admitted. `aborted`: how many requests (choices)."""
+        await self._require_ready()
+        aborted = await self.service.view.abort_named(None if body.abort_all else body.rid)
+        return {"aborted": len(aborted)}
+
     def _model_card(self) -> dict:  # max_model_len: vLLM's field, which clients size prompts by
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
                 "max_model_len": self.service.max_model_len}
@@ -244,7 +254,7 @@ class Scheduler:
         choices = [choice_params(params, n) for params in per_prompt]
         keys = range(len(prompt_ids) * n)
         ids = [rids[k // n] if n == 1 else f"{rids[k // n]}-{k % n}" for k in keys]
-        requests = [(prompt_ids[k // n], choices[k // n][k % n], ids[k]) for k in keys]
+        requests = [(prompt_ids[k // n], choices[k // n][k % n], ids[k], rids[k // n]) for k in keys]
         streams = await self.completions.start_choices(requests, n)
         token_text = self.token_text if body.return_text_in_logprobs else None
         answered = [sglang.Answered(ids[k], prompt_ids[k // n], body.logprob_start_len, body.top_logprobs_num,

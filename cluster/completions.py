@@ -41,7 +41,7 @@ class Completions:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
         streams = await self.start_choices([(prompt_ids[k // n], per_choice[k % n],
-                                             f"{request_id}-{k}" if k else request_id)
+                                             f"{request_id}-{k}" if k else request_id, request_id)
                                             for k in range(len(prompts) * n)], n)
         num_prompt = sum(len(ids) for ids in prompt_ids)
         echoed = prompts if body.truncate_prompt_tokens is None else prompt_ids  # a truncated prompt: its ids' text
@@ -82,8 +82,9 @@ class Completions:
         return ReasoningDeltas(reasoning, calls) if reasoning is not None else calls
 
     async def start_choices(self, requests: list[tuple], n: int) -> list:
-        """`_start` (prompt ids, params, request id) each, request k being a prompt's
-        choice k % n. Each prompt's first choice is admitted and prefilled first;
+        """`_start` (prompt ids, params, request id[, client rid: what
+        `/abort_request` knows it by]) each, request k being a prompt's choice
+        k % n. Each prompt's first choice is admitted and prefilled first;
         its others start once it has its first token, when the prompt's KV is in
         its workers' prefix caches, so they prefill only what the cache lacks (vLLM
         and SGLang prefill once and fork instead). All are admitted before any
@@ -136,10 +137,10 @@ class Completions:
             logprobs = [first, *prompt_logprobs, *logprobs]
         return out._replace(text=prompt_text + out.text, logprobs=logprobs)
 
-    async def _start(self, prompt_ids, params, request_id):
+    async def _start(self, prompt_ids, params, request_id, client_rid=""):
         """Admission happens here, before any response starts: rejections and
         early failures keep their HTTP status even for streaming requests."""
-        events = self.service.generate(prompt_ids, params, request_id)
+        events = self.service.generate(prompt_ids, params, request_id, client_rid)
         try:
             first = await events.__anext__()
         except StopAsyncIteration:

@@ -13,19 +13,21 @@ P's prefill; P's chunk transfers resolve as the blocks land and the last one
 activates the request on D. If P fails
 before that, D is told to drop the request and the stream ends with an error event
 (after it, D goes on); if the consumer stops early, both sides are cancelled and
-free what they hold.
+free what they hold. A request its client aborts (`/abort_request`, on either
+side, at any step) ends with finish_reason "abort".
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import ray
 
 from actors.background import background_call
 from actors.deadlines import within
-from actors.messages import (GenerateRequest, PrefillResult, ReservationInfo, ReservationRefused, WorkerDied,
-                             error_message)
+from actors.messages import (GenerateRequest, PrefillResult, RequestAborted, ReservationInfo, ReservationRefused,
+                             TokenEvent, WorkerDied, error_message)
 from cluster.token_feeds import TokenFeeds
 
 # What the handshake's call may take beyond the wait D was given: the call's way
@@ -71,6 +73,10 @@ class DisaggregatedCall:
                     raise WorkerDied(
                         f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})"
                     ) from None
+                except RequestAborted:  # by its client (/abort_request), while it waited in D's line
+                    finished = True
+                    yield TokenEvent(request_id, [], "", None, True, "abort", time.time())
+                    return
                 if self.on_reserved is not None:
                     self.on_reserved()
                 prefill_task = asyncio.ensure_future(self._run_prefill())
@@ -93,6 +99,9 @@ class DisaggregatedCall:
             self.prefill_result = await self.prefill.prefill.remote(
                 self.request, self.reservation, self.decode, self.channel
             )
+        except RequestAborted:  # by its client (/abort_request): ended on D as aborted too, not failed
+            await asyncio.gather(self.decode.end_aborted.remote([self.request.request_id]), return_exceptions=True)
+            return
         except (ray.exceptions.RayError, RuntimeError) as exc:
             self.prefill_error = exc
             # D would notice a dead P by itself; a failed transfer it learns here.

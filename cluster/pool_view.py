@@ -240,18 +240,34 @@ class PoolView:
         """Each worker's device prefix cache reset (`/flush_cache`); returns the
         workers flushed. Every replica's prefix index learns it from their cache
         events (evictions) at its next refresh; a worker found dead is reported."""
+        answers = await self._ask_each(list(self.members.values()), lambda handle: handle.reset_prefix_cache.remote())
+        return sorted(answers)
+
+    async def abort_named(self, client_rid: str | None) -> set[str]:
+        """`/abort_request`: the requests the client named `client_rid` (every one
+        for None) ended as aborted on every worker (`WorkerBase.abort_named`),
+        whichever replica started them; returns their ids. Decode and colocated
+        workers first, where the streams end as aborted, then prefill workers."""
         members = list(self.members.values())
-        results = await asyncio.gather(*(m.handle.reset_prefix_cache.remote() for m in members),
-                                       return_exceptions=True)
-        flushed = []
+        aborted = set()
+        for side in ([m for m in members if m.role != "prefill"], [m for m in members if m.role == "prefill"]):
+            answers = await self._ask_each(side, lambda handle: handle.abort_named.remote(client_rid))
+            aborted.update(*answers.values())
+        return aborted
+
+    async def _ask_each(self, members: list, ask) -> dict:
+        """`ask(handle)`'s answer from each member at once, by worker id; one found
+        dead is reported and left out, another failure raised."""
+        results = await asyncio.gather(*(ask(m.handle) for m in members), return_exceptions=True)
+        answers = {}
         for member, result in zip(members, results):
             if isinstance(result, ray.exceptions.RayActorError):
                 await self.report_dead(member.worker_id)
             elif isinstance(result, BaseException):
                 raise result
             else:
-                flushed.append(member.worker_id)
-        return sorted(flushed)
+                answers[member.worker_id] = result
+        return answers
 
     async def report_dead(self, worker_id: str) -> None:
         """A worker found dead (a call raised RayActorError): out of the view at

@@ -155,11 +155,13 @@ class GlobalScheduler:
         return wait
 
     # ---- running a request --------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       client_rid: str = ""):
         """TokenEvents of one request, first token to last. Raises SloRejected or
         ApiError before anything is spent; retries once on another pair if the
         first pair fails before the first token, without the worker that failed
-        (the D that had no room, else the P; a dead D is out of the pool)."""
+        (the D that had no room, else the P; a dead D is out of the pool).
+        `client_rid`: the name `/abort_request` finds it by on the workers."""
         # Workers know a request by an id this replica makes: a caller's id (a client's
         # rid) may repeat one in flight, and a worker refusing the second as a
         # duplicate ended the first's stream with it. Errors name it as the caller did.
@@ -192,7 +194,7 @@ class GlobalScheduler:
                 self.view.num_routed[choice.decode_id] = self.view.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
                 attempt_id = f"{request_id}-{attempt}"
-                run = self._run(GenerateRequest(attempt_id, prompt_ids, params), choice, hashes, started)
+                run = self._run(GenerateRequest(attempt_id, prompt_ids, params, client_rid), choice, hashes, started)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
@@ -206,7 +208,7 @@ class GlobalScheduler:
                         got_token = got_token or bool(event.token_ids)
                         timer.tokens(len(event.token_ids), time.monotonic())
                         if event.finished:
-                            outcome = "error" if event.error else "ok"
+                            outcome = "error" if event.error else "aborted" if event.finish_reason == "abort" else "ok"
                             if outcome == "ok" and timer.tbt_s is not None:  # D's TBT bias learns it
                                 self.view.models.observe_tbt(choice, timer.tbt_s)
                         yield event

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Strict, Tag, model_validator
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
@@ -209,3 +209,20 @@ class GenerateBody(RequestBody):
 
 # The seeds' flat body: GenerateBody's fields that are sampling_params' keys too, beside `text`, over them.
 FLAT_SAMPLING_FIELDS = tuple(name for name in GenerateBody.model_fields if name in SglangSamplingParams.model_fields)
+
+
+class AbortBody(RequestBody):
+    """SGLang's `/abort_request` body: the requests a client named `rid` (a
+    `/generate` prompt's rid, all its choices; or an OpenAI completion's id), or
+    every request (`abort_all`)."""
+
+    rid: Annotated[Rid, Strict()] = ""
+    abort_all: Annotated[bool, Strict()] = False
+
+    @model_validator(mode="after")
+    def _names_what_to_abort(self):
+        if self.abort_all and self.rid:
+            raise ValueError("`rid` and `abort_all` exclude each other: name one request, or abort every one")
+        if not self.abort_all and not self.rid:
+            raise ValueError("name the request to abort (`rid`), or set `abort_all` to abort every request")
+        return self

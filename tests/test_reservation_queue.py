@@ -99,13 +99,14 @@ def test_a_withdrawn_request_stops_waiting_and_leaves_the_line():
         behind = asyncio.ensure_future(queue.wait_turn("behind", blocks.attempt(1), wait_s=10))
         await asyncio.sleep(0.01)
         assert queue.withdraw("behind") and not queue.withdraw("unknown")
-        with pytest.raises(Withdrawn):
+        with pytest.raises(Withdrawn) as behind_withdrawn:
             await behind
         assert "behind" not in queue and "head" in queue
-        queue.withdraw("head")
-        with pytest.raises(Withdrawn):
+        queue.withdraw("head", aborted=True)  # by its client (/abort_request), which the error says
+        with pytest.raises(Withdrawn) as head_withdrawn:
             await head
         assert len(queue) == 0
+        assert not behind_withdrawn.value.aborted and head_withdrawn.value.aborted
 
     run(scenario())
 

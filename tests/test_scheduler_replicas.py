@@ -6,7 +6,6 @@ Two schedulers in this process stand for two replicas (benchmarks/scheduler_driv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import pytest
@@ -76,23 +75,31 @@ async def _scenario(pool, settings):
                          "both see the second prefix")
 
             (worker,) = a.view.members
-            long_request = asyncio.ensure_future(complete(a, list(range(1000, 1040)), LONG))
+            long_request = asyncio.ensure_future(_last_event(a, list(range(1000, 1040)), LONG, "long"))
             await _until(lambda: b.view.models.peers.decoding.get(worker) == 1, 30, "B sees A's decoding request")
             batch, kv_tokens = b.view.models.decode_load(worker)
             inflight_b = len(b.view.models.inflight)
-            long_request.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await long_request
+            aborted = await b.view.abort_named("long")  # /abort_request reaching B: A's request ends
+            long_last = await asyncio.wait_for(long_request, 30)
             await _until(lambda: not b.view.models.peers.decoding, 10, "B sees A's request end")
     return dict(batch=batch, kv_tokens=kv_tokens, inflight_b=inflight_b, worker=worker, tbt_seen=tbt_seen,
-                mean_gap_s=mean_gap_s)
+                mean_gap_s=mean_gap_s, aborted=aborted, long_last=long_last)
+
+
+async def _last_event(scheduler, prompt: list[int], params, client_rid: str):
+    async for event in scheduler.generate(prompt, params, client_rid, client_rid):
+        last = event
+    return last
 
 
 def test_replicas_share_the_cache_view_and_count_each_others_load(ray_local, tiny_qwen2_dir):
     r = run_with_pool(SETTINGS, _scenario)
     assert r["inflight_b"] == 0  # the request is A's, and B counts it all the same
     assert r["batch"] == 1 and r["kv_tokens"] > 40
+    # B's abort of a request by its client's name ends it on A (`/abort_request`
+    # lands on any replica), as aborted, with the tokens it had.
+    assert len(r["aborted"]) == 1 and r["long_last"].finish_reason == "abort" and r["long_last"].error is None
     # A's D learns its TBT bias from the request it finished (its mean gap between
-    # tokens as its caller saw them, as the SLO counts it); not from the one cancelled.
+    # tokens as its caller saw them, as the SLO counts it); not from the one aborted.
     ((prediction, observed_s),) = r["tbt_seen"]
     assert prediction.decode_id == r["worker"] and observed_s == pytest.approx(r["mean_gap_s"], abs=1e-3)

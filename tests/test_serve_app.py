@@ -4,6 +4,7 @@ tests/test_serve_bad_input.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -607,6 +608,61 @@ def test_sglangs_model_info_and_cache_flush(base_url):
     assert cached[0] == 0 and cached[1] >= 32 and after == 0, (cached, after)
     assert httpx.post(f"{base_url}/reset_prefix_cache").json()["workers"] == flushed.json()["workers"]  # vLLM's name
     assert httpx.get(f"{base_url}/version").json() == {"version": "0.1.0"}
+
+
+def test_abort_request_ends_the_named_requests_as_they_stand(base_url):
+    """SGLang's /abort_request: by a /generate rid (each of its n choices), by an
+    OpenAI completion's id, or every request (`abort_all`); each answers with
+    what it had made, finish_reason {"type": "abort"} (OpenAI's: null); a request
+    of another name goes on, and both workers are freed."""
+
+    async def data_lines(response):
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+
+    async def scenario():
+        endless = {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            other = asyncio.ensure_future(http.post("/generate", json={"text": "another name", "rid": "keep",
+                                                                       "max_new_tokens": 150, "ignore_eos": True}))
+            async with http.stream("POST", "/generate", json={"text": "abort me", "rid": "pair", "n": 2,
+                                                              **endless}) as pair, \
+                    http.stream("POST", "/v1/completions", json={"prompt": "abort me too", "max_tokens": 200,
+                                                                  "ignore_eos": True, "stream": True}) as openai_way:
+                pair_chunks, openai_chunks = data_lines(pair), data_lines(openai_way)
+                started = set()
+                async for chunk in pair_chunks:  # both choices decoding
+                    started.add(chunk["index"])
+                    if len(started) == 2:
+                        break
+                completion_id = (await anext(openai_chunks))["id"]
+                by_rid = (await http.post("/abort_request", json={"rid": "pair"})).json()
+                by_id = (await http.post("/abort_request", json={"rid": completion_id})).json()
+                pair_last = {chunk["index"]: chunk async for chunk in pair_chunks}
+                openai_last = [chunk async for chunk in openai_chunks][-1]
+            other = await other  # before abort_all
+            async with http.stream("POST", "/generate", json={"text": "one of all", **endless}) as one, \
+                    http.stream("POST", "/generate", json={"text": "another of all", **endless}) as another:
+                streams = [data_lines(one), data_lines(another)]
+                for chunks in streams:  # each decoding
+                    await anext(chunks)
+                by_all = (await http.post("/abort_request", json={"abort_all": True})).json()
+                alls = [[chunk async for chunk in chunks][-1] for chunks in streams]
+            return by_rid, by_id, by_all, pair_last, openai_last, alls, other
+
+    by_rid, by_id, by_all, pair_last, openai_last, alls, other = asyncio.run(scenario())
+    assert (by_rid, by_id, by_all) == ({"aborted": 2}, {"aborted": 1}, {"aborted": 2})
+    assert sorted(pair_last) == [0, 1]
+    for chunk in pair_last.values():
+        assert chunk["meta_info"]["finish_reason"] == {"type": "abort"}
+        assert 1 <= chunk["meta_info"]["completion_tokens"] == len(chunk["output_ids"]) < 200
+    assert openai_last["choices"][0]["finish_reason"] is None
+    for last in alls:
+        assert last["meta_info"]["finish_reason"] == {"type": "abort"} and len(last["output_ids"]) >= 1
+    assert other.status_code == 200 and len(other.json()["output_ids"]) == 150
+    assert other.json()["meta_info"]["finish_reason"] == {"type": "length"}
+    wait_workers_idle(ARGS["pool_name"])
 
 
 def test_a_redeploy_that_changes_what_the_workers_run_is_refused_and_the_app_serves_on(base_url):

@@ -173,6 +173,12 @@ def client(base_url):
          "continue_final_message needs add_generation_prompt: false"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
                                   "add_generation_prompt": False}, "continues an assistant's message"),
+        # /abort_request names one request or all of them
+        ("/abort_request", {}, "name the request to abort (`rid`), or set `abort_all`"),
+        ("/abort_request", {"rid": "a", "abort_all": True}, "`rid` and `abort_all` exclude each other"),
+        ("/abort_request", {"rid": 5}, "rid"),
+        ("/abort_request", {"abort_all": "yes"}, "abort_all"),
+        ("/abort_request", {"rid": "r" * 129}, "rid"),
     ],
 )
 def test_bad_input_is_a_clear_400(base_url, path, body, message):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -64,6 +65,30 @@ def test_a_step_reaches_each_subscription_as_one_batch_of_deltas():
         await asyncio.sleep(0.05)
         assert not pending.done()
         pending.cancel()
+
+    asyncio.run(run())
+
+
+def test_streams_found_by_their_clients_name_end_as_aborted():
+    """`/abort_request`'s way in (`named`), and its way out: the aborted output's
+    last tokens with finish_reason abort, or an empty abort event for a request
+    that had none; an ended stream is not open (a request about to start skips)."""
+    async def run():
+        streams = TokenStreams(asyncio.get_running_loop())
+        for rid, name in (("a", "x"), ("b", "x"), ("c", "y"), ("d", "")):
+            streams.open(rid, "s", name)
+        batches = streams.batches("s")
+        assert streams.named("x") == ["a", "b"] and streams.named(None) == ["a", "b", "c", "d"]
+        assert streams.named("") == ["d"] and streams.named("z") == []
+        aborted = dataclasses.replace(output("a", [5, 6], "xy", finished=True), finish_reason=FinishReason.ABORT)
+        streams.publish([output("a", [5], "x")])
+        streams.end_aborted("a", aborted)
+        streams.end_aborted("b", None)
+        events = await next_batch(batches)
+        assert [(e.request_id, e.token_ids, e.text, e.finished, e.finish_reason, e.error) for e in events] == [
+            ("a", [5], "x", False, None, None), ("a", [6], "y", True, "abort", None), ("b", [], "", True, "abort", None)]
+        assert not streams.is_open("a") and not streams.is_open("b") and streams.is_open("c")
+        assert streams.named("x") == []
 
     asyncio.run(run())
 

@@ -1,0 +1,173 @@
+"""A client's abort (`/abort_request`) on the workers: whatever step a request is
+at (waiting in D's line, prefilling and sending its KV, decoding, colocated), its
+events end with finish_reason "abort" and no error, so the scheduler does not
+retry it elsewhere; what it held is freed, and requests of other names go on."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from actors.config import EngineConfig
+from actors.messages import GenerateRequest
+from actors.sampling_params import SamplingParams
+from actors.worker_base import WorkerOptions
+from cluster.pd_request import DisaggregatedCall
+from cluster.token_feeds import TokenFeeds, colocated_events
+from cluster.workers import start_worker
+from tests.conftest import wait_idle
+
+# Small chunks make a long prompt's prefill and transfer last long enough to abort.
+CONFIG = EngineConfig(block_size=16, prefill_chunk_size=16, max_num_batched_tokens=64, num_kv_blocks=400)
+OPTIONS = WorkerOptions(transfer_timeout_s=5.0, reservation_ttl_s=30.0, watchdog_interval_s=0.2)
+LONG_PROMPT = [random.Random(5).randrange(2000) for _ in range(1800)]
+ENDLESS = SamplingParams(max_new_tokens=2000, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(ray_local, tiny_qwen2_dir):
+    p = start_worker("prefill", "p-abort", tiny_qwen2_dir, CONFIG, OPTIONS)
+    d = start_worker("decode", "d-abort", tiny_qwen2_dir, CONFIG, OPTIONS)
+    ray.get([p.ping.remote(), d.ping.remote()])
+    return p, d
+
+
+def request(request_id: str, client_rid: str, prompt=None) -> GenerateRequest:
+    return GenerateRequest(request_id, prompt or list(range(1, 40)), ENDLESS, client_rid)
+
+
+async def events_of(call: DisaggregatedCall, seen: asyncio.Event | None = None, after_tokens: int = 1) -> list:
+    """Every event of the call; `seen` is set once it has `after_tokens` tokens."""
+    events = []
+    async for event in call.events():
+        events.append(event)
+        if seen is not None and sum(len(e.token_ids) for e in events) >= after_tokens:
+            seen.set()
+    return events
+
+
+async def abort(p, d, client_rid: str | None) -> set[str]:
+    """As the scheduler's PoolView does: D's side first, then P's."""
+    ended = set(await d.abort_named.remote(client_rid))
+    return ended | set(await p.abort_named.remote(client_rid))
+
+
+def assert_aborted(events: list) -> None:
+    last = events[-1]
+    assert last.finished and last.finish_reason == "abort" and last.error is None, last
+    assert all(not e.finished for e in events[:-1])
+
+
+def test_a_decoding_request_ends_as_aborted_and_another_name_goes_on(pair):
+    p, d = pair
+
+    async def scenario():
+        decoding = asyncio.Event()
+        target = asyncio.ensure_future(events_of(DisaggregatedCall(p, d, request("a-1", "mine"), "gloo"),
+                                                 decoding, after_tokens=5))
+        other_call = DisaggregatedCall(p, d, GenerateRequest("b-1", list(range(3, 50)), SamplingParams(
+            max_new_tokens=40, temperature=0, ignore_eos=True), "theirs"), "gloo")
+        other = asyncio.ensure_future(events_of(other_call))
+        await asyncio.wait_for(decoding.wait(), 60)
+        ended = await abort(p, d, "mine")
+        return ended, await asyncio.wait_for(target, 30), await asyncio.wait_for(other, 60)
+
+    ended, events, other = asyncio.run(scenario())
+    assert ended == {"a-1"}
+    assert_aborted(events)
+    assert 5 <= sum(len(e.token_ids) for e in events) < ENDLESS.max_new_tokens  # what it had made, then no more
+    assert other[-1].finish_reason == "length" and sum(len(e.token_ids) for e in other) == 40
+    wait_idle(p)
+    wait_idle(d)
+
+
+@pytest.mark.parametrize("sides", ["both", "prefill only"])
+def test_a_request_aborted_mid_transfer_ends_as_aborted_and_frees_both_sides(pair, sides):
+    """`prefill only`: the abort reached P but not D (it was reserved on D just
+    after D's part of the abort ran): P's RequestAborted ends it on D too."""
+    p, d = pair
+    rid = f"mid-{sides}"
+
+    def chunks_landed(worker) -> int:  # (nested: Ray ships it by value to D)
+        with worker._pending_lock:
+            pending = worker._pending.get(f"{rid}-0")
+        return 0 if pending is None else pending.next_chunk
+
+    async def scenario():
+        call = DisaggregatedCall(p, d, request(f"{rid}-0", rid, LONG_PROMPT), "gloo")
+        task = asyncio.ensure_future(events_of(call))
+        deadline = time.monotonic() + 60
+        while not await d.__ray_call__.remote(chunks_landed):
+            assert not task.done() and time.monotonic() < deadline, "the transfer ended before a chunk landed"
+            await asyncio.sleep(0.005)
+        ended = await (abort(p, d, rid) if sides == "both" else p.abort_named.remote(rid))
+        return call, set(ended), await asyncio.wait_for(task, 30)
+
+    call, ended, events = asyncio.run(scenario())
+    assert ended == {f"{rid}-0"}
+    assert events == events[-1:] and not events[0].token_ids  # no token came before the abort
+    assert_aborted(events)
+    assert call.prefill_result is None and call.prefill_error is None  # not a failure
+    wait_idle(p)
+    wait_idle(d)
+
+
+def test_a_handshake_waiting_in_line_ends_as_aborted(ray_local, tiny_qwen2_dir):
+    small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
+    p = start_worker("prefill", "p-abort-line", tiny_qwen2_dir, CONFIG, OPTIONS)
+    d = start_worker("decode", "d-abort-line", tiny_qwen2_dir, small, OPTIONS)
+    params = SamplingParams(max_new_tokens=4)
+    ray.get(d.reserve.remote(GenerateRequest("hold", list(range(1, 150)), params), "unread", p))  # 10 blocks
+
+    async def scenario():
+        waits = GenerateRequest("waits-0", list(range(1, 60)), params, "waits")  # 4 blocks
+        call = DisaggregatedCall(p, d, waits, "gloo")
+        task = asyncio.ensure_future(events_of(call))
+        deadline = time.monotonic() + 10
+        while (await d.stats.remote()).num_waiting_handshakes < 1:
+            assert time.monotonic() < deadline, "the handshake never waited in line"
+            await asyncio.sleep(0.05)
+        ended = await abort(p, d, "waits")
+        return ended, await asyncio.wait_for(task, 10)
+
+    ended, events = asyncio.run(scenario())
+    assert ended == {"waits-0"}
+    assert len(events) == 1
+    assert_aborted(events)
+    ray.get(d.abort.remote("hold"))
+    wait_idle(d)
+
+
+def test_a_colocated_request_ends_as_aborted_and_abort_all_ends_every_one(ray_local, tiny_qwen2_dir):
+    c = start_worker("colocated", "c-abort", tiny_qwen2_dir, CONFIG)
+    ray.get(c.ping.remote())
+
+    async def scenario():
+        feeds = TokenFeeds()
+        decoding = [asyncio.Event(), asyncio.Event()]
+
+        async def run(k: int) -> list:
+            events = []
+            async for event in colocated_events(feeds, c, request(f"c-{k}", f"name-{k}")):
+                events.append(event)
+                if sum(len(e.token_ids) for e in events) >= 3:
+                    decoding[k].set()
+            return events
+
+        tasks = [asyncio.ensure_future(run(k)) for k in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding)), 60)
+        assert await c.abort_named.remote("nobody's") == []
+        ended = await c.abort_named.remote(None)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        await feeds.close()
+        return set(ended), results
+
+    ended, results = asyncio.run(scenario())
+    assert ended == {"c-0", "c-1"}
+    for events in results:
+        assert_aborted(events)
+    wait_idle(c)
