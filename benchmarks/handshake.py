@@ -85,6 +85,9 @@ def main(args: argparse.Namespace) -> None:
     settings["engine"] = {"block_size": 16, "num_kv_blocks": args.kv_blocks, "max_num_seqs": 64,
                           "prefill_chunk_size": 256, "max_num_batched_tokens": 1024,
                           "decode_reserve_tokens": args.decode_reserve_tokens}
+    # At most the prompts a pool of kv_blocks serves (with a first token): AppSettings refuses more
+    limits = settings["limits"]
+    settings["limits"] = {**limits, "max_prompt_tokens": min(limits["max_prompt_tokens"], args.kv_blocks * 16 - 1)}
     settings["timeouts"] = {"handshake_s": args.handshake_s}
     if args.ttft_slo_ms is not None:
         settings["slo"] = {"early_rejection": True, "ttft_ms": args.ttft_slo_ms, "tbt_ms": 60_000}

@@ -27,15 +27,21 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.config import MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, EngineConfig, ModelLocation
 from actors.kv_store import GIB, KVStoreSettings
+from actors.model_shapes import PRESETS
 from actors.sampling_defaults import SamplingDefaultsSource
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """No unknown settings, and each value of its own type, as YAML or JSON writes
+    it: pydantic's lax mode read `replicas: "2"` as 2, `num_gpus: true` as 1 and
+    `enable_prefix_cache: "no"` as False. An integer where a float is expected is
+    still one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSource(_Strict):
@@ -60,6 +66,12 @@ class ModelSource(_Strict):
 
     def location(self) -> ModelLocation:
         return ModelLocation(self.path, self.preset, self.arch)
+
+    @property
+    def context_tokens(self) -> int | None:
+        """The checkpoint's context where the settings know it: a preset's; None for
+        a folder's, which its config.json gives (`ModelConfig.from_hf`)."""
+        return None if self.preset is None else PRESETS[self.preset].max_position_embeddings
 
 
 class EngineSettings(_Strict):
@@ -246,6 +258,13 @@ class AppSettings(_Strict):
     response_store_mib: float = Field(64, ge=0)
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
 
+    @field_validator("pool_name")
+    @classmethod
+    def _names_an_actor(cls, pool_name: str) -> str:
+        if not pool_name.strip():
+            raise ValueError(f"must name the pool manager's actor (replicas find the pools by it), got {pool_name!r}")
+        return pool_name
+
     @model_validator(mode="after")
     def _pools_fit_mode(self):
         if self.mode == "disaggregated" and (self.prefill.min_size < 1 or self.decode.min_size < 1):
@@ -268,6 +287,40 @@ class AppSettings(_Strict):
         if self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9):
             raise ValueError("limits.max_prompt_tokens must leave room for one new token within engine.max_model_len")
         return self
+
+    @model_validator(mode="after")
+    def _pool_holds_the_longest_prompt(self):
+        problem = self.kv_pool_problem(self.model.context_tokens)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def kv_pool_problem(self, context_tokens: int | None) -> str | None:
+        """Why a pool of `engine.num_kv_blocks` cannot serve the longest prompt the
+        settings let through, with one new token, for a checkpoint of
+        `context_tokens`; None where it can, where the workers size the pool
+        (kv_cache_bytes), or where the context is not known (a checkpoint folder
+        not read: `tandem check-manifest` reads one that is here).
+
+        Exact: an engine refuses a request whose tokens (prompt plus max_new_tokens,
+        at most its context) need more blocks than its pool has (`Engine.validate`);
+        a decode worker reserves the prompt and the first token's slot
+        (`blocks_to_reserve`), and the room it keeps for later tokens
+        (decode_reserve_tokens) is at most a request's max_new_tokens: none for a
+        request of one token, which an empty pool of that many blocks serves."""
+        if self.engine.num_kv_blocks is None or context_tokens is None:
+            return None
+        bounds = {"limits.max_prompt_tokens": self.limits.max_prompt_tokens + 1,
+                  "limits.max_total_tokens": self.limits.max_total_tokens,
+                  "engine.max_model_len": self.engine.max_model_len,
+                  "the model's context": context_tokens}
+        bound, num_tokens = min(((name, n) for name, n in bounds.items() if n is not None), key=lambda b: b[1])
+        num_blocks = -(-num_tokens // self.engine.block_size)
+        if self.engine.num_kv_blocks >= num_blocks:
+            return None
+        return (f"engine.num_kv_blocks ({self.engine.num_kv_blocks}) cannot hold one request of the longest prompt "
+                f"the settings let through: {num_tokens - 1} tokens ({bound}) and one new token need {num_blocks} "
+                f"blocks of {self.engine.block_size} tokens")
 
     @property
     def resolved_api_key(self) -> str | None:

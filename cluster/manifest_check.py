@@ -3,10 +3,12 @@ config schema, then each Tandem application's `args` as `AppSettings`, before
 anything starts. `serve run` on a manifest with a misspelt setting builds the app
 four times, logs each failure's traceback and then waits on; `make serve` runs
 this first and stops at the first line. A RayService manifest's `serveConfigV2`
-is checked the same way. Returns a list of problems; empty means valid.
+is checked the same way, and so is the port the proxies listen on (Serve's own
+schema takes 0 or 99999). Returns a list of problems; empty means valid.
 
 A `model.path` that is a folder on this machine is checked as a worker would load
-it (config.json, the tokenizer, each weights file's header); one that is not here
+it (config.json, the tokenizer, each weights file's header), and its context
+against `engine.num_kv_blocks` (`AppSettings.kv_pool_problem`); one that is not here
 is a problem only with `local` (`make serve`: the manifest is served from here),
 as it may name a folder on the cluster's nodes. Otherwise a bad checkpoint fails
 the scheduler replica's start in Serve's retries, or the workers' in the pool's
@@ -20,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 IMPORT_PATH = "cluster.app:build_app"
+MAX_PORT = 65535
 
 
 def check_manifest(path: str | Path, local: bool = False) -> list[str]:
@@ -47,6 +50,9 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
     except ValidationError as exc:
         return [f"Serve's config schema: {_where(e)}: {e['msg']}" for e in exc.errors()]
     problems = []
+    port = schema.http_options.port
+    if not 1 <= port <= MAX_PORT:
+        problems.append(f"http_options.port: {port} is not a TCP port (1 to {MAX_PORT})")
     for application in schema.applications:
         if application.import_path != IMPORT_PATH:
             continue  # another app in the same config: not Tandem's to check
@@ -56,30 +62,34 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
             problems += [f"application {application.name!r}: {_where(e) or 'args'}: {_message(e)}"
                          for e in exc.errors()]
             continue
-        problem = _checkpoint_problem(settings.model.path, local)
+        context_tokens, problem = _checkpoint_context(settings.model.path, local)
         if problem is not None:
             problems.append(f"application {application.name!r}: model.path: {problem}")
+        problem = settings.kv_pool_problem(context_tokens)  # (a preset's was checked with the settings)
+        if problem is not None:
+            problems.append(f"application {application.name!r}: args: {problem}")
     if not any(a.import_path == IMPORT_PATH for a in schema.applications):
         problems.append(f"no application has import_path {IMPORT_PATH}")
     return problems
 
 
-def _checkpoint_problem(path: str | None, local: bool) -> str | None:
-    """Why the checkpoint folder at `path` would not load here, if it would not."""
+def _checkpoint_context(path: str | None, local: bool) -> tuple[int | None, str | None]:
+    """The context of the checkpoint folder at `path` (None where it is not read
+    here), or why it would not load here."""
     if path is None or not (local or Path(path).is_dir()):
-        return None
+        return None, None
     from actors.config import CheckpointError, ModelConfig, ModelLocation
     from actors.tokenization import load_tokenizer
     from actors.weights import tensor_names
 
     try:
         model_dir = ModelLocation(path).resolve()
-        ModelConfig.from_hf(model_dir)
+        config = ModelConfig.from_hf(model_dir)
         load_tokenizer(model_dir)
         tensor_names(model_dir)
     except CheckpointError as exc:
-        return str(exc)
-    return None
+        return None, str(exc)
+    return config.max_position_embeddings, None
 
 
 def _where(error: dict) -> str:
@@ -87,4 +97,10 @@ def _where(error: dict) -> str:
 
 
 def _message(error: dict) -> str:
-    return "unknown setting" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        return "unknown setting"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"].endswith("_type"):  # a value of another type: `replicas: "2"` reads as 2 only in lax mode
+        value = error["input"]
+        message += f", got {type(value).__name__}" + (f" {value!r}" if isinstance(value, (str, int, float)) else "")
+    return message

@@ -12,6 +12,7 @@ from benchmarks.scheduler_driver import build_scheduler, complete, refreshing, r
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
     "engine": {"block_size": 16, "prefill_chunk_size": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 24},
+    "limits": {"max_prompt_tokens": 383},  # the longest prompt and its first token fill the 24 blocks
     "prefill": {"replicas": 1},
     "decode": {"replicas": 2},
     "slo": {"early_rejection": False},

@@ -137,11 +137,109 @@ def test_local_profile_binds_to_loopback():
          "exclude each other"),
         ({"model": {"preset": "tiny"}, "engine": {"prompt_lookup_min": 5}}, "prompt_lookup_min <= prompt_lookup_max"),
         ({"model": {"preset": "tiny"}, "engine": {"num_speculative_tokens": 17}}, "num_speculative_tokens"),
+        ({"model": {"preset": "tiny"}, "engine": {"num_kv_blocks": 2}, "limits": {"max_prompt_tokens": 1536}},
+         r"engine.num_kv_blocks \(2\) cannot hold one request of the longest prompt the settings let through: 1536 "
+         r"tokens \(limits.max_prompt_tokens\) and one new token need 97 blocks of 16 tokens"),
+        ({"model": {"preset": "tiny"}, "pool_name": ""}, "pool_name\n.*must name the pool manager's actor"),
+        ({"model": {"preset": "tiny"}, "pool_name": " \t"}, "pool_name\n.*must name the pool manager's actor"),
+        # Values of another type, which pydantic's lax mode took
+        ({"model": {"preset": "tiny"}, "prefill": {"replicas": "2"}}, "prefill.replicas\n.*valid integer"),
+        ({"model": {"preset": "tiny"}, "decode": {"num_gpus": True}}, "decode.num_gpus\n.*valid number"),
+        ({"model": {"preset": "tiny"}, "engine": {"num_kv_blocks": "1024"}}, "engine.num_kv_blocks\n.*valid integer"),
+        ({"model": {"preset": "tiny"}, "engine": {"max_num_seqs": 8.0}}, "engine.max_num_seqs\n.*valid integer"),
+        ({"model": {"preset": "tiny"}, "engine": {"enable_prefix_cache": "no"}},
+         "engine.enable_prefix_cache\n.*valid boolean"),
+        ({"model": {"preset": "tiny"}, "slo": {"ttft_ms": "700"}}, "slo.ttft_ms\n.*valid number"),
+        ({"model": {"preset": "tiny"}, "limits": {"max_prompt_tokens": 1536.0}}, "limits.max_prompt_tokens\n"),
+        ({"model": {"preset": "tiny"}, "scheduler_replicas": True}, "scheduler_replicas\n.*valid integer"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
     with pytest.raises(ValidationError, match=message):
         AppSettings.model_validate(args)
+
+
+def test_an_integer_is_a_float_setting_as_yaml_writes_it():
+    settings = AppSettings.model_validate({"model": {"preset": "tiny"}, "prefill": {"num_cpus": 2, "num_gpus": 0},
+                                           "slo": {"ttft_ms": 700}, "kv_store": {"host_gib": 1}})
+    assert settings.prefill.num_cpus == 2.0 and settings.slo.ttft_ms == 700.0 and settings.kv_store.host_gib == 1.0
+
+
+@pytest.mark.parametrize(
+    "engine, limits, num_blocks",
+    [
+        ({"block_size": 16}, {"max_prompt_tokens": 1536}, 97),  # 1537 tokens
+        ({"block_size": 32}, {"max_prompt_tokens": 1536}, 49),
+        ({"block_size": 16}, {"max_prompt_tokens": 1535}, 96),  # 1536 tokens: whole blocks
+        ({"block_size": 16}, {"max_prompt_tokens": 1536, "max_total_tokens": 48}, 3),  # a 47-token prompt
+        ({"block_size": 16}, {}, 128),  # 4096 allowed, but the tiny preset's context is 2048: a 2047-token prompt
+        ({"block_size": 64, "max_model_len": 1000}, {"max_prompt_tokens": 999}, 16),
+    ],
+)
+def test_kv_blocks_must_hold_the_longest_prompt_and_one_token_and_no_more(engine, limits, num_blocks):
+    def settings(n: int) -> dict:
+        return {"model": {"preset": "tiny"}, "engine": {**engine, "num_kv_blocks": n}, "limits": limits}
+
+    AppSettings.model_validate(settings(num_blocks))
+    with pytest.raises(ValidationError, match=f"need {num_blocks} blocks"):
+        AppSettings.model_validate(settings(num_blocks - 1))
+
+
+def test_the_kv_blocks_rule_is_the_engines(tiny_qwen2_dir):
+    """At the bound the rule names, an engine serves the longest prompt with one new
+    token (and a decode engine reserves for it); one block fewer, it refuses it."""
+    from actors.engine import Engine
+    from actors.sampling_params import InvalidRequestError, SamplingParams
+    from cluster.config import EngineSettings
+
+    prompt, one_token = list(range(3, 103)), SamplingParams(max_new_tokens=1)
+    for num_blocks in (7, 6):
+        args = {"model": {"preset": "tiny"}, "engine": {"num_kv_blocks": num_blocks},
+                "limits": {"max_prompt_tokens": 100}}
+        engine = Engine(tiny_qwen2_dir, EngineSettings(num_kv_blocks=num_blocks).engine_config())
+        if num_blocks == 7:
+            AppSettings.model_validate(args)
+            engine.validate(prompt, one_token)
+            assert engine.reserve(prompt, one_token, "longest") is not None
+        else:
+            with pytest.raises(ValidationError, match="need 7 blocks"):
+                AppSettings.model_validate(args)
+            with pytest.raises(InvalidRequestError, match="needs 7 KV blocks, the pool has 6"):
+                engine.validate(prompt, one_token)
+
+
+def test_check_manifest_refuses_what_cannot_serve(tmp_path, tiny_qwen2_dir):
+    local = (Path(__file__).parent.parent / "manifests" / "local.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    typed = local.replace("prefill: {replicas: 1,", "prefill: {replicas: '2',")
+    bad.write_text(typed.replace("port: 8000", "port: 99999").replace("pool_name: tandem-local-pool", "pool_name: ''"))
+    assert check_manifest(bad) == [
+        "http_options.port: 99999 is not a TCP port (1 to 65535)",
+        "application 'tandem': prefill.replicas: Input should be a valid integer, got str '2'",
+        "application 'tandem': pool_name: must name the pool manager's actor (replicas find the pools by it), got ''",
+    ]
+    bad.write_text(local.replace("port: 8000", "port: 0"))
+    assert check_manifest(bad) == ["http_options.port: 0 is not a TCP port (1 to 65535)"]
+    bad.write_text(local.replace("port: 8000", "port: 65535"))
+    assert check_manifest(bad) == []
+    small = local.replace("num_kv_blocks: 1024", "num_kv_blocks: 2")
+    bad.write_text(small)
+    assert check_manifest(bad) == [
+        "application 'tandem': args: engine.num_kv_blocks (2) cannot hold one request of the longest prompt the "
+        "settings let through: 1536 tokens (limits.max_prompt_tokens) and one new token need 97 blocks of 16 tokens"]
+    # A checkpoint folder's context is known where it is read: here, not in the settings alone
+    bad.write_text(small.replace("model: {preset: tiny, arch: qwen2}", f"model: {{path: '{tiny_qwen2_dir}'}}"))
+    assert check_manifest(bad) == [
+        "application 'tandem': args: engine.num_kv_blocks (2) cannot hold one request of the longest prompt the "
+        "settings let through: 1536 tokens (limits.max_prompt_tokens) and one new token need 97 blocks of 16 tokens"]
+    unread = small.replace("model: {preset: tiny, arch: qwen2}", f"model: {{path: '{tmp_path / 'elsewhere'}'}}")
+    bad.write_text(unread.replace("max_prompt_tokens: 1536", "max_prompt_tokens: 4000"))
+    assert check_manifest(bad) == []
+    bad.write_text(local.replace("model: {preset: tiny, arch: qwen2}", f"model: {{path: '{tiny_qwen2_dir}'}}")
+                   .replace("num_kv_blocks: 1024", "num_kv_blocks: 127").replace("max_prompt_tokens: 1536",
+                                                                                "max_prompt_tokens: 4000"))
+    [problem] = check_manifest(bad)
+    assert problem.endswith("2047 tokens (the model's context) and one new token need 128 blocks of 16 tokens")
 
 
 def test_api_key_from_the_environment(monkeypatch):

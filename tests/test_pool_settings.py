@@ -10,7 +10,7 @@ from cluster.config import AppSettings
 from cluster.pool_settings import pools_keep, redeploy_refusal
 
 BASE = {"model": {"preset": "tiny", "arch": "qwen2"}, "engine": {"block_size": 16, "num_kv_blocks": 64},
-        "pool_name": "p"}
+        "limits": {"max_prompt_tokens": 1023}, "pool_name": "p"}
 
 
 def _dump(**changes) -> dict:
@@ -21,7 +21,7 @@ def test_a_manifest_the_pools_could_have_been_started_from_changes_nothing_they_
     running = _dump()
     assert pools_keep(running, running) == []
     tuned = _dump(prefill={"replicas": 3}, slo={"ttft_ms": 900}, autoscaling={"interval_s": 1},
-                  limits={"max_new_tokens": 64}, routing="least_load",
+                  limits={"max_prompt_tokens": 1000, "max_new_tokens": 64}, routing="least_load",
                   model={"preset": "tiny", "arch": "qwen2", "name": "renamed"})
     assert pools_keep(running, tuned) == []
 
@@ -31,6 +31,7 @@ def test_each_setting_a_worker_was_started_from_is_named_with_both_values():
     changed = _dump(model={"preset": "bench", "arch": "qwen2"},
                     engine={"block_size": 32, "num_kv_blocks": 64, "max_num_seqs": 8},
                     kv_store={"host_gib": 0.5}, timeouts={"transfer_s": 5}, mode="colocated",
+                    limits={"max_prompt_tokens": 2047},
                     colocated={"replicas": 1})
     assert pools_keep(running, changed) == [
         "model.preset: 'tiny' -> 'bench'",

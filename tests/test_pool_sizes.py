@@ -19,6 +19,7 @@ from cluster.pool_settings import check_redeploy
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
     "engine": {"block_size": 16, "num_kv_blocks": 64},
+    "limits": {"max_prompt_tokens": 1023},  # the longest prompt and its first token fill the 64 blocks
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1},
     "autoscaling": {"interval_s": 0.25, "drain_grace_s": 0.5},
