@@ -11,12 +11,13 @@ think time of up to `--think-s` between requests, half a second after a 429) unt
 `--duration-s` has passed, from the seeded mix of `benchmarks/soak_traffic.py`:
 `/generate` streaming and not, completions streaming and not, chat streaming; token
 and text prompts of many lengths; greedy and sampled; stop strings; and some
-streams the client hangs up on mid-way (deliberate cancellations).
+streams the client hangs up on mid-way (deliberate cancellations), and some it
+ends through `/abort_request` (deliberate aborts).
 
 Checks (any miss is a failure named in the headline):
-1. every request is complete, a deliberate 429 (SLO admission) or a deliberate
-   cancellation (`benchmarks/soak_verdict.py`); failures are counted and examples
-   printed;
+1. every request is complete, a deliberate 429 (SLO admission), a deliberate
+   cancellation or a deliberate abort (`benchmarks/soak_verdict.py`); failures are
+   counted and examples printed;
 2. once the load stops and the last request has ended, every worker comes back to
    idle within `--idle-timeout-s` (no used block, reservation, running or waiting
    request) and `check_accounting()` passes on each; no worker was replaced;
@@ -62,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-s", type=non_negative_float, default=0.2,
                         help="longest random pause between a client's requests")
     parser.add_argument("--cancel-share", type=fraction, default=0.12, help="share of streams cancelled mid-way")
+    parser.add_argument("--abort-share", type=fraction, default=0.08,
+                        help="share of single-prompt streams ended by /abort_request mid-way")
     parser.add_argument("--request-timeout-s", type=positive_float, default=120.0)
     parser.add_argument("--idle-timeout-s", type=positive_float, default=30.0,
                         help="for the workers to come back to idle")
@@ -112,7 +115,7 @@ async def _client(index: int, client, url: str, args, vocab: int, started: float
 
     rng = random.Random(args.seed * 1000 + index)
     while time.perf_counter() < deadline:
-        request = draw_request(rng, next(counter), vocab, args.cancel_share)
+        request = draw_request(rng, next(counter), vocab, args.cancel_share, args.abort_share)
         sent_s = time.perf_counter() - started
         response = await send(client, url, request, args.request_timeout_s)
         verdict = judge(request, response)
@@ -172,7 +175,7 @@ def count_requests(records) -> dict:
     from benchmarks.soak_traffic import Endpoint
     from benchmarks.soak_verdict import Outcome
 
-    started_all = (Outcome.OK, Outcome.CANCELLED)  # every request of theirs reached the scheduler
+    started_all = (Outcome.OK, Outcome.CANCELLED, Outcome.ABORTED)  # every request of theirs reached the scheduler
     table = {}
     for label, chosen in [(e.label, [r for r in records if r.request.endpoint is e]) for e in Endpoint] + [
             ("all", records)]:
@@ -240,7 +243,8 @@ def tables(counts, server, samples, memory, idle, processes) -> str:
     from benchmarks.soak_probes import MIB
 
     mib = lambda b: None if b is None else b / MIB  # noqa: E731
-    request_rows = [[label, c["sent"], c["ok"], c["rejected"], c["cancelled"], c["failed"], c["finish_stop"],
+    request_rows = [[label, c["sent"], c["ok"], c["rejected"], c["cancelled"], c["aborted"], c["failed"],
+                     c["finish_stop"],
                      c["finish_length"], c["e2e_s"]["p50"] if c["e2e_s"] else None,
                      c["e2e_s"]["p99"] if c["e2e_s"] else None] for label, c in counts.items()]
     workers = [p.name for p in processes if p.is_worker]
@@ -253,7 +257,7 @@ def tables(counts, server, samples, memory, idle, processes) -> str:
                   idle["accounting"][name]] for name, w in idle["workers"].items()]
     return "\n".join([
         "### soak: requests by endpoint", "",
-        report.markdown_table(["endpoint", "sent", "ok", "429", "cancelled", "failed", "stop", "length",
+        report.markdown_table(["endpoint", "sent", "ok", "429", "cancelled", "aborted", "failed", "stop", "length",
                                "e2e p50 s", "e2e p99 s"], request_rows), "",
         "### soak: the scheduler's own count (`tandem_requests_total` by outcome, once idle)", "",
         report.markdown_table([*server, "all"], [[*server.values(), sum(server.values())]]),
@@ -276,7 +280,7 @@ def headline_figure(counts, idle, memory, args, found) -> str:
     accounting = "ok" if all(v == "ok" for v in idle["accounting"].values()) else "FAILED"
     figure = (f"{total['sent']} requests in {args.duration_s:.0f} s from {args.clients} clients: "
               f"{total['ok']} complete, {total['rejected']} rejected (429), {total['cancelled']} cancelled, "
-              f"{total['failed']} failed; idle blocks {sum(w['used_blocks'] for w in idle['workers'].values())}, "
+              f"{total['aborted']} aborted, {total['failed']} failed; idle blocks {sum(w['used_blocks'] for w in idle['workers'].values())}, "
               f"accounting {accounting}; largest RSS growth {worst['growth_bytes'] / 2**20:+.1f} MiB ({worst_name})")
     return f"FAIL ({'; '.join(found)}): {figure}" if found else f"pass: {figure}"
 
@@ -325,8 +329,8 @@ def main(args: argparse.Namespace) -> None:
     payload = {
         "quick": args.quick, "settings": settings, "manifest": args.manifest,
         "load": {"duration_s": args.duration_s, "clients": args.clients, "think_s": args.think_s,
-                 "cancel_share": args.cancel_share, "warm_up_s": args.warm_up_s, "sample_every_s": args.sample_every_s,
-                 "seed": args.seed, "drained_s": idle["drained_s"]},
+                 "cancel_share": args.cancel_share, "abort_share": args.abort_share, "warm_up_s": args.warm_up_s,
+                 "sample_every_s": args.sample_every_s, "seed": args.seed, "drained_s": idle["drained_s"]},
         "tolerance": {"rss_rel": args.rss_tolerance, "rss_mib": args.rss_tolerance_mib},
         "problems": found, "requests": counts, "server_counters": server, "failures": examples,
         "idle": idle, "memory": memory,

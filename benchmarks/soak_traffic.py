@@ -11,7 +11,11 @@ A `SoakRequest` is one HTTP request drawn from a seeded mix (`draw_request`):
 - `max_new_tokens`, greedy or seeded sampling, EOS honoured or ignored, and in some
   requests stop strings that the tiny model's random text often contains;
 - for some streaming requests a deliberate cancellation: the client closes the
-  connection after `cancel_after_events` data events that carry output.
+  connection after `cancel_after_events` data events that carry output;
+- for some other single-prompt streams a deliberate abort: after
+  `abort_after_events` such events the client asks `/abort_request` to end it (by
+  the `/generate` request's rid, or the OpenAI completion's id from its first
+  chunk) and reads on to the end.
 
 `send(client, base_url, request, timeout_s)` returns a `RawResponse` holding what
 came back, unjudged: the HTTP status, the body (non-streaming or error) or the SSE
@@ -78,6 +82,7 @@ class SoakRequest:
     stop: tuple[str, ...] = ()
     include_usage: bool = False  # OpenAI streams: a final usage chunk was asked for
     cancel_after_events: int | None = None  # the client hangs up after this many output events
+    abort_after_events: int | None = None  # the client asks /abort_request to end it after this many
 
     @property
     def num_prompt_tokens(self) -> int | None:
@@ -100,6 +105,7 @@ class RawResponse:
     body: str | None = None  # non-streaming body, or the body of a non-200 answer
     events: list[str] = field(default_factory=list)  # SSE data payloads, in order
     is_cancelled: bool = False  # the client hung up on purpose
+    abort_status: int | None = None  # /abort_request's HTTP status, if the client asked it
     transport_error: str | None = None
     e2e_s: float | None = None
 
@@ -113,13 +119,18 @@ def _text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def draw_request(rng: random.Random, index: int, vocab_size: int, cancel_share: float = 0.12) -> SoakRequest:
+def draw_request(rng: random.Random, index: int, vocab_size: int, cancel_share: float = 0.12,
+                 abort_share: float = 0.08) -> SoakRequest:
     """One request of the mix, every choice drawn from `rng`."""
     endpoint = rng.choices(list(MIX), weights=list(MIX.values()))[0]
-    cancel_after = None
-    if endpoint.is_stream and rng.random() < cancel_share:
+    cancel_after = abort_after = None
+    drawn = rng.random()
+    if endpoint.is_stream and drawn < cancel_share:
         cancel_after = rng.randint(1, 4)
-    max_new = _lognormal(rng, 32, 0.8, 4, 192) if cancel_after is None else rng.randint(64, 192)
+    elif endpoint.is_stream and not endpoint.is_batch and drawn < cancel_share + abort_share:
+        abort_after = rng.randint(1, 4)
+    ended_early = cancel_after is not None or abort_after is not None
+    max_new = _lognormal(rng, 32, 0.8, 4, 192) if not ended_early else rng.randint(64, 192)
     stop = tuple(rng.sample(STOP_STRINGS, rng.randint(1, 3))) if rng.random() < 0.35 else ()
     greedy = rng.random() < 0.5
     temperature, seed = (0.0, None) if greedy else (0.8, rng.randrange(2**31))
@@ -133,6 +144,8 @@ def draw_request(rng: random.Random, index: int, vocab_size: int, cancel_share: 
         if stop:
             params["stop"] = list(stop)
         body = {"sampling_params": params, "stream": endpoint.is_stream}
+        if abort_after is not None:
+            body["rid"] = f"soak-{index}"
         if endpoint.is_batch:
             params["n"] = rng.randint(1, 2)
             body["input_ids"] = [random_tokens(rng, _lognormal(rng, 64, 0.8, 8, 512), vocab_size)
@@ -141,7 +154,8 @@ def draw_request(rng: random.Random, index: int, vocab_size: int, cancel_share: 
             body["text"] = _text(rng, max(1, num_tokens // 3))
         else:
             body["input_ids"] = random_tokens(rng, num_tokens, vocab_size)
-        return SoakRequest(index, endpoint, body, max_new, stop, cancel_after_events=cancel_after)
+        return SoakRequest(index, endpoint, body, max_new, stop, cancel_after_events=cancel_after,
+                           abort_after_events=abort_after)
 
     body = {"max_tokens": max_new, "temperature": temperature, "ignore_eos": ignore_eos, "stream": endpoint.is_stream}
     if seed is not None:
@@ -156,7 +170,7 @@ def draw_request(rng: random.Random, index: int, vocab_size: int, cancel_share: 
                             {"role": "user", "content": _text(rng, max(1, num_tokens // 3))}]
     else:
         body["prompt"] = random_tokens(rng, num_tokens, vocab_size)
-    return SoakRequest(index, endpoint, body, max_new, stop, include_usage, cancel_after)
+    return SoakRequest(index, endpoint, body, max_new, stop, include_usage, cancel_after, abort_after)
 
 
 # ---- sending ------------------------------------------------------------------------------
@@ -193,6 +207,10 @@ async def _exchange(client, base_url: str, request: SoakRequest, response: RawRe
             if request.cancel_after_events is not None and num_output_events >= request.cancel_after_events:
                 response.is_cancelled = True
                 return  # leaving the block closes the connection mid-stream
+            if request.abort_after_events is not None and response.abort_status is None \
+                    and num_output_events >= request.abort_after_events:
+                rid = request.body.get("rid") or json.loads(response.events[0])["id"]
+                response.abort_status = (await client.post(f"{base_url}/abort_request", json={"rid": rid})).status_code
 
 
 def _carries_output(payload: str) -> bool:

@@ -5,6 +5,10 @@ deliberate cancellation, or a failure?
 - `REJECTED`: HTTP 429 whose JSON error has type `slo_rejection` (early admission);
 - `CANCELLED`: the client hung up on purpose mid-stream, and every event it read
   before that was well formed (no error event);
+- `ABORTED`: the client asked `/abort_request` to end its stream (answered 200),
+  and the stream is complete as below but ended by the abort: finish reason
+  `abort` (`/generate`) or null (OpenAI's), with fewer than `max_new_tokens`
+  tokens (a stream that finished before the abort landed is `OK`);
 - `OK`: HTTP 200 and a complete response of the endpoint's shape:
   - non-streaming: a JSON body with the expected fields (`/generate`: `text`,
     `output_ids`, `meta_info` with `finish_reason.type` and `completion_tokens`, a
@@ -38,6 +42,7 @@ class Outcome(enum.Enum):
     OK = "ok"
     REJECTED = "rejected"
     CANCELLED = "cancelled"
+    ABORTED = "aborted"
     FAILED = "failed"
 
 
@@ -78,7 +83,8 @@ def _error_type(body: str | None) -> str | None:
 
 
 def _complete(request: SoakRequest, reason, text: str, num_tokens: int | None) -> Verdict:
-    if reason not in FINISH_REASONS:
+    aborted = request.abort_after_events is not None and reason in ("abort", None)
+    if reason not in FINISH_REASONS and not aborted:
         raise Malformed(f"finish reason {reason!r}")
     if not isinstance(text, str):
         raise Malformed(f"text is {type(text).__name__}")
@@ -87,10 +93,12 @@ def _complete(request: SoakRequest, reason, text: str, num_tokens: int | None) -
             raise Malformed(f"{num_tokens} tokens for max_new_tokens {request.max_new_tokens}")
         if reason == "length" and num_tokens != request.max_new_tokens:
             raise Malformed(f"finished on length after {num_tokens} of {request.max_new_tokens} tokens")
+        if aborted and num_tokens == request.max_new_tokens:
+            raise Malformed(f"aborted after all its {num_tokens} tokens")
     held = [s for s in request.stop if s in text]
     if held:
         raise Malformed(f"output holds stop string {held[0]!r}: {text[-80:]!r}")
-    return Verdict(Outcome.OK, finish_reason=reason, num_output_tokens=num_tokens)
+    return Verdict(Outcome.ABORTED if aborted else Outcome.OK, finish_reason=reason, num_output_tokens=num_tokens)
 
 
 # ---- non-streaming --------------------------------------------------------------------------
@@ -141,6 +149,8 @@ def _judge_stream(request: SoakRequest, response: RawResponse) -> Verdict:
         reason, text, num_tokens = _openai_events(request, events)
     if response.is_cancelled:
         return Verdict(Outcome.CANCELLED)
+    if response.abort_status not in (None, 200):
+        raise Malformed(f"/abort_request answered {response.abort_status}")
     if not is_done:
         raise Malformed(f"stream ended without [DONE] after {len(payloads)} events")
     if request.endpoint is Endpoint.GENERATE_BATCH_STREAM:

@@ -37,15 +37,23 @@ def test_the_mix_is_seeded_and_valid_for_the_api():
         assert (request.num_prompt_tokens or 0) <= 1024
         if request.cancel_after_events is not None:
             assert request.endpoint.is_stream and request.max_new_tokens >= 64
+        if request.abort_after_events is not None:  # a single-prompt stream, named for /generate
+            assert request.endpoint.is_stream and not request.endpoint.is_batch and request.max_new_tokens >= 64
+            assert request.cancel_after_events is None
+            assert request.body.get("rid", f"soak-{request.index}") == f"soak-{request.index}"
+            assert ("rid" in request.body) == (request.endpoint.path == "/generate")
     assert {r.endpoint for r in requests} == set(Endpoint)
     batches = [r for r in requests if r.endpoint.is_batch]
     assert {r.num_answers for r in batches} >= {2, 4, 6} and all(r.num_prompt_tokens is None for r in batches)
     assert any(r.cancel_after_events for r in requests) and any(r.stop for r in requests)
+    assert {r.endpoint for r in requests if r.abort_after_events} == {
+        Endpoint.GENERATE_STREAM, Endpoint.COMPLETIONS_STREAM, Endpoint.CHAT_STREAM}
 
 
 # ---- judging ------------------------------------------------------------------------------
-def request(endpoint: Endpoint, max_new_tokens: int = 4, stop=(), include_usage=False, cancel_after=None):
-    return SoakRequest(0, endpoint, {}, max_new_tokens, tuple(stop), include_usage, cancel_after)
+def request(endpoint: Endpoint, max_new_tokens: int = 4, stop=(), include_usage=False, cancel_after=None,
+            abort_after=None):
+    return SoakRequest(0, endpoint, {}, max_new_tokens, tuple(stop), include_usage, cancel_after, abort_after)
 
 
 def generate_event(text: str, ids: list[int], reason: str | None) -> str:
@@ -58,8 +66,8 @@ def sse_payloads(*payloads) -> list[str]:
     return [fmt.sse(p).removeprefix("data: ").strip() for p in payloads]
 
 
-def streamed(events: list[str], cancelled: bool = False) -> RawResponse:
-    return RawResponse(http_status=200, events=events, is_cancelled=cancelled)
+def streamed(events: list[str], cancelled: bool = False, abort_status: int | None = None) -> RawResponse:
+    return RawResponse(http_status=200, events=events, is_cancelled=cancelled, abort_status=abort_status)
 
 
 GENERATE_STREAM = [generate_event("ab", [5], None), generate_event("abcd", [5, 6], None),
@@ -89,6 +97,25 @@ def test_a_stream_the_client_hung_up_on_is_cancelled_unless_it_held_an_error():
     assert judge(cancel, streamed(GENERATE_STREAM[:2], cancelled=True)).outcome is Outcome.CANCELLED
     error = sse_payloads({"error": {"message": "boom", "type": "worker_error"}})
     assert judge(cancel, streamed(GENERATE_STREAM[:1] + error, cancelled=True)).outcome is Outcome.FAILED
+
+
+def test_a_stream_its_client_aborted_ends_as_aborted_or_complete():
+    """An abort ends the stream complete but early: finish reason abort (OpenAI's
+    null), fewer tokens than asked for; a stream that ended before the abort
+    landed is complete. Only a request its client aborted may end so."""
+    aborted = generate_event("abc", [5, 6], "abort")
+    abort = request(Endpoint.GENERATE_STREAM, abort_after=1)
+    verdict = judge(abort, streamed(GENERATE_STREAM[:1] + [aborted, "[DONE]"], abort_status=200))
+    assert verdict.outcome is Outcome.ABORTED and verdict.num_output_tokens == 2, verdict.reason
+    assert judge(abort, streamed(GENERATE_STREAM, abort_status=200)).outcome is Outcome.OK  # ended first
+    refused = judge(abort, streamed(GENERATE_STREAM[:1] + [aborted, "[DONE]"], abort_status=400))
+    assert refused.outcome is Outcome.FAILED and "/abort_request answered 400" in refused.reason
+    unasked = judge(request(Endpoint.GENERATE_STREAM), streamed(GENERATE_STREAM[:1] + [aborted, "[DONE]"]))
+    assert unasked.outcome is Outcome.FAILED and "'abort'" in unasked.reason
+    whole = judge(abort, streamed([generate_event("abcd", [5, 6, 7, 8], "abort"), "[DONE]"], abort_status=200))
+    assert whole.outcome is Outcome.FAILED and "after all its 4 tokens" in whole.reason
+    chat = request(Endpoint.CHAT_STREAM, max_new_tokens=5, include_usage=True, abort_after=1)
+    assert judge(chat, streamed(chat_chunks(None, usage=True), abort_status=200)).outcome is Outcome.ABORTED
 
 
 def batch_request(num_prompts: int, n: int, cancel_after=None) -> SoakRequest:
