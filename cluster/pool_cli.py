@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import socket
 import time
 from dataclasses import asdict
@@ -54,6 +55,9 @@ def _pool_manager(args: argparse.Namespace) -> tuple[str, object]:
     if problem is not None:  # (Ray itself retries an address it cannot reach for minutes)
         raise CliError(f"cannot reach the Ray cluster at {args.address!r} ({problem}): pass the head's GCS address "
                        "(host:6379), or run this on a node of the cluster") from None
+    # Ray's notices on connecting are not the command's output: token authentication
+    # found enabled (the token `make serve`'s cluster wrote) was printed on every call.
+    logging.getLogger("ray").setLevel(logging.ERROR)
     try:
         ray.init(address=args.address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
     except (ConnectionError, ValueError) as exc:
