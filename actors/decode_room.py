@@ -29,21 +29,25 @@ from actors.request import Request
 
 
 def growth_blocks(num_tokens: int, num_generated: int, max_new_tokens: int, num_held_blocks: int,
-                  reserve_tokens: int, block_size: int) -> int:
+                  reserve_tokens: int, block_size: int, max_model_len: int) -> int:
     """The blocks a request of `num_tokens` tokens (`num_generated` of them
     generated), holding `num_held_blocks`, may still need for its next tokens:
-    at most `reserve_tokens` of them, and only up to `max_new_tokens` in all."""
+    at most `reserve_tokens` of them, and only up to `max_new_tokens` in all and
+    the model's context (`max_model_len`, where the engine ends a request)."""
     num_more = max(min(max_new_tokens - num_generated, reserve_tokens), 0)
-    return max(-(-(num_tokens + num_more) // block_size) - num_held_blocks, 0)
+    return max(-(-min(num_tokens + num_more, max_model_len) // block_size) - num_held_blocks, 0)
 
 
-def owed_blocks(requests: Iterable[Request], reserve_tokens: int, block_size: int) -> int:
+def owed_blocks(requests: Iterable[Request], reserve_tokens: int, block_size: int, max_model_len: int) -> int:
     """The growth the pool keeps free for `requests` (those a decode engine holds)."""
     return sum(growth_blocks(r.num_tokens, len(r.output_token_ids), r.params.max_new_tokens, len(r.block_table),
-                             reserve_tokens, block_size) for r in requests)
+                             reserve_tokens, block_size, max_model_len) for r in requests)
 
 
-def reservation_tokens(num_prompt_tokens: int, max_new_tokens: int, reserve_tokens: int) -> int:
+def reservation_tokens(num_prompt_tokens: int, max_new_tokens: int, reserve_tokens: int, max_model_len: int) -> int:
     """The tokens a new reservation needs room for: its prompt, its first token's
-    slot, and its own next tokens (as `growth_blocks` counts them)."""
-    return num_prompt_tokens + max(min(max_new_tokens, reserve_tokens), 1)
+    slot, and its own next tokens (as `growth_blocks` counts them), within the
+    model's context. (Uncapped, a prompt near the context with a large
+    max_new_tokens asked for more blocks than a pool the engine accepted it for
+    holds, and waited in D's line until its handshake failed.)"""
+    return min(num_prompt_tokens + max(min(max_new_tokens, reserve_tokens), 1), max_model_len)

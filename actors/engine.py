@@ -246,8 +246,8 @@ class Engine:
         next tokens of the requests the engine holds."""
         reserve = self.config.decode_reserve_tokens
         held = [*self.requests.values(), *self.reservations.values()]
-        return (reservation_tokens(num_prompt_tokens, params.max_new_tokens, reserve),
-                owed_blocks(held, reserve, self.pool.block_size))
+        return (reservation_tokens(num_prompt_tokens, params.max_new_tokens, reserve, self.max_model_len),
+                owed_blocks(held, reserve, self.pool.block_size, self.max_model_len))
 
     def cancel_reservation(self, request_id: str) -> bool:
         request = self.reservations.pop(request_id, None)

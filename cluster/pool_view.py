@@ -40,10 +40,11 @@ log = logging.getLogger("tandem.scheduler")
 
 class PoolView:
     def __init__(self, settings: AppSettings, pool, kv_seed: bytes, metrics: Metrics,
-                 outcomes: OutcomeRecorder) -> None:
+                 outcomes: OutcomeRecorder, max_model_len: int) -> None:
         self.settings = settings
         self.pool = pool
         self.block_size = settings.engine.block_size
+        self.max_model_len = max_model_len  # the workers' context: no request grows past it
         self.metrics = metrics
         self.outcomes = outcomes  # this replica's SLO outcomes: each refresh reports them
         self.models = WorkerModels(self.block_size, bias_quantile=settings.slo.attainment,
@@ -364,7 +365,7 @@ class PoolView:
         num_tokens = request.num_prompt_tokens + request.num_generated
         held = blocks_to_reserve(num_tokens, self.block_size)
         return held, growth_blocks(num_tokens, request.num_generated, request.max_new_tokens, held,
-                                   self.settings.engine.decode_reserve_tokens, self.block_size)
+                                   self.settings.engine.decode_reserve_tokens, self.block_size, self.max_model_len)
 
     def _room_and_sent(self, worker_id: str) -> tuple[int, list[tuple[InFlight, int]]]:
         """D's free blocks at the last reading of its stats, less those its line

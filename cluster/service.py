@@ -67,7 +67,8 @@ class GlobalScheduler:
         self.policy = make_policy(settings.routing)
         self.metrics = Metrics()
         self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
-        self.view = PoolView(settings, pool, kv_seed, self.metrics, self.outcomes)  # members, stats, cost models
+        self.view = PoolView(settings, pool, kv_seed, self.metrics, self.outcomes,  # members, stats, cost models
+                             max_model_len)
         self._ids = itertools.count()
         self._replica_tag = uuid.uuid4().hex[:8]
         self.feeds = TokenFeeds()  # this replica's subscription to each worker's token events
@@ -92,7 +93,8 @@ class GlobalScheduler:
         usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
         # What D's reservation must find room for, as D counts it (actors/decode_room.py)
         reserve = self.settings.engine.decode_reserve_tokens
-        needed_blocks = -(-reservation_tokens(len(prompt_ids), max_new_tokens, reserve) // self.block_size)
+        needed_blocks = -(-reservation_tokens(len(prompt_ids), max_new_tokens, reserve, self.max_model_len)
+                          // self.block_size)
         inflight = dict(models.peers.inflight)  # the other scheduler replicas' requests, then ours
         for request in models.inflight.values():
             for worker_id in {request.prefill_id, request.decode_id} - {None}:

@@ -18,13 +18,27 @@ PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks with the first output token's
 EIGHTY = SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)  # 120 tokens in all: 8 blocks
 
 
-def test_growth_counts_the_next_tokens_up_to_the_budget_and_max_new_tokens():
-    assert growth_blocks(40, 0, 80, 3, reserve_tokens=512, block_size=16) == 8 - 3
-    assert growth_blocks(40, 0, 80, 3, reserve_tokens=24, block_size=16) == 4 - 3  # 64 tokens: 4 blocks
-    assert growth_blocks(110, 70, 80, 7, reserve_tokens=512, block_size=16) == 1  # 10 to come: its 8th block
-    assert growth_blocks(110, 70, 80, 8, reserve_tokens=512, block_size=16) == 0  # already held
-    assert growth_blocks(100, 60, 80, 0, reserve_tokens=512, block_size=16) == 8  # preempted: all back
-    assert reservation_tokens(40, 80, 512) == 120 and reservation_tokens(40, 80, 0) == 41
+def test_growth_counts_the_next_tokens_up_to_the_budget_max_new_tokens_and_the_context():
+    room = dict(reserve_tokens=512, block_size=16, max_model_len=2048)
+    assert growth_blocks(40, 0, 80, 3, **room) == 8 - 3
+    assert growth_blocks(40, 0, 80, 3, **{**room, "reserve_tokens": 24}) == 4 - 3  # 64 tokens: 4 blocks
+    assert growth_blocks(110, 70, 80, 7, **room) == 1  # 10 to come: its 8th block
+    assert growth_blocks(110, 70, 80, 8, **room) == 0  # already held
+    assert growth_blocks(100, 60, 80, 0, **room) == 8  # preempted: all back
+    assert growth_blocks(2000, 0, 512, 126, **room) == 2  # ends at the context: 128 blocks, not 157
+    assert reservation_tokens(40, 80, 512, 2048) == 120 and reservation_tokens(40, 80, 0, 2048) == 41
+    assert reservation_tokens(2000, 512, 512, 2048) == 2048 and reservation_tokens(2047, 512, 0, 2048) == 2048
+
+
+def test_a_prompt_near_the_context_is_reserved_in_a_pool_of_the_context(tiny_qwen2_dir):
+    """The tiny model's context is 2048 tokens, 128 blocks: a pool of 128 blocks
+    serves a 2000-token prompt with max_new_tokens 512 (the engine ends it at the
+    context); D's reservation asked for 157 blocks, so it never fit and the
+    handshake waited out its time."""
+    engine = Engine(tiny_qwen2_dir, dataclasses.replace(CONFIG, num_kv_blocks=128))
+    params = SamplingParams(max_new_tokens=512, ignore_eos=True)
+    reservation = engine.reserve(list(range(1, 2001)), params, "near")
+    assert reservation is not None and len(reservation.block_ids) == 126  # 2000 tokens and the first's slot
 
 
 def _reserve_all(engine: Engine, count: int) -> list[str]:
