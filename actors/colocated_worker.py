@@ -18,7 +18,12 @@ class ColocatedWorker(WorkerBase):
             held = await self.import_prefix(request)
 
             def add(engine) -> None:
-                if self.streams.is_open(request.request_id):  # else its client aborted it meanwhile
+                if not self.streams.is_open(request.request_id):  # its client aborted it meanwhile
+                    engine.pool.release(held)
+                elif self.abort_marks.ends(request):  # ... before it came here (actors/abort_marks.py)
+                    engine.pool.release(held)
+                    self.streams.end_aborted(request.request_id, None)
+                else:
                     engine.add_request(request.prompt_token_ids, request.params, request.request_id,
                                        pinned_block_ids=held)
 

@@ -102,12 +102,13 @@ class DecodeWorker(WorkerBase):
     async def _try_reserve(self, request: GenerateRequest, prefill_handle):
         """The engine's reservation for `request` now, then waiting for its KV, or
         None if its pool has no room. Raises RequestAborted if its client aborted
-        it: checked on the engine thread, where `end_aborted` ends its stream."""
+        it: checked on the engine thread, where `end_aborted` ends its stream (or
+        by an abort asked after it arrived, before it came here: `abort_marks`)."""
         held = await self.import_prefix(request, computes_prompt=False, reserving=True)  # reused by the reservation
         request_id = request.request_id
 
         def reserve(engine: Engine):
-            if not self.streams.is_open(request_id):
+            if not self.streams.is_open(request_id) or self.abort_marks.ends(request):
                 engine.pool.release(held)
                 raise RequestAborted(f"request {request_id} was aborted by its client")
             reservation = engine.reserve(request.prompt_token_ids, request.params, request_id, held)
@@ -179,10 +180,16 @@ class DecodeWorker(WorkerBase):
         # Always consume the bytes, even for a request that is gone: the pair's
         # sends and receives must stay paired.
         kv = await self.in_thread(receiver.recv, shape, cache.dtype, payload)
-        await self.in_thread(self._write_chunk, meta, kv)
-        arrived_s = time.time()
-        if meta.is_last:
-            await self._activate(meta)
+        try:
+            await self.in_thread(self._write_chunk, meta, kv)
+            arrived_s = time.time()
+            if meta.is_last:
+                await self._activate(meta)
+        except TransferFailed:
+            raise
+        except Exception as exc:  # the bytes were consumed, the channel is in step: fail this request only
+            raise TransferFailed(f"request {meta.request_id}: chunk {meta.chunk_index} could not be placed on "
+                                 f"{self.worker_id}: {type(exc).__name__}: {exc}") from exc
         return arrived_s
 
     def _write_chunk(self, meta: ChunkMeta, kv: torch.Tensor) -> None:
@@ -203,10 +210,17 @@ class DecodeWorker(WorkerBase):
     async def _activate(self, meta: ChunkMeta) -> None:
         with self._pending_lock:
             self._pending.pop(meta.request_id, None)
+        await self.call(lambda engine: self._activate_on_engine(engine, meta))
+
+    def _activate_on_engine(self, engine: Engine, meta: ChunkMeta) -> None:
+        """Start decoding a request whose last chunk landed, and publish its first
+        token (on the engine thread, like every later token: one writer per
+        stream); unless an abort or a drop freed its reservation since the chunk
+        was written, which its stream has already been told."""
+        if meta.request_id not in engine.reservations:
+            return
         first = SampledToken(meta.first_token_id, meta.first_logprob)
-        # Published on the engine thread, like every later token: one writer per stream.
-        await self.call(lambda e: self.streams.publish([e.activate(meta.request_id, first, meta.seed,
-                                                                   meta.prompt_logprobs)]))
+        self.streams.publish([engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs)])
 
     async def _drop(self, request_id: str, reason: str) -> None:
         with self._pending_lock:

@@ -23,6 +23,10 @@ class RequestAborted(RuntimeError):
     blocks: it ends with finish_reason "abort", not as a failure to retry."""
 
 
+class ProfileRunning(RuntimeError):
+    """A worker asked to start a trace of its steps (/start_profile) runs one."""
+
+
 class TransferFailed(RuntimeError):
     """A P/D transfer could not complete (peer died, timed out, or was cancelled)."""
 
@@ -46,6 +50,7 @@ class GenerateRequest:
     # The client's name for it (SGLang's `rid`, an OpenAI response's id), which
     # `/abort_request` finds it by on the workers; "" if it has none.
     client_rid: str = ""
+    arrived_s: float = 0.0  # wall time the scheduler took it: an abort asked since ends it (actors/abort_marks.py)
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,7 @@ class PrefillWorker(WorkerBase):
 
         return await self.in_thread(send_all)
 
-    async def abort_named(self, client_rid: str | None) -> list[str]:
+    async def abort_named(self, client_rid: str | None, asked_s: float | None = None) -> list[str]:
         """`/abort_request` on P: stop the named prefills (every one for None);
         each one's caller gets RequestAborted, and ends the request on D as
         aborted too (cluster/pd_request.py)."""

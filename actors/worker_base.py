@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from actors.abort_marks import AbortMarks
 from actors.background import background_task
 from actors.config import EngineConfig, ModelLocation
 from actors.deadlines import within
@@ -27,9 +28,10 @@ from actors.engine_loop import EngineLoop
 from actors.event_log import CacheEvents, Cursor
 from actors.kv_store import KVStoreSettings, StoreStats
 from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
-from actors.messages import GenerateRequest, PrefillStep
+from actors.messages import GenerateRequest, PrefillStep, ProfileRunning
 from actors.profiler import EngineProfile, profile_engine
 from actors.startup_heap import freeze_startup_heap
+from actors.step_profile import StepProfile
 from actors.token_streams import TokenStreams
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,9 @@ class WorkerBase:
         self._profiled: Future | None = None  # the start-up profile, once the engine thread runs (`profile`)
         self.streams: TokenStreams | None = None
         self.aio: asyncio.AbstractEventLoop | None = None
+        self.abort_marks = AbortMarks()  # aborts asked, for requests still on their way here
+        self._step_profile: StepProfile | None = None  # a trace of the engine's steps under way (engine thread)
+        self._trace_written: str | None = None  # the latest trace that ended after its num_steps
         freeze_startup_heap()  # last: a full collection must never walk the engine (actors/startup_heap.py)
 
     def _engine_config(self, config: EngineConfig) -> EngineConfig:
@@ -127,7 +132,7 @@ class WorkerBase:
             return
         self.aio = asyncio.get_running_loop()
         self.streams = TokenStreams(self.aio, self.options.stream_interval)
-        self.loop = EngineLoop(self.engine, self._on_step, self._on_tick, self._on_engine_error)
+        self.loop = EngineLoop(self.engine, self._stepped, self._on_tick, self._on_engine_error)
         self.loop.start()
         self._profiled = self.loop.call(profile_engine)  # the engine thread's first call: before any request's
         self._feed_owners: dict[str, object] = {}  # subscription -> its consumer's actor handle
@@ -195,7 +200,41 @@ class WorkerBase:
         await self.in_thread(self.store_writer.flush)
         return await self.in_thread(self.kv_store.stats)
 
+    # ---- a trace of the engine's steps (/start_profile, /stop_profile) ------------------
+    async def start_profile(self, folder: str, num_steps: int | None = None, record_shapes: bool = False,
+                            with_stack: bool = False) -> str:
+        """Trace this worker's engine steps (actors/step_profile.py) until
+        `stop_profile`, or for `num_steps`; returns the trace's path. Raises
+        ProfileRunning if a trace is under way."""
+        profile = StepProfile(folder, self.worker_id, num_steps, record_shapes, with_stack)
+
+        def start(engine: Engine) -> None:
+            if self._step_profile is not None:
+                raise ProfileRunning(f"worker {self.worker_id} is tracing already (to {self._step_profile.path})")
+            profile.start()
+            self._step_profile, self._trace_written = profile, None
+
+        await self.call(start)
+        return str(profile.path)
+
+    async def stop_profile(self) -> str | None:
+        """End the trace under way and write it, or name the one that ended after
+        its steps; None if there is neither."""
+        def stop(engine: Engine) -> str | None:
+            profile, self._step_profile = self._step_profile, None
+            written, self._trace_written = self._trace_written, None
+            return profile.stop() if profile is not None else written
+
+        return await self.call(stop)
+
     # ---- engine-thread hooks ----------------------------------------------------
+    def _stepped(self, exported, outputs) -> None:
+        """After each step: the role's own hook, then the step's trace."""
+        self._on_step(exported, outputs)
+        if self._step_profile is not None and self._step_profile.step():
+            profile, self._step_profile = self._step_profile, None
+            self._trace_written = profile.stop()
+
     def _on_step(self, exported, outputs) -> None:
         self.streams.publish(outputs)
 
@@ -293,12 +332,15 @@ class WorkerBase:
             self.streams.fail(request_id, reason)
         return bool(out)
 
-    async def abort_named(self, client_rid: str | None) -> list[str]:
-        """`/abort_request`: end the requests streaming from here that the client
-        named `client_rid` (every one for None) as aborted, with finish_reason
-        "abort" and the tokens made so far, not as errors (which a scheduler
-        would retry elsewhere); frees what they hold. Returns their ids."""
+    async def abort_named(self, client_rid: str | None, asked_s: float | None = None) -> list[str]:
+        """`/abort_request`, asked at `asked_s` (wall time): end the requests
+        streaming from here that the client named `client_rid` (every one for
+        None) as aborted, with finish_reason "abort" and the tokens made so far,
+        not as errors (which a scheduler would retry elsewhere); frees what they
+        hold. Returns their ids. One that arrives later but was sent before the
+        abort is ended as it would start (`abort_marks`)."""
         self._ensure_started()
+        self.abort_marks.mark(client_rid, asked_s or time.time())
         request_ids = self.streams.named(client_rid) if self.streams is not None else []
         if request_ids:
             await self.end_aborted(request_ids)

@@ -5,7 +5,9 @@
 Endpoints: POST /generate (SGLang-style), POST /v1/completions, POST
 /v1/chat/completions (streaming SSE ending in [DONE]), POST /v1/responses (what it
 stores, and /v1/conversations: cluster/stored_endpoints.py), POST /tokenize and
-/detokenize (vLLM's), GET /v1/models, GET /health
+/detokenize (vLLM's), the endpoints acting on every worker (/flush_cache,
+/abort_request, /start_profile, /stop_profile: cluster/worker_endpoints.py), GET
+/v1/models, GET /health
 (200 only when both pools are ready), GET /metrics (Prometheus text), and the
 OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
 "code"}}; 400 for bad input, 401 for a missing or wrong API key, 413 for an
@@ -36,7 +38,7 @@ from actors.tokenization import encode_prompt, load_tokenizer
 from cluster import openai_format as fmt
 from cluster import responses_format
 from cluster import sglang_format as sglang
-from cluster import stored_endpoints
+from cluster import stored_endpoints, worker_endpoints
 from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
@@ -53,7 +55,7 @@ from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
 from cluster.service import GlobalScheduler
-from cluster.sglang_body import AbortBody, GenerateBody
+from cluster.sglang_body import GenerateBody
 from cluster.stored_conversations import ConversationTurn, StoredConversations
 from cluster.stored_responses import StoredResponses
 from cluster.strict_json import StrictJsonRoute
@@ -66,6 +68,7 @@ app = FastAPI(title="Tandem", description="Prefill/decode disaggregated LLM serv
 app.router.route_class = StrictJsonRoute  # a lone surrogate in a body is a 400 (cluster/strict_json.py)
 install_guard(app)  # the API key, the body size limit, errors as JSON (cluster/ingress_guard.py)
 app.include_router(stored_endpoints.router)  # stored responses and conversations (cluster/stored_endpoints.py)
+app.include_router(worker_endpoints.router)  # cache flush, aborts, traces (cluster/worker_endpoints.py)
 
 
 def _failure(exc: Exception) -> dict:
@@ -115,6 +118,7 @@ class Scheduler:
         self.background = BackgroundResponses(self.stored)
         app.state.settings = self.settings
         app.state.stored, app.state.conversations = self.stored, self.conversations  # (cluster/stored_endpoints.py)
+        app.state.pool_view, app.state.require_ready = self.service.view, self._require_ready  # (worker_endpoints)
         self._refresher: asyncio.Task | None = None
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
         # Membership and start-up profiles from now on, not from the first request:
@@ -214,27 +218,6 @@ class Scheduler:
         its frontend language's `RuntimeEndpoint`, read it on connecting)."""
         return {"model_path": str(self.model_dir), "tokenizer_path": str(self.model_dir), "is_generation": True,
                 "served_model_name": self.model_name}
-
-    @app.post("/flush_cache")
-    @app.post("/reset_prefix_cache")
-    async def flush_cache(self):
-        """SGLang's, and vLLM's /reset_prefix_cache: every worker's device prefix
-        cache forgotten, so that the prompts after it are computed anew (a cold
-        benchmark run). Blocks in use keep their KV; the KV store's tiers keep
-        their copies (prompts found there are fetched, not computed)."""
-        await self._require_ready()
-        flushed = await self.service.view.flush_prefix_caches()
-        return {"message": "Cache flushed.", "workers": flushed}
-
-    @app.post("/abort_request")
-    async def abort_request(self, body: AbortBody):
-        """SGLang's: end the requests the client named `rid` (or every one,
-        `abort_all`) on whichever replica they run; each answers as it stands,
-        with finish_reason "abort". Reaches what the workers hold now, not a
-        request still being admitted. `aborted`: how many requests (choices)."""
-        await self._require_ready()
-        aborted = await self.service.view.abort_named(None if body.abort_all else body.rid)
-        return {"aborted": len(aborted)}
 
     def _model_card(self) -> dict:  # max_model_len: vLLM's field, which clients size prompts by
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",

@@ -257,6 +257,7 @@ class AppSettings(_Strict):
     # cluster/response_store.py): 0 stores none
     response_store_mib: float = Field(64, ge=0)
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
+    profile_dir: str | None = None  # where /start_profile's traces go, on each worker's node (None: off)
 
     @field_validator("pool_name")
     @classmethod

@@ -24,7 +24,9 @@ from actors.background import background_call
 from actors.block_pool import blocks_to_reserve
 from actors.decode_room import growth_blocks
 from actors.event_log import CacheEvents, Cursor
+from actors.messages import ProfileRunning, error_message
 from cluster.admission import InFlight, WorkerModels
+from cluster.api_models import ApiError
 from cluster.config import AppSettings
 from cluster.cost_model import decode_features
 from cluster.decode_lines import DecodeLines
@@ -250,11 +252,33 @@ class PoolView:
         whichever replica started them; returns their ids. Decode and colocated
         workers first, where the streams end as aborted, then prefill workers."""
         members = list(self.members.values())
+        asked_s = time.time()  # requests that arrived before it, still on their way to a worker, end too
         aborted = set()
         for side in ([m for m in members if m.role != "prefill"], [m for m in members if m.role == "prefill"]):
-            answers = await self._ask_each(side, lambda handle: handle.abort_named.remote(client_rid))
+            answers = await self._ask_each(side, lambda handle: handle.abort_named.remote(client_rid, asked_s))
             aborted.update(*answers.values())
         return aborted
+
+    async def start_profiles(self, folder: str, num_steps: int | None, record_shapes: bool,
+                             with_stack: bool) -> dict[str, str]:
+        """`/start_profile` on every worker (`WorkerBase.start_profile`); the paths
+        their traces will have, by worker. A worker tracing already: ApiError
+        409, the others started (`/stop_profile` ends every one)."""
+        members = list(self.members.values())
+        try:
+            return await self._ask_each(members, lambda handle: handle.start_profile.remote(
+                folder, num_steps, record_shapes, with_stack))
+        except ProfileRunning as exc:
+            raise ApiError(409, f"{error_message(exc)}: POST /stop_profile ends every worker's trace",
+                           kind="conflict") from None
+        except OSError as exc:  # the folder cannot be made on a worker's node
+            raise ApiError(500, f"a worker cannot write to profile_dir {folder!r}: {error_message(exc)}",
+                           kind="internal_error") from None
+
+    async def stop_profiles(self) -> dict[str, str]:
+        """`/stop_profile` on every worker: the traces written, by worker."""
+        answers = await self._ask_each(list(self.members.values()), lambda handle: handle.stop_profile.remote())
+        return {worker_id: path for worker_id, path in sorted(answers.items()) if path is not None}
 
     async def _ask_each(self, members: list, ask) -> dict:
         """`ask(handle)`'s answer from each member at once, by worker id; one found

@@ -30,6 +30,7 @@ from actors.sampling_params import SamplingParams
 from cluster.admission import InFlight, Prediction, SloRejected
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
+from cluster.ingress_guard import ARRIVED_S
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
 from cluster.pool_view import PoolView
@@ -167,6 +168,7 @@ class GlobalScheduler:
         # Workers know a request by an id this replica makes: a caller's id (a client's
         # rid) may repeat one in flight, and a worker refusing the second as a
         # duplicate ended the first's stream with it. Errors name it as the caller did.
+        arrived_s = ARRIVED_S.get() or time.time()  # an abort asked since ends it (actors/abort_marks.py)
         said = f"request {request_id}" if request_id else "the request"
         request_id = f"{request_id or 'tandem'}-{self._replica_tag}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
@@ -196,7 +198,7 @@ class GlobalScheduler:
                 self.view.num_routed[choice.decode_id] = self.view.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
                 attempt_id = f"{request_id}-{attempt}"
-                run = self._run(GenerateRequest(attempt_id, prompt_ids, params, client_rid), choice, hashes, started)
+                run = self._run(GenerateRequest(attempt_id, prompt_ids, params, client_rid, arrived_s), choice, hashes, started)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:

@@ -216,6 +216,7 @@ class AbortBody(RequestBody):
     `/generate` prompt's rid, all its choices; or an OpenAI completion's id), or
     every request (`abort_all`)."""
 
+    model_config = ConfigDict(extra="forbid")
     rid: Annotated[Rid, Strict()] = ""
     abort_all: Annotated[bool, Strict()] = False
 
@@ -226,3 +227,22 @@ class AbortBody(RequestBody):
         if not self.abort_all and not self.rid:
             raise ValueError("name the request to abort (`rid`), or set `abort_all` to abort every request")
         return self
+
+
+class ProfileBody(RequestBody):
+    """`/start_profile`'s body (SGLang's fields; optional, as vLLM's endpoint
+    takes none): how many engine steps to trace (None: until `/stop_profile`),
+    and the torch profiler's shapes and Python stacks. Where the traces go is the
+    manifest's `profile_dir`, never a client's."""
+
+    model_config = ConfigDict(extra="forbid")
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "output_dir": (None,), "activities": (None,), "start_step": (None,), "profile_by_stage": (None, False),
+        "profile_id": (None,), "merge_profiles": (None, False)}
+    UNSUPPORTED_WHY: ClassVar[dict[str, str]] = {
+        "output_dir": "the traces go to the manifest's profile_dir, on each worker's node",
+        "activities": "the trace holds the CPU's operators, and a GPU's kernels where there is one"}
+
+    num_steps: Annotated[int, Strict(), Field(ge=1, le=100_000)] | None = None
+    record_shapes: Annotated[bool, Strict()] = False
+    with_stack: Annotated[bool, Strict()] = False

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from actors.config import EngineConfig
-from actors.messages import GenerateRequest
+from actors.messages import ChunkMeta, GenerateRequest
 from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerOptions
 from cluster.pd_request import DisaggregatedCall
@@ -116,6 +116,41 @@ def test_a_request_aborted_mid_transfer_ends_as_aborted_and_frees_both_sides(pai
     wait_idle(d)
 
 
+def test_a_last_chunk_that_lands_as_its_request_is_aborted_activates_nothing(pair):
+    """The abort freed the reservation between the last chunk's write and its
+    activation: the activation does nothing, instead of failing (a KeyError that
+    failed the chunk's transfer, and so every request on the P-D channel)."""
+    p, d = pair
+    ray.get(d.reserve.remote(request("late-0", "late"), "unread", p))
+    assert ray.get(d.abort_named.remote("late")) == ["late-0"]
+    last = ChunkMeta("late-0", 0, [], is_last=True, first_token_id=5)
+
+    def activate_now(worker) -> None:  # (the engine loop is idle: nothing else touches the engine)
+        worker._activate_on_engine(worker.engine, last)
+
+    ray.get(d.__ray_call__.remote(activate_now))
+    wait_idle(d)
+
+
+def test_a_request_still_on_its_way_when_its_abort_came_does_not_start(pair):
+    """The abort reached D before the request's handshake did (the scheduler had
+    taken the request earlier): D ends it at the handshake (actors/abort_marks.py).
+    A request of the same name taken after the abort is served."""
+    p, d = pair
+    asked_s = time.time()
+    assert ray.get(d.abort_named.remote("on-its-way", asked_s)) == []  # nothing of that name here yet
+    short = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    before = GenerateRequest("way-0", list(range(1, 40)), short, "on-its-way", asked_s - 1)
+    after = GenerateRequest("way-1", list(range(1, 40)), short, "on-its-way", asked_s + 1)
+    events = asyncio.run(events_of(DisaggregatedCall(p, d, before, "gloo")))
+    assert len(events) == 1
+    assert_aborted(events)
+    served = asyncio.run(events_of(DisaggregatedCall(p, d, after, "gloo")))
+    assert served[-1].finish_reason == "length" and sum(len(e.token_ids) for e in served) == 4
+    wait_idle(p)
+    wait_idle(d)
+
+
 def test_a_handshake_waiting_in_line_ends_as_aborted(ray_local, tiny_qwen2_dir):
     small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
     p = start_worker("prefill", "p-abort-line", tiny_qwen2_dir, CONFIG, OPTIONS)
@@ -170,4 +205,16 @@ def test_a_colocated_request_ends_as_aborted_and_abort_all_ends_every_one(ray_lo
     assert ended == {"c-0", "c-1"}
     for events in results:
         assert_aborted(events)
+
+    async def on_its_way():  # abort_all asked before the worker saw a request taken earlier
+        feeds = TokenFeeds()
+        late = GenerateRequest("c-late", list(range(1, 40)), ENDLESS, "", time.time() - 1)
+        events = [event async for event in colocated_events(feeds, c, late)]
+        await feeds.close()
+        return events
+
+    ray.get(c.abort_named.remote(None, time.time()))
+    events = asyncio.run(on_its_way())
+    assert len(events) == 1
+    assert_aborted(events)
     wait_idle(c)

@@ -665,6 +665,11 @@ def test_abort_request_ends_the_named_requests_as_they_stand(base_url):
     wait_workers_idle(ARGS["pool_name"])
 
 
+def test_profiling_is_off_without_a_profile_dir(base_url):
+    response = httpx.post(f"{base_url}/start_profile", json={"num_steps": 2})
+    assert response.status_code == 400 and "profiling is off: set profile_dir" in response.json()["error"]["message"]
+
+
 def test_a_redeploy_that_changes_what_the_workers_run_is_refused_and_the_app_serves_on(base_url):
     """`serve run`/`serve deploy` of the manifest with an engine setting changed:
     the app builder refuses it, naming the setting and how to apply it, before

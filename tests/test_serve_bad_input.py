@@ -7,7 +7,12 @@ tests/test_serve_app.py."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,9 +20,11 @@ import pytest
 
 from tests.conftest import served_app
 
+PROFILE_DIR = Path(tempfile.gettempdir()) / f"tandem-test-profiles-{os.getpid()}"
 ARGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
     "mode": "colocated",
+    "profile_dir": str(PROFILE_DIR),
     "colocated": {"replicas": 1, "num_cpus": 1},
     "engine": {"block_size": 16, "num_kv_blocks": 256},
     "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200, "max_stop_sequences": 2, "max_body_bytes": 100_000},
@@ -179,6 +186,13 @@ def client(base_url):
         ("/abort_request", {"rid": 5}, "rid"),
         ("/abort_request", {"abort_all": "yes"}, "abort_all"),
         ("/abort_request", {"rid": "r" * 129}, "rid"),
+        ("/abort_request", {"rid": "r", "request_id": "r"}, "request_id"),  # a misspelt field is not ignored
+        # /start_profile: the folder is the manifest's, the steps a positive integer
+        ("/start_profile", {"output_dir": "/etc"}, "output_dir is not supported: the traces go to the manifest's"),
+        ("/start_profile", {"activities": ["MEM"]}, "activities is not supported"),
+        ("/start_profile", {"num_steps": 0}, "num_steps"),
+        ("/start_profile", {"num_steps": "5"}, "num_steps"),
+        ("/start_profile", {"steps": 5}, "steps"),
     ],
 )
 def test_bad_input_is_a_clear_400(base_url, path, body, message):
@@ -347,6 +361,36 @@ def test_a_rid_in_flight_twice_names_two_requests(base_url):
     assert len(first_last["output_ids"]) == 200 and first_last["meta_info"]["finish_reason"] == {"type": "length"}
     assert first_last["meta_info"]["id"] == second.json()["meta_info"]["id"] == "same"
     assert len(unnamed.json()["meta_info"]["id"]) == 32  # made up: a uuid's hex
+
+
+def test_a_profile_traces_the_workers_steps_into_the_manifests_folder(base_url):
+    """/start_profile traces every worker's engine steps (actors/step_profile.py):
+    with num_steps it ends by itself after them, else at /stop_profile, which
+    names the traces written; one at a time (409), and /stop_profile with none
+    running is a 409 too."""
+    try:
+        started = httpx.post(f"{base_url}/start_profile", json={"num_steps": 3})
+        assert started.status_code == 200, started.text
+        (path,) = started.json()["traces"].values()
+        assert Path(path).parent == PROFILE_DIR and path.endswith(".trace.json.gz")
+        assert httpx.post(f"{base_url}/generate", json={"text": "traced", "max_new_tokens": 8}).status_code == 200
+        stopped = httpx.post(f"{base_url}/stop_profile")  # it ended after its 3 steps: named, not ended again
+        assert stopped.status_code == 200 and list(stopped.json()["traces"].values()) == [path], stopped.text
+        events = json.load(gzip.open(path))["traceEvents"]
+        assert sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#")) >= 3  # a range a step
+        assert any(e.get("name", "").startswith("aten::") for e in events)  # the steps' operators
+
+        assert httpx.post(f"{base_url}/start_profile").status_code == 200  # no body: until stopped
+        again = httpx.post(f"{base_url}/start_profile", json={})
+        assert again.status_code == 409 and "POST /stop_profile" in again.json()["error"]["message"], again.text
+        assert httpx.post(f"{base_url}/generate", json={"text": "traced", "max_new_tokens": 2}).status_code == 200
+        (second,) = httpx.post(f"{base_url}/stop_profile").json()["traces"].values()
+        assert second != path and Path(second).is_file()
+        none = httpx.post(f"{base_url}/stop_profile")
+        assert none.status_code == 409 and "no profile is running" in none.json()["error"]["message"]
+    finally:
+        httpx.post(f"{base_url}/stop_profile")
+        shutil.rmtree(PROFILE_DIR, ignore_errors=True)
 
 
 def test_still_serving_after_the_bad_requests(base_url):
