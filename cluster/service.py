@@ -240,7 +240,7 @@ class GlobalScheduler:
     async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
-                            ttft_bias_s=choice.ttft_bias_s)
+                            ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id)
         models = self.view.models
         models.inflight[request.request_id] = inflight
         for worker_id in (choice.prefill_id, choice.decode_id):
@@ -253,6 +253,7 @@ class GlobalScheduler:
                 now = time.monotonic()
                 if event.token_ids:
                     if inflight.first_token_s is None:
+                        models.first_token_came(inflight, now)
                         inflight.first_token_s = gaps_from_s = now
                         self.metrics.observe("ttft_seconds", "time to first token", now - started)
                         models.observe_ttft(choice, now - inflight.admitted_s)

@@ -78,6 +78,29 @@ def test_queued_prefill_ends_with_the_last_predicted_first_token():
     assert models.queued_prefill_s("p0") == pytest.approx(3.0, abs=0.3)
 
 
+def test_a_first_token_sooner_than_predicted_moves_the_queue_behind_it_as_much():
+    """Three requests each predicted behind the one before (`ahead_id`): the
+    first one's token came 0.9 s early, so the two behind it are due 0.9 s sooner;
+    the second one's, on time for its corrected due, moves nothing more. Without
+    it, a steady load's queue crept up to the TTFT SLO (WorkerModels.first_token_came)."""
+    models = _models()
+    now = time.monotonic()
+    for name, ttft, ahead in (("a", 1.0, None), ("b", 2.0, "a"), ("c", 3.0, "b")):
+        models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=ttft, admitted_s=now,
+                                         ahead_id=ahead)
+    assert models.queued_prefill_s("p0") == pytest.approx(3.0, abs=0.1)
+    a, b, c = (models.inflight[name] for name in "abc")
+    models.first_token_came(a, now + 0.1)
+    a.first_token_s = now + 0.1
+    assert (b.first_token_due_s - now, c.first_token_due_s - now) == pytest.approx((1.1, 2.1))
+    models.first_token_came(b, now + 1.1)  # on time
+    b.first_token_s = now + 1.1
+    assert c.first_token_due_s - now == pytest.approx(2.1)
+    assert models.queued_prefill_s("p0") == pytest.approx(2.1, abs=0.1)
+    following = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
+    assert following.ahead_id == "c" and following.ttft_s == pytest.approx(2.1 + 0.2, abs=0.1)
+
+
 def test_a_learned_ttft_bias_counts_once_not_once_for_every_request_ahead():
     """P's first tokens came 0.3 s later than its model says (the way there and
     back, side by side for concurrent requests): a burst of 16 short prompts,
