@@ -322,7 +322,9 @@ class WorkerModels:
         while behind:
             ahead_id = behind.pop()
             for r in self.inflight.values():
-                if r.ahead_id == ahead_id and r.in_prefill:
+                # One predicted to wait in a D's line is due from when D reserved it,
+                # not from the queue it was admitted behind: left as it is.
+                if r.ahead_id == ahead_id and r.in_prefill and not r.line_wait_s:
                     r.early_s += early
                     behind.append(r.request_id)
 
