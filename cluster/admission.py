@@ -312,9 +312,10 @@ class WorkerModels:
         Without this a prediction stood on every one before it, none of them
         corrected when their first tokens came early, and under a steady load the
         queue's predicted end crept up to the TTFT SLO and stayed there: 8 clients
-        sending short prompts back to back saw 55% of them refused for a predicted
-        TTFT of 5.0-5.1 s while the admitted ones' first tokens took 0.38 s on
-        average (docs/benchmarks.md, by-hand probes of the forty-eighth session)."""
+        sending short prompts back to back saw 62% of them refused for a predicted
+        TTFT of about 5.07 s while the admitted ones' first tokens took 0.32 s on
+        average (docs/benchmarks.md, "Admission under a steady load"). A request
+        predicted to wait in a D's line is due from its reservation: not moved."""
         due = request.first_token_due_s
         if due is None or due <= now:
             return
