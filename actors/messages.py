@@ -19,8 +19,9 @@ class ReservationRefused(RuntimeError):
 
 
 class RequestAborted(RuntimeError):
-    """The client aborted the request (`/abort_request`) before D reserved its
-    blocks: it ends with finish_reason "abort", not as a failure to retry."""
+    """The client aborted the request (`/abort_request`) while a call for it was
+    under way (D's handshake, P's prefill): it ends with finish_reason "abort",
+    not as a failure to retry."""
 
 
 class ProfileRunning(RuntimeError):

@@ -280,7 +280,8 @@ def headline_figure(counts, idle, memory, args, found) -> str:
     accounting = "ok" if all(v == "ok" for v in idle["accounting"].values()) else "FAILED"
     figure = (f"{total['sent']} requests in {args.duration_s:.0f} s from {args.clients} clients: "
               f"{total['ok']} complete, {total['rejected']} rejected (429), {total['cancelled']} cancelled, "
-              f"{total['aborted']} aborted, {total['failed']} failed; idle blocks {sum(w['used_blocks'] for w in idle['workers'].values())}, "
+              f"{total['aborted']} aborted, {total['failed']} failed; "
+              f"idle blocks {sum(w['used_blocks'] for w in idle['workers'].values())}, "
               f"accounting {accounting}; largest RSS growth {worst['growth_bytes'] / 2**20:+.1f} MiB ({worst_name})")
     return f"FAIL ({'; '.join(found)}): {figure}" if found else f"pass: {figure}"
 

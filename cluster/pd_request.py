@@ -73,7 +73,7 @@ class DisaggregatedCall:
                     raise WorkerDied(
                         f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})"
                     ) from None
-                except RequestAborted:  # by its client (/abort_request), while it waited in D's line
+                except RequestAborted:  # by its client (/abort_request): in D's line, or before it came to D
                     finished = True
                     yield TokenEvent(request_id, [], "", None, True, "abort", time.time())
                     return

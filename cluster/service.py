@@ -198,7 +198,8 @@ class GlobalScheduler:
                 self.view.num_routed[choice.decode_id] = self.view.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
                 attempt_id = f"{request_id}-{attempt}"
-                run = self._run(GenerateRequest(attempt_id, prompt_ids, params, client_rid, arrived_s), choice, hashes, started)
+                request = GenerateRequest(attempt_id, prompt_ids, params, client_rid, arrived_s)
+                run = self._run(request, choice, hashes, started)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:

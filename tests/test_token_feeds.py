@@ -86,7 +86,8 @@ def test_streams_found_by_their_clients_name_end_as_aborted():
         streams.end_aborted("b", None)
         events = await next_batch(batches)
         assert [(e.request_id, e.token_ids, e.text, e.finished, e.finish_reason, e.error) for e in events] == [
-            ("a", [5], "x", False, None, None), ("a", [6], "y", True, "abort", None), ("b", [], "", True, "abort", None)]
+            ("a", [5], "x", False, None, None), ("a", [6], "y", True, "abort", None),
+            ("b", [], "", True, "abort", None)]
         assert not streams.is_open("a") and not streams.is_open("b") and streams.is_open("c")
         assert streams.named("x") == []
 
