@@ -112,6 +112,7 @@ class Scheduler:
         self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len, kv_seed,
                                        model_config.eos_token_ids)
         self.model_name = self.settings.model.served_name
+        self.created = int(time.time())  # /v1/models' `created`: when this replica started serving the model
         self.completions = Completions(self.service, self.tokenizer, self.model_name, self.tool_format)
         self.stored = StoredResponses(lambda: self.pool, self.settings.response_store_mib)
         self.conversations = StoredConversations(self.stored, self.settings.limits.request_timeout_s)
@@ -220,7 +221,7 @@ class Scheduler:
                 "served_model_name": self.model_name}
 
     def _model_card(self) -> dict:  # max_model_len: vLLM's field, which clients size prompts by
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
                 "max_model_len": self.service.max_model_len}
 
     @app.post("/generate")

@@ -166,13 +166,14 @@ class ResponseStore:
         """`keep` a background response's last state, and a streamed one's last
         `events` with it (so a reader that sees it finished has them all),
         unless it was cancelled or given up meanwhile (then False, and the store
-        keeps that)."""
+        keeps that), or deleted (then False, and it stays deleted: it came back
+        with its answer when it finished before its replica's next beat)."""
         stored = self.get(response["id"])
-        if stored is not None and stored.response["status"] not in RUNNING:
+        if stored is None or stored.response["status"] not in RUNNING:
             return False
         if not self.keep(response, input_items):
             return False
-        if stored is not None and stored.events is not None:  # (carried over to the entry put, then the last)
+        if stored.events is not None:  # (carried over to the entry put, then the last)
             kept = self.entries[response["id"]]
             kept.events, kept.events_cut = [], stored.events_cut
             self.add_events(response["id"], stored.events)

@@ -221,12 +221,15 @@ class ResponsesBody(RequestBody):
 
 def stored_items(items: list[dict]) -> list[dict]:
     """Input items as a stored response or conversation keeps them: each with a
-    type and an id, a message's content as parts (as `input_items` lists them)."""
+    type, an id and a status (`completed` unless the client said), a message's
+    content as parts (as `input_items` lists them). (OpenAI's SDK types need the
+    status of a message, a function call and its output: a message sent as parts,
+    and every call and output, had none.)"""
     kept = []
     for item in items:
         kind = item.get("type", "message")
         item = {**item, "type": kind, "id": item["id"] if isinstance(item.get("id"), str) else
-                new_id(ITEM_ID_PREFIXES.get(kind, "item"))}
+                new_id(ITEM_ID_PREFIXES.get(kind, "item")), "status": item.get("status") or "completed"}
         if kind == "message" and isinstance(item["content"], str):
             item = {**item, **_message_item(item["role"], item["content"]), "id": item["id"]}
         kept.append(item)

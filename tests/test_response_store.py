@@ -167,7 +167,7 @@ class _Clock:
 def test_a_background_response_runs_beats_and_finishes_unless_cancelled_or_lost():
     clock = _Clock()
     store = ResponseStore(max_bytes=1 << 20, clock=clock)
-    for name in ("done", "cancelled", "lost"):
+    for name in ("done", "cancelled", "lost", "deleted"):
         store.put({**_response(name, None, ""), "status": "queued", "background": True}, _asked(name))
     assert store.conversation("done").running_id == "done", "a running response cannot be continued yet"
     clock.now_s = 10.0
@@ -178,6 +178,9 @@ def test_a_background_response_runs_beats_and_finishes_unless_cancelled_or_lost(
     assert store.beat("cancelled") == "cancelled", "its replica hears of it at its next beat"
     assert not store.finish({**_response("cancelled", None, "late"), "status": "completed"}, _asked("x"))
     assert store.get("cancelled").response["status"] == "cancelled" and store.cancel("cancelled") is not None
+    assert store.delete("deleted")
+    assert not store.finish({**_response("deleted", None, "late"), "status": "completed"}, _asked("x"))
+    assert store.get("deleted") is None, "a deleted response stays deleted when its replica finishes it"
     assert store.get("lost").response["status"] == "queued"  # 10 s without a beat: not yet given up
     clock.now_s = 10.0 + LOST_AFTER_S + 0.1
     assert store.get("done").response["status"] == "completed", "a finished response is never lost"

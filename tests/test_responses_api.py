@@ -26,6 +26,20 @@ def _messages(body: dict) -> list[dict]:
         {"calls": [c.function.name for c in m.tool_calls]} if m.tool_calls else {}) for m in chat.messages]
 
 
+def test_stored_items_each_have_a_status_as_openais_types_need():
+    """A message sent as parts, a function call and its output are stored with
+    status `completed` (a message sent as a string had one; the others none);
+    a status the client gave is kept."""
+    items = checked_items([
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"role": "user", "content": "as a string"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}", "status": "incomplete"}])
+    assert [item["status"] for item in items] == ["completed"] * 4 + ["incomplete"]
+    assert all(isinstance(item["id"], str) for item in items)
+
+
 def test_items_become_the_chat_messages():
     """Instructions first; an assistant's text and the calls after it one turn
     (as chat's assistant message carries its calls), parallel calls together;

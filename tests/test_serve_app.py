@@ -570,6 +570,7 @@ def test_sse_ends_with_done(base_url):
 def test_models_health_metrics_openapi(base_url, client):
     assert [m.id for m in client.models.list().data] == ["tandem-tiny-qwen2"]
     card = httpx.get(f"{base_url}/v1/models").json()["data"][0]
+    assert time.time() - 3600 < card["created"] <= time.time()  # when the replica started (it said 1970)
     assert card["max_model_len"] == httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}).json()["max_model_len"]
     assert client.models.retrieve("tandem-tiny-qwen2").model_dump(exclude_none=True) == card
     missing = httpx.get(f"{base_url}/v1/models/gpt-4o")
