@@ -119,6 +119,7 @@ class Scheduler:
         self.background = BackgroundResponses(self.stored)
         app.state.settings = self.settings
         app.state.stored, app.state.conversations = self.stored, self.conversations  # (cluster/stored_endpoints.py)
+        app.state.background = self.background
         app.state.pool_view, app.state.require_ready = self.service.view, self._require_ready  # (worker_endpoints)
         self._refresher: asyncio.Task | None = None
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)

@@ -12,7 +12,8 @@ refusal at admission (an SLO rejection, say) is the response's failure. Every
 the replica tells the store it is still at it (`beat`), and the store answers
 with the response's status: `cancelled` (a cancel, on any replica) or a response
 deleted stops the task, which closes the request's streams and so aborts it on
-its workers. A replica that dies stops beating, and after `LOST_AFTER_S` the
+its workers. A cancel or delete that lands on the replica serving the response
+stops it at once (`stop`). A replica that dies stops beating, and after `LOST_AFTER_S` the
 store answers the response as failed (cluster/response_store.py), rather than in
 progress for ever.
 
@@ -57,6 +58,15 @@ class BackgroundResponses:
         task = background_task(self._run(response_id, answer))
         self.running[response_id] = task
         task.add_done_callback(lambda _: self.running.pop(response_id, None))
+
+    def stop(self, response_id: str) -> bool:
+        """Stop a response this replica serves, now (a cancel or a delete that
+        came here: the beat would stop it up to `BEAT_S` later, its tokens still
+        streaming meanwhile); whether it served it."""
+        task = self.running.get(response_id)
+        if task is not None:
+            task.cancel()
+        return task is not None
 
     async def _run(self, response_id: str, answer: Coroutine) -> None:
         work = asyncio.ensure_future(answer)

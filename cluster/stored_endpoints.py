@@ -42,12 +42,17 @@ async def stored_response(request: Request, response_id: str, stream: bool = Fal
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(request: Request, response_id: str):
-    return await _stored(request).cancel(response_id)
+    cancelled = await _stored(request).cancel(response_id)
+    if cancelled["status"] == "cancelled":  # (one that finished first is left to store its end)
+        request.app.state.background.stop(response_id)  # served here: stopped now, not at its next beat
+    return cancelled
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str):
-    return await _stored(request).delete(response_id)
+    deleted = await _stored(request).delete(response_id)
+    request.app.state.background.stop(response_id)
+    return deleted
 
 
 @router.get("/v1/responses/{response_id}/input_items")

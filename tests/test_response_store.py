@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.api_models import ApiError, ChatMessage
-from cluster.background_responses import EventFeed, stream_to_store
+from cluster.background_responses import BackgroundResponses, EventFeed, stream_to_store
 from cluster.conversation_truncation import drop_oldest_turns
 from cluster.response_store import LOST_AFTER_S, ResponseStore
 from cluster.stored_responses import StoredResponses
@@ -218,6 +218,38 @@ def test_a_streamed_responses_events_are_kept_a_whole_prefix_and_finished_with_i
     assert small.finish({**_response("u", None, "done"), "status": "completed"}, _asked("u"), ["b" * 500])
     page = small.events("u", -1)
     assert page.events == ["a" * 100] and page.is_over, "last events too large: those before still kept"
+
+
+def test_a_background_response_stopped_here_stops_at_once_not_at_its_next_beat():
+    """`BackgroundResponses.stop` (a cancel or delete that lands on the replica
+    serving the response): its answer is cancelled now, so its request's streams
+    close and its workers stop; before, it ran on until the store said so at the
+    next beat, up to BEAT_S later, its tokens streaming meanwhile."""
+    class Store:
+        beats = 0
+
+        async def beat(self, response_id):
+            Store.beats += 1
+            return "in_progress"
+
+    async def scenario():
+        background, stopped = BackgroundResponses(Store()), asyncio.Event()
+
+        async def answer():
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                stopped.set()
+
+        background.start("resp_1", answer())
+        await asyncio.sleep(0.05)  # running, its first beat made
+        assert background.stop("resp_1") and not background.stop("resp_other")
+        await asyncio.wait_for(stopped.wait(), 5)  # (a hang guard: the beat, always in_progress, never stops it)
+        await asyncio.sleep(0)
+        return background.running, Store.beats
+
+    running, beats = asyncio.run(scenario())
+    assert running == {} and beats == 1  # stopped with no beat after the first
 
 
 def test_an_event_feed_gives_every_reader_every_event_from_the_first_until_closed():
