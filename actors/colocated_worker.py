@@ -18,11 +18,9 @@ class ColocatedWorker(WorkerBase):
             held = await self.import_prefix(request)
 
             def add(engine) -> None:
-                if not self.streams.is_open(request.request_id):  # its client aborted it meanwhile
+                if self._aborted_on_its_way(request):
                     engine.pool.release(held)
-                elif self.abort_marks.ends(request):  # ... before it came here (actors/abort_marks.py)
-                    engine.pool.release(held)
-                    self.streams.end_aborted(request.request_id, None)
+                    self.streams.end_aborted(request.request_id, None)  # (one ended already: as it is)
                 else:
                     engine.add_request(request.prompt_token_ids, request.params, request.request_id,
                                        pinned_block_ids=held)

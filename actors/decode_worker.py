@@ -102,13 +102,12 @@ class DecodeWorker(WorkerBase):
     async def _try_reserve(self, request: GenerateRequest, prefill_handle):
         """The engine's reservation for `request` now, then waiting for its KV, or
         None if its pool has no room. Raises RequestAborted if its client aborted
-        it: checked on the engine thread, where `end_aborted` ends its stream (or
-        by an abort asked after it arrived, before it came here: `abort_marks`)."""
+        it on its way (`_aborted_on_its_way`, on the engine thread)."""
         held = await self.import_prefix(request, computes_prompt=False, reserving=True)  # reused by the reservation
         request_id = request.request_id
 
         def reserve(engine: Engine):
-            if not self.streams.is_open(request_id) or self.abort_marks.ends(request):
+            if self._aborted_on_its_way(request):
                 engine.pool.release(held)
                 raise RequestAborted(f"request {request_id} was aborted by its client")
             reservation = engine.reserve(request.prompt_token_ids, request.params, request_id, held)

@@ -268,7 +268,8 @@ class PrefillWorker(WorkerBase):
     async def abort_named(self, client_rid: str | None, asked_s: float | None = None) -> list[str]:
         """`/abort_request` on P: stop the named prefills (every one for None);
         each one's caller gets RequestAborted, and ends the request on D as
-        aborted too (cluster/pd_request.py)."""
+        aborted too (cluster/pd_request.py). P keeps no marks (`asked_s` unused):
+        it starts a request only once D reserved it, and D keeps them."""
         self._ensure_started()
         jobs = [job for job in self._jobs.values() if client_rid is None or job.request.client_rid == client_rid]
         for job in jobs:

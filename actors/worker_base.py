@@ -341,7 +341,7 @@ class WorkerBase:
         abort is ended as it would start (`abort_marks`)."""
         self._ensure_started()
         self.abort_marks.mark(client_rid, asked_s or time.time())
-        request_ids = self.streams.named(client_rid) if self.streams is not None else []
+        request_ids = self.streams.named(client_rid)
         if request_ids:
             await self.end_aborted(request_ids)
         return request_ids
@@ -364,6 +364,12 @@ class WorkerBase:
     def _release_aborted(self, request_id: str) -> None:
         """What this role holds for an aborted request besides the engine's (on
         the engine thread)."""
+
+    def _aborted_on_its_way(self, request: GenerateRequest) -> bool:
+        """On the engine thread, as a request would start here (added, reserved):
+        whether its client aborted it meanwhile, its stream ended by
+        `end_aborted`, or before it came here (`abort_marks`)."""
+        return not self.streams.is_open(request.request_id) or self.abort_marks.ends(request)
 
     async def stats(self) -> WorkerStats:
         """Load and KV figures now, read without waiting for the engine thread: a
