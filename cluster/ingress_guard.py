@@ -7,11 +7,9 @@ rejection as a 429 with Retry-After and its predictions, anything unexpected as 
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import hmac
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,14 +21,12 @@ from actors.messages import error_message
 from actors.sampling_params import InvalidRequestError
 from cluster.admission import SloRejected
 from cluster.api_models import ApiError
+from cluster.client_call import open_call
 from cluster.config import AppSettings
 from cluster.prompt_thread import BODY_BYTES
 from cluster.sglang_body import MANY, ONE
 
 log = logging.getLogger("tandem.app")
-# When this replica took the request (wall time): an /abort_request asked since
-# ends it, even one still being admitted (actors/abort_marks.py).
-ARRIVED_S: contextvars.ContextVar[float] = contextvars.ContextVar("tandem_arrived_s", default=0.0)
 
 
 def install_guard(app: FastAPI) -> None:
@@ -129,7 +125,7 @@ class RequestGuard:
         settings: AppSettings | None = getattr(self.owner.state, "settings", None)
         if scope["type"] != "http" or settings is None:
             return await self.app(scope, receive, send)
-        ARRIVED_S.set(time.time())  # before its body is read and its prompt tokenized
+        open_call()  # before its body is read and its prompt tokenized: an abort asked since ends it
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         key = settings.resolved_api_key
         route = scope["path"].removeprefix(scope.get("root_path", "")) or "/"

@@ -100,8 +100,9 @@ class RequestTimer:
         return (self.last_s - self.first_s) / (self.num_tokens - 1)
 
     def end(self, outcome: str) -> None:
-        """outcome: "ok", "error", "cancelled", "aborted" (/abort_request) or
-        "rejected" (as the scheduler's metric); only "ok" and "error" teach."""
+        """outcome: "ok", "error", "cancelled", "aborted" (/abort_request),
+        "withdrawn" (cluster/client_call.py) or "rejected" (as the scheduler's
+        metric); only "ok" and "error" teach."""
         if outcome == "error" and self.first_s is None:
             self.recorder.record_ttft(math.inf)
         elif outcome == "ok" and self.tbt_s is not None:

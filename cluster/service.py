@@ -29,8 +29,8 @@ from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, Wor
 from actors.sampling_params import SamplingParams
 from cluster.admission import InFlight, Prediction, SloRejected
 from cluster.api_models import ApiError
+from cluster.client_call import current_call
 from cluster.config import AppSettings
-from cluster.ingress_guard import ARRIVED_S
 from cluster.metrics import Metrics
 from cluster.pd_request import DisaggregatedCall
 from cluster.pool_view import PoolView
@@ -168,7 +168,7 @@ class GlobalScheduler:
         # Workers know a request by an id this replica makes: a caller's id (a client's
         # rid) may repeat one in flight, and a worker refusing the second as a
         # duplicate ended the first's stream with it. Errors name it as the caller did.
-        arrived_s = ARRIVED_S.get() or time.time()  # an abort asked since ends it (actors/abort_marks.py)
+        call = current_call()  # when it arrived (an abort asked since ends it), whether it was withdrawn
         said = f"request {request_id}" if request_id else "the request"
         request_id = f"{request_id or 'tandem'}-{self._replica_tag}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
@@ -177,7 +177,7 @@ class GlobalScheduler:
         timer = self.outcomes.timer(started)
         exclude: set[str] = set()
         failure = ""  # why the first attempt failed, if it did
-        outcome = "error"
+        outcome, finished = "error", False  # finished: its outcome is known (closing it after changes nothing)
         hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         try:
             for attempt in range(2):
@@ -198,7 +198,7 @@ class GlobalScheduler:
                 self.view.num_routed[choice.decode_id] = self.view.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
                 attempt_id = f"{request_id}-{attempt}"
-                request = GenerateRequest(attempt_id, prompt_ids, params, client_rid, arrived_s)
+                request = GenerateRequest(attempt_id, prompt_ids, params, client_rid, call.arrived_s)
                 run = self._run(request, choice, hashes, started)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
@@ -214,6 +214,7 @@ class GlobalScheduler:
                         timer.tokens(len(event.token_ids), time.monotonic())
                         if event.finished:
                             outcome = "error" if event.error else "aborted" if event.finish_reason == "abort" else "ok"
+                            finished = True
                             if outcome == "ok" and timer.tbt_s is not None:  # D's TBT bias learns it
                                 self.view.models.observe_tbt(choice, timer.tbt_s)
                         yield event
@@ -221,8 +222,9 @@ class GlobalScheduler:
                         return
         except (WorkerDied, FeedLost, ReservationRefused) as exc:
             raise ApiError(503, f"{said} failed: {exc}", kind="service_unavailable") from None
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away (task cancelled, or closed us)
-            outcome = "cancelled"
+        except (asyncio.CancelledError, GeneratorExit):  # closed: its client left, or another of its call's requests
+            if not finished:
+                outcome = "withdrawn" if call.withdrawn else "cancelled"
             raise
         finally:
             timer.end(outcome)

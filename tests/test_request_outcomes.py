@@ -1,0 +1,98 @@
+"""How the scheduler counts each request's end (`tandem_requests_total{outcome}`):
+a request closed because another of its call's requests was refused or failed
+is `withdrawn`, one closed because its client left is `cancelled`, and one
+closed after its last event keeps the outcome that event gave it.
+
+The scheduler here is a real GlobalScheduler with known cost models (as in
+tests/test_admission.py); what a worker would send is replaced by its events,
+since the accounting is the thing under test (the workers' side: tests/test_serve_app.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from actors.messages import TokenEvent
+from actors.sampling_params import SamplingParams
+from actors.tokenization import load_tokenizer
+from cluster.admission import SloRejected
+from cluster.completions import Completions
+from tests.test_admission import _scheduler
+
+PROMPT = list(range(600))  # 0.6 s of predicted prefill on p0 (1 ms a token)
+
+
+def _completions(tiny_qwen2_dir, events):
+    """Completions over a scheduler (TTFT SLO 1 s: one such prompt fits, two
+    queued on the one P do not) whose workers would send `events`."""
+    scheduler = _scheduler(ttft_ms=1000)
+    scheduler._events = events
+    return Completions(scheduler, load_tokenizer(tiny_qwen2_dir), "tiny", None)
+
+
+def _outcomes(completions) -> dict[str, float]:
+    return {outcome: completions.service.metrics.value("requests_total", outcome=outcome)
+            for outcome in ("ok", "error", "rejected", "cancelled", "withdrawn")}
+
+
+async def _first_token_then_silence(request, choice, inflight):
+    await asyncio.sleep(0.01)  # its prefill: queued until then
+    yield TokenEvent(request.request_id, [7], "x", None, False, None, time.time())
+    await asyncio.Event().wait()
+
+
+def _requests(count: int):
+    """`count` prompts like PROMPT that share no block (no prefix cache hit)."""
+    return [([k + 1000, *PROMPT[1:]], SamplingParams(max_new_tokens=8, temperature=0.0), f"call-{k}")
+            for k in range(count)]
+
+
+def test_a_request_closed_because_its_sibling_was_refused_is_withdrawn_not_cancelled(tiny_qwen2_dir):
+    completions = _completions(tiny_qwen2_dir, _first_token_then_silence)
+
+    async def call():
+        await completions.start_choices(_requests(2), n=1)  # a batch of two prompts: the second is refused
+
+    with pytest.raises(SloRejected):
+        asyncio.run(call())
+    assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 1, "cancelled": 0, "withdrawn": 1}
+    assert not completions.service.view.models.inflight
+
+
+def test_a_request_whose_client_left_is_cancelled(tiny_qwen2_dir):
+    completions = _completions(tiny_qwen2_dir, _first_token_then_silence)
+
+    async def call():
+        streams = await completions.start_choices(_requests(1), n=1)
+        collecting = asyncio.ensure_future(completions.collect_all(streams))
+        await asyncio.sleep(0.05)
+        collecting.cancel()  # the client hangs up
+        with pytest.raises(asyncio.CancelledError):
+            await collecting
+
+    asyncio.run(call())
+    assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 0, "cancelled": 1, "withdrawn": 0}
+
+
+@pytest.mark.parametrize("error, outcome", [(None, "ok"), ("worker died", "error")])
+def test_a_request_closed_after_its_last_event_keeps_that_events_outcome(tiny_qwen2_dir, error, outcome):
+    """`collect` stops at an error event without reading on, and a reader may
+    close a stream after its last event: neither is the client leaving."""
+
+    async def last_event(request, choice, inflight):
+        yield TokenEvent(request.request_id, [7], "x", None, False, None, time.time())
+        yield TokenEvent(request.request_id, [], "", None, True, "length", time.time(), error=error)
+
+    completions = _completions(tiny_qwen2_dir, last_event)
+
+    async def call():
+        events = completions.service.generate(PROMPT, SamplingParams(max_new_tokens=8), "r")
+        async for event in events:
+            if event.finished:
+                await events.aclose()  # before reading on to its end
+                break
+
+    asyncio.run(call())
+    assert _outcomes(completions)[outcome] == 1 and sum(_outcomes(completions).values()) == 1
