@@ -303,11 +303,11 @@ class Scheduler:
             return await self.stored.keep(response, items)
 
         if not body.stream:
-            completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning)
+            completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, rid=response_id)
             return await keep(responses_format.whole(body, completion, response_id))
         events = ResponseEvents(body, self.model_name, keep, response_id)
         stream = events.stream if turn is None else lambda chunks: turn.over_with(events.stream(chunks))
-        return await self._openai(chat, [prompt], chat=True, reasoning=reasoning,
+        return await self._openai(chat, [prompt], chat=True, reasoning=reasoning, rid=response_id,
                                   stream_as=lambda chunks: fmt.sse_response(stream(chunks)))
 
     async def _background(self, body: ResponsesBody, response_id: str, chat: ChatBody, prompt: str, reasoning,
@@ -331,7 +331,8 @@ class Scheduler:
 
         async def answer():
             try:
-                completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared)
+                completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared,
+                                                rid=queued["id"])
                 final = responses_format.whole(body, completion, queued["id"], queued["created_at"])
             except Exception as exc:
                 final = {**queued, "status": "failed", "error": _failure(exc)}
@@ -354,7 +355,7 @@ class Scheduler:
         events = ResponseEvents(body, self.model_name, hold, queued["id"], queued["created_at"])
         try:
             stream = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared,
-                                        stream_as=events.stream)
+                                        stream_as=events.stream, rid=queued["id"])
         except Exception as exc:
             stream = events.refused(_failure(exc))
         await stream_to_store(self.stored, queued["id"], stream, feed,
@@ -432,11 +433,12 @@ class Scheduler:
                                           keep_last=body.truncate_prompt_tokens) for prompt in prompts])
 
     async def _openai(self, body, prompts: list, chat: bool, reasoning: Reasoning | None = None, stream_as=None,
-                      prepared: tuple | None = None):
+                      prepared: tuple | None = None, rid: str | None = None):
         """A completion or chat body's answer (cluster/completions.py); `prepared`:
-        what `_prepared` gave for it, where it ran before."""
+        what `_prepared` gave for it, where it ran before; `rid`: what
+        `/abort_request` knows it by, where not the completion's id."""
         params, prompt_ids = prepared or await self._prepared(body, prompts, chat, reasoning)
-        return await self.completions.answer(body, prompts, params, prompt_ids, chat, reasoning, stream_as)
+        return await self.completions.answer(body, prompts, params, prompt_ids, chat, reasoning, stream_as, rid)
 
 
 def build_app(args: dict):

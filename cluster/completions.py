@@ -33,16 +33,18 @@ class Completions:
         self.token_bytes = tables.with_special if tables is not None else None
 
     async def answer(self, body, prompts: list, params, prompt_ids: list[list[int]], chat: bool,
-                     reasoning: Reasoning | None = None, stream_as=None):
+                     reasoning: Reasoning | None = None, stream_as=None, rid: str | None = None):
         """One request per prompt and choice (`n`), choice k being prompt k // n's
         choice k % n, as OpenAI numbers them (see `start_choices`); `params` and
         `prompt_ids`: the body's, checked; `reasoning`: a chat answer's reasoning
         is split off (cluster/reasoning.py); `stream_as`: what a stream's chunk
-        payloads become as the answer (OpenAI's chunks as SSE by default)."""
+        payloads become as the answer (OpenAI's chunks as SSE by default); `rid`:
+        the name `/abort_request` knows its requests by (the completion's id
+        unless given: a response's id)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         per_choice, n = choice_params(params, body.n), body.n
         streams = await self.start_choices([(prompt_ids[k // n], per_choice[k % n],
-                                             f"{request_id}-{k}" if k else request_id, request_id)
+                                             f"{request_id}-{k}" if k else request_id, rid or request_id)
                                             for k in range(len(prompts) * n)], n)
         num_prompt = sum(len(ids) for ids in prompt_ids)
         echoed = prompts if body.truncate_prompt_tokens is None else prompt_ids  # a truncated prompt: its ids' text

@@ -2,8 +2,9 @@
 says how the request became a chat one): the message's reasoning, text and calls
 as output items (`reasoning`, `message` with one `output_text` part, a
 `function_call` per call), the usage in the Responses names, and `status`
-"incomplete" (`incomplete_details.reason` "max_output_tokens") where the answer
-was cut by its limit.
+"incomplete" where the answer was cut: by its limit (`incomplete_details.reason`
+"max_output_tokens"), or by `/abort_request` ("abort", SGLang's name for that
+finish; the chat answer's finish reason is null then).
 
 Streamed, the chat chunks become the Responses events, each an SSE `event:` line
 and its JSON with a `sequence_number`: `response.created`, `response.in_progress`,
@@ -24,6 +25,7 @@ import time
 import uuid
 
 CUT = "length"  # the chat finish reason of an answer its token limit cut
+ABORTED = None  # the chat finish reason of an answer /abort_request ended (OpenAI's null)
 
 
 def new_id(prefix: str) -> str:
@@ -59,14 +61,24 @@ def usage(chat_usage: dict | None) -> dict | None:
             "total_tokens": chat_usage["total_tokens"]}
 
 
+def ending(finish_reason: str | None) -> tuple[str, str | None]:
+    """A finished chat answer's status as a response, and why it is incomplete (None where it is not)."""
+    if finish_reason == CUT:
+        return "incomplete", "max_output_tokens"
+    if finish_reason == ABORTED:
+        return "incomplete", "abort"
+    return "completed", None
+
+
 def response(body, response_id: str, model: str, created: int, status: str, output: list[dict],
-             chat_usage: dict | None = None, error: dict | None = None) -> dict:
-    """The response object: the answer, and the request's settings as OpenAI echoes them."""
+             chat_usage: dict | None = None, error: dict | None = None, incomplete: str | None = None) -> dict:
+    """The response object: the answer, and the request's settings as OpenAI
+    echoes them; `incomplete`: why an incomplete one is (`ending`)."""
     text = body.text or {"format": {"type": "text"}}
     return {
         "id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
         "output": output, "usage": usage(chat_usage), "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "incomplete_details": {"reason": incomplete} if incomplete is not None else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": body.stores,
@@ -84,7 +96,7 @@ def whole(body, completion: dict, response_id: str | None = None, created: int |
     incomplete (the ones before it were written whole)."""
     choice = completion["choices"][0]
     message = choice["message"]
-    status = "incomplete" if choice["finish_reason"] == CUT else "completed"
+    status, incomplete = ending(choice["finish_reason"])
     output = []
     if message.get("reasoning_content"):
         output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
@@ -96,7 +108,7 @@ def whole(body, completion: dict, response_id: str | None = None, created: int |
                for c in calls]
     output[-1]["status"] = status
     return response(body, response_id or new_id("resp"), completion["model"], created or completion["created"],
-                    status, output, completion["usage"])
+                    status, output, completion["usage"], incomplete=incomplete)
 
 
 class ResponseEvents:
@@ -134,21 +146,21 @@ class ResponseEvents:
                 for choice in chunk.get("choices", ()):
                     for event in self._choice(choice):
                         yield event
-        status = "incomplete" if self.finish_reason == CUT else "completed"
+        status, incomplete = ending(self.finish_reason)
         if not any(item["type"] in ("message", "function_call") for item in self.items):
             for event in self._text("message", ""):  # (an empty answer is an empty message, as unstreamed)
                 yield event
         for event in self._close(status):
             yield event
-        yield self._event(f"response.{status}", response=await self._final(status))
+        yield self._event(f"response.{status}", response=await self._final(status, incomplete=incomplete))
 
     async def refused(self, error: dict):
         """The events of a response refused as it was to start (a background
         one's: its POST has answered already): its failure."""
         yield self._event("response.failed", response=await self._final("failed", error))
 
-    async def _final(self, status: str, error: dict | None = None) -> dict:
-        final = self._response(status, error)
+    async def _final(self, status: str, error: dict | None = None, incomplete: str | None = None) -> dict:
+        final = self._response(status, error, incomplete)
         return final if self.keep is None else await self.keep(final)
 
     def _choice(self, choice: dict):
@@ -231,10 +243,10 @@ class ResponseEvents:
     def _where(self) -> dict:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
 
-    def _response(self, status: str, error: dict | None = None) -> dict:
+    def _response(self, status: str, error: dict | None = None, incomplete: str | None = None) -> dict:
         output = [] if status == "in_progress" else self.items
         return response(self.body, self.response_id, self.model, self.created, status, output,
-                        None if status == "in_progress" else self.chat_usage, error)
+                        None if status == "in_progress" else self.chat_usage, error, incomplete)
 
     def _event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}

@@ -173,11 +173,13 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_
          "completion_tokens_details": {"reasoning_tokens": 2}}
 
 
-@pytest.mark.parametrize("finish", ["tool_calls", "length"])
-def test_a_chat_stream_becomes_the_responses_events(finish):
+@pytest.mark.parametrize("finish, incomplete", [("tool_calls", None), ("length", "max_output_tokens"),
+                                                (None, "abort")])  # (None: ended by /abort_request)
+def test_a_chat_stream_becomes_the_responses_events(finish, incomplete):
     """Reasoning, text, then two calls (one's arguments in two deltas): each an
     item opened, written and closed in turn; the last event's response is the
-    one `whole` makes of the same answer unstreamed, ids aside."""
+    one `whole` makes of the same answer unstreamed, ids aside; one cut by its
+    limit or aborted is incomplete, and says which."""
     body = ResponsesBody.model_validate({"input": "x", "stream": True})
     events = _stream(body, [
         _chunk({"role": "assistant", "content": ""}), _chunk({"reasoning_content": "hm"}),
@@ -198,7 +200,7 @@ def test_a_chat_stream_becomes_the_responses_events(finish):
                      "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",
                      "function_call_arguments.done", "output_item.done",
                      "output_item.added", "function_call_arguments.delta", "function_call_arguments.done",
-                     "output_item.done", "incomplete" if finish == "length" else "completed"]
+                     "output_item.done", "incomplete" if incomplete else "completed"]
     streamed = events[-1]["response"]
     unstreamed = whole(body, {"model": "m", "created": 1, "usage": USAGE, "choices": [{
         "index": 0, "finish_reason": finish, "logprobs": None,
@@ -212,7 +214,8 @@ def test_a_chat_stream_becomes_the_responses_events(finish):
     assert without_ids(streamed) == without_ids(unstreamed)
     assert streamed["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
     assert [item["status"] for item in streamed["output"]] == (
-        ["completed"] * 3 + ["incomplete"] if finish == "length" else ["completed"] * 4)
+        ["completed"] * 3 + ["incomplete"] if incomplete else ["completed"] * 4)
+    assert streamed["incomplete_details"] == ({"reason": incomplete} if incomplete else None)
 
 
 def test_a_failure_mid_stream_ends_it_failed():

@@ -226,6 +226,29 @@ def test_a_streamed_response_is_stored_as_its_last_event_says(client):
     assert unstreamed.output_text == final.output_text
 
 
+def test_abort_request_by_a_responses_id_ends_it_incomplete_and_stored_so(base_url, client):
+    """SGLang's /abort_request names a Responses API response by its id, on
+    either replica: the stream ends `response.incomplete`, reason "abort", with
+    what it had written, and the stored response says the same."""
+    body = {"model": MODEL, "input": "keep going", "max_output_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/responses", json=body) as response:
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+                    if events[-1]["type"] == "response.output_text.delta" and len(events) == 6:
+                        aborted = http.post("/abort_request", json={"rid": events[0]["response"]["id"]})
+    assert aborted.status_code == 200 and aborted.json() == {"aborted": 1}, aborted.text
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete" and final["incomplete_details"] == {"reason": "abort"}
+    assert 1 <= final["usage"]["output_tokens"] < 1500 and final["output"][-1]["status"] == "incomplete"
+    assert client.responses.retrieve(final["id"]).model_dump()["incomplete_details"] == {"reason": "abort"}
+    pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
+    for member in ray.get(pool.list_members.remote()):
+        wait_idle(member.handle)
+
+
 def test_a_stored_response_is_found_its_input_listed_and_deleted(client, base_url):
     items = [{"role": "user", "content": f"line {k}"} for k in range(5)]
     answer = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=3)
