@@ -1,7 +1,9 @@
 """Prometheus metrics for GET /metrics, rendered as the text exposition format.
 
-Kept in-process per scheduler replica (each replica serves its own /metrics; a
-Prometheus scrape of every replica sums them). Names are prefixed `tandem_`.
+Kept in-process per scheduler replica: each replica's /metrics is its own
+counts. Names are prefixed `tandem_`. Counters and histograms also go to an
+`export` (cluster/metrics_export.py: through Ray, where every replica's are
+scraped, which the Serve proxy's one replica a scrape cannot give).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def _labels(labels: dict[str, str]) -> str:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, export=None) -> None:
+        self.export = export  # counters and histograms also go there (cluster/metrics_export.py RayExport)
         self._lock = threading.Lock()
         self._counters: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
         self._gauges: dict[str, dict[tuple, float]] = defaultdict(dict)
@@ -36,6 +39,8 @@ class Metrics:
         with self._lock:
             self._help[name] = ("counter", help_text)
             self._counters[name][self._key(labels)] += value
+        if self.export is not None:
+            self.export.inc(name, help_text, value, labels)
 
     def set(self, name: str, help_text: str, value: float, **labels) -> None:
         with self._lock:
@@ -60,6 +65,8 @@ class Metrics:
                 series[0][index] += 1
             series[1] += value
             series[2] += 1
+        if self.export is not None:
+            self.export.observe(name, help_text, value, labels)
 
     def value(self, name: str, **labels) -> float:
         """A counter's or gauge's current value (0 when never set)."""

@@ -21,6 +21,7 @@ import time
 import uuid
 
 import ray
+from ray import serve
 
 from actors.block_pool import block_hashes
 from actors.deadlines import within
@@ -32,6 +33,7 @@ from cluster.api_models import ApiError
 from cluster.client_call import current_call
 from cluster.config import AppSettings
 from cluster.metrics import Metrics
+from cluster.metrics_export import RayExport
 from cluster.pd_request import DisaggregatedCall
 from cluster.pool_view import PoolView
 from cluster.prompt_limits import prompt_ids_within_limits
@@ -56,6 +58,15 @@ def _waiting(prediction: Prediction, line_wait_s: float) -> Prediction:
     return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + line_wait_s, line_wait_s=line_wait_s)
 
 
+def _replica_name() -> str:
+    """Serve's name for this replica (`serve status` and the replica's logs say it),
+    else (outside Serve) a new one: what the pool manager's reports and the
+    exported metrics know the replica by."""
+    with contextlib.suppress(Exception):  # (RayServeException outside a replica)
+        return serve.get_replica_context().replica_tag
+    return uuid.uuid4().hex[:12]
+
+
 class GlobalScheduler:
     def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int, kv_seed: bytes,
                  eos_token_ids: tuple[int, ...] = ()) -> None:
@@ -66,8 +77,10 @@ class GlobalScheduler:
         self.block_size = settings.engine.block_size
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
         self.policy = make_policy(settings.routing)
-        self.metrics = Metrics()
-        self.outcomes = OutcomeRecorder(uuid.uuid4().hex[:12])
+        self.outcomes = OutcomeRecorder(_replica_name())
+        # Counters and histograms through Ray too, where every replica's are scraped
+        # (cluster/metrics_export.py); not outside Ray (unit tests, tools).
+        self.metrics = Metrics(RayExport(self.outcomes.replica_id) if ray.is_initialized() else None)
         self.view = PoolView(settings, pool, kv_seed, self.metrics, self.outcomes,  # members, stats, cost models
                              max_model_len)
         self._ids = itertools.count()

@@ -1,7 +1,10 @@
 """The Grafana dashboard parses, and queries only series Tandem exports: the
 scheduler's `/metrics` (`tandem_*`, read from the calls in cluster/ that set
-them) and the pool manager's Ray metrics (`ray_tandem_*`, cluster/pool_metrics.py;
-tests/autoscale_check.py checks those against a live cluster)."""
+them), the scheduler's counters and histograms as Ray exports them
+(`ray_tandem_*`, cluster/metrics_export.py), which are the ones it must sum over
+replicas, and the pool manager's Ray metrics (`ray_tandem_*`,
+cluster/pool_metrics.py; tests/autoscale_check.py checks those against a live
+cluster)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import json
 import re
 from pathlib import Path
 
+from cluster.metrics_export import ray_name
 from cluster.pool_metrics import SERIES
 
 ROOT = Path(__file__).parent.parent
@@ -18,14 +22,14 @@ METRIC = re.compile(r"\b(?:ray_)?tandem_[a-z0-9_]+\b")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
-def scheduler_series() -> set[str]:
+def scheduler_series(kinds=("inc", "set", "observe")) -> set[str]:
     """`tandem_<name>` for every `<...>.metrics.inc/set/observe("<name>", ...)` in
-    cluster/ (histograms with their _bucket, _sum and _count series)."""
+    cluster/ (histograms with their _bucket, _sum and _count series), of the kinds asked for."""
     names = set()
     for path in (ROOT / "cluster").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("inc", "set", "observe") and isinstance(node.func.value, ast.Attribute)
+                    and node.func.attr in kinds and isinstance(node.func.value, ast.Attribute)
                     and node.func.value.attr == "metrics" and node.args and isinstance(node.args[0], ast.Constant)):
                 continue
             name = f"tandem_{node.args[0].value}"
@@ -50,17 +54,24 @@ def test_the_dashboard_parses_and_every_panel_is_complete():
             assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
 
 
+def replica_series() -> set[str]:
+    """The scheduler's per-replica series (counters, histograms) as Ray exports them."""
+    return {ray_name(name.removeprefix("tandem_")) for name in scheduler_series(("inc", "observe"))}
+
+
 def test_every_queried_series_is_exported():
-    exported = scheduler_series() | set(SERIES)
-    assert {"tandem_requests_total", "tandem_ttft_seconds_bucket", "tandem_kv_blocks_used"} <= exported
+    exported = scheduler_series(("set",)) | replica_series() | set(SERIES)
+    assert {"ray_tandem_requests_total", "ray_tandem_ttft_seconds_bucket", "tandem_kv_blocks_used"} <= exported
     for title, expr in queries(json.loads(DASHBOARD.read_text())):
         used = set(METRIC.findall(expr))
         assert used, f"{title}: no Tandem series in {expr!r}"
-        assert used <= exported, f"{title}: {sorted(used - exported)} are not exported by Tandem"
+        assert used <= exported, f"{title}: {sorted(used - exported)} are not exported by Tandem (per-replica " \
+                                 "counts are summed from Ray's export: /metrics through the Serve proxy is one replica's)"
 
 
 def test_every_exported_family_has_a_panel():
-    families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in scheduler_series() | set(SERIES)}
+    families = {re.sub(r"_(bucket|sum|count)$", "", n)
+                for n in scheduler_series(("set",)) | replica_series() | set(SERIES)}
     shown = {re.sub(r"_(bucket|sum|count)$", "", n)
              for _, expr in queries(json.loads(DASHBOARD.read_text())) for n in METRIC.findall(expr)}
     assert families <= shown, f"no panel for {sorted(families - shown)}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import pytest
 
@@ -96,3 +97,37 @@ def test_a_request_closed_after_its_last_event_keeps_that_events_outcome(tiny_qw
 
     asyncio.run(call())
     assert _outcomes(completions)[outcome] == 1 and sum(_outcomes(completions).values()) == 1
+
+
+def test_each_replicas_counts_are_a_series_of_their_own_on_rays_metrics_port(ray_local, tiny_qwen2_dir):
+    """Two schedulers (replicas) count their requests; Ray's metrics port has
+    each one's count under its own `replica` tag (cluster/metrics_export.py),
+    as /metrics through the Serve proxy, one replica a scrape, cannot."""
+
+    async def last_event(request, choice, inflight):
+        yield TokenEvent(request.request_id, [7], "x", None, True, "length", time.time())
+
+    replicas = [_completions(tiny_qwen2_dir, last_event).service for _ in range(2)]
+    for count, scheduler in zip((2, 3), replicas):
+        assert scheduler.metrics.export is not None  # (Ray is up)
+
+        async def run(scheduler=scheduler):
+            for k in range(count):
+                async for _ in scheduler.generate([k + 1, *PROMPT[1:]], SamplingParams(max_new_tokens=1)):
+                    pass
+
+        asyncio.run(run())
+    wanted = {scheduler.outcomes.replica_id: float(count) for count, scheduler in zip((2, 3), replicas)}
+    port = ray_local.nodes()[0]["MetricsExportPort"]
+    deadline = time.monotonic() + 60  # (Ray's agent exports every 10 s or so)
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        seen = {}
+        for line in text.splitlines():
+            if line.startswith("ray_tandem_requests_total{") and 'outcome="ok"' in line:
+                replica = line.split('replica="')[1].split('"')[0]
+                seen[replica] = float(line.rsplit(" ", 1)[1])
+        if all(seen.get(replica) == count for replica, count in wanted.items()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {replica: seen.get(replica) for replica in wanted} == wanted
