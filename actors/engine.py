@@ -143,6 +143,9 @@ class Engine:
         self.num_accepted_draft_tokens = 0  # ... and those the samples confirmed
         self.prefill_steps = PrefillStepLog()  # the latest prompt-only steps, timed: for the scheduler's cost model
         self._in_flight: _StepInFlight | None = None
+        # The last step found nothing it could run: its requests wait for blocks held
+        # elsewhere (transfers, reservations), which only a call frees (actors/engine_loop.py).
+        self.stalled = False
 
     # ---- requests ------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -313,7 +316,8 @@ class Engine:
             if self.drafter.is_on:
                 self.drafter.trim(self.scheduler.running)  # the drafts worth their rows
             plan = self.scheduler.schedule()
-            if not plan.chunks:
+            self.stalled = not plan.chunks
+            if self.stalled:
                 return [], []
             step = _StepInFlight(plan.chunks, self.runner.launch(plan.chunks))
         self._in_flight = self._launch_next_decodes(step) if self.config.overlaps_decode else None
