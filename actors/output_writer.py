@@ -94,9 +94,9 @@ class OutputWriter:
                 request.detokenizer.add(token_id)
             return self.finish(request, FinishReason.STOP)
         delta = request.detokenizer.add(token_id)
-        if request.stop_strings is not None and delta and may_stop:
+        if request.stop_strings is not None and delta:  # (fed before min_new_tokens too: a match may begin there)
             dropped = request.stop_strings.feed(delta)
-            if dropped is not None:
+            if dropped is not None and may_stop:
                 cut = request.detokenizer.num_chars - dropped
                 return self.finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
         if request.constraint is not None and request.constraint.is_complete(output_ids):

@@ -170,6 +170,31 @@ def test_stop_strings_anywhere_end_at_the_first_match(llm):
         assert kept.text == text[:end] and kept.token_ids == out.token_ids, (text, stops, kept.text)
 
 
+def test_a_stop_string_that_begins_before_min_new_tokens_stops_where_it_ends(llm, tiny_qwen2_dir):
+    """A match that begins in the text of the tokens `min_new_tokens` keeps and
+    ends in the first token allowed to stop is a match (vLLM's too): the search
+    keeps its tail from the first token on, not from where stopping begins."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    kw = dict(max_new_tokens=30, temperature=0, ignore_eos=True)
+    free = llm.generate(["min then stop"], SamplingParams(**kw))[0]
+    texts = [tokenizer.decode(free.token_ids[: k + 1]) for k in range(len(free.token_ids))]
+    cases = 0
+    for k in range(1, 20):  # a stop of token k-1's last character and token k's first
+        before, after = texts[k - 1], texts[k]
+        if not before or len(after) <= len(before) or "\ufffd" in after:
+            continue
+        stop = before[-1] + after[len(before)]
+        if free.text.find(stop) != len(before) - 1:  # (its first match must be that one)
+            continue
+        out = llm.generate(["min then stop"], SamplingParams(**kw, min_new_tokens=k, stop=stop))[0]
+        assert out.finish_reason is FinishReason.STOP and len(out.token_ids) == k + 1, (stop, k, out)
+        assert out.text == free.text[: len(before) - 1]
+        cases += 1
+    assert cases >= 2
+
+
 def test_text_equals_decoding_the_tokens(llm):
     params = SamplingParams(max_new_tokens=40, temperature=1.5, seed=3, ignore_eos=True)
     for out in llm.generate(["héllo wörld 中文 🙂", "plain"], params):
