@@ -15,17 +15,16 @@ class ColocatedWorker(WorkerBase):
         self.streams.open(request.request_id, subscription, request.client_rid)
         try:
             await self.prepare_pattern(request)
-            held = await self.import_prefix(request)
 
-            def add(engine) -> None:
-                if self._aborted_on_its_way(request):
+            def add(engine, held: list[int]) -> None:
+                if self._aborted_on_its_way(request):  # (or its client left: its stream failed by the abort)
                     engine.pool.release(held)
                     self.streams.end_aborted(request.request_id, None)  # (one ended already: as it is)
                 else:
                     engine.add_request(request.prompt_token_ids, request.params, request.request_id,
                                        pinned_block_ids=held)
 
-            await self.call(add)
+            await self.import_then(request, add)
         except Exception:
             self.streams.forget(request.request_id)
             raise

@@ -103,10 +103,9 @@ class DecodeWorker(WorkerBase):
         """The engine's reservation for `request` now, then waiting for its KV, or
         None if its pool has no room. Raises RequestAborted if its client aborted
         it on its way (`_aborted_on_its_way`, on the engine thread)."""
-        held = await self.import_prefix(request, computes_prompt=False, reserving=True)  # reused by the reservation
         request_id = request.request_id
 
-        def reserve(engine: Engine):
+        def reserve(engine: Engine, held: list[int]):  # (held: the prefix the store had, reused by the reservation)
             if self._aborted_on_its_way(request):
                 engine.pool.release(held)
                 raise RequestAborted(f"request {request_id} was aborted by its client")
@@ -116,7 +115,7 @@ class DecodeWorker(WorkerBase):
                     self._pending[request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic())
             return reservation
 
-        return await self.call(reserve)
+        return await self.import_then(request, reserve, computes_prompt=False, reserving=True)
 
     def _on_step(self, exported, outputs) -> None:
         super()._on_step(exported, outputs)

@@ -227,14 +227,16 @@ class PrefillWorker(WorkerBase):
         try:
             await self.prepare_pattern(request)  # before the params are made again: they compile their pattern
             params = prefill_params(request.params)
-            held = await self.import_prefix(request)
 
-            def add(engine: Engine) -> None:
+            def add(engine: Engine, held: list[int]) -> None:
+                if self._jobs.get(request.request_id) is not job or job.failed:  # its caller left, or aborted
+                    engine.pool.release(held)
+                    return
                 engine.add_request(request.prompt_token_ids, params, request.request_id, exports_kv=True,
                                    pinned_block_ids=held)
                 job.engine_request = engine.requests[request.request_id]
 
-            await self.call(add)
+            await self.import_then(request, add)
             return await job.future
         finally:
             self._jobs.pop(request.request_id, None)

@@ -193,6 +193,21 @@ class WorkerBase:
         self.num_store_loaded_blocks += max(0, len(held) - first)
         return held
 
+    async def import_then(self, request: GenerateRequest, start, **import_options):
+        """`import_prefix`, then `start(engine, held)` on the engine thread with the
+        blocks it holds, both run to their end even if the caller is cancelled
+        meanwhile (its client left): the held blocks are `start`'s to hand over (to
+        the request it adds, the reservation it makes) or release, and a cancel
+        between the two calls pinned them for good (a review found it). `start` is
+        where a request ended or gone meanwhile is turned away."""
+        async def both():
+            held = await self.import_prefix(request, **import_options)
+            return await self.call(lambda engine: start(engine, held))
+
+        task = asyncio.ensure_future(both())  # (no Ray call in it: the request's context is fine)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its failure is its caller's, if any)
+        return await asyncio.shield(task)
+
     async def kv_store_stats(self) -> StoreStats | None:
         """The node store's tiers (entries, bytes, hits), after pending writes."""
         if self.kv_store is None:
