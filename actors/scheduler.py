@@ -124,18 +124,19 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The step: every running request's known tokens first (preempting the
+        latest ones where blocks run out), then drafts from the budget and blocks
+        left (no one is preempted, or left out of the step, for a guess), then
+        waiting requests."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Request, int]] = []  # (request, its known tokens this step)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_pending_tokens, self.config.prefill_chunk_size, budget)
-            drafts = self._drafts(request, num_new, budget)
-            if drafts and not self._grow(request, request.num_computed_tokens + num_new + len(drafts)):
-                drafts = ()  # no room for them: no one is preempted for a guess
-            if drafts or self._grow(request, request.num_computed_tokens + num_new):
-                num_new += len(drafts)
-                out.chunks.append(ScheduledChunk(request, num_new, request.num_computed_tokens, drafts))
+            if self._grow(request, request.num_computed_tokens + num_new):
+                planned.append((request, num_new))
                 budget -= num_new
                 index += 1
                 continue
@@ -144,6 +145,10 @@ class Scheduler:
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
+        for request, num_new in planned:
+            drafts = self._drafts(request, num_new, budget)
+            budget -= len(drafts)
+            out.chunks.append(ScheduledChunk(request, num_new + len(drafts), request.num_computed_tokens, drafts))
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -159,14 +164,18 @@ class Scheduler:
             budget -= chunk.num_new_tokens
         return out
 
-    @staticmethod
-    def _drafts(request: Request, num_new: int, budget: int) -> tuple[int, ...]:
-        """The drafts a request verifies this step: those proposed, within the step's
-        token budget, after a chunk of `num_new` tokens that reaches its last known
-        token (its last drawn one, or the text jump-forward wrote after it)."""
+    def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The drafts a request verifies this step, its blocks grown for them: those
+        proposed, within what is left of the step's token budget and of the pool,
+        after a chunk of `num_new` tokens that reaches its last known token (its
+        last drawn one, or the text jump-forward wrote after it)."""
         if not request.draft_token_ids or num_new != request.num_pending_tokens:
             return ()
-        return tuple(request.draft_token_ids[: budget - num_new])
+        known_end = request.num_computed_tokens + num_new
+        room = (len(request.block_table) + self.pool.num_available) * self.block_size - known_end
+        drafts = tuple(request.draft_token_ids[: max(0, min(budget, room))])
+        self._grow(request, known_end + len(drafts))  # (fits: `room`)
+        return drafts
 
     def _release_waiting_pins(self) -> bool:
         """Under memory pressure, imported prefixes held for waiting requests go
