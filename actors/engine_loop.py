@@ -4,8 +4,8 @@ The engine is single-threaded: every mutation goes through `call(fn)`, which que
 `fn(engine)` to run between steps and returns a `concurrent.futures.Future` (await it
 with `asyncio.wrap_future`). After each step, `on_step(exported, outputs)` runs on the
 loop thread; `on_tick(engine)` runs on every turn (housekeeping such as expiring
-reservations). A failure inside the step fails every in-flight request through
-`on_error` rather than killing the thread silently.
+reservations). A failure inside the step, or in either hook, fails every
+in-flight request through `on_error` rather than killing the thread silently.
 
 The thread waits for a call (up to `idle_wait_s`) when the engine has nothing to
 do, and when its last step found nothing it could run (`Engine.stalled`: a
@@ -76,15 +76,14 @@ class EngineLoop:
         self.engine.runner.use_compute_stream()
         while not self._stopped.is_set():
             self._drain_calls(block=self.engine.stalled or not self.engine.has_unfinished())
-            if self._on_tick is not None:
-                self._on_tick(self.engine)
-            if not self.engine.has_unfinished():
-                continue
-            try:
+            try:  # (the hooks too: a hook that raised ended the thread, every request waiting for ever)
+                if self._on_tick is not None:
+                    self._on_tick(self.engine)
+                if not self.engine.has_unfinished():
+                    continue
                 exported, outputs = self.engine.run_step()
+                self._on_step(exported, outputs)
             except Exception as exc:  # a bug or OOM: fail loudly, keep serving
                 if self._on_error is None:
                     raise
                 self._on_error(exc)
-                continue
-            self._on_step(exported, outputs)

@@ -318,9 +318,10 @@ def decode_entry(data: bytes, namespace: bytes, key: bytes) -> StoredBlock:
         raise CorruptEntry("not a Tandem KV entry")
     (header_len,) = struct.unpack_from("<I", data, len(MAGIC))
     start = len(MAGIC) + 4
-    try:
+    try:  # (every field read here: a header whose JSON parses may still be damaged)
         header = json.loads(data[start : start + header_len])
-        dtype, shape = _DTYPES[header["dtype"]], tuple(header["shape"])
+        dtype, shape = _DTYPES[header["dtype"]], tuple(int(dim) for dim in header["shape"])
+        token_ids = tuple(int(token_id) for token_id in header["token_ids"])
     except (ValueError, KeyError, TypeError):
         raise CorruptEntry("unreadable header") from None
     if header.get("namespace") != namespace.hex() or header.get("key") != key.hex():
@@ -332,4 +333,4 @@ def decode_entry(data: bytes, namespace: bytes, key: bytes) -> StoredBlock:
     if len(payload) != expected or _checksum(payload) != header.get("checksum"):
         raise CorruptEntry("payload truncated or checksum mismatch")
     kv = torch.frombuffer(bytearray(payload), dtype=dtype).view(shape) if expected else torch.empty(shape, dtype=dtype)
-    return StoredBlock(key, tuple(header["token_ids"]), kv)
+    return StoredBlock(key, token_ids, kv)

@@ -248,7 +248,10 @@ class WorkerBase:
         self._on_step(exported, outputs)
         if self._step_profile is not None and self._step_profile.step():
             profile, self._step_profile = self._step_profile, None
-            self._trace_written = profile.stop()
+            try:
+                self._trace_written = profile.stop()
+            except Exception:  # (a trace that could not be written fails no request)
+                log.exception("worker %s: the trace of its steps was not written", self.worker_id)
 
     def _on_step(self, exported, outputs) -> None:
         self.streams.publish(outputs)

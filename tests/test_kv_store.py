@@ -97,8 +97,10 @@ def test_ttl_and_pinning(tmp_path):
     assert list(tmp_path.rglob("*.kv")) == []
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "header"])
 def test_corrupt_entry_is_skipped_and_removed(tmp_path, damage):
+    """Damaged payloads, files and headers (one whose JSON still parses but
+    lacks a field) alike: the entry is a miss, counted and removed."""
     store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path)))
     blocks = make_blocks(3)
     store.save(blocks)
@@ -108,6 +110,9 @@ def test_corrupt_entry_is_skipped_and_removed(tmp_path, damage):
         data[-5] ^= 0xFF
     elif damage == "truncate":
         data = data[:-7]
+    elif damage == "header":  # `token_ids` renamed, the header's length unchanged
+        at = data.index(b'"token_ids"')
+        data[at : at + 11] = b'"token_idz"'
     else:
         data = bytearray(b"not a kv entry")
     path.write_bytes(bytes(data))
