@@ -130,7 +130,8 @@ def scheduler_view(scheduler) -> dict:
 
 
 def pool_metric_names() -> list[str]:
-    """The ray_tandem_* series on the head node's metrics port (the pool manager's)."""
+    """The ray_tandem_* series on the head node's metrics port (the pool manager's,
+    and this process's scheduler's)."""
     names = set()
     for node in ray.nodes():
         if node["Alive"] and not (node.get("Labels") or {}).get("tandem/role"):

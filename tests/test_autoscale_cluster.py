@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.pool_metrics import SERIES
+from tests.test_dashboard import replica_series
 
 
 @pytest.mark.timeout(1000)
@@ -37,6 +38,8 @@ def test_prefill_and_decode_pools_grow_on_their_own_load_and_shrink_when_it_stop
     # Back to min (1 P, 1 D, one node each: the check waits for it) and the drains leaked nothing.
     assert {role for role, _, _ in result["drained"]} == {"prefill", "decode"}
     assert all(used == 0 and "accounting ok" in reason for _, used, reason in result["drained"]), result["drained"]
-    # The pool manager's metrics reach the Ray metrics port under the catalogued names.
+    # The pool manager's metrics, and the scheduler's counters and histograms
+    # (cluster/metrics_export.py), reach the Ray metrics port under the catalogued names.
     assert {"ray_tandem_autoscale_decisions_total", "ray_tandem_pool_workers"} <= set(result["metric_names"])
-    assert set(result["metric_names"]) <= set(SERIES)
+    assert {"ray_tandem_requests_total", "ray_tandem_ttft_seconds_bucket"} <= set(result["metric_names"])
+    assert set(result["metric_names"]) <= set(SERIES) | replica_series()
