@@ -4,9 +4,11 @@ list): when the replica took it, and whether its requests still running were
 withdrawn because one of them was refused or failed.
 
 The ingress guard opens one for each call (`open_call`), before its body is
-read; the service reads it when a request starts (`current_call`). It lives in
-a context variable because the requests run in tasks the call's handler starts,
-which copy its context; the record itself is shared, so marking it withdrawn
+read; the service reads it when a request starts (`current_call`), and a
+request that is refused or fails says so on it (`ClientCall.ended`) before its
+caller hears of it, so the others, closed for it, count as withdrawn. It lives
+in a context variable because the requests run in tasks the call's handler
+starts, which copy its context; the record itself is shared, so the mark
 reaches requests already started.
 
 Why `withdrawn` is its own outcome: a call's requests are closed together when
@@ -24,7 +26,11 @@ import time
 @dataclasses.dataclass
 class ClientCall:
     arrived_s: float  # wall time: an /abort_request asked since ends its requests (actors/abort_marks.py)
-    withdrawn: bool = False  # its requests still running were closed because one was refused or failed
+    withdrawn: bool = False  # one of its requests was refused or failed: the others closed since are withdrawn
+
+    def ended(self, outcome: str) -> None:
+        """One of the call's requests ended with `outcome` (the scheduler's metric's)."""
+        self.withdrawn = self.withdrawn or outcome in ("error", "rejected")
 
 
 _CALL: contextvars.ContextVar[ClientCall | None] = contextvars.ContextVar("tandem_client_call", default=None)
@@ -41,9 +47,3 @@ def current_call() -> ClientCall:
     """The call this context serves; one opened now where none was (the
     replica's own requests, such as its health probe)."""
     return _CALL.get() or open_call()
-
-
-def withdraw_others() -> None:
-    """Say that the current call's requests still running are being closed
-    because one of them was refused or failed, not because the client left."""
-    current_call().withdrawn = True

@@ -17,7 +17,7 @@ from actors.detokenizer import ByteLevelTables
 from actors.request import TokenLogprob
 from cluster import openai_format as fmt
 from cluster.api_models import ApiError, ChatBody, choice_params
-from cluster.client_call import current_call, withdraw_others
+from cluster.client_call import current_call
 from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
 from cluster.response_streams import collect, merged, prepend
 from cluster.tool_calls import StreamedCalls, chat_answer
@@ -98,9 +98,7 @@ class Completions:
         for group in ([k for k in keys if k % n == 0], [k for k in keys if k % n]):  # firsts, then the rest
             try:
                 events = await self._start_all([requests[k] for k in group])
-            except BaseException as exc:
-                if isinstance(exc, Exception):  # refused or failed, not the client leaving
-                    withdraw_others()
+            except BaseException:
                 await asyncio.gather(*(s.aclose() for s in started.values()))
                 raise
             started.update(zip(group, events))
@@ -113,9 +111,6 @@ class Completions:
         collecting = [asyncio.ensure_future(collect(s)) for s in streams]
         try:
             return await asyncio.gather(*collecting)
-        except Exception:
-            withdraw_others()
-            raise
         finally:
             for task in collecting:
                 task.cancel()
@@ -126,8 +121,6 @@ class Completions:
         started = await asyncio.gather(*(self._start(*request) for request in requests), return_exceptions=True)
         failed = next((r for r in started if isinstance(r, BaseException)), None)
         if failed is not None:
-            if isinstance(failed, Exception):
-                withdraw_others()
             await asyncio.gather(*(s.aclose() for s in started if not isinstance(s, BaseException)))
             raise failed
         return started
@@ -181,7 +174,6 @@ class Completions:
             async for index, event in events:
                 if event.error:
                     yield {"error": {"message": event.error, "type": "worker_error", "code": 500}}  # (as a 500 body)
-                    withdraw_others()
                     break
                 if first[index] and echo is not None:
                     event = echo[index](event)

@@ -10,7 +10,6 @@ import asyncio
 from typing import NamedTuple
 
 from cluster.api_models import ApiError
-from cluster.client_call import withdraw_others
 
 
 async def prepend(first, rest):
@@ -77,7 +76,6 @@ async def merged(streams):
         while open_streams:
             index, event = await queue.get()
             if isinstance(event, Exception):
-                withdraw_others()
                 raise event
             if event is None:
                 open_streams -= 1

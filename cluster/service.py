@@ -77,14 +77,14 @@ class GlobalScheduler:
         self.block_size = settings.engine.block_size
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
         self.policy = make_policy(settings.routing)
-        self.outcomes = OutcomeRecorder(_replica_name())
+        self.replica = _replica_name()  # in its request ids, its reports and its exported metrics
+        self.outcomes = OutcomeRecorder(self.replica)
         # Counters and histograms through Ray too, where every replica's are scraped
         # (cluster/metrics_export.py); not outside Ray (unit tests, tools).
-        self.metrics = Metrics(RayExport(self.outcomes.replica_id) if ray.is_initialized() else None)
+        self.metrics = Metrics(RayExport(self.replica) if ray.is_initialized() else None)
         self.view = PoolView(settings, pool, kv_seed, self.metrics, self.outcomes,  # members, stats, cost models
                              max_model_len)
         self._ids = itertools.count()
-        self._replica_tag = uuid.uuid4().hex[:8]
         self.feeds = TokenFeeds()  # this replica's subscription to each worker's token events
 
     # ---- validation -----------------------------------------------------------------
@@ -183,7 +183,7 @@ class GlobalScheduler:
         # duplicate ended the first's stream with it. Errors name it as the caller did.
         call = current_call()  # when it arrived (an abort asked since ends it), whether it was withdrawn
         said = f"request {request_id}" if request_id else "the request"
-        request_id = f"{request_id or 'tandem'}-{self._replica_tag}-{next(self._ids)}"
+        request_id = f"{request_id or 'tandem'}-{self.replica}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.monotonic()
@@ -228,6 +228,7 @@ class GlobalScheduler:
                         if event.finished:
                             outcome = "error" if event.error else "aborted" if event.finish_reason == "abort" else "ok"
                             finished = True
+                            call.ended(outcome)  # (now: its reader may close the others before this one closes)
                             if outcome == "ok" and timer.tbt_s is not None:  # D's TBT bias learns it
                                 self.view.models.observe_tbt(choice, timer.tbt_s)
                         yield event
@@ -240,6 +241,7 @@ class GlobalScheduler:
                 outcome = "withdrawn" if call.withdrawn else "cancelled"
             raise
         finally:
+            call.ended(outcome)  # (a refusal or failure raised: before its caller closes the others)
             timer.end(outcome)
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
             self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)

@@ -22,7 +22,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.client_call import withdraw_others
 from cluster.openai_format import sse
 from cluster.response_streams import Collected, merged
 
@@ -110,7 +109,6 @@ async def stream(streams: list, answered: list[Answered], indexed: bool):
         async for k, event in events:
             if event.error:
                 yield sse({"error": {"message": event.error, "type": "worker_error", "code": 500}})
-                withdraw_others()
                 break
             chunks[k].add(event.text, event.token_ids)
             if event.logprobs is not None:  # extended in place: a copy an event would be quadratic

@@ -117,7 +117,7 @@ def test_each_replicas_counts_are_a_series_of_their_own_on_rays_metrics_port(ray
                     pass
 
         asyncio.run(run())
-    wanted = {scheduler.outcomes.replica_id: float(count) for count, scheduler in zip((2, 3), replicas)}
+    wanted = {scheduler.replica: float(count) for count, scheduler in zip((2, 3), replicas)}
     port = ray_local.nodes()[0]["MetricsExportPort"]
     deadline = time.monotonic() + 60  # (Ray's agent exports every 10 s or so)
     while True:
