@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ from actors.reservation_queue import ReservationQueue, Withdrawn
 from actors.worker_base import WorkerBase
 
 
+ENDED_ABORTED_KEPT = 4096  # request ids remembered as aborted, for their chunks still on their way
+
+
 @dataclass
 class _Pending:
     """A reservation awaiting its KV."""
@@ -61,6 +65,7 @@ class DecodeWorker(WorkerBase):
         self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
         self._line_blocks: dict[str, int] = {}  # request id -> the blocks its waiting handshake asks for
         self.num_granted = 0  # reservations granted (the scheduler's line-wait predictions)
+        self._ended_aborted: OrderedDict[str, None] = OrderedDict()  # the latest requests their clients aborted here
         background_task(self._watchdog())
 
     # ---- handshake --------------------------------------------------------------
@@ -70,11 +75,14 @@ class DecodeWorker(WorkerBase):
         """Hold blocks for `request`, waiting in line up to `wait_s` for room; its
         token events will go to `subscription`'s feed (`WorkerBase.feed`)."""
         self._ensure_started()
-        await self.prepare_pattern(request)
         request_id = request.request_id
+        # Open before the first await: an abort that comes meanwhile (the scheduler's
+        # cleanup) ends the stream, and the request is turned away as it would
+        # reserve, instead of being granted blocks nobody waits for.
         self.streams.open(request_id, subscription, request.client_rid)
         self._line_blocks[request_id] = blocks_to_reserve(len(request.prompt_token_ids), self.engine.pool.block_size)
         try:
+            await self.prepare_pattern(request)
             reservation = await self.handshakes.wait_turn(
                 request_id, lambda: self._try_reserve(request, prefill_handle), wait_s)
         except Withdrawn as exc:
@@ -183,7 +191,7 @@ class DecodeWorker(WorkerBase):
             arrived_s = time.time()
             if meta.is_last:
                 await self._activate(meta)
-        except TransferFailed:
+        except (TransferFailed, RequestAborted):
             raise
         except Exception as exc:  # the bytes were consumed, the channel is in step: fail this request only
             raise TransferFailed(f"request {meta.request_id}: chunk {meta.chunk_index} could not be placed on "
@@ -193,6 +201,9 @@ class DecodeWorker(WorkerBase):
     def _write_chunk(self, meta: ChunkMeta, kv: torch.Tensor) -> None:
         with self._pending_lock:
             pending = self._pending.get(meta.request_id)
+            if pending is None and meta.request_id in self._ended_aborted:
+                # P sent it before its own part of the abort came (the scheduler asks D first).
+                raise RequestAborted(f"request {meta.request_id} was aborted by its client")
             if pending is None:
                 raise TransferFailed(f"request {meta.request_id} has no reservation on {self.worker_id}")
             if meta.chunk_index != pending.next_chunk:
@@ -221,16 +232,12 @@ class DecodeWorker(WorkerBase):
         self.streams.publish([engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs)])
 
     async def _drop(self, request_id: str, reason: str) -> None:
-        with self._pending_lock:
-            self._pending.pop(request_id, None)
         self.handshakes.withdraw(request_id)
         await super()._drop(request_id, reason)
         self.handshakes.room_freed()
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         self._ensure_started()
-        with self._pending_lock:
-            self._pending.pop(request_id, None)
         waiting = self.handshakes.withdraw(request_id)
         aborted = await super().abort(request_id, reason)
         self.handshakes.room_freed()
@@ -242,6 +249,9 @@ class DecodeWorker(WorkerBase):
         (P's next chunk is refused, which ends P's side)."""
         for request_id in request_ids:
             self.handshakes.withdraw(request_id, aborted=True)
+            self._ended_aborted[request_id] = None
+        while len(self._ended_aborted) > ENDED_ABORTED_KEPT:
+            self._ended_aborted.popitem(last=False)
         await super().end_aborted(request_ids)
         self.handshakes.room_freed()
 
@@ -257,9 +267,10 @@ class DecodeWorker(WorkerBase):
         return await self._drop_pending(request_id, reason)
 
     async def _drop_pending(self, request_id: str, reason: str) -> bool:
-        """Drop a request still waiting for its KV; whether it was. Checked as it is
-        dropped, with no await between: a request its last chunk activated since an
-        earlier look is decoding, and is left alone."""
+        """Drop a request still waiting for its KV; whether it was. Checked as the
+        drop is queued on the engine thread, with no await between: a request its
+        last chunk activated since an earlier look is decoding, and is left alone;
+        one whose last chunk comes after finds its reservation gone."""
         with self._pending_lock:
             waiting = request_id in self._pending
         if waiting:

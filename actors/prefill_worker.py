@@ -111,8 +111,9 @@ class _PairSender:
                 if job.failed:
                     continue
                 self._send(transfer)
-            except Exception as exc:
-                if isinstance(exc, ray.exceptions.RayActorError) or not isinstance(exc, TransferFailed):
+            except Exception as exc:  # D's refusal of this request's chunk leaves the channel in step
+                one_request = isinstance(exc, (TransferFailed, RequestAborted))
+                if isinstance(exc, ray.exceptions.RayActorError) or not one_request:
                     self.broken = f"channel {self.sender.name} broken: {type(exc).__name__}: {exc}"
                     self.worker.forget_pair(self)
                 self.worker.fail_job(job, exc)

@@ -339,16 +339,29 @@ class WorkerBase:
 
     async def _drop(self, request_id: str, reason: str) -> None:
         """Cancel a request nobody will read: free what it holds."""
-        await self.call(lambda e: e.abort(request_id) or e.cancel_reservation(request_id))
-        self.streams.fail(request_id, reason)
+        await self._end_failed(request_id, reason)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Cancel a request wherever it is on this worker; frees its blocks. Its
         stream, if any, ends with an error event carrying `reason`."""
-        out = await self.call(lambda e: e.abort(request_id) or e.cancel_reservation(request_id))
-        if self.streams is not None and request_id in self.streams:
-            self.streams.fail(request_id, reason)
-        return bool(out)
+        return await self._end_failed(request_id, reason)
+
+    async def _end_failed(self, request_id: str, reason: str) -> bool:
+        """Free what `request_id` holds here and end its stream with an error
+        event carrying `reason`, in one call on the engine thread, where a request
+        starts (added, reserved): one that started first is ended, one that comes
+        after finds its stream ended (`_aborted_on_its_way`) and does not start.
+        Ending the stream after the call let a request start between the two and
+        keep its blocks (decode) or run to its end (colocated) with nobody reading.
+        Returns whether the engine held the request."""
+        def end(engine: Engine) -> bool:
+            self._release_aborted(request_id)
+            out = engine.abort(request_id) or engine.cancel_reservation(request_id)
+            if request_id in self.streams:
+                self.streams.fail(request_id, reason)
+            return bool(out)
+
+        return await self.call(end)
 
     async def abort_named(self, client_rid: str | None, asked_s: float | None = None) -> list[str]:
         """`/abort_request`, asked at `asked_s` (wall time): end the requests
@@ -380,7 +393,7 @@ class WorkerBase:
         await self.call(end)
 
     def _release_aborted(self, request_id: str) -> None:
-        """What this role holds for an aborted request besides the engine's (on
+        """What this role holds for an ended request besides the engine's (on
         the engine thread)."""
 
     def _aborted_on_its_way(self, request: GenerateRequest) -> bool:

@@ -85,10 +85,13 @@ def test_a_decoding_request_ends_as_aborted_and_another_name_goes_on(pair):
     wait_idle(d)
 
 
-@pytest.mark.parametrize("sides", ["both", "prefill only"])
+@pytest.mark.parametrize("sides", ["both", "prefill only", "decode only"])
 def test_a_request_aborted_mid_transfer_ends_as_aborted_and_frees_both_sides(pair, sides):
     """`prefill only`: the abort reached P but not D (it was reserved on D just
-    after D's part of the abort ran): P's RequestAborted ends it on D too."""
+    after D's part of the abort ran): P's RequestAborted ends it on D too.
+    `decode only`: P sent a chunk between D's part of the abort and its own (the
+    scheduler asks D first): D refuses it as aborted, not as a failed transfer
+    (which also made `both` fail now and then)."""
     p, d = pair
     rid = f"mid-{sides}"
 
@@ -104,7 +107,8 @@ def test_a_request_aborted_mid_transfer_ends_as_aborted_and_frees_both_sides(pai
         while not await d.__ray_call__.remote(chunks_landed):
             assert not task.done() and time.monotonic() < deadline, "the transfer ended before a chunk landed"
             await asyncio.sleep(0.005)
-        ended = await (abort(p, d, rid) if sides == "both" else p.abort_named.remote(rid))
+        side = {"prefill only": p, "decode only": d}.get(sides)
+        ended = await (abort(p, d, rid) if side is None else side.abort_named.remote(rid))
         return call, set(ended), await asyncio.wait_for(task, 30)
 
     call, ended, events = asyncio.run(scenario())
