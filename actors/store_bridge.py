@@ -16,6 +16,7 @@ All of it runs on the engine thread, between steps; the store's own I/O does not
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,6 +24,8 @@ import torch
 
 from actors.block_pool import BlockPool, block_hashes
 from actors.kv_tiers import StoredBlock
+
+log = logging.getLogger("tandem.kv_store")
 
 
 class PrefixPlan(NamedTuple):
@@ -59,14 +62,18 @@ class StoreBridge:
         `first_block + 1`, ...) into the pool and make them findable. Returns the
         whole prefix's block ids, each held by one reference for the caller to pass
         to `Engine.add_request` or `Engine.reserve`; [] when the device prefix
-        before `first_block` went meanwhile or no block is free. Blocks whose tokens
-        are not this prompt's are refused."""
+        before `first_block` went meanwhile, no block is free, or the copy failed
+        (a device out of memory for the staging tensor, say: the prompt is
+        computed instead, and no block stays taken). Blocks whose tokens are not
+        this prompt's, or whose KV is not a block of this cache, are refused."""
         size = self.pool.block_size
+        block_shape = tuple(self.runner.kv_cache.shape[1:])
         hashes = self.prefix_plan(prompt_ids).hashes
         blocks = blocks[: max(0, len(hashes) - first_block)]
         for offset, block in enumerate(blocks):
             index = first_block + offset
-            if block.key != hashes[index] or block.token_ids != tuple(prompt_ids[index * size : (index + 1) * size]):
+            if (block.key != hashes[index] or block.token_ids != tuple(prompt_ids[index * size : (index + 1) * size])
+                    or tuple(block.kv.shape) != block_shape):
                 blocks = blocks[:offset]
                 break
         held = self.pool.lookup(hashes[: first_block + len(blocks)], prompt_ids)
@@ -76,8 +83,13 @@ class StoreBridge:
         new = blocks[len(held) - first_block :][: self.pool.num_available]
         if new:
             block_ids = self.pool.allocate(len(new))
-            kv = torch.stack([b.kv for b in new]).to(self.runner.kv_cache.device, self.runner.kv_cache.dtype)
-            self.runner.write_blocks(block_ids, kv)
+            try:
+                kv = torch.stack([b.kv for b in new]).to(self.runner.kv_cache.device, self.runner.kv_cache.dtype)
+                self.runner.write_blocks(block_ids, kv)
+            except (RuntimeError, ValueError) as exc:  # (torch's errors, its out-of-memory one among them)
+                self.pool.release(held + block_ids)
+                log.warning("KV store import of %d blocks failed, computing them instead: %s", len(new), exc)
+                return []
             for block_id, block in zip(block_ids, new):
                 self.pool.register(block_id, block.key, block.token_ids)
             held += block_ids

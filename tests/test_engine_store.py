@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from actors.config import EngineConfig
 from actors.engine import Engine
@@ -70,6 +71,45 @@ def test_blocks_of_other_tokens_are_refused(tiny_qwen2_dir, prompt):
     held = reader.store_bridge.import_prefix(prompt, 0, forged + blocks[2:])
     assert len(held) == 1  # stops at the forged block
     reader.pool.release(held)
+    assert reader.pool.num_used == 0
+    reader.pool.check()
+
+
+def test_blocks_of_another_shape_are_refused(tiny_qwen2_dir, prompt):
+    """A stored block whose KV is not one block of this cache (a header damaged to
+    another shape of the same size, which the payload's checksum does not cover)
+    ends the prefix there, instead of failing the copy."""
+    store = KVStore(b"unused", KVStoreSettings())
+    run(make_engine(tiny_qwen2_dir, store), prompt, "a")
+    reader = make_engine(tiny_qwen2_dir)
+    blocks = store.load(reader.store_bridge.prefix_plan(prompt).hashes)
+    permuted = StoredBlock(blocks[2].key, blocks[2].token_ids, blocks[2].kv.transpose(-1, -2).contiguous())
+    held = reader.store_bridge.import_prefix(prompt, 0, blocks[:2] + [permuted] + blocks[3:])
+    assert len(held) == 2
+    reader.pool.release(held)
+    assert reader.pool.num_used == 0
+    reader.pool.check()
+
+
+def test_a_copy_that_fails_holds_no_block(tiny_qwen2_dir, prompt):
+    """The copy onto the device failing (out of memory for its staging tensor, on a
+    GPU the KV cache fills) imports nothing: the prompt is computed, and neither
+    the prefix already in the pool nor the blocks allocated for the copy stay taken
+    (they were, for good, on every request for that prompt)."""
+    store = KVStore(b"unused", KVStoreSettings())
+    run(make_engine(tiny_qwen2_dir, store), prompt, "a")
+    reader = make_engine(tiny_qwen2_dir)
+    hashes = reader.store_bridge.prefix_plan(prompt).hashes
+    held = reader.store_bridge.import_prefix(prompt, 0, store.load(hashes[:3]))  # 3 blocks in the pool
+    reader.pool.release(held)
+
+    def out_of_memory(block_ids, kv):
+        raise torch.OutOfMemoryError("CUDA out of memory (as a test)")
+
+    reader.runner.write_blocks = out_of_memory
+    first = reader.store_bridge.prefix_plan(prompt).num_in_pool
+    assert first == 3
+    assert reader.store_bridge.import_prefix(prompt, first, store.load(hashes[first:])) == []
     assert reader.pool.num_used == 0
     reader.pool.check()
 
