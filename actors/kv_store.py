@@ -11,6 +11,8 @@ Contract (every method is safe from any thread; calls are serialised by a lock):
   or corrupt entry. Callers verify the tokens before using the KV.
 - `pin(keys)` / `unpin(keys)`: pinned keys are never evicted nor expired, in any
   tier (an operator's system prompt, say). Pins live in memory only.
+- With `ttl_s`, `save` and `load` also sweep every tier of what is past it, at most
+  every `ttl_s / 10` (`expire`): what bounds a shared path left unbounded.
 Keys are hash-chain values seeded by the KV namespace; the disk tiers also keep
 the namespace in each file and in their directory name, so KV of another model,
 dtype, block size or layout is never read (see docs/kv-store.md).
@@ -61,6 +63,7 @@ class StoreStats:
     num_lookups: int = 0
     num_missed_blocks: int = 0
     num_corrupt: int = 0
+    num_write_errors: int = 0  # blocks a disk tier could not write (full, read-only): not stored there
 
 
 class KVStore:
@@ -78,6 +81,8 @@ class KVStore:
         self.counters = {t.name: TierCounters() for t in self.tiers}
         self.num_lookups = 0
         self.num_missed_blocks = 0
+        self._swept_s = clock()  # the latest expiry sweep (`_sweep_if_due`)
+        self._clock = clock
 
     def _disk(self, name: str, path: str | None, capacity: int | None, clock) -> DiskTier | None:
         if path is None:
@@ -87,6 +92,7 @@ class KVStore:
     # ---- writes -------------------------------------------------------------------
     def save(self, blocks: Sequence[StoredBlock]) -> None:
         with self._lock:
+            self._sweep_if_due()
             first = self.tiers[0]
             for block in blocks:
                 self._put(first, block)
@@ -121,6 +127,7 @@ class KVStore:
     # ---- reads --------------------------------------------------------------------
     def load(self, keys: Sequence[bytes]) -> list[StoredBlock]:
         with self._lock:
+            self._sweep_if_due()
             self.num_lookups += 1
             found: list[StoredBlock] = []
             for key in keys:
@@ -163,9 +170,22 @@ class KVStore:
             self.pinned.difference_update(keys)
 
     def expire(self) -> int:
-        """Remove every expired entry from every tier; how many went."""
+        """Remove every expired entry from every tier (a disk tier's files past
+        the TTL that it does not index too); how many went."""
         with self._lock:
-            return sum(t.expire() for t in self.tiers)
+            return self._expire()
+
+    def _expire(self) -> int:
+        self._swept_s = self._clock()
+        return sum(t.expire() for t in self.tiers)
+
+    def _sweep_if_due(self) -> None:
+        """Under the lock: `expire` once `ttl_s / 10` has passed since the last
+        sweep. An expired entry also goes when its key is met, but one never met
+        again, or a shared path's file of another node, only goes here."""
+        ttl = self.settings.ttl_s
+        if ttl is not None and self._clock() - self._swept_s >= ttl / 10:
+            self._expire()
 
     def events_since(self, cursors: dict[str, Cursor] | None = None) -> dict[str, CacheEvents]:
         """Each tier's entry events after the reader's cursor for it (the cursors
@@ -181,4 +201,5 @@ class KVStore:
                 for t in self.tiers
             }
             corrupt = sum(getattr(t, "num_corrupt", 0) for t in self.tiers)
-            return StoreStats(tiers, self.num_lookups, self.num_missed_blocks, corrupt)
+            write_errors = sum(getattr(t, "num_write_errors", 0) for t in self.tiers)
+            return StoreStats(tiers, self.num_lookups, self.num_missed_blocks, corrupt, write_errors)

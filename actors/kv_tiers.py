@@ -16,21 +16,27 @@ Two tier kinds, one policy shape (`TierPolicy`):
   header (namespace, key, tokens, dtype, shape) and a checksum of its bytes, checked
   on every read: a corrupt or foreign file is deleted and reported as a miss. On
   start the tier indexes what is already there (restart recovery); a key another
-  writer added since is found by its path.
+  writer added since is found by its path. A write the file system refuses (full,
+  read-only, gone) stores nothing and is counted; it never fails the caller.
 
 Eviction: when a put takes a tier above `high_watermark` of its capacity, least
 recently used unpinned entries go until it is at `low_watermark`; `put` returns them
-so the store can demote them to the next tier. An entry older than `ttl_s` is never
-served and is removed when met. Pinned keys (a set the store owns) are exempt from
-both.
+so the store can demote them to the next tier. An entry a disk tier indexes from
+another writer (on start, or found by its path) can also take it over the high
+mark: the least recently used go then, deleted. An entry older than `ttl_s` is
+never served; it is removed when met and by the store's periodic `expire`, which on
+a disk tier also removes the files past it that this tier never indexed (another
+node's, on a shared path). Pinned keys (a set the store owns) are exempt from both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -44,6 +50,11 @@ from actors.event_log import CacheEvents, Cursor, EventLog
 
 MAGIC = b"TANDEMKV1\n"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+# A temporary file older than this (by its mtime) was left by a writer that died
+# mid-write; a younger one may be another node's, between its write and its rename.
+ABANDONED_TMP_S = 600.0
+
+log = logging.getLogger("tandem.kv_store")
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,7 @@ class Tier(ABC):
             self._entries.move_to_end(block.key)
             return []
         entry = self._write(block)
-        if entry is None:  # another writer holds it already
+        if entry is None:  # another writer holds it already, or the write failed
             return []
         self._entries[block.key] = entry
         self.num_bytes += entry.num_bytes
@@ -227,29 +238,39 @@ class DiskTier(Tier):
         self.dir = Path(root) / namespace.hex()[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.num_corrupt = 0
+        self.num_write_errors = 0
         self._index_existing()
 
     def _path(self, key: bytes) -> Path:
         return self.dir / key.hex()[:2] / f"{key.hex()}.kv"
 
-    def _index_existing(self) -> None:
-        """Restart recovery: index the files already here, oldest first. Leftover
-        temporary files (a writer died mid-write) are removed."""
-        found = []
+    def _files(self):
+        """(path, key or None for a temporary file, stat) of each file here; a file
+        gone meanwhile or not named by a key is skipped."""
         for path in self.dir.glob("*/*"):
-            if path.name.endswith(".tmp"):
-                _unlink(path)
-                continue
             try:
-                key = bytes.fromhex(path.stem)
                 stat = path.stat()
+                key = None if path.name.endswith(".tmp") else bytes.fromhex(path.stem)
             except (ValueError, OSError):
+                continue
+            yield path, key, stat
+
+    def _index_existing(self) -> None:
+        """Restart recovery: index the files already here, oldest first, then trim
+        to capacity. Temporary files left by a writer that died mid-write are
+        removed (`ABANDONED_TMP_S`)."""
+        found = []
+        for path, key, stat in self._files():
+            if key is None:
+                if time.time() - stat.st_mtime > ABANDONED_TMP_S:
+                    _unlink(path)
                 continue
             found.append((stat.st_mtime, key, stat.st_size))
         for mtime, key, size in sorted(found):
             self._entries[key] = _Entry(size, mtime)
             self.num_bytes += size
             self.events.append(True, key)
+        self._evict(keep_evicted=False)
 
     def _adopt(self, key: bytes) -> _Entry | None:
         try:
@@ -259,20 +280,43 @@ class DiskTier(Tier):
         entry = self._entries[key] = _Entry(stat.st_size, stat.st_mtime)
         self.num_bytes += entry.num_bytes
         self.events.append(True, key)
-        return entry
+        self._evict(keep_evicted=False)  # (the adopted entry, the most recent, goes last)
+        return self._entries.get(key)
 
     def _write(self, block: StoredBlock) -> _Entry | None:
         path = self._path(block.key)
         if path.exists():  # another writer's copy: index it, write nothing
             self._adopt(block.key)
             return None
-        path.parent.mkdir(exist_ok=True)
-        data = encode_entry(self.namespace, block)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(exist_ok=True)
+            data = encode_entry(self.namespace, block)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:  # full, read-only, or the mount went: this block is not stored here
+            _unlink(tmp)
+            self.num_write_errors += 1
+            log.warning("KV store %s tier: could not write %s: %s", self.name, path.name, exc)
+            return None
         return _Entry(len(data), self.clock())
+
+    def expire(self) -> int:
+        """`Tier.expire`, and the files here past the TTL that this tier does not
+        index (another writer's on a shared path, whose node may be gone), by
+        their mtime; abandoned temporary files too. How many entries and files went."""
+        removed = super().expire()
+        ttl = self.policy.ttl_s
+        for path, key, stat in self._files():
+            if key is None:
+                if time.time() - stat.st_mtime > ABANDONED_TMP_S:
+                    _unlink(path)
+            elif (ttl is not None and key not in self._entries and key not in self.pinned
+                  and self.clock() - stat.st_mtime > ttl):
+                _unlink(path)
+                removed += 1
+        return removed
 
     def _read(self, key: bytes, entry: _Entry) -> StoredBlock | None:
         try:

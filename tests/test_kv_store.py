@@ -5,13 +5,15 @@ shared path written by one node's store and read by another's."""
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 
 import pytest
 import torch
 
 from actors.block_pool import block_hashes
 from actors.kv_store import KVStore, KVStoreSettings
-from actors.kv_tiers import StoredBlock, TierPolicy
+from actors.kv_tiers import ABANDONED_TMP_S, StoredBlock, TierPolicy
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block size, KV heads, head dim
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4
@@ -126,6 +128,8 @@ def test_restart_recovery_and_leftover_temporaries(tmp_path):
     KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path))).save(blocks)
     leftover = next(tmp_path.rglob("*.kv")).with_name(".half-written.kv.1234.tmp")
     leftover.write_bytes(b"partial")
+    long_ago = time.time() - ABANDONED_TMP_S - 60  # (a younger one may be another writer's, in flight)
+    os.utime(leftover, (long_ago, long_ago))
     restarted = KVStore(NAMESPACE, KVStoreSettings(host_bytes=10 * BLOCK_BYTES, disk_path=str(tmp_path)))
     assert restarted.disk.num_entries == 5
     assert not leftover.exists()
