@@ -91,6 +91,7 @@ class _Entry:
     num_bytes: int
     created_s: float
     block: StoredBlock | None = None  # memory tier only
+    file_id: tuple[int, int] | None = None  # disk tiers: the file's (inode, mtime in ns) when indexed
 
 
 class Tier(ABC):
@@ -244,6 +245,19 @@ class DiskTier(Tier):
     def _path(self, key: bytes) -> Path:
         return self.dir / key.hex()[:2] / f"{key.hex()}.kv"
 
+    def _is_stale(self, key: bytes, entry: _Entry) -> bool:
+        """`Tier._is_stale`, unless the file at the key's path is no longer the one
+        indexed: another writer wrote the key again since it expired (on a shared
+        path), and this tier's old entry must not delete the new copy. The entry
+        then describes the new file, aged from now."""
+        if not super()._is_stale(key, entry):
+            return False
+        now = _file_id(self._path(key))
+        if now is None or now == entry.file_id:
+            return True
+        entry.created_s, entry.file_id = self.clock(), now
+        return False
+
     def _files(self):
         """(path, key or None for a temporary file, stat) of each file here; a file
         gone meanwhile or not named by a key is skipped."""
@@ -265,10 +279,10 @@ class DiskTier(Tier):
                 if time.time() - stat.st_mtime > ABANDONED_TMP_S:
                     _unlink(path)
                 continue
-            found.append((stat.st_mtime, key, stat.st_size))
-        for mtime, key, size in sorted(found):
-            self._entries[key] = _Entry(size, mtime)
-            self.num_bytes += size
+            found.append((stat.st_mtime, key, stat))
+        for mtime, key, stat in sorted(found, key=lambda f: f[:2]):
+            self._entries[key] = _Entry(stat.st_size, mtime, file_id=(stat.st_ino, stat.st_mtime_ns))
+            self.num_bytes += stat.st_size
             self.events.append(True, key)
         self._evict(keep_evicted=False)
 
@@ -277,7 +291,7 @@ class DiskTier(Tier):
             stat = self._path(key).stat()
         except OSError:
             return None
-        entry = self._entries[key] = _Entry(stat.st_size, stat.st_mtime)
+        entry = self._entries[key] = _Entry(stat.st_size, stat.st_mtime, file_id=(stat.st_ino, stat.st_mtime_ns))
         self.num_bytes += entry.num_bytes
         self.events.append(True, key)
         self._evict(keep_evicted=False)  # (the adopted entry, the most recent, goes last)
@@ -294,13 +308,15 @@ class DiskTier(Tier):
             data = encode_entry(self.namespace, block)
             with open(tmp, "wb") as f:
                 f.write(data)
+                f.flush()  # (the last write sets the mtime; the rename keeps it, and the inode)
+                written = os.fstat(f.fileno())
             os.replace(tmp, path)
         except OSError as exc:  # full, read-only, or the mount went: this block is not stored here
             _unlink(tmp)
             self.num_write_errors += 1
             log.warning("KV store %s tier: could not write %s: %s", self.name, path.name, exc)
             return None
-        return _Entry(len(data), self.clock())
+        return _Entry(len(data), self.clock(), file_id=(written.st_ino, written.st_mtime_ns))
 
     def expire(self) -> int:
         """`Tier.expire`, and the files here past the TTL that this tier does not
@@ -331,6 +347,15 @@ class DiskTier(Tier):
 
     def _delete(self, key: bytes) -> None:
         _unlink(self._path(key))
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The file's (inode, mtime in ns): a rename over it (a new write) changes it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _unlink(path: Path) -> None:

@@ -136,3 +136,28 @@ def test_a_full_disk_stores_nothing_more_and_fails_no_call(tmp_path, monkeypatch
     assert store.host.num_entries == 2 and store.lookup(keys_of(blocks[:2])) == 2
     store.save(blocks[2:4])  # the disk works again
     assert store.lookup(keys_of(blocks[:4])) == 4
+
+
+def test_an_expired_entry_rewritten_by_another_node_is_kept(tmp_path):
+    """Node B indexed X; X expired and node A wrote it again. B's old entry was
+    stale by its own age, and B deleted A's new copy when it met X (now also in
+    every sweep). B now sees the file is not the one it indexed, and keeps it."""
+    shared = str(tmp_path / "shared")
+    later = [0.0]  # (wall time, shifted: B ages what it finds by its path from the file's mtime)
+
+    def clock() -> float:
+        return time.time() + later[0]
+
+    node_a = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, shared_path=shared, ttl_s=60), clock)
+    node_b = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, shared_path=shared, ttl_s=60), clock)
+    x = make_blocks(1)
+    node_a.save(x)
+    assert node_b.lookup(keys_of(x)) == 1  # B indexes it, found by its path
+    later[0] += 61
+    assert node_a.load(keys_of(x)) == []  # expired: A deletes it, computes it again, and writes it
+    node_a.save(x)
+    assert node_b.lookup(keys_of(x)) == 1
+    assert node_b.expire() == 0
+    assert_same(node_b.load(keys_of(x)), x)
+    later[0] += 61  # and B's entry ages from when it saw the new file
+    assert node_b.lookup(keys_of(x)) == 0 and not node_a.shared._path(x[0].key).exists()
