@@ -91,6 +91,8 @@ class ReservationQueue:
                 result = await attempt()
                 if result is not None:
                     return result
+                if time.monotonic() >= deadline:  # (a wake-up set during the try must not extend the wait)
+                    return None
         finally:
             del self._line[request_id]
             self._withdrawn.pop(request_id, None)

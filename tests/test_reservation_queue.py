@@ -92,6 +92,29 @@ def test_a_wait_ends_at_its_time_and_the_next_takes_its_turn():
     assert run(scenario()) >= 3  # the first tried at least on entry and after RETRY_S
 
 
+def test_a_wait_ends_at_its_time_though_room_is_freed_during_each_try():
+    """D frees room (`room_freed`) after every step that finished a request; a try
+    that spanned such a step came back with its wake-up set and tried again at
+    once, never reading its deadline: the first in line held the line past its
+    wait for as long as requests kept finishing."""
+    async def scenario():
+        queue, blocks = ReservationQueue(), Blocks(free=0)
+        big = blocks.attempt(5)
+
+        async def attempt_during_steps():
+            result = await big()
+            await asyncio.sleep(0.01)  # the engine call waits out a step that finished a request
+            queue.room_freed()
+            return result
+
+        started = asyncio.get_running_loop().time()
+        result = await asyncio.wait_for(queue.wait_turn("big", attempt_during_steps, wait_s=0.2), 5)
+        return result, asyncio.get_running_loop().time() - started
+
+    result, waited = run(scenario())
+    assert result is None and waited < 1.0
+
+
 def test_a_withdrawn_request_stops_waiting_and_leaves_the_line():
     async def scenario():
         queue, blocks = ReservationQueue(), Blocks(free=0)
