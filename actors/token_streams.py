@@ -117,14 +117,15 @@ class TokenStreams:
             sub.ready.set()
 
     def close(self, subscription: str) -> list[str]:
-        """End a subscription (its consumer went away). Returns its requests that
+        """End a subscription (its consumer went away) and forget its streams,
+        those ended whose last event it never read too. Returns its requests that
         had not finished: the caller aborts them."""
         self._closed_subscriptions.add(subscription)
         self._subscriptions.pop(subscription, None)
-        orphans = [rid for rid, s in self._streams.items() if s.subscription == subscription and not s.closed]
-        for rid in orphans:
+        gone = [(rid, s.closed) for rid, s in self._streams.items() if s.subscription == subscription]
+        for rid, _ in gone:
             self._streams.pop(rid, None)
-        return orphans
+        return [rid for rid, closed in gone if not closed]
 
     def _deliver(self, events: list[TokenEvent], subscriptions: list[str]) -> None:
         for event, name in zip(events, subscriptions):

@@ -69,6 +69,19 @@ def test_a_step_reaches_each_subscription_as_one_batch_of_deltas():
     asyncio.run(run())
 
 
+def test_a_closed_subscription_forgets_the_streams_whose_last_event_it_never_read():
+    async def run():
+        streams = TokenStreams(asyncio.get_running_loop())
+        streams.open("done", "s")
+        streams.open("running", "s")
+        streams.publish([output("done", [5], "x", finished=True), output("running", [6], "y")])
+        await asyncio.sleep(0)  # delivered, not read: its consumer went away
+        assert streams.close("s") == ["running"]  # only the unfinished one is the caller's to abort
+        return "done" in streams or "running" in streams
+
+    assert not asyncio.run(run())  # the ended stream was kept for good
+
+
 def test_streams_found_by_their_clients_name_end_as_aborted():
     """`/abort_request`'s way in (`named`), and its way out: the aborted output's
     last tokens with finish_reason abort, or an empty abort event for a request
