@@ -57,7 +57,7 @@ class DisaggregatedCall:
         feeds = self.feeds or TokenFeeds()
         feed = feeds.of(self.decode)
         prefill_task = None
-        finished = False
+        finished = failed = False
         try:
             with feed.expect(request_id) as stream:
                 try:
@@ -69,6 +69,8 @@ class DisaggregatedCall:
                     raise ReservationRefused(
                         f"the decode worker did not answer the handshake within "
                         f"{self.handshake_timeout_s + HANDSHAKE_GRACE_S:g} s") from None
+                except ray.exceptions.ActorUnavailableError:  # (a RayActorError, not a death: cluster/actor_errors.py)
+                    raise ReservationRefused("the decode worker is unreachable for now") from None
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerDied(
                         f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})"
@@ -81,16 +83,23 @@ class DisaggregatedCall:
                     self.on_reserved()
                 prefill_task = asyncio.ensure_future(self._run_prefill())
                 async for event in stream:  # raises WorkerDied if D dies
-                    finished = event.finished
+                    finished, failed = event.finished, event.error is not None
                     yield event
-                await prefill_task
+                if not failed:
+                    await prefill_task
         finally:
-            if not finished:
-                if prefill_task is not None:
-                    prefill_task.cancel()
-                # Made outside the request, which Ray may be cancelling with its calls.
-                aborts = background_call(lambda: [w.abort.remote(request_id) for w in (self.prefill, self.decode)])
-                await asyncio.gather(*aborts, return_exceptions=True)
+            # Who must stop: both sides, if the consumer left first; P alone, if D
+            # ended the request with an error (its reservation expired, say) while
+            # P had not finished: P would compute it for nobody, the call waiting.
+            prefilling = prefill_task is not None and not prefill_task.done()
+            ends = [self.prefill, self.decode] if not finished else [self.prefill] if failed and prefilling else []
+            if ends and prefilling:
+                prefill_task.cancel()
+            if ends:  # (made outside the request, which Ray may be cancelling with its calls)
+                aborts = background_call(lambda: [w.abort.remote(request_id) for w in ends])
+                told = asyncio.gather(*aborts, return_exceptions=True)
+                if not finished:  # (a busy P answers after its step: a call D ended does not wait for it)
+                    await told
             if self.feeds is None:
                 await feeds.close()
 

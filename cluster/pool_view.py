@@ -25,6 +25,7 @@ from actors.block_pool import blocks_to_reserve
 from actors.decode_room import growth_blocks
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import ProfileRunning, error_message
+from cluster.actor_errors import actor_died, actor_unavailable
 from cluster.admission import InFlight, WorkerModels
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
@@ -86,7 +87,7 @@ class PoolView:
             self._forget(gone)
         results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
         for member, stats in zip(members, results):
-            if isinstance(stats, ray.exceptions.RayActorError):
+            if actor_died(stats):
                 await self.report_dead(member.worker_id)
             elif not isinstance(stats, BaseException):
                 self.stats[member.worker_id] = stats
@@ -282,12 +283,15 @@ class PoolView:
 
     async def _ask_each(self, members: list, ask) -> dict:
         """`ask(handle)`'s answer from each member at once, by worker id; one found
-        dead is reported and left out, another failure raised."""
+        dead is reported and left out, one unreachable for now left out, another
+        failure raised."""
         results = await asyncio.gather(*(ask(m.handle) for m in members), return_exceptions=True)
         answers = {}
         for member, result in zip(members, results):
-            if isinstance(result, ray.exceptions.RayActorError):
+            if actor_died(result):
                 await self.report_dead(member.worker_id)
+            elif actor_unavailable(result):
+                log.warning("worker %s is unreachable for now: left out", member.worker_id)
             elif isinstance(result, BaseException):
                 raise result
             else:
@@ -295,7 +299,7 @@ class PoolView:
         return answers
 
     async def report_dead(self, worker_id: str) -> None:
-        """A worker found dead (a call raised RayActorError): out of the view at
+        """A worker found dead (a call's error, `actor_died`): out of the view at
         once, and told to the pool manager, which replaces it."""
         self.members.pop(worker_id, None)
         self.stats.pop(worker_id, None)

@@ -28,6 +28,7 @@ from actors.deadlines import within
 from actors.decode_room import reservation_tokens
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
 from actors.sampling_params import SamplingParams
+from cluster.actor_errors import actor_died
 from cluster.admission import InFlight, Prediction, SloRejected
 from cluster.api_models import ApiError
 from cluster.client_call import current_call
@@ -322,7 +323,7 @@ class GlobalScheduler:
             help_text = "prompt KV blocks a decode worker needed: sent by the prefill worker, or already held"
             self.metrics.inc("kv_transfer_blocks_total", help_text, result.num_blocks_sent, kind="sent")
             self.metrics.inc("kv_transfer_blocks_total", help_text, call.reservation.num_cached_blocks, kind="held")
-        if call is not None and isinstance(call.prefill_error, ray.exceptions.RayActorError):
+        if call is not None and actor_died(call.prefill_error):
             await self.view.report_dead(choice.prefill_id)
 
     def _count_prompt(self, num_prompt: int, num_cached: int) -> None:

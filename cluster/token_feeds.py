@@ -120,6 +120,8 @@ class TokenFeed:
                     if events is not None:
                         events.queue.put_nowait(TokenEvent._make(row))
             self.error = "the worker's feed ended"
+        except ray.exceptions.ActorUnavailableError as exc:  # (not a death: cluster/actor_errors.py)
+            self.error = f"the worker is unreachable for now ({type(exc).__name__})"
         except ray.exceptions.RayActorError as exc:
             self.error = f"worker died ({type(exc).__name__})"
             self.worker_died = True
@@ -181,6 +183,9 @@ async def colocated_events(feeds: TokenFeeds, worker, request: GenerateRequest):
         with feed.expect(request.request_id) as events:
             try:
                 await worker.submit.remote(request, feed.subscription)
+            except ray.exceptions.ActorUnavailableError as exc:  # (not a death: cluster/actor_errors.py)
+                raise FeedLost(f"request {request.request_id}: the worker is unreachable for now "
+                               f"({type(exc).__name__})") from None
             except ray.exceptions.RayActorError as exc:
                 raise WorkerDied(f"request {request.request_id}: worker died ({type(exc).__name__})") from None
             async for event in events:

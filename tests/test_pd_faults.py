@@ -4,6 +4,7 @@ and the survivors keep serving."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -245,6 +246,7 @@ def test_a_transfer_stalled_past_its_timeout_fails_clearly_and_leaks_nothing(ray
     wait_idle(p, within_s=15)
     wait_idle(d, within_s=15)
     assert serves(p, d, "after-stall")
+    assert ray.get(d.stats.remote()).num_channels == 1  # the new one: P closed D's end of the broken one
 
 
 def test_prefill_dies_after_the_transfer_decode_goes_on(ray_local, tiny_qwen2_dir):
@@ -336,3 +338,26 @@ def test_a_failed_prefill_step_ends_its_request_and_prefill_keeps_serving(ray_lo
     wait_idle(p)
     wait_idle(d, within_s=15)
     assert serves(p, d, "after-step-fault")
+
+
+def test_a_request_whose_reservation_expires_before_its_prefill_is_not_prefilled(ray_local, tiny_qwen2_dir):
+    """D drops a reservation P has not filled within `reservation_ttl_s` (P busy),
+    and ends the request with an error. The call took that last event as the end
+    and awaited P, which had not been told: it computed the prompt for nobody
+    once free, and the call only returned when D refused its first chunk."""
+    options = dataclasses.replace(OPTIONS, reservation_ttl_s=0.5, watchdog_interval_s=0.1)
+    p = start_worker("prefill", "p-expiry", tiny_qwen2_dir, CONFIG, options)
+    d = start_worker("decode", "d-expiry", tiny_qwen2_dir, CONFIG, options)
+    ray.get([p.profile.remote(), d.profile.remote()])  # (the start-up profile steps the engine)
+    steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
+    busy_s = 3.0
+    ray.get(p.__ray_call__.remote(lambda worker: worker.loop.call(lambda engine: time.sleep(busy_s)) and None))
+    started = time.monotonic()
+    call = DisaggregatedCall(p, d, GenerateRequest("expires", LONG_PROMPT, SHORT.params), "gloo")
+    events = asyncio.run(consume(call))
+    assert events[-1].finished and "expired" in events[-1].error
+    assert time.monotonic() - started < busy_s  # not waiting for P
+    time.sleep(busy_s)
+    assert ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps)) == steps  # nothing computed
+    wait_idle(p)
+    wait_idle(d)
