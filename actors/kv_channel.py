@@ -259,7 +259,12 @@ class NcclPair:
 
 
 class NcclSender(GlooSender):
-    """Same flow as gloo; the pair is an `NcclPair`."""
+    """Same flow as gloo; the pair is an `NcclPair`, whose group is destroyed on close."""
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+        self.pair = None
 
 
 class NcclReceiver(KVReceiver):
@@ -270,3 +275,8 @@ class NcclReceiver(KVReceiver):
         buffer = torch.empty(shape, dtype=dtype, device="cuda")
         self.pair.recv(buffer)
         return buffer
+
+    def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+        self.pair = None

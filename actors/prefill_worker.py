@@ -48,8 +48,8 @@ class _Job:
 
     request: GenerateRequest
     reservation: ReservationInfo
-    pair: "_PairSender"
     future: asyncio.Future
+    pair: "_PairSender | None" = None  # once the channel to its D is open
     engine_request: Request | None = None
     next_block: int = 0  # blocks before this index are sent (or were on D already)
     next_chunk: int = 0
@@ -209,10 +209,13 @@ class PrefillWorker(WorkerBase):
         return store.shared_path
 
     def forget_pair(self, pair: _PairSender) -> None:
+        """Close a broken pair (from its sender thread), and D's end of it, which
+        D would otherwise keep (its gloo group, its sockets) until P dies."""
         for decode_id, known in list(self._pairs.items()):
             if known is pair:
                 del self._pairs[decode_id]
                 pair.close()
+                pair.decode.close_channel.remote(pair.sender.name)  # (a D gone with the pair: its error unread)
 
     # ---- requests ---------------------------------------------------------------
     async def prefill(
@@ -221,11 +224,10 @@ class PrefillWorker(WorkerBase):
         """Compute the prompt and move its KV into the reservation. Resolves once the
         last chunk (with the first token) is in D's blocks."""
         self._ensure_started()
-        pair = await self._pair_for(reservation, decode_handle, channel)
-        job = _Job(request, reservation, pair, self.aio.create_future(), next_block=reservation.num_cached_blocks)
-        self._jobs[request.request_id] = job
-
+        job = _Job(request, reservation, self.aio.create_future(), next_block=reservation.num_cached_blocks)
+        self._jobs[request.request_id] = job  # before any await: an abort meanwhile finds it, and `add` turns it away
         try:
+            job.pair = await self._pair_for(reservation, decode_handle, channel)
             await self.prepare_pattern(request)  # before the params are made again: they compile their pattern
             params = prefill_params(request.params)
 

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from actors.config import EngineConfig
-from actors.messages import ChunkMeta, GenerateRequest
+from actors.messages import ChunkMeta, GenerateRequest, RequestAborted
 from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerOptions
 from cluster.pd_request import DisaggregatedCall
@@ -222,3 +222,24 @@ def test_a_colocated_request_ends_as_aborted_and_abort_all_ends_every_one(ray_lo
     assert len(events) == 1
     assert_aborted(events)
     wait_idle(c)
+
+
+def test_an_abort_that_reaches_prefill_while_its_channel_opens_ends_it(ray_local, tiny_qwen2_dir):
+    """P's first request to a D waits for their channel to open (a round trip to D,
+    the gloo rendezvous). An abort arriving then found no job on P (it was made
+    after the opening), and P computed the prompt anyway, for nobody."""
+    p = start_worker("prefill", "p-abort-open", tiny_qwen2_dir, CONFIG, OPTIONS)
+    d = start_worker("decode", "d-abort-open", tiny_qwen2_dir, CONFIG, OPTIONS)
+    ray.get([p.profile.remote(), d.profile.remote()])  # (the start-up profile steps the engine)
+    waiting = request("opening-0", "opening", LONG_PROMPT)
+    reservation = ray.get(d.reserve.remote(waiting, "unread", p))
+    steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
+    prefilled = p.prefill.remote(waiting, reservation, d, "gloo")
+    assert ray.get(p.abort_named.remote("opening")) == ["opening-0"]  # (sent after it: it runs from its first await)
+    with pytest.raises(RequestAborted):
+        ray.get(prefilled)
+    ray.get(d.end_aborted.remote(["opening-0"]))  # (as the scheduler's call does on RequestAborted)
+    time.sleep(0.5)
+    assert ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps)) == steps
+    wait_idle(p)
+    wait_idle(d)
