@@ -9,9 +9,10 @@ requests to free blocks, up to the caller's `wait_s`; then it raises
 `ReservationRefused` so the caller can pick another D. Each `receive_chunk` checks
 the chunk's sequence (request id, chunk index, block count, target blocks) and
 resolves only once the bytes are in the blocks; the last chunk activates the
-request. A reservation is freed when it expires
-(`reservation_ttl_s`), when the request is aborted, or soon after its prefill worker
-dies (a watchdog pings the P named in the handshake).
+request. A reservation is freed when it expires (no chunk for it within
+`reservation_ttl_s` of the handshake or of its latest chunk), when the request is
+aborted, or soon after its prefill worker dies (a watchdog pings the P named in
+the handshake).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class _Pending:
 
     block_ids: list[int]
     prefill_handle: object
-    created_s: float
+    heard_s: float  # when it was made, or its latest chunk came (time.monotonic): its TTL counts from here
     next_chunk: int = 0
 
 
@@ -215,6 +216,7 @@ class DecodeWorker(WorkerBase):
             if meta.dst_block_ids:
                 self.engine.runner.write_blocks(meta.dst_block_ids, kv)
             pending.next_chunk += 1
+            pending.heard_s = time.monotonic()  # a transfer under way, however long, is not abandoned
 
     async def _activate(self, meta: ChunkMeta) -> None:
         with self._pending_lock:
@@ -284,11 +286,12 @@ class DecodeWorker(WorkerBase):
             now = time.monotonic()
             with self._pending_lock:
                 pending = list(self._pending.items())
-            expired = [rid for rid, p in pending if now - p.created_s > self.options.reservation_ttl_s]
+            expired = [rid for rid, p in pending if now - p.heard_s > self.options.reservation_ttl_s]
             # The snapshot goes stale at each await: a request whose last chunk came in
             # meanwhile is decoding and must not be dropped (_drop_pending checks).
             for rid in expired:
-                await self._drop_pending(rid, f"reservation expired after {self.options.reservation_ttl_s:.0f}s")
+                await self._drop_pending(
+                    rid, f"reservation expired: no KV came for it within {self.options.reservation_ttl_s:g}s")
             handles = {id(p.prefill_handle): p.prefill_handle for _, p in pending if p.prefill_handle is not None}
             handles.update({id(h): h for h in self._channel_owners.values()})
             for key, handle in handles.items():

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerOptions:
     transfer_timeout_s: float = 30.0  # one chunk's transfer, end to end
-    reservation_ttl_s: float = 60.0  # a reservation never filled is freed after this
+    reservation_ttl_s: float = 60.0  # a reservation no chunk came for in this long is freed
     watchdog_interval_s: float = 0.5  # how often D checks its pending reservations, any worker its feeds' owners
     pipelined_transfer: bool = True  # False: P sends all KV after its last chunk (to compare)
     kv_store: KVStoreSettings | None = None  # None: no tiers behind the device pool

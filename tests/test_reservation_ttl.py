@@ -1,0 +1,44 @@
+"""A decode worker's reservation expires when no KV comes for it within
+`reservation_ttl_s`, counted from the handshake or from its latest chunk: a
+long prompt's transfer that keeps coming, however long it takes, is not
+dropped midway (it was, at the TTL counted from the handshake). The worker
+runs in this process, without Ray; chunks are written as `receive_chunk`
+writes them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from actors.config import EngineConfig
+from actors.decode_worker import DecodeWorker
+from actors.messages import ChunkMeta, GenerateRequest
+from actors.sampling_params import SamplingParams
+from actors.worker_base import WorkerOptions
+
+CONFIG = EngineConfig(block_size=16, num_kv_blocks=64, prefill_chunk_size=48)
+OPTIONS = WorkerOptions(reservation_ttl_s=1.0, watchdog_interval_s=0.05)
+
+
+def test_a_transfer_that_keeps_coming_outlives_the_ttl_and_one_that_stops_does_not(tiny_qwen2_dir):
+    async def scenario():
+        worker = DecodeWorker("d0", tiny_qwen2_dir, CONFIG, OPTIONS)
+        request = GenerateRequest("r1", list(range(3, 100)), SamplingParams(max_new_tokens=4))  # 7 blocks
+        reservation = await worker.reserve(request, "feed", None)
+        block = tuple(worker.engine.runner.kv_cache.shape[1:])
+        alive = []
+        for index, block_id in enumerate(reservation.block_ids[:4]):  # a chunk every 0.6 s: 2.4 s in all
+            await asyncio.sleep(0.6)
+            alive.append("r1" in worker._pending)
+            meta = ChunkMeta("r1", index, [block_id], is_last=False)
+            await worker.in_thread(worker._write_chunk, meta, torch.zeros((1,) + block))
+        await asyncio.sleep(1.5)  # then none
+        dropped = "r1" not in worker._pending
+        used = worker.engine.pool.num_used
+        worker.loop.stop()
+        return alive, dropped, used
+
+    alive, dropped, used = asyncio.run(scenario())
+    assert alive == [True] * 4
+    assert dropped and used == 0
