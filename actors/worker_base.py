@@ -26,12 +26,12 @@ from actors.deadlines import within
 from actors.engine import Engine
 from actors.engine_loop import EngineLoop
 from actors.event_log import CacheEvents, Cursor
-from actors.kv_store import KVStoreSettings, StoreStats
-from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
+from actors.kv_store import KVStoreSettings
 from actors.messages import GenerateRequest, PrefillStep, ProfileRunning
 from actors.profiler import EngineProfile, profile_engine
 from actors.startup_heap import freeze_startup_heap
 from actors.step_profile import StepProfile
+from actors.store_imports import StoreImports
 from actors.token_streams import TokenStreams
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class WorkerStartup:
                 f"engine {self.ready - self.init_started:.1f} s")
 
 
-class WorkerBase:
+class WorkerBase(StoreImports):
     def __init__(
         self,
         worker_id: str,
@@ -105,13 +105,7 @@ class WorkerBase:
         self.engine = Engine(model_dir, self._engine_config(engine_config))
         self.startup = WorkerStartup(_process_started(init_started), init_started, time.time())
         self.node = _current_node_id()
-        self.kv_store: KVStoreClient | None = None
-        self.store_writer: StoreWriter | None = None
-        self.num_store_loaded_blocks = 0
-        if self.options.kv_store is not None:
-            self.kv_store = open_kv_store(self.engine.kv_namespace, self.options.kv_store)
-            self.store_writer = StoreWriter(self.kv_store)
-            self.engine.store_bridge.sink = self.store_writer.submit
+        self._open_kv_store(self.options.kv_store)
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{worker_id}-io")
         self.loop: EngineLoop | None = None
         self._profiled: Future | None = None  # the start-up profile, once the engine thread runs (`profile`)
@@ -158,62 +152,6 @@ class WorkerBase:
         every request's step there."""
         if request.params.regex is not None:
             await self.in_thread(self.engine.token_indexes.prepare, request.params.regex)
-
-    async def import_prefix(self, request: GenerateRequest, computes_prompt: bool = True,
-                            reserving: bool = False) -> list[int]:
-        """Warm the device prefix cache from the KV store before a request starts:
-        find the prompt's blocks past what the pool holds, load them (off the engine
-        thread, while it keeps stepping) and copy them in. Returns the prefix's block
-        ids, held for `add_request(pinned_block_ids=...)` or `reserve`. Nothing for
-        a request whose prompt this worker computes (`computes_prompt`) for its
-        logprobs: they come from every position, as `Scheduler.cached_prefix`; nor
-        for a reservation (`reserving`: the prompt and a token's blocks at once)
-        the pool has no room for (`Engine.reservation_room`): the loaded blocks
-        would take the place of other prefixes' and be evicted again before the
-        reservation's next try."""
-        if self.kv_store is None or (computes_prompt and request.params.prompt_logprobs is not None):
-            return []
-        prompt_ids = request.prompt_token_ids
-
-        def plan(engine: Engine):
-            room = engine.reservation_room(len(prompt_ids), request.params) if reserving else None
-            return engine.store_bridge.prefix_plan(prompt_ids, room)
-
-        hashes, first, has_room = await self.call(plan)
-        if first >= len(hashes) or not has_room:
-            return []
-        try:
-            blocks = await self.in_thread(self.kv_store.load, hashes[first:])
-        except Exception as exc:  # the store is an optimisation: compute instead
-            log.warning("KV store load failed: %s: %s", type(exc).__name__, exc)
-            return []
-        if not blocks:
-            return []
-        held = await self.call(lambda e: e.store_bridge.import_prefix(prompt_ids, first, blocks))
-        self.num_store_loaded_blocks += max(0, len(held) - first)
-        return held
-
-    async def import_then(self, request: GenerateRequest, start, **import_options):
-        """`import_prefix`, then `start(engine, held)` on the engine thread with the
-        blocks it holds, both run to their end even if the caller is cancelled
-        meanwhile (its client left): the held blocks are `start`'s to hand over (to
-        the request it adds, the reservation it makes) or release, and a cancel
-        between the two calls pinned them for good (a review found it). `start` is
-        where a request ended or gone meanwhile is turned away."""
-        async def both():
-            held = await self.import_prefix(request, **import_options)
-            return await self.call(lambda engine: start(engine, held))
-
-        task = asyncio.ensure_future(both())  # (no Ray call in it: the request's context is fine)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its failure is its caller's, if any)
-        return await asyncio.shield(task)
-
-    async def kv_store_stats(self) -> StoreStats | None:
-        """The node store's tiers (entries, bytes, hits), after pending writes."""
-        if self.kv_store is None:
-            return None
-        await self.in_thread(self.store_writer.flush)
-        return await self.in_thread(self.kv_store.stats)
 
     # ---- a trace of the engine's steps (/start_profile, /stop_profile) ------------------
     async def start_profile(self, folder: str, num_steps: int | None = None, record_shapes: bool = False,
