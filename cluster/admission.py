@@ -59,6 +59,7 @@ class InFlight:
     reserved_s: float | None = None  # when D reserved its blocks (P starts then)
     ahead_id: str | None = None  # the request whose predicted end was the queue ahead of it, at admission
     early_s: float = 0.0  # how much sooner than predicted that queue ended (WorkerModels.first_token_came)
+    failed_id: str | None = None  # the worker its error came from, where the error says (a retry leaves it out)
 
     @property
     def in_prefill(self) -> bool:

@@ -80,6 +80,6 @@ class DecodeLines:
         rate = self.grant_rate(worker_id)
         if rate is None:
             return None
-        if rate <= 0:
-            return self.max_wait_s if waiting else 0.0
+        if rate <= 0:  # D granted nothing: a request without room, or behind a line, waits it all
+            return self.max_wait_s
         return min((waiting + 1) / rate, self.max_wait_s)

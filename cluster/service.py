@@ -128,7 +128,8 @@ class GlobalScheduler:
             for p in view.routable("prefill", exclude):
                 cached = view.cached_tokens(p, usable_hashes)
                 per_d = [
-                    _waiting(models.predict(p, d, len(prompt_ids), cached, view.cached_tokens(d, usable_hashes)),
+                    _waiting(models.predict(p, d, len(prompt_ids), cached,
+                                            view.cached_tokens(d, usable_hashes) // self.block_size),
                              line_wait[d])
                     for d in decodes
                 ]
@@ -217,7 +218,8 @@ class GlobalScheduler:
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
-                        if event.error and not got_token and attempt == 0:
+                        # (not past its deadline: a timed-out request ends, `_until`'s error event as its last)
+                        if event.error and not got_token and attempt == 0 and time.monotonic() < deadline:
                             if choice.decode_id in self.view.members:  # else D died (reported): P may serve again
                                 exclude.add(self._failed_worker(choice, self.view.models.inflight[attempt_id]))
                             log.warning("request %s failed before its first token (%s); retrying", request_id,
@@ -249,9 +251,12 @@ class GlobalScheduler:
 
     @staticmethod
     def _failed_worker(choice: Prediction, inflight: InFlight) -> str:
-        """Whom an attempt that failed before its first token failed on: its D if
-        D had not reserved its blocks yet (no room within the handshake's wait),
-        else its P (or colocated worker)."""
+        """Whom an attempt that failed before its first token failed on: the
+        worker its error named (`InFlight.failed_id`: D, whose feed was lost);
+        else its D if D had not reserved its blocks yet (no room within the
+        handshake's wait), else its P (or colocated worker)."""
+        if inflight.failed_id is not None:
+            return inflight.failed_id
         if choice.prefill_id is not None and inflight.reserved_s is None:
             return choice.decode_id
         return choice.prefill_id or choice.decode_id
@@ -315,15 +320,24 @@ class GlobalScheduler:
         except WorkerDied as exc:
             await self.view.report_dead(choice.decode_id)
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
-        except FeedLost as exc:  # the worker lives: not reported (that would replace it)
+        except FeedLost as exc:  # the worker lives: not reported (that would replace it), but not tried again
+            inflight.failed_id = choice.decode_id
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
-        if call is not None and call.prefill_result is not None:
+        finally:  # (also when its reader stops at an error event, to retry elsewhere)
+            if call is not None:
+                await self._after_call(call, choice)
+
+    async def _after_call(self, call: DisaggregatedCall, choice: Prediction) -> None:
+        """What a P/D call's end tells: its prompt and transfer counts, and a P
+        found dead (reported at once, not at the next refresh: other requests
+        would be routed to it meanwhile)."""
+        if call.prefill_result is not None:
             result = call.prefill_result
             self._count_prompt(result.num_prompt_tokens, result.num_prompt_tokens - result.num_computed_tokens)
             help_text = "prompt KV blocks a decode worker needed: sent by the prefill worker, or already held"
             self.metrics.inc("kv_transfer_blocks_total", help_text, result.num_blocks_sent, kind="sent")
             self.metrics.inc("kv_transfer_blocks_total", help_text, call.reservation.num_cached_blocks, kind="held")
-        if call is not None and actor_died(call.prefill_error):
+        if actor_died(call.prefill_error):
             await self.view.report_dead(choice.prefill_id)
 
     def _count_prompt(self, num_prompt: int, num_cached: int) -> None:

@@ -39,3 +39,16 @@ def test_grants_between_readings_without_a_line_say_nothing_of_how_fast_d_frees_
     assert lines.wait_s("d0", has_room=False, joined=1) == pytest.approx((2 + 1 + 1) / 3)
     lines.observe("d0", num_granted=34, num_waiting=0, now_s=6.0)  # the line gone, 1 grant: still counted
     assert lines.grant_rate("d0") == pytest.approx((34 - 30) / 2)
+
+
+def test_a_decode_worker_that_granted_nothing_and_has_no_room_means_the_whole_wait():
+    """The line was read, then emptied with no grant (its handshakes aborted or
+    refused): a rate of zero. A request without room was predicted no wait at
+    all (one grant in the span gave it two seconds), admitted, and then waited
+    out its handshake on a D that frees nothing."""
+    lines = DecodeLines(max_wait_s=10.0)
+    lines.observe("d0", num_granted=10, num_waiting=3, now_s=0.0)
+    lines.observe("d0", num_granted=10, num_waiting=0, now_s=2.0)
+    assert lines.grant_rate("d0") == 0.0
+    assert lines.wait_s("d0", has_room=False) == 10.0
+    assert lines.wait_s("d0", has_room=True) == 0.0  # with room and nobody ahead: no wait

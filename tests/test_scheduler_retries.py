@@ -1,0 +1,144 @@
+"""The global scheduler's predictions and its retry of a request that failed
+before its first token (cluster/service.py), on a scheduler whose cost models are
+known and whose workers' calls are played by `DisaggregatedCall` stand-ins (the
+calls themselves are tested against real workers in tests/test_pd_faults.py).
+Each case failed before a review found it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import ray
+
+import cluster.service as service
+from actors.block_pool import block_hashes
+from actors.messages import ChunkTiming, TokenEvent
+from actors.sampling_params import SamplingParams
+from cluster.pool_manager import Member
+from cluster.router import PrefixIndex
+from cluster.token_feeds import FeedLost
+from tests.test_admission import _scheduler
+
+
+def test_a_prefix_the_decode_worker_holds_is_counted_in_blocks():
+    """D's prefix hit was passed to the prediction in tokens where blocks were
+    meant: one block held read as sixteen, and the transfer of the blocks D
+    lacked was priced as an empty chunk (267 ms predicted for 558 ms here)."""
+    scheduler = _scheduler(ttft_ms=10_000)
+    models = scheduler.view.models
+    for blocks in (1, 4, 8, 16):  # the p0 -> d0 link: 2 ms a chunk and 20 ms a block
+        models.transfers.observe("p0", "d0", [ChunkTiming(0, blocks, 0.0, 0.0, 0.0, 0.002 + 0.020 * blocks)])
+    prompt = list(range(256))  # 16 blocks
+    scheduler.view.prefix["d0"].insert(block_hashes(prompt, 16, scheduler.kv_seed)[:1])  # D holds the first
+    held_one = models.predict("p0", "d0", len(prompt), 0, decode_cached_blocks=1)
+    assert scheduler.plan(prompt).ttft_s == pytest.approx(held_one.ttft_s)
+    assert held_one.ttft_s > models.predict("p0", "d0", len(prompt), 0, decode_cached_blocks=16).ttft_s + 0.25
+
+
+def test_a_request_past_its_deadline_before_its_first_token_ends_timed_out():
+    """The deadline's error event came after the attempt's record was gone, and
+    the retry it started looked the record up: a KeyError, not 'request timed
+    out' (and a retry after the deadline would have timed out at once)."""
+    scheduler = _scheduler(ttft_ms=10_000)
+    limits = scheduler.settings.limits.model_copy(update={"request_timeout_s": 0.3})
+    scheduler.settings = scheduler.settings.model_copy(update={"limits": limits})
+
+    async def stuck(request, choice, inflight):  # a prefill that never ends
+        await asyncio.Event().wait()
+        yield None
+
+    scheduler._events = stuck
+
+    async def run():
+        return [e async for e in scheduler.generate(list(range(100)), SamplingParams(max_new_tokens=4))]
+
+    (event,) = asyncio.run(run())
+    assert event.finished and event.error == "request timed out"
+
+
+class _CallWhoseFeedIsLostOnce:
+    """A P/D call whose first attempt has D reserve, then loses D's feed (D
+    unreachable for now); later attempts serve one token."""
+
+    attempts: list[tuple[str, str]] = []
+
+    def __init__(self, prefill, decode, request, *args, on_reserved=None, on_prefilled=None, **kwargs):
+        self.request, self.decode, self.on_reserved = request, decode, on_reserved
+        self.prefill_result = self.prefill_error = self.reservation = None
+
+    async def events(self):
+        self.attempts.append((self.request.request_id, self.decode))
+        if len(self.attempts) == 1:
+            self.on_reserved()
+            raise FeedLost(f"request {self.request.request_id}: the worker is unreachable for now")
+        yield TokenEvent(self.request.request_id, [7], "x", None, True, "length", time.time())
+
+
+def test_a_decode_worker_whose_feed_was_lost_is_left_out_of_the_retry(monkeypatch):
+    """Its feed lost after D reserved, the retry left out the P (which had done
+    nothing wrong) and kept the D: with one P, no worker could take the retry."""
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    for worker_id, member in scheduler.view.members.items():  # (the stand-in call is given the worker's name)
+        scheduler.view.members[worker_id] = dataclasses.replace(member, handle=worker_id)
+    scheduler.view.models.seed_from("d0", "d1")
+    _CallWhoseFeedIsLostOnce.attempts = []
+    monkeypatch.setattr(service, "DisaggregatedCall", _CallWhoseFeedIsLostOnce)
+
+    async def run():
+        return [e async for e in scheduler.generate(list(range(100)), SamplingParams(max_new_tokens=1))]
+
+    events = asyncio.run(run())
+    assert events[-1].finish_reason == "length"
+    (_, first), (_, second) = _CallWhoseFeedIsLostOnce.attempts
+    assert first != second  # the retry went to the other D, through the same P
+
+
+class _CallWhosePrefillDiesOnce:
+    """A P/D call whose first attempt's P dies before the first token."""
+
+    num_calls = 0
+
+    def __init__(self, prefill, decode, request, *args, on_reserved=None, on_prefilled=None, **kwargs):
+        self.request, self.on_reserved = request, on_reserved
+        self.prefill_result = self.prefill_error = self.reservation = None
+
+    async def events(self):
+        type(self).num_calls += 1
+        self.on_reserved()
+        if self.num_calls == 1:
+            self.prefill_error = ray.exceptions.ActorDiedError()
+            yield TokenEvent(self.request.request_id, [], "", None, True, "error", time.time(),
+                             error="prefill failed: the actor died")
+            return
+        yield TokenEvent(self.request.request_id, [7], "x", None, True, "length", time.time())
+
+
+def test_a_prefill_worker_that_died_on_the_first_attempt_is_reported_at_once(monkeypatch):
+    """The retry closed the first attempt at its error event, before the lines
+    after it that report a dead P: other requests were routed to it until the
+    next refresh found it."""
+    scheduler = _scheduler(ttft_ms=10_000)
+    view = scheduler.view
+    view.members["p1"] = Member("p1", "prefill", None)
+    view.stats["p1"], view.prefix["p1"] = view.stats["p0"], PrefixIndex(1000)
+    view.profiled.add("p1")
+    view.models.seed_from("p0", "p1")
+    reported = []
+
+    async def report_dead(worker_id):  # (the pool manager's part of it is tested with the pools)
+        reported.append(worker_id)
+        view.members.pop(worker_id, None)
+
+    monkeypatch.setattr(view, "report_dead", report_dead)
+    _CallWhosePrefillDiesOnce.num_calls = 0
+    monkeypatch.setattr(service, "DisaggregatedCall", _CallWhosePrefillDiesOnce)
+
+    async def run():
+        return [e async for e in scheduler.generate(list(range(100)), SamplingParams(max_new_tokens=1))]
+
+    events = asyncio.run(run())
+    assert events[-1].finish_reason == "length"
+    assert len(reported) == 1 and reported[0] not in view.members
