@@ -85,6 +85,9 @@ class PoolView:
         self.members = {m.worker_id: m for m in members}
         for gone in (set(self.stats) | self.profiled) - set(self.members):
             self._forget(gone)
+        # A reading is as of when it was asked for: a request admitted while the calls
+        # were on their way counts as sent since (`_room_and_sent`), not as in it.
+        asked_s = time.monotonic()
         results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
         for member, stats in zip(members, results):
             if actor_died(stats):
@@ -95,7 +98,7 @@ class PoolView:
                     self.profiled.discard(member.worker_id)
                 if member.role == "decode":
                     self.lines.observe(member.worker_id, stats.num_reservations_granted, stats.num_waiting_handshakes,
-                                       time.monotonic())
+                                       asked_s)
                 self.prefix.setdefault(member.worker_id, PrefixIndex(stats.num_blocks))
                 self.metrics.set("kv_blocks_used", "KV blocks in use per worker", stats.num_used_blocks,
                                  worker=member.worker_id, role=member.role)

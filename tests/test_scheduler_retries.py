@@ -15,12 +15,14 @@ import ray
 
 import cluster.service as service
 from actors.block_pool import block_hashes
+from actors.event_log import CacheEvents
 from actors.messages import ChunkTiming, TokenEvent
 from actors.sampling_params import SamplingParams
+from cluster.admission import InFlight
 from cluster.pool_manager import Member
 from cluster.router import PrefixIndex
 from cluster.token_feeds import FeedLost
-from tests.test_admission import _scheduler
+from tests.test_admission import _idle_stats, _scheduler
 
 
 def test_a_prefix_the_decode_worker_holds_is_counted_in_blocks():
@@ -142,3 +144,58 @@ def test_a_prefill_worker_that_died_on_the_first_attempt_is_reported_at_once(mon
     events = asyncio.run(run())
     assert events[-1].finish_reason == "length"
     assert len(reported) == 1 and reported[0] not in view.members
+
+
+def _remote(fn):
+    """An actor method's stand-in: `.remote(...)` gives an awaitable."""
+    return type("Method", (), {"remote": staticmethod(fn)})()
+
+
+def test_a_request_admitted_while_a_reading_of_d_was_on_its_way_is_not_in_it():
+    """D's stats were stamped when their answer came back, so a request admitted
+    while the call was on its way (its reservation not in D's figures) counted as
+    in them: its prompt's blocks were free in `headroom` (100 here, with 4)."""
+    scheduler = _scheduler(ttft_ms=10_000, decode_reserve_tokens=0)
+    view = scheduler.view
+    view.pools_applied = True
+    used = {"d0": 900}  # of D's 1000 blocks
+
+    class Handle:
+        def __init__(self, worker_id: str) -> None:
+            self.worker_id = worker_id
+
+        @property
+        def stats(self):
+            async def read():
+                figures = _idle_stats(self.worker_id, num_used_blocks=used.get(self.worker_id, 0))  # as it arrives
+                await asyncio.sleep(0.3)  # the answer's way back
+                return figures
+            return _remote(read)
+
+        @property
+        def cache_events(self):
+            async def events(cursor):
+                return CacheEvents(cursor, False, [])
+            return _remote(events)
+
+    async def answer(value):
+        return value
+
+    class Pool:
+        list_members = _remote(lambda: answer([Member("p0", "prefill", Handle("p0")),
+                                               Member("d0", "decode", Handle("d0"))]))
+        report = _remote(lambda report: answer(None))
+        start_failures = _remote(lambda: answer({}))
+
+    view.pool = Pool()
+
+    async def run():
+        await view.refresh()
+        refreshing = asyncio.ensure_future(view.refresh())
+        await asyncio.sleep(0.05)  # D has taken its figures
+        view.models.inflight["burst"] = InFlight("burst", "p0", "d0", 96 * 16 - 1, 1, 0.5)  # admitted, reserved
+        used["d0"] = 996
+        await refreshing
+        return view.headroom("d0")
+
+    assert asyncio.run(run()) <= 4
