@@ -42,6 +42,7 @@ import ray
 
 from actors.deadlines import within
 from actors.worker_base import WorkerStats
+from cluster.actor_errors import actor_died
 from cluster.autoscaling import Action, Decision, PoolObservation, make_policy
 from cluster.config import AppSettings
 from cluster.pool_metrics import PoolMetrics
@@ -143,13 +144,32 @@ class PoolAutoscaler:
             return "starting"
         return "serving" if track.serving_s is not None else "ready"
 
-    def on_gone(self, worker_id: str) -> None:
-        self.tracks.pop(worker_id, None)
-        self.awaiting_drain.pop(worker_id, None)
+    def on_gone(self, member) -> None:
+        """A worker found dead is out of the pool. One that ran its profile, which
+        no step saw yet, still ends its role's run of start failures."""
+        track = self.tracks.pop(member.worker_id, None)
+        if track is not None:
+            self._note_profiled(member, track, self.clock())
+        self.awaiting_drain.pop(member.worker_id, None)
+
+    def _note_profiled(self, member, track: _Track, now: float) -> None:
+        """Once a worker's start-up profile answered: its start ends a run of
+        start failures of its role (`RestartBackoff.started`)."""
+        if track.profiled_s is None and _succeeded(track.profiled):  # a failed one: its stats say why
+            track.profiled_s = now
+            self.restarts.started(member.role, track.started_s)
 
     def start_failed(self, member, reason: str) -> None:
         """The worker failed to start: gone (killed), another of its role started
-        after the backoff's delay."""
+        after the backoff's delay; unless it was leaving (draining, or waiting to),
+        which is only removed, as `PoolManager.report_dead` does: its replacement,
+        if it needed one, was started by the drain, and a restart besides counted
+        as one more worker of the pool, which then drained a serving one."""
+        if self.is_leaving(member):
+            self._remove(member)
+            self.awaiting_drain.pop(member.worker_id, None)
+            self.record(member.role, "died_draining", member.worker_id, reason=reason)
+            return
         self._remove(member)
         delay_s = self.restarts.failed(member.role, member.worker_id, reason, self.clock())
         self.metrics.start_failed(member.role)
@@ -158,7 +178,10 @@ class PoolAutoscaler:
     def set_pool(self, role: str, pool) -> None:
         """A pool's new sizes (a redeploy): its policy anew, or none for a fixed pool."""
         if pool.autoscales:
+            before = self.policies.get(role)
             self.policies[role] = make_policy(role, pool, self.knobs, self.attainment_target)
+            if before is not None:  # its cooldowns run on (a fresh policy's let it scale down at once)
+                self.policies[role].settled_s = before.settled_s
         else:
             self.policies.pop(role, None)
         sizes = f"{pool.min_size} to {pool.max_size} workers" if pool.autoscales else f"size {pool.replicas}"
@@ -281,21 +304,18 @@ class PoolAutoscaler:
             track = self.tracks.get(member.worker_id)
             if track is None:
                 continue
-            if track.profiled_s is None and _succeeded(track.profiled):  # a failed one: its stats say why
-                track.profiled_s = now
-                self.restarts.started(member.role, track.started_s)
+            self._note_profiled(member, track, now)
             if track.ready_s is not None:
                 continue
-            if track.ready.done():
-                error = track.ready.exception()
-                if error is None:
-                    track.ready_s = now
-                    where = track.ready.result().describe(track.requested_wall)
-                    self.record(member.role, "ready", member.worker_id,
-                                reason=f"{now - track.started_s:.1f} s after start: {where}")
-                elif isinstance(error, ray.exceptions.RayActorError):  # died starting
-                    self.start_failed(member, f"died starting: {death_reason(error)}")
-            elif now - track.started_s > self.knobs.start_timeout_s:
+            error = track.ready.exception() if track.ready.done() else None
+            if track.ready.done() and error is None:
+                track.ready_s = now
+                where = track.ready.result().describe(track.requested_wall)
+                self.record(member.role, "ready", member.worker_id,
+                            reason=f"{now - track.started_s:.1f} s after start: {where}")
+            elif actor_died(error):  # died starting
+                self.start_failed(member, f"died starting: {death_reason(error)}")
+            elif now - track.started_s > self.knobs.start_timeout_s:  # (its first answer unreachable too)
                 self.start_failed(member, f"not ready within {self.knobs.start_timeout_s:.0f} s (no node for it?)")
 
     async def _poll_stats(self, now: float) -> None:

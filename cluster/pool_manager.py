@@ -42,6 +42,7 @@ import ray
 from actors.background import background_task
 from actors.deadlines import within
 from actors.worker_base import WorkerOptions
+from cluster.actor_errors import actor_died
 from cluster.config import AppSettings, PoolSettings
 from cluster.pool_autoscaler import PoolAutoscaler, ScalingEvent, log_to_stderr
 from cluster.response_store import MIB, start_response_store
@@ -139,7 +140,7 @@ class PoolManager:
                 return_exceptions=True,
             )
             for member, result in zip(members, results):
-                if isinstance(result, ray.exceptions.RayActorError):
+                if actor_died(result):  # (one unreachable for now is pinged again next round)
                     await self.report_dead(member.worker_id, death_reason(result))
 
     async def list_members(self) -> list[Member]:
@@ -181,7 +182,7 @@ class PoolManager:
             ray.kill(member.handle)
         except Exception:  # already gone
             pass
-        self.scaler.on_gone(worker_id)
+        self.scaler.on_gone(member)
         if leaving:  # (its replacement, if it needed one, was started by the drain)
             self.scaler.record(member.role, "died_draining", worker_id)
             return None

@@ -47,7 +47,8 @@ class RestartBackoff:
         returned (seconds)."""
         self._in_a_row[role] += 1
         self._latest[role] = (worker_id, error, now_s)
-        delay_s = min(self.first_s * 2 ** (self._in_a_row[role] - 1), self.max_s)
+        doublings = min(self._in_a_row[role] - 1, 64)  # (past the cap anyway: 2.0**1024 overflows a float)
+        delay_s = min(self.first_s * 2.0 ** doublings, self.max_s)
         self._waiting[role].append(now_s + delay_s)
         return delay_s
 

@@ -10,7 +10,8 @@ Pool manager side: `SignalBook`. TTFT outcomes judge the prefill pool and TBT
 outcomes the decode pool, each request's figure against the SLO, over a time
 window; an early rejection counts as a miss of the figure that was predicted to
 miss. From each replica's latest report it also keeps the backlog and the requests
-in flight per worker; a replica silent for `stale_after_s` is forgotten. Each
+in flight per worker; a replica silent for `FRESH_S` stops counting in the load,
+and one silent for `stale_after_s` is forgotten (drains wait for it until then). Each
 report is answered with the other replicas' load (`PeerLoad`), which the replica's
 cost models add to its own (see cluster/admission.py).
 
@@ -174,6 +175,9 @@ class _Replica:
     report: SchedulerReport
 
 
+FRESH_S = 5.0  # a replica silent longer (it reports about every second) no longer counts in the load
+
+
 class SignalBook:
     def __init__(self, ttft_slo_s: float, tbt_slo_s: float, window_s: float, stale_after_s: float = 30.0) -> None:
         self.slo_s = {"ttft": ttft_slo_s, "tbt": tbt_slo_s}
@@ -210,24 +214,26 @@ class SignalBook:
             return None, len(met)
         return sum(met) / len(met), len(met)
 
-    def backlog_tokens(self, worker_ids: Iterable[str], now_s: float) -> int:
+    def _reporting(self, now_s: float) -> list[_Replica]:
+        """The replicas that reported within `FRESH_S`: the load is theirs. One
+        that stopped (Serve replaced it, it crashed) stops counting long before
+        it is forgotten; its last backlog scaled the prefill pool up for 30 s."""
         self._prune(now_s)
+        return [rep for rep in self._replicas.values() if now_s - rep.last_s <= FRESH_S]
+
+    def backlog_tokens(self, worker_ids: Iterable[str], now_s: float) -> int:
         ids = set(worker_ids)
-        return sum(tokens for rep in self._replicas.values()
+        return sum(tokens for rep in self._reporting(now_s)
                    for worker_id, tokens in rep.report.backlog_tokens.items() if worker_id in ids)
 
     def inflight(self, worker_id: str, now_s: float) -> int:
-        self._prune(now_s)
-        return sum(rep.report.inflight.get(worker_id, 0) for rep in self._replicas.values())
+        return sum(rep.report.inflight.get(worker_id, 0) for rep in self._reporting(now_s))
 
-    def peer_load(self, replica_id: str, now_s: float, fresh_s: float = 5.0) -> PeerLoad:
-        """The load of every replica but `replica_id` that reported within `fresh_s`
-        (a replica that stopped reporting, e.g. one Serve replaced, stops counting
-        long before it is forgotten)."""
-        self._prune(now_s)
+    def peer_load(self, replica_id: str, now_s: float) -> PeerLoad:
+        """The load of every replica but `replica_id` that reports (`_reporting`)."""
         load = PeerLoad()
-        for other_id, rep in self._replicas.items():
-            if other_id == replica_id or now_s - rep.last_s > fresh_s:
+        for rep in self._reporting(now_s):
+            if rep.report.replica_id == replica_id:
                 continue
             for total, part in ((load.backlog_tokens, rep.report.backlog_tokens), (load.decoding, rep.report.decoding),
                                 (load.decoding_kv_tokens, rep.report.decoding_kv_tokens),
@@ -238,7 +244,9 @@ class SignalBook:
 
     def released(self, worker_id: str, now_s: float) -> bool:
         """True when every live replica reports the worker as draining (so routes
-        nothing new to it) and has no request in flight there. No live replica: True."""
+        nothing new to it) and has no request in flight there. No live replica: True.
+        A replica silent past `FRESH_S` still counts here, until it is forgotten:
+        a drain may wait a little longer, its requests must not be cut."""
         self._prune(now_s)
         return all(worker_id in rep.report.draining and not rep.report.inflight.get(worker_id)
                    for rep in self._replicas.values())

@@ -87,3 +87,12 @@ def test_a_waiting_restart_counts_as_starting_so_the_policy_holds_rather_than_st
     scaler.restarts.failed("prefill", "p0", "died starting: boom", 100.0)
     observation = scaler.observe("prefill", 100.0)
     assert observation.num_starting == 1 and policy.decide(observation, 100.0).action is Action.HOLD
+
+
+def test_a_thousand_failures_in_a_row_wait_the_cap_not_an_overflow():
+    """The delay doubled as a float product, which overflowed at the 1025th failure
+    in a row (34 h at a 120 s cap: a bad checkpoint over a weekend): the error
+    stopped each control step, and workers started every other step, unthrottled."""
+    backoff = RestartBackoff(first_s=2.0, max_s=120.0)
+    delays = [backoff.failed("decode", f"d{i}", "died starting", float(i)) for i in range(1100)]
+    assert delays[-1] == 120.0 and max(delays) == 120.0

@@ -71,11 +71,11 @@ def test_attainment_over_the_window_with_rejections_as_misses():
 
 def test_backlog_and_inflight_sum_over_live_replicas():
     book = _book()
-    book.add(SchedulerReport("r1", backlog_tokens={"p0": 100, "p1": 50}, inflight={"p0": 1, "d0": 2}), 0.0)
+    book.add(SchedulerReport("r1", backlog_tokens={"p0": 100, "p1": 50}, inflight={"p0": 1, "d0": 2}), 2.0)
     book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, inflight={"d0": 1}), 5.0)
     assert book.backlog_tokens(["p0"], 6.0) == 110
     assert book.inflight("d0", 6.0) == 3
-    # r1 goes silent: after 10 s it is forgotten.
+    # r1 goes silent: past FRESH_S its load no longer counts (and after 10 s it is forgotten).
     book.add(SchedulerReport("r2", backlog_tokens={"p0": 10}, inflight={}), 12.0)
     assert book.backlog_tokens(["p0", "p1"], 12.0) == 10 and book.inflight("d0", 12.0) == 0
 
@@ -111,4 +111,17 @@ def test_each_replica_is_told_the_others_fresh_load():
     assert book.peer_load("r3", 4.0) == PeerLoad({"p0": 110}, {"d0": 3}, {"d0": 350}, {"p0": 1, "d0": 3})
     assert book.peer_load("r1", 4.0) == PeerLoad({"p0": 10}, {"d0": 1}, {"d0": 50}, {"d0": 1})
     assert book.peer_load("r3", 6.0) == PeerLoad({"p0": 10}, {"d0": 1}, {"d0": 50}, {"d0": 1})  # r1 not fresh
-    assert book.peer_load("only", 4.0, fresh_s=0.5) == PeerLoad()
+    assert book.peer_load("only", 9.5) == PeerLoad()
+
+
+def test_a_replica_that_stopped_reporting_stops_counting_in_the_load_but_still_holds_its_drains():
+    """A crashed or replaced replica's last backlog counted for the 30 s until it
+    was forgotten: the prefill pool scaled up for load that was gone. It now
+    stops counting after FRESH_S, like the peers' load; a drain still waits for it."""
+    book = _book()
+    book.add(SchedulerReport("gone", backlog_tokens={"p0": 20000}, inflight={"p0": 1, "d0": 1}, draining=frozenset({"d0"})), 0.0)
+    book.add(SchedulerReport("live"), 1.0)
+    assert book.backlog_tokens(["p0"], 1.0) == 20000 and book.inflight("p0", 1.0) == 1
+    book.add(SchedulerReport("live"), 12.0)
+    assert book.backlog_tokens(["p0"], 12.0) == 0 and book.inflight("p0", 12.0) == 0
+    assert not book.released("d0", 12.0)  # its request there may still run

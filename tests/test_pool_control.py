@@ -1,0 +1,222 @@
+"""The pool manager's control of its workers (cluster/pool_manager.py,
+cluster/pool_autoscaler.py), in this process, on a clock of its own, with
+stand-in worker handles: what a worker answers (its first answer, its profile,
+pings, stats) is set by each test. The same control against real workers on Ray
+is tested in tests/test_start_failures.py, tests/test_pool_sizes.py and
+tests/test_autoscale_cluster.py; these are the interleavings found by a review
+that those cannot time."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+import ray
+
+import cluster.pool_autoscaler as pool_autoscaler
+import cluster.pool_manager as pool_manager
+from actors.worker_base import WorkerStartup, WorkerStats
+
+BASE = {"model": {"preset": "tiny", "arch": "qwen2"}, "engine": {"block_size": 16, "num_kv_blocks": 256},
+        "response_store_mib": 0, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+
+
+def _answer(value=None, error=None) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
+
+
+class _Ref:
+    """An ObjectRef's two faces the pool manager uses: `future()` and await."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def future(self):
+        return self._future
+
+    def __await__(self):
+        return asyncio.wrap_future(self._future).__await__()
+
+
+class _Method:
+    def __init__(self, answer) -> None:
+        self.remote = answer
+
+
+class Worker:
+    """A worker actor's handle, answering as the test says."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.ready, self.profiled = concurrent.futures.Future(), concurrent.futures.Future()
+        self.killed = False
+        self.ping_error: BaseException | None = None  # what pings raise from now on
+        self.startup_times = _Method(lambda: _Ref(self.ready))
+        self.profile = _Method(lambda: _Ref(self.profiled))
+        self.ping = _Method(self._ping)
+        self.stats = _Method(lambda: _Ref(_answer(self._stats())))
+        self.check_accounting = self.stats
+
+    def _ping(self):
+        if self.killed:
+            return _Ref(_answer(error=ray.exceptions.ActorDiedError()))
+        return _Ref(_answer(error=self.ping_error) if self.ping_error else _answer(self.worker_id))
+
+    def _stats(self) -> WorkerStats:
+        return WorkerStats(self.worker_id, num_blocks=100, num_used_blocks=0, num_cached_blocks=0, num_running=0,
+                           num_waiting=0, num_reserved=0, num_channels=0, last_step_s=0.0)
+
+    def come_up(self) -> None:
+        for future, value in ((self.ready, WorkerStartup(0.0, 0.0, 0.0)), (self.profiled, "profiled")):
+            if not future.done():
+                future.set_result(value)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture()
+def pools(monkeypatch):
+    """`make(settings)`: a PoolManager whose workers are `Worker`s (in `workers`,
+    by id) and whose autoscaler runs on a `Clock`; its loops are driven by hand."""
+    workers: dict[str, Worker] = {}
+
+    def start_worker(kind, worker_id, *args, **kwargs):
+        workers[worker_id] = Worker(worker_id)
+        return workers[worker_id]
+
+    def kill(handle, **kwargs):
+        handle.killed = True
+
+    monkeypatch.setattr(pool_manager, "start_worker", start_worker)
+    monkeypatch.setattr(ray, "kill", kill)
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 100.0, "GPU": 100.0})
+
+    def make(settings: dict):
+        clock = Clock()
+        init = pool_autoscaler.PoolAutoscaler.__init__
+        monkeypatch.setattr(pool_autoscaler.PoolAutoscaler, "__init__",
+                            lambda self, manager, s, roles: init(self, manager, s, roles, clock=clock))
+        manager = pool_manager.PoolManager({**BASE, **settings})
+        monkeypatch.setattr(pool_autoscaler.PoolAutoscaler, "__init__", init)
+        manager._ensure_health_loop = lambda: None
+        return manager, clock
+
+    return make, workers
+
+
+def _events(manager) -> list[tuple[str, str | None]]:
+    return [(e.kind, e.worker_id) for e in manager.scaler.events]
+
+
+def test_a_worker_unreachable_for_a_moment_is_not_killed_by_the_health_loop(pools):
+    """Ray's ActorUnavailableError (a RayActorError) from one ping: the health
+    loop killed the serving worker with all its requests, and started another."""
+    make, workers = pools
+    manager, clock = make({})
+    for worker in workers.values():
+        worker.come_up()
+    manager.scaler._check_readiness(clock())
+    (decode,) = [w for w in workers.values() if w.worker_id.startswith("d")]
+    decode.ping_error = ray.exceptions.ActorUnavailableError("unreachable for now", None)
+    manager.health_interval_s = 0.01
+
+    async def run():
+        loop = asyncio.ensure_future(manager._health_loop())
+        await asyncio.sleep(0.1)
+        loop.cancel()
+
+    asyncio.run(run())
+    assert not decode.killed and decode.worker_id in manager.members
+    decode.killed = True  # and one that is gone is replaced
+
+    asyncio.run(run())
+    assert decode.worker_id not in manager.members and ("replaced", decode.worker_id) in _events(manager)
+
+
+def test_a_worker_drained_while_it_could_not_start_is_not_started_again(pools):
+    """A worker stuck starting (no node for it), drained by hand: the drain
+    started one in its place, and when the stuck one timed out the control loop
+    counted a start failure and started another besides: one worker too many,
+    so it drained a serving one."""
+    make, workers = pools
+    manager, clock = make({"prefill": {"replicas": 2}, "autoscaling": {"start_timeout_s": 30.0}})
+    stuck = sorted(w for w in workers if w.startswith("p"))[1]
+
+    async def run():
+        for worker_id, worker in workers.items():
+            if worker_id != stuck:
+                worker.come_up()
+        await manager.scaler.step()
+        assert await manager.drain(stuck, "by hand")
+        for _ in range(40):
+            for worker_id, worker in list(workers.items()):
+                if worker_id != stuck:
+                    worker.come_up()
+            clock.now += 2.0
+            await manager.scaler.step()
+
+    asyncio.run(run())
+    events = _events(manager)
+    assert ("start_failed", stuck) not in events and not [e for e in events if e[0] == "down"]
+    assert len([w for kind, w in events if kind == "started" and w.startswith("p")]) == 3  # 2, and one for the drain
+
+
+def test_a_redeploy_keeps_an_autoscaling_pools_cooldown(pools):
+    """A redeploy that changed an autoscaling pool's settings rebuilt its policy
+    from scratch: the scale-down cooldown under way was dropped, and the pool
+    scaled down at its next step."""
+    make, workers = pools
+    settings = {"decode": {"replicas": 2, "min_replicas": 1, "max_replicas": 3},
+                "autoscaling": {"scale_down_cooldown_s": 60.0}}
+    manager, clock = make(settings)
+
+    async def run():
+        await manager.scaler.step()  # the pool starting: it settles now
+        for worker in workers.values():
+            worker.come_up()
+        clock.now += 10
+        await manager.scaler.step()
+        await manager.apply_pools({**BASE, **settings, "decode": {"replicas": 2, "min_replicas": 1,
+                                                                   "max_replicas": 4}})
+        clock.now += 2
+        await manager.scaler.step()
+
+    asyncio.run(run())
+    assert not [e for e in _events(manager) if e[0] == "down"]
+
+
+def test_a_restarted_worker_that_ran_its_profile_ends_the_run_of_failures_though_it_died_before_a_step(pools):
+    """Only a control step ended a run of start failures; a restarted worker that
+    ran its profile and was lost before the next step left the run going: /health
+    said 'failing' with the old error, and the next failure waited twice as long."""
+    make, workers = pools
+    manager, clock = make({"autoscaling": {"interval_s": 30.0, "restart_backoff_s": 2.0}})
+    first_decode = next(w for w in workers if w.startswith("d"))
+
+    async def run():
+        for worker_id, worker in workers.items():
+            if worker_id != first_decode:
+                worker.come_up()
+        workers[first_decode].ready.set_exception(ray.exceptions.ActorDiedError())  # died starting
+        await manager.scaler.step()
+        clock.now += 2.0
+        await manager.scaler.step()  # its restart
+        restarted = max((w for w in workers if w.startswith("d")), key=lambda w: int(w[1:]))
+        workers[restarted].come_up()  # it ran its profile ...
+        workers[restarted].killed = True
+        await manager.report_dead(restarted, "node lost")  # ... and was lost before a step saw it
+
+    asyncio.run(run())
+    assert manager.scaler.start_failures() == {}
