@@ -58,7 +58,8 @@ class PoolObservation:
     attainment: float | None = None  # of this pool's SLO figure over the window; None: too few outcomes
     num_samples: int = 0  # outcomes behind `attainment`
     backlog_tokens: int = 0  # prefill: prompt tokens admitted to the pool and not yet prefilled
-    kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, over the serving workers
+    kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, and asked for by
+    # handshakes waiting in a line for KV blocks, over the serving workers
     kv_blocks_total: int = 0  # decode: KV blocks over the serving workers
     backlog_tokens_peak: int = 0  # the highest backlog_tokens over the window
     kv_blocks_used_peak: int = 0  # the highest kv_blocks_used over the window

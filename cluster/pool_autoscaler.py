@@ -346,7 +346,10 @@ class PoolAutoscaler:
         stats = {w: tracks[w].stats for w in serving if tracks[w].stats is not None}
         # Blocks reserved for prompts still in prefill measure the prefill backlog, not decode load. D
         # counts them itself: the same moment as its blocks in use (the schedulers' reports are not).
-        decoding = sum(max(s.num_used_blocks - s.num_reserved_blocks, 0) for s in stats.values())
+        # Blocks the handshakes in D's line ask for are decode load: D is short of KV for them (a full
+        # pool with a line read as 10% used, and was scaled down).
+        decoding = sum(max(s.num_used_blocks - s.num_reserved_blocks, 0) + s.num_waiting_blocks
+                       for s in stats.values())
         backlog = self.signals.backlog_tokens(serving, now) if role == "prefill" else 0
         history = self.history[role]
         history.append((now, backlog, decoding))

@@ -132,9 +132,13 @@ class PoolManager:
             self._control_task = background_task(self.scaler.run())
 
     async def _health_loop(self) -> None:
+        """Ping the workers that answered once, every `health_interval_s`; one
+        found dead is replaced. A worker still starting is watched by its first
+        answer (the control loop's), not pinged: one waiting for a node held
+        every round for `health_timeout_s`, and a death elsewhere went unseen."""
         while True:
             await asyncio.sleep(self.health_interval_s)
-            members = list(self.members.values())
+            members = [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]
             results = await asyncio.gather(
                 *(within(m.handle.ping.remote(), self.health_timeout_s) for m in members),
                 return_exceptions=True,

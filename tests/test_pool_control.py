@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 
 import pytest
 import ray
@@ -220,3 +221,43 @@ def test_a_restarted_worker_that_ran_its_profile_ends_the_run_of_failures_though
 
     asyncio.run(run())
     assert manager.scaler.start_failures() == {}
+
+
+def test_a_decode_pool_whose_workers_have_handshakes_waiting_for_kv_is_not_scaled_down(pools):
+    """The decode pool's load left out D's line: two full D's (their blocks mostly
+    reserved for prompts in prefill) with a dozen handshakes each waiting for
+    room read as 10% used, and one was drained."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 2, "min_replicas": 1, "max_replicas": 3}})
+    for worker_id, worker in workers.items():
+        worker.come_up()
+        if worker_id.startswith("d"):
+            full = dataclasses.replace(worker._stats(), num_used_blocks=98, num_reserved_blocks=88, num_reserved=8,
+                                       num_waiting_handshakes=12, num_waiting_blocks=130)
+            worker.stats = _Method(lambda full=full: _Ref(_answer(full)))
+    asyncio.run(manager.scaler.step())
+    assert not [e for e in _events(manager) if e[0] == "down"]
+
+
+def test_a_worker_waiting_for_a_node_does_not_hold_up_the_health_rounds(pools):
+    """The health loop pinged starting workers too, and each round waited out
+    `health_timeout_s` for one still waiting for a node: a serving worker's death
+    was found that much later."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 2}})
+    waiting, serving = sorted(w for w in workers if w.startswith("d"))
+    for worker_id, worker in workers.items():
+        if worker_id != waiting:
+            worker.come_up()
+    workers[waiting].ping = _Method(lambda: _Ref(concurrent.futures.Future()))  # never answers
+    manager.scaler._check_readiness(clock())
+    manager.health_interval_s, manager.health_timeout_s = 0.01, 5.0
+    workers[serving].killed = True
+
+    async def run():
+        loop = asyncio.ensure_future(manager._health_loop())
+        await asyncio.sleep(0.5)
+        loop.cancel()
+
+    asyncio.run(run())
+    assert ("replaced", serving) in _events(manager)
