@@ -298,8 +298,13 @@ class WorkerModels:
         due = [(r.first_token_due_s, r.ttft_bias_s, r.request_id) for r in self.inflight.values()
                if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill]  # colocated: no prefill_id
         due = [(at, bias, request_id) for at, bias, request_id in due if at is not None]
+        # The other replicas' backlog, as the prompts it is of (of its mean length): priced
+        # as one prompt of all their tokens, its attention term grew with their square.
         peers_tokens = self.peers.backlog_tokens.get(worker_id, 0)
-        peers_s = self.prefill_s(worker_id, peers_tokens, 0) if peers_tokens else 0.0
+        peers_prompts = max(self.peers.backlog_prompts.get(worker_id, 1), 1)
+        peers_s = 0.0
+        if peers_tokens:
+            peers_s = peers_prompts * self.prefill_s(worker_id, -(-peers_tokens // peers_prompts), 0)
         if not due:
             return peers_s, None
         end, _, last = max((at - bias, at, request_id) for at, bias, request_id in due)

@@ -57,6 +57,7 @@ class PeerLoad:
     decoding: dict[str, int] = field(default_factory=dict)
     decoding_kv_tokens: dict[str, int] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
+    backlog_prompts: dict[str, int] = field(default_factory=dict)  # the prompts `backlog_tokens` are of
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class SchedulerReport:
     inflight: dict[str, int] = field(default_factory=dict)  # worker -> requests in flight there now
     routed: dict[str, int] = field(default_factory=dict)  # worker -> requests sent there since the last report
     draining: frozenset[str] = frozenset()  # workers this replica knows are draining (routes nothing new there)
+    backlog_prompts: dict[str, int] = field(default_factory=dict)  # prefill (or colocated) worker -> prompts
 
 
 class RequestTimer:
@@ -141,6 +143,7 @@ class OutcomeRecorder:
         and in-flight counts of `inflight` (cluster.admission.InFlight records) and
         the workers the scheduler already treats as draining."""
         backlog: dict[str, int] = {}
+        prompts: dict[str, int] = {}
         counts: dict[str, int] = {}
         decoding: dict[str, int] = {}
         decoding_kv: dict[str, int] = {}
@@ -150,6 +153,7 @@ class OutcomeRecorder:
                 in_handshake = request.prefill_id is not None and request.reserved_s is None
                 if not in_handshake:
                     _add(backlog, request.prefill_id or request.decode_id, request.num_prompt_tokens)
+                    _add(prompts, request.prefill_id or request.decode_id, 1)
             else:
                 _add(decoding, request.decode_id, 1)
                 _add(decoding_kv, request.decode_id, request.num_prompt_tokens + request.num_generated)
@@ -159,7 +163,7 @@ class OutcomeRecorder:
             self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
             num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
             backlog_tokens=backlog, decoding=decoding, decoding_kv_tokens=decoding_kv, inflight=counts,
-            routed=dict(self._routed), draining=frozenset(draining))
+            routed=dict(self._routed), draining=frozenset(draining), backlog_prompts=prompts)
         self._ttft, self._tbt, self._routed = [], [], {}
         self._rejected = {"ttft": 0, "tbt": 0}
         return report
@@ -235,9 +239,10 @@ class SignalBook:
         for rep in self._reporting(now_s):
             if rep.report.replica_id == replica_id:
                 continue
-            for total, part in ((load.backlog_tokens, rep.report.backlog_tokens), (load.decoding, rep.report.decoding),
-                                (load.decoding_kv_tokens, rep.report.decoding_kv_tokens),
-                                (load.inflight, rep.report.inflight)):
+            report = rep.report
+            for total, part in ((load.backlog_tokens, report.backlog_tokens), (load.decoding, report.decoding),
+                                (load.decoding_kv_tokens, report.decoding_kv_tokens), (load.inflight, report.inflight),
+                                (load.backlog_prompts, report.backlog_prompts)):
                 for worker_id, value in part.items():
                     _add(total, worker_id, value)
         return load

@@ -18,9 +18,11 @@ from actors.block_pool import block_hashes
 from actors.event_log import CacheEvents
 from actors.messages import ChunkTiming, TokenEvent
 from actors.sampling_params import SamplingParams
-from cluster.admission import InFlight
+from cluster.admission import InFlight, WorkerModels
+from cluster.cost_model import prefill_step_features
 from cluster.pool_manager import Member
 from cluster.router import PrefixIndex
+from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.token_feeds import FeedLost
 from tests.test_admission import _idle_stats, _scheduler
 
@@ -199,3 +201,20 @@ def test_a_request_admitted_while_a_reading_of_d_was_on_its_way_is_not_in_it():
         return view.headroom("d0")
 
     assert asyncio.run(run()) <= 4
+
+
+def test_another_replicas_backlog_is_priced_as_its_prompts_not_as_one():
+    """The other replicas' backlog on a P was priced as one prompt of all its
+    tokens: the attention term, which grows with a prompt's length squared, put
+    16 queued 1000-token prompts at 1.24x what they take (3.5x with a heavier
+    attention share)."""
+    models = WorkerModels(block_size=16)
+    for chunks in (((256, 0),), ((256, 256),), ((256, 512),), ((256, 768),), ((128, 0),), ((64, 2048),),
+                   ((256, 4096),)):
+        features = prefill_step_features(chunks)
+        models.prefill_model("p0").observe(features, 0.005 + 0.0001 * features[0] + 4e-6 * features[1])
+    one = models.prefill_s("p0", 1000, 0)
+    models.peers = PeerLoad(backlog_tokens={"p0": 16_000}, backlog_prompts={"p0": 16})
+    assert models.queued_prefill_s("p0") == pytest.approx(16 * one, rel=0.01)
+    report = OutcomeRecorder("r1").report([InFlight(f"r{i}", None, "p0", 1000, 4, 0.5) for i in range(3)])
+    assert report.backlog_tokens == {"p0": 3000} and report.backlog_prompts == {"p0": 3}
