@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 import uuid
 
@@ -21,6 +22,8 @@ from cluster.client_call import current_call
 from cluster.reasoning import Reasoning, ReasoningDeltas, Thought, num_reasoning_tokens, split
 from cluster.response_streams import collect, merged, prepend
 from cluster.tool_calls import StreamedCalls, chat_answer
+
+log = logging.getLogger("tandem.scheduler")
 
 
 class Completions:
@@ -53,7 +56,8 @@ class Completions:
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
             writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
-            chunks = self._chunks(streams, request_id, chat, num_prompt, body.include_usage, echo, writers, reasoning)
+            chunks = self._chunks(streams, request_id, chat, num_prompt, body.include_usage, echo, writers, reasoning,
+                                  n)
             return stream_as(chunks) if stream_as is not None else fmt.sse_response(fmt.sse_stream(chunks))
         results = await self.collect_all(streams)
         if echo is not None:
@@ -70,7 +74,8 @@ class Completions:
             texts, calls, reasons = zip(*answers)
         choices = [(text, reason, as_logprobs(self.tokenizer, out.logprobs))
                    for text, reason, out in zip(texts, reasons, results)]
-        usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), results[0].num_cached_tokens,
+        num_cached = sum(out.num_cached_tokens for out in results[::n])  # (each prompt once, as num_prompt)
+        usage = fmt.usage(num_prompt, sum(len(out.token_ids) for out in results), num_cached,
                           self._reasoning_tokens(reasoning, [out.token_ids for out in results]))
         prompt_logprobs = None if body.prompt_logprobs is None else [
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
@@ -161,45 +166,55 @@ class Completions:
         return sum(num_reasoning_tokens(self.tokenizer, ids, reasoning.opened) for ids in answers)
 
     async def _chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, writers=None,
-                      reasoning: Reasoning | None = None):
+                      reasoning: Reasoning | None = None, n: int = 1):
         """Every choice's events as they come, as chunk payloads (then "[DONE]"),
         each chunk naming its choice; `echo[k]` rewrites choice k's first event
         (see `_echoed`); `writers[k]`, where not None, writes choice k's deltas
         (`_chat_deltas`); `reasoning`: how a chat answer starts, for the usage's
-        reasoning tokens."""
-        num_tokens, cached, first = 0, 0, [True] * len(streams)
+        reasoning tokens; `n`: the choices of each prompt (choice k is prompt
+        k // n's). An error of this server's own on the way ends the stream as a
+        worker's error does (an error chunk, the usage, "[DONE]"): it was cut
+        short, with neither."""
+        num_tokens, first = 0, [True] * len(streams)
+        cached = [0] * -(-len(streams) // n)  # each prompt's cached tokens, from its first choice (as num_prompt)
         answers: list[list[int]] = [[] for _ in streams]  # each choice's tokens, for its reasoning's count
         token_chars = [0] * len(streams)  # the length of each choice's token texts so far (its next text_offset)
         async with contextlib.aclosing(merged(streams)) as events:
-            async for index, event in events:
-                if event.error:
-                    yield {"error": {"message": event.error, "type": "worker_error", "code": 500}}  # (as a 500 body)
-                    break
-                if first[index] and echo is not None:
-                    event = echo[index](event)
-                num_tokens += len(event.token_ids)
-                if reasoning is not None and include_usage:
-                    answers[index] += event.token_ids
-                cached = event.num_cached_tokens if index == 0 else cached
-                reason = fmt.finish_reason(event.finish_reason) if event.finished else None
-                delta = None
-                writer = writers[index] if writers is not None else None
-                if writer is not None:
-                    delta, reason = writer.delta(event.text, event.finished), writer.finish_reason(reason)
-                    if delta is None and not first[index] and not event.logprobs:
-                        continue
-                    delta = delta or {}
-                if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)
-                    if chat:
-                        logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs, self.token_bytes)
-                    else:
-                        logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
-                        token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
-                    yield fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
-                                               first[index], index, delta)
-                    first[index] = False
+            try:
+                async for index, event in events:
+                    if event.error:
+                        yield {"error": {"message": event.error, "type": "worker_error", "code": 500}}  # (a 500 body)
+                        break
+                    if first[index] and echo is not None:
+                        event = echo[index](event)
+                    num_tokens += len(event.token_ids)
+                    if reasoning is not None and include_usage:
+                        answers[index] += event.token_ids
+                    if index % n == 0:
+                        cached[index // n] = event.num_cached_tokens
+                    reason = fmt.finish_reason(event.finish_reason) if event.finished else None
+                    delta = None
+                    writer = writers[index] if writers is not None else None
+                    if writer is not None:
+                        delta, reason = writer.delta(event.text, event.finished), writer.finish_reason(reason)
+                        if delta is None and not first[index] and not event.logprobs:
+                            continue
+                        delta = delta or {}
+                    if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)
+                        if chat:
+                            logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs, self.token_bytes)
+                        else:
+                            logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
+                            token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
+                        yield fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
+                                                   first[index], index, delta)
+                        first[index] = False
+            except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
+                log.exception("request %s: its stream failed", request_id)
+                yield {"error": {"message": f"internal error: {type(exc).__name__}", "type": "internal_error",
+                                 "code": 500}}
         if include_usage:
             yield {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                    "created": int(time.time()), "model": self.model_name, "choices": [],
-                   "usage": fmt.usage(num_prompt, num_tokens, cached, self._reasoning_tokens(reasoning, answers))}
+                   "usage": fmt.usage(num_prompt, num_tokens, sum(cached), self._reasoning_tokens(reasoning, answers))}
         yield "[DONE]"

@@ -45,7 +45,7 @@ def block_call(body: str, tool_names: set[str]) -> tuple[str, str] | None:
     """The call a block's body holds, or None when it is not one of the tools'."""
     try:
         return known_call(json.loads(body), tool_names)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested past Python's limit: text, not a call)
         return None
 
 

@@ -41,7 +41,7 @@ def read_calls(text: str, tool_names: set[str]) -> list[tuple[tuple[str, str], i
     while True:
         try:
             value, position = decoder.raw_decode(text, position)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         key = "parameters" if isinstance(value, dict) and "parameters" in value else "arguments"
         called = known_call(value, tool_names, key)

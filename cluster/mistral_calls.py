@@ -55,7 +55,7 @@ def parse_held(text: str, tool_names: set[str], parallel: bool = True) -> Parsed
 def _read_array(text: str, tool_names: set[str]) -> list[tuple[str, str]] | None:
     try:
         value, end = json.JSONDecoder().raw_decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, list) or not value or text[end:].strip():
         return None
@@ -74,7 +74,7 @@ def _read_named(text: str, tool_names: set[str]) -> list[tuple[str, str, int]] |
         at += len(ARGS) if text.startswith(ARGS, at) else 0
         try:
             arguments, at = json.JSONDecoder().raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(arguments, dict):
             return None

@@ -1,4 +1,5 @@
-"""Request bodies decoded as strict JSON: a lone surrogate is refused.
+"""Request bodies decoded as strict JSON: a lone surrogate is refused, and so
+are NaN and Infinity (Python's decoder reads them; JSON has no such number).
 
 JSON's `\\uXXXX` escapes can spell half of a UTF-16 pair on its own
 (`"\\ud800"`), and Python's decoder turns it into a `str` that holds a lone
@@ -31,10 +32,28 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_IN_TEXT = re.compile(r"(\\+)u([dD][89a-fA-F][0-9a-fA-F]{2})|[\ud800-\udfff]")
 
 
+class _NotJsonConstant(ValueError):
+    """NaN, Infinity or -Infinity: Python's decoder reads them, JSON has none."""
+
+
+def _refuse_constant(name: str):
+    raise _NotJsonConstant(name)
+
+
 def loads(body: bytes):
     """The body's JSON value; raises json.JSONDecodeError for invalid JSON, a
-    string holding a lone surrogate included."""
-    value = json.loads(body)
+    string holding a lone surrogate included, and NaN, Infinity and -Infinity,
+    which Python's decoder takes (RFC 8259 has no such number): let through, a
+    field kept free-form (a Responses request's `reasoning`, a tool's `parameters`)
+    came back in the response, which could then not be written as JSON (a 500
+    after the answer was generated and stored)."""
+    try:
+        value = json.loads(body, parse_constant=_refuse_constant)
+    except _NotJsonConstant as exc:
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+        name = exc.args[0]
+        raise json.JSONDecodeError(f"{name} is not a JSON number (JSON has no NaN nor Infinity)", text,
+                                   max(text.find(name), 0)) from None
     if not _MAY_HOLD_SURROGATE.search(body):
         return value
     where = _lone_surrogate_path(value)

@@ -194,7 +194,7 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
         return ChatAnswer(text, None, finish_reason)
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ChatAnswer(text, None, finish_reason)
     calls = [known_call(item, tool_names(tools), "parameters") for item in items] if isinstance(items, list) else [None]
     if not calls or None in calls:  # (held to the pattern, only a cut answer is not calls)
@@ -240,7 +240,7 @@ def template_call(call: PastCall) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested past Python's limit, e.g. "[" * 50000)
             pass  # left as the client wrote it
     return {**call.model_dump(exclude_none=True), "function": {"name": call.function.name, "arguments": arguments}}
 

@@ -1,0 +1,108 @@
+"""The OpenAI endpoints' answers at their edges, from a real GlobalScheduler
+(known cost models, as in tests/test_admission.py) whose workers' events are
+scripted (what the workers send is tested against real ones in
+tests/test_serve_app.py): a batch's usage, answers nested past Python's limit,
+and bodies a plain JSON decoder reads but JSON does not allow. Each case
+failed before a review found it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from actors.messages import TokenEvent
+from actors.sampling_params import SamplingParams
+from actors.tokenization import load_tokenizer
+from cluster import strict_json
+from cluster.api_models import ChatBody, CompletionBody, template_messages
+from cluster.completions import Completions
+from cluster.tool_calls import TOOL_CALL_FORMATS
+from tests.test_admission import _scheduler
+
+
+def _completions(tiny_qwen2_dir, texts: list[str], num_cached: int = 0) -> Completions:
+    """Completions whose every request answers `texts`, one token each, having
+    found `num_cached` of its prompt's tokens cached."""
+    scheduler = _scheduler(ttft_ms=10_000)
+
+    async def events(request, choice, inflight):
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            yield TokenEvent(request.request_id, [5 + i], text, None, last, "stop" if last else None, time.time(),
+                             num_cached)
+
+    scheduler._events = events
+    return Completions(scheduler, load_tokenizer(tiny_qwen2_dir), "tiny", TOOL_CALL_FORMATS["hermes"])
+
+
+async def _sse(response) -> list[str]:
+    text = "".join([piece if isinstance(piece, str) else piece.decode() async for piece in response.body_iterator])
+    return [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+PROMPTS = [list(range(100, 140)), list(range(200, 240))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batchs_usage_counts_the_cached_tokens_of_every_prompt(tiny_qwen2_dir, stream):
+    """`prompt_tokens` summed every prompt, `cached_tokens` only the first's."""
+    completions = _completions(tiny_qwen2_dir, ["a", "b"], num_cached=16)
+    body = CompletionBody.model_validate({"prompt": PROMPTS, "max_tokens": 2, "n": 2, "stream": stream,
+                                          "stream_options": {"include_usage": True} if stream else None})
+
+    async def run():
+        answer = await completions.answer(body, body.prompts(), SamplingParams(max_new_tokens=2), PROMPTS,
+                                          chat=False)
+        return json.loads((await _sse(answer))[-2])["usage"] if stream else answer["usage"]
+
+    usage = asyncio.run(run())
+    assert usage["prompt_tokens"] == 80 and usage["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+DEEP_CALL = "<tool_call>" + "[" * 1500 + "]" * 1500 + "</tool_call>"  # (a client can force it: guided_regex)
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_nested_past_pythons_limit_is_text_not_a_failure(tiny_qwen2_dir, stream):
+    """The call parser's json.loads raised RecursionError, which it did not
+    catch: unstreamed, a 500; streamed, the stream cut with no error and no [DONE]."""
+    completions = _completions(tiny_qwen2_dir, [DEEP_CALL[:700], DEEP_CALL[700:]])
+    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                    "stream": stream})
+
+    async def run():
+        answer = await completions.answer(body, ["p"], SamplingParams(max_new_tokens=8), [[1, 2]], chat=True)
+        if not stream:
+            return answer["choices"][0]["message"]["content"]
+        payloads = await _sse(answer)
+        assert payloads[-1] == "[DONE]"
+        return "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in payloads[:-1])
+
+    assert asyncio.run(run()) == DEEP_CALL
+
+
+def test_a_past_calls_arguments_nested_past_pythons_limit_are_kept_as_written():
+    """They were parsed for the chat template with json.loads, whose RecursionError
+    made the request a 500."""
+    deep = "[" * 50000
+    body = ChatBody.model_validate({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]})
+    (call,) = template_messages(body.messages)[1]["tool_calls"]
+    assert call["function"]["arguments"] == deep
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(constant):
+    """Python's decoder reads them; a free-form field (a Responses request's
+    `reasoning`) carried one into the response, which could then not be written
+    as JSON: a 500 after the answer was generated and stored."""
+    with pytest.raises(json.JSONDecodeError, match=f"{constant} is not a JSON number"):
+        strict_json.loads(f'{{"input": "x", "reasoning": {{"summary": {constant}}}}}'.encode())
+    assert strict_json.loads(b'{"input": "NaN"}') == {"input": "NaN"}
