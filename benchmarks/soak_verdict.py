@@ -11,8 +11,9 @@ deliberate cancellation, or a failure?
   tokens (a stream that finished before the abort landed is `OK`);
 - `OK`: HTTP 200 and a complete response of the endpoint's shape:
   - non-streaming: a JSON body with the expected fields (`/generate`: `text`,
-    `output_ids`, `meta_info` with `finish_reason.type` and `completion_tokens`, a
-    batch a list of those, one an answer; completions: `object`,
+    `output_ids`, `meta_info` with `finish_reason.type` and `completion_tokens`
+    (a streamed chunk's `finish_reason` is null before the last), a batch a list
+    of those, one an answer; completions: `object`,
     `choices[0].text`, `finish_reason`, `usage`);
   - streaming: every `data:` payload parses, none is an error, exactly one finish
     reason arrives (on the last output event; a batch's, each answer's on its
@@ -181,7 +182,7 @@ def _generate_events(events: list[dict]):
         if len(event["output_ids"]) < len(ids):
             raise Malformed("output_ids shrank")
         text, ids = event["text"], event["output_ids"]
-        reason = event["meta_info"]["finish_reason"]["type"]
+        reason = (event["meta_info"]["finish_reason"] or {}).get("type")  # (null until the last)
         if reason is not None and i != len(events) - 1:
             raise Malformed(f"finish reason {reason!r} before the last event")
     return reason, text, len(ids)

@@ -73,8 +73,9 @@ class Answered:
 
 def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cached: int,
               logprobs: list | None = None, prompt_logprobs: list | None = None) -> dict:
+    # SGLang's finish_reason: null until the request ends (clients test it for the last chunk)
     meta = {"id": answered.rid, "prompt_tokens": len(answered.prompt_ids), "completion_tokens": num_tokens,
-            "cached_tokens": num_cached, "finish_reason": {"type": reason}}
+            "cached_tokens": num_cached, "finish_reason": None if reason is None else {"type": reason}}
     top = answered.top_logprobs_num
     entry = answered.entry
     if logprobs is not None:

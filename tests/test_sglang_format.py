@@ -45,3 +45,11 @@ def test_logprob_entries_are_sglangs_triples_with_text_when_asked():
     assert named["output_token_logprobs"] == [[-0.5, 7, "<7>"], [-2.0, 3, "<3>"]]
     assert named["output_top_logprobs"] == [[[-0.5, 7, "<7>"]], [[-1.0, 4, "<4>"]]]
     assert named["input_token_logprobs"] == [[-3.0, 6, "<6>"]] and named["input_top_logprobs"] == [[[-0.1, 1, "<1>"]]]
+
+
+def test_a_chunk_before_the_last_has_no_finish_reason():
+    """SGLang's meta_info.finish_reason is null until the request ends (clients
+    test it for the last chunk); `{"type": null}` read as an end at the first."""
+    running = meta_info(Answered("r", [5, 6], 0, 2), 1, None, 0)
+    assert running["finish_reason"] is None
+    assert meta_info(Answered("r", [5, 6], 0, 2), 2, "length", 0)["finish_reason"] == {"type": "length"}

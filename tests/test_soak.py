@@ -57,7 +57,8 @@ def request(endpoint: Endpoint, max_new_tokens: int = 4, stop=(), include_usage=
 
 
 def generate_event(text: str, ids: list[int], reason: str | None) -> str:
-    meta = {"prompt_tokens": 8, "completion_tokens": len(ids), "cached_tokens": 0, "finish_reason": {"type": reason}}
+    meta = {"prompt_tokens": 8, "completion_tokens": len(ids), "cached_tokens": 0,
+            "finish_reason": None if reason is None else {"type": reason}}
     return json.dumps({"text": text, "output_ids": ids, "meta_info": meta})
 
 
