@@ -132,10 +132,16 @@ def _scaled_rows(logits: torch.Tensor, settings: torch.Tensor, members: list[int
 
 def _invert_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """Per row, the first index where the running sum of `probs` passes `draws` of
-    the row's total (a zero-probability entry is never picked)."""
+    the row's total (a zero-probability entry is never picked). A draw at the very
+    top (one in [1 - 2**-25, 1) is 1.0 in float32, and a product with the total can
+    round up to it) passes every entry: it takes the last entry with any
+    probability. It took the last index, clamped: in vocabulary order, the last
+    vocabulary id whatever its probability, once in about 34 million draws a token
+    that allowed_token_ids, a pattern, min_p or a ban had removed."""
     cdf = probs.cumsum(dim=-1)
-    picks = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)
-    return picks.clamp_(max=probs.shape[1] - 1).squeeze(1)
+    picks = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
+    last_kept = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(picks, last_kept)
 
 
 def _sample_best_first(scaled, ks, ps, min_ps, draws, max_k: int, needs_mass: bool) -> torch.Tensor:

@@ -215,6 +215,23 @@ def test_unfiltered_rows_never_pick_an_impossible_token():
     assert (picks % 2 == 1).all()
 
 
+@pytest.mark.parametrize("min_p", [0.0, 0.5])
+def test_a_draw_at_the_very_top_picks_a_possible_token(min_p):
+    """A draw in [1 - 2**-25, 1) is 1.0 in float32, past every entry of the CDF:
+    in vocabulary order (no top-k, no top-p) it took the last vocabulary id,
+    whatever its probability (seed 78499289's first draw is one)."""
+    top = uniform_draws([78499289], [0])
+    assert top[0] < 1.0 and float(torch.tensor(top, dtype=torch.float32)[0]) == 1.0
+    only = torch.full((1, 2048), -float("inf"))
+    only[0, 100] = 0.0  # the one token with any probability
+    assert sample(only, [1.0], [0], [1.0], top, [min_p]).item() == 100
+    peaked = torch.randn(1, 2048)
+    peaked[0, 7] = 20.0
+    assert sample(peaked, [1.0], [0], [1.0], top, [0.5]).item() == 7  # min_p keeps token 7 alone
+    # (with every token possible, a top draw takes the last: that much of its share is a top draw's)
+    assert sample(peaked, [1.0], [0], [1.0], top, [min_p]).item() == (7 if min_p else 2047)
+
+
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 1.0), (0, 0.5)])
 def test_a_row_of_nan_logits_gets_a_token_and_leaves_its_neighbours_alone(top_k, top_p):
     """A broken model's NaN row must not fail the batch (the step would fail every
