@@ -15,6 +15,10 @@ two calls a token, 1.8 ms of host time per decode step at batch 64). Where the
 runs inside it, in one call a token: 1.4 us a token instead of 5.5 (a one-off
 probe: random ids, the tiny preset's tokenizer; in `tandem bench engine --profile`
 appending tokens went 0.41 -> 0.34 ms a decode step, docs/benchmarks.md). `flush` then decodes the whole output once.
+A byte-fallback run (sentencepiece's `<0xE4>` tokens) that stops being valid UTF-8
+turns characters it already gave into U+FFFD, which DecodeStream refuses: the
+stream then goes on in windows, and its text may differ from a decode of the
+whole output in that run (the characters sent stay sent).
 
 Byte-level BPE tokenizers (GPT-2's scheme: Qwen2, Llama 3, the built-in presets)
 need no window at all. Their decoder maps every token to bytes on its own (each
@@ -46,6 +50,8 @@ try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers < 0.21
     DecodeStream = None
+
+WINDOW_CONTEXT = 5  # tokens before the new ones a window decodes with, when it starts mid-text
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,15 @@ class IncrementalDetokenizer:
             return self._emit(text)
         self.token_ids.append(token_id)
         if self._stream is not None:
-            return self._emit(self._stream.step(self._backend, token_id) or "")
+            try:
+                return self._emit(self._stream.step(self._backend, token_id) or "")
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception; windows from here
+                # DecodeStream refuses a text that changed before its end: a byte-fallback
+                # run that stops being valid UTF-8 turns the characters it sent already
+                # into U+FFFD. Raised, it failed the step and every request on the worker.
+                self._stream = None
+                self.read_offset = len(self.token_ids) - 1
+                self.prefix_offset = max(self.read_offset - WINDOW_CONTEXT, 0)
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):

@@ -110,6 +110,40 @@ def test_other_decoders_take_the_stream_path(tiny_qwen2_dir):
     assert ByteLevelTables.of(tokenizer) is None
 
 
+def _byte_fallback_tokenizer():
+    """A sentencepiece-style tokenizer with Llama 2's decoders (Replace, ByteFallback,
+    Fuse, Strip): byte tokens `<0xE4>` for what its pieces do not spell."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "a", "c", "▁a", "▁c"]:
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def test_a_byte_fallback_run_that_stops_being_utf8_does_not_fail_the_stream():
+    """"中" in three byte tokens, then a lone byte in the same run: the run decodes
+    as U+FFFD whole, the character already sent changes, and DecodeStream raised
+    (which failed the engine step, and every request on the worker). The stream
+    goes on in windows; the text after the run is the decode's."""
+    tokenizer = _byte_fallback_tokenizer()
+    assert ByteLevelTables.of(tokenizer) is None
+    ids = tokenizer.convert_tokens_to_ids(["▁a", "<0xE4>", "<0xB8>", "<0xAD>", "<0xE4>", "▁c", "▁a"])
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok._stream is not None
+    text = "".join(detok.add(token_id) for token_id in ids) + detok.flush()
+    assert text.startswith("a中") and text.endswith(" c a") and text == detok.text
+    well_formed = tokenizer.convert_tokens_to_ids(["▁a", "<0xE4>", "<0xB8>", "<0xAD>", "▁c"])
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.add(token_id) for token_id in well_formed) + detok.flush() == tokenizer.decode(well_formed)
+
+
 def test_any_range_of_the_text_reads_as_a_slice_of_the_whole(tiny_qwen2_dir):
     """The text is kept as pieces (never one string re-copied every token);
     `text_between` joins only the pieces a range overlaps."""
