@@ -5,14 +5,17 @@ SGLang's `json_schema` ask for output that is JSON of a shape. A regular express
 cannot count brackets, so this writes the shape out as one, as outlines does:
 - `object`: its `properties` in the order given, each required one present, the
   others optional; no property the schema does not name (outlines and OpenAI's
-  strict mode generate none either). Without `properties`, any JSON object;
-- `array` of `items`, `minItems`/`maxItems`; `string` with `minLength`/`maxLength`,
-  `enum`, `const`, `pattern` (as a Python regex, inside the quotes), `format`
+  strict mode generate none either). Without `properties`, an object whose values
+  match `additionalProperties` (`{}` where it is false), or any JSON object where
+  it says nothing; `required` names properties `properties` must list;
+- `array` of `items`, `minItems`/`maxItems`; `string` with `minLength`/`maxLength`
+  (in characters: no half of a surrogate pair as an escape), `enum`, `const`, `pattern` (as a Python regex, inside the quotes), `format`
   (`FORMATS`: date, time, date-time, uuid, ipv4, email); `integer` with `minimum`,
   `maximum` and their exclusive forms (actors/integer_ranges.py); `number`, with
   whole bounds from 0 up; `boolean`, `null`; a list of types (each with the keywords
-  that apply to it); `anyOf`/`oneOf`; `$ref` into `$defs`/`definitions` (not
-  recursive);
+  that apply to it); `anyOf`; `oneOf` of options no value can match two of
+  (different types, or enums of different values: the others are refused);
+  `$ref` into `$defs`/`definitions` (not recursive);
 - free JSON: `json_object` any object `FREE_DEPTH` levels of objects and arrays
   deep; a value a schema leaves free (`{}`, an object without `properties`, an
   array without `items`) `NESTED_FREE_DEPTH` levels.
@@ -45,6 +48,9 @@ FREE_DEPTH = 3  # levels of objects and arrays any JSON object (`json_object`) m
 NESTED_FREE_DEPTH = 2  # and a value a schema leaves free (each copy costs automaton states)
 COMMA, COLON = ", ", ": "  # json.dumps' separators, exactly
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+# One character of a string whose length is bounded: no half of a surrogate pair as a
+# \u escape (a pair's two escapes are one character, and a lone half none).
+COUNTED_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
 STRING = f'"{STRING_CHAR}*"'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -137,6 +143,28 @@ def _is_of_type(value, kind: str) -> bool:
     return isinstance(value, JSON_TYPES[kind])
 
 
+# The kinds of JSON value, an integer apart from a number with a fraction: a type's kinds.
+_KINDS = {"null": frozenset({"null"}), "boolean": frozenset({"boolean"}), "string": frozenset({"string"}),
+          "object": frozenset({"object"}), "array": frozenset({"array"}), "integer": frozenset({"integer"}),
+          "number": frozenset({"integer", "fraction"})}
+
+
+def _kinds_of_value(value) -> frozenset:
+    for kind in ("null", "boolean", "string", "object", "array", "integer"):
+        if _is_of_type(value, kind):
+            return _KINDS[kind]
+    return frozenset({"fraction"})
+
+
+def _may_overlap(first, second) -> bool:
+    """Whether two `_Writer._shape`s may match one value."""
+    if first is None or second is None:
+        return True
+    if first[0] == second[0] == "values":
+        return bool(first[1] & second[1])
+    return bool(first[2] & second[2])
+
+
 class _Writer:
     def __init__(self, root: dict) -> None:
         self.definitions = {**root.get("definitions", {}), **root.get("$defs", {})}
@@ -156,6 +184,8 @@ class _Writer:
                 if not isinstance(options, list) or not options:
                     raise RegexError(f"json_schema: {where}.{name} must be a non-empty list")
                 self._only(schema, {name}, where)
+                if name == "oneOf":
+                    self._one_of_disjoint(options, where)
                 return "(?:" + "|".join(self.value(s, f"{path}.{name}[{i}]") for i, s in enumerate(options)) + ")"
         if "allOf" in schema:
             parts = schema["allOf"]
@@ -205,6 +235,48 @@ class _Writer:
             return self._number(schema, where)
         return SCALARS[kind]
 
+    def _one_of_disjoint(self, options: list, where: str) -> None:
+        """oneOf is written as anyOf, which is exact only where no value matches two
+        options: their JSON types differ (an integer is a number too), or they are
+        enums or consts of different values. Other oneOf are refused: a value the
+        options share would be written, and it matches none of oneOf."""
+        shapes = [self._shape(option) for option in options]
+        for i, first in enumerate(shapes):
+            for j in range(i + 1, len(shapes)):
+                if _may_overlap(first, shapes[j]):
+                    raise RegexError(f"json_schema: {where}.oneOf options {i} and {j} may both match a value, "
+                                     "which oneOf forbids and the expression cannot: use anyOf, or options of "
+                                     "different types")
+
+    def _shape(self, schema, seen: frozenset = frozenset()):
+        """What values a schema may match, coarsely: ("values", their JSON texts)
+        for an enum or const; ("types", the kinds of value) otherwise; None for
+        any value (unknown)."""
+        if not isinstance(schema, dict) or not schema:
+            return None
+        if "$ref" in schema:
+            name = str(schema["$ref"]).rsplit("/", 1)[-1]
+            if name in seen or name not in self.definitions:
+                return None
+            return self._shape(self.definitions[name], seen | {name})
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            if isinstance(values, list):
+                return "values", frozenset(json.dumps(v, sort_keys=True) for v in values), \
+                    frozenset().union(*(_kinds_of_value(v) for v in values))
+            return None
+        for name in ("anyOf", "oneOf"):
+            if isinstance(schema.get(name), list):
+                shapes = [self._shape(option, seen) for option in schema[name]]
+                if any(shape is None for shape in shapes):
+                    return None
+                return "types", None, frozenset().union(*(shape[2] for shape in shapes))
+        kind = schema.get("type", "object" if "properties" in schema else "array" if "items" in schema else None)
+        if kind is None:
+            return None
+        kinds = kind if isinstance(kind, list) else [kind]
+        return "types", None, frozenset().union(*(_KINDS.get(k, frozenset(_KINDS)) for k in kinds))
+
     @staticmethod
     def _typed(schema: dict, values: list, where: str) -> None:
         """Every value of an enum or const is of the schema's `type`, where it has one."""
@@ -220,8 +292,9 @@ class _Writer:
     def _bounds(self, schema: dict, where: str) -> tuple[float | None, float | None]:
         """(lowest, highest) allowed: minimum/maximum, or their exclusive forms."""
         for name in BOUNDS:
-            value = schema.get(name, 0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            value = schema.get(name, 0)  # (an int is finite: math.isfinite(10**400) raises OverflowError)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                                   and not math.isfinite(value)):
                 raise RegexError(f"json_schema: {where}.{name} must be a finite number")
         if "minimum" in schema and "exclusiveMinimum" in schema or "maximum" in schema and "exclusiveMaximum" in schema:
             raise RegexError(f"json_schema: {where}: give minimum or exclusiveMinimum (maximum or "
@@ -277,9 +350,21 @@ class _Writer:
             self.resolving.pop()
 
     def _object(self, schema: dict, path: str) -> str:
+        """An object of its `properties` (`_members`), or without them, one whose
+        members' values match `additionalProperties` (none where it is false),
+        any object where nothing bounds it. Without `properties` these were any
+        object whatever `additionalProperties` and `required` said."""
         properties = schema.get("properties")
         if properties is None:
-            return free_json_regex(NESTED_FREE_DEPTH, "object")
+            if schema.get("required"):
+                raise RegexError(f"json_schema: {path or 'the schema'}: required properties "
+                                 f"{sorted(schema['required'])} are not in properties")
+            extra = schema.get("additionalProperties", True)
+            if extra is False:
+                return "\\{\\}"
+            if extra is True or extra == {}:
+                return free_json_regex(NESTED_FREE_DEPTH, "object")
+            return _object_of(self.value(extra, f"{path}.additionalProperties"))
         if not isinstance(properties, dict):
             raise RegexError(f"json_schema: {path or 'the schema'}.properties must be an object")
         required = set(schema.get("required", []))
@@ -319,7 +404,7 @@ class _Writer:
         low, high = _count_bounds(schema, "minLength", "maxLength", where)
         if (low, high) == (0, None):
             return STRING
-        return f'"{STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+        return f'"{COUNTED_CHAR}{{{low},{"" if high is None else high}}}"'
 
 
 def _count_bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:

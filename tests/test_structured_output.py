@@ -192,6 +192,13 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
     ({"type": "string", "format": "ipv4"}, ['"192.168.0.1"', '"0.0.0.0"'], ['"256.1.1.1"', '"1.2.3"']),
     ({"type": "string", "format": "email"}, ['"a.b+c@ex-ample.co.uk"'], ['"a@b"', '"@b.c"']),
+    # Found by a review: without properties, an object was any object whatever these said;
+    # a length counted a surrogate pair's two escapes as two characters.
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, ['{}', '{"a": 1, "b": 2}'], ['{"a": "x"}']),
+    ({"type": "object", "additionalProperties": False}, ['{}'], ['{"a": 1}']),
+    ({"type": "string", "minLength": 2}, ['"ab"', '"\\u00e9\\u00e9"'], ['"\\ud83d\\ude00"', '"a"']),
+    ({"oneOf": [{"type": "string"}, {"type": "null"}]}, ['"a"', "null"], ["1"]),
+    ({"type": "integer", "minimum": 10**400}, ["1" + "0" * 400], ["5"]),  # (math.isfinite raised OverflowError)
 ])
 def test_bounds_formats_and_type_lists(schema, good, bad):
     dfa = compile_regex(schema_regex(schema))
@@ -209,6 +216,11 @@ def test_any_json_object_parses():
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "array", "uniqueItems": True}, "uses uniqueItems"),
+    # Found by a review: each was accepted and not held to (or, the last, an OverflowError: a 500)
+    ({"type": "object", "required": ["a"]}, "not in properties"),
+    ({"type": ["object", "null"], "required": ["a"]}, "not in properties"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "may both match a value"),
+    ({"oneOf": [{"const": "a"}, {"enum": ["b", "a"]}]}, "may both match a value"),
     ({"type": "strin"}, r"at type: 'strin' is not one of \['array', "),
     # not schemas at all (the meta-schema's complaints; each was a TypeError, a 500 over HTTP)
     ({"$defs": 5}, "at \\$defs: 5 is not of type 'object'"), ({"type": "string", "format": []}, "at format: "),
