@@ -9,8 +9,9 @@ cannot count brackets, so this writes the shape out as one, as outlines does:
   match `additionalProperties` (`{}` where it is false), or any JSON object where
   it says nothing; `required` names properties `properties` must list;
 - `array` of `items`, `minItems`/`maxItems`; `string` with `minLength`/`maxLength`
-  (in characters: no half of a surrogate pair as an escape), `enum`, `const`, `pattern` (as a Python regex, inside the quotes), `format`
-  (`FORMATS`: date, time, date-time, uuid, ipv4, email); `integer` with `minimum`,
+  (in characters: no half of a surrogate pair as an escape), `enum`, `const`,
+  `pattern` (as a Python regex, inside the quotes), `format` (`FORMATS`: date,
+  time, date-time, uuid, ipv4, email); `integer` with `minimum`,
   `maximum` and their exclusive forms (actors/integer_ranges.py); `number`, with
   whole bounds from 0 up; `boolean`, `null`; a list of types (each with the keywords
   that apply to it); `anyOf`; `oneOf` of options no value can match two of
