@@ -72,6 +72,8 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise CheckpointError(f"{path}: architectures must be a list of names, got {json.dumps(archs)[:80]}")
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
             raise CheckpointError(
@@ -81,11 +83,13 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             rope_params = raw.get("rope_parameters") or {}
+            if not isinstance(rope_params, dict):
+                raise ValueError(f"rope_parameters must be an object, got {json.dumps(rope_params)[:80]}")
             scaling = raw.get("rope_scaling") or (
                 rope_params if rope_params.get("rope_type", "default") != "default" else None
             )
             theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-            return cls(
+            config = cls(
                 architecture=family,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -105,8 +109,32 @@ class ModelConfig:
                 qk_norm=family in ("qwen3", "qwen3_moe"),
                 **(_experts(raw) if family == "qwen3_moe" else {}),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except CheckpointError:  # (generation_config.json's, which says where)
+            raise
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             raise CheckpointError(f"{path}: invalid config field ({exc!r})") from None
+        config._check(path)
+        return config
+
+    def _check(self, path: Path) -> None:
+        """What a model of this config could not be built or run from, as a
+        CheckpointError here, not a traceback from the model's build (which the
+        manifest check does not reach): sizes below one, and a RoPE scaling the
+        kernels do not have (YaRN, dynamic: Qwen2.5's long-context setting)."""
+        sizes = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+                 "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
+                 "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                 "max_position_embeddings": self.max_position_embeddings}
+        for name, value in sizes.items():
+            if value < 1:
+                raise CheckpointError(f"{path}: {name} must be at least 1, got {value}")
+        from kernels.rope import rope_inv_freq
+
+        try:
+            rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: rope_scaling {json.dumps(self.rope_scaling)[:120]}: "
+                                  f"{exc if isinstance(exc, ValueError) else f'missing or bad {exc}'}") from None
 
 
 def _context_len(raw: dict) -> int:
@@ -149,8 +177,9 @@ def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:
     would run past its end to max_tokens. transformers' `generate`, vLLM and SGLang
     all stop at the union."""
     ids = _ids(raw.get("eos_token_id"))
+    generation = read_generation_config(model_dir)  # (its own errors say what is wrong with it)
     try:
-        more = _ids(read_generation_config(model_dir).get("eos_token_id"))
+        more = _ids(generation.get("eos_token_id"))
     except (TypeError, ValueError) as exc:
         path = model_dir / GENERATION_CONFIG
         raise CheckpointError(f"{path}: invalid eos_token_id ({exc!r})") from None
@@ -168,8 +197,8 @@ def read_generation_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        generation = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        generation = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # (ValueError: not UTF-8, not JSON)
         raise CheckpointError(f"{path}: unreadable generation config ({exc})") from None
     if not isinstance(generation, dict):
         raise CheckpointError(f"{path}: not a JSON object")

@@ -30,9 +30,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # (ValueError: not UTF-8, JSON)
             raise CheckpointError(f"{index}: unreadable index ({exc!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map each weight's name to its file's")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -95,6 +97,7 @@ def _fused_slice(model: ForCausalLM, name: str) -> tuple[str, int, int] | None:
 def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> None:
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements filled per parameter
+    seen: dict[str, str] = {}  # each checkpoint weight's file: one that comes twice is refused
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as reader:
@@ -103,6 +106,9 @@ def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> Non
                         continue  # tied: the embedding serves as the head
                     if "rotary_emb" in name:
                         continue
+                    if name in seen:  # (counted twice, one could stand in for another, missing)
+                        raise CheckpointError(f"{model_dir}: weight {name!r} is in both {seen[name]} and {path.name}")
+                    seen[name] = path.name
                     _copy(model, params, filled, name, reader.get_tensor(name), dtype)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors ({exc})") from None
@@ -127,6 +133,9 @@ def _copy(model, params, filled, name: str, tensor: torch.Tensor, dtype: torch.d
     target = data if rows is None else data[start : start + rows]
     if tuple(target.shape) != tuple(tensor.shape):
         raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    if not tensor.dtype.is_floating_point:  # (an integer one would be cast to numbers it never meant)
+        raise CheckpointError(f"weight {name!r} is {tensor.dtype}, not floating point: quantized checkpoints "
+                              "are not supported")
     with torch.no_grad():
         target.copy_(tensor.to(dtype))
     filled[target_name] += target.numel()

@@ -20,10 +20,15 @@ from cluster.pool_cli import add_pool_commands
 
 
 def _cmd_make_model(args: argparse.Namespace) -> None:
-    from actors.model_builder import build_checkpoint
+    from actors.model_builder import BUILD_STAMP, build_checkpoint
 
     if not args.out.strip():
         raise CliError("--out is empty: give the folder to write the checkpoint to")
+    out_dir = Path(args.out)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / BUILD_STAMP).exists():
+        # (a build replaces a folder's config, tokenizer and weights: another checkpoint's, once)
+        raise CliError(f"{args.out} holds files, and no checkpoint this command wrote: give an empty or new "
+                       "folder (it would replace what is there)")
     try:
         out = build_checkpoint(args.preset, args.arch, Path(args.out), progress=True)
     except OSError as exc:
@@ -36,6 +41,8 @@ def _cmd_demo(args: argparse.Namespace) -> None:
     from actors.model_builder import ensure_checkpoint
     from actors.sampling_params import InvalidRequestError, SamplingParams
 
+    if args.model is not None and not args.model.strip():  # (--model "$UNSET": not the built-in model)
+        raise CliError("--model is empty: give a checkpoint folder, or leave --model out for a built-in one")
     model_dir = Path(args.model) if args.model else ensure_checkpoint(args.preset, args.arch)
     llm = LLM(model_dir, block_size=16, prefill_chunk_size=64)
     prompts = args.prompt or ["The quick brown fox", "Serving language models on Ray", "Prefill and decode"]

@@ -39,9 +39,10 @@ class _Strict(BaseModel):
     """No unknown settings, and each value of its own type, as YAML or JSON writes
     it: pydantic's lax mode read `replicas: "2"` as 2, `num_gpus: true` as 1 and
     `enable_prefix_cache: "no"` as False. An integer where a float is expected is
-    still one."""
+    still one. No float is infinite (YAML's `.inf`: `response_store_mib: .inf` passed
+    and then failed the pool manager's start, OverflowError)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ModelSource(_Strict):
@@ -252,7 +253,7 @@ class AppSettings(_Strict):
     # How the served model writes tool calls under tool_choice "auto" (cluster/tool_calls.py TOOL_CALL_FORMATS)
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
     scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
-    api_key: str | None = None  # or TANDEM_API_KEY in the environment
+    api_key: str | None = Field(None, min_length=1, pattern=r"\S")  # or TANDEM_API_KEY; "" is refused (not "off")
     # The Responses API's stored responses (previous_response_id) and conversations (/v1/conversations;
     # cluster/response_store.py): 0 stores none
     response_store_mib: float = Field(64, ge=0)

@@ -152,6 +152,11 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "slo": {"ttft_ms": "700"}}, "slo.ttft_ms\n.*valid number"),
         ({"model": {"preset": "tiny"}, "limits": {"max_prompt_tokens": 1536.0}}, "limits.max_prompt_tokens\n"),
         ({"model": {"preset": "tiny"}, "scheduler_replicas": True}, "scheduler_replicas\n.*valid integer"),
+        # Found by a review: an empty key turned authentication off; .inf passed, then failed the pools' start
+        ({"model": {"preset": "tiny"}, "api_key": ""}, "api_key\n.*at least 1 character"),
+        ({"model": {"preset": "tiny"}, "api_key": "  "}, "api_key\n.*match pattern"),
+        ({"model": {"preset": "tiny"}, "response_store_mib": float("inf")}, "response_store_mib\n.*finite number"),
+        ({"model": {"preset": "tiny"}, "kv_store": {"host_gib": float("inf")}}, "kv_store.host_gib\n.*finite"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):

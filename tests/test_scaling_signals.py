@@ -119,7 +119,8 @@ def test_a_replica_that_stopped_reporting_stops_counting_in_the_load_but_still_h
     was forgotten: the prefill pool scaled up for load that was gone. It now
     stops counting after FRESH_S, like the peers' load; a drain still waits for it."""
     book = _book()
-    book.add(SchedulerReport("gone", backlog_tokens={"p0": 20000}, inflight={"p0": 1, "d0": 1}, draining=frozenset({"d0"})), 0.0)
+    book.add(SchedulerReport("gone", backlog_tokens={"p0": 20000}, inflight={"p0": 1, "d0": 1},
+                             draining=frozenset({"d0"})), 0.0)
     book.add(SchedulerReport("live"), 1.0)
     assert book.backlog_tokens(["p0"], 1.0) == 20000 and book.inflight("p0", 1.0) == 1
     book.add(SchedulerReport("live"), 12.0)

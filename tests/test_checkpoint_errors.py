@@ -1,0 +1,93 @@
+"""A checkpoint folder that cannot serve is refused with a CheckpointError naming
+the file and what is wrong (what `tandem demo`, `check-manifest --local` and a
+worker's start report), never a traceback nor a wrong model. Each case was
+found by a review: a traceback, or (integer weights, a repeated weight) a model
+that loaded and answered garbage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.config import CheckpointError, ModelConfig
+from actors.engine import Engine
+from cluster.cli import main
+
+
+@pytest.fixture()
+def copy(tmp_path, tiny_qwen2_dir):
+    """A fresh copy of the tiny checkpoint, to damage."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen2_dir, folder)
+    return folder
+
+
+def _edit_config(folder, **fields) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(fields)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "unsupported rope_scaling type 'yarn'"),  # (Qwen2.5's long-context setting: a traceback at the model's build)
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling .*missing or bad 'factor'"),
+    ({"architectures": 5}, "architectures must be a list of names"),
+    ({"architectures": [["Qwen2ForCausalLM"]]}, "architectures must be a list of names"),
+    ({"rope_parameters": [1]}, "rope_parameters must be an object"),
+    ({"num_attention_heads": 0, "head_dim": None}, "invalid config field .*ZeroDivisionError"),
+    ({"vocab_size": -5}, "vocab_size must be at least 1"),
+])
+def test_a_config_the_model_cannot_be_built_from_is_refused(copy, fields, message):
+    _edit_config(copy, **fields)
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf(copy)
+
+
+def test_a_broken_generation_config_is_named_as_itself(copy):
+    """Its errors were wrapped as config.json's 'invalid eos_token_id'."""
+    (copy / "generation_config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match=r"generation_config.json: unreadable generation config \('utf-8'"):
+        ModelConfig.from_hf(copy)
+    (copy / "generation_config.json").write_text("[" * 100000)
+    with pytest.raises(CheckpointError, match="generation_config.json: unreadable generation config"):
+        ModelConfig.from_hf(copy)
+
+
+def test_integer_weights_and_a_weight_given_twice_are_refused(copy):
+    tensors = load_file(copy / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.weight"
+    save_file({**tensors, name: tensors[name].to(torch.int32)}, copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"weight '{name}' is torch.int32, not floating point"):
+        Engine(copy)
+    save_file(tensors, copy / "model.safetensors")
+    save_file({name: tensors[name]}, copy / "model-extra.safetensors")
+    with pytest.raises(CheckpointError, match=f"weight '{name}' is in both"):
+        Engine(copy)
+
+
+@pytest.mark.parametrize("index", [{"weight_map": []}, {"weight_map": {"a": 5}}, [1], "[" * 100000])
+def test_a_malformed_index_is_refused(copy, index):
+    (copy / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: (unreadable index|weight_map must)"):
+        Engine(copy)
+
+
+def test_make_model_does_not_write_over_another_checkpoint(tmp_path, capsys):
+    """It replaced the folder's config and tokenizer and deleted its weights."""
+    theirs = tmp_path / "my-llama"
+    theirs.mkdir()
+    (theirs / "model-00001-of-00002.safetensors").write_bytes(b"weights")
+    assert main(["make-model", "--preset", "tiny", "--out", str(theirs)]) == 2
+    assert "holds files, and no checkpoint this command wrote" in capsys.readouterr().err
+    assert (theirs / "model-00001-of-00002.safetensors").read_bytes() == b"weights"
+
+
+def test_demo_with_an_empty_model_is_refused(capsys):
+    """`--model "$UNSET"` ran the built-in model instead."""
+    assert main(["demo", "--model", "", "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    assert "--model is empty" in capsys.readouterr().err
