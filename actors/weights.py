@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -44,20 +45,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         if not path.is_file():
             raise CheckpointError(f"{model_dir}: shard {path.name} named in the index is missing")
     return files
-
-
-def tensor_names(model_dir: Path) -> list[str]:
-    """The names of a checkpoint's tensors, read from each file's header alone (no
-    tensor is read): a check that a worker will find its weights readable, cheap
-    enough to run offline (`tandem check-manifest`). Raises CheckpointError."""
-    names = []
-    for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as reader:
-                names += reader.keys()
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path}: corrupt or unreadable safetensors ({exc})") from None
-    return names
 
 
 def _expert_slice(model: ForCausalLM, name: str) -> tuple[str, int, int, int] | None:
@@ -94,7 +81,29 @@ def _fused_slice(model: ForCausalLM, name: str) -> tuple[str, int, int] | None:
     return f"{owner}.{fused}.{kind}", start, rows
 
 
+class _Header(NamedTuple):
+    """A tensor as its file's header gives it (`check_weights`: nothing is read)."""
+
+    shape: tuple[int, ...]
+    floating: bool
+
+
+def check_weights(model_dir: Path, config) -> None:
+    """What `load_weights` would refuse (a weight missing, of the wrong shape or
+    type, unexpected, or given twice), from the files' headers alone, against a
+    model of `config` built on the meta device: the offline check a worker's
+    start would otherwise be the first to make (`tandem check-manifest --local`)."""
+    with torch.device("meta"):
+        model = ForCausalLM(config)
+    _fill(model, Path(model_dir), None, read=lambda reader, name: _Header(
+        tuple(reader.get_slice(name).get_shape()), reader.get_slice(name).get_dtype().startswith(("F", "BF"))))
+
+
 def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> None:
+    _fill(model, model_dir, dtype, read=lambda reader, name: reader.get_tensor(name))
+
+
+def _fill(model: ForCausalLM, model_dir: Path, dtype: torch.dtype | None, read) -> None:
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements filled per parameter
     seen: dict[str, str] = {}  # each checkpoint weight's file: one that comes twice is refused
@@ -109,7 +118,7 @@ def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> Non
                     if name in seen:  # (counted twice, one could stand in for another, missing)
                         raise CheckpointError(f"{model_dir}: weight {name!r} is in both {seen[name]} and {path.name}")
                     seen[name] = path.name
-                    _copy(model, params, filled, name, reader.get_tensor(name), dtype)
+                    _copy(model, params, filled, name, read(reader, name), dtype)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors ({exc})") from None
     missing = [name for name, count in filled.items() if count != params[name].numel()]
@@ -117,7 +126,8 @@ def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> Non
         raise CheckpointError(f"{model_dir}: weights missing or incomplete: {missing[:5]}")
 
 
-def _copy(model, params, filled, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+def _copy(model, params, filled, name: str, tensor: torch.Tensor | _Header, dtype: torch.dtype | None) -> None:
+    """Fill `name`'s part of its parameter from `tensor` (a `_Header`: check only)."""
     expert = _expert_slice(model, name)
     if expert is not None:
         target_name, index, start, rows = expert
@@ -133,9 +143,14 @@ def _copy(model, params, filled, name: str, tensor: torch.Tensor, dtype: torch.d
     target = data if rows is None else data[start : start + rows]
     if tuple(target.shape) != tuple(tensor.shape):
         raise CheckpointError(f"weight {name!r}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-    if not tensor.dtype.is_floating_point:  # (an integer one would be cast to numbers it never meant)
-        raise CheckpointError(f"weight {name!r} is {tensor.dtype}, not floating point: quantized checkpoints "
+    if isinstance(tensor, _Header):
+        floating, kind = tensor.floating, "an integer or boolean type"
+    else:
+        floating, kind = tensor.dtype.is_floating_point, str(tensor.dtype)
+    if not floating:  # (an integer one would be cast to numbers it never meant)
+        raise CheckpointError(f"weight {name!r} is {kind}, not floating point: quantized checkpoints "
                               "are not supported")
-    with torch.no_grad():
-        target.copy_(tensor.to(dtype))
+    if not isinstance(tensor, _Header):
+        with torch.no_grad():
+            target.copy_(tensor.to(dtype))
     filled[target_name] += target.numel()

@@ -80,13 +80,15 @@ def _checkpoint_context(path: str | None, local: bool) -> tuple[int | None, str 
         return None, None
     from actors.config import CheckpointError, ModelConfig, ModelLocation
     from actors.tokenization import load_tokenizer
-    from actors.weights import tensor_names
+    from actors.sampling_defaults import SamplingDefaults
+    from actors.weights import check_weights
 
     try:
         model_dir = ModelLocation(path).resolve()
         config = ModelConfig.from_hf(model_dir)
         load_tokenizer(model_dir)
-        tensor_names(model_dir)
+        check_weights(model_dir, config)  # (names, shapes, types, from the headers: as a worker would load them)
+        SamplingDefaults.load(model_dir)
     except CheckpointError as exc:
         return None, str(exc)
     return config.max_position_embeddings, None

@@ -94,6 +94,32 @@ def test_a_model_folder_here_is_checked_as_a_worker_loads_it(tmp_path, tiny_qwen
     assert cli.returncode == 2 and "Traceback" not in cli.stderr and cli.stderr.splitlines()[1:] == [f"  {problem}"]
 
 
+def test_the_check_compares_the_weights_headers_with_the_model_and_reads_the_sampling_defaults(tmp_path,
+                                                                                              tiny_qwen2_dir):
+    """A weight missing, of another shape, or unexpected, and a generation config
+    whose defaults are not numbers, passed the check and failed every worker."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen2_dir, broken)
+    manifest = _with_model_path(tmp_path, broken)
+    tensors = load_file(broken / "model.safetensors")
+    for damaged, message in [
+        ({k: v for k, v in tensors.items() if k != "model.norm.weight"}, "weights missing or incomplete"),
+        ({**tensors, "model.norm.weight": tensors["model.norm.weight"][:-1]}, "'model.norm.weight': shape"),
+        ({**tensors, "foo.weight": tensors["model.norm.weight"].clone()}, "unexpected weight 'foo.weight'"),
+    ]:
+        save_file(damaged, broken / "model.safetensors")
+        [problem] = check_manifest(manifest)
+        assert message in problem, problem
+    save_file(tensors, broken / "model.safetensors")
+    (broken / "generation_config.json").write_text('{"temperature": "hot"}')
+    [problem] = check_manifest(manifest)
+    assert "temperature must be a number" in problem, problem
+
+
 def test_a_model_folder_not_here_is_a_problem_only_for_a_local_manifest(tmp_path):
     manifest = _with_model_path(tmp_path, tmp_path / "on-the-cluster")
     assert check_manifest(manifest) == []
