@@ -53,6 +53,7 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
     port = schema.http_options.port
     if not 1 <= port <= MAX_PORT:
         problems.append(f"http_options.port: {port} is not a TCP port (1 to {MAX_PORT})")
+    pools: dict[str, str] = {}  # pool_name -> the first application that names it
     for application in schema.applications:
         if application.import_path != IMPORT_PATH:
             continue  # another app in the same config: not Tandem's to check
@@ -62,6 +63,10 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
             problems += [f"application {application.name!r}: {_where(e) or 'args'}: {_message(e)}"
                          for e in exc.errors()]
             continue
+        first = pools.setdefault(settings.pool_name, application.name)
+        if first != application.name:  # (one pool manager: the second's settings refused, or its sizes taken)
+            problems.append(f"application {application.name!r}: pool_name {settings.pool_name!r} is application "
+                            f"{first!r}'s too: give each application a pool_name of its own")
         context_tokens, problem = _checkpoint_context(settings.model.path, local)
         if problem is not None:
             problems.append(f"application {application.name!r}: model.path: {problem}")

@@ -44,6 +44,17 @@ def test_check_manifest_names_each_problem_in_one_line(tmp_path):
     assert cli.stderr.splitlines()[1:] == [f"  {p}" for p in problems]
 
 
+def test_two_applications_naming_one_pool_are_a_problem(tmp_path):
+    """They passed: deployed, the second's settings were refused by the pools the
+    first started, or its sizes taken for them."""
+    manifest = tmp_path / "two.yaml"
+    manifest.write_text(yaml.safe_dump({"applications": [
+        {"name": name, "route_prefix": f"/{name}", "import_path": "cluster.app:build_app",
+         "args": {"model": {"preset": "tiny"}}} for name in ("a", "b")]}))
+    assert check_manifest(manifest) == ["application 'b': pool_name 'tandem-pool' is application 'a''s too: give "
+                                        "each application a pool_name of its own"]
+
+
 def test_malformed_manifests_are_problems_not_tracebacks(tmp_path, tiny_qwen2_dir):
     """Each was a traceback from the CLI: bytes that are not UTF-8, YAML nested too
     deeply, a RayService whose serveConfigV2 is a mapping (the `|` forgotten) or
