@@ -6,8 +6,10 @@ from their HF parts: `q_proj|k_proj|v_proj` into `qkv_proj`, `gate_proj|up_proj`
 `gate_up_proj`, and a mixture's experts as the Hub stores them
 (`mlp.experts.<e>.gate_proj|up_proj|down_proj`) into the 3D expert tensors
 (transformers v5's own layout, `mlp.experts.gate_up_proj`, loads by name). Every
-parameter must be filled exactly once, or loading fails with a `CheckpointError`
-naming what is missing.
+parameter must be filled exactly once, from floating-point weights each given
+once, or loading fails with a `CheckpointError` naming what is wrong.
+`check_weights` makes the same checks from the files' headers alone (offline,
+`tandem check-manifest --local`).
 """
 
 from __future__ import annotations
