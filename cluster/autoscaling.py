@@ -58,11 +58,11 @@ class PoolObservation:
     attainment: float | None = None  # of this pool's SLO figure over the window; None: too few outcomes
     num_samples: int = 0  # outcomes behind `attainment`
     backlog_tokens: int = 0  # prefill: prompt tokens admitted to the pool and not yet prefilled
-    kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, and asked for by
-    # handshakes waiting in a line for KV blocks, over the serving workers
+    kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, over the serving workers
     kv_blocks_total: int = 0  # decode: KV blocks over the serving workers
     backlog_tokens_peak: int = 0  # the highest backlog_tokens over the window
     kv_blocks_used_peak: int = 0  # the highest kv_blocks_used over the window
+    handshakes_waiting: int = 0  # decode: handshakes in the serving workers' lines, waiting for KV blocks
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,8 @@ class DecodeScaling(ScalingPolicy):
         usage = peak / obs.kv_blocks_total if obs.kv_blocks_total else 0.0
         one_fewer = (usage * obs.num_serving / (obs.num_serving - 1) if obs.num_serving > 1
                      else (math.inf if peak else 0.0))
-        if attained is None or usage >= self.knobs.kv_usage_down or one_fewer > self.knobs.kv_usage_up:
+        if (attained is None or usage >= self.knobs.kv_usage_down or one_fewer > self.knobs.kv_usage_up
+                or obs.handshakes_waiting):  # (requests wait for KV room: not a pool to shrink)
             return None
         return f"{attained}; KV blocks at most {usage:.0%} in use over the window"
 

@@ -346,10 +346,10 @@ class PoolAutoscaler:
         stats = {w: tracks[w].stats for w in serving if tracks[w].stats is not None}
         # Blocks reserved for prompts still in prefill measure the prefill backlog, not decode load. D
         # counts them itself: the same moment as its blocks in use (the schedulers' reports are not).
-        # Blocks the handshakes in D's line ask for are decode load: D is short of KV for them (a full
-        # pool with a line read as 10% used, and was scaled down).
-        decoding = sum(max(s.num_used_blocks - s.num_reserved_blocks, 0) + s.num_waiting_blocks
-                       for s in stats.values())
+        decoding = sum(max(s.num_used_blocks - s.num_reserved_blocks, 0) for s in stats.values())
+        # Handshakes in D's lines: no scale-down while any waits (a full pool with a line read as 10% used,
+        # and was scaled down). Not load: a burst passes through an idle D's line too, one call each.
+        waiting = sum(s.num_waiting_handshakes for s in stats.values()) if role == "decode" else 0
         backlog = self.signals.backlog_tokens(serving, now) if role == "prefill" else 0
         history = self.history[role]
         history.append((now, backlog, decoding))
@@ -359,6 +359,7 @@ class PoolAutoscaler:
             num_serving=len(serving), num_starting=num_starting, num_draining=len(draining),
             attainment=attainment, num_samples=num_samples, backlog_tokens=backlog,
             kv_blocks_used=decoding, kv_blocks_total=sum(s.num_blocks for s in stats.values()),
+            handshakes_waiting=waiting,
             backlog_tokens_peak=max(b for _, b, _ in history), kv_blocks_used_peak=max(k for _, _, k in history))
 
     def _export(self, role: str, obs: PoolObservation) -> None:
