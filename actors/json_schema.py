@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import NamedTuple
 
 from actors.integer_ranges import integer_range_regex
 from actors.regex_dfa import RegexError, compile_regex
@@ -157,13 +158,26 @@ def _kinds_of_value(value) -> frozenset:
     return frozenset({"fraction"})
 
 
-def _may_overlap(first, second) -> bool:
-    """Whether two `_Writer._shape`s may match one value."""
+class _Shape(NamedTuple):
+    """What values a schema may match, coarsely (`_Writer._shape`)."""
+
+    kinds: frozenset  # the kinds of value (`_KINDS`)
+    values: frozenset | None = None  # an enum's or const's values as JSON text; None: any of its kinds
+
+
+def _may_overlap(first: _Shape | None, second: _Shape | None) -> bool:
+    """Whether two shapes (None: any value) may match one value."""
     if first is None or second is None:
         return True
-    if first[0] == second[0] == "values":
-        return bool(first[1] & second[1])
-    return bool(first[2] & second[2])
+    if first.values is not None and second.values is not None:
+        return bool(first.values & second.values)
+    return bool(first.kinds & second.kinds)
+
+
+def _definition_name(ref) -> str | None:
+    """The `$defs`/`definitions` name a `$ref` points at; None for any other reference."""
+    match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
+    return None if match is None else match.group(1)
 
 
 class _Writer:
@@ -249,34 +263,32 @@ class _Writer:
                                      "which oneOf forbids and the expression cannot: use anyOf, or options of "
                                      "different types")
 
-    def _shape(self, schema, seen: frozenset = frozenset()):
-        """What values a schema may match, coarsely: ("values", their JSON texts)
-        for an enum or const; ("types", the kinds of value) otherwise; None for
-        any value (unknown)."""
+    def _shape(self, schema, seen: frozenset = frozenset()) -> _Shape | None:
+        """What values a schema may match, coarsely; None for any value (unknown)."""
         if not isinstance(schema, dict) or not schema:
             return None
         if "$ref" in schema:
-            name = str(schema["$ref"]).rsplit("/", 1)[-1]
+            name = _definition_name(schema["$ref"])
             if name in seen or name not in self.definitions:
                 return None
             return self._shape(self.definitions[name], seen | {name})
         if "const" in schema or "enum" in schema:
             values = [schema["const"]] if "const" in schema else schema["enum"]
-            if isinstance(values, list):
-                return "values", frozenset(json.dumps(v, sort_keys=True) for v in values), \
-                    frozenset().union(*(_kinds_of_value(v) for v in values))
-            return None
+            if not isinstance(values, list):
+                return None
+            return _Shape(frozenset().union(*(_kinds_of_value(v) for v in values)),
+                          frozenset(json.dumps(v, sort_keys=True) for v in values))
         for name in ("anyOf", "oneOf"):
             if isinstance(schema.get(name), list):
                 shapes = [self._shape(option, seen) for option in schema[name]]
                 if any(shape is None for shape in shapes):
                     return None
-                return "types", None, frozenset().union(*(shape[2] for shape in shapes))
+                return _Shape(frozenset().union(*(shape.kinds for shape in shapes)))
         kind = schema.get("type", "object" if "properties" in schema else "array" if "items" in schema else None)
         if kind is None:
             return None
         kinds = kind if isinstance(kind, list) else [kind]
-        return "types", None, frozenset().union(*(_KINDS.get(k, frozenset(_KINDS)) for k in kinds))
+        return _Shape(frozenset().union(*(_KINDS.get(k, frozenset(_KINDS)) for k in kinds)))
 
     @staticmethod
     def _typed(schema: dict, values: list, where: str) -> None:
@@ -337,11 +349,10 @@ class _Writer:
 
     def _reference(self, schema: dict, where: str, path: str) -> str:
         ref = schema["$ref"]
-        match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
-        if match is None or match.group(1) not in self.definitions:
+        name = _definition_name(ref)
+        if name not in self.definitions:
             raise RegexError(f"json_schema: {where}.$ref {ref!r} is not a definition of this schema")
         self._only(schema, {"$ref"}, where)
-        name = match.group(1)
         if name in self.resolving:
             raise RegexError(f"json_schema: {name!r} refers to itself; recursive schemas are not supported")
         self.resolving.append(name)

@@ -276,8 +276,7 @@ class DiskTier(Tier):
         found = []
         for path, key, stat in self._files():
             if key is None:
-                if time.time() - stat.st_mtime > ABANDONED_TMP_S:
-                    _unlink(path)
+                _unlink_if_abandoned(path, stat)
                 continue
             found.append((stat.st_mtime, key, stat))
         for mtime, key, stat in sorted(found, key=lambda f: f[:2]):
@@ -326,8 +325,7 @@ class DiskTier(Tier):
         ttl = self.policy.ttl_s
         for path, key, stat in self._files():
             if key is None:
-                if time.time() - stat.st_mtime > ABANDONED_TMP_S:
-                    _unlink(path)
+                _unlink_if_abandoned(path, stat)
             elif (ttl is not None and key not in self._entries and key not in self.pinned
                   and self.clock() - stat.st_mtime > ttl):
                 _unlink(path)
@@ -356,6 +354,12 @@ def _file_id(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_ino, stat.st_mtime_ns
+
+
+def _unlink_if_abandoned(path: Path, stat: os.stat_result) -> None:
+    """Remove a temporary file a writer left behind (`ABANDONED_TMP_S`)."""
+    if time.time() - stat.st_mtime > ABANDONED_TMP_S:
+        _unlink(path)
 
 
 def _unlink(path: Path) -> None:

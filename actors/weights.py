@@ -97,8 +97,12 @@ def check_weights(model_dir: Path, config) -> None:
     start would otherwise be the first to make (`tandem check-manifest --local`)."""
     with torch.device("meta"):
         model = ForCausalLM(config)
-    _fill(model, Path(model_dir), None, read=lambda reader, name: _Header(
-        tuple(reader.get_slice(name).get_shape()), reader.get_slice(name).get_dtype().startswith(("F", "BF"))))
+    _fill(model, Path(model_dir), None, read=lambda reader, name: _header(reader.get_slice(name)))
+
+
+def _header(tensor_slice) -> _Header:
+    """A safetensors slice's shape and whether its dtype (F32, BF16, F8_E4M3, I32, BOOL...) is floating point."""
+    return _Header(tuple(tensor_slice.get_shape()), tensor_slice.get_dtype().startswith(("F", "BF")))
 
 
 def load_weights(model: ForCausalLM, model_dir: Path, dtype: torch.dtype) -> None:

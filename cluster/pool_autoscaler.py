@@ -165,12 +165,11 @@ class PoolAutoscaler:
         which is only removed, as `PoolManager.report_dead` does: its replacement,
         if it needed one, was started by the drain, and a restart besides counted
         as one more worker of the pool, which then drained a serving one."""
-        if self.is_leaving(member):
-            self._remove(member)
-            self.awaiting_drain.pop(member.worker_id, None)
+        leaving = self.is_leaving(member)
+        self._remove(member)
+        if leaving:
             self.record(member.role, "died_draining", member.worker_id, reason=reason)
             return
-        self._remove(member)
         delay_s = self.restarts.failed(member.role, member.worker_id, reason, self.clock())
         self.metrics.start_failed(member.role)
         self.record(member.role, "start_failed", member.worker_id, reason=f"{reason}; next start in {delay_s:g} s")
@@ -204,9 +203,10 @@ class PoolAutoscaler:
             self.record(role, "retuned", reason="redeployed: autoscaling and slo settings")
 
     def _remove(self, member) -> None:
-        """The worker out of the pool and its actor killed."""
+        """The worker out of the pool (and of the drains waiting) and its actor killed."""
         self.manager.members.pop(member.worker_id, None)
         self.tracks.pop(member.worker_id, None)
+        self.awaiting_drain.pop(member.worker_id, None)
         try:
             ray.kill(member.handle)
         except Exception:  # already gone
