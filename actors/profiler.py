@@ -4,7 +4,11 @@ seed the scheduler's cost models before live traffic refines them.
 Runs once a worker, as its engine thread's first call (`WorkerBase.profile`), so
 before any request: it steps the engine itself and keeps the outputs, so a live
 request stepped by it would lose its tokens. Prompts are random token ids and leave
-no trace but evictable cache.
+no trace but evictable device cache: none of their blocks goes to the node's KV
+store. They did, about a hundred blocks each time a worker started (1.8 MB on the
+tiny model), into the host tier and on to disk and the shared path, pushing out
+real prefixes; and a store restarted just then took a late batch of them (a
+clean-clone run of test_kv_store_workers found it).
 
 Decode steps are timed at batches of 1, 4 and 16 short prompts, so the profile
 cannot tell a step's KV tokens from its rows (they grow together); a D's live
@@ -73,6 +77,11 @@ def profile_engine(
 ) -> EngineProfile:
     if engine.has_unfinished():  # (its steps would take a live request's tokens: it would wait for ever)
         raise RuntimeError("profile an engine before its first request, not beside one")
+    with engine.store_bridge.not_saving():
+        return _profile(engine, prompt_lens, batch_sizes, decode_steps)
+
+
+def _profile(engine: Engine, prompt_lens, batch_sizes, decode_steps: int) -> EngineProfile:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     profile = EngineProfile(kv_bytes_per_block=engine.runner.kv_cache[0].numel() * engine.runner.kv_cache.element_size())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -94,6 +95,15 @@ class StoreBridge:
                 self.pool.register(block_id, block.key, block.token_ids)
             held += block_ids
         return held
+
+    @contextmanager
+    def not_saving(self):
+        """Save nothing meanwhile (the start-up profile's random prompts)."""
+        sink, self.sink = self.sink, None
+        try:
+            yield
+        finally:
+            self.sink = sink
 
     def save_computed(self, chunks) -> None:
         """Hand the prompt blocks these chunks (a step's, computed) completed to

@@ -139,6 +139,7 @@ def test_a_crashed_store_is_started_again_and_the_workers_use_it_again(ray_local
     p, d = start_pair(ray_local, tiny_qwen2_dir, "crash-a", settings)
     run_pd(p, d, GenerateRequest("before-crash", [random.Random(8).randrange(3, 2000) for _ in range(100)], GREEDY))
     assert ray_local.get(p.kv_store_stats.remote()).tiers["host"]["entries"] > 0  # written through
+    ray_local.get(d.kv_store_stats.remote())  # (D's pending writes done too: none may reach the new store)
     namespace = kv_namespace(tiny_qwen2_dir, CONFIG.dtype, CONFIG.block_size)
     store = ray_local.get_actor(node_store_name(ray_local.get_runtime_context().get_node_id(), namespace, settings),
                                 namespace="tandem-kv")

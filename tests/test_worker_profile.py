@@ -92,3 +92,18 @@ def test_a_caller_that_gives_up_on_the_profile_leaves_it_to_the_others(ray_local
     assert caller_cancelled and not shared_cancelled
     assert ray_local.get(worker.profile.remote()).prefill_steps
     assert ray_local.get(worker.stats.remote()).profile_error is None
+
+
+def test_the_profile_saves_nothing_to_the_kv_store_and_live_prompts_still_go(tiny_qwen2_dir):
+    """The profile's random prompts went to the node's store: about a hundred
+    blocks a worker start, pushing out real prefixes (and into a store restarted
+    just then: test_kv_store_workers' crash test, once in a clean-clone run)."""
+    engine = Engine(tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=256))
+    saved = []
+    engine.store_bridge.sink = saved.extend
+    profile_engine(engine)
+    assert saved == []
+    engine.add_request(list(range(3, 3 + 40)), SamplingParams(max_new_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(saved) == 2, "a live prompt's two full blocks are saved, as before"
