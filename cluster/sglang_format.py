@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.openai_format import sse
 from cluster.response_streams import Collected, merged
+
+log = logging.getLogger(__name__)
 
 
 class CumulativeChunks:
@@ -102,22 +105,29 @@ def result(out: Collected, answered: Answered) -> dict:
 async def stream(streams: list, answered: list[Answered], indexed: bool):
     """Each request's chunks as its events come (`indexed`: each says which
     request, a batch's way), then `[DONE]`; a worker's error ends the stream with
-    an error chunk (closing it aborts every request still running)."""
+    an error chunk (closing it aborts every request still running), and so does
+    an error of this server's own on the way (logged here): it cut the stream,
+    with no error and no `[DONE]`, as the OpenAI streams' did (cluster/completions.py)."""
     chunks = [CumulativeChunks() for _ in streams]
     logprobs: list[list | None] = [None] * len(streams)  # each request's so far, if it asked
     prompt_logprobs: list[list | None] = [None] * len(streams)
     async with contextlib.aclosing(merged(streams)) as events:
-        async for k, event in events:
-            if event.error:
-                yield sse({"error": {"message": event.error, "type": "worker_error", "code": 500}})
-                break
-            chunks[k].add(event.text, event.token_ids)
-            if event.logprobs is not None:  # extended in place: a copy an event would be quadratic
-                logprobs[k] = logprobs[k] if logprobs[k] is not None else []
-                logprobs[k].extend(event.logprobs)
-            prompt_logprobs[k] = prompt_logprobs[k] or event.prompt_logprobs
-            reason = event.finish_reason if event.finished else None
-            meta = meta_info(answered[k], chunks[k].num_tokens, reason, event.num_cached_tokens, logprobs[k],
-                             prompt_logprobs[k])
-            yield chunks[k].sse(meta, k if indexed else None)
+        try:
+            async for k, event in events:
+                if event.error:
+                    yield sse({"error": {"message": event.error, "type": "worker_error", "code": 500}})
+                    break
+                chunks[k].add(event.text, event.token_ids)
+                if event.logprobs is not None:  # extended in place: a copy an event would be quadratic
+                    logprobs[k] = logprobs[k] if logprobs[k] is not None else []
+                    logprobs[k].extend(event.logprobs)
+                prompt_logprobs[k] = prompt_logprobs[k] or event.prompt_logprobs
+                reason = event.finish_reason if event.finished else None
+                meta = meta_info(answered[k], chunks[k].num_tokens, reason, event.num_cached_tokens, logprobs[k],
+                                 prompt_logprobs[k])
+                yield chunks[k].sse(meta, k if indexed else None)
+        except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
+            log.exception("request %s: its stream failed", answered[0].rid)
+            yield sse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "internal_error",
+                                 "code": 500}})
     yield sse("[DONE]")

@@ -1,14 +1,18 @@
 """SGLang's `/generate` formatting: the kept-encoded cumulative chunks are byte for
 byte what encoding the whole payload gives, a batch's `index` included; logprob
-entries are SGLang's triples."""
+entries are SGLang's triples; a stream failing on the server's side says so."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
+import time
 
+from actors.messages import TokenEvent
 from actors.request import TokenLogprob
 from cluster.openai_format import sse
-from cluster.sglang_format import Answered, CumulativeChunks, meta_info
+from cluster.sglang_format import Answered, CumulativeChunks, meta_info, stream
 
 PIECES = ["the", " cat", "é", "\u2603", '"q"', "\\", "\n", "\t", "\x00", "\U0001f642", "</script>", "", "\ud7ff",
           " tok"]
@@ -53,3 +57,31 @@ def test_a_chunk_before_the_last_has_no_finish_reason():
     running = meta_info(Answered("r", [5, 6], 0, 2), 1, None, 0)
     assert running["finish_reason"] is None
     assert meta_info(Answered("r", [5, 6], 0, 2), 2, "length", 0)["finish_reason"] == {"type": "length"}
+
+
+def test_a_stream_that_fails_on_this_servers_side_ends_with_an_error_chunk_and_done():
+    """An error of the server's own while formatting (here a token's text for its
+    logprobs) cut the stream with no error and no [DONE]; now it is said in the
+    stream, as the OpenAI streams do, and the request's events are closed."""
+    closed = []
+
+    async def events():
+        try:
+            yield TokenEvent("r", [7], "a", [TokenLogprob(7, -0.5, top=[])], False, None, time.time(), 0)
+            yield TokenEvent("r", [8], "b", [TokenLogprob(8, -0.5, top=[])], False, None, time.time(), 0)
+        finally:
+            closed.append(True)
+
+    def token_text(token_id):
+        if token_id == 8:
+            raise KeyError(token_id)
+        return "a"
+
+    async def run():
+        answered = [Answered("r", [5, 6], -1, 0, token_text=token_text)]
+        return [line async for line in stream([events()], answered, indexed=False)]
+
+    lines = asyncio.run(run())
+    assert json.loads(lines[0].removeprefix("data: "))["text"] == "a"
+    assert json.loads(lines[1].removeprefix("data: "))["error"]["message"] == "internal error: KeyError"
+    assert lines[2] == sse("[DONE]") and len(lines) == 3 and closed
