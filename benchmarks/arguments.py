@@ -1,6 +1,7 @@
 """Argument types of the `tandem bench` options, so that a count, size, rate or
-duration out of its range is refused by argparse with one line naming the option
-(`--capacity -1` reached the Poisson arrivals and ended in a traceback)."""
+duration out of its range, or a list with a bad item, is refused by argparse with
+one line naming the option (`--capacity -1` reached the Poisson arrivals and ended
+in a traceback, and so did `--rows 1,x` in the kernels benchmark)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,32 @@ non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
 fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
-def positive_ints(text: str) -> list[int]:
-    """A comma-separated list of integers > 0 (`--lengths 64,512,1800`)."""
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be integers > 0, comma-separated, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"must be integers > 0, comma-separated, got {text!r}")
-    return values
+def _numbers(kind, accepts, wanted: str):
+    def parse(text: str) -> list:
+        try:
+            values = [kind(part) for part in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, comma-separated, got {text!r}") from None
+        if not all(map(accepts, values)):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, comma-separated, got {text!r}")
+        return values
+    return parse
+
+
+positive_ints = _numbers(int, lambda v: v > 0, "integers > 0")  # `--lengths 64,512,1800`
+non_negative_floats = _numbers(float, lambda v: 0 <= v < float("inf"), "numbers >= 0")  # `--long-at-s 1,2.5`
+
+
+def names(*allowed: str):
+    """A comma-separated choice among `allowed` (`--sections linear,sampling`), in
+    the order given; an unknown name is refused (it was a traceback, or silently
+    ran nothing)."""
+    def parse(text: str) -> list[str]:
+        chosen = [part.strip() for part in text.split(",") if part.strip()]
+        if not chosen or any(name not in allowed for name in chosen):
+            raise argparse.ArgumentTypeError(f"must be names from {', '.join(allowed)}, comma-separated, got {text!r}")
+        return chosen
+    return parse
 
 
 def rates(text: str) -> str:

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.arguments import arch, block_size, positive_int
+from benchmarks.arguments import arch, block_size, names, positive_int
 from benchmarks.engine_profile import profile_tandem, sweep
 from benchmarks.engine_systems import HFContinuousSystem, HFStaticSystem, RunResult, TandemSystem, load_hf_model
 from benchmarks.engine_workloads import Workload, equal_workload, mixed_workload
@@ -112,7 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=1, help="repeats of the mixed workload")
     parser.add_argument("--equal-repeats", type=positive_int, default=3, help="repeats of the equal-length workload")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 mixed requests, shorter outputs")
-    parser.add_argument("--workloads", default="mixed,equal", help="comma list of mixed, equal")
+    parser.add_argument("--workloads", type=names("mixed", "equal"), default="mixed,equal",
+                        help="comma list of mixed, equal")
     parser.add_argument("--no-hf-cb", action="store_true", help="skip the transformers continuous-batching baseline")
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads (both systems)")
     parser.add_argument("--seed", type=int, default=0)
@@ -173,7 +174,7 @@ def main(args: argparse.Namespace) -> None:
 
     results: dict = {"workloads": {}}
     rows, ratios = [], []
-    for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+    for name in args.workloads:
         workloads, names = workloads_for(name, args, vocab)
         chosen = [systems[n] for n in names if systems[n] is not None]
         print(f"\n{name}: {workloads[0].describe()} x {len(workloads)} repeats", flush=True)

@@ -62,7 +62,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.arguments import positive_int, preset
+from benchmarks.arguments import names, positive_int, preset
 from benchmarks.gpu_check_graphs import check_graphs
 from benchmarks.gpu_timing import decode_step_s, static_decode_step_s, timed
 
@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=positive_int, default=None,
                         help="the roofline's prompt (default: 4096 on cuda, 1024 on cpu, inside tiny's context)")
     parser.add_argument("--decode-batch", type=positive_int, default=64)
-    parser.add_argument("--steps", default="kernels,exactness,roofline,graphs,pd")
+    parser.add_argument("--steps", type=names("kernels", "exactness", "roofline", "graphs", "pd"),
+                        default="kernels,exactness,roofline,graphs,pd")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "gpu-results"))
 
 
@@ -301,7 +302,7 @@ def main(args: argparse.Namespace) -> dict:
         "graphs": lambda: check_graphs(model_dir, exact_model_dir, args.device, dtype, args.decode_batch),
         "pd": lambda: check_pd(model_dir, args.device, dtype, args.decode_batch),
     }
-    for name in [s.strip() for s in args.steps.split(",") if s.strip()]:
+    for name in args.steps:
         started = time.perf_counter()
         try:
             results["steps"][name] = steps[name]()

@@ -34,7 +34,7 @@ import re
 import time
 
 from benchmarks import report
-from benchmarks.arguments import non_negative_int, positive_float, positive_int
+from benchmarks.arguments import non_negative_floats, non_negative_int, positive_float, positive_int
 
 METRICS_REFRESH_S = 2.0  # the scheduler reads its workers' stats about once a second
 
@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--short-output", type=positive_int, default=80)
     parser.add_argument("--long-prompt", type=positive_int, default=640)
     parser.add_argument("--long-output", type=positive_int, default=20)
-    parser.add_argument("--long-at-s", default="1,2.5,4", help="arrival times of the long prompts")
+    parser.add_argument("--long-at-s", type=non_negative_floats, default="1,2.5,4",
+                        help="arrival times of the long prompts")
     parser.add_argument("--ttft-slo-ms", type=positive_float, default=None,
                         help="turn early rejection on with this TTFT SLO")
     parser.add_argument("--decode-reserve-tokens", type=non_negative_int, default=512,
@@ -63,7 +64,7 @@ def workload(args, vocab: int, seed: int):
 
     rng = random.Random(seed)
     arrivals = [(i * args.short_every_ms / 1e3, "short") for i in range(int(args.window_s * 1e3 / args.short_every_ms))]
-    arrivals += [(float(at), "long") for at in args.long_at_s.split(",")]
+    arrivals += [(at, "long") for at in args.long_at_s]
     arrivals.sort()
     requests, classes = [], []
     for index, (at, kind) in enumerate(arrivals):

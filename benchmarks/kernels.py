@@ -32,16 +32,18 @@ import statistics
 import time
 
 from benchmarks import report
-from benchmarks.arguments import non_negative_int, positive_int
+from benchmarks.arguments import names, non_negative_int, positive_int, positive_ints
 
 HIDDEN, INTERMEDIATE, KV_HEADS, HEADS, HEAD_DIM, LAYERS, VOCAB = 768, 2304, 4, 12, 64, 12, 8192
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (0: all cores)")
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="input rows M for the linear layers")
+    parser.add_argument("--rows", type=positive_ints, default="1,2,4,8,16,32,64,128,256",
+                        help="input rows M for the linear layers")
     parser.add_argument("--repeats", type=positive_int, default=9)
-    parser.add_argument("--sections", default="linear,attention,sampling,block_tables", help="which tables to run")
+    parser.add_argument("--sections", type=names("linear", "attention", "sampling", "block_tables", "none"),
+                        default="linear,attention,sampling,block_tables", help="which tables to run (none: no table)")
 
 
 def alternate(first, second, repeats: int) -> tuple[float, float]:
@@ -69,7 +71,7 @@ def linear_rows(args, cpu_linear) -> list[dict]:
     flops_per_row = sum(2 * w.numel() for w in weights)
     module = cpu_linear.load()
     results = []
-    for m in [int(v) for v in args.rows.split(",")]:
+    for m in args.rows:
         inputs = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
 
         def torch_step():
@@ -180,7 +182,7 @@ def main(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    sections = {name.strip() for name in args.sections.split(",") if name.strip()}
+    sections = set(args.sections)
     results: dict = {"threads": torch.get_num_threads(), "max_rows": cpu_linear.MAX_ROWS,
                      "machine": report.machine_info()}
     headline = []

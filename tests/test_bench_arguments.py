@@ -1,7 +1,8 @@
 """`tandem bench` options out of range are refused by argparse, one line naming
 the option, before any benchmark runs (a negative capacity reached the Poisson
 arrivals and ended in a traceback). Every numeric option of every benchmark has
-a ranged type; only a seed takes any integer."""
+a ranged type; only a seed takes any integer. Every list option is parsed by
+its type too, a bad item or unknown name refused up front."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def test_every_numeric_option_has_a_range():
                 assert action.dest == "seed", f"tandem bench {name} {action.option_strings[0]}: give it a range"
 
 
+def test_every_list_option_is_parsed_by_its_type():
+    """A list kept as text was split where it was used, minutes into a run: a bad
+    item was a traceback (`--rows 1,x`), an unknown name one (`--workloads`) or
+    nothing run at all (`--sections`)."""
+    for name, parser in _bench_parsers().items():
+        for action in parser._actions:
+            if isinstance(action.default, str) and "," in action.default:
+                assert action.type is not None, f"tandem bench {name} {action.option_strings[0]}: give it a type"
+
+
 def test_every_preset_option_is_checked_against_the_presets():
     """An unknown preset was a traceback from the model builder, or from the
     settings inside a Serve deployment (`tandem bench serve`)."""
@@ -51,6 +62,12 @@ def test_every_preset_option_is_checked_against_the_presets():
     (["serve", "--rates", "abc"], "argument --rates: must be rates > 0 in req/s, comma-separated, got 'abc'"),
     (["overload", "--rates", "2,-1"], "argument --rates: must be rates > 0 in req/s, comma-separated, got '2,-1'"),
     (["engine", "--block-size", "7"], "argument --block-size: must be 16, 32 or 64, got '7'"),
+    (["kernels", "--rows", "1,x"], "argument --rows: must be integers > 0, comma-separated, got '1,x'"),
+    (["kernels", "--sections", "linear,bogus"],
+     "argument --sections: must be names from linear, attention, sampling, block_tables, none, comma-separated, "
+     "got 'linear,bogus'"),
+    (["engine", "--workloads", ","], "argument --workloads: must be names from mixed, equal, comma-separated, got ','"),
+    (["handshake", "--long-at-s", "1,a"], "argument --long-at-s: must be numbers >= 0, comma-separated, got '1,a'"),
 ])
 def test_an_option_out_of_range_is_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
