@@ -2,8 +2,12 @@
 
 Two layers: Ray's own schema (`prepare_config` then `validate_config`, private API
 pinned with Ray 2.60, wrapped here) and what Tandem needs on top: a node type
-labelled `tandem/role: prefill` and one labelled `decode`, integer resources,
-min_workers <= max_workers. Returns a list of problems; empty means valid.
+labelled `tandem/role: prefill` and one labelled `decode` that can be launched
+(the head, or a type whose max_workers is above 0: a labelled type at 0 was
+counted, and its pool had nowhere to run), integer resources, min_workers <=
+max_workers. A type's max_workers defaults as Ray's (0 for the head, else the
+cluster's max_workers, itself 2 by default). Returns a list of problems; empty
+means valid.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 import yaml
 
 ROLE_LABEL = "tandem/role"
+RAY_DEFAULT_MAX_WORKERS = 2  # ray-schema.json's default for the cluster's max_workers
 
 
 def check_cluster_config(path: str | Path) -> list[str]:
@@ -26,24 +31,32 @@ def check_cluster_config(path: str | Path) -> list[str]:
     node_types = raw.get("available_node_types") or {}
     if not isinstance(node_types, dict):
         return problems + ["available_node_types must be a mapping of node type names to their settings"]
-    roles: dict[str, list[str]] = {}
+    roles: dict[str, list[str]] = {}  # role: the node types labelled with it
+    launchable: set[str] = set()  # roles some node type with it can be launched for
     for name, node_type in node_types.items():
         shape = _shape_problem(name, node_type)
         if shape is not None:
             problems.append(shape)
             continue
+        is_head = name == raw.get("head_node_type")
+        low = node_type.get("min_workers", 0)
+        high = node_type.get("max_workers", 0 if is_head else raw.get("max_workers", RAY_DEFAULT_MAX_WORKERS))
         role = (node_type.get("labels") or {}).get(ROLE_LABEL)
         if role:
             roles.setdefault(role, []).append(name)
+            if is_head or not isinstance(high, int) or high > 0:
+                launchable.add(role)
         for resource, amount in (node_type.get("resources") or {}).items():
             if not isinstance(amount, int):
                 problems.append(f"node type {name}: resource {resource} must be an integer, got {amount!r}")
-        low, high = node_type.get("min_workers", 0), node_type.get("max_workers", 0)
         if isinstance(low, int) and isinstance(high, int) and low > high:
             problems.append(f"node type {name}: min_workers {low} > max_workers {high}")
     for role in ("prefill", "decode"):
         if role not in roles:
             problems.append(f"no node type labelled {ROLE_LABEL}: {role} (the {role} pool has nowhere to run)")
+        elif role not in launchable:
+            problems.append(f"the node types labelled {ROLE_LABEL}: {role} ({', '.join(roles[role])}) have "
+                            f"max_workers 0 and none is the head: the {role} pool has nowhere to run")
     return list(dict.fromkeys(problems))  # (Ray's schema may say the same)
 
 

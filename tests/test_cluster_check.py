@@ -30,6 +30,35 @@ def test_missing_decode_role_is_reported(tmp_path):
     assert any("decode" in p for p in check_cluster_config(path))
 
 
+def test_a_role_only_on_node_types_that_are_never_launched_is_reported(tmp_path):
+    """A labelled node type at max_workers 0 (not the head) counted as the role's
+    home; set by a type's own max_workers or, as Ray defaults it, the cluster's."""
+    path = _variant(tmp_path, lambda raw: raw["available_node_types"]["decode_gpu"].update(min_workers=0,
+                                                                                           max_workers=0))
+    assert any("decode_gpu) have max_workers 0" in p for p in check_cluster_config(path))
+
+    def cluster_wide(raw):
+        raw["max_workers"] = 0
+        for name in ("prefill_gpu", "decode_gpu"):
+            del raw["available_node_types"][name]["max_workers"]
+            raw["available_node_types"][name]["min_workers"] = 0
+
+    problems = check_cluster_config(_variant(tmp_path, cluster_wide))
+    assert sum("have max_workers 0" in p for p in problems) == 2
+
+    def head_is_decode(raw):
+        raw["available_node_types"]["head"]["labels"]["tandem/role"] = "decode"
+        del raw["available_node_types"]["decode_gpu"]
+
+    assert check_cluster_config(_variant(tmp_path, head_is_decode)) == []
+
+
+def test_a_node_types_max_workers_defaults_to_the_clusters(tmp_path):
+    """min_workers 1 with no max_workers of the type's own was read as 1 > 0."""
+    path = _variant(tmp_path, lambda raw: raw["available_node_types"]["decode_gpu"].pop("max_workers"))
+    assert check_cluster_config(path) == []
+
+
 def test_fractional_resources_and_bad_bounds_are_reported(tmp_path):
     def mutate(raw):
         raw["available_node_types"]["prefill_gpu"]["resources"]["GPU"] = 0.5
