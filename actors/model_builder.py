@@ -180,16 +180,23 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict
     return shards
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors writes its files private (mode 0600), the config beside them is
+    0644: the cache may be shared (`ensure_checkpoint`), and another user's worker
+    could read the config and not the weights."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)
+
+
 def _save_weights(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None) -> None:
-    metadata = {"format": "pt"}
     if max_shard_bytes is None:
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+        _save_file(tensors, out_dir / "model.safetensors")
         return
     shards = _shards(tensors, max_shard_bytes)
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / file_name), metadata=metadata)
+        _save_file(shard, out_dir / file_name)
         weight_map.update(dict.fromkeys(shard, file_name))
     total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}

@@ -161,6 +161,8 @@ def test_sharded_build_matches_single_file(tmp_path, tiny_dirs):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(shards)
     assert "model.embed_tokens.weight" in index["weight_map"]
+    assert {(p.name, p.stat().st_mode & 0o777) for p in sharded.glob("*.safetensors")} == {
+        (name, 0o644) for name in shards}, "readable by all, as the config beside them (safetensors writes 0600)"
 
     input_ids = torch.tensor([[5, 77, 301, 1999, 42, 8, 1024]])
     torch.testing.assert_close(_logits(sharded, input_ids), _logits(tiny_dirs["qwen2"], input_ids),
