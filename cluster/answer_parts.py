@@ -149,10 +149,21 @@ def calls_regex(arguments: dict[str, str], arguments_key: str, separator: str, p
 def known_call(value, tool_names: set[str], arguments_key: str = "arguments") -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call the model wrote as a JSON value,
     or None unless it is an object naming one of the tools, with an object (or no)
-    `arguments_key`."""
-    if not isinstance(value, dict) or value.get("name") not in tool_names:
+    `arguments_key`. A name that is not a string (the model's `["f"]`) is no call:
+    looked up, it raised TypeError, a 500 or a cut stream."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in tool_names:
         return None
-    arguments = value.get(arguments_key, {})
+    arguments = arguments_text(value.get(arguments_key, {}))
+    return None if arguments is None else (value["name"], arguments)
+
+
+def arguments_text(arguments) -> str | None:
+    """A call's arguments as JSON text; None unless an object Python can write
+    back: nested a little under Python's limit, `json.loads` read it and
+    `json.dumps` raised RecursionError."""
     if not isinstance(arguments, dict):
         return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
+    try:
+        return json.dumps(arguments, ensure_ascii=False)
+    except RecursionError:
+        return None

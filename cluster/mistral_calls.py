@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, WholeCallsStream, calls_regex, known_call
+from cluster.answer_parts import ParsedCalls, WholeCallsStream, arguments_text, calls_regex, known_call
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"  # tokenizer v11 on: between a call's name and its arguments
@@ -76,9 +76,10 @@ def _read_named(text: str, tool_names: set[str]) -> list[tuple[str, str, int]] |
             arguments, at = json.JSONDecoder().raw_decode(text, at)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(arguments, dict):
+        arguments = arguments_text(arguments)
+        if arguments is None:
             return None
-        calls.append((name, json.dumps(arguments, ensure_ascii=False), at))
+        calls.append((name, arguments, at))
         at = _after_space(text, at)
         if at == len(text):
             return calls

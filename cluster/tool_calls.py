@@ -126,7 +126,8 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
         return None
     if tool_choice == "auto":
         return None  # the model's choice, parsed after (cluster/hermes_calls.py)
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None  # (not an object: a 400, was a 500)
     if not isinstance(name, str):
         raise InvalidRequestError(
             'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}')

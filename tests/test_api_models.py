@@ -100,8 +100,10 @@ def test_tools_ask_for_a_pattern_only_when_a_call_is_required_or_named():
     assert ChatBody(messages=MESSAGES, tool_choice="auto").output_regex() is None  # auto without tools (was a 500)
     auto = ChatBody(messages=MESSAGES, tools=[tool])  # OpenAI's default with tools: "auto", parsed after
     assert auto.output_regex() is None and auto.template_tools() == [tool]
-    with pytest.raises(InvalidRequestError, match="tool_choice must be"):
-        ChatBody(messages=MESSAGES, tools=[tool], tool_choice={"type": "function"}).output_regex()
+    for function in (None, "f", ["f"], {}):  # (not an object: an AttributeError, a 500)
+        with pytest.raises(InvalidRequestError, match="tool_choice must be"):
+            ChatBody(messages=MESSAGES, tools=[tool], tool_choice={"type": "function", "function": function}
+                     ).output_regex()
 
 
 def test_twenty_strict_tools_of_their_own_schemas_compile():
