@@ -116,8 +116,10 @@ def _compile(pattern: str) -> ByteDfa:
 
 
 def choice_regex(choices: list[str]) -> str:
-    """A pattern matching exactly one of `choices` (vLLM's guided_choice)."""
-    if not choices or not all(isinstance(c, str) and c for c in choices):
+    """A pattern matching exactly one of `choices` (vLLM's guided_choice). A string
+    is refused: iterated, `"yes"` was the choices y, e and s (`structured_outputs`
+    passes its `choice` as given)."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise RegexError("choice must be a non-empty list of non-empty strings")
     return "|".join(f"(?:{re.escape(c)})" for c in choices)
 

@@ -184,7 +184,7 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
     if text is None:
         return ChatAnswer(None, None, finish_reason)
     tool_choice = _effective(tools, tool_choice)
-    if tool_choice == "auto":
+    if tool_choice == "auto" and tools:  # (without tools: text as written, as the stream sends it)
         parsed = fmt.parse_of(_is_held(tools))(text, tool_names(tools), parallel)
         calls = [call(name, arguments) for name, arguments in parsed.calls] or None
         return ChatAnswer(parsed.content, calls, _calls_reason(finish_reason, calls))

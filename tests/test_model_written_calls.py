@@ -2,7 +2,8 @@
 (cluster/answer_parts.py `known_call`, shared by cluster/hermes_calls.py,
 llama_calls.py and mistral_calls.py): whatever it is, the answer is text or
 calls, whole and streamed alike, never an exception (a 500 unstreamed, an error
-chunk in a stream). Each case raised before a review found it."""
+chunk in a stream). Each case raised before a review found it; and tool_choice
+"auto" without tools answers the text as written, whole as streamed."""
 
 from __future__ import annotations
 
@@ -50,3 +51,12 @@ def test_arguments_nested_just_under_pythons_limit_are_text_or_a_call(fmt):
                 "mistral": f'[{{"name": "f", "arguments": {inner}}}]'}[fmt]
         whole, deltas = _answers(text, fmt)
         assert whole.calls or whole.content == text
+
+
+@pytest.mark.parametrize("tools", [None, []])
+def test_auto_without_tools_answers_the_text_as_written_whole_and_streamed(tools):
+    """The whole answer went through the call parser, which trims the text; the
+    stream sent it as written."""
+    text = "\n\nHello world\n"
+    assert chat_answer(text, "stop", tools, "auto").content == text
+    assert StreamedCalls.of(tools, "auto") is None  # (the stream: the text as it comes)
