@@ -147,7 +147,10 @@ class ReasoningDeltas:
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta's fields for this event ({}: none yet; the chunk still carries
-        the tokens' logprobs)."""
+        the tokens' logprobs). `answer` sees the text once the answer has begun: fed
+        the empty text of each event before, a named function's call went out with
+        the first chunk, ahead of the reasoning, and stood, arguments "", in an
+        answer cut while it reasoned, which whole has no call."""
         pieces = self.stream.feed(text) + (self.stream.finish() if finished else [])
         delta: dict = {}
         thinking = "".join(piece for part, piece in pieces if part == "reasoning")
@@ -155,7 +158,8 @@ class ReasoningDeltas:
             delta["reasoning_content"] = thinking
         content = "".join(piece for part, piece in pieces if part == "content")
         if self.answer is not None:
-            delta.update(self.answer.delta(content, finished) or {})
+            if self.stream.part == "content":
+                delta.update(self.answer.delta(content, finished) or {})
         elif content:
             delta["content"] = content
         return delta
