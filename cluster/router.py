@@ -2,9 +2,16 @@
 
 `PrefixIndex` is the scheduler's view of one worker's prefix cache, fed by the
 worker's cache events (blocks stored and evicted, polled every refresh) and, between
-polls, by the prompts the scheduler routed there. It is LRU-bounded by the worker's
-block count. A stale entry costs only a worse prediction, never wrong output: the
-worker verifies tokens itself.
+polls, by the prompts the scheduler routed there. A routed prompt's blocks count as
+held for `ROUTED_S`, or until the worker's events say it stored them (then they are
+its) or evicted them: a prompt the worker never caches (its prefix cache off, a
+retry on another pair, an abort before its prefill) left hits that stayed until
+LRU pushed them out, and cache-aware routing sent every request of that prefix to
+a worker that did not hold it (a review's repro: 16 of 256 tokens predicted to
+compute, all 256 computed). Kept apart, routed blocks no longer push the worker's
+own out either: the index, LRU-bounded by the worker's block count, dropped a
+chain's first blocks first, which the worker keeps longest. A stale entry costs
+only a worse prediction, never wrong output: the worker verifies tokens itself.
 
 Policies pick P among candidates that each carry a `Prediction`:
 - `round_robin`: in turn, blind to load and cache;
@@ -19,33 +26,54 @@ most KV headroom, then the least routed to; past the SLO the fastest.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from actors.event_log import CacheEvents
 from cluster.admission import Prediction
 
 
+ROUTED_S = 10.0  # how long a routed prompt's blocks count as held without the worker's word
+
+
 class PrefixIndex:
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = max(1, capacity_blocks)
-        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()  # the worker's, as its events say
+        self._routed: OrderedDict[bytes, float] = OrderedDict()  # routed here, not yet stored: hash -> until
+        self._clock = clock
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._hashes
+        if block_hash in self._hashes:
+            return True
+        until = self._routed.get(block_hash)
+        return until is not None and until > self._clock()
 
     def match(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of this chain the worker likely holds."""
         count = 0
         for block_hash in hashes:
-            if block_hash not in self._hashes:
+            if block_hash not in self:
                 break
             count += 1
         return count
 
+    def route(self, hashes: Sequence[bytes]) -> None:
+        """A prompt routed to this worker: its blocks count as held until its events
+        say, or for `ROUTED_S` (bounded by the capacity too)."""
+        now = self._clock()
+        for block_hash in hashes:
+            if block_hash not in self._hashes:
+                self._routed[block_hash] = now + ROUTED_S
+                self._routed.move_to_end(block_hash)
+        while self._routed and (len(self._routed) > self.capacity or next(iter(self._routed.values())) <= now):
+            self._routed.popitem(last=False)  # (in the order they expire: each routed moved to the end)
+
     def apply(self, events: Sequence[tuple[bool, bytes]]) -> None:
         """A worker's cache events: (True, hash) stored, (False, hash) evicted."""
         for stored, block_hash in events:
+            self._routed.pop(block_hash, None)
             if stored:
                 self.insert([block_hash])
             else:
@@ -59,6 +87,7 @@ class PrefixIndex:
         self.apply(batch.events)
 
     def insert(self, hashes: Sequence[bytes]) -> None:
+        """Blocks the worker holds (stored events; tests)."""
         for block_hash in hashes:
             self._hashes[block_hash] = None
             self._hashes.move_to_end(block_hash)

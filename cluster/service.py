@@ -268,8 +268,8 @@ class GlobalScheduler:
         models = self.view.models
         models.inflight[request.request_id] = inflight
         for worker_id in (choice.prefill_id, choice.decode_id):
-            if worker_id in self.view.prefix:
-                self.view.prefix[worker_id].insert(hashes)
+            if worker_id in self.view.prefix and self.settings.engine.enable_prefix_cache:  # (off: never held)
+                self.view.prefix[worker_id].route(hashes)
         last_s = None
         gaps_from_s, num_gaps = None, 0  # the decode model learns a mean gap every GAPS_PER_OBSERVATION
         try:

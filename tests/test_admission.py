@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
 import numpy as np
 import pytest
 
+from actors.messages import TokenEvent
+from actors.sampling_params import SamplingParams
 from cluster.admission import InFlight, Prediction, SloRejected, WorkerModels
 from cluster.cost_model import LinearCostModel, decode_features, prefill_features
 from cluster.router import CacheAware, LeastLoad, PrefixIndex, RoundRobin, make_policy
@@ -197,6 +200,53 @@ def test_prefix_index_is_lru_bounded():
     index.insert([b"d"])
     assert index.match([b"a"]) == 0  # the least recently used went first
     assert index.match([b"b", b"c", b"d"]) == 3
+
+
+def test_routed_blocks_count_until_the_worker_says_or_for_a_while():
+    """A prompt routed to a worker counts as held until the worker's events say it
+    stored it (then for good) or for `ROUTED_S`; one it never cached (prefix cache
+    off, a retry elsewhere, an abort) stayed until LRU pushed it out."""
+    from cluster.router import ROUTED_S
+
+    now = [100.0]
+    index = PrefixIndex(capacity_blocks=10, clock=lambda: now[0])
+    index.route([b"a", b"b"])
+    index.route([b"c"])
+    assert index.match([b"a", b"b"]) == 2 and b"c" in index
+    index.apply([(True, b"a")])  # the worker stored a; b it never did
+    now[0] += ROUTED_S + 0.1
+    assert index.match([b"a", b"b"]) == 1 and b"c" not in index
+    index.route([b"d"])  # (the expired go on the next route)
+    assert index._routed == {b"d": now[0] + ROUTED_S}
+
+
+def test_routed_blocks_never_push_out_the_workers_own():
+    """LRU-bounded by the worker's block count, routed chains pushed the index over
+    it and dropped the first blocks of a chain the worker holds (the worker keeps a
+    chain's first blocks longest)."""
+    index = PrefixIndex(capacity_blocks=3)
+    index.apply([(True, b"a"), (True, b"b")])
+    index.route([b"x", b"y", b"z", b"w"])
+    assert index.match([b"a", b"b"]) == 2
+    assert sum(h in index for h in (b"x", b"y", b"z", b"w")) == 3  # (routed: bounded by the capacity too)
+
+
+def test_a_prompt_routed_where_the_prefix_cache_is_off_leaves_no_hit():
+    """The workers never cache it (nor say so): the routed prompt's blocks were a
+    hit for every later request of that prefix."""
+    async def one_token(request, choice, inflight):  # (the workers' events, scripted)
+        yield TokenEvent(request.request_id, [5], "a", None, True, "length", time.time(), 0)
+
+    prompt = list(range(256))
+    for enabled, uncached in ((False, 256), (True, 16)):  # (on: routed there, the rest a hit until P says)
+        scheduler = _scheduler(ttft_ms=10_000, enable_prefix_cache=enabled)
+        scheduler._events = one_token
+
+        async def run():
+            return [event async for event in scheduler.generate(prompt, SamplingParams(max_new_tokens=1))]
+
+        assert len(asyncio.run(run())) == 1
+        assert scheduler.plan(prompt).uncached_tokens == uncached
 
 
 def test_policies_pick_as_documented():
