@@ -122,6 +122,7 @@ class Scheduler:
         app.state.background = self.background
         app.state.pool_view, app.state.require_ready = self.service.view, self._require_ready  # (worker_endpoints)
         self._refresher: asyncio.Task | None = None
+        self._refreshing: asyncio.Task | None = None  # the refresh under way (`_refresh`)
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
         # Membership and start-up profiles from now on, not from the first request:
         # /health turns ready by itself, and no first client waits for a refresh.
@@ -138,7 +139,17 @@ class Scheduler:
             await self._refresh()
             await asyncio.sleep(1.0)
 
-    async def _refresh(self) -> None:
+    def _refresh(self) -> asyncio.Task:
+        """The refresh under way, else a new one: one at a time. Two at once (the
+        loop's and a request's while the view is not ready) could forget a worker
+        while the other read its cache events (a KeyError: the view not ready, 503s
+        until the next), or apply a worker's events out of order. Not part of any
+        request: a client that leaves must not cancel the calls every caller waits on."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = background_task(self._refresh_once())
+        return self._refreshing
+
+    async def _refresh_once(self) -> None:
         """Membership and load from the pool manager. A pool manager that is gone
         for good (its workers went with it) is replaced: the new one starts fresh
         pools and /health says "starting" until they are ready."""
@@ -155,7 +166,7 @@ class Scheduler:
     async def _require_ready(self) -> None:
         self._ensure_refreshing()
         if not self.service.view.ready:  # a client that leaves meanwhile must not cancel the refresh's calls
-            await asyncio.shield(background_task(self._refresh()))
+            await asyncio.shield(self._refresh())
         view = self.service.view
         if view.settings_refusal:
             raise ApiError(503, view.settings_refusal, kind="service_unavailable")

@@ -179,8 +179,12 @@ class PoolView:
 
     def _apply_cache_events(self, worker_id: str, batch: CacheEvents) -> None:
         """A worker's prefix-cache events since this replica's cursor, or a snapshot
-        of its cache (a first read, or one that fell behind its log)."""
-        self.prefix[worker_id].update(batch)
+        of its cache (a first read, or one that fell behind its log). None for a
+        worker forgotten while they came (a KeyError that failed the refresh)."""
+        index = self.prefix.get(worker_id)
+        if index is None:
+            return
+        index.update(batch)
         self.cache_cursors[worker_id] = batch.cursor
 
     def replace_pool(self, pool) -> None:

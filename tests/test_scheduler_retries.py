@@ -218,3 +218,47 @@ def test_another_replicas_backlog_is_priced_as_its_prompts_not_as_one():
     assert models.queued_prefill_s("p0") == pytest.approx(16 * one, rel=0.01)
     report = OutcomeRecorder("r1").report([InFlight(f"r{i}", None, "p0", 1000, 4, 0.5) for i in range(3)])
     assert report.backlog_tokens == {"p0": 3000} and report.backlog_prompts == {"p0": 3}
+
+
+def test_a_worker_forgotten_while_its_cache_events_come_fails_no_refresh():
+    """Two refreshes at once (the loop's and a request's while the view was not
+    ready; the app now runs one at a time) and one forgot a worker whose events
+    the other was reading: a KeyError, the view not ready, 503s until the next."""
+    scheduler = _scheduler(ttft_ms=10_000)
+    view = scheduler.view
+    view.pools_applied = True
+    listed = {"p0", "d0"}
+
+    class Handle:
+        def __init__(self, worker_id: str) -> None:
+            self.worker_id = worker_id
+
+        @property
+        def stats(self):
+            async def read():
+                return _idle_stats(self.worker_id)
+            return _remote(read)
+
+        @property
+        def cache_events(self):
+            async def events(cursor):
+                if self.worker_id == "p0" and "p0" in listed:
+                    listed.discard("p0")  # p0 leaves while its events come,
+                    await view.refresh()  # and another refresh forgets it
+                return CacheEvents(cursor, False, [])
+            return _remote(events)
+
+    async def answer(value):
+        return value
+
+    class Pool:
+        list_members = _remote(lambda: answer([Member(w, "prefill" if w == "p0" else "decode", Handle(w))
+                                               for w in sorted(listed)]))
+        report = _remote(lambda report: answer(None))
+        start_failures = _remote(lambda: answer({}))
+
+    view.pool = Pool()
+    asyncio.run(view.refresh())  # (p0 and d0 listed and read: indexed from here on)
+    listed.add("p0")
+    asyncio.run(view.refresh())
+    assert "p0" not in view.prefix and "d0" in view.prefix
