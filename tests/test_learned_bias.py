@@ -43,7 +43,8 @@ def test_the_ttft_bias_is_the_attainment_quantile_of_the_errors_not_their_mean()
 
 def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_everyone_out(monkeypatch):
     """Only admitted requests are observed: a bias that puts every prediction past
-    the SLO would reject every request for good if it did not fade."""
+    the SLO would reject every request for good if it did not fade. Whole for a
+    half-life, it halves every half-life after that."""
     import cluster.admission as admission
     from cluster.learned_bias import HALF_LIFE_S
 
@@ -51,7 +52,10 @@ def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_e
     prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
     models.observe_ttft(prediction, observed_s=prediction.ttft_s + 8.0)  # a bad spell: 8 s late
     assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 8.0, rel=0.05)
-    later = time.monotonic() + 3 * HALF_LIFE_S
+    soon = time.monotonic() + 0.9 * HALF_LIFE_S
+    monkeypatch.setattr(admission.time, "monotonic", lambda: soon)
+    assert models.ttft_bias("p0") == pytest.approx(8.0, rel=0.01)
+    later = soon + 3.1 * HALF_LIFE_S
     monkeypatch.setattr(admission.time, "monotonic", lambda: later)
     assert models.ttft_bias("p0") == pytest.approx(1.0, rel=0.01)
     assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 1.0, rel=0.05)
@@ -59,6 +63,23 @@ def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_e
     models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
     # Learning goes on from there: the 90th percentile of the faded 1.0 and the new 0.3.
     assert models.ttft_bias("p0") == pytest.approx(0.3 + 0.9 * (1.0 - 0.3), rel=1e-3)
+
+
+def test_residuals_younger_than_a_half_life_count_whole(monkeypatch):
+    """A window of residuals observed over the last few seconds is their plain
+    quantile. Each faded from when it came, the older part counted shrunken and
+    the bias sat below its quantile: 28-31% of first tokens later than predicted
+    where 10% were asked, in a review's simulation of a steady load."""
+    import cluster.learned_bias as learned_bias
+
+    clock = [1000.0]
+    monkeypatch.setattr(learned_bias.time, "monotonic", lambda: clock[0])
+    bias = learned_bias.LearnedBias(0.9)
+    residuals = [((i * 37) % 64) / 320 for i in range(64)]  # 0 to 0.2 s, in no order
+    for residual in residuals:
+        clock[0] += 0.15  # the window spans 9.6 s, under the half-life
+        bias.observe("p0", residual)
+    assert bias("p0") == pytest.approx(learned_bias.quantile(residuals, 0.9), rel=1e-9)
 
 
 PROMPT = list(range(300))  # 0.3 s of prefill on either P; 0.012 s on p0, which holds 288 tokens
