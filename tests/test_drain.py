@@ -1,5 +1,7 @@
 """Scale-down drains: a draining worker gets no new requests, finishes the one it
-holds, and only then goes, with its block accounting intact and no replacement."""
+holds, and only then goes, with its block accounting intact; not replaced as a
+dead worker is (a pool of a fixed size starts another as the drain begins:
+tests/test_pool_sizes.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ SETTINGS = {
     "autoscaling": {"interval_s": 0.5, "drain_grace_s": 1.0},
     "pool_name": "test-pool-drain",
 }
-LONG = SamplingParams(max_new_tokens=800, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=1600, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
 
 
@@ -64,10 +66,13 @@ def test_a_draining_decode_worker_finishes_its_request_then_goes(ray_local, tiny
     r = run_with_pool(SETTINGS, _scenario)
     assert r["picks"] == {r["other"]}  # new requests go to the other decode worker only
     assert all(error is None and len(tokens) == 4 for tokens, error in r["shorts"])
-    assert r["error"] is None and len(r["tokens"]) == 800  # the in-flight request completed
+    assert r["error"] is None and len(r["tokens"]) == 1600  # the in-flight request completed
     drained = r["drained"]
     assert drained.time_s >= r["finished_s"] - 1.0  # retired only after its request ended
     assert drained.stats is not None and drained.stats.num_used_blocks == 0 and "accounting ok" in drained.reason
-    assert [m.worker_id for m in r["members"] if m.role == "decode"] == [r["other"]]  # not replaced
+    decode_ids = [m.worker_id for m in r["members"] if m.role == "decode"]
+    # Gone, and the other serving. (Its pool's size is fixed: a worker started in its place as the
+    # drain began is listed too once ready; asserted absent, this failed whenever it was ready first.)
+    assert r["busy"] not in decode_ids and r["other"] in decode_ids
     assert not [e for e in r["events"] if e.kind == "replaced"]
     assert r["after"][1] is None and len(r["after"][0]) == 4

@@ -23,6 +23,9 @@ SETTINGS = {
 }
 SHORT = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_new_tokens=1500, temperature=0, ignore_eos=True)
+# The mean gap's request: its ends are stamped here after each yield, by the scheduler
+# before it, so a stall of a few ms between (2 CPUs) moves the mean by it over the gaps.
+GAPS = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
 
 
 async def _until(condition, timeout_s: float, what: str) -> None:
@@ -64,7 +67,7 @@ async def _scenario(pool, settings):
     async with refreshing(a, interval_s=0.3):
         await wait_ready(a, timeout_s=180)
         tbt_seen = _kept(a.view.models, "observe_tbt")
-        mean_gap_s = await _mean_gap_s(a, first_prompt, SHORT)
+        mean_gap_s = await _mean_gap_s(a, first_prompt, GAPS)
         await _until(lambda: _cached(a, first_prompt) == 80, 10, "A routes by the prefix it sent")
         b = build_scheduler(settings, pool)  # starts after A has read the cache events
         async with refreshing(b, interval_s=0.3):

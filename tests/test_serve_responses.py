@@ -9,6 +9,7 @@ the store: cluster/response_store.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -294,7 +295,14 @@ def test_a_store_that_dies_comes_back_empty_and_keeps_storing(client):
     ids), and the responses after it are kept again."""
     before = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     pool = ray.get_actor(ARGS["pool_name"], namespace="tandem")
-    ray.kill(ray.get(pool.response_store.remote()), no_restart=False)
+    store = ray.get(pool.response_store.remote())
+    pid = lambda: ray.get(store.__ray_call__.remote(lambda _: os.getpid()), timeout=60)  # noqa: E731
+    crashed = pid()
+    ray.kill(store, no_restart=False)
+    deadline = time.monotonic() + 60
+    while pid() == crashed:  # the old process answers for a few ms after the kill (calls are retried meanwhile)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, previous_response_id=before.id, input="more", max_output_tokens=2)
     assert refused.value.code == "previous_response_not_found"
