@@ -154,6 +154,7 @@ class PrefillWorker(WorkerBase):
         self._jobs: dict[str, _Job] = {}
         self._pairs: dict[str, _PairSender] = {}
         self._opening: dict[str, asyncio.Task] = {}  # decode id -> the channel being opened to it
+        background_task(self._watch_pairs())
 
     # ---- channels -------------------------------------------------------------
     async def _pair_for(self, reservation: ReservationInfo, decode_handle, backend: str) -> _PairSender:
@@ -208,9 +209,21 @@ class PrefillWorker(WorkerBase):
             raise ValueError("the store channel needs kv_store.shared_path on the prefill worker")
         return store.shared_path
 
+    async def _watch_pairs(self) -> None:
+        """Close the channels to Ds that died (drained and gone, say). Only a failed
+        send closed one, and a D that got no more sends never failed one: P kept a
+        sender thread and, over gloo, a group and its store's sockets for every D it
+        had met, growing with the decode pool's churn (a review found it)."""
+        while True:
+            await asyncio.sleep(self.options.watchdog_interval_s)
+            for pair in list(self._pairs.values()):
+                if await self._is_dead(pair.decode.ping.remote()):
+                    await self.in_thread(lambda pair=pair: self.forget_pair(pair))
+
     def forget_pair(self, pair: _PairSender) -> None:
-        """Close a broken pair (from its sender thread), and D's end of it, which
-        D would otherwise keep (its gloo group, its sockets) until P dies."""
+        """Close a pair, broken (from its sender thread) or whose D died (from
+        `_watch_pairs`), and D's end of it, which D would otherwise keep (its gloo
+        group, its sockets) until P dies."""
         for decode_id, known in list(self._pairs.items()):
             if known is pair:
                 del self._pairs[decode_id]

@@ -131,6 +131,11 @@ def test_decode_dies_mid_decode(ray_local, tiny_qwen2_dir):
 
     assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) >= 3
     wait_idle(p)
+    # P closes its channel to the dead D: no send fails on it any more (it kept one for every D it met).
+    deadline = time.monotonic() + 10
+    while ray.get(p.stats.remote()).num_channels and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(p.stats.remote()).num_channels == 0
     assert serves(p, start("decode", "d-new-2", tiny_qwen2_dir), "after-d-died-late")
 
 
