@@ -10,8 +10,8 @@ samples at every position, keeping the samples for as long as they agree with th
 drafts (actors/engine.py). No second model, no training: a draft costs a dict
 lookup, a rejected one a position of compute.
 
-The index is built once for the prompt and grows by one entry per `n` with every
-token (`add`), so a proposal costs O(max_n), not a scan of the context (vLLM
+The index is built for the prompt (a slice a step: actors/speculation.py) and
+grows by one entry per `n` with every token (`add`), so a proposal costs O(max_n), not a scan of the context (vLLM
 scans with KMP each step; at 64 requests of 4k tokens a Python scan would cost
 more than the step it saves). Longer matches are tried first: they predict better.
 Memory: an entry per n-gram length a token (a tuple key in a dict); at the

@@ -66,6 +66,13 @@ from actors.step_costs import DecodeStepCosts
 
 MAX_BACKOFF_DOUBLINGS = 4  # a pause of at most 2**4 - 1 = 15 proposals
 EXPLORE_EVERY = 16  # one trimmed step in this many verifies k drafts more than pay
+# A request's prompt is indexed for lookup this many n-gram entries a step (tokens
+# times the n-gram lengths), and it drafts once it is all in: built at its first
+# proposal, a 32k-token prompt's index held the engine thread, and every running
+# request's next token with it, 38 ms at n from 2 to 4 and 235 ms at 1 to 16; a
+# slice, at most 4.6 and 15.6 ms, over 25 and 128 steps (docs/benchmarks.md,
+# "By-hand probes (fifty-first session)").
+INDEX_ENTRIES_A_STEP = 4096
 
 
 class Drafter:
@@ -100,7 +107,12 @@ class Drafter:
         lookup = request.lookup
         if lookup is None:
             lookup = request.lookup = PromptLookup(self.min_n, self.max_n)
-            lookup.add(request.prompt_token_ids)
+        indexed = len(lookup.tokens)
+        if indexed < request.num_prompt_tokens:  # (`INDEX_ENTRIES_A_STEP`)
+            step = max(INDEX_ENTRIES_A_STEP // (self.max_n - self.min_n + 1), 1)
+            lookup.add(request.prompt_token_ids[indexed:indexed + step])
+            if len(lookup.tokens) < request.num_prompt_tokens:
+                return
         lookup.add(request.output_token_ids[len(lookup.tokens) - request.num_prompt_tokens:])  # (no prompt copy)
         drafts = lookup.next_tokens(room)
         if drafts and request.constraint is not None:

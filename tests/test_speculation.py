@@ -292,6 +292,25 @@ def test_drafting_backs_off_where_drafts_fail_and_in_large_batches():
     assert proposals[0] == [3, 1, 2, 3]
 
 
+def test_a_long_prompt_is_indexed_a_slice_a_step_and_then_drafts_as_it_would_have():
+    """Its whole index built at its first proposal held the engine thread (104 ms
+    for 32k tokens), and every running request's next token with it."""
+    from actors.speculation import INDEX_ENTRIES_A_STEP
+
+    drafter = Drafter(SPECULATING, max_model_len=1 << 16)
+    per_step = INDEX_ENTRIES_A_STEP // (drafter.max_n - drafter.min_n + 1)
+    prompt = [(i * 7919) % 1000 for i in range(int(per_step * 2.5))] + [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    request = Request("r", prompt, SamplingParams(max_new_tokens=50), seed=0)
+    proposals = []
+    for _ in range(4):
+        drafter.propose(request, num_running=1)
+        proposals.append((len(request.lookup.tokens), request.draft_token_ids))
+    assert proposals[:3] == [(per_step, []), (2 * per_step, []), (len(prompt), [4, 5, 6, 1])]
+    whole = PromptLookup(drafter.min_n, drafter.max_n)
+    whole.add(prompt)
+    assert proposals[3][1] == whole.next_tokens(4)
+
+
 def _costs(intercept_s: float, row_s: float, rows: list[int]) -> DecodeStepCosts:
     costs = DecodeStepCosts()
     for num_rows in rows:
