@@ -11,6 +11,7 @@ calls put together from a stream's pieces (`ParsedCalls`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import NamedTuple
@@ -49,6 +50,28 @@ def tag_start(text: str, tag: str) -> int:
         if tag.startswith(text[-size:]):
             return size
     return 0
+
+
+@functools.lru_cache(maxsize=16)
+def text_not_beginning_regex(prefixes: tuple[str, ...]) -> str:
+    """Text whose start, after its leading whitespace, is none of `prefixes` (none
+    of which begins with whitespace); an unfinished start of one is text. Built on
+    the prefixes' trie: at each point a character no prefix goes on with, then
+    anything; or one some go on with, and the same again for their rests (none
+    where a prefix ends); or the end."""
+    anything, space = r"[\s\S]", r"\s"
+
+    def after(rests: list[str], first: bool) -> str:
+        heads = sorted({rest[0] for rest in rests})
+        others = "".join(re.escape(head) for head in heads)
+        options = [f"[^{space if first else ''}{others}]{anything}*"]
+        for head in heads:
+            onward = [rest[1:] for rest in rests if rest[0] == head]
+            if "" not in onward:
+                options.append(f"{re.escape(head)}{after(onward, False)}")
+        return f"(?:{'|'.join(options)})?"
+
+    return rf"\s*{after(list(prefixes), True)}"
 
 
 def text_without_regex(tag: str) -> str:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, mode
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from cluster.output_format import openai_asks, openai_regex, response_format_regex
+from cluster.reasoning import OPEN as REASONING_OPEN
 from cluster.reasoning import Reasoning, held_regex
 from cluster.tool_calls import HERMES, PastCall, Tool, ToolCallFormat, chooses_freely, template_call, tool_regex
 
@@ -335,8 +336,9 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
             raise ValueError(f"each tool needs its own name: {', '.join(twice)} named twice")
         return tools
 
-    def output_regex(self, tool_format: ToolCallFormat = HERMES) -> str | None:
-        """`tool_format`: how the served model writes calls (strict tools hold them).
+    def output_regex(self, tool_format: ToolCallFormat = HERMES, text_never_begins: tuple[str, ...] = ()) -> str | None:
+        """`tool_format`: how the served model writes calls (strict tools hold them);
+        `text_never_begins`: what a free text answer may not begin with (`tool_regex`).
         A response_format is the form of a text answer: where the model chooses
         between calls and text, the answer is calls or text of that format; where a
         call is asked for (tool_choice "required" or a function) the answer has no
@@ -347,12 +349,12 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
         only_format = len(openai_asks(self)) == 1  # (a guided field too: one_pattern refuses the pair below)
         if content is not None and only_format and self.tools:
             if chooses_freely(self.tools, self.tool_choice):
-                return tool_regex(self.tools, "auto", self.parallel_tool_calls, tool_format, content)
+                return tool_regex(self.tools, "auto", self.parallel_tool_calls, tool_format, content, text_never_begins)
             if self.tool_choice != "none":  # (a call asked for: its pattern alone)
                 return tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls, tool_format)
         asked = "tool_choice" if self.tool_choice is not None else "strict tools"  # (auto holds strict tools)
         return openai_regex(self, **{asked: tool_regex(self.tools, self.tool_choice, self.parallel_tool_calls,
-                                                       tool_format)})
+                                                       tool_format, text_never_begins=text_never_begins)})
 
     def template_tools(self) -> list[dict] | None:
         """The tools for the chat template (none when tool_choice is "none")."""
@@ -373,9 +375,11 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
         `tool_format`: how the served model writes tool calls (cluster/tool_calls.py)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        regex = self.output_regex(tool_format)
+        regex = self.output_regex(tool_format, (REASONING_OPEN,) if reasoning is not None else ())
         if reasoning is not None and regex is not None:
-            regex = held_regex(regex, reasoning.opened)
+            structured = self.structured_outputs if isinstance(self.structured_outputs, dict) else {}
+            written = self.guided_regex is not None or structured.get("regex") is not None  # (the client's own)
+            regex = held_regex(regex, reasoning.opened, written)
         return self._sampling(max_tokens, default_max, logprobs, defaults, regex)
 
 

@@ -91,12 +91,14 @@ class HermesStream:
         return self.text.pieces(rest)
 
 
-def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None) -> str:
+def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None,
+               text_never_begins: tuple[str, ...] = ()) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object), laid out as the chat template
     writes a call; one call at most unless `parallel`. Text around the calls, or,
     when the text is held to `content` (a response_format's pattern), calls alone
-    or that text alone."""
+    or that text alone. (`text_never_begins`, Llama's and Mistral's, is not needed
+    here: no call is text, wherever it stands.)"""
     assert arguments, "a held answer's calls need tools"
     block = re.escape(f"{OPEN}\n") + f"(?:{call_regex(arguments, 'arguments')})" + re.escape(f"\n{CLOSE}")
     if content is not None:

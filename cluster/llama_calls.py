@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, WholeCallsStream, calls_regex, known_call, unfinished_tag_regex
+from cluster.answer_parts import ParsedCalls, WholeCallsStream, calls_regex, known_call, text_not_beginning_regex
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -84,23 +84,15 @@ class LlamaStream(WholeCallsStream):
         return [first, *self.text.pieces(rest)]
 
 
-def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None) -> str:
+def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None,
+               text_never_begins: tuple[str, ...] = ()) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object); one call at most unless
-    `parallel`. Or text: any that does not begin as a call, or the text of
-    `content` (a response_format's pattern) when given."""
+    `parallel`. Or text: any that does not begin as a call (after its leading
+    whitespace, neither `{` nor the Python tag) nor with one of
+    `text_never_begins` (a reasoning block's tag, which the pattern before this
+    one holds), or the text of `content` (a response_format's pattern) when given."""
     assert arguments, "a held answer's calls need tools"
     calls = calls_regex(arguments, "parameters", "; ", parallel)
-    return f"(?:{re.escape(PYTHON_TAG)})?{calls}|{_TEXT if content is None else f'(?:{content})'}"
-
-
-def _text_regex() -> str:
-    """Text that, after its leading whitespace, begins neither with `{` nor with
-    the Python tag: its first other character is neither `{` nor `<`, or it is `<`
-    and what follows it does not finish the tag (an unfinished start of the tag is
-    text)."""
-    anything = r"[\s\S]"
-    return rf"\s*(?:[^\s{{<]{anything}*|<{unfinished_tag_regex(PYTHON_TAG, anything)})?"
-
-
-_TEXT = _text_regex()
+    text = text_not_beginning_regex(("{", PYTHON_TAG, *text_never_begins)) if content is None else f"(?:{content})"
+    return f"(?:{re.escape(PYTHON_TAG)})?{calls}|{text}"

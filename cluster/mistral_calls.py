@@ -34,7 +34,8 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import ParsedCalls, WholeCallsStream, arguments_text, calls_regex, known_call
+from cluster.answer_parts import (ParsedCalls, WholeCallsStream, arguments_text, calls_regex, known_call,
+                                  text_not_beginning_regex)
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"  # tokenizer v11 on: between a call's name and its arguments
@@ -140,15 +141,16 @@ class HeldMistralStream(MistralStream):
         return None
 
 
-def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None) -> str:
+def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None,
+               text_never_begins: tuple[str, ...] = ()) -> str:
     """The pattern of an answer whose calls name the tools in `arguments` (a name:
     the pattern of its arguments, a JSON object); one call at most unless
     `parallel`. Calls in the array layout only: a held answer is read by
-    `parse_held`. Or text: any whose first character is not `[`, or the text of
+    `parse_held`. Or text: any whose first character, whitespace aside, is not
+    `[` and that does not begin with one of `text_never_begins` (a reasoning
+    block's tag, which the pattern before this one holds), or the text of
     `content` (a response_format's pattern) when given."""
     assert arguments, "a held answer's calls need tools"
     calls = calls_regex(arguments, "arguments", ", ", parallel)
-    return rf"(?:{re.escape(TOOL_CALLS)})?\[{calls}\]|" + (_TEXT if content is None else f"(?:{content})")
-
-
-_TEXT = r"\s*(?:[^\s\[][\s\S]*)?"  # text whose first character, whitespace aside, is not `[`
+    text = text_not_beginning_regex(("[", *text_never_begins)) if content is None else f"(?:{content})"
+    return rf"(?:{re.escape(TOOL_CALLS)})?\[{calls}\]|{text}"

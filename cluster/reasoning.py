@@ -124,14 +124,17 @@ class ReasoningStream:
         return [(part, out)] if out else []
 
 
-def held_regex(pattern: str, opened: bool = False) -> str:
+def held_regex(pattern: str, opened: bool = False, written: bool = False) -> str:
     """`pattern` after the reasoning: an optional `<think>` block (the block's
-    rest, when the prompt opened it), then the pattern. A pattern that may itself
-    begin with `<think>` says what the reasoning is to be: it is kept as written."""
+    rest, when the prompt opened it), then the pattern. A pattern the client
+    `written` that may itself begin with `<think>` says what the reasoning is to
+    be: it is kept as written. Not one this server made (strict tools, a schema):
+    Llama's and Mistral's strict tools let free text begin with `<`, and kept as
+    written, a call after the reasoning was free text, its arguments unchecked."""
     block = f"{_REASONING}{re.escape(CLOSE)}\\s*"
     if opened:
         return f"{block}(?:{pattern})"
-    if compile_regex(pattern).walk(START, OPEN.encode()) != DEAD:
+    if written and compile_regex(pattern).walk(START, OPEN.encode()) != DEAD:
         return pattern
     return f"(?:{re.escape(OPEN)}{block})?(?:{pattern})"
 

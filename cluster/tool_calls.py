@@ -59,7 +59,7 @@ class ToolCallFormat(NamedTuple):
 
     parse: Callable[[str, set[str], bool], ParsedCalls]
     stream: Callable[[set[str], bool], object]
-    held_regex: Callable[[dict[str, str], bool, str | None], str]
+    held_regex: Callable[[dict[str, str], bool, str | None, tuple[str, ...]], str]
     held_parse: Callable[[str, set[str], bool], ParsedCalls] | None = None
     held_stream: Callable[[set[str], bool], object] | None = None
 
@@ -138,14 +138,17 @@ def named_choice(tools: list[Tool] | None, tool_choice) -> FunctionSpec | None:
 
 
 def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt: ToolCallFormat = HERMES,
-               content: str | None = None) -> str | None:
+               content: str | None = None, text_never_begins: tuple[str, ...] = ()) -> str | None:
     """The pattern the answer is held to, or None (no tools, tool_choice "none", or
     "auto" without strict tools or `content`: the answer is free); `parallel`
     (OpenAI's parallel_tool_calls): the answer may hold several calls, else one.
     `content`, for "auto": the pattern its text is held to (response_format's):
     the answer is then calls or that text, the calls' arguments held to their
     schemas if a tool is strict, else any JSON object of two levels (a call of
-    deeper arguments cannot be made then; `chooses_freely`)."""
+    deeper arguments cannot be made then; `chooses_freely`). `text_never_begins`:
+    where a reasoning block before the answer is held apart (cluster/reasoning.py),
+    its tag, which the answer's free text must not begin with: a call after the
+    reasoning would be such text, its arguments unchecked."""
     tool_choice = _effective(tools, tool_choice)
     named = named_choice(tools, tool_choice)
     if named is not None:
@@ -154,7 +157,8 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt
         held = _is_held(tools)
         return fmt.held_regex({tool.function.name: schema_regex(tool.function.parameters or NO_PARAMETERS,
                                                                 _parameters_of(tool.function.name)) if held
-                               else free_json_regex(NESTED_FREE_DEPTH) for tool in tools}, parallel, content)
+                               else free_json_regex(NESTED_FREE_DEPTH) for tool in tools}, parallel, content,
+                              text_never_begins)
     if tool_choice != "required":
         return None
     for tool in tools:  # (each alone first: a complaint about the array of calls would name none of them)

@@ -68,7 +68,9 @@ def test_a_pattern_holds_the_answer_after_the_reasoning():
     opened = compile_regex(held_regex(answer, opened=True))
     assert opened.fullmatch('hmm</think>{"n": 4}') and not opened.fullmatch('{"n": 4}')
     written = r"<think>\n[a-z]+\n</think>\n\n[A-Z]"  # a pattern that says what the reasoning is to be
-    assert held_regex(written) == written
+    assert held_regex(written, written=True) == written
+    body = ChatBody(messages=MESSAGES, guided_regex=written)
+    assert body.sampling(16, SamplingDefaults(), Reasoning(False)).regex == written
 
 
 def test_chat_deltas_give_reasoning_then_the_answer_or_its_calls():
@@ -116,6 +118,28 @@ def test_a_reasoning_chats_pattern_is_held_after_the_reasoning():
     assert ChatBody(messages=MESSAGES).sampling(16, SamplingDefaults(), Reasoning(False)).regex is None
     with pytest.raises(InvalidRequestError):
         ChatBody(messages=MESSAGES, guided_regex="(").sampling(16, SamplingDefaults(), Reasoning(False))
+
+
+@pytest.mark.parametrize("fmt, call", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"town": 5}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"town": 5}}'),
+    ("mistral", '[{"name": "get_weather", "arguments": {"town": 5}}]'),
+])
+def test_strict_tools_hold_a_call_after_the_reasoning_in_every_format(fmt, call):
+    """Llama's and Mistral's strict patterns let free text begin with `<`, so they
+    were kept as written (as a client's pattern that says what the reasoning is to
+    be): after the reasoning a call was free text, its arguments unchecked."""
+    from cluster.tool_calls import TOOL_CALL_FORMATS
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    body = ChatBody(messages=MESSAGES, tools=tools)
+    held = compile_regex(body.sampling(64, SamplingDefaults(), Reasoning(False), TOOL_CALL_FORMATS[fmt]).regex)
+    good = call.replace('{"town": 5}', '{"city": "Bern"}')
+    assert held.fullmatch(f"<think>\nweather?\n</think>\n\n{good}") and held.fullmatch(good)
+    assert not held.fullmatch(f"<think>\nweather?\n</think>\n\n{call}")
+    assert held.fullmatch("<think>\nhm\n</think>\n\nIt is sunny.")  # (text after the reasoning: free)
 
 
 def test_reasoning_tokens_run_through_the_closing_tag(tiny_qwen2_dir):
