@@ -49,6 +49,19 @@ def block_call(body: str, tool_names: set[str]) -> tuple[str, str] | None:
         return None
 
 
+def _inside_a_string(json_text: str) -> bool:
+    """Whether a JSON text's end is inside one of its strings."""
+    inside = escaped = False
+    for char in json_text:
+        if escaped:
+            escaped = False
+        elif char == "\\" and inside:
+            escaped = True
+        elif char == '"':
+            inside = not inside
+    return inside
+
+
 class HermesStream:
     """An answer split as it streams: `feed` each new piece of text, `finish` at
     the end; each returns what may go out now, in order: text (str) and calls
@@ -66,7 +79,7 @@ class HermesStream:
         out: list = []
         while True:
             if self.in_block:
-                end = self.pending.find(CLOSE)
+                end = self._block_end()
                 if end < 0:
                     return out
                 body, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
@@ -83,6 +96,18 @@ class HermesStream:
                 return out
             out += self.text.pieces(self.pending[:start])
             self.pending, self.in_block = self.pending[start + len(OPEN):], True
+
+    def _block_end(self) -> int:
+        """Where the open block's body ends: its first close tag, except one inside
+        a string of a body that begins as a JSON object, which the arguments hold
+        (a strict call's pattern lets a string hold the tag; the call came back as
+        text). -1: not yet come."""
+        end = self.pending.find(CLOSE)
+        if not self.pending.lstrip().startswith("{"):
+            return end
+        while end >= 0 and _inside_a_string(self.pending[:end]):
+            end = self.pending.find(CLOSE, end + 1)
+        return end
 
     def finish(self) -> list:
         """The rest: a block left open, or a tag's start, is text after all."""

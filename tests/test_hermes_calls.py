@@ -150,3 +150,17 @@ def test_a_required_answer_that_is_not_calls_of_the_tools_is_text():
         assert chat_answer(text, "stop", TOOLS, "required") == (text, None, "stop"), text
     whole = chat_answer('[{"name": "get_time", "parameters": {}}]', "stop", TOOLS, "required")
     assert whole.content is None and whole.calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+def test_a_close_tag_inside_an_arguments_string_is_the_arguments_not_the_blocks_end():
+    """A strict call's pattern lets a string hold `</tool_call>`; the block ended
+    at it, and the call came back as text. A body that is not a JSON object still
+    ends at its first close tag."""
+    written = {"text": f"ends with {CLOSE} and \\\" {CLOSE}"}
+    text = f"Writing.\n{block('get_weather', written)}\n"
+    expected = ("Writing.", [("get_weather", json.dumps(written))])
+    assert parse(text, NAMES) == expected
+    for whole, pieces in random_answers([text], seed=3, max_parts=1, num_answers=50):
+        assert streamed(HermesStream(NAMES), pieces) == (expected if whole else (None, []))
+    not_json = f'{OPEN}she said "hi{CLOSE}{block("get_time", {})}'
+    assert parse(not_json, NAMES) == (f'{OPEN}she said "hi{CLOSE}', [("get_time", "{}")])
