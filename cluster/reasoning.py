@@ -147,13 +147,14 @@ class ReasoningDeltas:
     def __init__(self, reasoning: Reasoning, answer=None) -> None:
         self.stream = ReasoningStream(reasoning.opened)
         self.answer = answer
+        self.answered = False  # some of the answer's text has come (`delta`)
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta's fields for this event ({}: none yet; the chunk still carries
-        the tokens' logprobs). `answer` sees the text once the answer has begun: fed
+        the tokens' logprobs). `answer` sees the text once the answer has some: fed
         the empty text of each event before, a named function's call went out with
         the first chunk, ahead of the reasoning, and stood, arguments "", in an
-        answer cut while it reasoned, which whole has no call."""
+        answer cut while it reasoned or empty after it, which whole has no call."""
         pieces = self.stream.feed(text) + (self.stream.finish() if finished else [])
         delta: dict = {}
         thinking = "".join(piece for part, piece in pieces if part == "reasoning")
@@ -161,7 +162,8 @@ class ReasoningDeltas:
             delta["reasoning_content"] = thinking
         content = "".join(piece for part, piece in pieces if part == "content")
         if self.answer is not None:
-            if self.stream.part == "content":
+            self.answered = self.answered or bool(content)
+            if self.answered:
                 delta.update(self.answer.delta(content, finished) or {})
         elif content:
             delta["content"] = content

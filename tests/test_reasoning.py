@@ -86,17 +86,21 @@ def test_chat_deltas_give_reasoning_then_the_answer_or_its_calls():
 
 def test_a_named_functions_call_streams_after_the_reasoning_and_not_at_all_if_cut_in_it():
     """Its call went out with the first chunk, ahead of the reasoning, and stood,
-    arguments "", when the answer was cut while it reasoned (whole: no call)."""
+    arguments "", when the answer was cut while it reasoned or was empty after it
+    (whole: no call)."""
     tools = [Tool.model_validate({"type": "function", "function": {"name": "get_weather"}})]
     named = {"type": "function", "function": {"name": "get_weather"}}
     cut = ReasoningDeltas(Reasoning(opened=False), StreamedCalls.of(tools, named))
     deltas = [cut.delta(piece, False) for piece in ("<think>", "\nThe user", " wants")] + [cut.delta("", True)]
     assert not any("tool_calls" in delta or "content" in delta for delta in deltas)
     assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "The user wants"
+    empty = ReasoningDeltas(Reasoning(opened=False), StreamedCalls.of(tools, named))
+    deltas = [empty.delta(piece, False) for piece in ("<think>", "Hm.", "</think>\n")] + [empty.delta("", True)]
+    assert not any("tool_calls" in delta or "content" in delta for delta in deltas)
     full = ReasoningDeltas(Reasoning(opened=False), StreamedCalls.of(tools, named))
     deltas = [full.delta(piece, False) for piece in ("<think>", "Hm.", "</think>", '{"city": ', '"Bern"}')]
     deltas.append(full.delta("", True))
-    assert [i for i, delta in enumerate(deltas) if "tool_calls" in delta][0] == 2  # (once the reasoning ended)
+    assert [i for i, delta in enumerate(deltas) if "tool_calls" in delta][0] == 3  # (with the answer's first text)
     calls = [delta["tool_calls"][0] for delta in deltas if "tool_calls" in delta]
     assert calls[0]["function"]["name"] == "get_weather"
     assert "".join(call["function"]["arguments"] for call in calls) == '{"city": "Bern"}'
