@@ -11,9 +11,9 @@ drafts (actors/engine.py). No second model, no training: a draft costs a dict
 lookup, a rejected one a position of compute.
 
 The index is built for the prompt (a slice a step: actors/speculation.py) and
-grows by one entry per `n` with every token (`add`), so a proposal costs O(max_n), not a scan of the context (vLLM
-scans with KMP each step; at 64 requests of 4k tokens a Python scan would cost
-more than the step it saves). Longer matches are tried first: they predict better.
+grows by one entry per `n` with every token (`add`), so a proposal costs
+O(max_n), not a scan of the context (vLLM scans with KMP each step; at 64
+requests of 4k tokens a Python scan would cost more than the step it saves). Longer matches are tried first: they predict better.
 Memory: an entry per n-gram length a token (a tuple key in a dict); at the
 defaults (n from 2 to 4) about 1.9 MB for a 4k-token request (a one-off probe
 with tracemalloc, distinct random ids), made only for requests that draft.

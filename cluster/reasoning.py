@@ -127,8 +127,8 @@ class ReasoningStream:
 def held_regex(pattern: str, opened: bool = False, written: bool = False) -> str:
     """`pattern` after the reasoning: an optional `<think>` block (the block's
     rest, when the prompt opened it), then the pattern. A pattern the client
-    `written` that may itself begin with `<think>` says what the reasoning is to
-    be: it is kept as written. Not one this server made (strict tools, a schema):
+    wrote (`written`) that may itself begin with `<think>` says what the reasoning
+    is to be: it is kept as written. Not one this server made (strict tools, a schema):
     Llama's and Mistral's strict tools let free text begin with `<`, and kept as
     written, a call after the reasoning was free text, its arguments unchecked."""
     block = f"{_REASONING}{re.escape(CLOSE)}\\s*"

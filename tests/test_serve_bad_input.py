@@ -106,7 +106,8 @@ def client(base_url):
         ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, "give one way"),
         ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "bad_words": ["no"]}, "cannot be combined"),
         ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= x"}}, "grammar not supported"),
-        ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": "yes"}}, "choice must be a non-empty list"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": "yes"}},
+         "choice must be a non-empty list"),  # (a string was its letters)
         ("/generate", {"text": "x", "sampling_params": {"regex": "a("}}, "regex is not valid"),
         ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= x"}}, "ebnf is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"},
