@@ -153,6 +153,30 @@ def _remote(fn):
     return type("Method", (), {"remote": staticmethod(fn)})()
 
 
+async def _no_events(worker_id, cursor):
+    return CacheEvents(cursor, False, [])
+
+
+def _stand_in_pool(listed, read_stats, read_events):
+    """A pool manager's stand-in: `listed()` its members, (worker id, role); each
+    one's `stats` and `cache_events` answered by `read_stats(worker_id)` and
+    `read_events(worker_id, cursor)` (coroutines)."""
+    class Handle:
+        def __init__(self, worker_id: str) -> None:
+            self.stats = _remote(lambda: read_stats(worker_id))
+            self.cache_events = _remote(lambda cursor: read_events(worker_id, cursor))
+
+    async def answer(value):
+        return value
+
+    class Pool:
+        list_members = _remote(lambda: answer([Member(w, role, Handle(w)) for w, role in listed()]))
+        report = _remote(lambda report: answer(None))
+        start_failures = _remote(lambda: answer({}))
+
+    return Pool()
+
+
 def test_a_request_admitted_while_a_reading_of_d_was_on_its_way_is_not_in_it():
     """D's stats were stamped when their answer came back, so a request admitted
     while the call was on its way (its reservation not in D's figures) counted as
@@ -162,34 +186,12 @@ def test_a_request_admitted_while_a_reading_of_d_was_on_its_way_is_not_in_it():
     view.pools_applied = True
     used = {"d0": 900}  # of D's 1000 blocks
 
-    class Handle:
-        def __init__(self, worker_id: str) -> None:
-            self.worker_id = worker_id
+    async def read(worker_id):
+        figures = _idle_stats(worker_id, num_used_blocks=used.get(worker_id, 0))  # as it arrives
+        await asyncio.sleep(0.3)  # the answer's way back
+        return figures
 
-        @property
-        def stats(self):
-            async def read():
-                figures = _idle_stats(self.worker_id, num_used_blocks=used.get(self.worker_id, 0))  # as it arrives
-                await asyncio.sleep(0.3)  # the answer's way back
-                return figures
-            return _remote(read)
-
-        @property
-        def cache_events(self):
-            async def events(cursor):
-                return CacheEvents(cursor, False, [])
-            return _remote(events)
-
-    async def answer(value):
-        return value
-
-    class Pool:
-        list_members = _remote(lambda: answer([Member("p0", "prefill", Handle("p0")),
-                                               Member("d0", "decode", Handle("d0"))]))
-        report = _remote(lambda report: answer(None))
-        start_failures = _remote(lambda: answer({}))
-
-    view.pool = Pool()
+    view.pool = _stand_in_pool(lambda: [("p0", "prefill"), ("d0", "decode")], read, _no_events)
 
     async def run():
         await view.refresh()
@@ -229,35 +231,17 @@ def test_a_worker_forgotten_while_its_cache_events_come_fails_no_refresh():
     view.pools_applied = True
     listed = {"p0", "d0"}
 
-    class Handle:
-        def __init__(self, worker_id: str) -> None:
-            self.worker_id = worker_id
+    async def read(worker_id):
+        return _idle_stats(worker_id)
 
-        @property
-        def stats(self):
-            async def read():
-                return _idle_stats(self.worker_id)
-            return _remote(read)
+    async def events(worker_id, cursor):
+        if worker_id == "p0" and "p0" in listed:
+            listed.discard("p0")  # p0 leaves while its events come,
+            await view.refresh()  # and another refresh forgets it
+        return await _no_events(worker_id, cursor)
 
-        @property
-        def cache_events(self):
-            async def events(cursor):
-                if self.worker_id == "p0" and "p0" in listed:
-                    listed.discard("p0")  # p0 leaves while its events come,
-                    await view.refresh()  # and another refresh forgets it
-                return CacheEvents(cursor, False, [])
-            return _remote(events)
-
-    async def answer(value):
-        return value
-
-    class Pool:
-        list_members = _remote(lambda: answer([Member(w, "prefill" if w == "p0" else "decode", Handle(w))
-                                               for w in sorted(listed)]))
-        report = _remote(lambda report: answer(None))
-        start_failures = _remote(lambda: answer({}))
-
-    view.pool = Pool()
+    roles = {"p0": "prefill", "d0": "decode"}
+    view.pool = _stand_in_pool(lambda: [(w, roles[w]) for w in sorted(listed)], read, events)
     asyncio.run(view.refresh())  # (p0 and d0 listed and read: indexed from here on)
     listed.add("p0")
     asyncio.run(view.refresh())
