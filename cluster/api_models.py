@@ -18,9 +18,10 @@ the model's default fills exactly those the request left out.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError, SamplingParams
@@ -74,6 +75,19 @@ MAX_CHOICES = 16  # OpenAI's `n` (and SGLang's), at most
 # A token id as JSON writes one: an integer, never a bool or a string of digits
 # (pydantic's lax mode took [true] for the prompt [1]).
 TokenId = Annotated[int, Strict()]
+
+
+def _token_id_key(key):
+    """A logit_bias key: a token id, which JSON writes as a string of digits. Read
+    as Python reads an int, "1_0" was token 10, " 5" and "+7" ids too."""
+    if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    raise ValueError(f"a logit_bias key must be a token id (digits), got {key!r}")
+
+
+TokenIdKey = Annotated[int, BeforeValidator(_token_id_key)]
 MAX_BATCH_REQUESTS = 64  # prompts x n in one completions or /generate call
 
 
@@ -103,7 +117,7 @@ class _OpenAIBody(RequestBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM-style)
     seed: int | None = None
-    top_k: int | None = Field(None, ge=0)  # extension (vLLM-style)
+    top_k: int | None = Field(None, ge=-1)  # extension (vLLM-style): -1 (vLLM's) or 0 is off
     min_p: float | None = None  # extension (vLLM-style)
     ignore_eos: bool = False  # extension
     frequency_penalty: float = 0.0
@@ -112,7 +126,7 @@ class _OpenAIBody(RequestBody):
     min_tokens: int = 0  # extension (vLLM-style)
     include_stop_str_in_output: bool = False  # extension (vLLM-style)
     skip_special_tokens: bool = True  # extension (vLLM-style)
-    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> added to its logit
+    logit_bias: dict[TokenIdKey, float] | None = None  # token id (a string in JSON) -> added to its logit
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
     bad_words: list[str] | None = None  # extension (vLLM-style): words the output must not contain
     # Structured output (cluster/output_format.py): OpenAI's, then vLLM's extensions
@@ -166,10 +180,11 @@ class _OpenAIBody(RequestBody):
         if 0 < max_new_tokens < self.min_tokens:  # said in this body's names (a bad max_tokens: SamplingParams)
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_new_tokens}"
                                       f"{'' if max_tokens is not None else ', the default when it is left out'})")
+        model = defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
-            **defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                            repetition_penalty=self.repetition_penalty),
+            **{**model, "top_k": max(model["top_k"], 0)},  # (-1: off, as 0)
             stop=stop_tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             seed=self.seed,
@@ -392,10 +407,15 @@ class TokenizeBody(_ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None  # written into a chat's prompt by its template, as the chat request's are
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None  # "none": no tools in it, as the chat's
     add_special_tokens: bool | None = None
 
     def template_tools(self) -> list[dict] | None:
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        """As `ChatBody.template_tools`: a count of the chat's prompt counted tools
+        that the chat, with tool_choice "none", leaves out (356 tokens against 14)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @model_validator(mode="after")
     def _one_input(self):

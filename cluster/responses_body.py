@@ -122,7 +122,7 @@ class ResponsesBody(RequestBody):
     user: str | None = None
     # Extensions of the chat body's (vLLM's Responses takes them too).
     seed: int | None = None
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)  # -1 (vLLM's) or 0: off
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None

@@ -195,3 +195,29 @@ def test_an_answer_of_calls_ends_for_tool_calls_but_a_named_functions_for_stop()
     streamed_named = StreamedCalls.of(tools, named)
     assert streamed_named.delta('{"city": "Oslo"}', True)["tool_calls"]
     assert streamed_named.finish_reason("stop") == "stop"
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """vLLM's documented "off" was refused (ge=0) by the OpenAI bodies; /generate took it."""
+    defaults = SamplingDefaults(top_k=20)  # (a checkpoint's generation_config that sets it: Qwen's)
+    for body in (ChatBody(messages=MESSAGES, top_k=-1), CompletionBody(prompt="x", top_k=-1)):
+        assert body.sampling(4, defaults).top_k == 0
+    assert ChatBody(messages=MESSAGES).sampling(4, defaults).top_k == 20
+    with pytest.raises(ValueError, match="top_k"):
+        ChatBody(messages=MESSAGES, top_k=-2)
+
+
+@pytest.mark.parametrize("key", ["1_0", " 5", "+7", "5.0", "x", ""])
+def test_a_logit_bias_key_is_a_token_ids_digits(key):
+    """Read as Python reads an int, "1_0" was token 10, " 5" and "+7" ids too."""
+    with pytest.raises(ValueError, match="logit_bias key must be a token id"):
+        CompletionBody.model_validate({"prompt": "x", "logit_bias": {key: 1.0}})
+    with pytest.raises(ValueError, match="logit_bias key must be a token id"):
+        GenerateBody.model_validate({"text": "x", "sampling_params": {"logit_bias": {key: 1.0}}})
+    assert CompletionBody.model_validate({"prompt": "x", "logit_bias": {"12": 1.0}}).logit_bias == {12: 1.0}
+
+
+def test_generates_flat_top_k_is_held_to_the_range_of_sampling_params():
+    """Sent flat, -5 was served as off; inside sampling_params, a 400."""
+    with pytest.raises(ValueError, match="top_k"):
+        GenerateBody.model_validate({"text": "x", "top_k": -5})

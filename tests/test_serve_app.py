@@ -222,6 +222,10 @@ def test_tokenize_gives_the_ids_requests_use(base_url, client):
     with_tools = httpx.post(f"{base_url}/tokenize", json={"messages": messages, "tools": tools}).json()
     chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, tools=tools, max_tokens=2)
     assert chat.usage.prompt_tokens == with_tools["count"] > chat_tokens["count"]  # (the tools were left out)
+    none = httpx.post(f"{base_url}/tokenize", json={"messages": messages, "tools": tools, "tool_choice": "none"})
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=messages, tools=tools,
+                                          tool_choice="none", max_tokens=2)
+    assert chat.usage.prompt_tokens == none.json()["count"] == chat_tokens["count"]  # (counted them: 356 against 14)
     text = httpx.post(f"{base_url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == "The quick brown fox"
     for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "x", "messages": messages}),
