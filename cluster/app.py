@@ -337,7 +337,7 @@ class Scheduler:
         if body.stream:
             feed = EventFeed()
             self.background.start(response_id, self._background_events(body, chat, prompt, reasoning, prepared,
-                                                                       queued, items, feed))
+                                                                       queued, items, feed), on_end=feed.close)
             return fmt.sse_response(feed.read())
 
         async def answer():

@@ -52,12 +52,23 @@ class BackgroundResponses:
         self.stored = stored  # cluster/stored_responses.py StoredResponses
         self.running: dict[str, asyncio.Task] = {}  # (held: the loop keeps only weak references to tasks)
 
-    def start(self, response_id: str, answer: Coroutine) -> None:
+    def start(self, response_id: str, answer: Coroutine, on_end: Callable[[], None] | None = None) -> None:
         """Run `answer` (which admits the request, collects its answer and stores
-        the final response) to its end, unless the store says to stop."""
+        the final response) to its end, unless the store says to stop; then
+        `on_end`, however it ended. A streamed one's feed closes so: stopped before
+        its events began (a cancel while it waited for admission or its first
+        token), `answer` never reached the code that closes it, and the POST's
+        stream stayed open for good."""
         task = background_task(self._run(response_id, answer))
         self.running[response_id] = task
-        task.add_done_callback(lambda _: self.running.pop(response_id, None))
+
+        def ended(_) -> None:
+            self.running.pop(response_id, None)
+            answer.close()  # (stopped before it ran: never awaited; otherwise done already)
+            if on_end is not None:
+                on_end()
+
+        task.add_done_callback(ended)
 
     def stop(self, response_id: str) -> bool:
         """Stop a response this replica serves, now (a cancel or a delete that

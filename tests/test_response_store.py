@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -250,6 +251,33 @@ def test_a_background_response_stopped_here_stops_at_once_not_at_its_next_beat()
 
     running, beats = asyncio.run(scenario())
     assert running == {} and beats == 1  # stopped with no beat after the first
+
+
+def test_a_streamed_background_response_stopped_before_its_events_closes_its_feed():
+    """A cancel while it waited for admission or its first token stopped it
+    before the code that closes its feed: the POST's stream stayed open for good."""
+    class Store:
+        async def beat(self, response_id):
+            return "in_progress"
+
+    async def scenario(wait_s: float | None):
+        background, feed, began = BackgroundResponses(Store()), EventFeed(), []
+
+        async def answer():  # (a streamed one's: its events, which close the feed, come after admission)
+            began.append(True)
+            await asyncio.sleep(3600)
+
+        background.start("resp_1", answer(), on_end=feed.close)
+        if wait_s is not None:
+            await asyncio.sleep(wait_s)
+        background.stop("resp_1")
+        await asyncio.wait_for(_read_all(feed.read()), 5)  # (the POST's stream: it ends)
+        return bool(began)
+
+    assert asyncio.run(scenario(0.05))  # stopped while it waited
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (never awaited: closed, no warning)
+        assert not asyncio.run(scenario(None))  # stopped before it began
 
 
 def test_an_event_feed_gives_every_reader_every_event_from_the_first_until_closed():
