@@ -173,10 +173,11 @@ class ResponseStore:
             return False
         if not self.keep(response, input_items):
             return False
-        if stored.events is not None:  # (carried over to the entry put, then the last)
+        if stored.events is not None:  # (carried over to the entry put, then the last unless some were cut)
             kept = self.entries[response["id"]]
-            kept.events, kept.events_cut = [], stored.events_cut
-            self.add_events(response["id"], stored.events)
+            kept.events = []
+            self.add_events(response["id"], stored.events)  # (cut first, they were lost: the prefix kept went too)
+            kept.events_cut = kept.events_cut or stored.events_cut
             self.add_events(response["id"], events, done=True)
         return True
 

@@ -212,6 +212,11 @@ def test_a_streamed_responses_events_are_kept_a_whole_prefix_and_finished_with_i
     assert small.add_events("t", ["a" * 100]) and not small.add_events("t", ["b" * 500])
     assert not small.add_events("t", ["c"]), "none after one that did not fit: a whole prefix"
     assert small.events("t", -1).events == ["a" * 100]
+    assert small.finish({**_response("t", None, "x"), "status": "completed"}, _asked("t"), ["d"])
+    page = small.events("t", -1)  # (its cut carried over: the prefix kept went, and the last ones came after it)
+    assert page.events == ["a" * 100] and page.is_over
+    small.put({**_response("t", None, ""), "status": "queued"}, _asked("t"), streamed=True)
+    assert small.add_events("t", ["a" * 100]) and not small.add_events("t", ["b" * 500])
     small.cancel("t")
     assert small.events("t", -1).is_over, "cancelled: no more will come"
     small.put({**_response("u", None, ""), "status": "queued"}, _asked("u"), streamed=True)
