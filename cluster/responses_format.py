@@ -156,7 +156,10 @@ class ResponseEvents:
 
     async def refused(self, error: dict):
         """The events of a response refused as it was to start (a background
-        one's: its POST has answered already): its failure."""
+        one's: its POST has answered already): created, then its failure. The
+        failure alone, at sequence 0, broke the OpenAI SDK's stream helper
+        ("Expected to have received response.created before response.failed")."""
+        yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.failed", response=await self._final("failed", error))
 
     async def _final(self, status: str, error: dict | None = None, incomplete: str | None = None) -> dict:

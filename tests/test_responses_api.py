@@ -150,8 +150,12 @@ def _stream(body: ResponsesBody, chunks: list) -> list[dict]:
         for chunk in chunks:
             yield chunk
 
+    return _events(ResponseEvents(body, "m").stream(chunks_of()))
+
+
+def _events(stream) -> list[dict]:
     async def run():
-        return [event async for event in ResponseEvents(body, "m").stream(chunks_of())]
+        return [event async for event in stream]
 
     lines = asyncio.run(run())
     events = []
@@ -216,6 +220,16 @@ def test_a_chat_stream_becomes_the_responses_events(finish, incomplete):
     assert [item["status"] for item in streamed["output"]] == (
         ["completed"] * 3 + ["incomplete"] if incomplete else ["completed"] * 4)
     assert streamed["incomplete_details"] == ({"reason": incomplete} if incomplete else None)
+
+
+def test_a_response_refused_as_it_starts_is_created_then_failed():
+    """A background stream refused at admission sent its failure alone, at
+    sequence 0: the OpenAI SDK's stream helper raised ("Expected to have received
+    response.created before response.failed")."""
+    body = ResponsesBody.model_validate({"input": "x", "stream": True, "background": True})
+    events = _events(ResponseEvents(body, "m").refused({"code": "slo_rejected", "message": "busy"}))
+    assert [(e["type"], e["sequence_number"]) for e in events] == [("response.created", 0), ("response.failed", 1)]
+    assert events[1]["response"]["error"] == {"code": "slo_rejected", "message": "busy"}
 
 
 def test_a_failure_mid_stream_ends_it_failed():
