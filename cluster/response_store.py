@@ -382,10 +382,16 @@ class ResponseStore:
 
     def _make_room(self, size: int) -> None:
         """Evict the least recently used until `size` more bytes fit (an entry
-        growing is the most recent and fits alone, so it stays)."""
+        growing is the most recent and fits alone, so it stays). A running
+        response evicted ends its turn on its conversation, as a delete does (it
+        held the conversation until the turn's lease ran out, about 6 minutes)."""
         num_evicted = 0
         while self.num_bytes + size > self.max_bytes:
-            self._drop(next(iter(self.entries)))
+            oldest_id = next(iter(self.entries))
+            oldest = self.entries[oldest_id]
+            if isinstance(oldest, Stored) and oldest.response["status"] in RUNNING:
+                self._turn_ends(oldest.response, None)
+            self._drop(oldest_id)
             num_evicted += 1
         self.num_evicted += num_evicted
         self._held(num_evicted)

@@ -155,6 +155,22 @@ def test_a_turn_holds_off_a_second_response_until_it_ends_adding_only_what_finis
     assert not store.end_turn("conv_gone", "resp_4", None)
 
 
+def test_a_running_response_evicted_by_the_bound_ends_its_turn():
+    """Other traffic pushed a running background response out: its replica's
+    next beat found nothing and stopped, and its turn held the conversation until
+    the lease ran out (360 s by default), as a delete does not."""
+    store = ResponseStore(max_bytes=4000)
+    store.create_conversation(_conversation("conv_a"), [])
+    store.begin_turn("conv_a", "resp_bg", 360)
+    store.put({"id": "resp_bg", "status": "queued", "store": True, "output": [], "conversation": {"id": "conv_a"},
+               "background": True}, [_item("asked")])
+    for k in range(20):  # other clients' responses; the conversation itself used meanwhile
+        store.put({"id": f"resp_{k}", "status": "completed", "store": True, "output": [], "pad": "x" * 300}, [])
+        store.get_conversation("conv_a")
+    assert store.get("resp_bg") is None and store.beat("resp_bg") is None
+    assert store.begin_turn("conv_a", "resp_next", 360).running_id is None
+
+
 def test_keeping_a_response_ends_its_turn_whether_or_not_it_is_stored():
     """One call as a response ends: its items added (completed or cut), or none
     (failed); the response put only where it asked to be."""
