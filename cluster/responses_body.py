@@ -101,7 +101,7 @@ class ResponsesBody(RequestBody):
 
     model: str | None = None
     input: str | list[dict] = Field(min_length=1)
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1)  # ("": served as if left out, and echoed)
     conversation: str | dict | None = None  # an id, or {"id": ...} (cluster/stored_conversations.py)
     truncation: Literal["auto", "disabled"] | None = None  # auto: cluster/conversation_truncation.py
     background: bool = False  # answered at once, queued; served on (cluster/background_responses.py)
@@ -165,8 +165,9 @@ class ResponsesBody(RequestBody):
     @field_validator("conversation")
     @classmethod
     def _conversation_id(cls, conversation):
-        if isinstance(conversation, dict) and not isinstance(conversation.get("id"), str):
-            raise ValueError('a conversation\'s id, or {"id": ...}')
+        conversation_id = conversation.get("id") if isinstance(conversation, dict) else conversation
+        if conversation is not None and not (isinstance(conversation_id, str) and conversation_id):
+            raise ValueError('a conversation\'s id, or {"id": ...}')  # ("" was served as if left out)
         return conversation
 
     @model_validator(mode="after")

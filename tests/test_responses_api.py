@@ -126,6 +126,13 @@ def test_hostile_requests_are_refused_with_a_message_and_nothing_else(body):
     json.dumps(items)
 
 
+@pytest.mark.parametrize("body", [{"previous_response_id": ""}, {"conversation": ""}, {"conversation": {"id": ""}}])
+def test_an_empty_id_is_refused(body):
+    """It was served as if left out, and echoed in the response as given."""
+    with pytest.raises(ValidationError):
+        ResponsesBody.model_validate({"input": "x", **body})
+
+
 METADATA = st.one_of(VALUES, st.dictionaries(st.text(max_size=70), VALUES))
 
 
