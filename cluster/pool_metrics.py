@@ -9,6 +9,8 @@ dashboard and its test read it).
 
 from __future__ import annotations
 
+import math
+
 SERIES = {
     "ray_tandem_autoscale_decisions_total": "counter: scaling decisions by pool, action (up, down) and signal",
     "ray_tandem_pool_workers": "gauge: workers per pool and state (serving, starting, draining)",
@@ -44,6 +46,7 @@ class PoolMetrics:
             "ray_tandem_pool_replacements_total"], tag_keys=("pool",))
         self.start_failures = Counter("tandem_pool_start_failures", description=SERIES[
             "ray_tandem_pool_start_failures_total"], tag_keys=("pool",))
+        self._known: set[tuple[int, str]] = set()  # (a signal's gauge, a pool) that had a value (`signals`)
 
     def decision(self, pool: str, action: str, signal: str) -> None:
         self.decisions.inc(1, tags={"pool": pool, "action": action, "signal": signal})
@@ -54,12 +57,18 @@ class PoolMetrics:
 
     def signals(self, pool: str, attainment: float | None, backlog_per_worker: float | None,
                 kv_usage: float | None) -> None:
-        if attainment is not None:
-            self.attainment.set(attainment, tags={"pool": pool})
-        if backlog_per_worker is not None:
-            self.backlog.set(backlog_per_worker, tags={"pool": pool})
-        if kv_usage is not None:
-            self.kv_usage.set(kv_usage, tags={"pool": pool})
+        """The autoscaler's signals; one not known now (None: too few outcomes in
+        the window, say) is NaN where the pool had one. Left at its last value, a
+        window of misses and then silence (or a scale step, which starts the
+        window again) showed 0% attainment on the dashboard, and fired its alert,
+        for good."""
+        for gauge, value in ((self.attainment, attainment), (self.backlog, backlog_per_worker),
+                             (self.kv_usage, kv_usage)):
+            if value is not None:
+                self._known.add((id(gauge), pool))
+            elif (id(gauge), pool) not in self._known:
+                continue  # (never had one: no series made)
+            gauge.set(math.nan if value is None else value, tags={"pool": pool})
 
     def replaced(self, pool: str) -> None:
         self.replacements.inc(1, tags={"pool": pool})
