@@ -96,15 +96,20 @@ class Completions:
         its others start once it has its first token, when the prompt's KV is in
         its workers' prefix caches, so they prefill only what the cache lacks (vLLM
         and SGLang prefill once and fork instead). All are admitted before any
-        response starts; if one is refused, those started are closed."""
+        response starts; if one is refused, those started are closed, and those
+        that never started count as withdrawn (or cancelled, where the client
+        left), as the closed ones do: an n=3 call refused counted one request."""
         keys = range(len(requests))
         started: dict[int, object] = {}  # request k -> its events
         current_call()  # (one record for all of them, where no HTTP call opened one)
         for group in ([k for k in keys if k % n == 0], [k for k in keys if k % n]):  # firsts, then the rest
             try:
                 events = await self._start_all([requests[k] for k in group])
-            except BaseException:
+            except BaseException as exc:
                 await asyncio.gather(*(s.aclose() for s in started.values()))
+                outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "withdrawn"
+                for _ in range(len(requests) - len(started) - len(group)):  # (never started)
+                    self.service.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
                 raise
             started.update(zip(group, events))
         return [started[k] for k in keys]

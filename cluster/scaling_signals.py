@@ -105,9 +105,11 @@ class RequestTimer:
     def end(self, outcome: str) -> None:
         """outcome: "ok", "error", "cancelled", "aborted" (/abort_request),
         "withdrawn" (cluster/client_call.py) or "rejected" (as the scheduler's
-        metric); only "ok" and "error" teach."""
-        if outcome == "error" and self.first_s is None:
-            self.recorder.record_ttft(math.inf)
+        metric); only "ok" and "error" teach. An error is a miss: of the TTFT
+        before the first token, of the TBT after it (a timeout, a D that died
+        mid-stream: the worst decode misses were in no sample)."""
+        if outcome == "error":
+            (self.recorder.record_ttft if self.first_s is None else self.recorder.record_tbt)(math.inf)
         elif outcome == "ok" and self.tbt_s is not None:
             self.recorder.record_tbt(self.tbt_s)
 

@@ -193,6 +193,7 @@ class GlobalScheduler:
         exclude: set[str] = set()
         failure = ""  # why the first attempt failed, if it did
         outcome, finished = "error", False  # finished: its outcome is known (closing it after changes nothing)
+        routed = False  # admitted to a pair: its end-to-end latency is one a client waited a served answer for
         hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         try:
             for attempt in range(2):
@@ -210,6 +211,7 @@ class GlobalScheduler:
                     raise ApiError(503, f"{said} failed ({failure}), and no other worker can take it; "
                                    "retry shortly", kind="service_unavailable", headers={"Retry-After": "1"}) from None
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
+                routed = True
                 self.view.num_routed[choice.decode_id] = self.view.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
                 attempt_id = f"{request_id}-{attempt}"
@@ -247,7 +249,9 @@ class GlobalScheduler:
             call.ended(outcome)  # (a refusal or failure raised: before its caller closes the others)
             timer.end(outcome)
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
-            self.metrics.observe("e2e_seconds", "end-to-end latency", time.monotonic() - started)
+            if routed:  # (a rejection's or a 503's instant answer put the p50 near 0 under overload)
+                self.metrics.observe("e2e_seconds", "end-to-end latency of requests admitted",
+                                     time.monotonic() - started)
 
     @staticmethod
     def _failed_worker(choice: Prediction, inflight: InFlight) -> str:

@@ -18,7 +18,7 @@ import pytest
 from actors.messages import TokenEvent
 from actors.sampling_params import SamplingParams
 from actors.tokenization import load_tokenizer
-from cluster.admission import SloRejected
+from cluster.admission import InFlight, SloRejected
 from cluster.completions import Completions
 from tests.test_admission import _scheduler
 
@@ -60,6 +60,21 @@ def test_a_request_closed_because_its_sibling_was_refused_is_withdrawn_not_cance
         asyncio.run(call())
     assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 1, "cancelled": 0, "withdrawn": 1}
     assert not completions.service.view.models.inflight
+
+
+def test_choices_that_never_started_because_the_first_was_refused_are_withdrawn(tiny_qwen2_dir):
+    """An n=3 call refused at its first choice counted one request: the two
+    others never called generate."""
+    completions = _completions(tiny_qwen2_dir, _first_token_then_silence)
+    completions.service.view.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10,
+                                                                  predicted_ttft_s=2.0)  # (a queue past the SLO)
+
+    async def call():
+        await completions.start_choices(_requests(1) * 3, n=3)
+
+    with pytest.raises(SloRejected):
+        asyncio.run(call())
+    assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 1, "cancelled": 0, "withdrawn": 2}
 
 
 def test_a_request_whose_client_left_is_cancelled(tiny_qwen2_dir):

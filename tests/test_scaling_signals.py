@@ -33,9 +33,12 @@ def test_failures_and_cancellations():
     one_token = recorder.timer(0.0)
     one_token.tokens(1, 0.2)
     one_token.end("ok")  # one token: a TTFT, no TBT
+    failed_late = recorder.timer(0.0)  # failed after its first token (timed out, its D died): a TBT miss
+    failed_late.tokens(1, 0.3)
+    failed_late.end("error")
     recorder.rejected(ttft_missed=True, tbt_missed=False)
     report = recorder.report([])
-    assert report.ttft_s == (math.inf, 0.2) and report.tbt_s == ()
+    assert report.ttft_s == (math.inf, 0.2, 0.3) and report.tbt_s == (math.inf,)
     assert (report.num_rejected_ttft, report.num_rejected_tbt) == (1, 0)
 
 
