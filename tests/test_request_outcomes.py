@@ -75,6 +75,8 @@ def test_choices_that_never_started_because_the_first_was_refused_are_withdrawn(
     with pytest.raises(SloRejected):
         asyncio.run(call())
     assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 1, "cancelled": 0, "withdrawn": 2}
+    assert "tandem_e2e_seconds_count" not in completions.service.metrics.render(), (
+        "a refusal's instant answer is no end-to-end latency (under overload they put its p50 near 0)")
 
 
 def test_a_request_whose_client_left_is_cancelled(tiny_qwen2_dir):
