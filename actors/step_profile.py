@@ -26,7 +26,10 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile
 class StepProfile:
     def __init__(self, folder: str, worker_id: str, num_steps: int | None = None, record_shapes: bool = False,
                  with_stack: bool = False) -> None:
-        self.path = Path(folder) / f"{worker_id}-{time.strftime('%Y%m%d-%H%M%S')}.trace.json.gz"
+        # (to the millisecond: two traces of a worker in one second had one name, the second written over the first)
+        now = time.time()
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{int(now * 1000) % 1000:03d}"
+        self.path = Path(folder) / f"{worker_id}-{stamp}.trace.json.gz"
         self.num_steps = num_steps  # None: until stopped
         self.steps_seen = 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

@@ -260,6 +260,19 @@ class AppSettings(_Strict):
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
     profile_dir: str | None = None  # where /start_profile's traces go, on each worker's node (None: off)
 
+    @field_validator("profile_dir")
+    @classmethod
+    def _an_absolute_folder(cls, folder: str | None) -> str | None:
+        """`~` expanded; else absolute. `~/traces` made a folder named `~` in the
+        worker's working directory, a relative path landed there too, and "" wrote
+        the traces into it; each time the endpoint answered the path as given."""
+        if folder is None:
+            return None
+        expanded = os.path.expanduser(folder)
+        if not os.path.isabs(expanded):
+            raise ValueError(f"profile_dir must be an absolute path (or start with ~), got {folder!r}")
+        return expanded
+
     @field_validator("pool_name")
     @classmethod
     def _names_an_actor(cls, pool_name: str) -> str:

@@ -194,11 +194,19 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "api_key": "  "}, "api_key\n.*match pattern"),
         ({"model": {"preset": "tiny"}, "response_store_mib": float("inf")}, "response_store_mib\n.*finite number"),
         ({"model": {"preset": "tiny"}, "kv_store": {"host_gib": float("inf")}}, "kv_store.host_gib\n.*finite"),
+        # Found by a review: traces went into a folder named `~`, or the workers' working directory
+        ({"model": {"preset": "tiny"}, "profile_dir": "traces"}, "profile_dir must be an absolute path"),
+        ({"model": {"preset": "tiny"}, "profile_dir": ""}, "profile_dir must be an absolute path"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
     with pytest.raises(ValidationError, match=message):
         AppSettings.model_validate(args)
+
+
+def test_a_profile_dir_under_home_is_expanded():
+    settings = AppSettings.model_validate({"model": {"preset": "tiny"}, "profile_dir": "~/traces"})
+    assert settings.profile_dir == str(Path.home() / "traces")
 
 
 def test_an_integer_is_a_float_setting_as_yaml_writes_it():
