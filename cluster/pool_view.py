@@ -271,7 +271,10 @@ class PoolView:
                              with_stack: bool) -> dict[str, str]:
         """`/start_profile` on every worker (`WorkerBase.start_profile`); the paths
         their traces will have, by worker. A worker tracing already: ApiError
-        409, the others started (`/stop_profile` ends every one)."""
+        409, the others started (`/stop_profile` ends every one). A worker that
+        cannot write to the folder: ApiError 500, and the others stopped (they
+        traced on without bound, every event held in memory, and nothing said to
+        stop them)."""
         members = list(self.members.values())
         try:
             return await self._ask_each(members, lambda handle: handle.start_profile.remote(
@@ -280,8 +283,9 @@ class PoolView:
             raise ApiError(409, f"{error_message(exc)}: POST /stop_profile ends every worker's trace",
                            kind="conflict") from None
         except OSError as exc:  # the folder cannot be made on a worker's node
-            raise ApiError(500, f"a worker cannot write to profile_dir {folder!r}: {error_message(exc)}",
-                           kind="internal_error") from None
+            await asyncio.gather(*(m.handle.stop_profile.remote() for m in members), return_exceptions=True)
+            raise ApiError(500, f"a worker cannot write to profile_dir {folder!r}: {error_message(exc)} "
+                                "(no worker traces)", kind="internal_error") from None
 
     async def stop_profiles(self) -> dict[str, str]:
         """`/stop_profile` on every worker: the traces written, by worker."""
