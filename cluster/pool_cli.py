@@ -84,16 +84,30 @@ def _actor_names(namespace: str) -> list[str]:
 
 
 def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
-    """Why a host:port address takes no TCP connection (None: it does, or the
-    address is not host:port, such as `auto`)."""
+    """Why a host:port address is no Ray GCS: it takes no TCP connection, or does
+    not answer an HTTP/2 client preface with a SETTINGS frame as a GCS (gRPC)
+    does (None: it is one, or the address is not host:port, such as `auto`). The
+    dashboard's port (8265) or Serve's (8000) took the connection, and Ray retried
+    them for minutes, printing warnings and no error."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or "://" in address:
         return None
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # (and empty SETTINGS)
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        connection = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError as exc:
         return exc.strerror or type(exc).__name__
-    return None
+    header = b""
+    with connection:
+        try:
+            connection.sendall(preface)
+            while len(header) < 9 and (piece := connection.recv(9 - len(header))):
+                header += piece
+        except OSError:  # (reset, or silent past the timeout)
+            pass
+    if len(header) == 9 and header[3] == 4:  # (a frame's type is its fourth byte: 4, SETTINGS)
+        return None
+    return "it answers, but not as Ray's GCS does: an HTTP port, the dashboard's or Serve's?"
 
 
 def _cmd_pools(args: argparse.Namespace) -> None:

@@ -98,3 +98,19 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
     assert r["gone"].returncode == 2 and r["gone"].stderr.startswith(
         "tandem pools: no pool manager 'test-pool-cli' on this cluster"), r["gone"].stderr
     assert r["workers_alive"] == []
+
+
+def test_an_address_that_is_not_a_gcs_is_one_line_at_once():
+    """The dashboard's or Serve's HTTP port took the connection, and Ray retried
+    it for minutes, printing warnings and no error."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        answer = _tandem("pools", "--address", f"127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert answer.returncode == 2 and "Traceback" not in answer.stderr
+    assert "it answers, but not as Ray's GCS does" in answer.stderr.splitlines()[0], answer.stderr
