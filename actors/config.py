@@ -88,7 +88,14 @@ class ModelConfig:
             scaling = raw.get("rope_scaling") or (
                 rope_params if rope_params.get("rope_type", "default") != "default" else None
             )
+            if "rope_theta" in raw and "rope_theta" in rope_params and raw["rope_theta"] != rope_params["rope_theta"]:
+                # (transformers v5 takes rope_parameters', v4 the top level's: served one way, it is wrong the other)
+                raise ValueError(f"rope_theta {raw['rope_theta']} and rope_parameters.rope_theta "
+                                 f"{rope_params['rope_theta']} differ")
             theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+            activation = raw.get("hidden_act", "silu")
+            if activation not in ("silu", "swish"):  # (the MLP is SwiGLU; another was served as SiLU)
+                raise ValueError(f"hidden_act {activation!r} is not supported (silu only)")
             config = cls(
                 architecture=family,
                 vocab_size=int(raw["vocab_size"]),
@@ -102,7 +109,8 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 rope_scaling=dict(scaling) if scaling else None,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "qwen2")),
+                # (left out: untied, as transformers reads it; Qwen2's was taken as tied and its lm_head dropped)
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2 always carries q/k/v biases; Llama and Qwen3 only with attention_bias.
                 qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
                 eos_token_ids=_eos_ids(raw, Path(model_dir)),
@@ -138,14 +146,25 @@ class ModelConfig:
 
 
 def _context_len(raw: dict) -> int:
-    """The context Tandem serves: `max_position_embeddings`, or a Mistral
-    checkpoint's `sliding_window` where that is shorter. Within the window,
-    sliding-window attention is full attention, so a context held to it is exact
-    (vLLM did the same before it had window kernels); Mistral 7B v0.2 on leave
-    the window null."""
+    """The context Tandem serves: `max_position_embeddings`, or the checkpoint's
+    `sliding_window` where some layer slides and that is shorter. Within the
+    window, sliding-window attention is full attention, so a context held to it
+    is exact (vLLM did the same before it had window kernels). Mistral's layers
+    all slide (Mistral 7B v0.2 on leave the window null); Qwen2's and Qwen3's
+    with `use_sliding_window`, those its `layer_types` name, else those from
+    `max_window_layers` on (transformers' rule): their windows were ignored, and
+    past them every layer attended to the whole context."""
     positions = int(raw["max_position_embeddings"])
-    window = raw.get("sliding_window") if "MistralForCausalLM" in (raw.get("architectures") or []) else None
-    return min(positions, int(window)) if window else positions
+    window = raw.get("sliding_window")
+    if "MistralForCausalLM" in (raw.get("architectures") or []):
+        slides = True
+    elif raw.get("use_sliding_window"):
+        layer_types = raw.get("layer_types")
+        slides = ("sliding_attention" in layer_types if isinstance(layer_types, list)
+                  else int(raw["num_hidden_layers"]) > int(raw.get("max_window_layers", 28)))
+    else:
+        slides = False
+    return min(positions, int(window)) if slides and window else positions
 
 
 def _experts(raw: dict) -> dict:
@@ -157,7 +176,7 @@ def _experts(raw: dict) -> dict:
     experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]  # (transformers v5's name)
     return dict(num_experts=int(experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
                 moe_intermediate_size=int(raw["moe_intermediate_size"]),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # (transformers' default)
                 dense_layers=tuple(i for i in range(layers) if i in dense_only or (i + 1) % step))
 
 

@@ -41,11 +41,32 @@ def _edit_config(folder, **fields) -> None:
     ({"rope_parameters": [1]}, "rope_parameters must be an object"),
     ({"num_attention_heads": 0, "head_dim": None}, "invalid config field .*ZeroDivisionError"),
     ({"vocab_size": -5}, "vocab_size must be at least 1"),
+    # Found by a review: served as something else than transformers computes
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}},
+     "rope_theta 1000000.0 and rope_parameters.rope_theta 100.0 differ"),
 ])
 def test_a_config_the_model_cannot_be_built_from_is_refused(copy, fields, message):
     _edit_config(copy, **fields)
     with pytest.raises(CheckpointError, match=message):
         ModelConfig.from_hf(copy)
+
+
+def test_config_fields_that_change_the_math_are_read_as_transformers_reads_them(copy):
+    """Found by a review, each served wrong: Qwen2's sliding window was ignored
+    (every layer attended to the whole context past it), a Qwen2 config without
+    tie_word_embeddings was read as tied (its lm_head dropped: garbage), and
+    Qwen3-MoE's norm_topk_prob defaulted the other way."""
+    _edit_config(copy, use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None)
+    assert ModelConfig.from_hf(copy).max_position_embeddings == 16  # (held to the window: exact within it)
+    _edit_config(copy, max_window_layers=100)  # (no layer from 100 on: none slides)
+    assert ModelConfig.from_hf(copy).max_position_embeddings > 16
+    _edit_config(copy, layer_types=["sliding_attention", "full_attention"])  # (named: it wins)
+    assert ModelConfig.from_hf(copy).max_position_embeddings == 16
+    config = json.loads((copy / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (copy / "config.json").write_text(json.dumps(config))
+    assert not ModelConfig.from_hf(copy).tie_word_embeddings
 
 
 def test_a_broken_generation_config_is_named_as_itself(copy):
