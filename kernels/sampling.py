@@ -27,16 +27,21 @@ model's forward), so
 - a row with no filter (top_k 0, top_p 1: the default request) inverts the CDF
   of its probabilities in vocabulary order (a softmax and a prefix sum); a min_p
   alone zeroes the probabilities under its threshold first (a max and a compare);
-- a filtered row inverts it over its best candidates, in descending order, from
-  `topk` over a window: the largest top_k of the batch's filtered rows, or, when a
-  row filters by top_p alone, a window that grows (x4 from 1024) until it holds
-  that row's top_p of the mass (on CPU, where checking costs nothing; on CUDA
-  checking would wait for the device, so such a batch sorts the whole vocabulary,
-  which a GPU does quickly).
-The kept set and its order are those of a full descending sort, so a top-k or
-top-p row samples the same token as sorting everything would (`reference_sample`;
-tests/test_kernels.py holds it to that, and the reference's kept set to
-transformers' warpers). `tandem bench kernels` times both.
+- a filtered row inverts it over its kept candidates, in vocabulary order, from
+  `topk` over a window: one past the largest top_k of the batch's filtered rows,
+  or, when a row filters by top_p alone, a window that grows (x4 from 1024) until
+  it holds that row's top_p of the mass and no row keeps its last column (on CPU,
+  where checking costs nothing; on CUDA checking would wait for the device, so
+  such a batch sorts the whole vocabulary, which a GPU does quickly).
+Ties: every token tied with the k-th stays (transformers and vLLM drop only those
+below it), a group of ties is kept or dropped by top_p whole, and the draw is
+inverted in vocabulary order, so the order a sort gives ties (a `topk` of 40 or of
+2000, a full sort: the batch's other rows decide) cannot change a token; it did
+in 82 of 200 seeds over bf16 logits read in float32, which tie often. The kept set
+is that of a full sort, and so a top-k or top-p row samples the same token as
+sorting everything would (`reference_sample`; tests/test_kernels.py holds it to
+that, and the reference's kept set to transformers' warpers). `tandem bench
+kernels` times both.
 
 Devices. The draws are made on the host. Every tensor the sampling makes sits on
 the logits' device; the per-row settings and the draws go there in one copy from
@@ -145,38 +150,63 @@ def _invert_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_best_first(scaled, ks, ps, min_ps, draws, max_k: int, needs_mass: bool) -> torch.Tensor:
-    """Sample each row among its kept candidates (`_kept`), taken in descending
-    order from a window of the best `width` (see the module docstring)."""
+    """Sample each row among its kept candidates (`_kept`), taken from a window of
+    the best `width` (see the module docstring). On the CPU the window grows while
+    a row keeps its last column (candidates tied with it may lie past it); on a
+    device, where checking would wait for it, a top_k window holds one column past
+    the largest k, and ties of the k-th past that are cut (rare: two or more)."""
     vocab = scaled.shape[1]
     probs = scaled.softmax(dim=-1)
-    width = max_k  # every row's k fits: enough unless a row filters by top_p alone
+    width = min(vocab, max_k + 1)  # every row's k fits, and a column past it: a tie of the k-th shows
     if needs_mass:
-        width = vocab if probs.is_cuda else min(vocab, max(max_k, FIRST_WINDOW))
+        width = vocab if probs.device.type != "cpu" else min(vocab, max(max_k + 1, FIRST_WINDOW))
     while True:
         top_probs, top_ids = probs.topk(width, dim=-1) if width < vocab else probs.sort(dim=-1, descending=True)
-        # Enough when every row keeps at most `width`: its k fits, or its p of the mass does.
-        if not needs_mass or width == vocab or bool(((ks <= width) | (top_probs.sum(dim=-1) >= ps)).all()):
+        keep = _kept(top_probs, ks, ps, min_ps, vocab)
+        if width == vocab or probs.device.type != "cpu":
             break
-        width = min(vocab, width * 4)
-    keep = _kept(top_probs, ks, ps, min_ps, vocab)
-    picks = _invert_cdf(top_probs * keep, draws)
+        # Enough when no row keeps the last column, and a top_p-only row's p of the mass is in.
+        if not bool(keep[:, -1].any()) and (
+                not needs_mass or bool(((ks < vocab) | (top_probs.sum(dim=-1) >= ps)).all())):
+            break
+        width = min(vocab, max(width * 4, FIRST_WINDOW))
+    return _pick(top_probs, top_ids, keep, draws)
+
+
+def _pick(probs_desc: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Each row's draw inverted over its kept candidates in vocabulary order, so
+    that the order ties take in a sort (a `topk` of 40, of 2000, a full sort: the
+    batch's other rows set which) cannot change the token. In descending order, a
+    seeded request's token changed with its batch in 82 of 200 draws over bf16
+    logits rounded to float32, which tie often (a review's probe)."""
+    vocab_order = torch.where(keep, ids, torch.iinfo(ids.dtype).max).argsort(dim=-1)  # kept first, by id
+    picks = _invert_cdf((probs_desc * keep).gather(1, vocab_order), draws)
     # A pick past the kept set can only come from rounding at the top of the CDF;
     # a row of NaN logits (a broken model) keeps nothing and gets the best id.
     picks = torch.minimum(picks, (keep.sum(dim=-1) - 1).clamp_(min=0))
-    return top_ids.gather(1, picks[:, None]).squeeze(1)
+    return ids.gather(1, vocab_order.gather(1, picks[:, None])).squeeze(1)
 
 
 def _kept(probs_desc: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, min_ps: torch.Tensor,
           vocab: int) -> torch.Tensor:
     """Which of each row's best candidates (`probs_desc`: descending, the first
-    columns of a full sort) survive transformers' chain: the best k; of those, the
-    fewest whose mass before them is under p of the k's mass; of those, every one
-    at least min_p of the best. The best always survives."""
-    rank = torch.arange(probs_desc.shape[1], device=probs_desc.device)[None, :]
-    in_top_k = rank < ks[:, None]
+    columns of a full sort) survive transformers' chain: the best k, and every one
+    tied with the k-th (transformers and vLLM drop only those below it); of those,
+    the fewest whose mass before them is under p of the k's mass, a group of ties
+    counted from the mass before the group (kept or dropped whole: in sort order,
+    which ties take anyhow, one was kept and its twin not); of those, every one at
+    least min_p of the best. The best always survives."""
+    columns = probs_desc.shape[1]
+    rank = torch.arange(columns, device=probs_desc.device)[None, :]
+    kth = probs_desc.gather(1, (ks.clamp(max=columns) - 1)[:, None])
+    in_top_k = (probs_desc >= kth) | (ks[:, None] >= vocab)
     # A row without top_k: the whole vocabulary's mass (1), which a window need not hold.
     k_mass = torch.where(ks < vocab, (probs_desc * in_top_k).sum(dim=-1), 1.0)
     mass_before = probs_desc.cumsum(dim=-1) - probs_desc
+    ascending = -probs_desc  # (a descending row, negated: ascending, as searchsorted wants)
+    first_of_ties = torch.searchsorted(ascending.contiguous(), ascending.contiguous(), right=False)
+    first_of_ties.clamp_(max=columns - 1)  # (a NaN row's: past the end)
+    mass_before = mass_before.gather(1, first_of_ties)
     in_top_p = (mass_before < ps[:, None] * k_mass[:, None]) | (rank == 0)
     return in_top_k & in_top_p & (probs_desc >= min_ps[:, None] * probs_desc[:, :1])
 
@@ -190,9 +220,9 @@ def reference_sample(
     min_ps: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """The reference for `sample` (and what it was before the windows): every random
-    row sorts the whole vocabulary and inverts the CDF in descending order. Top-k
-    and top-p rows pick what `sample` picks, draw for draw; the others the same
-    distribution in another order. CPU, for tests and `tandem bench kernels`."""
+    row sorts the whole vocabulary and inverts the CDF over its kept candidates in
+    vocabulary order. Top-k and top-p rows pick what `sample` picks, draw for draw;
+    the others the same distribution. CPU, for tests and `tandem bench kernels`."""
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not random_rows:
@@ -205,11 +235,8 @@ def reference_sample(
     ps = torch.tensor([top_ps[i] for i in random_rows], dtype=torch.float32)
     min_p = torch.tensor([min_ps[i] if min_ps else 0.0 for i in random_rows], dtype=torch.float32)
     keep = _kept(sorted_probs, ks, ps, min_p, vocab)
-    cdf = (sorted_probs * keep).cumsum(dim=-1)
     row_draws = torch.tensor([draws[i] for i in random_rows], dtype=torch.float32)
-    picks = torch.searchsorted(cdf, (row_draws * cdf[:, -1])[:, None], right=True).clamp_(max=sorted_probs.shape[1] - 1)
-    picks = torch.minimum(picks, keep.sum(dim=-1, keepdim=True) - 1)
-    tokens[rows] = sorted_ids.gather(1, picks).squeeze(1)
+    tokens[rows] = _pick(sorted_probs, sorted_ids, keep, row_draws)
     return tokens
 
 

@@ -407,3 +407,34 @@ def test_cpu_norm_and_rope_match_the_references(rows):
     heads_apart = torch.randn(rows, 32, 6).transpose(1, 2)  # a layout the kernel hands to the reference
     for x in (q.view(rows, 6, 32), k.view(rows, 2, 32), heads_apart):
         torch.testing.assert_close(cpu_norm_rope.apply_rope(x, cos, sin), apply_rope(x, cos, sin))
+
+
+def test_a_seeded_rows_token_is_its_own_whatever_shares_the_batch_when_probabilities_tie():
+    """bf16 logits read in float32 tie often (a GPU's); the CDF was inverted in the
+    order a sort gives ties, and a batch mate's top_k or top_p set the sort (a topk
+    of 40, of 2000, a full one): the token changed in 82 of 200 seeds. Now the kept
+    set holds every tie of the k-th, and the draw is inverted in vocabulary order."""
+    torch.manual_seed(5)
+    vocab = 8000
+    logits = (torch.randn(1, vocab) * 3).bfloat16().float()
+    assert logits.unique().numel() < vocab // 4, "(ties: the case under test)"
+    mates = {"alone": ([], [], []), "with a top_k of 2000": ([1.0], [2000], [1.0]),
+             "with a top_p-only row": ([1.0], [0], [0.9])}
+    for top_k, top_p in ((40, 1.0), (40, 0.8), (0, 0.05)):
+        for seed in range(100):
+            tokens = set()
+            for temps, ks, ps in mates.values():
+                batch = torch.cat([logits] + [logits.roll(7, dims=1)] * len(temps))
+                draws = uniform_draws([seed] + [seed + 1] * len(temps), [0] * (1 + len(temps)))
+                tokens.add(int(sample(batch, [1.0, *temps], [top_k, *ks], [top_p, *ps], draws)[0]))
+            reference = reference_sample(logits, [1.0], [top_k], [top_p], uniform_draws([seed], [0]))
+            assert tokens == {int(reference[0])}, (top_k, top_p, seed, tokens)
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth_as_transformers_does():
+    """top_k 1 with two tokens tied for the best: transformers and vLLM keep both
+    (they drop only those below the k-th); one was kept, whichever a sort put first."""
+    logits = torch.zeros(1, 1000)
+    logits[0, 5] = logits[0, 900] = 10.0
+    picks = [int(sample(logits, [1.0], [1], [1.0], uniform_draws([0], [i]))[0]) for i in range(400)]
+    assert set(picks) == {5, 900} and 150 < picks.count(5) < 250
