@@ -110,16 +110,32 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
     return "it answers, but not as Ray's GCS does: an HTTP port, the dashboard's or Serve's?"
 
 
-def _cmd_pools(args: argparse.Namespace) -> None:
+ANSWER_TIMEOUT_S = 60.0  # the pool manager's answer to a command (its shutdown: five times this)
+
+
+def _answer(name: str, refs, timeout_s: float = ANSWER_TIMEOUT_S):
+    """`ray.get(refs)` of pool manager `name`'s calls, or a one-line CliError: one
+    busy or restarting hung the command for good, one that died meanwhile ended
+    it in a traceback."""
     import ray
 
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise CliError(f"pool manager {name!r} did not answer within {timeout_s:g} s (restarting, or busy?): "
+                       "try again") from None
+    except ray.exceptions.RayActorError as exc:
+        raise CliError(f"pool manager {name!r} is gone ({type(exc).__name__}): is the app being redeployed?") from None
+
+
+def _cmd_pools(args: argparse.Namespace) -> None:
     if args.events < 0:
         raise CliError(f"--events must be 0 or more, got {args.events}")
     name, pool = _pool_manager(args)
-    workers, failures, events = ray.get([pool.workers.remote(), pool.start_failures.remote(),
-                                         pool.scaling_events.remote()])
+    workers, failures, events = _answer(name, [pool.workers.remote(), pool.start_failures.remote(),
+                                                pool.scaling_events.remote()])
     try:
-        settings = ray.get(pool.running_settings.remote())
+        settings = _answer(name, pool.running_settings.remote())
     except AttributeError:  # a pool manager of an older version
         settings = None
     latest = events[-args.events:] if args.events else []
@@ -149,15 +165,13 @@ def _cmd_pools(args: argparse.Namespace) -> None:
 
 
 def _cmd_drain(args: argparse.Namespace) -> None:
-    import ray
-
     name, pool = _pool_manager(args)
-    workers = {w.worker_id: w for w in ray.get(pool.workers.remote())}
+    workers = {w.worker_id: w for w in _answer(name, pool.workers.remote())}
     worker = workers.get(args.worker_id)
     if worker is None:
         raise CliError(f"no worker {args.worker_id!r} in pool {name!r}; its workers: "
                        f"{', '.join(sorted(workers)) or 'none'}")
-    state = ray.get(pool.drain.remote(args.worker_id, "by hand (tandem drain)"))
+    state = _answer(name, pool.drain.remote(args.worker_id, "by hand (tandem drain)"))
     if state is None:
         raise CliError(f"{args.worker_id} is draining already (or waits to, for its replacement)")
     if state == "waiting":
@@ -180,8 +194,8 @@ def _cmd_teardown(args: argparse.Namespace) -> None:
     from actors.kv_store_client import STORE_NAMESPACE
 
     name, pool = _pool_manager(args)
-    num_workers = len(ray.get(pool.workers.remote()))
-    ray.get(pool.shutdown.remote())
+    num_workers = len(_answer(name, pool.workers.remote()))
+    _answer(name, pool.shutdown.remote(), 5 * ANSWER_TIMEOUT_S)
     ray.kill(pool)
     print(f"pool {name}: its {num_workers} workers and its pool manager stopped")
     if args.kv_stores:

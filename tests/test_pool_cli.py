@@ -8,13 +8,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import ray
 
 from actors.kv_store import KVStoreSettings
 from actors.kv_store_client import STORE_NAMESPACE, open_kv_store
 from benchmarks.scheduler_driver import run_with_pool
+from cluster.cli_error import CliError
+from cluster.pool_cli import _answer
 
 SETTINGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
@@ -114,3 +118,19 @@ def test_an_address_that_is_not_a_gcs_is_one_line_at_once():
         server.shutdown()
     assert answer.returncode == 2 and "Traceback" not in answer.stderr
     assert "it answers, but not as Ray's GCS does" in answer.stderr.splitlines()[0], answer.stderr
+
+
+def test_a_pool_manager_that_does_not_answer_or_is_gone_is_one_line(ray_local):
+    """A busy or restarting one hung the command for good (no timeout), one that
+    died meanwhile ended it in a traceback."""
+    @ray_local.remote(num_cpus=0)
+    class Slow:
+        def workers(self):
+            time.sleep(30)
+
+    slow = Slow.remote()
+    with pytest.raises(CliError, match="pool manager 'p' did not answer within 0.5 s"):
+        _answer("p", slow.workers.remote(), timeout_s=0.5)
+    ray_local.kill(slow)
+    with pytest.raises(CliError, match="pool manager 'p' is gone"):
+        _answer("p", slow.workers.remote())
