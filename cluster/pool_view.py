@@ -129,14 +129,21 @@ class PoolView:
         needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
         self.ready = needed <= roles
         draining = [m.worker_id for m in members if m.draining]
-        try:
-            report = self.outcomes.report(list(self.models.inflight.values()), draining)
-            peers, self.start_failures = await asyncio.gather(self.pool.report.remote(report),
-                                                              self.pool.start_failures.remote())
-            self.models.peers = peers if isinstance(peers, PeerLoad) else PeerLoad()
-        except (ray.exceptions.RayError, AttributeError) as exc:  # the autoscaler misses it; serving goes on
-            # AttributeError: a pool manager left running by an older version (restart it to autoscale)
+        report = self.outcomes.report(list(self.models.inflight.values()), draining)
+        try:  # (serving goes on without it: the autoscaler misses it for now)
+            peers = await self.pool.report.remote(report)
+        except AttributeError as exc:  # a pool manager left running by an older version (restart it to autoscale)
             log.warning("could not report to the pool manager: %s", exc)
+            return
+        except ray.exceptions.RayError as exc:
+            self.outcomes.put_back(report)  # (not received: the next report carries its outcomes)
+            log.warning("could not report to the pool manager: %s", exc)
+            return
+        self.models.peers = peers if isinstance(peers, PeerLoad) else PeerLoad()
+        try:
+            self.start_failures = await self.pool.start_failures.remote()
+        except (ray.exceptions.RayError, AttributeError) as exc:
+            log.warning("could not read the pool manager's start failures: %s", exc)
 
     async def _pools_keep_settings(self) -> bool:
         """Whether the pools run settings this deployment changes and cannot apply

@@ -46,6 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 FIGURES = ("ttft", "tbt")
+MAX_SAMPLES_HELD = 10_000  # outcomes of each kind a replica holds while the pool manager gets no report
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,17 @@ class OutcomeRecorder:
         self._ttft, self._tbt, self._routed = [], [], {}
         self._rejected = {"ttft": 0, "tbt": 0}
         return report
+
+    def put_back(self, report: SchedulerReport) -> None:
+        """A report the pool manager did not get: its outcomes go with the next
+        (they were lost, a second's worth each time a pool manager restarted); the
+        latest `MAX_SAMPLES_HELD` of each kind, however long it stays away."""
+        self._ttft = [*report.ttft_s, *self._ttft][-MAX_SAMPLES_HELD:]
+        self._tbt = [*report.tbt_s, *self._tbt][-MAX_SAMPLES_HELD:]
+        self._rejected["ttft"] += report.num_rejected_ttft
+        self._rejected["tbt"] += report.num_rejected_tbt
+        for worker_id, count in report.routed.items():
+            _add(self._routed, worker_id, count)
 
 
 def _add(counter: dict[str, int], key: str, value: int) -> None:

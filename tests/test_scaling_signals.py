@@ -4,6 +4,7 @@ clock, no Ray)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -129,3 +130,26 @@ def test_a_replica_that_stopped_reporting_stops_counting_in_the_load_but_still_h
     book.add(SchedulerReport("live"), 12.0)
     assert book.backlog_tokens(["p0"], 12.0) == 0 and book.inflight("p0", 12.0) == 0
     assert not book.released("d0", 12.0)  # its request there may still run
+
+
+def test_a_report_the_pool_manager_did_not_get_goes_with_the_next():
+    """Cleared as it was made, a report lost on its way (a pool manager
+    restarting) lost its outcomes; put back, the next carries them, bounded."""
+    from cluster.scaling_signals import MAX_SAMPLES_HELD
+
+    recorder = OutcomeRecorder("r1")
+    timer = recorder.timer(0.0)
+    timer.tokens(1, 0.4)
+    timer.end("ok")
+    recorder.rejected(ttft_missed=True, tbt_missed=True)
+    recorder.routed(["p0", "d0"])
+    lost = recorder.report([])
+    later = recorder.timer(1.0)
+    later.tokens(1, 1.2)
+    later.end("ok")
+    recorder.put_back(lost)
+    report = recorder.report([])
+    assert report.ttft_s == (0.4, pytest.approx(0.2)) and (report.num_rejected_ttft, report.num_rejected_tbt) == (1, 1)
+    assert report.routed == {"p0": 1, "d0": 1}
+    recorder.put_back(dataclasses.replace(report, ttft_s=(1.0,) * (MAX_SAMPLES_HELD + 5)))
+    assert len(recorder.report([]).ttft_s) == MAX_SAMPLES_HELD
