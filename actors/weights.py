@@ -113,12 +113,14 @@ def _fill(model: ForCausalLM, model_dir: Path, dtype: torch.dtype | None, read) 
     params = dict(model.named_parameters())
     filled = {name: 0 for name in params}  # elements filled per parameter
     seen: dict[str, str] = {}  # each checkpoint weight's file: one that comes twice is refused
+    tied_head = None  # a tied model's lm_head.weight, where the checkpoint has one: it must be the embedding
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as reader:
                 for name in reader.keys():
                     if name == "lm_head.weight" and model.lm_head is None:
-                        continue  # tied: the embedding serves as the head
+                        tied_head = read(reader, name)  # tied: the embedding serves as the head (checked below)
+                        continue
                     if "rotary_emb" in name:
                         continue
                     if name in seen:  # (counted twice, one could stand in for another, missing)
@@ -130,6 +132,11 @@ def _fill(model: ForCausalLM, model_dir: Path, dtype: torch.dtype | None, read) 
     missing = [name for name, count in filled.items() if count != params[name].numel()]
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing or incomplete: {missing[:5]}")
+    embedding = params["model.embed_tokens.weight"].data
+    if isinstance(tied_head, torch.Tensor) and not torch.equal(tied_head.to(embedding.dtype), embedding):
+        # (transformers 5 serves such a checkpoint untied, 4 tied: it was served tied, its head dropped)
+        raise CheckpointError(f"{model_dir}: tie_word_embeddings is true, but lm_head.weight differs from "
+                              "model.embed_tokens.weight: set tie_word_embeddings to what the weights are")
 
 
 def _copy(model, params, filled, name: str, tensor: torch.Tensor | _Header, dtype: torch.dtype | None) -> None:

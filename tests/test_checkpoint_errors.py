@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from actors.config import CheckpointError, ModelConfig
 from actors.engine import Engine
+from actors.model import ForCausalLM
+from actors.weights import load_weights
 from cluster.cli import main
 
 
@@ -96,6 +98,20 @@ def test_a_malformed_index_is_refused(copy, index):
     (copy / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
     with pytest.raises(CheckpointError, match="model.safetensors.index.json: (unreadable index|weight_map must)"):
         Engine(copy)
+
+
+def test_a_tied_checkpoint_whose_lm_head_differs_from_its_embedding_is_refused(copy):
+    """Served tied, its lm_head was dropped: transformers 5 serves it untied
+    (garbage against it, found by a review). One equal to the embedding loads."""
+    tensors = load_file(copy / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    config = ModelConfig.from_hf(copy)
+    assert config.tie_word_embeddings
+    save_file({**tensors, "lm_head.weight": embedding.clone()}, copy / "model.safetensors")
+    load_weights(ForCausalLM(config), copy, torch.float32)
+    save_file({**tensors, "lm_head.weight": embedding.flip(0).contiguous()}, copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is true, but lm_head.weight differs"):
+        load_weights(ForCausalLM(config), copy, torch.float32)
 
 
 def test_make_model_does_not_write_over_another_checkpoint(tmp_path, capsys):
