@@ -133,7 +133,8 @@ def _fill(model: ForCausalLM, model_dir: Path, dtype: torch.dtype | None, read) 
     if missing:
         raise CheckpointError(f"{model_dir}: weights missing or incomplete: {missing[:5]}")
     embedding = params["model.embed_tokens.weight"].data
-    if isinstance(tied_head, torch.Tensor) and not torch.equal(tied_head.to(embedding.dtype), embedding):
+    if isinstance(tied_head, torch.Tensor) and not torch.equal(tied_head.to(embedding.device, embedding.dtype),
+                                                               embedding):
         # (transformers 5 serves such a checkpoint untied, 4 tied: it was served tied, its head dropped)
         raise CheckpointError(f"{model_dir}: tie_word_embeddings is true, but lm_head.weight differs from "
                               "model.embed_tokens.weight: set tie_word_embeddings to what the weights are")
