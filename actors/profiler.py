@@ -5,8 +5,9 @@ Runs once a worker, as its engine thread's first call (`WorkerBase.profile`), so
 before any request: it steps the engine itself and keeps the outputs, so a live
 request stepped by it would lose its tokens. Prompts are random token ids and leave
 no trace but evictable device cache: none of their blocks goes to the node's KV
-store. They did, about a hundred blocks each time a worker started (1.8 MB on the
-tiny model), into the host tier and on to disk and the shared path, pushing out
+store. They did, about a hundred blocks each time a worker started (107, 1.75 MB,
+on the tiny model: docs/benchmarks.md, "By-hand probes (fifty-first session)"),
+into the host tier and on to disk and the shared path, pushing out
 real prefixes; and a store restarted just then took a late batch of them (a
 clean-clone run of test_kv_store_workers found it).
 

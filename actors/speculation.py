@@ -79,6 +79,7 @@ class Drafter:
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         self.num_tokens = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.index_tokens_a_step = max(INDEX_ENTRIES_A_STEP // (self.max_n - self.min_n + 1), 1)
         self.max_batch = config.speculative_max_batch
         self.max_model_len = max_model_len
         self.step_costs = DecodeStepCosts()  # the engine records its decode-only steps
@@ -109,8 +110,7 @@ class Drafter:
             lookup = request.lookup = PromptLookup(self.min_n, self.max_n)
         indexed = len(lookup.tokens)
         if indexed < request.num_prompt_tokens:  # (`INDEX_ENTRIES_A_STEP`)
-            step = max(INDEX_ENTRIES_A_STEP // (self.max_n - self.min_n + 1), 1)
-            lookup.add(request.prompt_token_ids[indexed:indexed + step])
+            lookup.add(request.prompt_token_ids[indexed:indexed + self.index_tokens_a_step])
             if len(lookup.tokens) < request.num_prompt_tokens:
                 return
         lookup.add(request.output_token_ids[len(lookup.tokens) - request.num_prompt_tokens:])  # (no prompt copy)

@@ -107,9 +107,10 @@ class Completions:
                 events = await self._start_all([requests[k] for k in group])
             except BaseException as exc:
                 await asyncio.gather(*(s.aclose() for s in started.values()))
-                outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "withdrawn"
-                for _ in range(len(requests) - len(started) - len(group)):  # (never started)
-                    self.service.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
+                never_started = len(requests) - len(started) - len(group)
+                if never_started:
+                    outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "withdrawn"
+                    self.service.metrics.inc("requests_total", "requests by outcome", never_started, outcome=outcome)
                 raise
             started.update(zip(group, events))
         return [started[k] for k in keys]

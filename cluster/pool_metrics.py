@@ -46,7 +46,7 @@ class PoolMetrics:
             "ray_tandem_pool_replacements_total"], tag_keys=("pool",))
         self.start_failures = Counter("tandem_pool_start_failures", description=SERIES[
             "ray_tandem_pool_start_failures_total"], tag_keys=("pool",))
-        self._known: set[tuple[int, str]] = set()  # (a signal's gauge, a pool) that had a value (`signals`)
+        self._known: set[tuple[str, str]] = set()  # (a signal, a pool) that had a value (`signals`)
 
     def decision(self, pool: str, action: str, signal: str) -> None:
         self.decisions.inc(1, tags={"pool": pool, "action": action, "signal": signal})
@@ -62,11 +62,12 @@ class PoolMetrics:
         window of misses and then silence (or a scale step, which starts the
         window again) showed 0% attainment on the dashboard, and fired its alert,
         for good."""
-        for gauge, value in ((self.attainment, attainment), (self.backlog, backlog_per_worker),
-                             (self.kv_usage, kv_usage)):
+        signals = (("attainment", self.attainment, attainment), ("backlog", self.backlog, backlog_per_worker),
+                   ("kv_usage", self.kv_usage, kv_usage))
+        for name, gauge, value in signals:
             if value is not None:
-                self._known.add((id(gauge), pool))
-            elif (id(gauge), pool) not in self._known:
+                self._known.add((name, pool))
+            elif (name, pool) not in self._known:
                 continue  # (never had one: no series made)
             gauge.set(math.nan if value is None else value, tags={"pool": pool})
 

@@ -45,16 +45,16 @@ class PrefixIndex:
         self._clock = clock
 
     def __contains__(self, block_hash: bytes) -> bool:
-        if block_hash in self._hashes:
-            return True
-        until = self._routed.get(block_hash)
-        return until is not None and until > self._clock()
+        return self._holds(block_hash, self._clock())
+
+    def _holds(self, block_hash: bytes, now: float) -> bool:
+        return block_hash in self._hashes or self._routed.get(block_hash, now) > now
 
     def match(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of this chain the worker likely holds."""
-        count = 0
+        now, count = self._clock(), 0  # (one reading of the clock for the chain: planning calls this per worker)
         for block_hash in hashes:
-            if block_hash not in self:
+            if not self._holds(block_hash, now):
                 break
             count += 1
         return count

@@ -12,6 +12,7 @@ import actors.step_profile as step_profile
 from cluster.api_models import ApiError
 from cluster.pool_manager import Member
 from tests.test_admission import _scheduler
+from tests.test_scheduler_retries import _remote
 
 
 def test_two_traces_of_a_worker_in_one_second_have_names_of_their_own(monkeypatch, tmp_path):
@@ -27,10 +28,6 @@ def test_a_start_that_fails_on_one_worker_leaves_none_tracing():
     traced on without bound (no num_steps), every event held in memory."""
     tracing = set()
 
-    class Method:  # (an actor method's stand-in: `.remote(...)` gives an awaitable)
-        def __init__(self, fn):
-            self.remote = fn
-
     class Worker:
         def __init__(self, worker_id: str, can_write: bool) -> None:
             async def start(folder, *options):
@@ -42,7 +39,7 @@ def test_a_start_that_fails_on_one_worker_leaves_none_tracing():
             async def stop():
                 tracing.discard(worker_id)
 
-            self.start_profile, self.stop_profile = Method(start), Method(stop)
+            self.start_profile, self.stop_profile = _remote(start), _remote(stop)
 
     view = _scheduler(ttft_ms=1000, decodes=("d0", "d1")).view
     view.members = {w: Member(w, role, handle=Worker(w, can_write=w != "d1"))
