@@ -25,6 +25,10 @@ MAX_BAD_WORDS = 100  # each is matched against every row's output at every draw
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
+    # max_new_tokens is a default, the client asked for none: the cluster holds it to
+    # the room the prompt leaves (cluster/prompt_limits.py `fitted_output`), where an
+    # asked-for one past that room is refused
+    max_new_tokens_is_default: bool = False
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off

@@ -176,14 +176,14 @@ class _OpenAIBody(RequestBody):
 
     def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None,
                   defaults: SamplingDefaults, regex: str | None) -> SamplingParams:
-        max_new_tokens = max_tokens if max_tokens is not None else default_max
+        max_new_tokens = max_tokens if max_tokens is not None else max(default_max, self.min_tokens)
         if 0 < max_new_tokens < self.min_tokens:  # said in this body's names (a bad max_tokens: SamplingParams)
-            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_new_tokens}"
-                                      f"{'' if max_tokens is not None else ', the default when it is left out'})")
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_new_tokens})")
         model = defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
+            max_new_tokens_is_default=max_tokens is None,
             **{**model, "top_k": max(model["top_k"], 0)},  # (-1: off, as 0)
             stop=stop_tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),

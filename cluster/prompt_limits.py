@@ -10,9 +10,18 @@ that names the limit, and the output's length in words, not by one API's
 field (max_tokens, max_completion_tokens, max_output_tokens, max_new_tokens:
 each API that shares this check names it its own way). (A logit_bias id
 outside the vocabulary was found by P's engine, after D had reserved blocks
-for the request, and counted among the failed requests.)"""
+for the request, and counted among the failed requests.)
+
+An output length the client asked for is checked as asked: past the context,
+it is refused, as OpenAI, vLLM and SGLang refuse it (it was served cut at the
+context, which a client could not tell from a length it had chosen). One left
+out (`SamplingParams.max_new_tokens_is_default`) is the default held to the
+room the prompt leaves (`fitted_output`), as vLLM sizes an omitted max_tokens:
+a long prompt is not refused for an output length nobody asked for."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.tokenization import encode_prompt
@@ -40,10 +49,15 @@ def prompt_ids_within_limits(
         raise ApiError(400, f"prompt has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
     if len(ids) >= max_model_len:
         raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is {max_model_len}")
-    if params.max_new_tokens > limits.max_new_tokens:
-        raise ApiError(400, f"the request asks for up to {params.max_new_tokens} new tokens; "
+    new_tokens = fitted_output(limits, max_model_len, len(ids), params).max_new_tokens
+    asked = "up to" if not params.max_new_tokens_is_default else "at least"  # (a default: its min_new_tokens)
+    if new_tokens > limits.max_new_tokens:
+        raise ApiError(400, f"the request asks for {asked} {new_tokens} new tokens; "
                             f"the limit is {limits.max_new_tokens}")
-    total = len(ids) + params.max_new_tokens
+    total = len(ids) + new_tokens
+    if total > max_model_len:
+        raise ApiError(400, f"prompt has {len(ids)} tokens and the request asks for {asked} {new_tokens} new "
+                            f"tokens: {total} tokens, past the model's context of {max_model_len}")
     if limits.max_total_tokens is not None and total > limits.max_total_tokens:
         raise ApiError(400, f"prompt plus the new tokens asked for is {total} tokens; "
                             f"the limit is {limits.max_total_tokens}")
@@ -52,12 +66,28 @@ def prompt_ids_within_limits(
     return ids
 
 
+def fitted_output(limits: LimitSettings, max_model_len: int, num_prompt: int,
+                  params: SamplingParams) -> SamplingParams:
+    """`params`, a default output length held to the room a prompt of
+    `num_prompt` tokens leaves under the context and the limits (at least one
+    token, and its min_new_tokens: where that is past the room, the checks
+    above refuse it). An asked-for length is left as asked."""
+    if not params.max_new_tokens_is_default:
+        return params
+    room = min(limits.max_new_tokens, max_model_len - num_prompt)
+    if limits.max_total_tokens is not None:
+        room = min(room, limits.max_total_tokens - num_prompt)
+    new_tokens = max(min(params.max_new_tokens, room), params.min_new_tokens, 1)
+    return params if new_tokens == params.max_new_tokens else dataclasses.replace(params, max_new_tokens=new_tokens)
+
+
 def prompt_room(limits: LimitSettings, max_model_len: int, max_new_tokens: int) -> int:
     """The most prompt tokens a request for `max_new_tokens` passes the checks above with
     (at least one: a request with no room is refused for its output's length).
     vLLM's -1 keeps the context's length, which leaves a prompt no room to
-    generate in; here it keeps what the request can be served with."""
-    room = min(limits.max_prompt_tokens, max_model_len - 1)
+    generate in; here it keeps what the request can be served with, its output
+    included."""
+    room = min(limits.max_prompt_tokens, max_model_len - max_new_tokens)
     if limits.max_total_tokens is not None:
         room = min(room, limits.max_total_tokens - max_new_tokens)
     return max(room, 1)

@@ -37,7 +37,7 @@ from cluster.metrics import Metrics
 from cluster.metrics_export import RayExport
 from cluster.pd_request import DisaggregatedCall
 from cluster.pool_view import PoolView
-from cluster.prompt_limits import prompt_ids_within_limits
+from cluster.prompt_limits import fitted_output, prompt_ids_within_limits
 from cluster.router import make_policy
 from cluster.scaling_signals import OutcomeRecorder
 from cluster.token_feeds import FeedLost, TokenFeeds, colocated_events
@@ -188,6 +188,7 @@ class GlobalScheduler:
         request_id = f"{request_id or 'tandem'}-{self.replica}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
             params = dataclasses.replace(params, seed=secrets.randbits(63))
+        params = fitted_output(self.settings.limits, self.max_model_len, len(prompt_ids), params)  # (a default)
         started = time.monotonic()
         timer = self.outcomes.timer(started)
         exclude: set[str] = set()

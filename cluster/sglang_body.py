@@ -186,6 +186,7 @@ class GenerateBody(RequestBody):
                               min_p=merged.min_p, repetition_penalty=merged.repetition_penalty)
         return SamplingParams(
             max_new_tokens=merged.max_new_tokens,
+            max_new_tokens_is_default="max_new_tokens" not in merged.model_fields_set,
             temperature=model["temperature"],
             top_p=model["top_p"],
             top_k=max(model["top_k"], 0),

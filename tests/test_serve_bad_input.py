@@ -26,7 +26,7 @@ ARGS = {
     "mode": "colocated",
     "profile_dir": str(PROFILE_DIR),
     "colocated": {"replicas": 1, "num_cpus": 1},
-    "engine": {"block_size": 16, "num_kv_blocks": 256},
+    "engine": {"block_size": 16, "num_kv_blocks": 256, "max_model_len": 700},  # a prompt (600) can fill it
     "limits": {"max_prompt_tokens": 600, "max_new_tokens": 200, "max_stop_sequences": 2, "max_body_bytes": 100_000},
     "pool_name": "test-pool-bad-input",
 }
@@ -155,7 +155,10 @@ def client(base_url):
         ("/generate", {"text": "x", "sampling_params": {"stop_token_ids": [10**9]}}, "outside the vocabulary"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 30169}, "min_tokens (30169) must be <= "
          "max_tokens (4)"),
-        ("/v1/completions", {"prompt": "x", "min_tokens": 17}, "max_tokens (16, the default when it is left out)"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 201}, "at least 201 new tokens; the limit is 200"),
+        ("/v1/completions", {"prompt": [10] * 550, "max_tokens": 151}, "prompt has 550 tokens and the request asks "
+         "for up to 151 new tokens: 701 tokens, past the model's context of 700"),
+        ("/generate", {"input_ids": [10] * 550, "sampling_params": {"max_new_tokens": 151}}, "past the model's context"),
         ("/v1/completions", {"prompt": "x", "bad_words": ["no", " "]}, "bad_words must be words"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -325,6 +328,26 @@ def test_a_prompt_over_the_limit_is_served_truncated_when_asked(base_url, client
     most = client.completions.create(prompt=long_prompt, **greedy, extra_body={"truncate_prompt_tokens": -1})
     assert most.usage.prompt_tokens == 600  # -1: as many as the limit lets in (vLLM's context length: 2048)
     assert most.choices[0].text == client.completions.create(prompt=long_prompt[-600:], **greedy).choices[0].text
+
+
+def test_an_output_length_left_out_is_held_to_the_room_the_prompt_leaves(base_url, client):
+    """A default output length (chat's 200, the limit; /generate's 128; completions'
+    16) is held to the context a long prompt leaves (vLLM's sizing of an omitted
+    max_tokens): 600 prompt tokens leave 100 of the 700. Asked for, 101 would be
+    refused (above)."""
+    prompt = [10 + i % 500 for i in range(600)]
+    generated = httpx.post(f"{base_url}/generate", json={"input_ids": prompt, "ignore_eos": True}, timeout=60)
+    assert generated.status_code == 200, generated.text
+    meta = generated.json()["meta_info"]
+    assert meta["completion_tokens"] == 100 and meta["finish_reason"]["type"] == "length"
+    chat_text = httpx.post(f"{base_url}/detokenize", json={"tokens": prompt[:320]}).json()["prompt"]
+    chat = client.chat.completions.create(model="tandem-tiny-qwen2", messages=[{"role": "user", "content": chat_text}],
+                                          extra_body={"ignore_eos": True})
+    assert 500 < chat.usage.prompt_tokens <= 600  # (less than the default's room is left)
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 700
+    assert chat.choices[0].finish_reason == "length"
+    short = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 16  # (room for more: the default as it is)
 
 
 def test_unknown_model_is_404(client, base_url):
