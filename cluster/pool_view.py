@@ -257,8 +257,17 @@ class PoolView:
     async def flush_prefix_caches(self) -> list[str]:
         """Each worker's device prefix cache reset (`/flush_cache`); returns the
         workers flushed. Every replica's prefix index learns it from their cache
-        events (evictions) at its next refresh; a worker found dead is reported."""
-        answers = await self._ask_each(list(self.members.values()), lambda handle: handle.reset_prefix_cache.remote())
+        events (evictions) at its next refresh; a worker found dead is reported
+        (the one started in its place starts cold). A worker unreachable for now
+        keeps its cache: ApiError 503 names it, after the others are flushed
+        (a cold benchmark run would have read its prefixes as cached)."""
+        unreachable: list[str] = []
+        answers = await self._ask_each(list(self.members.values()), lambda handle: handle.reset_prefix_cache.remote(),
+                                       unreachable)
+        if unreachable:
+            raise ApiError(503, f"workers {', '.join(sorted(unreachable))} could not be reached: their prefix caches "
+                                f"were not flushed ({len(answers)} others were); retry shortly",
+                           kind="service_unavailable", headers={"Retry-After": "1"})
         return sorted(answers)
 
     async def abort_named(self, client_rid: str | None) -> set[str]:
@@ -299,10 +308,10 @@ class PoolView:
         answers = await self._ask_each(list(self.members.values()), lambda handle: handle.stop_profile.remote())
         return {worker_id: path for worker_id, path in sorted(answers.items()) if path is not None}
 
-    async def _ask_each(self, members: list, ask) -> dict:
+    async def _ask_each(self, members: list, ask, unreachable: list[str] | None = None) -> dict:
         """`ask(handle)`'s answer from each member at once, by worker id; one found
-        dead is reported and left out, one unreachable for now left out, another
-        failure raised."""
+        dead is reported and left out, one unreachable for now left out (and
+        added to `unreachable`), another failure raised."""
         results = await asyncio.gather(*(ask(m.handle) for m in members), return_exceptions=True)
         answers = {}
         for member, result in zip(members, results):
@@ -310,6 +319,8 @@ class PoolView:
                 await self.report_dead(member.worker_id)
             elif actor_unavailable(result):
                 log.warning("worker %s is unreachable for now: left out", member.worker_id)
+                if unreachable is not None:
+                    unreachable.append(member.worker_id)
             elif isinstance(result, BaseException):
                 raise result
             else:

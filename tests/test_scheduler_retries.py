@@ -246,3 +246,30 @@ def test_a_worker_forgotten_while_its_cache_events_come_fails_no_refresh():
     listed.add("p0")
     asyncio.run(view.refresh())
     assert "p0" not in view.prefix and "d0" in view.prefix
+
+
+def test_a_flush_that_could_not_reach_a_worker_says_so():
+    """`/flush_cache` with a worker unreachable for now (Ray's ActorUnavailableError)
+    answered "Cache flushed." without it: a cold benchmark run then read that
+    worker's prefixes as cached. The others are flushed; the answer is a 503
+    naming it."""
+    view = _scheduler(ttft_ms=10_000).view
+    flushed = []
+
+    async def flush(worker_id):
+        if worker_id == "d0":
+            raise ray.exceptions.ActorUnavailableError("unreachable for now", None)
+        flushed.append(worker_id)
+        return True
+
+    def member(worker_id, role):
+        handle = type("Handle", (), {"reset_prefix_cache": _remote(lambda: flush(worker_id))})()
+        return Member(worker_id, role, handle)
+
+    view.members = {w: member(w, role) for w, role in [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]}
+    with pytest.raises(service.ApiError, match="workers d0 could not be reached: their prefix caches were not "
+                                               r"flushed \(2 others were\)") as refused:
+        asyncio.run(view.flush_prefix_caches())
+    assert refused.value.status == 503 and sorted(flushed) == ["d1", "p0"] and "d0" in view.members
+    del view.members["d0"]
+    assert asyncio.run(view.flush_prefix_caches()) == ["d1", "p0"]
