@@ -103,21 +103,29 @@ class RequestTimer:
             return None
         return (self.last_s - self.first_s) / (self.num_tokens - 1)
 
-    def end(self, outcome: str) -> None:
+    def end(self, outcome: str, now_s: float) -> None:
         """outcome: "ok", "error", "cancelled", "aborted" (/abort_request),
         "withdrawn" (cluster/client_call.py) or "rejected" (as the scheduler's
-        metric); only "ok" and "error" teach. An error is a miss: of the TTFT
+        metric); "ok" and "error" teach. An error is a miss: of the TTFT
         before the first token, of the TBT after it (a timeout, a D that died
-        mid-stream: the worst decode misses were in no sample)."""
+        mid-stream: the worst decode misses were in no sample). A client that
+        left before its first token, having waited past the TTFT SLO, is a
+        TTFT miss too, of the time it waited (clients that time out are the
+        misses an overloaded pool makes: without them, its attainment read as
+        met while they gave up); one that left sooner is no outcome (its TTFT
+        is not known)."""
         if outcome == "error":
             (self.recorder.record_ttft if self.first_s is None else self.recorder.record_tbt)(math.inf)
         elif outcome == "ok" and self.tbt_s is not None:
             self.recorder.record_tbt(self.tbt_s)
+        elif outcome == "cancelled" and self.first_s is None and now_s - self.started_s > self.recorder.ttft_slo_s:
+            self.recorder.record_ttft(now_s - self.started_s)
 
 
 class OutcomeRecorder:
-    def __init__(self, replica_id: str) -> None:
+    def __init__(self, replica_id: str, ttft_slo_s: float = math.inf) -> None:
         self.replica_id = replica_id
+        self.ttft_slo_s = ttft_slo_s  # a client gone before its first token after it: a miss (RequestTimer.end)
         self._ttft: list[float] = []
         self._tbt: list[float] = []
         self._rejected = {"ttft": 0, "tbt": 0}

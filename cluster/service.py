@@ -79,7 +79,7 @@ class GlobalScheduler:
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
         self.policy = make_policy(settings.routing)
         self.replica = _replica_name()  # in its request ids, its reports and its exported metrics
-        self.outcomes = OutcomeRecorder(self.replica)
+        self.outcomes = OutcomeRecorder(self.replica, settings.slo.ttft_ms / 1e3)
         # Counters and histograms through Ray too, where every replica's are scraped
         # (cluster/metrics_export.py); not outside Ray (unit tests, tools).
         self.metrics = Metrics(RayExport(self.replica) if ray.is_initialized() else None)
@@ -248,7 +248,7 @@ class GlobalScheduler:
             raise
         finally:
             call.ended(outcome)  # (a refusal or failure raised: before its caller closes the others)
-            timer.end(outcome)
+            timer.end(outcome, time.monotonic())
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
             if routed:  # (a rejection's or a 503's instant answer put the p50 near 0 under overload)
                 self.metrics.observe("e2e_seconds", "end-to-end latency of requests admitted",

@@ -20,7 +20,7 @@ def test_a_request_gives_its_ttft_and_mean_tbt():
     timer.tokens(0, 10.6)  # an event without tokens changes nothing
     timer.tokens(2, 10.9)  # two tokens in one event share a time
     timer.tokens(1, 11.1)
-    timer.end("ok")
+    timer.end("ok", 11.1)
     report = recorder.report([])
     assert report.ttft_s == (0.5,)
     assert report.tbt_s == (pytest.approx((11.1 - 10.5) / 3),)
@@ -28,18 +28,23 @@ def test_a_request_gives_its_ttft_and_mean_tbt():
 
 
 def test_failures_and_cancellations():
-    recorder = OutcomeRecorder("r1")
-    recorder.timer(0.0).end("error")  # failed before its first token: a TTFT miss
-    recorder.timer(0.0).end("cancelled")  # its client left: no outcome
+    recorder = OutcomeRecorder("r1", ttft_slo_s=1.0)
+    recorder.timer(0.0).end("error", 0.1)  # failed before its first token: a TTFT miss
+    recorder.timer(0.0).end("cancelled", 0.9)  # its client left within the SLO: no outcome
+    recorder.timer(0.0).end("cancelled", 1.5)  # ... after it, waiting for its first token: a miss
+    recorder.timer(0.0).end("aborted", 1.5)  # (by /abort_request: no outcome)
+    served = recorder.timer(0.0)
+    served.tokens(1, 0.1)
+    served.end("cancelled", 3.0)  # left after its first token: no outcome
     one_token = recorder.timer(0.0)
     one_token.tokens(1, 0.2)
-    one_token.end("ok")  # one token: a TTFT, no TBT
+    one_token.end("ok", 0.2)  # one token: a TTFT, no TBT
     failed_late = recorder.timer(0.0)  # failed after its first token (timed out, its D died): a TBT miss
     failed_late.tokens(1, 0.3)
-    failed_late.end("error")
+    failed_late.end("error", 0.4)
     recorder.rejected(ttft_missed=True, tbt_missed=False)
     report = recorder.report([])
-    assert report.ttft_s == (math.inf, 0.2, 0.3) and report.tbt_s == (math.inf,)
+    assert report.ttft_s == (math.inf, 1.5, 0.1, 0.2, 0.3) and report.tbt_s == (math.inf,)
     assert (report.num_rejected_ttft, report.num_rejected_tbt) == (1, 0)
 
 
@@ -140,13 +145,13 @@ def test_a_report_the_pool_manager_did_not_get_goes_with_the_next():
     recorder = OutcomeRecorder("r1")
     timer = recorder.timer(0.0)
     timer.tokens(1, 0.4)
-    timer.end("ok")
+    timer.end("ok", 0.4)
     recorder.rejected(ttft_missed=True, tbt_missed=True)
     recorder.routed(["p0", "d0"])
     lost = recorder.report([])
     later = recorder.timer(1.0)
     later.tokens(1, 1.2)
-    later.end("ok")
+    later.end("ok", 1.2)
     recorder.put_back(lost)
     report = recorder.report([])
     assert report.ttft_s == (0.4, pytest.approx(0.2)) and (report.num_rejected_ttft, report.num_rejected_tbt) == (1, 1)
