@@ -167,7 +167,7 @@ def decode_preemptions(url: str) -> int:
 
     text = httpx.get(f"{url}/metrics", timeout=30, trust_env=False).text
     return sum(round(float(m.group(1)))
-               for m in re.finditer(r'^tandem_preemptions\{[^}]*role="decode"[^}]*\} ([0-9.e+]+)$', text, re.M))
+               for m in re.finditer(r'^tandem_preemptions_total\{[^}]*role="decode"[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
 def _by_second(records, slo_s: float) -> list[list]:

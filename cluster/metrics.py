@@ -47,12 +47,22 @@ class Metrics:
             self._help[name] = ("gauge", help_text)
             self._gauges[name][self._key(labels)] = value
 
-    def forget_gauges(self, **labels) -> None:
-        """Drop every gauge series carrying these labels (a worker that is gone: its
-        last values would otherwise be reported beside its replacement's forever)."""
+    def set_total(self, name: str, help_text: str, value: float, **labels) -> None:
+        """A counter that another process counts (a worker's, since it started),
+        set to its latest reading: typed a counter, so that `rate` and `increase`
+        read it as one, where a gauge's `delta` took a restart's drop for a
+        fall. Not exported through Ray (every replica reads the same figure)."""
+        with self._lock:
+            self._help[name] = ("counter", help_text)
+            self._counters[name][self._key(labels)] = value
+
+    def forget(self, **labels) -> None:
+        """Drop every gauge series, and every counter `set_total` keeps, carrying
+        these labels (a worker that is gone: its last values would otherwise be
+        reported beside its replacement's forever)."""
         wanted = set(labels.items())
         with self._lock:
-            for series in self._gauges.values():
+            for series in [*self._gauges.values(), *self._counters.values()]:
                 for key in [key for key in series if wanted <= set(key)]:
                     del series[key]
 

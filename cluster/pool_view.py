@@ -106,12 +106,13 @@ class PoolView:
                                  stats.num_waiting + stats.num_running, worker=member.worker_id, role=member.role)
                 self.metrics.set("handshakes_waiting", "handshakes waiting in a decode worker's line for KV blocks",
                                  stats.num_waiting_handshakes, worker=member.worker_id, role=member.role)
-                self.metrics.set("preemptions", "running requests preempted by recompute for KV room, since start",
-                                 stats.num_preemptions, worker=member.worker_id, role=member.role)
-                self.metrics.set("draft_tokens", "speculative decoding: draft tokens verified, since start",
-                                 stats.num_draft_tokens, worker=member.worker_id, role=member.role)
-                self.metrics.set("draft_tokens_accepted", "speculative decoding: draft tokens the samples confirmed",
-                                 stats.num_accepted_draft_tokens, worker=member.worker_id, role=member.role)
+                self.metrics.set_total("preemptions_total", "running requests preempted by recompute for KV room",
+                                       stats.num_preemptions, worker=member.worker_id, role=member.role)
+                self.metrics.set_total("draft_tokens_total", "speculative decoding: draft tokens verified",
+                                       stats.num_draft_tokens, worker=member.worker_id, role=member.role)
+                self.metrics.set_total("draft_tokens_accepted_total",
+                                       "speculative decoding: draft tokens the samples confirmed",
+                                       stats.num_accepted_draft_tokens, worker=member.worker_id, role=member.role)
                 if member.role != "decode" and member.worker_id in self.profiled:
                     self.models.observe_prefill_steps(member.worker_id, stats.prefill_steps)
         indexed = [m for m in members if m.worker_id in self.prefix]
@@ -213,7 +214,7 @@ class PoolView:
         self.num_routed.pop(worker_id, None)
         self.models.forget(worker_id)
         self.lines.forget(worker_id)
-        self.metrics.forget_gauges(worker=worker_id)
+        self.metrics.forget(worker=worker_id)
 
     async def _profile_new(self, members) -> None:
         """Cost models for workers that have none. The first worker of a role

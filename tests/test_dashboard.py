@@ -22,8 +22,8 @@ METRIC = re.compile(r"\b(?:ray_)?tandem_[a-z0-9_]+\b")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 
-def scheduler_series(kinds=("inc", "set", "observe")) -> set[str]:
-    """`tandem_<name>` for every `<...>.metrics.inc/set/observe("<name>", ...)` in
+def scheduler_series(kinds=("inc", "set", "set_total", "observe")) -> set[str]:
+    """`tandem_<name>` for every `<...>.metrics.inc/set/set_total/observe("<name>", ...)` in
     cluster/ (histograms with their _bucket, _sum and _count series), of the kinds asked for."""
     names = set()
     for path in (ROOT / "cluster").glob("*.py"):
@@ -60,7 +60,7 @@ def replica_series() -> set[str]:
 
 
 def test_every_queried_series_is_exported():
-    exported = scheduler_series(("set",)) | replica_series() | set(SERIES)
+    exported = scheduler_series(("set", "set_total")) | replica_series() | set(SERIES)
     assert {"ray_tandem_requests_total", "ray_tandem_ttft_seconds_bucket", "tandem_kv_blocks_used"} <= exported
     for title, expr in queries(json.loads(DASHBOARD.read_text())):
         used = set(METRIC.findall(expr))
@@ -71,7 +71,7 @@ def test_every_queried_series_is_exported():
 
 def test_every_exported_family_has_a_panel():
     families = {re.sub(r"_(bucket|sum|count)$", "", n)
-                for n in scheduler_series(("set",)) | replica_series() | set(SERIES)}
+                for n in scheduler_series(("set", "set_total")) | replica_series() | set(SERIES)}
     shown = {re.sub(r"_(bucket|sum|count)$", "", n)
              for _, expr in queries(json.loads(DASHBOARD.read_text())) for n in METRIC.findall(expr)}
     assert families <= shown, f"no panel for {sorted(families - shown)}"

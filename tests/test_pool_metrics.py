@@ -37,3 +37,24 @@ def test_a_signal_not_known_now_is_nan_where_the_pool_had_one(monkeypatch):
     assert metrics.attainment.values["decode"] == 0.95 and metrics.kv_usage.values["decode"] == 0.5
     metrics.signals("prefill", 0.5, None, None)
     assert metrics.attainment.values["prefill"] == 0.5
+
+
+def test_a_workers_own_counts_are_counters_and_go_with_it():
+    """The scheduler's /metrics (cluster/metrics.py): a count a worker keeps since
+    it started is typed a counter at its latest reading (as a gauge, `delta` took
+    a drop for a fall); a worker that is gone takes its series with it."""
+    from cluster.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.set_total("preemptions_total", "preempted", 3, worker="d0", role="decode")
+    metrics.set_total("preemptions_total", "preempted", 5, worker="d0", role="decode")  # its latest reading
+    metrics.set_total("preemptions_total", "preempted", 1, worker="d1", role="decode")
+    metrics.set("queue_depth", "depth", 2, worker="d0", role="decode")
+    metrics.inc("requests_total", "requests", outcome="ok")
+    rendered = metrics.render()
+    assert "# TYPE tandem_preemptions_total counter" in rendered
+    assert 'tandem_preemptions_total{role="decode",worker="d0"} 5' in rendered
+    metrics.forget(worker="d0")
+    rendered = metrics.render()
+    assert 'worker="d0"' not in rendered and 'tandem_preemptions_total{role="decode",worker="d1"} 1' in rendered
+    assert 'tandem_requests_total{outcome="ok"} 1.0' in rendered

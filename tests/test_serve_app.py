@@ -593,6 +593,9 @@ def test_models_health_metrics_openapi(base_url, client):
     assert 'tandem_prompt_tokens_total{source="computed"}' in metrics
     assert 'tandem_kv_transfer_blocks_total{kind="sent"}' in metrics
     assert 'tandem_handshakes_waiting{role="decode"' in metrics
+    # A worker's own counts since it started are counters (rate() and increase() read them), not gauges
+    for name in ("preemptions_total", "draft_tokens_total", "draft_tokens_accepted_total"):
+        assert f"# TYPE tandem_{name} counter" in metrics and f'tandem_{name}{{role="decode"' in metrics
     schema = httpx.get(f"{base_url}/openapi.json").json()
     assert {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"} <= set(schema["paths"])
 
