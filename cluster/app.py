@@ -363,13 +363,21 @@ class Scheduler:
             final.update(response)
             return response
 
-        events = ResponseEvents(body, self.model_name, hold, queued["id"], queued["created_at"])
-        try:
-            stream = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared,
-                                        stream_as=events.stream, rid=queued["id"])
-        except Exception as exc:
-            stream = events.refused(_failure(exc))
-        await stream_to_store(self.stored, queued["id"], stream, feed,
+        events = ResponseEvents(body, self.model_name, hold, queued["id"], queued["created_at"], queued=True)
+
+        async def served():  # queued at once; admitted (or refused), the answer's events
+            for event in events.queued_events():
+                yield event
+            try:
+                stream = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, prepared=prepared,
+                                            stream_as=events.stream, rid=queued["id"])
+            except Exception as exc:
+                stream = events.refused(_failure(exc))
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    yield event
+
+        await stream_to_store(self.stored, queued["id"], served(), feed,
                               lambda last: self.stored.finish(final, items, last))
 
     @app.post("/tokenize")

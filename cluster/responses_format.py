@@ -7,7 +7,8 @@ as output items (`reasoning`, `message` with one `output_text` part, a
 finish; the chat answer's finish reason is null then).
 
 Streamed, the chat chunks become the Responses events, each an SSE `event:` line
-and its JSON with a `sequence_number`: `response.created`, `response.in_progress`,
+and its JSON with a `sequence_number`: `response.created` (a background one's
+`queued`, then `response.queued`, as it waits to be admitted), `response.in_progress`,
 then for each item `response.output_item.added`, its part's
 `response.content_part.added`, the deltas (`response.output_text.delta`,
 `response.reasoning_text.delta`, `response.function_call_arguments.delta`), their
@@ -116,8 +117,10 @@ class ResponseEvents:
     `keep`, given the final response, stores it and answers it as stored
     (cluster/stored_responses.py), before the last event."""
 
-    def __init__(self, body, model: str, keep=None, response_id: str | None = None, created: int | None = None) -> None:
+    def __init__(self, body, model: str, keep=None, response_id: str | None = None, created: int | None = None,
+                 queued: bool = False) -> None:
         self.body, self.model, self.keep = body, model, keep
+        self.queued = queued  # a background response's: `queued_events` open it, as it waits for admission
         self.response_id, self.created = response_id or new_id("resp"), created or int(time.time())
         self.sequence = 0
         self.items: list[dict] = []  # the output so far; the last is open while `open` is True
@@ -130,7 +133,8 @@ class ResponseEvents:
     async def stream(self, chunks):
         """SSE events for `chunks`, the chat stream's payloads (chunk dicts, an
         `{"error": ...}` payload, "[DONE]")."""
-        yield self._event("response.created", response=self._response("in_progress"))
+        if not self.queued:
+            yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.in_progress", response=self._response("in_progress"))
         async with contextlib.aclosing(chunks):  # (a client that leaves ends its request)
             async for chunk in chunks:
@@ -159,8 +163,16 @@ class ResponseEvents:
         one's: its POST has answered already): created, then its failure. The
         failure alone, at sequence 0, broke the OpenAI SDK's stream helper
         ("Expected to have received response.created before response.failed")."""
-        yield self._event("response.created", response=self._response("in_progress"))
+        if not self.queued:
+            yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.failed", response=await self._final("failed", error))
+
+    def queued_events(self) -> list[str]:
+        """A background response's first events, sent as its POST answers, before
+        it is admitted: `response.created` and `response.queued`, the response
+        `queued` (as OpenAI opens a background stream); `stream` or `refused`
+        go on from them."""
+        return [self._event(kind, response=self._response("queued")) for kind in ("response.created", "response.queued")]
 
     async def _final(self, status: str, error: dict | None = None, incomplete: str | None = None) -> dict:
         final = self._response(status, error, incomplete)
@@ -247,9 +259,9 @@ class ResponseEvents:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
 
     def _response(self, status: str, error: dict | None = None, incomplete: str | None = None) -> dict:
-        output = [] if status == "in_progress" else self.items
-        return response(self.body, self.response_id, self.model, self.created, status, output,
-                        None if status == "in_progress" else self.chat_usage, error, incomplete)
+        running = status in ("queued", "in_progress")
+        return response(self.body, self.response_id, self.model, self.created, status, [] if running else self.items,
+                        None if running else self.chat_usage, error, incomplete)
 
     def _event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}

@@ -65,7 +65,8 @@ def test_a_request_that_cannot_meet_its_slo_is_rejected_early(base_url):
 
 def test_a_background_response_refused_at_admission_is_failed_and_frees_its_conversation(base_url):
     """Its POST answered already (queued), the refusal is the response's
-    failure: polled, or streamed as `response.created` then `response.failed`
+    failure: polled, or streamed as `response.created` and `response.queued`
+    (the response queued), then `response.failed`
     (replayed the same), and
     the conversation it was on takes the next response (refused too, but not
     as locked)."""
@@ -82,7 +83,8 @@ def test_a_background_response_refused_at_admission_is_failed_and_frees_its_conv
         client.responses.create(input="hello " * 50, max_output_tokens=8, conversation=conversation.id)
     assert client.conversations.items.list(conversation.id).data == [], "a failed response adds nothing"
     events = list(client.responses.create(input="hello " * 50, max_output_tokens=8, background=True, stream=True))
-    assert [event.type for event in events] == ["response.created", "response.failed"]
-    assert events[1].response.error.code == "slo_rejection" and events[1].response.status == "failed"
-    replayed = list(client.responses.retrieve(events[1].response.id, stream=True))
+    assert [event.type for event in events] == ["response.created", "response.queued", "response.failed"]
+    assert events[0].response.status == "queued"
+    assert events[2].response.error.code == "slo_rejection" and events[2].response.status == "failed"
+    replayed = list(client.responses.retrieve(events[2].response.id, stream=True))
     assert [event.model_dump() for event in replayed] == [event.model_dump() for event in events]

@@ -419,6 +419,8 @@ def test_a_streamed_background_response_is_replayed_from_any_replica_and_resumed
     final = events[-1].response
     assert events[-1].type == "response.incomplete" and final.background and final.status == "incomplete"
     assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert [(e.type, e.response.status) for e in events[:3]] == [  # (queued as its POST answers: OpenAI's opening)
+        ("response.created", "queued"), ("response.queued", "queued"), ("response.in_progress", "in_progress")]
     assert final.output_text == client.responses.create(**request).output_text
     assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
     for _ in range(2):  # (two scheduler replicas)
