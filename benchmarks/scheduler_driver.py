@@ -42,7 +42,7 @@ def build_scheduler(settings: AppSettings, pool) -> GlobalScheduler:
     max_model_len = min(settings.engine.max_model_len or model_len, model_len)
     kv_seed = kv_namespace(model_dir, settings.engine.dtype, settings.engine.block_size)
     return GlobalScheduler(settings, load_tokenizer(model_dir), pool, max_model_len, kv_seed,
-                           model_config.eos_token_ids)
+                           model_config.eos_token_ids, model_config.vocab_size)
 
 
 @contextlib.asynccontextmanager

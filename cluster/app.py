@@ -110,7 +110,7 @@ class Scheduler:
         self.pool = get_or_create_pool(self.settings)
         kv_seed = kv_namespace(model_dir, self.settings.engine.dtype, self.settings.engine.block_size)
         self.service = GlobalScheduler(self.settings, self.tokenizer, self.pool, max_model_len, kv_seed,
-                                       model_config.eos_token_ids)
+                                       model_config.eos_token_ids, model_config.vocab_size)
         self.model_name = self.settings.model.served_name
         self.created = int(time.time())  # /v1/models' `created`: when this replica started serving the model
         self.completions = Completions(self.service, self.tokenizer, self.model_name, self.tool_format)

@@ -32,13 +32,18 @@ from cluster.config import LimitSettings
 def prompt_ids_within_limits(
     tokenizer, limits: LimitSettings, max_model_len: int, prompt: str | list[int], params: SamplingParams, *,
     add_special_tokens: bool = True, keep_last: int | None = None, eos_token_ids: tuple[int, ...] = (),
+    vocab_size: int | None = None,
 ) -> list[int]:
+    """`vocab_size`: the ids both the model and the tokenizer know (the least of
+    the model's `vocab_size` and `len(tokenizer)`; the tokenizer's when None):
+    an id only the tokenizer knew passed here and failed on P's engine, after D
+    had reserved for it; one only the model knew has no text to write."""
     ids = encode_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
     if keep_last is not None:
         ids = ids[-(prompt_room(limits, max_model_len, params.max_new_tokens) if keep_last == -1 else keep_last):]
     if not ids:
         raise ApiError(400, "prompt is empty")
-    vocab = len(tokenizer)
+    vocab = len(tokenizer) if vocab_size is None else vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})")
     try:

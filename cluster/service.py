@@ -70,9 +70,11 @@ def _replica_name() -> str:
 
 class GlobalScheduler:
     def __init__(self, settings: AppSettings, tokenizer, pool, max_model_len: int, kv_seed: bytes,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), vocab_size: int | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        # The token ids a request may name: those the model's vocabulary and the tokenizer share
+        self.vocab_size = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
         self.eos_token_ids = eos_token_ids  # the model's end tokens: a request's params are checked against them
         self.max_model_len = max_model_len
         self.block_size = settings.engine.block_size
@@ -94,7 +96,7 @@ class GlobalScheduler:
         """A request's prompt ids, checked against the limits (cluster/prompt_limits.py)."""
         return prompt_ids_within_limits(self.tokenizer, self.settings.limits, self.max_model_len, prompt, params,
                                         add_special_tokens=add_special_tokens, keep_last=keep_last,
-                                        eos_token_ids=self.eos_token_ids)
+                                        eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size)
 
     # ---- admission and pairing ----------------------------------------------------------
     def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset(), max_new_tokens: int = 1) -> Prediction:

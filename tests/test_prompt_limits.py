@@ -58,3 +58,18 @@ def test_an_output_length_left_out_is_held_to_the_room_an_asked_one_is_not(token
     at_least = SamplingParams(max_new_tokens=500, min_new_tokens=120, max_new_tokens_is_default=True)
     with pytest.raises(ApiError, match="prompt plus the new tokens asked for is 1020 tokens"):
         prompt_ids_within_limits(tokenizer, limits, 2048, prompt, at_least)  # min_new_tokens has no room
+
+
+def test_an_id_the_model_does_not_know_is_refused_at_the_ingress(tokenizer):
+    """A tokenizer with more entries than the model's vocabulary (added tokens past
+    `vocab_size`): the ingress took the tokenizer's count, and an id past the
+    model's was refused by P's engine, after D had reserved for it."""
+    limits = LimitSettings(max_prompt_tokens=600, max_new_tokens=100)
+    assert len(tokenizer) == 2048
+    params = SamplingParams(max_new_tokens=4)
+    assert prompt_ids_within_limits(tokenizer, limits, 2048, [5, 1999], params, vocab_size=2000) == [5, 1999]
+    with pytest.raises(ApiError, match=r"prompt token ids must be in \[0, 2000\)"):
+        prompt_ids_within_limits(tokenizer, limits, 2048, [5, 2000], params, vocab_size=2000)
+    with pytest.raises(ApiError, match="logit_bias token id 2000 is outside the vocabulary"):
+        prompt_ids_within_limits(tokenizer, limits, 2048, [5], SamplingParams(max_new_tokens=4, logit_bias={2000: 1}),
+                                 vocab_size=2000)
