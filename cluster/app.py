@@ -49,6 +49,7 @@ from cluster.conversation_truncation import drop_oldest_turns
 from cluster.ingress_guard import install_guard, refusal
 from cluster.pool_manager import get_or_create_pool
 from cluster.pool_settings import check_redeploy
+from cluster.pool_view import PoolView
 from cluster.prompt_limits import prompt_room
 from cluster.prompt_thread import PromptThread
 from cluster.reasoning import Reasoning
@@ -120,7 +121,7 @@ class Scheduler:
         app.state.settings = self.settings
         app.state.stored, app.state.conversations = self.stored, self.conversations  # (cluster/stored_endpoints.py)
         app.state.background = self.background
-        app.state.pool_view, app.state.require_ready = self.service.view, self._require_ready  # (worker_endpoints)
+        app.state.refreshed_view = self._refreshed_view  # (cluster/worker_endpoints.py)
         self._refresher: asyncio.Task | None = None
         self._refreshing: asyncio.Task | None = None  # the refresh under way (`_refresh`)
         freeze_startup_heap()  # full collections skip the start-up heap (actors/startup_heap.py)
@@ -163,13 +164,22 @@ class Scheduler:
             log.warning("refresh failed: %s", exc)
             self.service.view.ready = False
 
-    async def _require_ready(self) -> None:
+    async def _refreshed_view(self) -> PoolView:
+        """The replica's view of the pools, refreshed now if it is not ready (503
+        where the manifest's pool settings were refused). The worker endpoints
+        act on the workers it has, ready or not: a pool being replaced kept
+        /abort_request, /flush_cache and /stop_profile from the workers that
+        were up."""
         self._ensure_refreshing()
         if not self.service.view.ready:  # a client that leaves meanwhile must not cancel the refresh's calls
             await asyncio.shield(self._refresh())
         view = self.service.view
         if view.settings_refusal:
             raise ApiError(503, view.settings_refusal, kind="service_unavailable")
+        return view
+
+    async def _require_ready(self) -> None:
+        view = await self._refreshed_view()
         if not view.ready:
             raise ApiError(503, "worker pools are starting; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})

@@ -1,10 +1,10 @@
 """The endpoints that act on every worker of the pools, whichever replica they
 land on: `/flush_cache` (vLLM's `/reset_prefix_cache`), `/abort_request`,
 `/start_profile` and `/stop_profile` (SGLang's, and vLLM's). Thin: each asks the
-replica's `PoolView` (cluster/pool_view.py), which its `app.state` holds
-(`pool_view`, and `require_ready`, set as the replica starts); the app includes
-this router (cluster/app.py), so these share its API key, body limit and JSON
-errors.
+replica's `PoolView` (cluster/pool_view.py), which its `app.state` gives
+(`refreshed_view`, set as the replica starts), about the workers it has, ready
+pools or not; the app includes this router (cluster/app.py), so these share its
+API key, body limit and JSON errors.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ router = APIRouter(route_class=StrictJsonRoute)  # as the app's (cluster/strict_
 
 
 async def _view(request: Request):
-    """The replica's PoolView, once the pools are ready (503 until then)."""
-    await request.app.state.require_ready()
-    return request.app.state.pool_view
+    """The replica's PoolView, refreshed (not waiting for ready pools: a request
+    to abort, a flush or a profile's end acts on the workers that are up)."""
+    return await request.app.state.refreshed_view()
 
 
 @router.post("/flush_cache")

@@ -273,3 +273,42 @@ def test_a_flush_that_could_not_reach_a_worker_says_so():
     assert refused.value.status == 503 and sorted(flushed) == ["d1", "p0"] and "d0" in view.members
     del view.members["d0"]
     assert asyncio.run(view.flush_prefix_caches()) == ["d1", "p0"]
+
+
+def test_the_worker_endpoints_reach_the_workers_up_while_a_pool_is_not_ready():
+    """`/abort_request` and `/flush_cache` (cluster/worker_endpoints.py) waited for
+    ready pools: while one was replaced they were 503s, and the requests running
+    on the other pool's workers could not be aborted. They act on the workers
+    the view has."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from cluster.worker_endpoints import router
+
+    view = _scheduler(ttft_ms=10_000).view
+    asked = []
+
+    def member(worker_id, role):
+        async def abort_named(client_rid, asked_s):
+            asked.append((worker_id, client_rid))
+            return {f"{client_rid}-on-{worker_id}"}
+
+        async def reset():
+            return True
+
+        handle = type("Handle", (), {"abort_named": _remote(abort_named), "reset_prefix_cache": _remote(reset)})()
+        return Member(worker_id, role, handle)
+
+    view.members = {"d0": member("d0", "decode")}  # (its prefill pool down: not ready)
+    view.ready = False
+    app = FastAPI()
+    app.include_router(router)
+
+    async def refreshed_view():
+        return view
+
+    app.state.refreshed_view = refreshed_view
+    client = TestClient(app)
+    aborted = client.post("/abort_request", json={"rid": "mine"})
+    assert aborted.status_code == 200 and aborted.json() == {"aborted": 1} and asked == [("d0", "mine")]
+    assert client.post("/flush_cache").json()["workers"] == ["d0"]
