@@ -21,6 +21,7 @@ store's bound evicts the least recently used (cluster/response_store.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from actors.background import background_task
@@ -141,19 +142,47 @@ class ConversationTurn:
             self.is_over = True
             self.view.abandon_turn(self.conversation_id, self.response_id)
 
-    async def over_with(self, events):
+    def over_with(self, events) -> TurnEvents:
         """`events`, a streamed response's, then the turn abandoned if they ended
-        before it did (the client left; closed, they close `events`)."""
-        try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    yield event
-        finally:
-            self.abandon()
+        before it did (`TurnEvents`)."""
+        return TurnEvents(self, events)
 
     def handed_on(self) -> None:
         """The store ends it, from now on."""
         self.is_over = True
+
+
+class TurnEvents:
+    """A streamed response's events on a conversation turn: closed (they close
+    `events`), failed, read to their end, or dropped unread, the turn is
+    abandoned unless the store ended it. Dropped unread: a client gone before
+    its stream's body started. An async generator never started runs no
+    `finally`, so that turn held the conversation until its lease ran out."""
+
+    def __init__(self, turn: ConversationTurn, events) -> None:
+        self.turn, self.events = turn, events
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.events.__anext__()
+        except BaseException:  # (their end too: the store ended the turn before the last event)
+            self.turn.abandon()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self.events.aclose()
+        finally:
+            self.turn.abandon()
+
+    def __del__(self) -> None:
+        if not self.turn.is_over:
+            with contextlib.suppress(RuntimeError):  # (no running loop: the process is ending)
+                asyncio.get_running_loop()
+                self.turn.abandon()
 
 
 def _not_found(conversation_id: str, param: str = "conversation_id") -> ApiError:

@@ -229,3 +229,36 @@ def test_with_the_store_off_conversations_are_refused_with_the_reason():
         with pytest.raises(ApiError) as raised:
             asyncio.run(call())
         assert raised.value.status == 400 and "stores no conversations" in str(raised.value)
+
+
+def test_a_streamed_turn_dropped_unread_is_abandoned():
+    """A client gone before its stream's body started: the response's events were
+    an async generator never started, whose `finally` never ran, and the turn
+    held the conversation until its lease (request_timeout_s, 300 s here)."""
+    from cluster.stored_conversations import ConversationTurn
+
+    class View:
+        abandoned: list[str] = []
+
+        def abandon_turn(self, conversation_id, response_id):
+            self.abandoned.append(response_id)
+
+    async def events():
+        yield "event"
+
+    async def scenario():
+        view = View()
+        unread = ConversationTurn(view, "conv_a", "resp_unread", []).over_with(events())
+        del unread  # (dropped by the server, never iterated)
+        read = ConversationTurn(view, "conv_a", "resp_read", []).over_with(events())
+        assert [e async for e in read] == ["event"]  # ended before the store ended its turn: abandoned
+        kept = ConversationTurn(view, "conv_a", "resp_kept", [])
+        streamed = kept.over_with(events())
+        assert await streamed.__anext__() == "event"
+        kept.handed_on()  # (the store kept the response: its turn is the store's to end)
+        del streamed
+        closed = ConversationTurn(view, "conv_a", "resp_closed", []).over_with(events())
+        await closed.aclose()
+        return view.abandoned
+
+    assert asyncio.run(scenario()) == ["resp_unread", "resp_read", "resp_closed"]
