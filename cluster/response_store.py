@@ -150,7 +150,7 @@ class ResponseStore:
             return None
         self.entries.move_to_end(response_id)
         if self._is_lost(stored):
-            stored.response.update(status="failed", error={
+            self._restate(stored, status="failed", error={
                 "code": "server_error", "message": "the scheduler replica running this response stopped"})
             self._turn_ends(stored.response, None)
         return stored
@@ -213,7 +213,9 @@ class ResponseStore:
         if stored is None:
             return None
         if stored.response["status"] in RUNNING:
-            stored.response["status"], stored.beat_s = "in_progress", self.clock()
+            if stored.response["status"] != "in_progress":
+                self._restate(stored, status="in_progress")
+            stored.beat_s = self.clock()
         return stored.response["status"]
 
     def cancel(self, response_id: str) -> dict | None:
@@ -224,7 +226,7 @@ class ResponseStore:
         if stored is None:
             return None
         if stored.response["status"] in RUNNING:
-            stored.response["status"] = "cancelled"
+            self._restate(stored, status="cancelled")
             self._turn_ends(stored.response, None)
         return stored.response
 
@@ -407,6 +409,17 @@ class ResponseStore:
         self.num_bytes += size
         self._held()
         return True
+
+    def _restate(self, stored: Stored, **fields) -> None:
+        """`fields` (a status, an error) set on a stored response just used (the
+        most recent), its size and the store's with them (left out, the bytes
+        drifted from the JSON's: a failure's error is a hundred bytes or more)."""
+        before = _size(stored.response)
+        stored.response.update(fields)
+        grown = _size(stored.response) - before
+        if not self._grow(stored, grown):  # (over the bound alone by a status's bytes: kept, counted)
+            stored.size += grown
+            self.num_bytes += grown
 
     def _drop(self, entry_id: str) -> bool:
         entry = self.entries.pop(entry_id)
