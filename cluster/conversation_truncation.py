@@ -5,6 +5,9 @@ beginning of the conversation", OpenAI's words), instead of being refused.
 A turn starts at a user message and holds what answered it (assistant messages,
 their calls, the calls' outputs), so a call is never kept without the message
 that made it nor an output without its call (templates render them together).
+A user message that came between a call and its output (the client spoke
+before sending the output back) starts no turn: cut there, the output was
+kept without its call.
 The leading system and developer messages (the request's `instructions`) stay,
 and so does the last turn: a conversation whose last turn alone is too long is
 left for the prompt's own check to refuse. The fewest turns are dropped, found
@@ -31,7 +34,7 @@ def drop_oldest_turns(messages: list, fits: Callable[[list], bool]) -> list:
         return messages
     num_head = next((k for k, m in enumerate(messages) if m.role not in LEADING_ROLES), len(messages))
     head, rest = messages[:num_head], messages[num_head:]
-    cuts = [k for k, m in enumerate(rest) if k > 0 and m.role == "user"]  # where a later turn starts
+    cuts = _turn_starts(rest)  # where a later turn starts
     low, high = 0, len(cuts) - 1  # the answer is among cuts[low:high + 1]; the last cut always stands
     while low < high:
         middle = (low + high) // 2
@@ -40,3 +43,22 @@ def drop_oldest_turns(messages: list, fits: Callable[[list], bool]) -> list:
         else:
             low = middle + 1
     return head + rest[cuts[low]:] if cuts else messages
+
+
+def _turn_starts(messages: list) -> list[int]:
+    """The indexes past the first where a turn starts: a user message, unless a
+    tool's output after it answers a call made before it."""
+    made_at = {}  # a call's id -> the index of the message that made it
+    for k, message in enumerate(messages):
+        for call in message.tool_calls or ():
+            if call.id is not None:
+                made_at.setdefault(call.id, k)
+    earliest = len(messages)  # the earliest call answered from k on
+    starts = []
+    for k in range(len(messages) - 1, 0, -1):
+        message = messages[k]
+        if message.role == "tool" and message.tool_call_id in made_at:
+            earliest = min(earliest, made_at[message.tool_call_id])
+        elif message.role == "user" and earliest >= k:
+            starts.append(k)
+    return starts[::-1]

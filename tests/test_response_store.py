@@ -138,6 +138,20 @@ def test_truncation_keeps_a_conversation_that_fits_and_drops_the_fewest_oldest_t
     assert [m.content for m in kept] == ["sys", "gggg"], "the last turn stays, for the prompt's check to refuse"
 
 
+def test_truncation_keeps_no_calls_output_without_its_call():
+    """The client spoke between a call and its output (user, the call, user, the
+    output): cut at the second user message, the output was kept without the
+    call that made it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [ChatMessage.model_validate(m) for m in [
+        {"role": "user", "content": "aaaa"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "user", "content": "bbbb"}, {"role": "tool", "content": "cccc", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "dddd"}, {"role": "user", "content": "eeee"}]]
+    kept = drop_oldest_turns(messages, _fits_within(16))  # from "bbbb" on would fit
+    assert [m.content for m in kept] == ["eeee"]
+    assert drop_oldest_turns(messages, _fits_within(20)) is messages
+
+
 @given(st.lists(st.tuples(st.sampled_from("uat"), st.integers(1, 30)), min_size=1, max_size=40),
        st.integers(0, 400), st.booleans())
 @settings(max_examples=300, deadline=None)
