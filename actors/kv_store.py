@@ -129,14 +129,20 @@ class KVStore:
         with self._lock:
             self._sweep_if_due()
             self.num_lookups += 1
-            found: list[StoredBlock] = []
+            found: list[tuple[Tier, StoredBlock]] = []
             for key in keys:
-                block = self._get(key)
-                if block is None:
+                hit = self._get(key)
+                if hit is None:
                     self.num_missed_blocks += len(keys) - len(found)
                     break
-                found.append(block)
-            return found
+                found.append(hit)
+            # Promoted once all are read: one at a time, a hit's promotion pushed host
+            # blocks down to disk, whose eviction deleted the prefix's blocks not read
+            # yet. The first blocks go last, the most recent: prefixes share them.
+            for tier, block in reversed(found):
+                if tier is not self.tiers[0] and self.host is not None:
+                    self._put(self.host, block)
+            return [block for _, block in found]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys some tier holds (reads no KV; a corrupt file is
@@ -149,15 +155,14 @@ class KVStore:
                 count += 1
             return count
 
-    def _get(self, key: bytes) -> StoredBlock | None:
+    def _get(self, key: bytes) -> tuple[Tier, StoredBlock] | None:
+        """The first tier holding `key`, and its block."""
         for tier in self.tiers:
             block = tier.get(key)
             if block is None:
                 continue
             self.counters[tier.name].hits += 1
-            if tier is not self.tiers[0] and self.host is not None:
-                self._put(self.host, block)  # promote
-            return block
+            return tier, block
         return None
 
     # ---- policy -------------------------------------------------------------------

@@ -260,8 +260,14 @@ class DiskTier(Tier):
 
     def _files(self):
         """(path, key or None for a temporary file, stat) of each file here; a file
-        gone meanwhile or not named by a key is skipped."""
-        for path in self.dir.glob("*/*"):
+        gone meanwhile or not named by a key is skipped, and a folder that cannot
+        be listed (the mount went) lists none."""
+        try:
+            paths = list(self.dir.glob("*/*"))
+        except OSError as exc:
+            log.warning("KV store %s tier: cannot list %s: %s", self.name, self.dir, exc)
+            return
+        for path in paths:
             try:
                 stat = path.stat()
                 key = None if path.name.endswith(".tmp") else bytes.fromhex(path.stem)
@@ -298,12 +304,12 @@ class DiskTier(Tier):
 
     def _write(self, block: StoredBlock) -> _Entry | None:
         path = self._path(block.key)
-        if path.exists():  # another writer's copy: index it, write nothing
-            self._adopt(block.key)
-            return None
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
+            if path.exists():  # another writer's copy: index it, write nothing
+                self._adopt(block.key)
+                return None
+            path.parent.mkdir(parents=True, exist_ok=True)  # (the tier's folder may have been removed)
             data = encode_entry(self.namespace, block)
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -395,8 +401,10 @@ def decode_entry(data: bytes, namespace: bytes, key: bytes) -> StoredBlock:
         header = json.loads(data[start : start + header_len])
         dtype, shape = _DTYPES[header["dtype"]], tuple(int(dim) for dim in header["shape"])
         token_ids = tuple(int(token_id) for token_id in header["token_ids"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):  # (1e400: an infinite float, no int)
         raise CorruptEntry("unreadable header") from None
+    if any(dim < 0 for dim in shape):  # (two negative sizes multiply to the payload's)
+        raise CorruptEntry("negative size in the header's shape")
     if header.get("namespace") != namespace.hex() or header.get("key") != key.hex():
         raise CorruptEntry("entry of another namespace or key")
     payload = memoryview(data)[start + header_len :]

@@ -5,7 +5,9 @@ shared path written by one node's store and read by another's."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
 import time
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 from actors.block_pool import block_hashes
 from actors.kv_store import KVStore, KVStoreSettings
-from actors.kv_tiers import ABANDONED_TMP_S, StoredBlock, TierPolicy
+from actors.kv_tiers import ABANDONED_TMP_S, MAGIC, StoredBlock, TierPolicy, encode_entry
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block size, KV heads, head dim
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4
@@ -99,10 +101,12 @@ def test_ttl_and_pinning(tmp_path):
     assert list(tmp_path.rglob("*.kv")) == []
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "header"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "header", "negative shape", "huge token id"])
 def test_corrupt_entry_is_skipped_and_removed(tmp_path, damage):
     """Damaged payloads, files and headers (one whose JSON still parses but
-    lacks a field) alike: the entry is a miss, counted and removed."""
+    lacks a field, or holds two negative sizes whose product is the payload's,
+    or a number past any integer: they raised from `load`, and the file stayed)
+    alike: the entry is a miss, counted and removed."""
     store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path)))
     blocks = make_blocks(3)
     store.save(blocks)
@@ -115,12 +119,26 @@ def test_corrupt_entry_is_skipped_and_removed(tmp_path, damage):
     elif damage == "header":  # `token_ids` renamed, the header's length unchanged
         at = data.index(b'"token_ids"')
         data[at : at + 11] = b'"token_idz"'
+    elif damage == "negative shape":  # [2, 2, ...] as [-2, -2, ...]
+        data = _with_header(data, lambda header: header.update(shape=[-2, -2, *header["shape"][2:]]))
+    elif damage == "huge token id":  # (infinite as a float)
+        data = _with_header(data, lambda header: header["token_ids"].__setitem__(0, 1e400))
     else:
         data = bytearray(b"not a kv entry")
     path.write_bytes(bytes(data))
     assert_same(store.load(keys_of(blocks)), blocks[:1])
     assert not path.exists()
     assert store.stats().num_corrupt == 1
+
+
+def _with_header(data: bytes, edit) -> bytes:
+    """An entry's file with its JSON header edited (`edit(header)`), the payload as it was."""
+    start = len(MAGIC) + 4
+    (length,) = struct.unpack_from("<I", data, len(MAGIC))
+    header = json.loads(bytes(data[start : start + length]))
+    edit(header)
+    written = json.dumps(header).encode()
+    return MAGIC + struct.pack("<I", len(written)) + written + bytes(data[start + length :])
 
 
 def test_restart_recovery_and_leftover_temporaries(tmp_path):
@@ -186,3 +204,52 @@ def test_events_say_which_tier_holds_what(tmp_path):
     assert all(batch.reset for batch in snapshot.values())
     assert {k for _, k in snapshot["host"].events} == host_now
     assert {k for _, k in snapshot["disk"].events} == {b.key for b in blocks[:2]}
+
+
+def test_a_load_keeps_the_prefix_it_reads(tmp_path):
+    """A hit on disk promoted to host as it was read pushed host blocks down to
+    disk, whose watermark then deleted the prompt's blocks not read yet: an old
+    prefix of 6 blocks loaded 2 and lost the rest. Promoted after the reads, all
+    6 load and stay in some tier."""
+    file_bytes = len(encode_entry(NAMESPACE, make_blocks(1)[0]))
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=4 * BLOCK_BYTES, disk_path=str(tmp_path),
+                                               disk_bytes=20 * file_bytes))
+    prompt = make_blocks(6, seed=1)
+    store.save(prompt)
+    store.save(make_blocks(12, seed=2))  # (the prompt all on disk now, the disk near its watermark)
+    assert all(store.disk.contains(k) for k in keys_of(prompt))
+    assert_same(store.load(keys_of(prompt)), prompt)
+    assert all(any(t.contains(k) for t in store.tiers) for k in keys_of(prompt))
+
+
+def test_a_file_system_that_fails_stores_nothing_there_and_the_call_goes_on(tmp_path, monkeypatch):
+    """A mount gone (stat answers EIO, which `Path.exists` passes on): a save
+    raised from its first write there, and a load whose promotion demoted onto
+    it raised with its hits; a tier's folder removed (a tmp cleaner) failed
+    every write after it until a restart."""
+    import errno
+    import pathlib
+    import shutil
+
+    gone = []
+    real_stat = pathlib.Path.stat
+
+    def stat(path, *args, **kwargs):
+        if gone and str(path).startswith(gone[0]):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=2 * BLOCK_BYTES, disk_path=str(tmp_path / "disk"),
+                                               shared_path=str(tmp_path / "shared")))
+    blocks = make_blocks(8)
+    store.save(blocks[:6])  # (each in shared too: write-through)
+    gone.append(str(tmp_path / "disk"))
+    store.save(blocks[6:])
+    assert store.disk.num_write_errors > 0
+    assert_same(store.load(keys_of(blocks)), blocks)  # (the hits from shared; their demotions fail)
+    gone.clear()
+    shutil.rmtree(store.disk.dir)
+    errors = store.disk.num_write_errors
+    store.save(make_blocks(4, seed=3))
+    assert store.disk.num_write_errors == errors and store.disk.dir.is_dir()
