@@ -206,7 +206,7 @@ class KVStoreSection(_Strict):
     disk_path: str | None = None
     disk_gib: float = Field(16.0, gt=0)
     shared_path: str | None = None
-    shared_gib: float | None = Field(None, gt=0)  # None: unbounded, bounded by ttl_s
+    shared_gib: float | None = Field(None, gt=0)  # None: unbounded by size, bounded by ttl_s (one is needed)
     ttl_s: float | None = Field(None, gt=0)
     high_watermark: float = Field(0.9, gt=0, le=1)
     low_watermark: float = Field(0.7, gt=0, le=1)
@@ -218,6 +218,9 @@ class KVStoreSection(_Strict):
             raise ValueError("kv_store.low_watermark must not exceed kv_store.high_watermark")
         if not self.host_gib and self.disk_path is None and self.shared_path is None:
             raise ValueError("kv_store needs at least one tier: host_gib > 0, disk_path or shared_path")
+        if self.shared_path is not None and self.shared_gib is None and self.ttl_s is None:
+            raise ValueError("kv_store.shared_path needs a bound: shared_gib (per writer), ttl_s, or both "
+                             "(without either its files grow for good)")
         return self
 
     def store_settings(self) -> KVStoreSettings:

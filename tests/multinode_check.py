@@ -41,7 +41,7 @@ def main() -> dict:
         "decode": {"replicas": 1, "num_cpus": 1, "num_gpus": 1, "label_selector": {"tandem/role": "decode"}},
         "pool_name": "multinode-pool",
         # Host memory per node, and a shared path both nodes see (a temp dir here).
-        "kv_store": {"host_gib": 0.05, "shared_path": tempfile.mkdtemp(prefix="tandem-shared-")},
+        "kv_store": {"host_gib": 0.05, "shared_path": tempfile.mkdtemp(prefix="tandem-shared-"), "ttl_s": 3600},
     })
     pool = get_or_create_pool(settings)
     members = ray.get(pool.wait_ready.remote(180))

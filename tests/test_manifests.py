@@ -162,6 +162,7 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "typo_field": 1}, "typo_field"),
         ({"model": {"preset": "tiny"}, "channel": "store"}, "kv_store.shared_path"),
         ({"model": {"preset": "tiny"}, "kv_store": {"host_gib": 0}}, "at least one tier"),
+        ({"model": {"preset": "tiny"}, "kv_store": {"shared_path": "/mnt/kv"}}, "shared_path needs a bound"),
         ({"model": {"preset": "tiny"}, "kv_store": {"low_watermark": 0.95}}, "must not exceed"),
         ({"model": {"preset": "tiny"}, "kv_store": {"disk_gib": -1}}, "disk_gib"),
         ({"model": {"preset": "tiny"}, "engine": {"device": "cuda"}, "decode": {"num_gpus": 1}}, "prefill pool"),
