@@ -8,7 +8,8 @@ the next token completes the character; `flush` emits whatever is left at the en
 The concatenated deltas equal `tokenizer.decode(all_ids)`.
 
 A fast (Rust) tokenizer whose wrapper adds nothing to its backend's decode (no
-`clean_up_tokenization_spaces`) is decoded by the backend directly: the same text,
+`clean_up_tokenization_spaces`, or one transformers 5 ignores: `cleans_up_spaces`)
+is decoded by the backend directly: the same text,
 without the wrapper's per-call Python (which was most of the cost: 12 us a call,
 two calls a token, 1.8 ms of host time per decode step at batch 64). Where the
 `tokenizers` library has `DecodeStream` (0.21 on), the same two-window algorithm
@@ -73,8 +74,7 @@ class ByteLevelTables:
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False)
-                or type(backend.decoder) is not ByteLevel):
+        if backend is None or cleans_up_spaces(tokenizer) or type(backend.decoder) is not ByteLevel:
             return None
         byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
         special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
@@ -87,6 +87,20 @@ class ByteLevelTables:
                 with_special.append(token.encode())
         without_special = [b"" if i in special else data for i, data in enumerate(with_special)]
         return cls(with_special, without_special)
+
+
+def cleans_up_spaces(tokenizer) -> bool:
+    """Whether `tokenizer.decode` cleans up spaces after its backend's decode
+    (transformers' `clean_up_tokenization_spaces`). Transformers 5 ignores the
+    flag for a BPE model unless forced (`..._for_bpe_even_though_it_will_corrupt_output`,
+    an attribute transformers 4 does not have, where the flag always applies):
+    read as set there, a checkpoint carrying it lost its byte tables, and with
+    them structured output and chat logprobs' bytes, for a text no different."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return forced is None or forced or backend is None or type(backend.model).__name__ != "BPE"
 
 
 class IncrementalDetokenizer:
@@ -108,8 +122,9 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []  # the windows' and the stream's flush read them
         self.prefix_offset = 0
         self.read_offset = 0
+        self._stream_sent = 0  # the tokens whose text the stream gave (it holds back an incomplete character's)
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        if backend is not None and not cleans_up_spaces(tokenizer):
             self._decode_ids = backend.decode
             if DecodeStream is not None:
                 self._backend = backend
@@ -146,13 +161,18 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         if self._stream is not None:
             try:
-                return self._emit(self._stream.step(self._backend, token_id) or "")
+                delta = self._stream.step(self._backend, token_id) or ""
+                if delta:
+                    self._stream_sent = len(self.token_ids)
+                return self._emit(delta)
             except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception; windows from here
                 # DecodeStream refuses a text that changed before its end: a byte-fallback
                 # run that stops being valid UTF-8 turns the characters it sent already
                 # into U+FFFD. Raised, it failed the step and every request on the worker.
+                # The windows go on from the last token it gave text for: the ones it
+                # held back (part of a character) were taken as sent, and their text lost.
                 self._stream = None
-                self.read_offset = len(self.token_ids) - 1
+                self.read_offset = self._stream_sent
                 self.prefix_offset = max(self.read_offset - WINDOW_CONTEXT, 0)
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
