@@ -225,11 +225,14 @@ class Engine:
         """Hold blocks for the prompt plus the first output token, reusing what the
         prefix cache already has (including `pinned_block_ids` from `StoreBridge.import_prefix`,
         whose hold this ends). None when the pool cannot hold it now, with room
-        kept for the next tokens of every request (`reservation_room`)."""
+        kept for the next tokens of every request (`reservation_room`), or when the
+        batch is full (`batch_full`)."""
         try:
             request = self._new_request(prompt_ids, params, request_id)
         finally:
             self.pool.release(pinned_block_ids or [])  # the prefix lookup below re-takes them
+        if self.batch_full:
+            return None
         self.scheduler.prepare(request)
         hits = self.scheduler.cached_prefix(request, computes_prompt=False)
         num_tokens, num_kept_blocks = self.reservation_room(request.num_prompt_tokens, params)
@@ -242,6 +245,15 @@ class Engine:
         self.reservations[request_id] = request
         self.num_reserved_blocks += len(request.block_table)
         return Reservation(request_id, list(request.block_table), len(hits))
+
+    @property
+    def batch_full(self) -> bool:
+        """Whether a decode engine holds `max_num_seqs` requests, running or
+        reserved: the next reservation waits in D's line for one to end. (They
+        started running past it: a batch past the budget of tokens a step leaves
+        the requests at its back without a token until those ahead end, and on
+        CUDA, one past the captured graphs is stepped without them.)"""
+        return len(self.requests) + len(self.reservations) >= self.config.max_num_seqs
 
     def reservation_room(self, num_prompt_tokens: int, params: SamplingParams) -> tuple[int, int]:
         """What a reservation must find free now (actors/decode_room.py): room for

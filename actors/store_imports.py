@@ -43,7 +43,7 @@ class StoreImports:
         a request whose prompt this worker computes (`computes_prompt`) for its
         logprobs: they come from every position, as `Scheduler.cached_prefix`; nor
         for a reservation (`reserving`: the prompt and a token's blocks at once)
-        the pool has no room for (`Engine.reservation_room`): the loaded blocks
+        the pool has no room for (`Engine.reservation_room`, `Engine.batch_full`): the loaded blocks
         would take the place of other prefixes' and be evicted again before the
         reservation's next try."""
         if self.kv_store is None or (computes_prompt and request.params.prompt_logprobs is not None):
@@ -51,6 +51,8 @@ class StoreImports:
         prompt_ids = request.prompt_token_ids
 
         def plan(engine: Engine):
+            if reserving and engine.batch_full:  # (no reservation now: as without room)
+                return [], 0, False
             room = engine.reservation_room(len(prompt_ids), request.params) if reserving else None
             return engine.store_bridge.prefix_plan(prompt_ids, room)
 

@@ -85,3 +85,15 @@ def test_the_decode_worker_and_its_store_import_ask_the_same_room(tiny_qwen2_dir
     assert engine.reservation_room(40, EIGHTY) == (120 if reserve else 41, 0)
     engine.reserve(PROMPT, EIGHTY, "r0")
     assert engine.reservation_room(40, EIGHTY) == (120 if reserve else 41, 5 if reserve else 0)
+
+
+def test_a_decode_batch_holds_at_most_max_num_seqs(tiny_qwen2_dir):
+    """Reservations were granted past max_num_seqs: a D ran 4 requests with a
+    budget of 2 tokens a step, and the two at the back got no token until the
+    two ahead had ended. The third reservation now waits for a request to end."""
+    engine = Engine(tiny_qwen2_dir, dataclasses.replace(CONFIG, num_kv_blocks=64, max_num_seqs=2))
+    assert _reserve_all(engine, 3) == ["r0", "r1"] and engine.batch_full
+    engine.activate("r0", SampledToken(5, None), seed=1)
+    assert engine.reserve(PROMPT, EIGHTY, "r2") is None  # (running or reserved alike)
+    engine.abort("r0")
+    assert not engine.batch_full and engine.reserve(PROMPT, EIGHTY, "r2") is not None
