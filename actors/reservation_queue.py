@@ -89,6 +89,8 @@ class ReservationQueue:
                 if next(iter(self._line)) != request_id:
                     continue
                 result = await attempt()
+                if request_id in self._withdrawn:  # withdrawn while it tried: raised, granted or not
+                    raise Withdrawn(request_id, self._withdrawn[request_id])
                 if result is not None:
                     return result
                 if time.monotonic() >= deadline:  # (a wake-up set during the try must not extend the wait)

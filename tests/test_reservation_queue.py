@@ -158,3 +158,21 @@ def test_an_attempts_error_reaches_its_caller_and_the_line_moves_on():
         waiting.cancel()
 
     run(scenario())
+
+
+def test_a_request_withdrawn_while_it_tries_is_withdrawn_though_granted():
+    """The withdrawal came while its attempt ran on D's engine thread, which
+    granted it: the handshake said reserved for a request already aborted (the
+    abort's own engine call, queued after, cancels what it got)."""
+    async def scenario():
+        queue, blocks = ReservationQueue(), Blocks(free=4)
+
+        async def attempt():
+            queue.withdraw("a", aborted=True)  # (as the abort arrives meanwhile)
+            return await blocks.attempt(1)()
+
+        with pytest.raises(Withdrawn) as withdrawn:
+            await queue.wait_turn("a", attempt, 1.0)
+        return withdrawn.value.aborted, len(queue), blocks.free
+
+    assert run(scenario()) == (True, 0, 3)
