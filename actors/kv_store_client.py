@@ -36,17 +36,25 @@ class KVStoreClient(Protocol):
     def stats(self) -> StoreStats: ...
 
 
+# How long a load waits for the store before the request computes its prompt: the
+# store is one serial actor doing file I/O, and a mount that hangs (NFS) held every
+# request's import on the node, and a thread of the worker's pool each, for good.
+LOAD_TIMEOUT_S = 10.0
+
+
 class RemoteKVStore:
     """A `KVStoreClient` over the node store actor. Its calls block a thread of an
     async actor (workers call them through `in_thread`): they wait on the reply's
     future, not `ray.get`, which would log Ray's warning about a blocked event loop
-    (it cannot tell the loop's thread from another)."""
+    (it cannot tell the loop's thread from another). A load waits at most
+    `load_timeout_s` (TimeoutError: the caller computes instead)."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, load_timeout_s: float = LOAD_TIMEOUT_S) -> None:
         self.handle = handle
+        self.load_timeout_s = load_timeout_s
 
     def load(self, keys: Sequence[bytes]) -> list[StoredBlock]:
-        return self.handle.load.remote(list(keys)).future().result()
+        return self.handle.load.remote(list(keys)).future().result(timeout=self.load_timeout_s)
 
     def save(self, blocks: Sequence[StoredBlock]) -> None:
         self.handle.save.remote(list(blocks)).future().result()

@@ -253,3 +253,21 @@ def test_a_file_system_that_fails_stores_nothing_there_and_the_call_goes_on(tmp_
     errors = store.disk.num_write_errors
     store.save(make_blocks(4, seed=3))
     assert store.disk.num_write_errors == errors and store.disk.dir.is_dir()
+
+
+def test_a_load_from_a_store_that_does_not_answer_gives_up():
+    """The node's store is one serial actor doing file I/O: on a mount that hangs,
+    a load waited for good, holding the request's import and a thread of the
+    worker's pool. It gives up after `load_timeout_s` (the request computes)."""
+    from concurrent.futures import Future
+
+    from actors.kv_store_client import RemoteKVStore
+
+    never = Future()
+    call = type("Call", (), {"future": lambda self: never})()
+    handle = type("Handle", (), {"load": type("Method", (), {"remote": lambda self, keys: call})()})()
+    store = RemoteKVStore(handle, load_timeout_s=0.05)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        store.load([b"k"])
+    assert time.monotonic() - started < 5
