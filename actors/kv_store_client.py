@@ -97,26 +97,41 @@ def open_kv_store(namespace: bytes, settings: KVStoreSettings) -> KVStoreClient:
     return RemoteKVStore(handle)
 
 
-class StoreWriter:
-    """A thread saving batches of blocks to a store, in order."""
+# The host copies a worker's write-through may hold waiting for a slow store: by
+# count alone (64 batches), a 7B model's 128-block steps could hold about 15 GB.
+MAX_PENDING_BYTES = 1 << 30
 
-    def __init__(self, store: KVStoreClient, max_pending_batches: int = 64) -> None:
+
+class StoreWriter:
+    """A thread saving batches of blocks to a store, in order; at most
+    `max_pending_batches` and `max_pending_bytes` of KV wait (a batch past
+    either is dropped, counted)."""
+
+    def __init__(self, store: KVStoreClient, max_pending_batches: int = 64,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.store = store
         self.num_saved_blocks = 0
         self.num_dropped_blocks = 0
         self.num_failed_blocks = 0
+        self.max_pending_bytes = max_pending_bytes
         self._queue: queue.Queue = queue.Queue(max_pending_batches)
         self._pending = 0  # batches queued or being saved
+        self._pending_bytes = 0  # their KV's
         self._done = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kv-store-writer", daemon=True)
         self._thread.start()
 
     def submit(self, blocks: list[StoredBlock]) -> None:
         """Queue a batch (engine thread); never blocks."""
+        size = _kv_bytes(blocks)
         with self._done:
+            if self._pending and self._pending_bytes + size > self.max_pending_bytes:
+                self.num_dropped_blocks += len(blocks)
+                return
             try:
-                self._queue.put_nowait(blocks)
+                self._queue.put_nowait((blocks, size))
                 self._pending += 1
+                self._pending_bytes += size
             except queue.Full:
                 self.num_dropped_blocks += len(blocks)
 
@@ -127,7 +142,7 @@ class StoreWriter:
 
     def _run(self) -> None:
         while True:
-            blocks = self._queue.get()
+            blocks, size = self._queue.get()
             try:
                 self.store.save(blocks)
                 self.num_saved_blocks += len(blocks)
@@ -136,4 +151,9 @@ class StoreWriter:
                 log.warning("KV store write-through failed: %s: %s", type(exc).__name__, exc)
             with self._done:
                 self._pending -= 1
+                self._pending_bytes -= size
                 self._done.notify_all()
+
+
+def _kv_bytes(blocks: Sequence[StoredBlock]) -> int:
+    return sum(block.kv.numel() * block.kv.element_size() for block in blocks)

@@ -271,3 +271,29 @@ def test_a_load_from_a_store_that_does_not_answer_gives_up():
     with pytest.raises(TimeoutError):
         store.load([b"k"])
     assert time.monotonic() - started < 5
+
+
+def test_write_through_waiting_for_a_slow_store_is_bounded_by_bytes():
+    """The write-through held up to 64 batches whatever their size (a 7B model's
+    steps: about 15 GB of host copies behind a slow store); past
+    `max_pending_bytes` a batch is dropped, counted, and the rest are saved."""
+    import threading
+
+    from actors.kv_store_client import StoreWriter
+
+    release, saved = threading.Event(), []
+
+    class SlowStore:
+        def save(self, blocks):
+            release.wait(10)
+            saved.extend(blocks)
+
+    writer = StoreWriter(SlowStore(), max_pending_bytes=3 * BLOCK_BYTES)
+    batches = [make_blocks(1, seed=i) for i in range(5)]
+    for batch in batches:
+        writer.submit(batch)
+    assert writer.num_dropped_blocks == 2  # (three blocks' bytes wait: the first, being saved, and two)
+    release.set()
+    assert writer.flush(10) and keys_of(saved) == keys_of([b for batch in batches[:3] for b in batch])
+    writer.submit(batches[4])
+    assert writer.flush(10) and len(saved) == 4
