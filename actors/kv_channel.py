@@ -38,7 +38,8 @@ Backends:
 - `store`: through the KV store's shared path (seed 002's store-based transfer): P
   writes each chunk as a checksummed file under `<shared>/transfer/<channel>/`, the
   payload is its name, D reads and deletes it. Needs a mount both nodes see; works
-  with no group and across nodes.
+  with no group and across nodes. Files never read (a P that died) are swept when
+  a channel opens, an hour old (`sweep_abandoned_chunks`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import importlib
 import re
 import shutil
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -112,22 +114,54 @@ _TRANSFER_NAMESPACE = b"transfer"
 _CHUNK_FILE = re.compile(r"[0-9a-f]{32}\.kv")
 
 
+# A chunk file this old was never read: D reads each within the transfer's timeout
+# (30 s by default), or its request ended. The channels' own `close` removes theirs;
+# a P that died (or a D that never read) left them, under no tier's sweep.
+ABANDONED_CHUNK_S = 3600.0
+
+
 def transfer_dir(shared_path: str | Path, channel_name: str) -> Path:
     if not re.fullmatch(r"[\w.-]+", channel_name):
         raise ValueError(f"bad channel name {channel_name!r}")
     return Path(shared_path) / "transfer" / channel_name
 
 
+def sweep_abandoned_chunks(shared_path: str | Path, older_than_s: float = ABANDONED_CHUNK_S) -> int:
+    """Remove every channel's chunk files (and temporaries) older than
+    `older_than_s` under the shared path's `transfer/`, and the channel folders
+    left empty; how many files went. Errors (another node sweeping too, a mount
+    gone) skip what they touch."""
+    removed, now = 0, time.time()
+    try:
+        folders = [f for f in (Path(shared_path) / "transfer").iterdir() if f.is_dir()]
+    except OSError:
+        return 0
+    for folder in folders:
+        try:
+            idle = now - folder.stat().st_mtime > older_than_s  # (no chunk written or read there since)
+            for path in folder.iterdir():
+                if now - path.stat().st_mtime > older_than_s:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+            if idle and not any(folder.iterdir()):
+                folder.rmdir()
+        except OSError:
+            continue
+    return removed
+
+
 class StoreSender(KVSender):
     def __init__(self, name: str, shared_path: str | Path) -> None:
         self.name = name
         self.dir = transfer_dir(shared_path, name)
+        sweep_abandoned_chunks(shared_path)  # (once a channel: a pair's first meeting)
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def payload(self, kv: torch.Tensor) -> str:
         key = uuid.uuid4().bytes
         path = self.dir / f"{key.hex()}.kv"
         tmp = path.with_suffix(".tmp")
+        self.dir.mkdir(parents=True, exist_ok=True)  # (an idle channel's folder may have been swept)
         tmp.write_bytes(encode_entry(_TRANSFER_NAMESPACE, StoredBlock(key, (), kv.cpu())))
         tmp.replace(path)
         return path.name

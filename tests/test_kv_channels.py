@@ -148,3 +148,26 @@ def test_nccl_pair_between_two_actors(ray_local):  # pragma: no cover - needs tw
             ray_local.get(p.send.remote(kv), timeout=60)
             got = ray_local.get(got, timeout=60)
             assert torch.equal(got.view(torch.uint8), kv.view(torch.uint8))
+
+
+def test_chunks_never_read_are_swept_when_a_store_channel_opens(tmp_path):
+    """A P that died left its unread chunk files under `<shared>/transfer/`, where
+    no tier's sweep goes: they stayed for good. A new channel removes those an
+    hour old, and their folders, and keeps the recent ones."""
+    import os
+    import time
+
+    from actors.kv_channel import ABANDONED_CHUNK_S, StoreSender, transfer_dir
+
+    dead = transfer_dir(tmp_path, "kv-p0-d0-dead")
+    live = transfer_dir(tmp_path, "kv-p1-d0-live")
+    for folder in (dead, live):
+        folder.mkdir(parents=True)
+    old = time.time() - ABANDONED_CHUNK_S - 60
+    for path in (dead / ("a" * 32 + ".kv"), dead / ("b" * 32 + ".tmp"), live / ("c" * 32 + ".kv")):
+        path.write_bytes(b"x")
+        if path.parent == dead:
+            os.utime(path, (old, old))
+    os.utime(dead, (old, old))
+    StoreSender("kv-p2-d0-new", tmp_path)
+    assert not dead.exists() and [p.name for p in live.iterdir()] == ["c" * 32 + ".kv"]
