@@ -91,8 +91,14 @@ class DecodeWorker(WorkerBase):
             if exc.aborted:
                 raise RequestAborted(f"request {request_id} was aborted by its client") from None
             raise ReservationRefused(f"request {request_id} was aborted while it waited for KV blocks") from None
-        except BaseException:  # a refusal, or the call cancelled (its caller left)
+        except BaseException as exc:  # a refusal, or the call cancelled (its caller left)
             self.streams.forget(request_id)
+            if isinstance(exc, asyncio.CancelledError):
+                # Cancelled as the engine thread granted it (that call runs to its end):
+                # nobody waits for those blocks, which were held until reservation_ttl_s.
+                # Queued after it, this frees them; a grant still to come finds the
+                # stream forgotten and is turned away (`_aborted_on_its_way`).
+                background_task(self.call(lambda engine: self._cancel_reservation(engine, request_id)))
             raise
         finally:
             self._line_blocks.pop(request_id, None)
@@ -260,6 +266,11 @@ class DecodeWorker(WorkerBase):
     def _release_aborted(self, request_id: str) -> None:
         with self._pending_lock:
             self._pending.pop(request_id, None)
+
+    def _cancel_reservation(self, engine: Engine, request_id: str) -> None:
+        """On the engine thread: a reservation nobody waits for freed."""
+        self._release_aborted(request_id)
+        engine.cancel_reservation(request_id)
 
     async def abort_transfer(self, request_id: str, reason: str) -> bool:
         """Drop a request whose prefill failed, unless its KV has all arrived: once

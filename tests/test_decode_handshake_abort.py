@@ -37,3 +37,31 @@ def test_an_abort_that_arrives_while_the_handshake_prepares_its_pattern_ends_it(
     outcome, pending, used = asyncio.run(scenario())
     assert isinstance(outcome, (RequestAborted, ReservationInfo)), outcome  # (granted, then cancelled)
     assert pending == {} and used == 0
+
+
+def test_a_handshake_cancelled_as_its_reservation_is_granted_frees_it(tiny_qwen2_dir):
+    """The scheduler's call cancelled (its client left) just as the engine thread
+    granted the reservation (that call runs to its end): nobody waited for the
+    blocks, which were held until `reservation_ttl_s`. They are freed."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+    async def scenario():
+        worker = DecodeWorker("d0", tiny_qwen2_dir, CONFIG)
+        granted = worker._try_reserve
+
+        async def cancelled_as_granted(request, prefill_handle):
+            assert await granted(request, prefill_handle) is not None
+            raise asyncio.CancelledError  # (as the cancellation reaches the waiting call)
+
+        worker._try_reserve = cancelled_as_granted
+        outcome = await asyncio.gather(worker.reserve(GenerateRequest("r1", list(range(3, 40)), params), "feed"),
+                                       return_exceptions=True)
+        await worker.call(lambda engine: None)  # (the engine calls queued before it have run)
+        engine = worker.engine
+        held = dict(worker._pending), dict(engine.reservations), engine.pool.num_used
+        worker.loop.stop()
+        return outcome[0], held
+
+    outcome, (pending, reservations, used) = asyncio.run(scenario())
+    assert isinstance(outcome, asyncio.CancelledError)
+    assert pending == {} and reservations == {} and used == 0
