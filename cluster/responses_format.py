@@ -172,7 +172,8 @@ class ResponseEvents:
         it is admitted: `response.created` and `response.queued`, the response
         `queued` (as OpenAI opens a background stream); `stream` or `refused`
         go on from them."""
-        return [self._event(kind, response=self._response("queued")) for kind in ("response.created", "response.queued")]
+        return [self._event(kind, response=self._response("queued"))
+                for kind in ("response.created", "response.queued")]
 
     async def _final(self, status: str, error: dict | None = None, incomplete: str | None = None) -> dict:
         final = self._response(status, error, incomplete)
