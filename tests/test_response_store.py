@@ -204,7 +204,8 @@ def test_a_background_response_runs_beats_and_finishes_unless_cancelled_or_lost(
     assert store.beat("lost") == "failed", "a replica that comes back stops too"
     assert store.beat("nope") is None
     # Each status change counted in the bytes (they drifted: a failure's error is over a hundred)
-    assert store.num_bytes == sum(_size(store.get(name).response, _asked(name)) for name in ("done", "cancelled", "lost"))
+    names = ("done", "cancelled", "lost")
+    assert store.num_bytes == sum(_size(store.get(name).response, _asked(name)) for name in names)
 
 
 def test_a_streamed_responses_events_are_kept_a_whole_prefix_and_finished_with_it():

@@ -158,7 +158,8 @@ def client(base_url):
         ("/v1/completions", {"prompt": "x", "min_tokens": 201}, "at least 201 new tokens; the limit is 200"),
         ("/v1/completions", {"prompt": [10] * 550, "max_tokens": 151}, "prompt has 550 tokens and the request asks "
          "for up to 151 new tokens: 701 tokens, past the model's context of 700"),
-        ("/generate", {"input_ids": [10] * 550, "sampling_params": {"max_new_tokens": 151}}, "past the model's context"),
+        ("/generate", {"input_ids": [10] * 550, "sampling_params": {"max_new_tokens": 151}},
+         "past the model's context"),
         ("/v1/completions", {"prompt": "x", "bad_words": ["no", " "]}, "bad_words must be words"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo is not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
