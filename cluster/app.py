@@ -39,6 +39,7 @@ from cluster import openai_format as fmt
 from cluster import responses_format
 from cluster import sglang_format as sglang
 from cluster import stored_endpoints, worker_endpoints
+from cluster.actor_errors import actor_unavailable
 from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
                                 template_messages)
@@ -153,10 +154,16 @@ class Scheduler:
     async def _refresh_once(self) -> None:
         """Membership and load from the pool manager. A pool manager that is gone
         for good (its workers went with it) is replaced: the new one starts fresh
-        pools and /health says "starting" until they are ready."""
+        pools and /health says "starting" until they are ready. One unreachable
+        for now is not (its actor was found again by name, and everything the
+        view had learned of the workers thrown away, with 503s until the next
+        refresh): the view serves on as it was."""
         try:
             await self.service.view.refresh()
         except ray.exceptions.RayActorError as exc:
+            if actor_unavailable(exc):
+                log.warning("pool manager %s is unreachable for now (%s)", self.settings.pool_name, exc)
+                return
             log.warning("pool manager %s is gone (%s); starting a new one", self.settings.pool_name, exc)
             self.pool = get_or_create_pool(self.settings)
             self.service.view.replace_pool(self.pool)

@@ -161,9 +161,9 @@ class AutoscalingSettings(_Strict):
     scale_up_cooldown_s: float = Field(10.0, ge=0)  # since the pool last had a worker starting or draining
     scale_down_cooldown_s: float = Field(60.0, ge=0)
     prefill_backlog_up_tokens: int = Field(4096, ge=1)  # queued prompt tokens per prefill worker
-    prefill_backlog_down_tokens: int = Field(512, ge=0)
+    prefill_backlog_down_tokens: int = Field(512, ge=1)  # (down below it: 0 turned scale-down off)
     kv_usage_up: float = Field(0.8, gt=0, le=1)  # fraction of the decode pool's KV blocks in use
-    kv_usage_down: float = Field(0.3, ge=0, lt=1)
+    kv_usage_down: float = Field(0.3, gt=0, lt=1)
     drain_grace_s: float = Field(5.0, ge=0)  # a draining worker lives at least this long (schedulers catch up)
     drain_timeout_s: float = Field(600.0, gt=0)  # then it is killed even with requests in flight
     start_timeout_s: float = Field(600.0, gt=0)  # a new worker not ready by then is given up

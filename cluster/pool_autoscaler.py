@@ -164,15 +164,25 @@ class PoolAutoscaler:
         after the backoff's delay; unless it was leaving (draining, or waiting to),
         which is only removed, as `PoolManager.report_dead` does: its replacement,
         if it needed one, was started by the drain, and a restart besides counted
-        as one more worker of the pool, which then drained a serving one."""
+        as one more worker of the pool, which then drained a serving one. In an
+        autoscaling pool that keeps its minimum without it (a scale-up no node
+        took), none is restarted: the policy decides again. Restarted, such a
+        worker was given up and started again for good, and the policy held
+        ("in progress") all the while: an idle pool never scaled down."""
         leaving = self.is_leaving(member)
+        track = self.tracks.get(member.worker_id)
         self._remove(member)
         if leaving:
             self.record(member.role, "died_draining", member.worker_id, reason=reason)
             return
-        delay_s = self.restarts.failed(member.role, member.worker_id, reason, self.clock())
-        self.metrics.start_failed(member.role)
-        self.record(member.role, "start_failed", member.worker_id, reason=f"{reason}; next start in {delay_s:g} s")
+        role = member.role
+        kept = len([m for m in self._members(role) if not self.is_leaving(m)]) + self.restarts.num_waiting(role)
+        restart = role not in self.policies or kept < self.manager.pools[role].min_size
+        delay_s = self.restarts.failed(role, member.worker_id, reason, self.clock(), restart,
+                                       None if track is None else track.started_s)
+        self.metrics.start_failed(role)
+        self.record(role, "start_failed", member.worker_id, reason=f"{reason}; " + (
+            f"next start in {delay_s:g} s" if restart else "not started again: the pool's policy decides"))
 
     def set_pool(self, role: str, pool) -> None:
         """A pool's new sizes (a redeploy): its policy anew, or none for a fixed pool."""
@@ -391,9 +401,26 @@ class PoolAutoscaler:
         for _ in range(size - have):
             self.record(role, "up", signal="below_size", reason=f"{have} workers, the pool's size is {size}")
             self.manager._start(role)
-        victim = self._least_loaded(role) if have > size else None
+        if have <= size:
+            return
+        # One too many: a restart still waiting, else a worker not ready yet (the newest),
+        # else the least loaded serving one. (Serving ones alone were drained: one still
+        # starting stayed, and the role could be left without a worker taking requests.)
+        reason = f"{have} workers, the pool's size is {size}"
+        if self.restarts.drop_waiting(role):
+            self.record(role, "down", None, "above_size", f"{reason}: a waiting restart dropped")
+            return
+        starting = [m for m in self._members(role) if not self.is_leaving(m)
+                    and not (self.tracks.get(m.worker_id) and self.tracks[m.worker_id].ready_s is not None)]
+        if starting:
+            newest = max(starting, key=lambda m: self.tracks[m.worker_id].started_s if m.worker_id in self.tracks
+                         else float("inf"))
+            self.record(role, "down", newest.worker_id, "above_size", f"{reason}: one not ready yet stopped")
+            self._remove(newest)
+            return
+        victim = self._least_loaded(role)
         if victim is not None:
-            self.record(role, "down", victim, "above_size", f"{have} workers, the pool's size is {size}")
+            self.record(role, "down", victim, "above_size", reason)
             await self.manager.drain(victim, f"the pool's size is {size}")
 
     def _least_loaded(self, role: str) -> str | None:

@@ -126,7 +126,9 @@ class PoolView:
         if self.store_index is not None:
             await self.store_index.refresh({s.node_id for s in self.stats.values() if s.node_id})
         await self._profile_new(members)
-        roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled}
+        # (a draining worker takes no request: with only those, a role is not ready)
+        roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled
+                 and not m.draining}
         needed = {"prefill", "decode"} if self.settings.mode == "disaggregated" else {"colocated"}
         self.ready = needed <= roles
         draining = [m.worker_id for m in members if m.draining]

@@ -42,15 +42,32 @@ class RestartBackoff:
         self._latest: dict[str, tuple[str, str, float]] = {}  # role -> (worker_id, error, when)
         self._waiting: dict[str, list[float]] = defaultdict(list)  # role -> when each waiting restart is due
 
-    def failed(self, role: str, worker_id: str, error: str, now_s: float) -> float:
-        """A worker of `role` failed to start: its restart is due after the delay
-        returned (seconds)."""
-        self._in_a_row[role] += 1
+    def failed(self, role: str, worker_id: str, error: str, now_s: float, restart: bool = True,
+               started_s: float | None = None) -> float | None:
+        """A worker of `role`, started at `started_s`, failed to start: its restart
+        is due after the delay returned (seconds); None with `restart` False (none
+        waits: the pool's policy starts what it needs). A worker started before
+        the role's latest failure is of that failure's round, not one more in the
+        run: the workers of one start lost together (their node went) waited 2,
+        4, 8, 16 s, and /health said four failures in a row after one round."""
+        latest = self._latest.get(role)
+        if latest is None or started_s is None or started_s > latest[2]:
+            self._in_a_row[role] += 1
         self._latest[role] = (worker_id, error, now_s)
+        if not restart:
+            return None
         doublings = min(self._in_a_row[role] - 1, 64)  # (past the cap anyway: 2.0**1024 overflows a float)
         delay_s = min(self.first_s * 2.0 ** doublings, self.max_s)
         self._waiting[role].append(now_s + delay_s)
         return delay_s
+
+    def drop_waiting(self, role: str) -> bool:
+        """One waiting restart of `role` not made (its pool shrank); whether one waited."""
+        times = self._waiting[role]
+        if not times:
+            return False
+        times.remove(max(times))
+        return True
 
     def started(self, role: str, started_s: float) -> None:
         """A worker of `role`, started at `started_s`, ran its start-up profile:

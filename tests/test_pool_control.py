@@ -261,3 +261,99 @@ def test_a_worker_waiting_for_a_node_does_not_hold_up_the_health_rounds(pools):
 
     asyncio.run(run())
     assert ("replaced", serving) in _events(manager)
+
+
+def test_a_fixed_pool_shrunk_stops_what_has_not_started_before_draining_a_serving_worker(pools):
+    """Decode at 2, d2 waiting for a node, redeployed at 1: the one serving
+    worker was drained (only ready workers were candidates) and, with no room
+    beside it, at once: no decode worker took requests until d2 was placed.
+    Now the waiting one goes; so does a restart still waiting, before either."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 2}})
+    serving = "d1"
+
+    async def run():
+        for worker_id, worker in workers.items():
+            if worker_id in ("p0", serving):
+                worker.come_up()
+        clock.now += 2
+        await manager.scaler.step()
+        await manager.apply_pools({**BASE, "decode": {"replicas": 1}})
+        clock.now += 2
+        await manager.scaler.step()
+
+    asyncio.run(run())
+    decode = {w: m for w, m in manager.members.items() if m.role == "decode"}
+    assert list(decode) == [serving] and not decode[serving].draining
+    assert workers["d2"].killed and ("down", "d2") in _events(manager)
+
+
+def test_a_fixed_pool_shrunk_drops_a_waiting_restart_first(pools):
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 2}, "autoscaling": {"restart_backoff_s": 60.0,
+                                                                        "restart_backoff_max_s": 120.0}})
+
+    async def run():
+        for worker_id, worker in list(workers.items()):
+            if worker_id == "d2":
+                worker.ready.set_exception(ray.exceptions.ActorDiedError())
+            else:
+                worker.come_up()
+        clock.now += 2
+        await manager.scaler.step()
+        assert manager.scaler.restarts.num_waiting("decode") == 1
+        await manager.apply_pools({**BASE, "decode": {"replicas": 1}})
+        clock.now += 2
+        await manager.scaler.step()
+
+    asyncio.run(run())
+    assert manager.scaler.restarts.num_waiting("decode") == 0
+    assert [(w, m.draining) for w, m in manager.members.items() if m.role == "decode"] == [("d1", False)]
+
+
+def test_a_scale_up_no_node_takes_is_not_started_again_and_the_pool_scales_down_later(pools):
+    """An autoscaling pool's new worker given up after start_timeout_s was
+    restarted after the backoff, given up again, for good: its policy held
+    ("in progress") all the while, and an idle pool never scaled down."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 2, "min_replicas": 1, "max_replicas": 3},
+                           "autoscaling": {"start_timeout_s": 60.0, "scale_down_cooldown_s": 60.0}})
+    first = set(workers)
+
+    async def run():
+        for worker_id in first:
+            workers[worker_id].come_up()
+        clock.now += 2
+        await manager.scaler.step()
+        manager._start("decode")  # (as a scale-up would: no node will take it)
+        for _ in range(200):  # 400 s, idle
+            clock.now += 2
+            await manager.scaler.step()
+
+    asyncio.run(run())
+    events = _events(manager)
+    assert [kind for kind, _ in events].count("start_failed") == 1 and ("restart", None) not in events
+    assert any(kind == "down" for kind, _ in events), "the idle pool scaled down"
+    failure = manager.scaler.start_failures()["decode"]
+    assert failure.failures_in_a_row == 1 and failure.next_start_in_s is None
+
+
+def test_workers_of_one_start_that_fail_together_are_one_failure_in_a_row(pools):
+    """Four decode workers lost together (their node went) waited 2, 4, 8 and 16 s
+    for their restarts, and /health said four failures in a row after one round."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 4}})
+
+    async def run():
+        for worker_id, worker in list(workers.items()):
+            if worker_id.startswith("p"):
+                worker.come_up()
+            else:
+                worker.ready.set_exception(ray.exceptions.ActorDiedError())
+        clock.now += 2
+        await manager.scaler.step()
+
+    asyncio.run(run())
+    failures = [e.reason for e in manager.scaler.events if e.kind == "start_failed"]
+    assert len(failures) == 4 and all(reason.endswith("next start in 2 s") for reason in failures)
+    assert manager.scaler.start_failures()["decode"].failures_in_a_row == 1

@@ -96,3 +96,15 @@ def test_a_thousand_failures_in_a_row_wait_the_cap_not_an_overflow():
     backoff = RestartBackoff(first_s=2.0, max_s=120.0)
     delays = [backoff.failed("decode", f"d{i}", "died starting", float(i)) for i in range(1100)]
     assert delays[-1] == 120.0 and max(delays) == 120.0
+
+
+def test_a_worker_started_before_the_latest_failure_is_of_its_round():
+    """Failures of workers of one start (lost together) are one failure in the
+    run, with one delay; a worker started after them failing is the next."""
+    backoff = RestartBackoff(first_s=2.0, max_s=60.0)
+    assert [backoff.failed("decode", f"d{i}", "node lost", 10.0, started_s=5.0) for i in range(3)] == [2.0] * 3
+    assert backoff.failures(10.0)["decode"].failures_in_a_row == 1
+    assert backoff.failed("decode", "d4", "node lost", 13.0, started_s=12.0) == 4.0
+    assert backoff.failed("decode", "d5", "boom", 20.0, restart=False, started_s=15.0) is None
+    assert backoff.failures(20.0)["decode"].failures_in_a_row == 3 and backoff.num_waiting("decode") == 4
+    assert backoff.drop_waiting("decode") and backoff.num_waiting("decode") == 3

@@ -312,3 +312,26 @@ def test_the_worker_endpoints_reach_the_workers_up_while_a_pool_is_not_ready():
     aborted = client.post("/abort_request", json={"rid": "mine"})
     assert aborted.status_code == 200 and aborted.json() == {"aborted": 1} and asked == [("d0", "mine")]
     assert client.post("/flush_cache").json()["workers"] == ["d0"]
+
+
+def test_a_role_whose_only_worker_drains_is_not_ready():
+    """/health said 200 "ready" while the only decode worker drained (by hand,
+    no room for another beside it): every request got a 503 for want of a
+    routable worker. A draining worker makes no role ready."""
+    view = _scheduler(ttft_ms=10_000).view
+    view.pool = _stand_in_pool(lambda: [("p0", "prefill"), ("d0", "decode")],
+                               lambda worker_id: _answer(_idle_stats(worker_id)), _no_events)
+    asyncio.run(view.refresh())
+    assert view.ready and view.health()[0] == 200
+    listed = view.pool.list_members.remote
+
+    async def with_d0_draining():
+        return [dataclasses.replace(m, draining=m.worker_id == "d0") for m in await listed()]
+
+    view.pool.list_members = _remote(with_d0_draining)
+    asyncio.run(view.refresh())
+    assert not view.ready and view.health()[0] == 503 and view.routable("decode") == []
+
+
+async def _answer(value):
+    return value
