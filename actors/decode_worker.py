@@ -303,14 +303,16 @@ class DecodeWorker(WorkerBase):
             for rid in expired:
                 await self._drop_pending(
                     rid, f"reservation expired: no KV came for it within {self.options.reservation_ttl_s:g}s")
-            handles = {id(p.prefill_handle): p.prefill_handle for _, p in pending if p.prefill_handle is not None}
-            handles.update({id(h): h for h in self._channel_owners.values()})
-            for key, handle in handles.items():
+            # One ping a P: handles compare by actor (each call brought its own handle
+            # object, so grouped by id() a P was pinged once per reservation, in turn)
+            handles = {p.prefill_handle for _, p in pending if p.prefill_handle is not None}
+            handles.update(self._channel_owners.values())
+            for handle in handles:
                 if not await self._is_dead(handle.ping.remote()):  # the reservation TTL still bounds a slow one
                     continue
                 for rid, p in pending:
-                    if id(p.prefill_handle) == key:
+                    if p.prefill_handle == handle:
                         await self._drop_pending(rid, "prefill worker died before the transfer finished")
                 for name, owner in list(self._channel_owners.items()):
-                    if id(owner) == key:
+                    if owner == handle:
                         await self.close_channel(name)

@@ -152,8 +152,11 @@ class PrefillWorker(WorkerBase):
 
     def _on_started(self) -> None:
         self._jobs: dict[str, _Job] = {}
-        self._pairs: dict[str, _PairSender] = {}
-        self._opening: dict[str, asyncio.Task] = {}  # decode id -> the channel being opened to it
+        # (decode id, backend) -> its open channel: a request asking another backend gets its
+        # own (the first backend's was used for any, so a benchmark's object_store row ran on gloo)
+        self._pairs: dict[tuple[str, str], _PairSender] = {}
+        self._pairs_lock = threading.Lock()  # `forget_pair` runs on the sender threads and the watchdog's
+        self._opening: dict[tuple[str, str], asyncio.Task] = {}  # the channels being opened, until they are
         background_task(self._watch_pairs())
 
     # ---- channels -------------------------------------------------------------
@@ -162,16 +165,19 @@ class PrefillWorker(WorkerBase):
         that need it meanwhile wait for the same opening, which is no request's
         (`actors.background`): one cancelled midway could leave P and D each half a
         pair."""
-        decode_id = reservation.decode_worker_id
-        pair = self._pairs.get(decode_id)
+        key = (reservation.decode_worker_id, backend)
+        pair = self._pairs.get(key)
         if pair is not None and not pair.broken:
             return pair
-        opening = self._opening.get(decode_id)
+        opening = self._opening.get(key)
         if opening is None or opening.done():
-            opening = self._opening[decode_id] = background_task(self._open_pair(decode_id, decode_handle, backend))
+            opening = self._opening[key] = background_task(self._open_pair(key, decode_handle))
+            opening.add_done_callback(  # (kept, it held every pair it opened, and a failed one's frames)
+                lambda task: self._opening.pop(key) if self._opening.get(key) is task else None)
         return await asyncio.shield(opening)
 
-    async def _open_pair(self, decode_id: str, decode_handle, backend: str) -> _PairSender:
+    async def _open_pair(self, key: tuple[str, str], decode_handle) -> _PairSender:
+        decode_id, backend = key
         name = f"kv-{self.worker_id}-{decode_id}-{uuid.uuid4().hex[:8]}"
         timeout = self.options.transfer_timeout_s
         me = ray.get_runtime_context().current_actor
@@ -188,7 +194,7 @@ class PrefillWorker(WorkerBase):
         elif backend == "store":
             shared = self._shared_path()
             await decode_handle.open_channel.remote(name, backend, prefill_handle=me, shared_path=shared)
-            sender = StoreSender(name, shared)
+            sender = await self.in_thread(lambda: StoreSender(name, shared))  # (file I/O: off the event loop)
         elif backend == "nccl":
             joined = decode_handle.open_channel.remote(name, backend, prefill_handle=me)
             link = await self.in_thread(lambda: NcclPair(name, 0))
@@ -197,7 +203,7 @@ class PrefillWorker(WorkerBase):
         else:
             raise ValueError(f"unknown channel backend {backend!r}")
         pair = _PairSender(self, sender, decode_handle)
-        self._pairs[decode_id] = pair
+        self._pairs[key] = pair
         return pair
 
     def _num_channels(self) -> int:
@@ -223,12 +229,17 @@ class PrefillWorker(WorkerBase):
     def forget_pair(self, pair: _PairSender) -> None:
         """Close a pair, broken (from its sender thread) or whose D died (from
         `_watch_pairs`), and D's end of it, which D would otherwise keep (its gloo
-        group, its sockets) until P dies."""
-        for decode_id, known in list(self._pairs.items()):
-            if known is pair:
-                del self._pairs[decode_id]
-                pair.close()
-                pair.decode.close_channel.remote(pair.sender.name)  # (a D gone with the pair: its error unread)
+        group, its sockets) until P dies. Once: the sender thread and the
+        watchdog could both come (a D that died mid-send), and the second's
+        KeyError killed the sender thread before it failed its job and unpinned
+        what was queued (a review found it)."""
+        with self._pairs_lock:
+            key = next((key for key, known in self._pairs.items() if known is pair), None)
+            if key is None:
+                return
+            del self._pairs[key]
+        pair.close()
+        pair.decode.close_channel.remote(pair.sender.name)  # (a D gone with the pair: its error unread)
 
     # ---- requests ---------------------------------------------------------------
     async def prefill(
