@@ -42,6 +42,7 @@ import json
 import math
 import re
 from typing import NamedTuple
+from urllib.parse import unquote
 
 from actors.integer_ranges import integer_range_regex
 from actors.regex_dfa import RegexError, compile_regex
@@ -60,10 +61,12 @@ _NOT_IN_A_STRING = [ord('"'), ord("\\"), *range(0x20)]  # bytes a string's patte
 SCALARS = {"integer": INTEGER, "number": NUMBER, "boolean": "(?:true|false)", "null": "null", "string": STRING}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
-_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+# Each month's days (February's 29 whatever the year: leap years are not checked)
+_DATE = (r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         r"|02-(?:0[1-9]|1[0-9]|2[0-9]))")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _BYTE = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-FORMATS = {  # a string's `format`, as the text between its quotes (RFC 3339's date and time; no February check)
+FORMATS = {  # a string's `format`, as the text between its quotes (RFC 3339's date and time; no leap-year check)
     "date": _DATE,
     "time": _TIME,
     "date-time": f"{_DATE}T{_TIME}",
@@ -96,7 +99,7 @@ def schema_regex(schema, what: str = "json_schema") -> str:
     meta-schema's complaints (a tool's parameters, say)."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = json.loads(schema, parse_constant=_not_json, parse_float=_finite)
         except ValueError as exc:
             raise RegexError(f"json_schema is not valid JSON: {exc}") from None
     check_json_schema(schema, what)
@@ -162,7 +165,7 @@ class _Shape(NamedTuple):
     """What values a schema may match, coarsely (`_Writer._shape`)."""
 
     kinds: frozenset  # the kinds of value (`_KINDS`)
-    values: frozenset | None = None  # an enum's or const's values as JSON text; None: any of its kinds
+    values: frozenset | None = None  # an enum's or const's values as JSON text (`_canonical`); None: any of its kinds
 
 
 def _may_overlap(first: _Shape | None, second: _Shape | None) -> bool:
@@ -175,9 +178,45 @@ def _may_overlap(first: _Shape | None, second: _Shape | None) -> bool:
 
 
 def _definition_name(ref) -> str | None:
-    """The `$defs`/`definitions` name a `$ref` points at; None for any other reference."""
+    """The `$defs`/`definitions` name a `$ref` points at, its JSON pointer's
+    escapes decoded (`~1` a "/", `~0` a "~", after the URI's `%xx`: `a~1b`
+    names `a/b`); None for any other reference."""
     match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
-    return None if match is None else match.group(1)
+    return None if match is None else unquote(match.group(1)).replace("~1", "/").replace("~0", "~")
+
+
+def _canonical(value):
+    """`value` with its whole floats as integers, nested ones too: JSON Schema
+    compares numbers by value (`1` and `1.0` are one value, which two oneOf
+    options naming them both match)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    return value
+
+
+def _literal(value, where: str) -> str:
+    """The pattern of exactly `value`'s JSON text (a const's, an enum's); a number
+    past a double's range, read as Infinity, is no JSON and is refused."""
+    try:
+        return re.escape(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        raise RegexError(f"json_schema: {where} holds a number that is not finite (JSON has no NaN nor "
+                         "Infinity)") from None
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a double's range")
+    return value
 
 
 class _Writer:
@@ -211,14 +250,14 @@ class _Writer:
         if "const" in schema:
             self._only(schema, {"const", "type"}, where)
             self._typed(schema, [schema["const"]], f"{where}.const")
-            return re.escape(json.dumps(schema["const"], ensure_ascii=False))
+            return _literal(schema["const"], f"{where}.const")
         if "enum" in schema:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise RegexError(f"json_schema: {where}.enum must be a non-empty list")
             self._only(schema, {"enum", "type"}, where)
             self._typed(schema, values, f"{where}.enum")
-            return "(?:" + "|".join(re.escape(json.dumps(v, ensure_ascii=False)) for v in values) + ")"
+            return "(?:" + "|".join(_literal(v, f"{where}.enum") for v in values) + ")"
         kind = schema.get("type")
         if kind is None:
             if "properties" in schema:
@@ -277,7 +316,7 @@ class _Writer:
             if not isinstance(values, list):
                 return None
             return _Shape(frozenset().union(*(_kinds_of_value(v) for v in values)),
-                          frozenset(json.dumps(v, sort_keys=True) for v in values))
+                          frozenset(json.dumps(_canonical(v), sort_keys=True) for v in values))
         for name in ("anyOf", "oneOf"):
             if isinstance(schema.get(name), list):
                 shapes = [self._shape(option, seen) for option in schema[name]]

@@ -143,6 +143,13 @@ class SamplingParams:
         if allowed and allowed <= banned_first:
             raise InvalidRequestError("allowed_token_ids are all banned from the first draw (one-token bad_words, "
                                       "stop tokens under min_new_tokens): no token could be sampled")
+        if self.regex is not None and (self.min_new_tokens or not self.stop_ids(eos_token_ids)):
+            from actors.regex_dfa import START, compile_regex  # (it imports this module)
+
+            if compile_regex(self.regex).terminal[START]:  # (its first draw's mask was empty: any token came)
+                raise InvalidRequestError("the output pattern matches only empty text, and no token may end it "
+                                          "(ignore_eos without stop_token_ids, or min_new_tokens): nothing could "
+                                          "be sampled")
 
     @property
     def is_greedy(self) -> bool:

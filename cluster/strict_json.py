@@ -19,6 +19,7 @@ through `StrictJsonRequest.json`, and its JSONDecodeError becomes the usual
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from fastapi import Request
@@ -40,20 +41,29 @@ def _refuse_constant(name: str):
     raise _NotJsonConstant(name)
 
 
+def _refuse_infinite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # (1e400: read as inf, no JSON once written again)
+        raise _NotJsonConstant(text)
+    return value
+
+
 def loads(body: bytes):
     """The body's JSON value; raises json.JSONDecodeError for invalid JSON, a
     string holding a lone surrogate included, and NaN, Infinity and -Infinity,
-    which Python's decoder takes (RFC 8259 has no such number): let through, a
+    which Python's decoder takes (RFC 8259 has no such number), and a number
+    past a double's range, which it reads as Infinity: let through, a
     field kept free-form (a Responses request's `reasoning`, a tool's `parameters`)
     came back in the response, which could then not be written as JSON (a 500
     after the answer was generated and stored)."""
     try:
-        value = json.loads(body, parse_constant=_refuse_constant)
+        value = json.loads(body, parse_constant=_refuse_constant, parse_float=_refuse_infinite)
     except _NotJsonConstant as exc:
         text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
         name = exc.args[0]
-        raise json.JSONDecodeError(f"{name} is not a JSON number (JSON has no NaN nor Infinity)", text,
-                                   max(text.find(name), 0)) from None
+        problem = ("is not a JSON number (JSON has no NaN nor Infinity)" if name in ("NaN", "Infinity", "-Infinity")
+                   else "is past a double's range (it would be read as Infinity, which JSON has not)")
+        raise json.JSONDecodeError(f"{name} {problem}", text, max(text.find(name), 0)) from None
     if not _MAY_HOLD_SURROGATE.search(body):
         return value
     where = _lone_surrogate_path(value)

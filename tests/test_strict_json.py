@@ -38,3 +38,12 @@ def test_a_lone_surrogate_is_invalid_json_at_its_field_and_character(body, field
     assert refused.value.msg.startswith(f"{field} holds a lone surrogate")
     assert refused.value.pos == at
     refused.value.msg.encode("utf-8")  # the message itself is Unicode: it goes back as JSON
+
+
+@pytest.mark.parametrize("body, name", [
+    (b'{"a": NaN}', "NaN"), (b'{"a": [1, -Infinity]}', "-Infinity"),
+    (b'{"a": {"b": 1e400}}', "1e400"),  # (past a double's range: read as inf, no JSON once written again)
+])
+def test_numbers_json_does_not_have_are_invalid_json(body, name):
+    with pytest.raises(json.JSONDecodeError, match=f"^{name} is "):
+        loads(body)

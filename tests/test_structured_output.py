@@ -186,7 +186,8 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "number", "minimum": 0, "maximum": 1}, ["0", "0.25", "1", "1.000"], ["1.5", "-0.1", "2", "1e0"]),
     ({"type": "number", "minimum": 0}, ["0", "12345.5"], ["-1"]),
     ({"type": ["integer", "null"], "minimum": 0}, ["null", "7"], ["-7", '"7"']),
-    ({"type": "string", "format": "date"}, ['"2024-02-29"', '"1999-12-31"'], ['"2024-13-01"', '"24-01-01"']),
+    ({"type": "string", "format": "date"}, ['"2024-02-29"', '"1999-12-31"', '"2024-04-30"'],
+     ['"2024-13-01"', '"24-01-01"', '"2024-04-31"', '"2024-06-31"', '"2024-09-31"', '"2024-11-31"', '"2023-02-30"']),
     ({"type": "string", "format": "date-time"}, ['"2024-02-29T23:59:59Z"', '"2024-01-01T00:00:00.5+05:30"'],
      ['"2024-01-01T00:00:00"']),
     ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
@@ -199,6 +200,8 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "string", "minLength": 2}, ['"ab"', '"\\u00e9\\u00e9"'], ['"\\ud83d\\ude00"', '"a"']),
     ({"oneOf": [{"type": "string"}, {"type": "null"}]}, ['"a"', "null"], ["1"]),
     ({"type": "integer", "minimum": 10**400}, ["1" + "0" * 400], ["5"]),  # (math.isfinite raised OverflowError)
+    # Found by a review: a $ref's JSON pointer escapes were read as written (a~1b is a/b)
+    ({"$ref": "#/$defs/a~1b", "$defs": {"a/b": {"type": "integer"}, "a~1b": {"type": "string"}}}, ["7"], ['"x"']),
 ])
 def test_bounds_formats_and_type_lists(schema, good, bad):
     dfa = compile_regex(schema_regex(schema))
@@ -241,6 +244,12 @@ def test_any_json_object_parses():
     ({"type": "integer", "minimum": float("inf")}, "must be a finite number"),  # JSON's Infinity, as Python reads it
     ({"type": ["integer", "null"], "maxLength": 3}, "uses maxLength"),
     ({"type": "string", "pattern": "^.*$"}, "allows a quote"),  # it would write JSON a parser refuses
+    # Found by a review: Infinity as a const (1e400 in a body) was the pattern `Infinity`, no JSON;
+    # 1 and 1.0 are one value, which two oneOf options naming them both match
+    ({"type": "object", "properties": {"v": {"const": float("inf")}}, "required": ["v"]}, "not finite"),
+    ({"enum": [1, float("-inf")]}, "not finite"), ('{"enum": [NaN]}', "not valid JSON"),
+    ('{"const": 1e400}', "not valid JSON"),
+    ({"oneOf": [{"enum": [1, "a"]}, {"const": 1.0}]}, "may both match a value"),
 ])
 def test_schemas_it_cannot_hold_an_output_to_are_refused(schema, message):
     with pytest.raises(RegexError, match=message):
@@ -363,3 +372,15 @@ def test_a_stop_id_that_is_a_patterns_one_way_on_is_drawn_as_text_under_the_mini
                             min_new_tokens=2)
     [output] = llm.generate(["Once upon a time"], params)
     assert (output.token_ids, output.text, output.finish_reason) == ([x], "x", "stop")
+
+
+@pytest.mark.parametrize("asked", [dict(ignore_eos=True), dict(min_new_tokens=1)])
+def test_a_pattern_of_empty_text_alone_that_nothing_may_end_is_refused(llm, asked):
+    """Its first draw's mask held no token (the pattern allows none, and no end
+    token may end it): every logit was -inf, and the output (any token) did not
+    match. Without ignore_eos, the end token ends it empty."""
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, seed=1, regex="a{0}", **asked)
+    with pytest.raises(InvalidRequestError, match="matches only empty text"):
+        llm.generate(["Hello"], params)
+    [out] = llm.generate(["Hello"], SamplingParams(max_new_tokens=5, temperature=1.0, seed=1, regex="a{0}"))
+    assert out.text == "" and out.finish_reason == "stop"
