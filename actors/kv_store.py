@@ -129,20 +129,23 @@ class KVStore:
         with self._lock:
             self._sweep_if_due()
             self.num_lookups += 1
-            found: list[tuple[Tier, StoredBlock]] = []
+            found: list[StoredBlock] = []
             for key in keys:
-                hit = self._get(key)
-                if hit is None:
+                block = self._get(key)
+                if block is None:
                     self.num_missed_blocks += len(keys) - len(found)
                     break
-                found.append(hit)
+                found.append(block)
             # Promoted once all are read: one at a time, a hit's promotion pushed host
             # blocks down to disk, whose eviction deleted the prefix's blocks not read
-            # yet. The first blocks go last, the most recent: prefixes share them.
-            for tier, block in reversed(found):
-                if tier is not self.tiers[0] and self.host is not None:
+            # yet. Last to first, so that the first blocks, which prefixes share, end
+            # the most recent: a host hit is touched, or put again where a promotion
+            # before it pushed it down (touched as read, the host hits were the
+            # oldest, and the promotions pushed the prompt's own first blocks out).
+            if self.host is not None:
+                for block in reversed(found):
                     self._put(self.host, block)
-            return [block for _, block in found]
+            return found
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys some tier holds (reads no KV; a corrupt file is
@@ -155,14 +158,14 @@ class KVStore:
                 count += 1
             return count
 
-    def _get(self, key: bytes) -> tuple[Tier, StoredBlock] | None:
-        """The first tier holding `key`, and its block."""
+    def _get(self, key: bytes) -> StoredBlock | None:
+        """The block of the first tier holding `key` (promoted by `load`)."""
         for tier in self.tiers:
             block = tier.get(key)
             if block is None:
                 continue
             self.counters[tier.name].hits += 1
-            return tier, block
+            return block
         return None
 
     # ---- policy -------------------------------------------------------------------

@@ -234,7 +234,7 @@ class PrefillWorker(WorkerBase):
         KeyError killed the sender thread before it failed its job and unpinned
         what was queued (a review found it)."""
         with self._pairs_lock:
-            key = next((key for key, known in self._pairs.items() if known is pair), None)
+            key = next((key for key, known in list(self._pairs.items()) if known is pair), None)
             if key is None:
                 return
             del self._pairs[key]

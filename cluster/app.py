@@ -437,7 +437,7 @@ class Scheduler:
         """`chat` with the oldest turns dropped that keep its prompt from fitting
         the limits (cluster/conversation_truncation.py)."""
         max_new_tokens = next((n for n in (chat.max_completion_tokens, chat.max_tokens) if n is not None),
-                              self.settings.limits.max_new_tokens)
+                              max(chat.min_tokens, 1))  # (left out: the default is fitted to what is left)
         room = prompt_room(self.settings.limits, self.service.max_model_len, max_new_tokens)
 
         def fits(messages) -> bool:

@@ -48,17 +48,19 @@ def drop_oldest_turns(messages: list, fits: Callable[[list], bool]) -> list:
 def _turn_starts(messages: list) -> list[int]:
     """The indexes past the first where a turn starts: a user message, unless a
     tool's output after it answers a call made before it."""
-    made_at = {}  # a call's id -> the index of the message that made it
-    for k, message in enumerate(messages):
+    made_at: dict[str, int] = {}  # a call's id -> the index of the latest message that made it
+    answers: dict[int, int] = {}  # a tool output's index -> its call's (the latest before it of that id:
+    for k, message in enumerate(messages):  # clients reuse ids such as call_0 every turn)
+        if message.role == "tool" and message.tool_call_id in made_at:
+            answers[k] = made_at[message.tool_call_id]
         for call in message.tool_calls or ():
             if call.id is not None:
-                made_at.setdefault(call.id, k)
+                made_at[call.id] = k
     earliest = len(messages)  # the earliest call answered from k on
     starts = []
     for k in range(len(messages) - 1, 0, -1):
-        message = messages[k]
-        if message.role == "tool" and message.tool_call_id in made_at:
-            earliest = min(earliest, made_at[message.tool_call_id])
-        elif message.role == "user" and earliest >= k:
+        if k in answers:
+            earliest = min(earliest, answers[k])
+        elif messages[k].role == "user" and earliest >= k:
             starts.append(k)
     return starts[::-1]

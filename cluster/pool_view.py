@@ -265,7 +265,7 @@ class PoolView:
         keeps its cache: ApiError 503 names it, after the others are flushed
         (a cold benchmark run would have read its prefixes as cached)."""
         unreachable: list[str] = []
-        answers = await self._ask_each(list(self.members.values()), lambda handle: handle.reset_prefix_cache.remote(),
+        answers = await self._ask_each(self._up(), lambda handle: handle.reset_prefix_cache.remote(),
                                        unreachable)
         if unreachable:
             raise ApiError(503, f"workers {', '.join(sorted(unreachable))} could not be reached: their prefix caches "
@@ -278,7 +278,7 @@ class PoolView:
         for None) ended as aborted on every worker (`WorkerBase.abort_named`),
         whichever replica started them; returns their ids. Decode and colocated
         workers first, where the streams end as aborted, then prefill workers."""
-        members = list(self.members.values())
+        members = self._up()
         asked_s = time.time()  # requests that arrived before it, still on their way to a worker, end too
         aborted = set()
         for side in ([m for m in members if m.role != "prefill"], [m for m in members if m.role == "prefill"]):
@@ -294,7 +294,7 @@ class PoolView:
         cannot write to the folder: ApiError 500, and the others stopped (they
         traced on without bound, every event held in memory, and nothing said to
         stop them)."""
-        members = list(self.members.values())
+        members = self._up()
         try:
             return await self._ask_each(members, lambda handle: handle.start_profile.remote(
                 folder, num_steps, record_shapes, with_stack))
@@ -308,8 +308,14 @@ class PoolView:
 
     async def stop_profiles(self) -> dict[str, str]:
         """`/stop_profile` on every worker: the traces written, by worker."""
-        answers = await self._ask_each(list(self.members.values()), lambda handle: handle.stop_profile.remote())
+        answers = await self._ask_each(self._up(), lambda handle: handle.stop_profile.remote())
         return {worker_id: path for worker_id, path in sorted(answers.items()) if path is not None}
+
+    def _up(self) -> list:
+        """The members that answered their start-up profile: what the worker
+        endpoints ask. One still loading its model would hold the call (and a
+        flush, an abort) until it came up; it holds no request, nor any cache."""
+        return [m for m in self.members.values() if m.worker_id in self.profiled]
 
     async def _ask_each(self, members: list, ask, unreachable: list[str] | None = None) -> dict:
         """`ask(handle)`'s answer from each member at once, by worker id; one found

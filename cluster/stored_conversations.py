@@ -161,6 +161,10 @@ class TurnEvents:
 
     def __init__(self, turn: ConversationTurn, events) -> None:
         self.turn, self.events = turn, events
+        try:  # (the finalizer may run on any thread, where a cycle's collection comes)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     def __aiter__(self):
         return self
@@ -179,10 +183,9 @@ class TurnEvents:
             self.turn.abandon()
 
     def __del__(self) -> None:
-        if not self.turn.is_over:
-            with contextlib.suppress(RuntimeError):  # (no running loop: the process is ending)
-                asyncio.get_running_loop()
-                self.turn.abandon()
+        if not self.turn.is_over and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop closed: the process is ending)
+                self._loop.call_soon_threadsafe(self.turn.abandon)
 
 
 def _not_found(conversation_id: str, param: str = "conversation_id") -> ApiError:

@@ -250,6 +250,7 @@ def test_a_streamed_turn_dropped_unread_is_abandoned():
         view = View()
         unread = ConversationTurn(view, "conv_a", "resp_unread", []).over_with(events())
         del unread  # (dropped by the server, never iterated)
+        await asyncio.sleep(0)  # (abandoned through the loop: a finalizer may run on any thread)
         read = ConversationTurn(view, "conv_a", "resp_read", []).over_with(events())
         assert [e async for e in read] == ["event"]  # ended before the store ended its turn: abandoned
         kept = ConversationTurn(view, "conv_a", "resp_kept", [])

@@ -297,3 +297,17 @@ def test_write_through_waiting_for_a_slow_store_is_bounded_by_bytes():
     assert writer.flush(10) and keys_of(saved) == keys_of([b for batch in batches[:3] for b in batch])
     writer.submit(batches[4])
     assert writer.flush(10) and len(saved) == 4
+
+
+def test_a_load_leaves_the_prompts_first_blocks_the_most_recent(tmp_path):
+    """Its host hits were touched as they were read, before the disk hits were
+    promoted: with the host tight, the promotions pushed the prompt's own first
+    blocks (its host hits) down to disk. The first blocks are the most recent now."""
+    file_bytes = len(encode_entry(NAMESPACE, make_blocks(1)[0]))
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=7 * BLOCK_BYTES, disk_path=str(tmp_path),
+                                               disk_bytes=100 * file_bytes, high_watermark=1.0))
+    prompt = make_blocks(8, seed=4)
+    store.save(prompt[3:])
+    store.save(prompt[:3])  # (the host: 5, 6, 7 then 0, 1, 2; 3 and 4 pushed down to disk)
+    assert_same(store.load(keys_of(prompt)), prompt)
+    assert all(store.host.contains(block.key) for block in prompt[:3])

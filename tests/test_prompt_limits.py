@@ -73,3 +73,14 @@ def test_an_id_the_model_does_not_know_is_refused_at_the_ingress(tokenizer):
     with pytest.raises(ApiError, match="logit_bias token id 2000 is outside the vocabulary"):
         prompt_ids_within_limits(tokenizer, limits, 2048, [5], SamplingParams(max_new_tokens=4, logit_bias={2000: 1}),
                                  vocab_size=2000)
+
+
+def test_truncation_keeps_room_for_an_output_asked_for_not_for_a_default(tokenizer):
+    """truncate_prompt_tokens -1 keeps the most prompt the request can be served
+    with: room for the new tokens asked for, or, where they were left out, for
+    one (the default is then fitted to what is left)."""
+    limits = LimitSettings(max_prompt_tokens=4000, max_new_tokens=1024)
+    default = SamplingParams(max_new_tokens=1024, max_new_tokens_is_default=True)
+    assert len(prompt_ids_within_limits(tokenizer, limits, 2048, PROMPT, default, keep_last=-1)) == 2047
+    asked = SamplingParams(max_new_tokens=1024)
+    assert len(prompt_ids_within_limits(tokenizer, limits, 2048, PROMPT, asked, keep_last=-1)) == 1024

@@ -150,6 +150,16 @@ def test_truncation_keeps_no_calls_output_without_its_call():
     kept = drop_oldest_turns(messages, _fits_within(16))  # from "bbbb" on would fit
     assert [m.content for m in kept] == ["eeee"]
     assert drop_oldest_turns(messages, _fits_within(20)) is messages
+    # A client that reuses an id every turn (call_0): each output answers the latest call of its id
+    # (matched to the first, every turn's output reached back to turn one, and no turn could go)
+    turns = []
+    for k in range(4):
+        turns += [{"role": "user", "content": f"u{k}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "content": f"t{k}", "tool_call_id": "call_1"},
+                  {"role": "assistant", "content": f"a{k}"}]
+    messages = [ChatMessage.model_validate(m) for m in turns]
+    kept = drop_oldest_turns(messages, _fits_within(6))
+    assert [m.content for m in kept] == ["u3", "", "t3", "a3"]
 
 
 @given(st.lists(st.tuples(st.sampled_from("uat"), st.integers(1, 30)), min_size=1, max_size=40),

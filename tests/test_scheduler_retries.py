@@ -267,6 +267,7 @@ def test_a_flush_that_could_not_reach_a_worker_says_so():
         return Member(worker_id, role, handle)
 
     view.members = {w: member(w, role) for w, role in [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]}
+    view.profiled = set(view.members)
     with pytest.raises(service.ApiError, match="workers d0 could not be reached: their prefix caches were not "
                                                r"flushed \(2 others were\)") as refused:
         asyncio.run(view.flush_prefix_caches())
@@ -299,8 +300,8 @@ def test_the_worker_endpoints_reach_the_workers_up_while_a_pool_is_not_ready():
         handle = type("Handle", (), {"abort_named": _remote(abort_named), "reset_prefix_cache": _remote(reset)})()
         return Member(worker_id, role, handle)
 
-    view.members = {"d0": member("d0", "decode")}  # (its prefill pool down: not ready)
-    view.ready = False
+    view.members = {"d0": member("d0", "decode"), "d1": member("d1", "decode")}  # (its prefill pool down)
+    view.profiled, view.ready = {"d0"}, False  # (d1 still loading its model: asked nothing, it holds nothing)
     app = FastAPI()
     app.include_router(router)
 
