@@ -53,13 +53,18 @@ def test_a_pair_forgotten_by_two_threads_at_once_fails_its_jobs_and_unpins_their
     pair.broken, pair._closed, pair._lock, pair._queue = None, False, threading.Lock(), queue.Queue()
 
     class Racing(dict):
-        """The watchdog's forget_pair runs as the sender thread's reads the pairs."""
+        """The watchdog's forget_pair runs as the sender thread's reads the pairs
+        (once: the watchdog's own read must not start another)."""
+
+        raced = False
 
         def items(self):
             snapshot = list(super().items())
-            watchdog = threading.Thread(target=PrefillWorker.forget_pair, args=(worker, pair))
-            watchdog.start()
-            watchdog.join(0.5)  # (it waits for the lock, where there is one)
+            if not Racing.raced:
+                Racing.raced = True
+                watchdog = threading.Thread(target=PrefillWorker.forget_pair, args=(worker, pair), daemon=True)
+                watchdog.start()
+                watchdog.join(0.5)  # (it waits for the lock, where there is one)
             return snapshot
 
     worker._pairs = Racing({("d0", "gloo"): pair})
