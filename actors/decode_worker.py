@@ -98,7 +98,7 @@ class DecodeWorker(WorkerBase):
                 # nobody waits for those blocks, which were held until reservation_ttl_s.
                 # Queued after it, this frees them; a grant still to come finds the
                 # stream forgotten and is turned away (`_aborted_on_its_way`).
-                background_task(self.call(lambda engine: self._cancel_reservation(engine, request_id)))
+                background_task(self._end_failed(request_id, "its caller left"))
             raise
         finally:
             self._line_blocks.pop(request_id, None)
@@ -266,11 +266,6 @@ class DecodeWorker(WorkerBase):
     def _release_aborted(self, request_id: str) -> None:
         with self._pending_lock:
             self._pending.pop(request_id, None)
-
-    def _cancel_reservation(self, engine: Engine, request_id: str) -> None:
-        """On the engine thread: a reservation nobody waits for freed."""
-        self._release_aborted(request_id)
-        engine.cancel_reservation(request_id)
 
     async def abort_transfer(self, request_id: str, reason: str) -> bool:
         """Drop a request whose prefill failed, unless its KV has all arrived: once

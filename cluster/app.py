@@ -51,7 +51,7 @@ from cluster.ingress_guard import install_guard, refusal
 from cluster.pool_manager import get_or_create_pool
 from cluster.pool_settings import check_redeploy
 from cluster.pool_view import PoolView
-from cluster.prompt_limits import prompt_room
+from cluster.prompt_limits import output_room, prompt_room
 from cluster.prompt_thread import PromptThread
 from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
@@ -380,7 +380,7 @@ class Scheduler:
             final.update(response)
             return response
 
-        events = ResponseEvents(body, self.model_name, hold, queued["id"], queued["created_at"], queued=True)
+        events = ResponseEvents(body, self.model_name, hold, queued["id"], queued["created_at"])
 
         async def served():  # queued at once; admitted (or refused), the answer's events
             for event in events.queued_events():
@@ -436,9 +436,8 @@ class Scheduler:
     def _fitted(self, chat: ChatBody) -> ChatBody:
         """`chat` with the oldest turns dropped that keep its prompt from fitting
         the limits (cluster/conversation_truncation.py)."""
-        max_new_tokens = next((n for n in (chat.max_completion_tokens, chat.max_tokens) if n is not None),
-                              max(chat.min_tokens, 1))  # (left out: the default is fitted to what is left)
-        room = prompt_room(self.settings.limits, self.service.max_model_len, max_new_tokens)
+        asked = next((n for n in (chat.max_completion_tokens, chat.max_tokens) if n is not None), None)
+        room = prompt_room(self.settings.limits, self.service.max_model_len, output_room(asked, chat.min_tokens))
 
         def fits(messages) -> bool:
             prompt = self._chat_prompt(chat.model_copy(update={"messages": messages}))

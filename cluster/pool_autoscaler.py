@@ -340,14 +340,17 @@ class PoolAutoscaler:
             if stats.profile_error is not None:
                 self.start_failed(member, f"start-up profile failed: {stats.profile_error}")
 
+    def _starting(self, role: str) -> list:
+        """The role's workers started and not ready yet (none leaving)."""
+        return [m for m in self._members(role) if not self.is_leaving(m)
+                and not (self.tracks.get(m.worker_id) and self.tracks[m.worker_id].ready_s is not None)]
+
     def observe(self, role: str, now: float) -> PoolObservation:
         members = self._members(role)
         tracks = {m.worker_id: self.tracks.get(m.worker_id) for m in members}
         serving = [m.worker_id for m in members if not self.is_leaving(m) and tracks[m.worker_id]
                    and tracks[m.worker_id].ready_s is not None]
-        starting = [m for m in members
-                    if not self.is_leaving(m) and not (tracks[m.worker_id] and tracks[m.worker_id].ready_s)]
-        num_starting = len(starting) + self.restarts.num_waiting(role)
+        num_starting = len(self._starting(role)) + self.restarts.num_waiting(role)
         draining = [m for m in members if self.is_leaving(m)]
         policy = self.policies.get(role)
         since = policy.settled_s if policy is not None else float("-inf")
@@ -410,8 +413,7 @@ class PoolAutoscaler:
         if self.restarts.drop_waiting(role):
             self.record(role, "down", None, "above_size", f"{reason}: a waiting restart dropped")
             return
-        starting = [m for m in self._members(role) if not self.is_leaving(m)
-                    and not (self.tracks.get(m.worker_id) and self.tracks[m.worker_id].ready_s is not None)]
+        starting = self._starting(role)
         if starting:
             newest = max(starting, key=lambda m: self.tracks[m.worker_id].started_s if m.worker_id in self.tracks
                          else float("inf"))

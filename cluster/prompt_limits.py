@@ -40,7 +40,9 @@ def prompt_ids_within_limits(
     had reserved for it; one only the model knew has no text to write."""
     ids = encode_prompt(tokenizer, prompt, add_special_tokens=add_special_tokens)
     if keep_last is not None:
-        ids = ids[-(prompt_room(limits, max_model_len, output_room(params)) if keep_last == -1 else keep_last):]
+        asked = None if params.max_new_tokens_is_default else params.max_new_tokens
+        ids = ids[-(prompt_room(limits, max_model_len, output_room(asked, params.min_new_tokens))
+                    if keep_last == -1 else keep_last):]
     if not ids:
         raise ApiError(400, "prompt is empty")
     vocab = len(tokenizer) if vocab_size is None else vocab_size
@@ -86,12 +88,12 @@ def fitted_output(limits: LimitSettings, max_model_len: int, num_prompt: int,
     return params if new_tokens == params.max_new_tokens else dataclasses.replace(params, max_new_tokens=new_tokens)
 
 
-def output_room(params: SamplingParams) -> int:
-    """The new tokens a prompt cut to fit must leave room for: those asked for,
-    or a default's least (its min_new_tokens, at least one): the default is
-    fitted to what the prompt leaves (`fitted_output`), so a prompt is not cut
-    for an output length nobody asked for."""
-    return max(params.min_new_tokens, 1) if params.max_new_tokens_is_default else params.max_new_tokens
+def output_room(asked: int | None, min_new_tokens: int) -> int:
+    """The new tokens a prompt cut to fit must leave room for: those `asked`
+    for, or, left out (None), the default's least (`min_new_tokens`, at least
+    one): the default is fitted to what the prompt leaves (`fitted_output`), so
+    a prompt is not cut for an output length nobody asked for."""
+    return max(min_new_tokens, 1) if asked is None else asked
 
 
 def prompt_room(limits: LimitSettings, max_model_len: int, max_new_tokens: int) -> int:

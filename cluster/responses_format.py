@@ -117,10 +117,9 @@ class ResponseEvents:
     `keep`, given the final response, stores it and answers it as stored
     (cluster/stored_responses.py), before the last event."""
 
-    def __init__(self, body, model: str, keep=None, response_id: str | None = None, created: int | None = None,
-                 queued: bool = False) -> None:
+    def __init__(self, body, model: str, keep=None, response_id: str | None = None, created: int | None = None) -> None:
         self.body, self.model, self.keep = body, model, keep
-        self.queued = queued  # a background response's: `queued_events` open it, as it waits for admission
+        self.created_sent = False  # `response.created` went out (`queued_events`: a background response's)
         self.response_id, self.created = response_id or new_id("resp"), created or int(time.time())
         self.sequence = 0
         self.items: list[dict] = []  # the output so far; the last is open while `open` is True
@@ -133,7 +132,7 @@ class ResponseEvents:
     async def stream(self, chunks):
         """SSE events for `chunks`, the chat stream's payloads (chunk dicts, an
         `{"error": ...}` payload, "[DONE]")."""
-        if not self.queued:
+        if not self.created_sent:
             yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.in_progress", response=self._response("in_progress"))
         async with contextlib.aclosing(chunks):  # (a client that leaves ends its request)
@@ -163,7 +162,7 @@ class ResponseEvents:
         one's: its POST has answered already): created, then its failure. The
         failure alone, at sequence 0, broke the OpenAI SDK's stream helper
         ("Expected to have received response.created before response.failed")."""
-        if not self.queued:
+        if not self.created_sent:
             yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.failed", response=await self._final("failed", error))
 
@@ -172,6 +171,7 @@ class ResponseEvents:
         it is admitted: `response.created` and `response.queued`, the response
         `queued` (as OpenAI opens a background stream); `stream` or `refused`
         go on from them."""
+        self.created_sent = True
         return [self._event(kind, response=self._response("queued"))
                 for kind in ("response.created", "response.queued")]
 

@@ -237,7 +237,7 @@ def test_a_response_refused_as_it_starts_is_created_then_failed():
     events = _events(ResponseEvents(body, "m").refused({"code": "slo_rejected", "message": "busy"}))
     assert [(e["type"], e["sequence_number"]) for e in events] == [("response.created", 0), ("response.failed", 1)]
     assert events[1]["response"]["error"] == {"code": "slo_rejected", "message": "busy"}
-    waited = ResponseEvents(body, "m", queued=True)  # (as a background stream is: queued first, then refused)
+    waited = ResponseEvents(body, "m")  # (as a background stream is: queued first, then refused)
     opening = [json.loads(e.split("data: ", 1)[1]) for e in waited.queued_events()]
     events = opening + _events(waited.refused({"code": "slo_rejected", "message": "busy"}))
     assert [(e["type"], e["response"]["status"]) for e in events] == [
