@@ -253,7 +253,12 @@ class Engine:
         started running past it: a batch past the budget of tokens a step leaves
         the requests at its back without a token until those ahead end, and on
         CUDA, one past the captured graphs is stepped without them.)"""
-        return len(self.requests) + len(self.reservations) >= self.config.max_num_seqs
+        return self.num_free_seqs <= 0
+
+    @property
+    def num_free_seqs(self) -> int:
+        """Requests a decode engine may take before its batch is full (`batch_full`)."""
+        return self.config.max_num_seqs - len(self.requests) - len(self.reservations)
 
     def reservation_room(self, num_prompt_tokens: int, params: SamplingParams) -> tuple[int, int]:
         """What a reservation must find free now (actors/decode_room.py): room for

@@ -64,6 +64,7 @@ class WorkerStats:
     num_waiting_blocks: int = 0  # the KV blocks those handshakes ask for
     num_reservations_granted: int = 0  # a decode worker's reservations since it started
     num_reserved_blocks: int = 0  # KV blocks a decode worker holds for prompts whose KV is still coming
+    num_free_seqs: int | None = None  # requests a decode worker may take before its batch is full; None: no bound
     num_preemptions: int = 0  # running requests preempted (by recompute) for room, since the worker started
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, since the worker started
     num_accepted_draft_tokens: int = 0  # ... those its samples confirmed
@@ -363,6 +364,7 @@ class WorkerBase(StoreImports):
             num_waiting_blocks=self._num_waiting_blocks(),
             num_reservations_granted=self._num_reservations_granted(),
             num_reserved_blocks=engine.num_reserved_blocks,
+            num_free_seqs=engine.num_free_seqs,
             num_preemptions=engine.scheduler.num_preemptions,
             num_draft_tokens=engine.num_draft_tokens,
             num_accepted_draft_tokens=engine.num_accepted_draft_tokens,

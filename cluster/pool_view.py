@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 
 import ray
@@ -369,44 +370,55 @@ class PoolView:
         for (they take what comes free first), less those of this replica's
         requests sent to D since (the reading does not show them yet), less the
         growth D keeps for this replica's requests there (actors/decode_room.py;
-        the other replicas' are not known request by request). Counting
-        no headroom while any handshake waited instead, a burst passing through
-        an idle D's line (one engine-thread call each) read as a full D: admission
-        predicted a 4.7 s wait there and answered 429."""
-        room, sent = self._room_and_sent(worker_id)
+        the other replicas' are not known request by request). None at all
+        where D's batch is full (`Engine.batch_full`: it holds `max_num_seqs`
+        requests with its line's and those sent since): D grants the next
+        reservation only as a request ends, whatever blocks are free, and a D
+        routed to as if it had room kept the request in its line up to the
+        handshake's wait. Counting no headroom while any handshake waited
+        instead, a burst passing through an idle D's line (one engine-thread
+        call each) read as a full D: admission predicted a 4.7 s wait there and
+        answered 429."""
+        room, seqs, sent = self._room_and_sent(worker_id)
+        if len(sent) >= seqs:
+            return 0
         return max(room - sum(blocks for _, blocks in sent), 0)
 
     def num_joined_line(self, worker_id: str) -> int:
         """This replica's requests that joined D's line since the last reading of
         D's stats: sent to D since, still in their handshake, and past the room
-        `headroom` counts, taken in the order they were sent (those the room held
-        are granted as they come). Counting every request still in its handshake
-        instead, a burst's own first requests read as a line ahead of its last
-        (with the grant rate of readings before D's line, `tandem bench bursts
-        --size 80 --prompt 96 --output 160` had 49-78 of 320 answered 429,
-        predicted at up to 14 s, while every first token served came within 3 s)."""
-        room, sent = self._room_and_sent(worker_id)
+        `headroom` counts (blocks or places in D's batch), taken in the order
+        they were sent (those the room held are granted as they come). Counting
+        every request still in its handshake instead, a burst's own first
+        requests read as a line ahead of its last (with the grant rate of
+        readings before D's line, `tandem bench bursts --size 80 --prompt 96
+        --output 160` had 49-78 of 320 answered 429, predicted at up to 14 s,
+        while every first token served came within 3 s)."""
+        room, seqs, sent = self._room_and_sent(worker_id)
         joined = 0
-        for request, blocks in sent:
+        for index, (request, blocks) in enumerate(sent):
             room -= blocks
-            joined += room < 0 and request.prefill_id is not None and request.reserved_s is None
+            past_room = room < 0 or index >= seqs
+            joined += past_room and request.prefill_id is not None and request.reserved_s is None
         return joined
 
     def release_wait_s(self, worker_id: str, needed_blocks: int, step_s: float) -> float | None:
         """How long until D frees `needed_blocks` more blocks than `headroom`
         leaves (what the requests ahead of one more in its line take first),
-        from this replica's requests D holds: each runs to its `max_new_tokens`
-        at `step_s` a token (as `WorkerModels.tbt_at` takes them to) and then
-        frees its blocks and the growth D kept for it. Past what they hold, D is
-        taken to free blocks at the pace they did (it turns its pool over
-        again). None with nothing of this replica's on D to go by. For a D whose
+        and, where D's batch is full, until enough of its requests end for one
+        more; from this replica's requests D holds: each runs to its
+        `max_new_tokens` at `step_s` a token (as `WorkerModels.tbt_at` takes
+        them to) and then frees its blocks and the growth D kept for it. Past
+        what they hold, D is taken to free blocks at the pace they did (it turns
+        its pool over again). None with nothing of this replica's on D to go by. For a D whose
         line no reading has shown yet (`DecodeLines.wait_s` is None): with no
         prediction there, the start of an overload admitted a second's arrivals
         whole, and D's line made them late. A request run to its end is the
         most it can take: one that stops early frees its blocks sooner."""
-        room, sent = self._room_and_sent(worker_id)
+        room, seqs, sent = self._room_and_sent(worker_id)
         short = needed_blocks - (room - sum(blocks for _, blocks in sent))
-        if short <= 0:
+        short_seqs = len(sent) + 1 - seqs  # requests that must end before D's batch takes one more
+        if short <= 0 and short_seqs <= 0:
             return 0.0
         now = time.monotonic()
         releases = []
@@ -417,13 +429,13 @@ class PoolView:
             releases.append((first_token_in_s + (r.max_new_tokens - r.num_generated) * step_s, sum(self._blocks(r))))
         releases.sort()
         freed = 0
-        for at_s, blocks in releases:
+        for ended, (at_s, blocks) in enumerate(releases, 1):
             freed += blocks
-            if freed >= short:
+            if freed >= short and ended >= short_seqs:
                 return at_s
         if not freed or step_s <= 0:
             return None
-        return releases[-1][0] * short / freed
+        return releases[-1][0] * max(short / freed, short_seqs / len(releases))
 
     def _blocks(self, request: InFlight) -> tuple[int, int]:
         """The blocks `request` holds on its D, and the growth D keeps for it
@@ -433,14 +445,17 @@ class PoolView:
         return held, growth_blocks(num_tokens, request.num_generated, request.max_new_tokens, held,
                                    self.settings.engine.decode_reserve_tokens, self.block_size, self.max_model_len)
 
-    def _room_and_sent(self, worker_id: str) -> tuple[int, list[tuple[InFlight, int]]]:
+    def _room_and_sent(self, worker_id: str) -> tuple[int, int | float, list[tuple[InFlight, int]]]:
         """D's free blocks at the last reading of its stats, less those its line
         then asked for and the growth D keeps for this replica's requests read
-        there; and this replica's requests sent to D since, in the order they
-        were sent, each with the blocks it takes (its prompt's and its growth)."""
+        there; the requests D's batch then had places for, less its line's (no
+        bound where D did not say); and this replica's requests sent to D since,
+        in the order they were sent, each with the blocks it takes (its prompt's
+        and its growth)."""
         stats = self.stats.get(worker_id)
         if stats is None:
-            return 0, []
+            return 0, 0, []
+        seqs = math.inf if stats.num_free_seqs is None else stats.num_free_seqs - stats.num_waiting_handshakes
         read_at = self.lines.read_at_s(worker_id)
         room = stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks
         sent = []
@@ -452,4 +467,4 @@ class PoolView:
                 sent.append((r, held + owed))
             else:
                 room -= owed
-        return room, sent
+        return room, seqs, sent

@@ -562,6 +562,37 @@ def test_requests_sent_to_a_decode_worker_since_its_stats_were_read_use_its_room
     assert scheduler.plan(list(range(32))).decode_id == "d1"
 
 
+def test_a_decode_worker_whose_batch_is_full_has_no_headroom_whatever_blocks_are_free():
+    """A D holding `max_num_seqs` requests grants the next reservation only as one
+    ends (`Engine.batch_full`). d0 had places for 2 more at the last reading and
+    free blocks for all; this replica has sent it 2 since: the next request goes
+    to d1, and with d0 alone it is predicted to wait for d0's first request to end."""
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    view = scheduler.view
+    view.models.seed_from("d0", "d1")
+    view.stats["d0"] = _idle_stats("d0", num_free_seqs=2)
+    view.stats["d1"] = _idle_stats("d1", num_used_blocks=900, num_free_seqs=50)
+    now = time.monotonic()
+    for d in ("d0", "d1"):
+        view.lines.observe(d, num_granted=0, num_waiting=0, now_s=now - 1.0)
+    assert scheduler.plan(list(range(32))).decode_id == "d0"  # the most headroom
+    for index, left in enumerate((30, 10)):
+        view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 100, left, 0.1, admitted_s=now,
+                                                         reserved_s=now, first_token_s=now)
+    assert view.headroom("d0") == 0 and view.headroom("d1") == 100
+    assert scheduler.plan(list(range(32))).decode_id == "d1"
+    assert view.release_wait_s("d0", needed_blocks=1, step_s=0.01) == pytest.approx(0.1)  # the 10 tokens to go
+
+    alone = _scheduler(ttft_ms=10_000, decode_reserve_tokens=0)
+    alone.view.stats["d0"] = _idle_stats("d0", num_free_seqs=2, num_waiting_handshakes=1)  # one place left
+    alone.view.lines.observe("d0", num_granted=0, num_waiting=0, now_s=now - 1.0)
+    assert alone.view.headroom("d0") > 0
+    for index in range(3):  # sent since the reading, the last two past D's places, in its line
+        alone.view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 100, 10, 0.1,
+                                                               admitted_s=now)
+    assert alone.view.headroom("d0") == 0 and alone.view.num_joined_line("d0") == 2
+
+
 def test_draining_workers_get_no_new_requests():
     from dataclasses import replace
 

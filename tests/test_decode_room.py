@@ -92,8 +92,9 @@ def test_a_decode_batch_holds_at_most_max_num_seqs(tiny_qwen2_dir):
     budget of 2 tokens a step, and the two at the back got no token until the
     two ahead had ended. The third reservation now waits for a request to end."""
     engine = Engine(tiny_qwen2_dir, dataclasses.replace(CONFIG, num_kv_blocks=64, max_num_seqs=2))
-    assert _reserve_all(engine, 3) == ["r0", "r1"] and engine.batch_full
+    assert _reserve_all(engine, 3) == ["r0", "r1"] and engine.batch_full and engine.num_free_seqs == 0
     engine.activate("r0", SampledToken(5, None), seed=1)
     assert engine.reserve(PROMPT, EIGHTY, "r2") is None  # (running or reserved alike)
     engine.abort("r0")
-    assert not engine.batch_full and engine.reserve(PROMPT, EIGHTY, "r2") is not None
+    assert not engine.batch_full and engine.num_free_seqs == 1  # (the scheduler's routing reads it)
+    assert engine.reserve(PROMPT, EIGHTY, "r2") is not None
