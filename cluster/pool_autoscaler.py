@@ -20,9 +20,10 @@ One step:
    in flight there. After `drain_timeout_s` it is killed regardless; the
    scheduler retries what had no token yet.
 4. Policies (cluster/autoscaling.py), one per pool that autoscales: observation ->
-   decision. `up` starts a worker with the pool's placement; `down` drains the
-   serving worker with the least work (the newest on a tie). A fixed pool is
-   kept at its `replicas` (`_keep_size`).
+   decision. `up` starts a worker with the pool's placement (not while a run of
+   start failures holds the role's next start: `RestartBackoff.held_s`); `down`
+   drains the serving worker with the least work (the newest on a tie). A fixed
+   pool is kept at its `replicas` (`_keep_size`).
 
 Every change is logged and kept as a `ScalingEvent` (kinds: up, down, started,
 ready, serving, start_failed, restart, drain_waits, drain_started, drained, drain_timeout,
@@ -182,7 +183,8 @@ class PoolAutoscaler:
                                        None if track is None else track.started_s)
         self.metrics.start_failed(role)
         self.record(role, "start_failed", member.worker_id, reason=f"{reason}; " + (
-            f"next start in {delay_s:g} s" if restart else "not started again: the pool's policy decides"))
+            f"next start in {delay_s:g} s" if restart
+            else f"not started again: the pool's policy decides, its next start in {delay_s:g} s at the soonest"))
 
     def set_pool(self, role: str, pool) -> None:
         """A pool's new sizes (a redeploy): its policy anew, or none for a fixed pool."""
@@ -303,6 +305,8 @@ class PoolAutoscaler:
                 await self._keep_size(role, observation)
                 continue
             decision = policy.decide(observation, now)
+            if decision.action is Action.UP and self.restarts.held_s(role, now) > 0:
+                continue  # a run of start failures: the scale-up waits as a restart would
             if decision.action is not Action.HOLD:
                 await self._carry_out(role, decision)
 

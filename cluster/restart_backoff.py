@@ -11,7 +11,10 @@ before it (`restart_backoff_s`, then 2x, 4x, ... up to `restart_backoff_max_s`),
 as Kubernetes spaces the restarts of a crashing container. The run ends when a
 worker of the role started since its latest failure has run its start-up
 profile (an older one doing so says nothing of the starts that fail): the next
-failure waits `restart_backoff_s` again.
+failure waits `restart_backoff_s` again. A worker an autoscaling pool does not
+start again (its policy decides what it needs) holds the policy's next start of
+the role for as long: a scale-up no node took was otherwise tried again each
+`scale_up_cooldown_s`, for ever.
 
 Plain Python with the caller's clock: the pool manager's control loop
 (cluster/pool_autoscaler.py) reports failures, takes the restarts that are due,
@@ -31,7 +34,7 @@ class StartFailure:
     worker_id: str
     error: str
     failures_in_a_row: int
-    next_start_in_s: float | None  # None: no restart waits (the pool's policy starts what it needs)
+    next_start_in_s: float | None  # a waiting restart's, else the pool's policy's next start; None: now
 
 
 class RestartBackoff:
@@ -41,12 +44,14 @@ class RestartBackoff:
         self._in_a_row: dict[str, int] = defaultdict(int)
         self._latest: dict[str, tuple[str, str, float]] = {}  # role -> (worker_id, error, when)
         self._waiting: dict[str, list[float]] = defaultdict(list)  # role -> when each waiting restart is due
+        self._not_before: dict[str, float] = {}  # role -> when its pool's policy may start one again
 
     def failed(self, role: str, worker_id: str, error: str, now_s: float, restart: bool = True,
                started_s: float | None = None) -> float | None:
         """A worker of `role`, started at `started_s`, failed to start: its restart
-        is due after the delay returned (seconds); None with `restart` False (none
-        waits: the pool's policy starts what it needs). A worker started before
+        is due after the delay returned (seconds); with `restart` False, none
+        waits, and the pool's policy starts what it needs after the delay
+        (`held_s`). A worker started before
         the role's latest failure is of that failure's round, not one more in the
         run: the workers of one start lost together (their node went) waited 2,
         4, 8, 16 s, and /health said four failures in a row after one round."""
@@ -54,12 +59,17 @@ class RestartBackoff:
         if latest is None or started_s is None or started_s > latest[2]:
             self._in_a_row[role] += 1
         self._latest[role] = (worker_id, error, now_s)
-        if not restart:
-            return None
         doublings = min(self._in_a_row[role] - 1, 64)  # (past the cap anyway: 2.0**1024 overflows a float)
         delay_s = min(self.first_s * 2.0 ** doublings, self.max_s)
-        self._waiting[role].append(now_s + delay_s)
+        if restart:
+            self._waiting[role].append(now_s + delay_s)
+        else:
+            self._not_before[role] = now_s + delay_s
         return delay_s
+
+    def held_s(self, role: str, now_s: float) -> float:
+        """How long the pool's policy waits yet before it starts a worker of `role`."""
+        return max(self._not_before.get(role, now_s) - now_s, 0.0)
 
     def drop_waiting(self, role: str) -> bool:
         """One waiting restart of `role` not made (its pool shrank); whether one waited."""
@@ -77,6 +87,7 @@ class RestartBackoff:
         if latest is not None and started_s >= latest[2]:
             self._in_a_row.pop(role, None)
             self._latest.pop(role, None)
+            self._not_before.pop(role, None)
 
     def take_due(self, now_s: float) -> list[str]:
         """The role of each restart due by now (each is taken once)."""
@@ -94,8 +105,10 @@ class RestartBackoff:
         out = {}
         for role, (worker_id, error, _) in sorted(self._latest.items()):
             times = self._waiting[role]
+            held_s = self.held_s(role, now_s)
+            next_start_in_s = max(min(times) - now_s, 0.0) if times else held_s if held_s > 0 else None
             out[role] = StartFailure(worker_id, error, self._in_a_row[role],
-                                     round(max(min(times) - now_s, 0.0), 1) if times else None)
+                                     None if next_start_in_s is None else round(next_start_in_s, 1))
         return out
 
 

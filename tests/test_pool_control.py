@@ -338,6 +338,33 @@ def test_a_scale_up_no_node_takes_is_not_started_again_and_the_pool_scales_down_
     assert failure.failures_in_a_row == 1 and failure.next_start_in_s is None
 
 
+def test_scale_ups_that_no_node_takes_are_tried_again_after_the_restart_backoff_not_each_cooldown(pools):
+    """An autoscaling pool short of workers whose scale-ups no node takes: each
+    failure in a row holds the next scale-up for as long as a restart would wait
+    (2, 4, 8 s), not for the up cooldown (1 s) alone."""
+    make, workers = pools
+    manager, clock = make({"prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 4},
+                           "autoscaling": {"start_timeout_s": 10.0, "scale_up_cooldown_s": 1.0,
+                                           "restart_backoff_s": 2.0, "restart_backoff_max_s": 60.0}})
+    first = list(workers)
+    manager.scaler.signals.backlog_tokens = lambda serving, now: 10**9  # (a prefill backlog no pool of 4 clears)
+
+    ups = []  # the clock's time of each scale-up
+
+    async def run():
+        for worker_id in first:
+            workers[worker_id].come_up()
+        for _ in range(60):  # 60 s; the new workers never come up
+            clock.now += 1
+            seen = len(manager.scaler.events)
+            await manager.scaler.step()
+            ups.extend(clock.now for e in list(manager.scaler.events)[seen:] if e.role == "prefill" and e.kind == "up")
+
+    asyncio.run(run())
+    gaps = [later - earlier for earlier, later in zip(ups, ups[1:])]
+    assert gaps[:2] == [11 + 2, 11 + 4], ups  # given up 11 s after each start, then the backoff's 2 s, 4 s
+
+
 def test_workers_of_one_start_that_fail_together_are_one_failure_in_a_row(pools):
     """Four decode workers lost together (their node went) waited 2, 4, 8 and 16 s
     for their restarts, and /health said four failures in a row after one round."""

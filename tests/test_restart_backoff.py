@@ -105,6 +105,7 @@ def test_a_worker_started_before_the_latest_failure_is_of_its_round():
     assert [backoff.failed("decode", f"d{i}", "node lost", 10.0, started_s=5.0) for i in range(3)] == [2.0] * 3
     assert backoff.failures(10.0)["decode"].failures_in_a_row == 1
     assert backoff.failed("decode", "d4", "node lost", 13.0, started_s=12.0) == 4.0
-    assert backoff.failed("decode", "d5", "boom", 20.0, restart=False, started_s=15.0) is None
+    assert backoff.failed("decode", "d5", "boom", 20.0, restart=False, started_s=15.0) == 8.0
     assert backoff.failures(20.0)["decode"].failures_in_a_row == 3 and backoff.num_waiting("decode") == 4
+    assert backoff.held_s("decode", 21.0) == 7.0  # (no restart waits for it: the pool's next start does)
     assert backoff.drop_waiting("decode") and backoff.num_waiting("decode") == 3
