@@ -34,6 +34,11 @@ from actors.request import Request, RequestOutput
 from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerBase
 
+# How long, and how many, the ids of requests aborted before their prefill came are
+# kept (`PrefillWorker.abort`): the two calls leave a scheduler a moment apart.
+EARLY_ABORTS_KEPT_S = 60.0
+MAX_EARLY_ABORTS = 10_000
+
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
     """What P samples a request's first token with: exactly one token, since stop
@@ -152,6 +157,7 @@ class PrefillWorker(WorkerBase):
 
     def _on_started(self) -> None:
         self._jobs: dict[str, _Job] = {}
+        self._early_aborts: dict[str, tuple[float, str]] = {}  # request id -> (when, why): `abort` before `prefill`
         # (decode id, backend) -> its open channel: a request asking another backend gets its
         # own (the first backend's was used for any, so a benchmark's object_store row ran on gloo)
         self._pairs: dict[tuple[str, str], _PairSender] = {}
@@ -248,6 +254,9 @@ class PrefillWorker(WorkerBase):
         """Compute the prompt and move its KV into the reservation. Resolves once the
         last chunk (with the first token) is in D's blocks."""
         self._ensure_started()
+        early = self._early_aborts.pop(request.request_id, None)
+        if early is not None:
+            raise TransferFailed(f"request {request.request_id}: {early[1]} (before its prefill came)")
         job = _Job(request, reservation, self.aio.create_future(), next_block=reservation.num_cached_blocks)
         self._jobs[request.request_id] = job  # before any await: an abort meanwhile finds it, and `add` turns it away
         try:
@@ -306,10 +315,21 @@ class PrefillWorker(WorkerBase):
         return [job.request.request_id for job in jobs]
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Stop a request's prefill and transfer. One whose prefill has not come
+        yet is kept, and turned away when it does: a scheduler whose client left
+        sends both calls a moment apart, and an async actor need not run them in
+        the order they were sent (the prompt was computed for nobody, its chunks
+        refused by D)."""
         self._ensure_started()
         job = self._jobs.get(request_id)
         if job is not None:
             self.fail_job(job, TransferFailed(f"request {request_id}: {reason}"))
+        else:
+            now = time.monotonic()
+            self._early_aborts[request_id] = (now, reason)
+            while self._early_aborts and (len(self._early_aborts) > MAX_EARLY_ABORTS or
+                                          next(iter(self._early_aborts.values()))[0] < now - EARLY_ABORTS_KEPT_S):
+                del self._early_aborts[next(iter(self._early_aborts))]
         return await super().abort(request_id, reason)
 
     # ---- engine thread ------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from actors.config import EngineConfig
-from actors.messages import ChunkMeta, GenerateRequest, RequestAborted
+from actors.messages import ChunkMeta, GenerateRequest, RequestAborted, TransferFailed
 from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerOptions
 from cluster.pd_request import DisaggregatedCall
@@ -222,6 +222,23 @@ def test_a_colocated_request_ends_as_aborted_and_abort_all_ends_every_one(ray_lo
     assert len(events) == 1
     assert_aborted(events)
     wait_idle(c)
+
+
+def test_a_prefill_that_comes_after_its_abort_is_turned_away(pair):
+    """A scheduler whose client left sends P `prefill` and then `abort` a moment
+    apart, and an async actor may run them in either order: an abort of a
+    request P did not hold was forgotten, and its prompt computed for nobody."""
+    p, d = pair
+    early = request("early-0", "early", LONG_PROMPT)
+    reservation = ray.get(d.reserve.remote(early, "unread", p))
+    steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
+    assert ray.get(p.abort.remote("early-0", "its client left")) is False  # (nothing of it here yet)
+    with pytest.raises(TransferFailed, match="its client left"):
+        ray.get(p.prefill.remote(early, reservation, d, "gloo"))
+    assert ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps)) == steps
+    ray.get(d.abort.remote("early-0"))
+    wait_idle(p)
+    wait_idle(d)
 
 
 def test_an_abort_that_reaches_prefill_while_its_channel_opens_ends_it(ray_local, tiny_qwen2_dir):
