@@ -10,9 +10,9 @@ requests to free blocks, up to the caller's `wait_s`; then it raises
 the chunk's sequence (request id, chunk index, block count, target blocks) and
 resolves only once the bytes are in the blocks; the last chunk activates the
 request. A reservation is freed when it expires (no chunk for it within
-`reservation_ttl_s` of the handshake or of its latest chunk), when the request is
-aborted, or soon after its prefill worker dies (a watchdog pings the P named in
-the handshake).
+`reservation_ttl_s` of the handshake or of its latest chunk, nor P saying it
+still holds the request), when the request is aborted, or soon after its prefill
+worker dies (a watchdog pings the P named in the handshake).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import ray
 import torch
 
 from actors.background import background_task
 from actors.block_pool import blocks_to_reserve
+from actors.deadlines import within
 from actors.engine import Engine
 from actors.kv_channel import (
     GlooPair,
@@ -53,7 +55,7 @@ class _Pending:
 
     block_ids: list[int]
     prefill_handle: object
-    heard_s: float  # when it was made, or its latest chunk came (time.monotonic): its TTL counts from here
+    heard_s: float  # made, its latest chunk came, or P said it holds it (time.monotonic): its TTL counts from here
     next_chunk: int = 0
 
 
@@ -286,12 +288,35 @@ class DecodeWorker(WorkerBase):
         return waiting
 
     # ---- reservations that will never be filled -----------------------------------
+    async def _hear_from_prefill(self, pending: list[tuple[str, _Pending]], now: float) -> None:
+        """Reservations half through their TTL with nothing heard: their TTL
+        counts again from now where their P says it holds the request (its
+        prompt waits there behind others, or computes a long first chunk). The
+        TTL is for requests nobody will fill (a scheduler gone between the
+        handshake and the prefill, a P that lost the request), not for a busy P:
+        a prefill that waited there longer than the TTL computed its prompt for a
+        reservation D had dropped, and its request failed."""
+        stale: dict[object, list[str]] = {}
+        for rid, p in pending:
+            if p.prefill_handle is not None and now - p.heard_s > self.options.reservation_ttl_s / 2:
+                stale.setdefault(p.prefill_handle, []).append(rid)
+        for handle, rids in stale.items():
+            try:
+                held = await within(handle.holding.remote(rids), self.options.watchdog_interval_s * 4)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                continue  # (a dead P: the ping tells)
+            with self._pending_lock:
+                for rid in held:
+                    if rid in self._pending:
+                        self._pending[rid].heard_s = now
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(self.options.watchdog_interval_s)
             now = time.monotonic()
             with self._pending_lock:
                 pending = list(self._pending.items())
+            await self._hear_from_prefill(pending, now)
             expired = [rid for rid, p in pending if now - p.heard_s > self.options.reservation_ttl_s]
             # The snapshot goes stale at each await: a request whose last chunk came in
             # meanwhile is decoding and must not be dropped (_drop_pending checks).

@@ -303,6 +303,12 @@ class PrefillWorker(WorkerBase):
 
         return await self.in_thread(send_all)
 
+    async def holding(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` whose prefill P holds (waiting, computing or
+        sending): their D keeps their reservations past its TTL."""
+        self._ensure_started()
+        return [request_id for request_id in request_ids if request_id in self._jobs]
+
     async def abort_named(self, client_rid: str | None, asked_s: float | None = None) -> list[str]:
         """`/abort_request` on P: stop the named prefills (every one for None);
         each one's caller gets RequestAborted, and ends the request on D as

@@ -91,8 +91,11 @@ class DisaggregatedCall:
             # Who must stop: both sides, if the consumer left first; P alone, if D
             # ended the request with an error (its reservation expired, say) while
             # P had not finished: P would compute it for nobody, the call waiting.
+            # P is not told of a request it was never sent (it would keep the abort for a prefill to come).
             prefilling = prefill_task is not None and not prefill_task.done()
             ends = [self.prefill, self.decode] if not finished else [self.prefill] if failed and prefilling else []
+            if prefill_task is None:
+                ends = [w for w in ends if w is not self.prefill]
             if ends and prefilling:
                 prefill_task.cancel()
             if ends:  # (made outside the request, which Ray may be cancelling with its calls)

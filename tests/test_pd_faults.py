@@ -345,22 +345,50 @@ def test_a_failed_prefill_step_ends_its_request_and_prefill_keeps_serving(ray_lo
     assert serves(p, d, "after-step-fault")
 
 
-def test_a_request_whose_reservation_expires_before_its_prefill_is_not_prefilled(ray_local, tiny_qwen2_dir):
-    """D drops a reservation P has not filled within `reservation_ttl_s` (P busy),
-    and ends the request with an error. The call took that last event as the end
-    and awaited P, which had not been told: it computed the prompt for nobody
-    once free, and the call only returned when D refused its first chunk."""
+def _busy_pair(tiny_qwen2_dir, name: str, busy_s: float):
+    """A P and a D whose reservations expire after 0.5 s, P's engine then busy for `busy_s`."""
     options = dataclasses.replace(OPTIONS, reservation_ttl_s=0.5, watchdog_interval_s=0.1)
-    p = start_worker("prefill", "p-expiry", tiny_qwen2_dir, CONFIG, options)
-    d = start_worker("decode", "d-expiry", tiny_qwen2_dir, CONFIG, options)
+    p = start_worker("prefill", f"p-{name}", tiny_qwen2_dir, CONFIG, options)
+    d = start_worker("decode", f"d-{name}", tiny_qwen2_dir, CONFIG, options)
     ray.get([p.profile.remote(), d.profile.remote()])  # (the start-up profile steps the engine)
-    steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
-    busy_s = 3.0
     ray.get(p.__ray_call__.remote(lambda worker: worker.loop.call(lambda engine: time.sleep(busy_s)) and None))
+    return p, d
+
+
+def test_a_prefill_waiting_on_a_busy_prefill_worker_past_the_ttl_keeps_its_reservation(ray_local, tiny_qwen2_dir):
+    """P's engine is busy six times `reservation_ttl_s` with the request waiting
+    there: D keeps its reservation, as P says it holds the request
+    (`PrefillWorker.holding`), and the request is served. D dropped it at the
+    TTL: P computed the prompt for nobody, and the request failed."""
+    p, d = _busy_pair(tiny_qwen2_dir, "busy-ttl", busy_s=3.0)
+    events = asyncio.run(consume(DisaggregatedCall(p, d, GenerateRequest("waits", LONG_PROMPT, SHORT.params), "gloo")))
+    assert events[-1].finished and events[-1].error is None and events[-1].finish_reason == "length"
+    assert sum(len(e.token_ids) for e in events) == 4
+    wait_idle(p)
+    wait_idle(d)
+
+
+def test_a_request_whose_reservation_d_drops_before_its_prefill_is_not_prefilled(ray_local, tiny_qwen2_dir):
+    """D ends a request with an error while its prompt waits on a busy P (here
+    `abort_transfer`, as a failed transfer or an expired reservation does). The
+    call took that last event as the end and awaited P, which had not been
+    told: it computed the prompt for nobody once free, and the call only
+    returned when D refused its first chunk."""
+    busy_s = 3.0
+    p, d = _busy_pair(tiny_qwen2_dir, "dropped", busy_s)
+    steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
     started = time.monotonic()
-    call = DisaggregatedCall(p, d, GenerateRequest("expires", LONG_PROMPT, SHORT.params), "gloo")
-    events = asyncio.run(consume(call))
-    assert events[-1].finished and "expired" in events[-1].error
+
+    async def scenario():
+        call = DisaggregatedCall(p, d, GenerateRequest("dropped", LONG_PROMPT, SHORT.params), "gloo")
+        task = asyncio.ensure_future(consume(call))
+        while not await p.holding.remote(["dropped"]):
+            await asyncio.sleep(0.05)
+        assert await d.abort_transfer.remote("dropped", "reservation dropped by D")
+        return await task
+
+    events = asyncio.run(scenario())
+    assert events[-1].finished and "dropped by D" in events[-1].error
     assert time.monotonic() - started < busy_s  # not waiting for P
     time.sleep(busy_s)
     assert ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps)) == steps  # nothing computed
