@@ -49,6 +49,9 @@ from actors.regex_dfa import RegexError, compile_regex
 
 FREE_DEPTH = 3  # levels of objects and arrays any JSON object (`json_object`) may use
 NESTED_FREE_DEPTH = 2  # and a value a schema leaves free (each copy costs automaton states)
+# A schema's pattern, and each of its parts, is at most this long: longer ones pass the
+# automaton's bounds anyway (actors/regex_dfa.py: 40k characters of nested arrays did).
+MAX_PATTERN_CHARS = 200_000
 COMMA, COLON = ", ", ": "  # json.dumps' separators, exactly
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 # One character of a string whose length is bounded: no half of a surrogate pair as a
@@ -225,6 +228,17 @@ class _Writer:
         self.resolving: list[str] = []
 
     def value(self, schema, path: str) -> str:
+        """The pattern of the values `schema` (at `path`) describes, each part
+        checked against `MAX_PATTERN_CHARS` as it is written: an array or a map
+        writes its item's pattern twice, and an 800-byte schema nesting arrays 25
+        deep wrote patterns of gigabytes (a worker killed for its memory)."""
+        pattern = self._value(schema, path)
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise RegexError(f"json_schema is too large: the pattern of {path or 'the schema'} passes "
+                             f"{MAX_PATTERN_CHARS} characters (nest fewer arrays, maps or references)")
+        return pattern
+
+    def _value(self, schema, path: str) -> str:
         where = path or "the schema"
         if schema is True or schema == {}:
             return free_json_regex(NESTED_FREE_DEPTH, "value")

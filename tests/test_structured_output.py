@@ -256,6 +256,29 @@ def test_schemas_it_cannot_hold_an_output_to_are_refused(schema, message):
         schema_regex(schema)
 
 
+def _nested(depth: int, wrap) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = wrap(schema)
+    return schema
+
+
+@pytest.mark.parametrize("schema", [
+    _nested(25, lambda s: {"type": "array", "items": s}),
+    _nested(25, lambda s: {"type": "object", "additionalProperties": s}),
+    {"$defs": {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i - 1}"},
+                                                          "b": {"$ref": f"#/$defs/d{i - 1}"}}}
+               for i in range(1, 30)} | {"d0": {"type": "string"}}, "$ref": "#/$defs/d29"},
+])
+def test_a_small_schema_whose_pattern_doubles_at_each_level_is_refused_as_it_is_written(schema):
+    """An array or a map writes its item's pattern twice: an 800-byte schema of
+    arrays 25 deep wrote a pattern of gigabytes (a worker killed for memory), 16
+    deep took 19 s to be refused by the automaton's bounds."""
+    assert len(json.dumps(schema)) < 4000
+    with pytest.raises(RegexError, match="json_schema is too large"):
+        schema_regex(schema)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_qwen2_dir):
     return LLM(tiny_qwen2_dir, max_num_seqs=8)
