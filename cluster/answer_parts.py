@@ -169,24 +169,38 @@ def calls_regex(arguments: dict[str, str], arguments_key: str, separator: str, p
     return f"(?:{call})(?:{separator}(?:{call}))*" if parallel else f"(?:{call})"
 
 
-def known_call(value, tool_names: set[str], arguments_key: str = "arguments") -> tuple[str, str] | None:
+# What a call's object may hold besides its name: its arguments under either name
+# (templates write "arguments", Llama's "parameters"), and an id or type some write.
+CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
+
+
+def known_call(value, tool_names: set[str]) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call the model wrote as a JSON value,
-    or None unless it is an object naming one of the tools, with an object (or no)
-    `arguments_key`. A name that is not a string (the model's `["f"]`) is no call:
-    looked up, it raised TypeError, a 500 or a cut stream."""
+    or None unless it is an object naming one of the tools, with an object (or
+    no) "arguments" or "parameters", and nothing else but `CALL_KEYS`. A name
+    that is not a string (the model's `["f"]`) is no call: looked up, it raised
+    TypeError, a 500 or a cut stream. Arguments under another key (`"args"`)
+    were read as none: a call made with `{}`."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in tool_names:
         return None
-    arguments = arguments_text(value.get(arguments_key, {}))
+    if not value.keys() <= CALL_KEYS or ("arguments" in value and "parameters" in value):
+        return None
+    arguments = arguments_text(value.get("arguments", value.get("parameters", {})))
     return None if arguments is None else (value["name"], arguments)
 
 
 def arguments_text(arguments) -> str | None:
-    """A call's arguments as JSON text; None unless an object Python can write
-    back: nested a little under Python's limit, `json.loads` read it and
-    `json.dumps` raised RecursionError."""
+    """A call's arguments as JSON text; None unless an object written back as
+    JSON a client can read: nested a little under Python's limit (`json.loads`
+    read it and `json.dumps` raised RecursionError), with no NaN nor Infinity
+    (Python's decoder reads them and 1e999, JSON has none), and no lone
+    surrogate (`"\\ud83d"`, which is not Unicode: the whole answer's JSON
+    could not be encoded, a 500, while the stream's escaped it)."""
     if not isinstance(arguments, dict):
         return None
     try:
-        return json.dumps(arguments, ensure_ascii=False)
-    except RecursionError:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (RecursionError, ValueError):  # (UnicodeEncodeError is a ValueError)
         return None
+    return text

@@ -43,8 +43,7 @@ def read_calls(text: str, tool_names: set[str]) -> list[tuple[tuple[str, str], i
             value, position = decoder.raw_decode(text, position)
         except (ValueError, RecursionError):
             return None
-        key = "parameters" if isinstance(value, dict) and "parameters" in value else "arguments"
-        called = known_call(value, tool_names, key)
+        called = known_call(value, tool_names)
         if called is None:
             return None
         calls.append((called, position))
@@ -54,6 +53,8 @@ def read_calls(text: str, tool_names: set[str]) -> list[tuple[tuple[str, str], i
         if text[after] != ";":
             return None
         position = _past_space(text, after + 1)
+        if position == len(text):  # a `;` after the last call, as Llama may write (vLLM reads it)
+            return calls
 
 
 def _past_space(text: str, position: int) -> int:

@@ -36,6 +36,8 @@ text.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -54,14 +56,16 @@ class ToolCallFormat(NamedTuple):
     """How a model writes the calls it chooses to make (tool_choice "auto"): a
     whole answer's parse, its stream (`feed`, `finish`) and the pattern that holds
     it for strict tools, each given the tools' names and whether calls may be
-    several; and the parse and stream of an answer so held, where a format reads
-    it otherwise (Mistral's: only the layout the pattern admits)."""
+    several; the parse and stream of an answer so held, where a format reads
+    it otherwise (Mistral's: only the layout the pattern admits); and the ids its
+    calls get, which the next turn sends back through the chat template."""
 
     parse: Callable[[str, set[str], bool], ParsedCalls]
     stream: Callable[[set[str], bool], object]
     held_regex: Callable[[dict[str, str], bool, str | None, tuple[str, ...]], str]
     held_parse: Callable[[str, set[str], bool], ParsedCalls] | None = None
     held_stream: Callable[[set[str], bool], object] | None = None
+    call_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's form
 
     def parse_of(self, held: bool) -> Callable[[str, set[str], bool], ParsedCalls]:
         return self.held_parse if held and self.held_parse else self.parse
@@ -74,8 +78,10 @@ class ToolCallFormat(NamedTuple):
 TOOL_CALL_FORMATS = {
     "hermes": ToolCallFormat(hermes_calls.parse, hermes_calls.HermesStream, hermes_calls.held_regex),
     "llama3_json": ToolCallFormat(llama_calls.parse, llama_calls.LlamaStream, llama_calls.held_regex),
+    # Mistral's templates refuse a call id that is not 9 letters and digits (vLLM makes such ids too)
     "mistral": ToolCallFormat(mistral_calls.parse, mistral_calls.MistralStream, mistral_calls.held_regex,
-                              mistral_calls.parse_held, mistral_calls.HeldMistralStream),
+                              mistral_calls.parse_held, mistral_calls.HeldMistralStream,
+                              lambda: "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))),
 }
 HERMES = TOOL_CALL_FORMATS["hermes"]
 
@@ -190,21 +196,22 @@ def chat_answer(text: str | None, finish_reason: str | None, tools: list[Tool] |
     tool_choice = _effective(tools, tool_choice)
     if tool_choice == "auto" and tools:  # (without tools: text as written, as the stream sends it)
         parsed = fmt.parse_of(_is_held(tools))(text, tool_names(tools), parallel)
-        calls = [call(name, arguments) for name, arguments in parsed.calls] or None
+        calls = [call(name, arguments, fmt) for name, arguments in parsed.calls] or None
         return ChatAnswer(parsed.content, calls, _calls_reason(finish_reason, calls))
     named = named_choice(tools, tool_choice) if tools else None
     if named is not None:
-        return ChatAnswer(None, [call(named.name, text)], finish_reason)
+        return ChatAnswer(None, [call(named.name, text, fmt)], finish_reason)
     if not tools or tool_choice != "required":
         return ChatAnswer(text, None, finish_reason)
     try:
         items = json.loads(text)
     except (ValueError, RecursionError):
         return ChatAnswer(text, None, finish_reason)
-    calls = [known_call(item, tool_names(tools), "parameters") for item in items] if isinstance(items, list) else [None]
+    calls = [known_call(item, tool_names(tools)) for item in items] if isinstance(items, list) else [None]
     if not calls or None in calls:  # (held to the pattern, only a cut answer is not calls)
         return ChatAnswer(text, None, finish_reason)
-    return ChatAnswer(None, [call(name, arguments) for name, arguments in calls], _calls_reason(finish_reason, calls))
+    return ChatAnswer(None, [call(name, arguments, fmt) for name, arguments in calls],
+                      _calls_reason(finish_reason, calls))
 
 
 def chooses_freely(tools: list[Tool] | None, tool_choice) -> bool:
@@ -233,9 +240,8 @@ def _calls_reason(finish_reason: str | None, calls) -> str | None:
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
-def call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def call(name: str, arguments: str, fmt: ToolCallFormat) -> dict:
+    return {"id": fmt.call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def template_call(call: PastCall) -> dict:
@@ -259,7 +265,7 @@ class StreamedCalls:
     has written it (cluster/hermes_calls.py, cluster/llama_calls.py)."""
 
     def __init__(self, tools: list[Tool], tool_choice, parallel: bool = True, fmt: ToolCallFormat = HERMES) -> None:
-        self.tools, self.tool_choice, self.parallel = tools, tool_choice, parallel
+        self.tools, self.tool_choice, self.parallel, self.fmt = tools, tool_choice, parallel, fmt
         self.named = named_choice(tools, tool_choice)
         self.pieces: list[str] = []
         self.started = False
@@ -282,12 +288,12 @@ class StreamedCalls:
         if self.named is not None:
             if not self.started:
                 self.started = True
-                return {"tool_calls": [{"index": 0, **call(self.named.name, text)}]}
+                return {"tool_calls": [{"index": 0, **call(self.named.name, text, self.fmt)}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
         self.pieces.append(text)
         if not finished:
             return None
-        answer = chat_answer("".join(self.pieces), None, self.tools, self.tool_choice, self.parallel)
+        answer = chat_answer("".join(self.pieces), None, self.tools, self.tool_choice, self.parallel, self.fmt)
         if answer.calls is None:
             return {"content": answer.content}
         self.num_calls = len(answer.calls)
@@ -304,7 +310,7 @@ class StreamedCalls:
             delta["content"] = text
         calls = [piece for piece in pieces if isinstance(piece, tuple)]
         if calls:
-            delta["tool_calls"] = [{"index": self.num_calls + i, **call(name, arguments)}
+            delta["tool_calls"] = [{"index": self.num_calls + i, **call(name, arguments, self.fmt)}
                                    for i, (name, arguments) in enumerate(calls)]
             self.num_calls += len(calls)
         return delta

@@ -41,10 +41,22 @@ def test_blocks_naming_a_tool_are_calls_and_the_rest_is_text():
     f"{OPEN}\n{{\"name\": \"get_time\"",  # the block never closed (cut by max_tokens)
     "<tool_ca",  # a tag's start at the end
     f"{CLOSE} stray",
+    # Found by a review: arguments under another key were a call with none; NaN and 1e999 came back
+    # as arguments no JSON parser reads; a lone surrogate's escape made the whole answer a 500
+    block("get_weather", args={"city": "Oslo"}),
+    block("get_time", {}, parameters={}),
+    f'{OPEN}\n{{"name": "get_weather", "arguments": {{"n": NaN}}}}\n{CLOSE}',
+    f'{OPEN}\n{{"name": "get_weather", "arguments": {{"n": 1e999}}}}\n{CLOSE}',
+    f'{OPEN}\n{{"name": "get_weather", "arguments": {{"q": "\\ud83d"}}}}\n{CLOSE}',
 ])
 def test_a_block_that_is_not_a_call_stays_in_the_text_as_written(bad):
     assert parse(f"Before {bad}", NAMES) == (f"Before {bad}".strip(), [])
     assert parse(f"{block('get_time')} {bad}", NAMES) == (bad.strip(), [("get_time", "{}")])
+
+
+def test_arguments_under_parameters_are_read_as_llamas_are():
+    text = block("get_weather", parameters={"city": "Oslo"})
+    assert parse(text, NAMES) == (None, [("get_weather", '{"city": "Oslo"}')])
 
 
 def test_without_parallel_calls_only_the_first_block_is_a_call():

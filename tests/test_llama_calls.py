@@ -37,6 +37,7 @@ def call(name: str, parameters: dict | None = None, key: str = "parameters") -> 
     (f"{call('get_time')} and more", (f"{call('get_time')} and more", [])),
     ('{"name": "get_time", "parame', ('{"name": "get_time", "parame', [])),  # cut by max_tokens
     (call("get_time", [1]), (call("get_time", [1]), [])),  # parameters not an object
+    (f"{call('get_time')};\n", (None, [("get_time", "{}")])),  # a `;` after the last (found by a review)
     ("", (None, [])),
 ])
 def test_an_answer_is_its_calls_or_its_text(text, expected):

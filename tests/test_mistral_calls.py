@@ -139,3 +139,19 @@ def test_the_chat_answer_reads_mistral_calls():
     streamed = StreamedCalls.of(tools, "auto", fmt=MISTRAL)
     assert streamed.delta(TOOL_CALLS + calls(call("get_time")), False) == {}
     assert streamed.delta("", True)["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+def test_calls_get_the_nine_letters_and_digits_ids_mistrals_templates_take_back():
+    """Mistral's chat templates refuse a call id that is not 9 letters and digits:
+    with OpenAI's `call_...` ids, every tool loop's second turn was a 400 (the
+    template could not be applied)."""
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_time"}})]
+    nine = re.compile(r"[A-Za-z0-9]{9}")
+    answer = chat_answer(TOOL_CALLS + calls(call("get_time", {})), "stop", tools, "auto", fmt=MISTRAL)
+    named = chat_answer("{}", "stop", tools, {"type": "function", "function": {"name": "get_time"}}, fmt=MISTRAL)
+    streamed = StreamedCalls.of(tools, "auto", fmt=MISTRAL)
+    streamed.delta(TOOL_CALLS + calls(call("get_time")), False)
+    ids = [answer.calls[0]["id"], named.calls[0]["id"], streamed.delta("", True)["tool_calls"][0]["id"]]
+    assert all(nine.fullmatch(each) for each in ids) and len(set(ids)) == 3, ids
+    assert re.fullmatch(r"call_[0-9a-f]{24}", chat_answer('<tool_call>{"name": "get_time"}</tool_call>', "stop", tools,
+                                                          "auto").calls[0]["id"])  # (Hermes: OpenAI's form)
