@@ -206,7 +206,9 @@ class Completions:
                         if delta is None and not first[index] and not event.logprobs:
                             continue
                         delta = delta or {}
-                    if event.text or reason or first[index] or event.logprobs:  # (a token's text may come later)
+                    # (a token's text may come later; a writer's held-back text comes with an abort's
+                    # last event, which has no text and no finish reason of OpenAI's)
+                    if event.text or reason or first[index] or event.logprobs or delta:
                         if chat:
                             logprobs = fmt.chat_logprobs(self.tokenizer, event.logprobs, self.token_bytes)
                         else:

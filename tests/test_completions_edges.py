@@ -23,15 +23,15 @@ from cluster.tool_calls import TOOL_CALL_FORMATS
 from tests.test_admission import _scheduler
 
 
-def _completions(tiny_qwen2_dir, texts: list[str], num_cached: int = 0) -> Completions:
+def _completions(tiny_qwen2_dir, texts: list[str], num_cached: int = 0, reason: str = "stop") -> Completions:
     """Completions whose every request answers `texts`, one token each, having
-    found `num_cached` of its prompt's tokens cached."""
+    found `num_cached` of its prompt's tokens cached, and ends for `reason`."""
     scheduler = _scheduler(ttft_ms=10_000)
 
     async def events(request, choice, inflight):
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
-            yield TokenEvent(request.request_id, [5 + i], text, None, last, "stop" if last else None, time.time(),
+            yield TokenEvent(request.request_id, [5 + i], text, None, last, reason if last else None, time.time(),
                              num_cached)
 
     scheduler._events = events
@@ -83,6 +83,27 @@ def test_an_answer_nested_past_pythons_limit_is_text_not_a_failure(tiny_qwen2_di
         return "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in payloads[:-1])
 
     assert asyncio.run(run()) == DEEP_CALL
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_held_back_when_an_answer_is_aborted_is_sent(tiny_qwen2_dir, stream):
+    """An answer aborted by its client (`/abort_request`) ends with an event of
+    no text: streamed, the chunk of what the tool-call writer held back (a tag's
+    start) was not sent, as OpenAI has no finish reason "abort" to send it with;
+    unstreamed, the same text is the answer."""
+    completions = _completions(tiny_qwen2_dir, ["Checking. ", "<tool_c", ""], reason="abort")
+    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                    "stream": stream})
+
+    async def run():
+        answer = await completions.answer(body, ["p"], SamplingParams(max_new_tokens=8), [[1, 2]], chat=True)
+        if not stream:
+            return answer["choices"][0]["message"]["content"]
+        payloads = await _sse(answer)
+        assert payloads[-1] == "[DONE]"
+        return "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in payloads[:-1])
+
+    assert asyncio.run(run()) == "Checking. <tool_c"
 
 
 def test_a_past_calls_arguments_nested_past_pythons_limit_are_kept_as_written():
