@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
+import typing
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
@@ -70,8 +72,57 @@ class RequestBody(BaseModel):
             return {k: v for k, v in data.items() if k not in cls.UNSUPPORTED}  # "off": as if left out
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _json_types(cls, data):
+        """null in a field that has a default and takes no null is its default
+        (OpenAI's fields are nullable, and its SDK sends null for an argument
+        given as None: `"n": null` was a 400); a number is never a boolean nor a string, and a boolean
+        never a string (pydantic's lax mode served `"max_tokens": true` as 1,
+        `"temperature": "0.5"` as 0.5 and `"stream": "yes"` as a stream; OpenAI
+        refuses them)."""
+        if not isinstance(data, dict):
+            return data
+        out = {}
+        for key, value in data.items():
+            field = cls.model_fields.get(key)
+            if field is not None and value is None and not field.is_required() and not _takes_null(field.annotation):
+                continue
+            if field is not None and isinstance(value, (bool, str)):
+                kinds = _scalar_kinds(field.annotation)
+                numbers = kinds & {int, float}
+                if isinstance(value, bool) and numbers and bool not in kinds:
+                    raise ValueError(f"{key} must be a number, not {str(value).lower()}")
+                if isinstance(value, str) and (numbers or bool in kinds) and str not in kinds:
+                    raise ValueError(f"{key} must be {'a number' if numbers else 'true or false'}, not a string")
+            out[key] = value
+        return out
+
+
+def _takes_null(annotation) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _takes_null(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_null(arg) for arg in typing.get_args(annotation))
+    return annotation is None or annotation is type(None)
+
+
+def _scalar_kinds(annotation) -> set[type]:
+    """The JSON scalar types (bool, int, float, str) a field's annotation takes
+    (a Literal of strings takes str)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _scalar_kinds(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_scalar_kinds(arg) for arg in typing.get_args(annotation)))
+    if origin is Literal:
+        return {type(arg) for arg in typing.get_args(annotation)}
+    return {annotation} & {bool, int, float, str}
+
 
 MAX_CHOICES = 16  # OpenAI's `n` (and SGLang's), at most
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
 # A token id as JSON writes one: an integer, never a bool or a string of digits
 # (pydantic's lax mode took [true] for the prompt [1]).
 TokenId = Annotated[int, Strict()]
@@ -87,7 +138,22 @@ def _token_id_key(key):
     raise ValueError(f"a logit_bias key must be a token id (digits), got {key!r}")
 
 
-TokenIdKey = Annotated[int, BeforeValidator(_token_id_key)]
+def _token_biases(value):
+    """A logit_bias object, its keys read as token ids: two keys naming one
+    token ("5" and "05") are refused (one overwrote the other unsaid)."""
+    if not isinstance(value, dict):
+        return value  # (pydantic says what it must be)
+    biases = {}
+    for key, bias in value.items():
+        token = _token_id_key(key)
+        if token in biases:
+            raise ValueError(f"logit_bias names token {token} twice")
+        biases[token] = bias
+    return biases
+
+
+# token id (a string of digits in JSON) -> added to its logit: a number, never a bool or a string
+LogitBias = Annotated[dict[int, Annotated[float, Strict()]], BeforeValidator(_token_biases)]
 MAX_BATCH_REQUESTS = 64  # prompts x n in one completions or /generate call
 
 
@@ -98,6 +164,28 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
         return [params]
     return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**63)
             for i in range(n)]
+
+
+class StreamOptions(BaseModel):
+    """A stream's options: `include_usage`, a last chunk with the usage (OpenAI's).
+    A key it does not know is refused (a misspelt one was served as if left
+    out), and so is vLLM's `continuous_usage_stats: true` (usage in every
+    chunk), which Tandem does not send. OpenAI's `include_obfuscation` pads
+    chunks against length side channels; Tandem adds no padding, which is what
+    `false` asks for and what `true` may be served as (it changes no content)."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Annotated[bool, Strict()] | None = None
+    include_obfuscation: Annotated[bool, Strict()] | None = None
+    continuous_usage_stats: Annotated[bool, Strict()] | None = None
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _not_continuous(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("continuous_usage_stats is not supported: the usage comes in the last chunk "
+                             "(include_usage)")
+        return value
 
 
 class _OpenAIBody(RequestBody):
@@ -113,7 +201,7 @@ class _OpenAIBody(RequestBody):
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None  # extension (vLLM-style)
     seed: int | None = None
@@ -126,7 +214,7 @@ class _OpenAIBody(RequestBody):
     min_tokens: int = 0  # extension (vLLM-style)
     include_stop_str_in_output: bool = False  # extension (vLLM-style)
     skip_special_tokens: bool = True  # extension (vLLM-style)
-    logit_bias: dict[TokenIdKey, float] | None = None  # token id (a string in JSON) -> added to its logit
+    logit_bias: LogitBias | None = None
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # extension (vLLM-style): only these
     bad_words: list[str] | None = None  # extension (vLLM-style): words the output must not contain
     # Structured output (cluster/output_format.py): OpenAI's, then vLLM's extensions
@@ -172,7 +260,7 @@ class _OpenAIBody(RequestBody):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None,
                   defaults: SamplingDefaults, regex: str | None) -> SamplingParams:
@@ -205,7 +293,7 @@ class _OpenAIBody(RequestBody):
 
 class CompletionBody(_OpenAIBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, ""), "tools": (None, []),
-                                               "tool_choice": (None, "none")}
+                                               "tool_choice": (None, "none"), "return_tokens_as_token_ids": (None, False)}
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]  # one prompt, or a batch of them
     add_special_tokens: bool = True  # extension (vLLM's): a text prompt gets the tokenizer's BOS
@@ -337,10 +425,19 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     tools: list[Tool] | None = None  # (an empty list: none)
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # the template's `reasoning_effort` (as vLLM's)
 
     @property
     def asks_structure(self) -> bool:
         return super().asks_structure or (bool(self.tools) and self.tool_choice != "none")
+
+    @model_validator(mode="after")
+    def _effort_to_the_template(self):
+        """`reasoning_effort` is the template's variable of that name (gpt-oss's
+        templates read it; others leave it unread); it was taken and dropped."""
+        if self.reasoning_effort is not None:
+            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        return self
 
     @field_validator("tools")
     @classmethod

@@ -43,7 +43,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.api_models import ApiError, ChatBody, RequestBody
+from cluster.api_models import REASONING_EFFORTS, ApiError, ChatBody, RequestBody
 from cluster.ingress_guard import problem
 from cluster.responses_format import new_id
 
@@ -60,7 +60,6 @@ IncludeValue = Literal[LOGPROBS_INCLUDE, "reasoning.encrypted_content", "web_sea
                        "message.input_image.image_url"]
 MAX_METADATA = 16  # OpenAI's bounds on `metadata` (responses and conversations alike)
 MAX_KEY_CHARS, MAX_VALUE_CHARS = 64, 512
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
 
 
 def bounded_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
@@ -213,7 +212,7 @@ class ResponsesBody(RequestBody):
             fields["tool_choice"] = _tool_choice(self.tool_choice)
         effort = (self.reasoning or {}).get("effort")
         if effort is not None:
-            fields["chat_template_kwargs"] = {"reasoning_effort": effort}  # (as vLLM hands chat's reasoning_effort on)
+            fields["reasoning_effort"] = effort
         try:
             return ChatBody.model_validate(fields)
         except ValidationError as exc:

@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Discriminator, Field, Strict, Tag, model_valida
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
-from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, RequestBody, TokenId, TokenIdKey, stop_tuple
+from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, LogitBias, RequestBody, TokenId, stop_tuple
 from cluster.output_format import sglang_regex
 
 
@@ -43,7 +43,7 @@ class SglangSamplingParams(RequestBody):
     json_schema: str | None = None  # a JSON schema's text
     presence_penalty: float = 0.0
     min_new_tokens: int = 0
-    logit_bias: dict[TokenIdKey, float] | None = None  # token id -> added to its logit
+    logit_bias: LogitBias | None = None  # token id -> added to its logit
     no_stop_trim: bool = False  # keep the stop string at the end of the text
     # A slow tokenizer's option: fast tokenizers (SGLang's and Tandem's detokenizing) never add those spaces
     spaces_between_special_tokens: bool = True
@@ -108,7 +108,7 @@ class GenerateBody(RequestBody):
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     min_new_tokens: int | None = None
-    logit_bias: dict[TokenIdKey, float] | None = None
+    logit_bias: LogitBias | None = None
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
     regex: str | None = None

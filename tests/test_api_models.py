@@ -221,3 +221,47 @@ def test_generates_flat_top_k_is_held_to_the_range_of_sampling_params():
     """Sent flat, -5 was served as off; inside sampling_params, a 400."""
     with pytest.raises(ValueError, match="top_k"):
         GenerateBody.model_validate({"text": "x", "top_k": -5})
+
+
+# Found by a review: each was served (as a default, a coerced value, or with the field ignored)
+def test_null_in_a_field_that_takes_none_is_its_default():
+    """OpenAI's SDK sends null for an argument given as None: `"n": null` was a 400."""
+    chat = ChatBody.model_validate({"messages": MESSAGES, "n": None, "stream": None, "logprobs": None,
+                                    "frequency_penalty": None, "presence_penalty": None})
+    assert (chat.n, chat.stream, chat.logprobs, chat.frequency_penalty) == (1, False, False, 0.0)
+    assert CompletionBody.model_validate({"prompt": "x", "echo": None}).echo is False
+    assert ChatMessage.model_validate({"role": "assistant", "content": None}).content is None  # (it takes null)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_tokens", True, "max_tokens must be a number, not true"),
+    ("n", True, "n must be a number"), ("seed", False, "seed must be a number"),
+    ("temperature", "0.5", "temperature must be a number, not a string"),
+    ("stream", "yes", "stream must be true or false, not a string"),
+    ("logit_bias", {"5": True}, "valid number"), ("logit_bias", {"5": "1"}, "valid number"),
+    ("logit_bias", {"5": 100, "05": -100}, "logit_bias names token 5 twice"),
+    ("stream_options", {"include_usage": "false"}, "valid boolean"),
+    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}, "continuous_usage_stats is not"),
+    ("stream_options", {"include_usag": True}, "Extra inputs"),
+])
+def test_a_field_of_the_wrong_json_type_is_refused_not_coerced(field, value, message):
+    """pydantic's lax mode served `"max_tokens": true` as 1, `"temperature": "0.5"`
+    as 0.5, `"stream": "yes"` as a stream, and two keys of one token as the later."""
+    with pytest.raises(pydantic.ValidationError, match=message):
+        ChatBody.model_validate({"messages": MESSAGES, "stream": True, field: value})
+
+
+def test_completions_refuse_token_ids_for_token_texts_as_chat_does():
+    with pytest.raises(pydantic.ValidationError, match="return_tokens_as_token_ids is not supported"):
+        CompletionBody.model_validate({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True})
+    assert ChatBody.model_validate({"messages": MESSAGES, "stream": True,
+                                    "stream_options": {"include_usage": True}}).include_usage
+
+
+def test_chats_reasoning_effort_is_the_templates_variable():
+    """It was taken and dropped (the Responses API's `reasoning.effort` reached the template)."""
+    body = ChatBody.model_validate({"messages": MESSAGES, "reasoning_effort": "low"})
+    assert body.chat_template_kwargs == {"reasoning_effort": "low"}
+    both = ChatBody.model_validate({"messages": MESSAGES, "reasoning_effort": "low",
+                                    "chat_template_kwargs": {"reasoning_effort": "high", "enable_thinking": False}})
+    assert both.chat_template_kwargs == {"reasoning_effort": "high", "enable_thinking": False}  # (the explicit one)
