@@ -213,6 +213,9 @@ def build_checkpoint(preset: str, arch: str, out_dir: Path, *, progress: bool = 
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A stamp naming no builder first: a build cut short (Ctrl-C, a full disk) leaves a folder
+    # `tandem make-model` knows as its own, to build again, and no reader takes as current.
+    (out_dir / BUILD_STAMP).write_text(json.dumps({"building": f"{preset}/{arch}"}) + "\n")
 
     token_ids = build_tokenizer(out_dir, p.tokenizer_vocab_size or p.vocab_size, nfc=spec.nfc, bos_token=spec.bos_token,
                                 max_length=p.max_position_embeddings)

@@ -22,8 +22,9 @@ def _number(kind, accepts, wanted: str):
 
 positive_int = _number(int, lambda v: v > 0, "an integer > 0")
 non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
-positive_float = _number(float, lambda v: v > 0, "a number > 0")
-non_negative_float = _number(float, lambda v: v >= 0, "a number >= 0")
+# (finite: `--capacity inf` passed, and failed after the cluster was up, OverflowError)
+positive_float = _number(float, lambda v: 0 < v < float("inf"), "a number > 0")
+non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 

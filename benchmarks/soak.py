@@ -86,12 +86,22 @@ class SoakRecord:
 
 
 def manifest_settings(path: str) -> dict:
-    """The first application's `args` in a Serve manifest (its pool name aside:
-    ServeCluster names the pool)."""
+    """The first Tandem application's `args` in a Serve config (its pool name
+    aside: ServeCluster names the pool), once `tandem check-manifest` finds it
+    valid: a file not there, a RayService or a bad setting was a traceback
+    (the last one after the cluster was up)."""
     import yaml
 
+    from cluster.cli_error import CliError
+    from cluster.manifest_check import IMPORT_PATH, check_manifest
+
+    problems = check_manifest(path)
+    if problems:
+        raise CliError(f"--manifest {path} is not valid:\n  " + "\n  ".join(problems))
     manifest = yaml.safe_load(Path(path).read_text())
-    args = dict(manifest["applications"][0]["args"])
+    if manifest.get("kind") == "RayService":
+        manifest = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    args = dict(next(a for a in manifest["applications"] if a.get("import_path") == IMPORT_PATH)["args"])
     args.pop("pool_name", None)
     return args
 

@@ -41,7 +41,11 @@ def check_cluster_config(path: str | Path) -> list[str]:
         is_head = name == raw.get("head_node_type")
         low = node_type.get("min_workers", 0)
         high = node_type.get("max_workers", 0 if is_head else raw.get("max_workers", RAY_DEFAULT_MAX_WORKERS))
-        role = (node_type.get("labels") or {}).get(ROLE_LABEL)
+        labels = node_type.get("labels") or {}
+        role = labels.get(ROLE_LABEL) if isinstance(labels, dict) else None
+        if not isinstance(labels, dict) or not isinstance(role, (str, type(None))):
+            problems.append(f"node type {name}: labels must map names to strings ({ROLE_LABEL}: prefill or decode)")
+            continue
         if role:
             roles.setdefault(role, []).append(name)
             if is_head or not isinstance(high, int) or high > 0:

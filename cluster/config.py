@@ -45,6 +45,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
+def absolute_folder(name: str, folder: str | None) -> str | None:
+    """A folder setting `~` expanded; else it must be absolute. `~/traces` made a
+    folder named `~` in the worker's working directory, a relative path landed
+    there too (a "shared" path then shared by nobody), and "" wrote into it."""
+    if folder is None:
+        return None
+    expanded = os.path.expanduser(folder)
+    if not os.path.isabs(expanded):
+        raise ValueError(f"{name} must be an absolute path (or start with ~), got {folder!r}")
+    return expanded
+
+
 class ModelSource(_Strict):
     """A checkpoint folder, or a built-in preset built on first use (on each node)."""
 
@@ -57,7 +69,15 @@ class ModelSource(_Strict):
     def _one_source(self):
         if (self.path is None) == (self.preset is None):
             raise ValueError("model needs exactly one of `path` or `preset`")
+        if self.path is not None and "arch" in self.model_fields_set:  # (it was taken, and unread)
+            raise ValueError("model.arch is a preset's: a checkpoint folder's config.json names its architecture")
         return self
+
+    @field_validator("path")
+    @classmethod
+    def _home_expanded(cls, path: str | None) -> str | None:
+        """`~` expanded: `~/models/x` was looked for as a folder named `~`."""
+        return None if path is None else os.path.expanduser(path)
 
     @property
     def served_name(self) -> str:
@@ -212,6 +232,11 @@ class KVStoreSection(_Strict):
     low_watermark: float = Field(0.7, gt=0, le=1)
     write_through_shared: bool = True
 
+    @field_validator("disk_path", "shared_path")
+    @classmethod
+    def _absolute(cls, folder: str | None, info) -> str | None:
+        return absolute_folder(f"kv_store.{info.field_name}", folder)
+
     @model_validator(mode="after")
     def _coherent(self):
         if self.low_watermark > self.high_watermark:
@@ -266,15 +291,7 @@ class AppSettings(_Strict):
     @field_validator("profile_dir")
     @classmethod
     def _an_absolute_folder(cls, folder: str | None) -> str | None:
-        """`~` expanded; else absolute. `~/traces` made a folder named `~` in the
-        worker's working directory, a relative path landed there too, and "" wrote
-        the traces into it; each time the endpoint answered the path as given."""
-        if folder is None:
-            return None
-        expanded = os.path.expanduser(folder)
-        if not os.path.isabs(expanded):
-            raise ValueError(f"profile_dir must be an absolute path (or start with ~), got {folder!r}")
-        return expanded
+        return absolute_folder("profile_dir", folder)  # (the endpoint answered a bad one as given)
 
     @field_validator("pool_name")
     @classmethod

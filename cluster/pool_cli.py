@@ -139,6 +139,8 @@ def _cmd_pools(args: argparse.Namespace) -> None:
     except AttributeError:  # a pool manager of an older version
         settings = None
     latest = events[-args.events:] if args.events else []
+    if settings is not None and settings.get("api_key") is not None:  # (a script's output ends up in logs)
+        settings = {**settings, "api_key": "<redacted>"}
     if args.json:
         print(json.dumps({"pool_name": name, "workers": [asdict(w) for w in workers],
                           "failing": {role: asdict(f) for role, f in failures.items()},

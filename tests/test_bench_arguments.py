@@ -68,6 +68,9 @@ def test_every_preset_option_is_checked_against_the_presets():
      "got 'linear,bogus'"),
     (["engine", "--workloads", ","], "argument --workloads: must be names from mixed, equal, comma-separated, got ','"),
     (["handshake", "--long-at-s", "1,a"], "argument --long-at-s: must be numbers >= 0, comma-separated, got '1,a'"),
+    # found by a review: each parsed, and overflowed (or looped) once the cluster was up
+    (["overload", "--capacity", "inf"], "argument --capacity: must be a number > 0, got 'inf'"),
+    (["soak", "--think-s", "inf"], "argument --think-s: must be a number >= 0, got 'inf'"),
 ])
 def test_an_option_out_of_range_is_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -98,3 +101,16 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_run(capsys, tmp_pat
     fresh = tmp_path / "new" / "folder" / "results.json"
     assert main(["bench", "kernels", "--sections", "none", "--out", str(fresh)]) == 0
     assert fresh.exists()  # its folder made, its results written
+
+
+def test_a_soak_manifest_that_is_missing_or_not_valid_is_one_line(capsys, tmp_path):
+    """A missing file was a FileNotFoundError, a RayService a KeyError, a bad setting a
+    pydantic traceback once the cluster was up."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications:\n  - name: t\n    import_path: cluster.app:build_app\n"
+                   "    args: {model: {preset: tiny}, slo: {ttft_ms: -1}}\n")
+    for manifest, said in ((tmp_path / "none.yaml", "No such file or directory"), (bad, "slo.ttft_ms")):
+        assert main(["bench", "soak", "--manifest", str(manifest), "--out", str(tmp_path / "r.json")]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"tandem bench: --manifest {manifest} is not valid:") and said in captured.err
+        assert "Traceback" not in captured.err and captured.out == ""

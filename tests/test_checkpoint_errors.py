@@ -124,6 +124,27 @@ def test_make_model_does_not_write_over_another_checkpoint(tmp_path, capsys):
     assert (theirs / "model-00001-of-00002.safetensors").read_bytes() == b"weights"
 
 
+def test_make_model_cut_short_can_be_run_again(tmp_path, capsys, monkeypatch):
+    """A build interrupted (Ctrl-C, a full disk) left its config and tokenizer and
+    no stamp: the same command again was refused as another checkpoint's folder,
+    and the folder had to be removed by hand. Nor is a cut build current."""
+    from actors import model_builder
+
+    out = tmp_path / "m"
+    save = model_builder._save_weights
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_builder, "_save_weights", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["make-model", "--preset", "tiny", "--out", str(out)])
+    assert (out / "config.json").exists() and not model_builder._is_current(out, "tiny", "qwen2")
+    monkeypatch.setattr(model_builder, "_save_weights", save)
+    assert main(["make-model", "--preset", "tiny", "--out", str(out)]) == 0
+    assert model_builder._is_current(out, "tiny", "qwen2") and "wrote tiny/qwen2 checkpoint" in capsys.readouterr().out
+
+
 def test_demo_with_an_empty_model_is_refused(capsys):
     """`--model "$UNSET"` ran the built-in model instead."""
     assert main(["demo", "--model", "", "--prompt", "hi", "--max-new-tokens", "1"]) == 2

@@ -90,6 +90,9 @@ def test_malformed_files_and_settings_are_problems_not_tracebacks(tmp_path):
         "an empty node type": lambda raw: raw["available_node_types"].update(decode_gpu=None),
         "node types as a list": lambda raw: raw.update(available_node_types=["decode_gpu"]),
         "resources as a string": lambda raw: raw["available_node_types"]["decode_gpu"].update(resources="lots"),
+        # found by a review: a TypeError (a role as a list is no key), exit code 0
+        "a role as a list": lambda raw: raw["available_node_types"]["decode_gpu"]["labels"].update(
+            {"tandem/role": ["decode"]}),
     }
     for case, mutate in cases.items():
         problems = check_cluster_config(_variant(tmp_path, mutate))

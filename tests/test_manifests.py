@@ -201,6 +201,11 @@ def test_local_profile_binds_to_loopback():
         # Found by a review: traces went into a folder named `~`, or the workers' working directory
         ({"model": {"preset": "tiny"}, "profile_dir": "traces"}, "profile_dir must be an absolute path"),
         ({"model": {"preset": "tiny"}, "profile_dir": ""}, "profile_dir must be an absolute path"),
+        # Found by a review: each was taken (a folder named `~` or relative to the worker, an arch unread)
+        ({"model": {"preset": "tiny"}, "kv_store": {"disk_path": "kv"}}, "kv_store.disk_path must be an absolute"),
+        ({"model": {"preset": "tiny"}, "kv_store": {"shared_path": "", "ttl_s": 60}},
+         "kv_store.shared_path must be an absolute"),
+        ({"model": {"path": "/models/x", "arch": "llama"}}, "model.arch is a preset's"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
@@ -211,6 +216,8 @@ def test_bad_settings_are_refused_clearly(args, message):
 def test_a_profile_dir_under_home_is_expanded():
     settings = AppSettings.model_validate({"model": {"preset": "tiny"}, "profile_dir": "~/traces"})
     assert settings.profile_dir == str(Path.home() / "traces")
+    settings = AppSettings.model_validate({"model": {"path": "~/models/x"}, "kv_store": {"disk_path": "~/kv"}})
+    assert settings.model.path == str(Path.home() / "models/x") and settings.kv_store.disk_path == str(Path.home() / "kv")
 
 
 def test_an_integer_is_a_float_setting_as_yaml_writes_it():

@@ -28,6 +28,7 @@ SETTINGS = {
     "decode": {"replicas": 1},
     "autoscaling": {"drain_grace_s": 120},  # the drained worker stays draining through the test
     "pool_name": "test-pool-cli",
+    "api_key": "sk-test-secret",
 }
 
 
@@ -74,6 +75,7 @@ def test_pools_lists_the_workers_and_drain_takes_one_out(ray_local, tiny_qwen2_d
         ("p0", "prefill", "ready"), ("d1", "decode", "ready")}
     assert listed["failing"] == {} and {e["kind"] for e in listed["events"]} >= {"started", "ready"}
     assert listed["settings"]["engine"]["num_kv_blocks"] == 64 and listed["settings"]["prefill"]["replicas"] == 1
+    assert listed["settings"]["api_key"] == "<redacted>" and "sk-test-secret" not in r["listed"].stdout  # (in logs)
     # p0 is the only prefill worker: it serves until p2, started in its place, has started (make before break)
     assert r["drained"].returncode == 0 and r["drained"].stdout.startswith(
         "p0 (prefill) drains once another prefill worker has started, and serves until then")
