@@ -110,9 +110,18 @@ class HermesStream:
         return end
 
     def finish(self) -> list:
-        """The rest: a block left open, or a tag's start, is text after all."""
-        rest = (OPEN if self.in_block else "") + self.pending
+        """The rest: a tag's start is text after all, and so is a block left open,
+        unless its body is a whole call (the model stopped, or a stop string cut
+        the answer, before the close tag: vLLM reads it as a call too; it was
+        answered as the call's markup, finish_reason "stop")."""
+        rest, in_block = self.pending, self.in_block
         self.pending, self.in_block = "", False
+        if in_block:
+            called = block_call(rest, self.tool_names) if self.parallel or not self.num_calls else None
+            if called is not None:
+                self.num_calls += 1
+                return [called]
+            rest = OPEN + rest
         return self.text.pieces(rest)
 
 

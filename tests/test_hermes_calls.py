@@ -54,6 +54,14 @@ def test_a_block_that_is_not_a_call_stays_in_the_text_as_written(bad):
     assert parse(f"{block('get_time')} {bad}", NAMES) == (bad.strip(), [("get_time", "{}")])
 
 
+def test_a_last_block_whose_close_tag_never_came_is_a_call_if_its_body_is_one():
+    """The model stopped (or a stop string "</tool_call>" cut it) before the close
+    tag: the answer was the call's markup, finish_reason "stop"."""
+    text = f"Looking.\n{OPEN}\n" + '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    assert parse(text, NAMES) == ("Looking.", [("get_weather", '{"city": "Oslo"}')])
+    assert parse(f"{block('get_time')}{OPEN}{{}}", NAMES, parallel=False) == (f"{OPEN}{{}}", [("get_time", "{}")])
+
+
 def test_arguments_under_parameters_are_read_as_llamas_are():
     text = block("get_weather", parameters={"city": "Oslo"})
     assert parse(text, NAMES) == (None, [("get_weather", '{"city": "Oslo"}')])
