@@ -196,7 +196,7 @@ class _OpenAIBody(RequestBody):
     }
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=0)  # (0: completions' echo alone; else at least 1)
     temperature: float | None = None  # None: the model's default
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
@@ -263,10 +263,12 @@ class _OpenAIBody(RequestBody):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling(self, max_tokens: int | None, default_max: int, logprobs: int | None,
-                  defaults: SamplingDefaults, regex: str | None) -> SamplingParams:
+                  defaults: SamplingDefaults, regex: str | None, max_tokens_name: str = "max_tokens") -> SamplingParams:
+        """`max_tokens_name`: the field the client gave `max_tokens` in, for errors."""
         max_new_tokens = max_tokens if max_tokens is not None else max(default_max, self.min_tokens)
         if 0 < max_new_tokens < self.min_tokens:  # said in this body's names (a bad max_tokens: SamplingParams)
-            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_new_tokens})")
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= {max_tokens_name} "
+                                      f"({max_new_tokens})")
         model = defaults.fill(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty)
         return SamplingParams(
@@ -307,6 +309,8 @@ class CompletionBody(_OpenAIBody):
             raise ValueError("best_of is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 needs echo (the prompt's text and logprobs alone)")
+        if self.max_tokens == 0 and self.min_tokens:  # (its one token, generated and dropped, read as the bound)
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens (0)")
         if len(self.prompts()) * self.n > MAX_BATCH_REQUESTS:
             raise ValueError(f"{len(self.prompts())} prompts x n={self.n} is more than {MAX_BATCH_REQUESTS} requests")
         return self
@@ -419,7 +423,7 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None  # (an empty list: none)
@@ -430,6 +434,12 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     @property
     def asks_structure(self) -> bool:
         return super().asks_structure or (bool(self.tools) and self.tool_choice != "none")
+
+    @model_validator(mode="after")
+    def _an_answer(self):
+        if self.max_tokens == 0:  # (errors name the field as sent: they said the engine's max_new_tokens)
+            raise ValueError("max_tokens must be >= 1")
+        return self
 
     @model_validator(mode="after")
     def _effort_to_the_template(self):
@@ -485,6 +495,7 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
         """`reasoning`: how the answer starts where the server parses reasoning; a
         pattern then holds the answer after it (cluster/reasoning.py);
         `tool_format`: how the served model writes tool calls (cluster/tool_calls.py)."""
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         regex = self.output_regex(tool_format, (REASONING_OPEN,) if reasoning is not None else ())
@@ -492,7 +503,7 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
             structured = self.structured_outputs if isinstance(self.structured_outputs, dict) else {}
             written = self.guided_regex is not None or structured.get("regex") is not None  # (the client's own)
             regex = held_regex(regex, reasoning.opened, written)
-        return self._sampling(max_tokens, default_max, logprobs, defaults, regex)
+        return self._sampling(max_tokens, default_max, logprobs, defaults, regex, name)
 
 
 class TokenizeBody(_ChatTemplateFields):
