@@ -77,10 +77,10 @@ class RequestBody(BaseModel):
     def _json_types(cls, data):
         """null in a field that has a default and takes no null is its default
         (OpenAI's fields are nullable, and its SDK sends null for an argument
-        given as None: `"n": null` was a 400); a number is never a boolean nor a string, and a boolean
-        never a string (pydantic's lax mode served `"max_tokens": true` as 1,
-        `"temperature": "0.5"` as 0.5 and `"stream": "yes"` as a stream; OpenAI
-        refuses them)."""
+        given as None: `"n": null` was a 400); a number is never a boolean nor
+        a string, and a boolean never a string (pydantic's lax mode served
+        `"max_tokens": true` as 1, `"temperature": "0.5"` as 0.5 and `"stream":
+        "yes"` as a stream; OpenAI refuses them)."""
         if not isinstance(data, dict):
             return data
         out = {}
@@ -295,7 +295,8 @@ class _OpenAIBody(RequestBody):
 
 class CompletionBody(_OpenAIBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_OpenAIBody.UNSUPPORTED, "suffix": (None, ""), "tools": (None, []),
-                                               "tool_choice": (None, "none"), "return_tokens_as_token_ids": (None, False)}
+                                               "tool_choice": (None, "none"),
+                                               "return_tokens_as_token_ids": (None, False)}  # (chat refuses it too)
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]  # one prompt, or a batch of them
     add_special_tokens: bool = True  # extension (vLLM's): a text prompt gets the tokenizer's BOS

@@ -270,7 +270,8 @@ def test_chats_reasoning_effort_is_the_templates_variable():
 @pytest.mark.parametrize("body, message", [
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens\n.*greater than or equal to 1"),
     ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens must be >= 1"),
-    ({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 100}, r"min_tokens \(100\) must be <= max_tokens \(0\)"),
+    ({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 100},
+     r"min_tokens \(100\) must be <= max_tokens \(0\)"),
 ])
 def test_a_bad_output_length_is_named_as_the_client_sent_it(body, message):
     """The errors said the engine's `max_new_tokens`, or the 1 an echo's 0 is run as."""

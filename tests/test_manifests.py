@@ -217,7 +217,8 @@ def test_a_profile_dir_under_home_is_expanded():
     settings = AppSettings.model_validate({"model": {"preset": "tiny"}, "profile_dir": "~/traces"})
     assert settings.profile_dir == str(Path.home() / "traces")
     settings = AppSettings.model_validate({"model": {"path": "~/models/x"}, "kv_store": {"disk_path": "~/kv"}})
-    assert settings.model.path == str(Path.home() / "models/x") and settings.kv_store.disk_path == str(Path.home() / "kv")
+    assert settings.model.path == str(Path.home() / "models/x")
+    assert settings.kv_store.disk_path == str(Path.home() / "kv")
 
 
 def test_an_integer_is_a_float_setting_as_yaml_writes_it():
