@@ -60,6 +60,7 @@ class InFlight:
     ahead_id: str | None = None  # the request whose predicted end was the queue ahead of it, at admission
     early_s: float = 0.0  # how much sooner than predicted that queue ended (WorkerModels.first_token_came)
     failed_id: str | None = None  # the worker its error came from, where the error says (a retry leaves it out)
+    own_s: float = 0.0  # the predicted part of predicted_ttft_s that is its own work: prefill and transfer
 
     @property
     def in_prefill(self) -> bool:
@@ -91,6 +92,7 @@ class Prediction:
     line_wait_s: float = 0.0  # the part of ttft_s spent waiting for D's KV blocks (cluster/decode_lines.py)
     tbt_bias_s: float = 0.0  # the learned part of tbt_s (see WorkerModels.observe_tbt)
     ahead_id: str | None = None  # the request whose predicted end is the queue ahead (`queued_prefill_s`)
+    own_s: float = 0.0  # its own prefill and transfer (the queue, the line and the bias aside)
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         return self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_slo_s
@@ -321,11 +323,34 @@ class WorkerModels:
         sending short prompts back to back saw 62% of them refused for a predicted
         TTFT of about 5.07 s while the admitted ones' first tokens took 0.32 s on
         average (docs/benchmarks.md, "Admission under a steady load"). A request
-        predicted to wait in a D's line is due from its reservation: not moved."""
+        predicted to wait in a D's line is due from its reservation: not moved.
+        Early is against when its worker's part was due, its learned bias aside
+        (the queue's end, `_queue`): against its first token's due time, a token
+        on time for the model but inside the bias moved the queue behind it by
+        the bias, which `_queue` took off again (a burst's predictions then kept
+        a margin of one residual, not of the bias)."""
         due = request.first_token_due_s
-        if due is None or due <= now:
+        if due is None or due - request.ttft_bias_s <= now:
             return
-        early, behind = due - now, [request.request_id]
+        self._move_behind(request.request_id, due - request.ttft_bias_s - now)
+
+    def gone_before_its_first_token(self, request: InFlight, now: float) -> None:
+        """A request that ended before its first token (cancelled, failed, retried
+        elsewhere) does not do the work it had left on its worker: the queue of
+        each request behind it ends that much sooner. Left as it was, the queue
+        read the gone requests' prefill until the next first token came (half of
+        a burst cancelled: the next request predicted at 1.09 s, 0.5 s of work)."""
+        due = request.first_token_due_s
+        if due is None or not request.in_prefill:
+            return
+        left = min(request.own_s, max(due - request.ttft_bias_s - now, 0.0))
+        if left > 0:
+            self._move_behind(request.request_id, left)
+
+    def _move_behind(self, request_id: str, early: float) -> None:
+        """The queue of each request admitted behind `request_id` (`ahead_id`), and of
+        each behind those, ends `early` seconds sooner."""
+        behind = [request_id]
         while behind:
             ahead_id = behind.pop()
             for r in self.inflight.values():
@@ -374,4 +399,5 @@ class WorkerModels:
         ttft = queued + prefill + transfer + bias
         tbt_bias = self.tbt_bias(decode_id)
         tbt = self.tbt_at(decode_id, ttft, num_prompt_tokens) + tbt_bias
-        return Prediction(prefill_id, decode_id, ttft, tbt, uncached, bias, tbt_bias_s=tbt_bias, ahead_id=ahead_id)
+        return Prediction(prefill_id, decode_id, ttft, tbt, uncached, bias, tbt_bias_s=tbt_bias, ahead_id=ahead_id,
+                          own_s=prefill + transfer)

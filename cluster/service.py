@@ -112,9 +112,11 @@ class GlobalScheduler:
         reserve = self.settings.engine.decode_reserve_tokens
         needed_blocks = -(-reservation_tokens(len(prompt_ids), max_new_tokens, reserve, self.max_model_len)
                           // self.block_size)
-        inflight = dict(models.peers.inflight)  # the other scheduler replicas' requests, then ours
+        # The other scheduler replicas' requests, then ours, counted as they count theirs: on P while
+        # in prefill (ours were counted on P for their whole life), on D and colocated workers throughout
+        inflight = dict(models.peers.inflight)
         for request in models.inflight.values():
-            for worker_id in {request.prefill_id, request.decode_id} - {None}:
+            for worker_id in {request.prefill_id if request.in_prefill else None, request.decode_id} - {None}:
                 inflight[worker_id] = inflight.get(worker_id, 0) + 1
         if self.settings.mode == "colocated":
             candidates = [
@@ -123,8 +125,7 @@ class GlobalScheduler:
             ]
         else:
             headroom = {d: view.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
-            decodes = [d for d, room in headroom.items() if room >= needed_blocks] or list(headroom)
-            line_wait = {d: self._line_wait_s(d, headroom[d], needed_blocks) for d in decodes}  # once: P aside
+            line_wait = {d: self._line_wait_s(d, headroom[d], needed_blocks) for d in headroom}  # once: P aside
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             candidates = []
             for p in view.routable("prefill", exclude):
@@ -133,18 +134,23 @@ class GlobalScheduler:
                     _waiting(models.predict(p, d, len(prompt_ids), cached,
                                             view.cached_tokens(d, usable_hashes) // self.block_size),
                              line_wait[d])
-                    for d in decodes
+                    for d in headroom
                 ]
                 # D: within the TBT SLO, the shortest wait for KV blocks (none where
-                # there is room), the least busy (so a new decode worker takes
-                # requests even if its start-up profile came out slower), then the
-                # most KV headroom, then the one routed to least so far (idle equals
-                # take turns, and a scaled-up worker serves from the next request);
-                # past the SLO, the fastest.
+                # there is room), one with room before one without (whose wait
+                # may be unknown: read as none), the least busy (so a new decode
+                # worker takes requests even if its start-up profile came out
+                # slower), then the most KV headroom, then the one routed to
+                # least so far (idle equals take turns, and a scaled-up worker
+                # serves from the next request); past the SLO, the fastest. Every
+                # D is a candidate: one without room but within the TBT SLO was
+                # left out where another had room, and that one's TBT past the
+                # SLO was a 429 (or a miss) for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
-                        c.tbt_s > tbt_slo_s, c.line_wait_s, inflight.get(c.decode_id, 0),
-                        -headroom[c.decode_id], view.num_routed.get(c.decode_id, 0), c.tbt_s)))
+                        c.tbt_s > tbt_slo_s, c.line_wait_s, headroom[c.decode_id] < needed_blocks,
+                        inflight.get(c.decode_id, 0), -headroom[c.decode_id], view.num_routed.get(c.decode_id, 0),
+                        c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
@@ -271,7 +277,7 @@ class GlobalScheduler:
     async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
-                            ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id)
+                            ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s)
         models = self.view.models
         models.inflight[request.request_id] = inflight
         for worker_id in (choice.prefill_id, choice.decode_id):
@@ -300,6 +306,7 @@ class GlobalScheduler:
                 yield event
         finally:
             models.inflight.pop(request.request_id, None)
+            models.gone_before_its_first_token(inflight, time.monotonic())
 
     async def _events(self, request: GenerateRequest, choice: Prediction, inflight: InFlight):
         call = None

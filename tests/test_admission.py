@@ -109,6 +109,66 @@ def test_a_first_token_sooner_than_predicted_moves_the_queue_behind_it_as_much()
     assert models.inflight["in_line"].first_token_due_s - now == pytest.approx(4.0)
 
 
+def test_a_first_token_within_its_bias_does_not_move_the_queue_behind_it():
+    """P's model is exact and its learned bias 0.3 s (the way back, and spread).
+    In a burst of ten 100-token prompts, the first one's token came 50 ms after
+    P finished it: on time for P's part, early only against the bias. Measured
+    against the bias too, the queue behind moved by 0.25 s and then lost the
+    bias in `_queue` again: it read 0.6 s with 0.85 s of P's work left."""
+    models = _models()
+    models.observe_ttft(models.predict("p0", "d0", 100, 0), observed_s=0.1 + 0.3)
+    now = time.monotonic()
+    burst = []
+    for index in range(10):
+        prediction = models.predict("p0", "d0", 100, 0)
+        burst.append(InFlight(f"r{index}", "p0", "d0", 100, 10, prediction.ttft_s, admitted_s=now, reserved_s=now,
+                              ttft_bias_s=prediction.ttft_bias_s, ahead_id=prediction.ahead_id))
+        models.inflight[burst[-1].request_id] = burst[-1]
+    models.first_token_came(burst[0], now + 0.15)
+    burst[0].first_token_s = now + 0.15
+    assert all(r.early_s == 0 for r in burst)
+    assert burst[-1].first_token_due_s - now == pytest.approx(1.0 + 0.3, abs=0.01)  # P's end, and the bias
+
+
+def test_requests_gone_before_their_first_token_take_their_work_off_the_queue():
+    """Five of a burst of ten 0.1 s prompts were cancelled before P came to them:
+    the queue read 1 s, for 0.5 s of P's work left, until the next first token."""
+    models = _models()
+    now = time.monotonic()
+    burst = []
+    for index in range(10):
+        prediction = models.predict("p0", "d0", 100, 0)
+        burst.append(InFlight(f"r{index}", "p0", "d0", 100, 10, prediction.ttft_s, admitted_s=now, reserved_s=now,
+                              ahead_id=prediction.ahead_id, own_s=prediction.own_s))
+        models.inflight[burst[-1].request_id] = burst[-1]
+    assert burst[0].own_s == pytest.approx(0.1, abs=0.01)
+    for gone in burst[2:7]:
+        del models.inflight[gone.request_id]
+        models.gone_before_its_first_token(gone, now)
+    assert burst[-1].first_token_due_s - now == pytest.approx(0.5, abs=0.01)
+    assert models.queued_prefill_s("p0") == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_full_decode_worker_within_the_tbt_slo_is_chosen_over_one_with_room_past_it():
+    """d0 has room but ten long decodes (110 ms steps, over a 50 ms TBT SLO); d1 is
+    full, idle, and grants 10 reservations a second. Ds without room were left
+    out wherever one had room: the request was rejected for d0's TBT, though
+    (p0, d1) meets both SLOs."""
+    scheduler = _scheduler(ttft_ms=2000, tbt_ms=50, decodes=("d0", "d1"))
+    view = scheduler.view
+    view.models.seed_from("d0", "d1")
+    now = time.monotonic()
+    for index in range(10):
+        view.models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 10, 1000, 0.0, admitted_s=now - 5,
+                                                     reserved_s=now - 5, first_token_s=now)
+    view.stats["d1"] = _idle_stats("d1", num_used_blocks=1000)
+    view.lines.observe("d1", num_granted=0, num_waiting=1, now_s=now - 2.0)
+    view.lines.observe("d1", num_granted=20, num_waiting=0, now_s=now)
+    view.lines.observe("d0", num_granted=0, num_waiting=0, now_s=now)
+    choice = scheduler.plan(list(range(32)))
+    assert choice.decode_id == "d1" and choice.line_wait_s == pytest.approx(0.1) and choice.tbt_s <= 0.05
+
+
 def test_a_learned_ttft_bias_counts_once_not_once_for_every_request_ahead():
     """P's first tokens came 0.3 s later than its model says (the way there and
     back, side by side for concurrent requests): a burst of 16 short prompts,
