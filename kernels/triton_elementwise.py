@@ -49,7 +49,7 @@ MAX_HIDDEN = 16384
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, size, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # (row * stride in 32 bits wrapped past 2**31 elements)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -80,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_out, stride_sum, size, eps,
                          BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # (row * stride in 32 bits wrapped past 2**31 elements)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -142,8 +142,8 @@ def _rope_token(x_ptr, cos_ptr, sin_ptr, out_ptr, token, num_heads, stride_xn, s
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, stride_xn, stride_xh, stride_cn, stride_on, stride_oh,
                  HEADS: tl.constexpr, HALF: tl.constexpr):
-    _rope_token(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0), num_heads, stride_xn, stride_xh, stride_cn,
-                stride_on, stride_oh, HEADS, HALF)
+    _rope_token(x_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), num_heads, stride_xn, stride_xh,
+                stride_cn, stride_on, stride_oh, HEADS, HALF)
 
 
 @triton.jit
@@ -153,7 +153,7 @@ def _rope_write_kv_kernel(x_ptr, v_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, sl
                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """`_rope_kernel`, and the token's rotated k heads (the last `num_kv_heads` of
     its heads) and its v heads stored at its slot of the cache."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     first, second, heads, dims, mask = _rope_token(x_ptr, cos_ptr, sin_ptr, out_ptr, token, num_heads, stride_xn,
                                                    stride_xh, stride_cn, stride_on, stride_oh, HEADS, HALF)
     slot = tl.load(slots_ptr + token)
@@ -219,7 +219,7 @@ def rope_and_write_kv(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin:
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # (row * stride in 32 bits wrapped past 2**31 elements)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)

@@ -18,6 +18,7 @@ TRITON_INTERPRET (the jit objects must be real ones).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ class CompileForHopper:
                 raise TypeError(f"{param.name}: no Triton type for {type(value).__name__}")
         kernel = triton.compile(ASTSource(self.fn, signature, constexprs), target=HOPPER)
         assert "cubin" in kernel.asm and kernel.asm["cubin"], self.fn.__name__
-        self.compiled.append({"signature": signature, "constexprs": constexprs})
+        self.compiled.append({"signature": signature, "constexprs": constexprs, "ttir": kernel.asm["ttir"]})
 
 
 @pytest.fixture
@@ -130,3 +131,16 @@ def test_block_copy_and_elementwise_kernels_compile_for_hopper(hopper, dtype):
     assert len(copy.compiled) == 2
     assert len(norm.compiled) == len(add_norm.compiled) == len(rope.compiled) == len(activation.compiled) == 1
     assert len(rope_write.compiled) == 1
+    for kernel in (norm, add_norm, rope, rope_write, activation):
+        assert _rows_offset_in_64_bits(kernel.compiled[0]["ttir"]), kernel.fn.__name__
+
+
+def _rows_offset_in_64_bits(ttir: str) -> bool:
+    """Whether no product of the program's row (its first grid axis) is taken in
+    32 bits. `row * stride` in i32 wrapped past 2**31 elements: SiLU-and-mul's
+    input is that at 42k tokens of a 32B model's step (out-of-bounds reads and
+    writes, or wrong activations)."""
+    rows = re.findall(r"(%[\w.]+) = tt\.get_program_id x : i32", ttir)
+    products = [line.split(" loc(")[0] for line in ttir.splitlines() if "arith.muli" in line]
+    return bool(rows) and not any(re.search(rf"muli {row}, .*: i32$|muli .*, {row} : i32$", product)
+                                  for row in rows for product in products)
