@@ -11,7 +11,8 @@ the others still run):
    dtypes; on CUDA also each one's time beside torch's (the reference, SDPA alone,
    torch indexing) at serving-sized shapes.
 2. `exactness`: greedy token ids of Tandem's engine against transformers'
-   `generate`, float32, same device, same prompts.
+   `generate`, float32, same device, same prompts; prompts whole, and again in
+   chunks of 40 tokens (the paged prefill over a cached prefix, Triton's on CUDA).
 3. `roofline`: the device's measured peaks (matmul FLOP/s in the model dtype, copy
    bandwidth), prefill MFU on one `--prefill-tokens` prompt, eagerly (the default)
    and replayed from a CUDA graph (`prefill_graphs`, which must capture), and decode MBU at batch
@@ -91,18 +92,25 @@ def check_exactness(model_dir: Path, device: str, num_prompts: int = 8, new_toke
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 2000) for _ in range(rng.randint(8, 200))] for _ in range(num_prompts)]
-    llm = LLM(model_dir, device=device, dtype="float32", kv_cache_bytes=256 * 2**20)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm = LLM(model_dir, device=device, dtype="float32", kv_cache_bytes=256 * 2**20)
     ours = [o.token_ids for o in llm.generate(prompts, [params] * num_prompts)]
     del llm
+    # Chunks of 40 tokens: every chunk after a prompt's first goes over a cached prefix that ends
+    # mid-block, the paged prefill path (Triton's kernel on CUDA), which whole prompts never take
+    llm = LLM(model_dir, device=device, dtype="float32", kv_cache_bytes=256 * 2**20, prefill_chunk_size=40)
+    chunked = [o.token_ids for o in llm.generate(prompts, [params] * num_prompts)]
+    del llm
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    identical = 0
-    for prompt, tokens in zip(prompts, ours):
+    identical = identical_chunked = 0
+    for prompt, tokens, chunked_tokens in zip(prompts, ours, chunked):
         with torch.inference_mode():
             out = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         identical += out[0, len(prompt):].tolist() == tokens
-    return {"prompts": num_prompts, "identical": identical, "ok": identical == num_prompts}
+        identical_chunked += out[0, len(prompt):].tolist() == chunked_tokens
+    return {"prompts": num_prompts, "identical": identical, "identical_chunked": identical_chunked,
+            "ok": identical == identical_chunked == num_prompts}
 
 
 # ---- 3. roofline ------------------------------------------------------------------

@@ -162,29 +162,40 @@ def _elementwise_inputs(device: str, dtype, num_tokens: int) -> dict:
             "slots": torch.randperm(num_blocks * 16, device=device)[:num_tokens]}
 
 
-def _elementwise_pairs(triton_elementwise, inputs: dict) -> dict:
-    """name -> (Triton call, reference call) over the same inputs."""
+def _elementwise_pairs(triton_elementwise, inputs: dict, with_cache: bool = False) -> dict:
+    """name -> (Triton call, reference call) over the same inputs; `with_cache`:
+    the fused RoPE and KV write's answer holds the cache it wrote (for errors,
+    not times)."""
     from kernels.activation import silu_and_mul
     from kernels.norm import add_rms_norm, rms_norm
     from kernels.rope import apply_rope
     from kernels.rope_cache import rope_and_write_kv
 
     x, weight, q, cos, sin, gate_up = (inputs[k] for k in ("x", "weight", "q", "cos", "sin", "gate_up"))
-    cache_args = (inputs["v"], cos, sin, inputs["cache"], inputs["slots"])
+    ours_cache, reference_cache = inputs["cache"], inputs["cache"].clone()
+
+    def rope_and_cache(rope_and_write, cache):
+        """The rotated q and k, and the cache the call wrote k and v into (each side
+        its own: with one cache between them, the fused kernel's write, the only KV
+        write on CUDA, was never compared)."""
+        rotated = rope_and_write(q, inputs["v"], cos, sin, cache, inputs["slots"])
+        return torch.cat([rotated.flatten(), cache.flatten()]) if with_cache else rotated
+
     return {
         "rms_norm": (lambda: triton_elementwise.rms_norm(x, weight, 1e-6), lambda: rms_norm(x, weight, 1e-6)),
         "add_rms_norm": (lambda: triton_elementwise.add_rms_norm(x, x, weight, 1e-6)[0],
                          lambda: add_rms_norm(x, x, weight, 1e-6)[0]),
         "rope": (lambda: triton_elementwise.apply_rope(q, cos, sin), lambda: apply_rope(q, cos, sin)),
         "silu_and_mul": (lambda: triton_elementwise.silu_and_mul(gate_up), lambda: silu_and_mul(gate_up)),
-        "rope_and_write_kv": (lambda: triton_elementwise.rope_and_write_kv(q, *cache_args),
-                              lambda: rope_and_write_kv(q, *cache_args)),
+        "rope_and_write_kv": (lambda: rope_and_cache(triton_elementwise.rope_and_write_kv, ours_cache),
+                              lambda: rope_and_cache(rope_and_write_kv, reference_cache)),
     }
 
 
 def _elementwise_errors(triton_elementwise, device: str, dtype) -> list[dict]:
     rows = []
-    for name, (ours, reference) in _elementwise_pairs(triton_elementwise, _elementwise_inputs(device, dtype, 37)).items():
+    pairs = _elementwise_pairs(triton_elementwise, _elementwise_inputs(device, dtype, 37), with_cache=True)
+    for name, (ours, reference) in pairs.items():
         want = reference().float()
         rows.append({"kernel": name, "dtype": str(dtype), "max_abs_err": (ours().float() - want).abs().max().item(),
                      "scale": want.abs().max().item()})

@@ -43,7 +43,10 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
 
 def copy_into(view: torch.Tensor, host: torch.Tensor) -> None:
     """`host` (a CPU tensor) copied into `view` (a tensor on any device), as
-    `to_device` copies: to CUDA from pinned memory, without waiting."""
+    `to_device` copies: to CUDA from pinned memory, without waiting. A strided
+    host slice (a bucket of the decode graphs' block tables) is made contiguous
+    first: pinned as it is, its copy may go through pageable memory, which the
+    driver copies with the host waiting."""
     if view.is_cuda:
-        host = host.pin_memory()
+        host = host.contiguous().pin_memory()
     view.copy_(host, non_blocking=True)
