@@ -62,14 +62,22 @@ class ModelSource(_Strict):
 
     path: str | None = None
     preset: Literal["tiny", "bench", "qwen2.5-0.5b"] | None = None  # actors/model_builder.py's PRESETS
-    arch: Literal["qwen2", "qwen3", "qwen3_moe", "llama", "mistral"] = "qwen2"  # actors/model_builder.py's ARCH_SPECS
+    # A preset's (actors/model_builder.py's ARCH_SPECS; qwen2 where left out); none for a folder
+    arch: Literal["qwen2", "qwen3", "qwen3_moe", "llama", "mistral"] | None = None
     name: str | None = None  # the id /v1/models lists; default from the source
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_presets_arch(cls, data):
+        if isinstance(data, dict) and data.get("preset") is not None and data.get("arch") is None:
+            return {**data, "arch": "qwen2"}
+        return data
 
     @model_validator(mode="after")
     def _one_source(self):
         if (self.path is None) == (self.preset is None):
             raise ValueError("model needs exactly one of `path` or `preset`")
-        if self.path is not None and "arch" in self.model_fields_set:  # (it was taken, and unread)
+        if self.path is not None and self.arch is not None:  # (it was taken, and unread)
             raise ValueError("model.arch is a preset's: a checkpoint folder's config.json names its architecture")
         return self
 
@@ -86,7 +94,7 @@ class ModelSource(_Strict):
         return f"tandem-{self.preset}-{self.arch}" if self.preset else Path(self.path).name
 
     def location(self) -> ModelLocation:
-        return ModelLocation(self.path, self.preset, self.arch)
+        return ModelLocation(self.path, self.preset, self.arch or "qwen2")
 
     @property
     def context_tokens(self) -> int | None:
