@@ -49,8 +49,16 @@ class OutputWriter:
 
     def finish(self, request: Request, reason: FinishReason, text: str | None = None) -> None:
         """End a request: its final text (the whole detokenized output unless a stop
-        string cut it) and its blocks back to the pool."""
-        request.detokenizer.flush()
+        string cut it) and its blocks back to the pool. The tail the detokenizer
+        held back (an incomplete character, as U+FFFD) is checked for stop strings
+        as each token's text is: it was not, and a stop string in it ended the
+        request for its length, the stop string in its text."""
+        tail = request.detokenizer.flush()
+        if text is None and tail and request.stop_strings is not None:
+            dropped = request.stop_strings.feed(tail)
+            if dropped is not None and len(request.output_token_ids) > request.params.min_new_tokens:
+                text = request.detokenizer.text_between(0, request.detokenizer.num_chars - dropped)
+                reason = FinishReason.STOP
         request.output_text = request.detokenizer.text if text is None else text
         request.finish_reason = reason
         self.scheduler.finish(request)

@@ -195,6 +195,19 @@ def test_a_stop_string_that_begins_before_min_new_tokens_stops_where_it_ends(llm
     assert cases >= 2
 
 
+def test_a_stop_string_in_the_tail_flushed_at_the_end_stops_the_request(llm):
+    """The last token leaves an incomplete character, flushed as U+FFFD when the
+    request ends: the flushed tail was never searched for stop strings, and a
+    stop of U+FFFD ended the request for its length with the stop in its text
+    (found by a review; one mid-text stopped it)."""
+    kw = dict(max_new_tokens=4, temperature=1.3, seed=70, ignore_eos=True)
+    prompt = [5, 77, 1200, 33, 73]
+    free = llm.generate([prompt], SamplingParams(**kw))[0]
+    assert free.text.endswith("\ufffd") and free.text.count("\ufffd") == 1, free.text  # (the case: the tail's)
+    out = llm.generate([prompt], SamplingParams(**kw, stop=("\ufffd",)))[0]
+    assert out.finish_reason is FinishReason.STOP and out.text == free.text[:-1]
+
+
 def test_text_equals_decoding_the_tokens(llm):
     params = SamplingParams(max_new_tokens=40, temperature=1.5, seed=3, ignore_eos=True)
     for out in llm.generate(["héllo wörld 中文 🙂", "plain"], params):
