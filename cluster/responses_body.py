@@ -43,7 +43,8 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.api_models import REASONING_EFFORTS, ApiError, ChatBody, RequestBody
+from cluster.api_models import REASONING_EFFORTS, ApiError, ChatBody
+from cluster.request_body import RequestBody
 from cluster.ingress_guard import problem
 from cluster.responses_format import new_id
 

@@ -11,7 +11,8 @@ from pydantic import ConfigDict, Discriminator, Field, Strict, Tag, model_valida
 
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
-from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, LogitBias, RequestBody, TokenId, stop_tuple
+from cluster.api_models import MAX_BATCH_REQUESTS, MAX_CHOICES, stop_tuple
+from cluster.request_body import LogitBias, RequestBody, TokenId
 from cluster.output_format import sglang_regex
 
 
