@@ -23,7 +23,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import ray
 import torch
 
 from actors.background import background_task
@@ -300,12 +299,13 @@ class DecodeWorker(WorkerBase):
         for rid, p in pending:
             if p.prefill_handle is not None and now - p.heard_s > self.options.reservation_ttl_s / 2:
                 stale.setdefault(p.prefill_handle, []).append(rid)
-        for handle, rids in stale.items():
-            try:
-                held = await within(handle.holding.remote(rids), self.options.watchdog_interval_s * 4)
-            except (asyncio.TimeoutError, ray.exceptions.RayError):
-                continue  # (a dead P: the ping tells)
-            with self._pending_lock:
+        answers = await asyncio.gather(  # the Ps at once: the watchdog's expiries and pings wait for this
+            *(within(handle.holding.remote(rids), self.options.watchdog_interval_s * 4) for handle, rids in
+              stale.items()), return_exceptions=True)
+        with self._pending_lock:
+            for held in answers:
+                if isinstance(held, BaseException):  # (a dead P: the ping tells; a slow one: the TTL runs on)
+                    continue
                 for rid in held:
                     if rid in self._pending:
                         self._pending[rid].heard_s = now

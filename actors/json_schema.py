@@ -52,6 +52,7 @@ NESTED_FREE_DEPTH = 2  # and a value a schema leaves free (each copy costs autom
 # A schema's pattern, and each of its parts, is at most this long: longer ones pass the
 # automaton's bounds anyway (actors/regex_dfa.py: 40k characters of nested arrays did).
 MAX_PATTERN_CHARS = 200_000
+MAX_WRITTEN_CHARS = 20 * MAX_PATTERN_CHARS  # of all parts as written (nested ones counted at each level)
 COMMA, COLON = ", ", ": "  # json.dumps' separators, exactly
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 # One character of a string whose length is bounded: no half of a surrogate pair as a
@@ -226,14 +227,19 @@ class _Writer:
     def __init__(self, root: dict) -> None:
         self.definitions = {**root.get("definitions", {}), **root.get("$defs", {})}
         self.resolving: list[str] = []
+        self.written = 0  # characters of every part's pattern so far (a part's are counted in each above it too)
 
     def value(self, schema, path: str) -> str:
         """The pattern of the values `schema` (at `path`) describes, each part
-        checked against `MAX_PATTERN_CHARS` as it is written: an array or a map
-        writes its item's pattern twice, and an 800-byte schema nesting arrays 25
-        deep wrote patterns of gigabytes (a worker killed for its memory)."""
+        checked against `MAX_PATTERN_CHARS` as it is written, and all parts
+        together against `MAX_WRITTEN_CHARS`: an array or a map writes its item's
+        pattern twice, and an 800-byte schema nesting arrays 25 deep wrote
+        patterns of gigabytes (a worker killed for its memory); an object of
+        3000 properties each a reference to one large definition joined them
+        all before its own length was read (2 GB for a 127 KB schema)."""
         pattern = self._value(schema, path)
-        if len(pattern) > MAX_PATTERN_CHARS:
+        self.written += len(pattern)
+        if len(pattern) > MAX_PATTERN_CHARS or self.written > MAX_WRITTEN_CHARS:
             raise RegexError(f"json_schema is too large: the pattern of {path or 'the schema'} passes "
                              f"{MAX_PATTERN_CHARS} characters (nest fewer arrays, maps or references)")
         return pattern

@@ -51,10 +51,11 @@ class OutputWriter:
         """End a request: its final text (the whole detokenized output unless a stop
         string cut it) and its blocks back to the pool. The tail the detokenizer
         held back (an incomplete character, as U+FFFD) is checked for stop strings
-        as each token's text is: it was not, and a stop string in it ended the
-        request for its length, the stop string in its text."""
+        as each token's text is (an aborted request's aside: it stays aborted): it
+        was not, and a stop string in it ended the request for its length, the
+        stop string in its text."""
         tail = request.detokenizer.flush()
-        if text is None and tail and request.stop_strings is not None:
+        if text is None and tail and request.stop_strings is not None and reason is not FinishReason.ABORT:
             dropped = request.stop_strings.feed(tail)
             if dropped is not None and len(request.output_token_ids) > request.params.min_new_tokens:
                 text = request.detokenizer.text_between(0, request.detokenizer.num_chars - dropped)

@@ -169,21 +169,25 @@ def calls_regex(arguments: dict[str, str], arguments_key: str, separator: str, p
     return f"(?:{call})(?:{separator}(?:{call}))*" if parallel else f"(?:{call})"
 
 
-# What a call's object may hold besides its name: its arguments under either name
-# (templates write "arguments", Llama's "parameters"), and an id or type some write.
-CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
+# What a call's object may hold without its arguments: a call of no arguments, with an id
+# or type some models write.
+NO_ARGUMENTS_KEYS = {"name", "id", "type"}
 
 
 def known_call(value, tool_names: set[str]) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call the model wrote as a JSON value,
-    or None unless it is an object naming one of the tools, with an object (or
-    no) "arguments" or "parameters", and nothing else but `CALL_KEYS`. A name
-    that is not a string (the model's `["f"]`) is no call: looked up, it raised
-    TypeError, a 500 or a cut stream. Arguments under another key (`"args"`)
-    were read as none: a call made with `{}`."""
+    or None unless it is an object naming one of the tools, with an object as
+    its "arguments" or "parameters" (templates write the one, Llama the other;
+    other keys beside them are let be, as vLLM lets them), or with neither and
+    nothing but `NO_ARGUMENTS_KEYS`. A name that is not a string (the model's
+    `["f"]`) is no call: looked up, it raised TypeError, a 500 or a cut
+    stream. Arguments under another key (`"args"`) were read as none: a call
+    made with `{}`."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in tool_names:
         return None
-    if not value.keys() <= CALL_KEYS or ("arguments" in value and "parameters" in value):
+    if "arguments" in value and "parameters" in value:
+        return None
+    if "arguments" not in value and "parameters" not in value and not value.keys() <= NO_ARGUMENTS_KEYS:
         return None
     arguments = arguments_text(value.get("arguments", value.get("parameters", {})))
     return None if arguments is None else (value["name"], arguments)

@@ -2,7 +2,8 @@
 /generate: cluster/sglang_body.py; what every body shares: cluster/request_body.py).
 
 Each body turns into (prompt, SamplingParams) through `sampling()`; range
-checks live in `SamplingParams` (one place), shape checks here. Anything the server
+checks live in `SamplingParams` (one place), shape checks here (and the output
+length's least, which errors name as the client sent it). Anything the server
 does not support (best_of, and the fields other servers take that change what is
 generated: constrained output, tools, ...) is refused with a clear 400 rather than
 silently ignored. Other unknown fields of a body are ignored (clients send their
@@ -286,6 +287,7 @@ class _ChatTemplateFields(RequestBody):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict | None = None  # more of the template's variables (Qwen3's enable_thinking)
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # the template's `reasoning_effort` (as vLLM's)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -299,6 +301,15 @@ class _ChatTemplateFields(RequestBody):
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template writes into the prompt: none here."""
         return None
+
+    @model_validator(mode="after")
+    def _effort_to_the_template(self):
+        """`reasoning_effort` is the template's variable of that name (gpt-oss's
+        templates read it; others leave it unread): chat took it and dropped it,
+        and /tokenize counts a prompt as chat renders it."""
+        if self.reasoning_effort is not None:
+            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        return self
 
     @model_validator(mode="after")
     def _one_ending(self):
@@ -329,7 +340,6 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
     tools: list[Tool] | None = None  # (an empty list: none)
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool = True
-    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # the template's `reasoning_effort` (as vLLM's)
 
     @property
     def asks_structure(self) -> bool:
@@ -337,16 +347,8 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
 
     @model_validator(mode="after")
     def _an_answer(self):
-        if self.max_tokens == 0:  # (errors name the field as sent: they said the engine's max_new_tokens)
+        if self.max_tokens == 0 and self.max_completion_tokens is None:  # (named as sent, not max_new_tokens)
             raise ValueError("max_tokens must be >= 1")
-        return self
-
-    @model_validator(mode="after")
-    def _effort_to_the_template(self):
-        """`reasoning_effort` is the template's variable of that name (gpt-oss's
-        templates read it; others leave it unread); it was taken and dropped."""
-        if self.reasoning_effort is not None:
-            self.chat_template_kwargs = {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
         return self
 
     @field_validator("tools")

@@ -6,11 +6,13 @@ tags, anywhere in the answer, any number of them. This is what `tool_choice:
 and calls, and the answer is split after the fact, as vLLM's `hermes` parser does.
 
 - A block becomes a call when its JSON is an object naming one of the request's
-  tools, with an object (or no) `arguments` (and, under `parallel_tool_calls:
-  false`, when no call came before it); any other block, and a block left
-  open when the answer ends (cut by `max_tokens`), stays in the text, as written,
-  so nothing the model wrote is lost and no client is handed a call to a function
-  it does not have.
+  tools, with an object (or no) `arguments` or `parameters`
+  (`answer_parts.known_call`; and, under `parallel_tool_calls: false`, when no
+  call came before it); any other block stays in the text, as written, so
+  nothing the model wrote is lost and no client is handed a call to a function
+  it does not have. A block left open when the answer ends is a call if its body
+  is one (the model stopped, or a stop string cut it, before the close tag, as
+  vLLM reads it), else text (cut by `max_tokens` mid-call).
 - The text is the answer outside the call blocks with the whitespace at its two
   ends removed; null when nothing is left (OpenAI's `content` beside calls).
 - Streamed (`HermesStream`), text goes out as it comes, less a tail that could be
@@ -84,8 +86,7 @@ class HermesStream:
                     return out
                 body, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
                 self.in_block = False
-                called = block_call(body, self.tool_names) if self.parallel or not self.num_calls else None
-                self.num_calls += called is not None
+                called = self._call(body)
                 out += [called] if called else self.text.pieces(OPEN + body + CLOSE)
                 continue
             start = self.pending.find(OPEN)
@@ -116,13 +117,17 @@ class HermesStream:
         answered as the call's markup, finish_reason "stop")."""
         rest, in_block = self.pending, self.in_block
         self.pending, self.in_block = "", False
-        if in_block:
-            called = block_call(rest, self.tool_names) if self.parallel or not self.num_calls else None
-            if called is not None:
-                self.num_calls += 1
-                return [called]
-            rest = OPEN + rest
-        return self.text.pieces(rest)
+        called = self._call(rest) if in_block else None
+        if called is not None:
+            return [called]
+        return self.text.pieces((OPEN if in_block else "") + rest)
+
+    def _call(self, body: str) -> tuple[str, str] | None:
+        """The call a block's body makes, counted; None when it makes none (not a
+        call, or one past the first without parallel calls)."""
+        called = block_call(body, self.tool_names) if self.parallel or not self.num_calls else None
+        self.num_calls += called is not None
+        return called
 
 
 def held_regex(arguments: dict[str, str], parallel: bool = True, content: str | None = None,

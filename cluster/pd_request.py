@@ -88,15 +88,15 @@ class DisaggregatedCall:
                 if not failed:
                     await prefill_task
         finally:
-            # Who must stop: both sides, if the consumer left first; P alone, if D
-            # ended the request with an error (its reservation expired, say) while
-            # P had not finished: P would compute it for nobody, the call waiting.
-            # P is not told of a request it was never sent (it would keep the abort for a prefill to come).
+            # Who must stop: D, if the consumer left first; P, if it left first or D
+            # ended the request with an error (its reservation expired, say), while
+            # P's prefill runs: P would compute it for nobody, the call waiting. (Of
+            # a request never sent to P, or one P is done with, P is not told: it
+            # would keep the abort for a prefill to come, `PrefillWorker.abort`.)
             prefilling = prefill_task is not None and not prefill_task.done()
-            ends = [self.prefill, self.decode] if not finished else [self.prefill] if failed and prefilling else []
-            if prefill_task is None:
-                ends = [w for w in ends if w is not self.prefill]
-            if ends and prefilling:
+            ends = ([self.prefill] if prefilling and (not finished or failed) else []) + (
+                [self.decode] if not finished else [])
+            if prefilling and self.prefill in ends:
                 prefill_task.cancel()
             if ends:  # (made outside the request, which Ray may be cancelling with its calls)
                 aborts = background_call(lambda: [w.abort.remote(request_id) for w in ends])

@@ -60,7 +60,18 @@ def pools_keep(running: dict, deployed: dict) -> list[str]:
     """Each `POOL_OWNED` value a manifest (`deployed`, a settings dump) changed of
     the pools' (`running`: `PoolManager.running_settings`), as `path: theirs ->
     the manifest's`; empty when the pools could have been started from it."""
+    running = _as_dumped_now(running)
     return [line for path in POOL_OWNED for line in differences(_get(running, path), _get(deployed, path), path)]
+
+
+def _as_dumped_now(running: dict) -> dict:
+    """A dump of an older version as this one dumps it: a checkpoint folder's
+    `model.arch` was the default "qwen2", unread; it is none now (a redeploy over
+    such pools was refused for it)."""
+    model = running.get("model")
+    if isinstance(model, dict) and model.get("path") is not None and model.get("arch") is not None:
+        return {**running, "model": {**model, "arch": None}}
+    return running
 
 
 def redeploy_refusal(pool_name: str, kept: list[str]) -> str:

@@ -38,9 +38,9 @@ class RequestBody(BaseModel):
         """null in a field that has a default and takes no null is its default
         (OpenAI's fields are nullable, and its SDK sends null for an argument
         given as None: `"n": null` was a 400); a number is never a boolean nor
-        a string, and a boolean never a string (pydantic's lax mode served
-        `"max_tokens": true` as 1, `"temperature": "0.5"` as 0.5 and `"stream":
-        "yes"` as a stream; OpenAI refuses them)."""
+        a string, and a boolean never a number nor a string (pydantic's lax
+        mode served `"max_tokens": true` as 1, `"temperature": "0.5"` as 0.5 and
+        `"stream": "yes"` or `1` as a stream; OpenAI refuses them)."""
         if not isinstance(data, dict):
             return data
         out = {}
@@ -48,11 +48,13 @@ class RequestBody(BaseModel):
             field = cls.model_fields.get(key)
             if field is not None and value is None and not field.is_required() and not _takes_null(field.annotation):
                 continue
-            if field is not None and isinstance(value, (bool, str)):
+            if field is not None and isinstance(value, (bool, int, float, str)):
                 kinds = _scalar_kinds(field.annotation)
                 numbers = kinds & {int, float}
                 if isinstance(value, bool) and numbers and bool not in kinds:
                     raise ValueError(f"{key} must be a number, not {str(value).lower()}")
+                if not isinstance(value, (bool, str)) and bool in kinds and not numbers:
+                    raise ValueError(f"{key} must be true or false, not a number")
                 if isinstance(value, str) and (numbers or bool in kinds) and str not in kinds:
                     raise ValueError(f"{key} must be {'a number' if numbers else 'true or false'}, not a string")
             out[key] = value

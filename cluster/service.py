@@ -126,6 +126,11 @@ class GlobalScheduler:
         else:
             headroom = {d: view.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
             line_wait = {d: self._line_wait_s(d, headroom[d], needed_blocks) for d in headroom}  # once: P aside
+            # A full D whose wait nothing predicts (no line read yet, none of this replica's requests
+            # there) only where no D has room: read as none, it beat a D with room.
+            any_room = any(room >= needed_blocks for room in headroom.values())
+            decodes = [d for d, wait in line_wait.items() if wait is not None or not any_room]
+            line_wait = {d: wait or 0.0 for d, wait in line_wait.items()}
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             candidates = []
             for p in view.routable("prefill", exclude):
@@ -134,7 +139,7 @@ class GlobalScheduler:
                     _waiting(models.predict(p, d, len(prompt_ids), cached,
                                             view.cached_tokens(d, usable_hashes) // self.block_size),
                              line_wait[d])
-                    for d in headroom
+                    for d in decodes
                 ]
                 # D: within the TBT SLO, the shortest wait for KV blocks (none where
                 # there is room), one with room before one without (whose wait
@@ -164,21 +169,21 @@ class GlobalScheduler:
             choice = best
         return choice
 
-    def _line_wait_s(self, decode_id: str, headroom: int, needed_blocks: int) -> float:
+    def _line_wait_s(self, decode_id: str, headroom: int, needed_blocks: int) -> float | None:
         """The predicted wait for D's KV blocks: none where D's `headroom` (its
         line's blocks counted) holds the `needed_blocks`; else from the
         reservations D granted since a reading showed its line
         (cluster/decode_lines.py), and before any reading did, from when this
         replica's requests on D will free blocks (at D's predicted step time
-        now, `PoolView.release_wait_s`)."""
+        now, `PoolView.release_wait_s`); None where neither says."""
         if headroom >= needed_blocks:
             return 0.0
         lines = self.view.lines
         wait = lines.wait_s(decode_id, has_room=False, joined=self.view.num_joined_line(decode_id))
         if wait is None:
             step_s = self.view.models.tbt_at(decode_id, 0.0, 0)  # D's step now (the line's requests not in it)
-            wait = min(self.view.release_wait_s(decode_id, needed_blocks, step_s) or 0.0, lines.max_wait_s)
-        return wait
+            wait = self.view.release_wait_s(decode_id, needed_blocks, step_s)
+        return None if wait is None else min(wait, lines.max_wait_s)
 
     # ---- running a request --------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,

@@ -169,6 +169,24 @@ def test_a_full_decode_worker_within_the_tbt_slo_is_chosen_over_one_with_room_pa
     assert choice.decode_id == "d1" and choice.line_wait_s == pytest.approx(0.1) and choice.tbt_s <= 0.05
 
 
+def test_a_full_decode_worker_whose_wait_nothing_predicts_is_no_candidate_beside_one_with_room():
+    """d1 is full and no reading has shown its line, nor has this replica a request
+    there: its wait is unknown. Read as none, it beat d0, which has room, and the
+    request sat in d1's line up to the handshake's wait (found by a second read)."""
+    scheduler = _scheduler(ttft_ms=2000, tbt_ms=50, decodes=("d0", "d1"))
+    view = scheduler.view
+    view.models.seed_from("d0", "d1")
+    now = time.monotonic()
+    for index in range(10):  # d0's TBT past the SLO
+        view.models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 10, 1000, 0.0, admitted_s=now - 5,
+                                                     reserved_s=now - 5, first_token_s=now)
+    view.stats["d1"] = _idle_stats("d1", num_used_blocks=1000)
+    with pytest.raises(SloRejected, match="TBT"):
+        scheduler.plan(list(range(32)))
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=1000)  # both full, neither's wait known: both candidates
+    assert scheduler.plan(list(range(32))).decode_id == "d1"  # (within the TBT SLO)
+
+
 def test_a_learned_ttft_bias_counts_once_not_once_for_every_request_ahead():
     """P's first tokens came 0.3 s later than its model says (the way there and
     back, side by side for concurrent requests): a burst of 16 short prompts,

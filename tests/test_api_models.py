@@ -238,6 +238,7 @@ def test_null_in_a_field_that_takes_none_is_its_default():
     ("n", True, "n must be a number"), ("seed", False, "seed must be a number"),
     ("temperature", "0.5", "temperature must be a number, not a string"),
     ("stream", "yes", "stream must be true or false, not a string"),
+    ("logprobs", 1, "logprobs must be true or false, not a number"),
     ("logit_bias", {"5": True}, "valid number"), ("logit_bias", {"5": "1"}, "valid number"),
     ("logit_bias", {"5": 100, "05": -100}, "logit_bias names token 5 twice"),
     ("stream_options", {"include_usage": "false"}, "valid boolean"),
@@ -277,6 +278,7 @@ def test_a_bad_output_length_is_named_as_the_client_sent_it(body, message):
     """The errors said the engine's `max_new_tokens`, or the 1 an echo's 0 is run as."""
     with pytest.raises(pydantic.ValidationError, match=message):
         (ChatBody if "messages" in body else CompletionBody).model_validate(body)
+    assert ChatBody.model_validate({"messages": MESSAGES, "max_tokens": 0, "max_completion_tokens": 5})  # (this one)
     chat = ChatBody.model_validate({"messages": MESSAGES, "max_completion_tokens": 5, "min_tokens": 10})
     with pytest.raises(InvalidRequestError, match=r"min_tokens \(10\) must be <= max_completion_tokens \(5\)"):
         chat.sampling(16, SamplingDefaults())

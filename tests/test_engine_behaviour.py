@@ -206,6 +206,11 @@ def test_a_stop_string_in_the_tail_flushed_at_the_end_stops_the_request(llm):
     assert free.text.endswith("\ufffd") and free.text.count("\ufffd") == 1, free.text  # (the case: the tail's)
     out = llm.generate([prompt], SamplingParams(**kw, stop=("\ufffd",)))[0]
     assert out.finish_reason is FinishReason.STOP and out.text == free.text[:-1]
+    engine = llm.engine  # aborted with the tail held back, it stays aborted (found by a second read)
+    engine.add_request(prompt, SamplingParams(**{**kw, "max_new_tokens": 8}, stop=("\ufffd",)), "cut")
+    while len(engine.requests["cut"].output_token_ids) < 4:
+        engine.step()
+    assert engine.abort("cut").finish_reason is FinishReason.ABORT
 
 
 def test_text_equals_decoding_the_tokens(llm):

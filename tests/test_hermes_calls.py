@@ -65,6 +65,8 @@ def test_a_last_block_whose_close_tag_never_came_is_a_call_if_its_body_is_one():
 def test_arguments_under_parameters_are_read_as_llamas_are():
     text = block("get_weather", parameters={"city": "Oslo"})
     assert parse(text, NAMES) == (None, [("get_weather", '{"city": "Oslo"}')])
+    described = block("get_weather", {"city": "Oslo"}, description="the weather")  # other keys let be, as vLLM
+    assert parse(described, NAMES) == (None, [("get_weather", '{"city": "Oslo"}')])
 
 
 def test_without_parallel_calls_only_the_first_block_is_a_call():

@@ -47,3 +47,13 @@ def test_each_setting_a_worker_was_started_from_is_named_with_both_values():
     assert message.startswith("the running worker pools 'p' keep the settings they were started from; this "
                               "manifest changes engine.block_size: 16 -> 32") and "`tandem teardown`" in message
 
+
+
+def test_pools_started_by_the_version_before_redeploy_as_before():
+    """It dumped a checkpoint folder's model.arch as "qwen2" (the default, unread);
+    this one dumps none: a redeploy over such pools was refused for it (found by
+    a review)."""
+    folder = {**BASE, "model": {"path": "/models/x"}}
+    deployed = AppSettings.model_validate(folder).model_dump()
+    older = {**deployed, "model": {**deployed["model"], "arch": "qwen2"}}
+    assert deployed["model"]["arch"] is None and pools_keep(older, deployed) == []

@@ -269,14 +269,26 @@ def _nested(depth: int, wrap) -> dict:
     {"$defs": {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i - 1}"},
                                                           "b": {"$ref": f"#/$defs/d{i - 1}"}}}
                for i in range(1, 30)} | {"d0": {"type": "string"}}, "$ref": "#/$defs/d29"},
+    # wide: 3000 properties, each a reference to one 150k-character definition (2 GB before it was refused)
+    {"$defs": {"D": _nested(11, lambda s: {"type": "array", "items": s})}, "type": "object",
+     "properties": {f"p{i}": {"$ref": "#/$defs/D"} for i in range(3000)}},
 ])
 def test_a_small_schema_whose_pattern_doubles_at_each_level_is_refused_as_it_is_written(schema):
     """An array or a map writes its item's pattern twice: an 800-byte schema of
     arrays 25 deep wrote a pattern of gigabytes (a worker killed for memory), 16
-    deep took 19 s to be refused by the automaton's bounds."""
-    assert len(json.dumps(schema)) < 4000
-    with pytest.raises(RegexError, match="json_schema is too large"):
-        schema_regex(schema)
+    deep took 19 s to be refused by the automaton's bounds. An object joined its
+    properties' patterns before its own length was read."""
+    import tracemalloc
+
+    assert len(json.dumps(schema)) < 200_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(RegexError, match="json_schema is too large"):
+            schema_regex(schema)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20  # (the wide one peaked at 2.1 GB)
 
 
 @pytest.fixture(scope="module")
