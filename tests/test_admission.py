@@ -109,6 +109,19 @@ def test_a_first_token_sooner_than_predicted_moves_the_queue_behind_it_as_much()
     assert models.inflight["in_line"].first_token_due_s - now == pytest.approx(4.0)
 
 
+def _admitted_burst(models: WorkerModels, now: float) -> list[InFlight]:
+    """Ten 100-token prompts admitted to p0 at `now`, each behind the one before,
+    as the scheduler admits them (its prediction's bias, queue and own work)."""
+    burst = []
+    for index in range(10):
+        prediction = models.predict("p0", "d0", 100, 0)
+        burst.append(InFlight(f"r{index}", "p0", "d0", 100, 10, prediction.ttft_s, admitted_s=now, reserved_s=now,
+                              ttft_bias_s=prediction.ttft_bias_s, ahead_id=prediction.ahead_id,
+                              own_s=prediction.own_s))
+        models.inflight[burst[-1].request_id] = burst[-1]
+    return burst
+
+
 def test_a_first_token_within_its_bias_does_not_move_the_queue_behind_it():
     """P's model is exact and its learned bias 0.3 s (the way back, and spread).
     In a burst of ten 100-token prompts, the first one's token came 50 ms after
@@ -118,12 +131,7 @@ def test_a_first_token_within_its_bias_does_not_move_the_queue_behind_it():
     models = _models()
     models.observe_ttft(models.predict("p0", "d0", 100, 0), observed_s=0.1 + 0.3)
     now = time.monotonic()
-    burst = []
-    for index in range(10):
-        prediction = models.predict("p0", "d0", 100, 0)
-        burst.append(InFlight(f"r{index}", "p0", "d0", 100, 10, prediction.ttft_s, admitted_s=now, reserved_s=now,
-                              ttft_bias_s=prediction.ttft_bias_s, ahead_id=prediction.ahead_id))
-        models.inflight[burst[-1].request_id] = burst[-1]
+    burst = _admitted_burst(models, now)
     models.first_token_came(burst[0], now + 0.15)
     burst[0].first_token_s = now + 0.15
     assert all(r.early_s == 0 for r in burst)
@@ -135,12 +143,7 @@ def test_requests_gone_before_their_first_token_take_their_work_off_the_queue():
     the queue read 1 s, for 0.5 s of P's work left, until the next first token."""
     models = _models()
     now = time.monotonic()
-    burst = []
-    for index in range(10):
-        prediction = models.predict("p0", "d0", 100, 0)
-        burst.append(InFlight(f"r{index}", "p0", "d0", 100, 10, prediction.ttft_s, admitted_s=now, reserved_s=now,
-                              ahead_id=prediction.ahead_id, own_s=prediction.own_s))
-        models.inflight[burst[-1].request_id] = burst[-1]
+    burst = _admitted_burst(models, now)
     assert burst[0].own_s == pytest.approx(0.1, abs=0.01)
     for gone in burst[2:7]:
         del models.inflight[gone.request_id]

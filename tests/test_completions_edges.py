@@ -71,18 +71,7 @@ def test_an_answer_nested_past_pythons_limit_is_text_not_a_failure(tiny_qwen2_di
     """The call parser's json.loads raised RecursionError, which it did not
     catch: unstreamed, a 500; streamed, the stream cut with no error and no [DONE]."""
     completions = _completions(tiny_qwen2_dir, [DEEP_CALL[:700], DEEP_CALL[700:]])
-    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
-                                    "stream": stream})
-
-    async def run():
-        answer = await completions.answer(body, ["p"], SamplingParams(max_new_tokens=8), [[1, 2]], chat=True)
-        if not stream:
-            return answer["choices"][0]["message"]["content"]
-        payloads = await _sse(answer)
-        assert payloads[-1] == "[DONE]"
-        return "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in payloads[:-1])
-
-    assert asyncio.run(run()) == DEEP_CALL
+    assert asyncio.run(_tool_chat_content(completions, stream)) == DEEP_CALL
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -92,18 +81,20 @@ def test_text_held_back_when_an_answer_is_aborted_is_sent(tiny_qwen2_dir, stream
     start) was not sent, as OpenAI has no finish reason "abort" to send it with;
     unstreamed, the same text is the answer."""
     completions = _completions(tiny_qwen2_dir, ["Checking. ", "<tool_c", ""], reason="abort")
+    assert asyncio.run(_tool_chat_content(completions, stream)) == "Checking. <tool_c"
+
+
+async def _tool_chat_content(completions: Completions, stream: bool) -> str:
+    """The content of a chat answer with tools: the message's, or the stream's
+    deltas joined (the stream ending with [DONE])."""
     body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
                                     "stream": stream})
-
-    async def run():
-        answer = await completions.answer(body, ["p"], SamplingParams(max_new_tokens=8), [[1, 2]], chat=True)
-        if not stream:
-            return answer["choices"][0]["message"]["content"]
-        payloads = await _sse(answer)
-        assert payloads[-1] == "[DONE]"
-        return "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in payloads[:-1])
-
-    assert asyncio.run(run()) == "Checking. <tool_c"
+    answer = await completions.answer(body, ["p"], SamplingParams(max_new_tokens=8), [[1, 2]], chat=True)
+    if not stream:
+        return answer["choices"][0]["message"]["content"]
+    payloads = await _sse(answer)
+    assert payloads[-1] == "[DONE]"
+    return "".join(json.loads(p)["choices"][0]["delta"].get("content") or "" for p in payloads[:-1])
 
 
 def test_a_past_calls_arguments_nested_past_pythons_limit_are_kept_as_written():
