@@ -14,8 +14,9 @@ CUDA-graph replay (`cuda_time_ms`), each checked against the torch reference (ma
 abs error). Results, fastest first per shape, go to `<out>/gpu_decode_sweep.json`,
 with the launch the dispatcher picks (`dispatched`) and how far it is from the
 best, and `ok`: every launch within `TOLERANCE` of the reference (the exit status
-says it too; the errors were recorded and never judged). The tile (128 keys) and the warps (4) are the kernel's defaults: the third
-H200 call's sweep found them best at every shape (docs/benchmarks.md). On CPU
+says it too; the errors were recorded and never judged). The tile (128 keys) and
+the warps (4) are the kernel's defaults: the third H200 call's sweep found them
+best at every shape (docs/benchmarks.md). On CPU
 (`--device cpu`) the kernel runs under Triton's interpreter, in float16 (its bf16
 is wrong there: errors of 8e8 under Triton 3.9's interpreter, 0.0006 in float16),
 with Triton's default pipelining only (the interpreter has none), and the times
