@@ -93,10 +93,9 @@ class DisaggregatedCall:
             # P's prefill runs: P would compute it for nobody, the call waiting. (Of
             # a request never sent to P, or one P is done with, P is not told: it
             # would keep the abort for a prefill to come, `PrefillWorker.abort`.)
-            prefilling = prefill_task is not None and not prefill_task.done()
-            ends = ([self.prefill] if prefilling and (not finished or failed) else []) + (
-                [self.decode] if not finished else [])
-            if prefilling and self.prefill in ends:
+            stop_prefill = prefill_task is not None and not prefill_task.done() and (not finished or failed)
+            ends = ([self.prefill] if stop_prefill else []) + ([self.decode] if not finished else [])
+            if stop_prefill:
                 prefill_task.cancel()
             if ends:  # (made outside the request, which Ray may be cancelling with its calls)
                 aborts = background_call(lambda: [w.abort.remote(request_id) for w in ends])

@@ -410,11 +410,12 @@ class PoolView:
         `max_new_tokens` at `step_s` a token (as `WorkerModels.tbt_at` takes
         them to) and then frees its blocks and the growth D kept for it. Past
         what they hold, D is taken to free blocks at the pace they did (it turns
-        its pool over again). None with nothing of this replica's on D to go by. For a D whose
-        line no reading has shown yet (`DecodeLines.wait_s` is None): with no
-        prediction there, the start of an overload admitted a second's arrivals
-        whole, and D's line made them late. A request run to its end is the
-        most it can take: one that stops early frees its blocks sooner."""
+        its pool over again). None with nothing of this replica's on D to go by.
+        For a D whose line no reading has shown yet (`DecodeLines.wait_s` is
+        None): with no prediction there, the start of an overload admitted a
+        second's arrivals whole, and D's line made them late. A request run to
+        its end is the most it can take: one that stops early frees its blocks
+        sooner."""
         room, seqs, sent = self._room_and_sent(worker_id)
         short = needed_blocks - (room - sum(blocks for _, blocks in sent))
         short_seqs = len(sent) + 1 - seqs  # requests that must end before D's batch takes one more

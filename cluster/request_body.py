@@ -6,6 +6,7 @@ id and a logit_bias object as JSON writes them."""
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 import typing
@@ -43,13 +44,16 @@ class RequestBody(BaseModel):
         `"stream": "yes"` or `1` as a stream; OpenAI refuses them)."""
         if not isinstance(data, dict):
             return data
+        types_of = _json_types_of(cls)
         out = {}
         for key, value in data.items():
-            field = cls.model_fields.get(key)
-            if field is not None and value is None and not field.is_required() and not _takes_null(field.annotation):
+            if key not in types_of:
+                out[key] = value
                 continue
-            if field is not None and isinstance(value, (bool, int, float, str)):
-                kinds = _scalar_kinds(field.annotation)
+            kinds, defaults_null = types_of[key]
+            if value is None and defaults_null:
+                continue
+            if isinstance(value, (bool, int, float, str)):
                 numbers = kinds & {int, float}
                 if isinstance(value, bool) and numbers and bool not in kinds:
                     raise ValueError(f"{key} must be a number, not {str(value).lower()}")
@@ -59,6 +63,15 @@ class RequestBody(BaseModel):
                     raise ValueError(f"{key} must be {'a number' if numbers else 'true or false'}, not a string")
             out[key] = value
         return out
+
+
+@functools.cache
+def _json_types_of(cls) -> dict[str, tuple[set[type], bool]]:
+    """Each field of a body class: the JSON scalar types it takes, and whether a
+    null in it is its default (it has one, and takes no null). Read once a class,
+    not for every request's every key."""
+    return {name: (_scalar_kinds(field.annotation), not field.is_required() and not _takes_null(field.annotation))
+            for name, field in cls.model_fields.items()}
 
 
 def _takes_null(annotation) -> bool:
