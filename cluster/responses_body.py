@@ -9,7 +9,11 @@ Items of `input` (a string is one user message):
   or parts of text (`input_text`, `output_text`);
 - an earlier turn's `function_call` (`call_id`, `name`, `arguments`), joined to the
   assistant message before it, as a chat assistant turn carries its calls, and
-  its `function_call_output` (a `tool` message answering `call_id`);
+  its `function_call_output` (a `tool` message answering `call_id`); an assistant
+  message right after a turn's calls is that turn's text too (a streamed answer
+  whose model wrote text after a call has it in an item after the call, and the
+  turn is then the chat message its unstreamed answer was, not a second assistant
+  message between the calls and their outputs);
 - `reasoning`: left out of the prompt (chat templates drop past reasoning too).
 An item may carry its id (a client sending back an output item): one another
 item has, in `input` or in what it goes on from, is OpenAI's 400.
@@ -262,7 +266,12 @@ def item_messages(labelled: list[tuple[str, dict]]) -> list[dict]:
         if kind == "message":
             if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise ApiError(400, f"{where}.role: one of {', '.join(sorted(ROLES))}, not {item.get('role')!r}")
-            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+            text = _text(item.get("content"), where)
+            last = messages[-1] if messages else None
+            if item["role"] == "assistant" and last is not None and last.get("tool_calls"):
+                last["content"] = (last["content"] or "") + text  # (the turn's text after its calls)
+            else:
+                messages.append({"role": item["role"], "content": text})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments",

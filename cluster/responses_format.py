@@ -16,6 +16,12 @@ then for each item `response.output_item.added`, its part's
 `response.incomplete`) holding the whole response, the same one a request without
 `stream` gets; a worker's failure mid-stream ends it with `response.failed`. No
 `[DONE]` line: the Responses stream ends with its last event.
+
+Text the model wrote after a call streams as a message item after that call
+(text in the same chunk as a call is put before it: a chat delta does not say
+which came first); unstreamed, an answer's text is one message before its calls,
+as chat's message holds it. Sent back as input, either is the same chat turn
+(cluster/responses_body.py joins text after a turn's calls to it).
 """
 
 from __future__ import annotations

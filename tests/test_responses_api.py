@@ -62,6 +62,26 @@ def test_items_become_the_chat_messages():
     assert _messages({"input": "Hello"}) == [{"role": "user", "content": "Hello"}]
 
 
+def test_text_after_a_turns_calls_is_that_turns():
+    """A streamed answer with text after its call stores message, call, message;
+    sent back, the turn is one assistant message (its texts joined, as the
+    unstreamed answer's content) with the call, its output right after it."""
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    said = lambda text: {"type": "message", "role": "assistant",  # noqa: E731
+                         "content": [{"type": "output_text", "text": text}]}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    turn = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Let me check.\n\nDone.", "calls": ["f"]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert _messages({"input": [{"role": "user", "content": "Hi"}, said("Let me check."), call,
+                                said("\n\nDone."), output]}) == turn
+    assert _messages({"input": [{"role": "user", "content": "Hi"}, call, said("Let me check.\n\nDone."),
+                                output]}) == turn
+    # two assistant messages with no call between them stay two; text after a call's output is a new turn
+    assert [m["role"] for m in _messages({"input": [said("a"), said("b"), call, output, said("c")]})] == [
+        "assistant", "assistant", "tool", "assistant"]
+
+
 def test_tools_and_formats_in_chat_spelling():
     body = ResponsesBody.model_validate({
         "input": "x", "tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "g", "strict": False}],
