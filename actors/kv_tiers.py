@@ -24,7 +24,8 @@ recently used unpinned entries go until it is at `low_watermark`; `put` returns 
 so the store can demote them to the next tier. An entry a disk tier indexes from
 another writer (on start, or found by its path) can also take it over the high
 mark: the least recently used go then, deleted. An entry older than `ttl_s` is
-never served; it is removed when met and by the store's periodic `expire`, which on
+never served (its age is the block's in the store: a demotion or a promotion
+moves it with its age, a file keeping it as its mtime); it is removed when met and by the store's periodic `expire`, which on
 a disk tier also removes the files past it that this tier never indexed (another
 node's, on a shared path). Pinned keys (a set the store owns) are exempt from both.
 """
@@ -41,7 +42,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -62,6 +63,7 @@ class StoredBlock:
     key: bytes
     token_ids: tuple[int, ...]
     kv: torch.Tensor  # one block, CPU, contiguous
+    stored_s: float | None = None  # when the store first took it (read from a tier); None: a new block
 
     @property
     def num_bytes(self) -> int:
@@ -199,13 +201,18 @@ class Tier(ABC):
 
     # ---- storage ----------------------------------------------------------------
     @abstractmethod
-    def _write(self, block: StoredBlock) -> _Entry | None: ...
+    def _write(self, block: StoredBlock) -> _Entry | None:
+        """Store `block`, aged from `_stored_s(block)`."""
 
     @abstractmethod
     def _read(self, key: bytes, entry: _Entry) -> StoredBlock | None: ...
 
     def _delete(self, key: bytes) -> None:
         pass
+
+    def _stored_s(self, block: StoredBlock) -> float:
+        """When the store first took `block`: a tier's copy keeps the age of the one it came from."""
+        return self.clock() if block.stored_s is None else block.stored_s
 
     def _adopt(self, key: bytes) -> _Entry | None:
         """An entry another writer added (disk tiers); None in memory."""
@@ -216,10 +223,10 @@ class MemoryTier(Tier):
     name = "host"
 
     def _write(self, block: StoredBlock) -> _Entry:
-        return _Entry(block.num_bytes, self.clock(), block)
+        return _Entry(block.num_bytes, self._stored_s(block), replace(block, stored_s=None))
 
     def _read(self, key: bytes, entry: _Entry) -> StoredBlock:
-        return entry.block
+        return replace(entry.block, stored_s=entry.created_s)
 
 
 class CorruptEntry(ValueError):
@@ -237,7 +244,10 @@ class DiskTier(Tier):
         self.name = name
         self.namespace = namespace
         self.dir = Path(root) / namespace.hex()[:32]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # (a mount gone, a file in the way: the tier starts empty, as `_files` lists none)
+            log.warning("KV store %s tier: cannot make %s: %s", self.name, self.dir, exc)
         self.num_corrupt = 0
         self.num_write_errors = 0
         self._index_existing()
@@ -249,14 +259,15 @@ class DiskTier(Tier):
         """`Tier._is_stale`, unless the file at the key's path is no longer the one
         indexed: another writer wrote the key again since it expired (on a shared
         path), and this tier's old entry must not delete the new copy. The entry
-        then describes the new file, aged from now."""
+        then describes the new file, aged by its mtime (stale again if that copy
+        is)."""
         if not super()._is_stale(key, entry):
             return False
         now = _file_id(self._path(key))
         if now is None or now == entry.file_id:
             return True
-        entry.created_s, entry.file_id = self.clock(), now
-        return False
+        entry.created_s, entry.file_id = now[1] / 1e9, now
+        return super()._is_stale(key, entry)
 
     def _files(self):
         """(path, key or None for a temporary file, stat) of each file here; a file
@@ -311,17 +322,20 @@ class DiskTier(Tier):
                 return None
             path.parent.mkdir(parents=True, exist_ok=True)  # (the tier's folder may have been removed)
             data = encode_entry(self.namespace, block)
+            stored_s = self._stored_s(block)
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()  # (the last write sets the mtime; the rename keeps it, and the inode)
+                f.flush()
+                os.replace(tmp, path)
+                # (its age as the mtime, once renamed: an old temporary file is an abandoned one)
+                os.utime(f.fileno(), (stored_s, stored_s))
                 written = os.fstat(f.fileno())
-            os.replace(tmp, path)
         except OSError as exc:  # full, read-only, or the mount went: this block is not stored here
             _unlink(tmp)
             self.num_write_errors += 1
             log.warning("KV store %s tier: could not write %s: %s", self.name, path.name, exc)
             return None
-        return _Entry(len(data), self.clock(), file_id=(written.st_ino, written.st_mtime_ns))
+        return _Entry(len(data), stored_s, file_id=(written.st_ino, written.st_mtime_ns))
 
     def expire(self) -> int:
         """`Tier.expire`, and the files here past the TTL that this tier does not
@@ -344,7 +358,7 @@ class DiskTier(Tier):
         except OSError:
             return None
         try:
-            return decode_entry(data, self.namespace, key)
+            return replace(decode_entry(data, self.namespace, key), stored_s=entry.created_s)
         except CorruptEntry:
             self.num_corrupt += 1
             return None
@@ -401,7 +415,7 @@ def decode_entry(data: bytes, namespace: bytes, key: bytes) -> StoredBlock:
         header = json.loads(data[start : start + header_len])
         dtype, shape = _DTYPES[header["dtype"]], tuple(int(dim) for dim in header["shape"])
         token_ids = tuple(int(token_id) for token_id in header["token_ids"])
-    except (ValueError, KeyError, TypeError, OverflowError):  # (1e400: an infinite float, no int)
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # (1e400: no int; [[[...]]]: too deep)
         raise CorruptEntry("unreadable header") from None
     if any(dim < 0 for dim in shape):  # (two negative sizes multiply to the payload's)
         raise CorruptEntry("negative size in the header's shape")
@@ -413,5 +427,9 @@ def decode_entry(data: bytes, namespace: bytes, key: bytes) -> StoredBlock:
         expected *= dim
     if len(payload) != expected or _checksum(payload) != header.get("checksum"):
         raise CorruptEntry("payload truncated or checksum mismatch")
-    kv = torch.frombuffer(bytearray(payload), dtype=dtype).view(shape) if expected else torch.empty(shape, dtype=dtype)
+    try:  # (an empty payload's shape may be no tensor's: a 0 beside 10**30, or beside 2**62s)
+        kv = torch.frombuffer(bytearray(payload), dtype=dtype).view(shape) if expected else torch.empty(shape,
+                                                                                                        dtype=dtype)
+    except (RuntimeError, TypeError, OverflowError):
+        raise CorruptEntry("no tensor has the header's shape") from None
     return StoredBlock(key, token_ids, kv)

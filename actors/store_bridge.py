@@ -44,6 +44,7 @@ class StoreBridge:
         self.kv_namespace = kv_namespace
         self.enabled = enabled
         self.sink: Callable[[list[StoredBlock]], None] | None = None
+        self.num_imported = 0  # blocks `import_prefix` copied in (not those it found in the pool meanwhile)
 
     def prefix_plan(self, prompt_ids: list[int], room: tuple[int, int] | None = None) -> PrefixPlan:
         """Where the prompt's prefix is; with `room` (`Engine.reservation_room`:
@@ -94,6 +95,7 @@ class StoreBridge:
             for block_id, block in zip(block_ids, new):
                 self.pool.register(block_id, block.key, block.token_ids)
             held += block_ids
+            self.num_imported += len(block_ids)
         return held
 
     @contextmanager

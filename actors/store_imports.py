@@ -28,7 +28,6 @@ class StoreImports:
         """The node's store and a write-through thread to it; none without `settings`."""
         self.kv_store: KVStoreClient | None = None
         self.store_writer: StoreWriter | None = None
-        self.num_store_loaded_blocks = 0  # prompt blocks loaded from the store, not computed
         if settings is not None:
             self.kv_store = open_kv_store(self.engine.kv_namespace, settings)
             self.store_writer = StoreWriter(self.kv_store)
@@ -66,9 +65,13 @@ class StoreImports:
             return []
         if not blocks:
             return []
-        held = await self.call(lambda e: e.store_bridge.import_prefix(prompt_ids, first, blocks))
-        self.num_store_loaded_blocks += max(0, len(held) - first)
-        return held
+        return await self.call(lambda e: e.store_bridge.import_prefix(prompt_ids, first, blocks))
+
+    @property
+    def num_store_loaded_blocks(self) -> int:
+        """Prompt blocks loaded from the store and copied in, not computed (not
+        those another request computed into the pool while the load ran)."""
+        return self.engine.store_bridge.num_imported
 
     async def import_then(self, request: GenerateRequest, start, **import_options):
         """`import_prefix`, then `start(engine, held)` on the engine thread with the

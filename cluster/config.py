@@ -251,6 +251,10 @@ class KVStoreSection(_Strict):
             raise ValueError("kv_store.low_watermark must not exceed kv_store.high_watermark")
         if not self.host_gib and self.disk_path is None and self.shared_path is None:
             raise ValueError("kv_store needs at least one tier: host_gib > 0, disk_path or shared_path")
+        if (self.disk_path is not None and self.shared_path is not None
+                and os.path.normpath(self.disk_path) == os.path.normpath(self.shared_path)):
+            raise ValueError("kv_store.disk_path and kv_store.shared_path must be two folders (each tier counts "
+                             "and evicts the files in its own; in one, each deleted the other's)")
         if self.shared_path is not None and self.shared_gib is None and self.ttl_s is None:
             raise ValueError("kv_store.shared_path needs a bound: shared_gib (per writer), ttl_s, or both "
                              "(without either its files grow for good)")

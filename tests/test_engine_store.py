@@ -102,6 +102,9 @@ def test_a_copy_that_fails_holds_no_block(tiny_qwen2_dir, prompt):
     hashes = reader.store_bridge.prefix_plan(prompt).hashes
     held = reader.store_bridge.import_prefix(prompt, 0, store.load(hashes[:3]))  # 3 blocks in the pool
     reader.pool.release(held)
+    again = reader.store_bridge.import_prefix(prompt, 0, store.load(hashes[:3]))  # found in the pool meanwhile
+    assert again == held and reader.store_bridge.num_imported == 3  # (counted once: copied once)
+    reader.pool.release(again)
 
     def out_of_memory(block_ids, kv):
         raise torch.OutOfMemoryError("CUDA out of memory (as a test)")
@@ -110,7 +113,7 @@ def test_a_copy_that_fails_holds_no_block(tiny_qwen2_dir, prompt):
     first = reader.store_bridge.prefix_plan(prompt).num_in_pool
     assert first == 3
     assert reader.store_bridge.import_prefix(prompt, first, store.load(hashes[first:])) == []
-    assert reader.pool.num_used == 0
+    assert reader.pool.num_used == 0 and reader.store_bridge.num_imported == 3
     reader.pool.check()
 
 

@@ -101,12 +101,15 @@ def test_ttl_and_pinning(tmp_path):
     assert list(tmp_path.rglob("*.kv")) == []
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "header", "negative shape", "huge token id"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "header", "negative shape", "huge token id",
+                                    "nested header", "no tensor's shape"])
 def test_corrupt_entry_is_skipped_and_removed(tmp_path, damage):
     """Damaged payloads, files and headers (one whose JSON still parses but
     lacks a field, or holds two negative sizes whose product is the payload's,
-    or a number past any integer: they raised from `load`, and the file stayed)
-    alike: the entry is a miss, counted and removed."""
+    or a number past any integer, or is nested past Python's recursion limit, or
+    an empty payload's shape no tensor has: they raised from `load`, and the
+    file stayed, and from saves whose evictions read it) alike: the entry is a
+    miss, counted and removed."""
     store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path)))
     blocks = make_blocks(3)
     store.save(blocks)
@@ -123,6 +126,13 @@ def test_corrupt_entry_is_skipped_and_removed(tmp_path, damage):
         data = _with_header(data, lambda header: header.update(shape=[-2, -2, *header["shape"][2:]]))
     elif damage == "huge token id":  # (infinite as a float)
         data = _with_header(data, lambda header: header["token_ids"].__setitem__(0, 1e400))
+    elif damage == "nested header":
+        header = b"[" * 50_000 + b"]" * 50_000
+        data = MAGIC + struct.pack("<I", len(header)) + header
+    elif damage == "no tensor's shape":  # (its payload empty, and its checksum that of nothing)
+        empty = hashlib.blake2b(b"", digest_size=16).hexdigest()
+        data = _with_header(data, lambda header: header.update(shape=[0, 2**62, 2**62], checksum=empty))
+        data = data[: len(data) - BLOCK_BYTES]
     else:
         data = bytearray(b"not a kv entry")
     path.write_bytes(bytes(data))
@@ -139,6 +149,40 @@ def _with_header(data: bytes, edit) -> bytes:
     edit(header)
     written = json.dumps(header).encode()
     return MAGIC + struct.pack("<I", len(written)) + written + bytes(data[start + length :])
+
+
+def test_a_blocks_age_goes_with_it_between_tiers(tmp_path):
+    """A block demoted to disk, then promoted by a hit, is as old as when the
+    store first took it: each move wrote a copy aged from then, and a block in
+    use was served long past `ttl_s`. A file's mtime is its age (a restart
+    indexes it by that)."""
+    clock = Clock()
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=2 * BLOCK_BYTES, disk_path=str(tmp_path), ttl_s=100),
+                    clock)
+    first, *others = make_blocks(3)
+    store.save([first])
+    clock.now += 50
+    store.save(others)  # the first block demoted to disk
+    assert not store.host.contains(first.key) and store.disk.contains(first.key)
+    assert os.stat(store.disk._path(first.key)).st_mtime == 1000.0
+    clock.now += 40
+    assert_same(store.load([first.key]), [first])  # 90 s old: served, promoted
+    assert store.host.contains(first.key)
+    clock.now += 11
+    assert store.load([first.key]) == [] and store.lookup([first.key]) == 0
+
+
+def test_a_tier_whose_folder_cannot_be_made_starts_empty(tmp_path):
+    """A shared mount gone or a file in the way at start: that tier stores nothing
+    (its writes counted), the others serve (the store's constructor raised, and
+    the node had no store at all)."""
+    (tmp_path / "file").write_text("in the way")
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=8 * BLOCK_BYTES, shared_path=str(tmp_path / "file" / "kv"),
+                                               ttl_s=60))
+    blocks = make_blocks(2)
+    store.save(blocks)
+    assert_same(store.load(keys_of(blocks)), blocks)
+    assert store.stats().tiers["shared"]["entries"] == 0 and store.stats().num_write_errors == 2
 
 
 def test_restart_recovery_and_leftover_temporaries(tmp_path):
