@@ -10,9 +10,9 @@ about to add it, ends it instead if an abort of its name (or of every request)
 was asked after it arrived. A request sent after the abort, even one reusing
 the name, is not ended (retrying with the same rid works). The times come from
 different hosts' clocks; skew between them only moves the line by that much.
-A prefill worker needs no marks: it starts a request only after D reserved it
-(it keeps only the ids of requests its scheduler abandoned before their
-prefill came: `PrefillWorker.abort`).
+A prefill worker turns away a prefill so marked (D reserved it, and then its
+part of the abort ended it); it also keeps the ids of requests its scheduler
+abandoned before their prefill came (`PrefillWorker.abort`).
 """
 
 from __future__ import annotations

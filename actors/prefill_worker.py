@@ -257,6 +257,8 @@ class PrefillWorker(WorkerBase):
         early = self._early_aborts.pop(request.request_id, None)
         if early is not None:
             raise TransferFailed(f"request {request.request_id}: {early[1]} (before its prefill came)")
+        if self.abort_marks.ends(request):
+            raise RequestAborted(f"request {request.request_id} was aborted by its client before its prefill came")
         job = _Job(request, reservation, self.aio.create_future(), next_block=reservation.num_cached_blocks)
         self._jobs[request.request_id] = job  # before any await: an abort meanwhile finds it, and `add` turns it away
         try:
@@ -312,9 +314,12 @@ class PrefillWorker(WorkerBase):
     async def abort_named(self, client_rid: str | None, asked_s: float | None = None) -> list[str]:
         """`/abort_request` on P: stop the named prefills (every one for None);
         each one's caller gets RequestAborted, and ends the request on D as
-        aborted too (cluster/pd_request.py). P keeps no marks (`asked_s` unused):
-        it starts a request only once D reserved it, and D keeps them."""
+        aborted too (cluster/pd_request.py). A prefill that comes later, of a
+        request that arrived before the abort (`abort_marks`), is turned away so:
+        D had reserved it before its part of the abort ended it, and P computed
+        the prompt for nobody, the call waiting for it."""
         self._ensure_started()
+        self.abort_marks.mark(client_rid, asked_s or time.time())
         jobs = [job for job in self._jobs.values() if client_rid is None or job.request.client_rid == client_rid]
         for job in jobs:
             self.fail_job(job, RequestAborted(f"request {job.request.request_id} was aborted by its client"))

@@ -57,7 +57,7 @@ class DisaggregatedCall:
         feeds = self.feeds or TokenFeeds()
         feed = feeds.of(self.decode)
         prefill_task = None
-        finished = failed = False
+        finished = failed = aborted = False
         try:
             with feed.expect(request_id) as stream:
                 try:
@@ -84,16 +84,19 @@ class DisaggregatedCall:
                 prefill_task = asyncio.ensure_future(self._run_prefill())
                 async for event in stream:  # raises WorkerDied if D dies
                     finished, failed = event.finished, event.error is not None
+                    aborted = event.finish_reason == "abort"
                     yield event
-                if not failed:
+                if not (failed or aborted):
                     await prefill_task
         finally:
             # Who must stop: D, if the consumer left first; P, if it left first or D
-            # ended the request with an error (its reservation expired, say), while
-            # P's prefill runs: P would compute it for nobody, the call waiting. (Of
-            # a request never sent to P, or one P is done with, P is not told: it
-            # would keep the abort for a prefill to come, `PrefillWorker.abort`.)
-            stop_prefill = prefill_task is not None and not prefill_task.done() and (not finished or failed)
+            # ended the request with an error (its reservation expired, say) or as
+            # aborted by its client, while P's prefill runs: P would compute it for
+            # nobody, the call waiting. (Of a request never sent to P, or one P is
+            # done with, P is not told: it would keep the abort for a prefill to
+            # come, `PrefillWorker.abort`.)
+            stop_prefill = (prefill_task is not None and not prefill_task.done()
+                            and (not finished or failed or aborted))
             ends = ([self.prefill] if stop_prefill else []) + ([self.decode] if not finished else [])
             if stop_prefill:
                 prefill_task.cancel()

@@ -155,6 +155,27 @@ def test_a_request_still_on_its_way_when_its_abort_came_does_not_start(pair):
     wait_idle(d)
 
 
+def test_a_prefill_that_comes_after_its_clients_abort_is_turned_away(pair):
+    """D reserved a request, then the abort came (D's part ended the reservation,
+    P held nothing of it yet); its prefill, coming after, computed the whole
+    prompt for nobody, and the call waited for it. A request of that name taken
+    after the abort is prefilled."""
+    p, d = pair
+    late = GenerateRequest("late-0", LONG_PROMPT, ENDLESS, "late", time.time())
+    reservation = ray.get(d.reserve.remote(late, "unread", p))
+    steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
+    assert asyncio.run(abort(p, d, "late")) == {"late-0"}
+    with pytest.raises(RequestAborted, match="before its prefill came"):
+        ray.get(p.prefill.remote(late, reservation, d, "gloo"))
+    assert ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps)) == steps
+    short = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    served = asyncio.run(events_of(DisaggregatedCall(p, d, GenerateRequest("late-1", list(range(1, 40)), short,
+                                                                           "late", time.time() + 1), "gloo")))
+    assert served[-1].finish_reason == "length" and sum(len(e.token_ids) for e in served) == 4
+    wait_idle(p)
+    wait_idle(d)
+
+
 def test_a_handshake_waiting_in_line_ends_as_aborted(ray_local, tiny_qwen2_dir):
     small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
     p = start_worker("prefill", "p-abort-line", tiny_qwen2_dir, CONFIG, OPTIONS)
