@@ -135,7 +135,11 @@ class DecodeWorker(WorkerBase):
 
     def _on_step(self, exported, outputs) -> None:
         super()._on_step(exported, outputs)
-        if len(self.handshakes) and any(out.finished for out in outputs):  # on the engine thread
+        self._wake_line_if_any_finished(outputs)
+
+    def _wake_line_if_any_finished(self, outputs) -> None:
+        """On the engine thread: requests that finished freed their blocks and places; the line tries again."""
+        if len(self.handshakes) and any(out.finished for out in outputs):
             self.aio.call_soon_threadsafe(self.handshakes.room_freed)
 
     async def open_channel(
@@ -238,7 +242,9 @@ class DecodeWorker(WorkerBase):
         if meta.request_id not in engine.reservations:
             return
         first = SampledToken(meta.first_token_id, meta.first_logprob)
-        self.streams.publish([engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs)])
+        output = engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs)
+        self.streams.publish([output])
+        self._wake_line_if_any_finished([output])  # (done at its first token: one token asked, or a stop)
 
     async def _drop(self, request_id: str, reason: str) -> None:
         self.handshakes.withdraw(request_id)
