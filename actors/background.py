@@ -27,15 +27,30 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Callable, Coroutine
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def background_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     """Run `coroutine` as a task whose Ray calls belong to no request."""
     return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
+
+
+async def every(interval_s: float, one_round: Callable[[], Awaitable[Any]], what: str) -> None:
+    """`await one_round()` every `interval_s`, for good (a watchdog's loop). A
+    round that raises is logged and the next goes on: a watchdog that died at its
+    first error left, for the worker's life, reservations that never expired and
+    dead peers never noticed, and nothing said so."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await one_round()
+        except Exception:  # noqa: BLE001 - logged; the next round tries again
+            log.exception("%s: a round failed; the next goes on", what)
 
 
 def background_call(fn: Callable[[], T]) -> T:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.background import background_task
+from actors.background import background_task, every
 from actors.block_pool import blocks_to_reserve
 from actors.deadlines import within
 from actors.engine import Engine
@@ -68,7 +68,7 @@ class DecodeWorker(WorkerBase):
         self._line_blocks: dict[str, int] = {}  # request id -> the blocks its waiting handshake asks for
         self.num_granted = 0  # reservations granted (the scheduler's line-wait predictions)
         self._ended_aborted: OrderedDict[str, None] = OrderedDict()  # the latest requests their clients aborted here
-        background_task(self._watchdog())
+        background_task(every(self.options.watchdog_interval_s, self._watchdog, f"{self.worker_id}'s watchdog"))
 
     # ---- handshake --------------------------------------------------------------
     async def reserve(
@@ -317,28 +317,28 @@ class DecodeWorker(WorkerBase):
                         self._pending[rid].heard_s = now
 
     async def _watchdog(self) -> None:
-        while True:
-            await asyncio.sleep(self.options.watchdog_interval_s)
-            now = time.monotonic()
-            with self._pending_lock:
-                pending = list(self._pending.items())
-            await self._hear_from_prefill(pending, now)
-            expired = [rid for rid, p in pending if now - p.heard_s > self.options.reservation_ttl_s]
-            # The snapshot goes stale at each await: a request whose last chunk came in
-            # meanwhile is decoding and must not be dropped (_drop_pending checks).
-            for rid in expired:
-                await self._drop_pending(
-                    rid, f"reservation expired: no KV came for it within {self.options.reservation_ttl_s:g}s")
-            # One ping a P: handles compare by actor (each call brought its own handle
-            # object, so grouped by id() a P was pinged once per reservation, in turn)
-            handles = {p.prefill_handle for _, p in pending if p.prefill_handle is not None}
-            handles.update(self._channel_owners.values())
-            for handle in handles:
-                if not await self._is_dead(handle.ping.remote()):  # the reservation TTL still bounds a slow one
-                    continue
-                for rid, p in pending:
-                    if p.prefill_handle == handle:
-                        await self._drop_pending(rid, "prefill worker died before the transfer finished")
-                for name, owner in list(self._channel_owners.items()):
-                    if owner == handle:
-                        await self.close_channel(name)
+        """One round (`every` watchdog_interval_s): drop the reservations past
+        their TTL, and those whose P died, closing the channels of a dead P."""
+        now = time.monotonic()
+        with self._pending_lock:
+            pending = list(self._pending.items())
+        await self._hear_from_prefill(pending, now)
+        expired = [rid for rid, p in pending if now - p.heard_s > self.options.reservation_ttl_s]
+        # The snapshot goes stale at each await: a request whose last chunk came in
+        # meanwhile is decoding and must not be dropped (_drop_pending checks).
+        for rid in expired:
+            await self._drop_pending(
+                rid, f"reservation expired: no KV came for it within {self.options.reservation_ttl_s:g}s")
+        # One ping a P: handles compare by actor (each call brought its own handle
+        # object, so grouped by id() a P was pinged once per reservation, in turn)
+        handles = {p.prefill_handle for _, p in pending if p.prefill_handle is not None}
+        handles.update(self._channel_owners.values())
+        for handle in handles:
+            if not await self._is_dead(handle.ping.remote()):  # the reservation TTL still bounds a slow one
+                continue
+            for rid, p in pending:
+                if p.prefill_handle == handle:
+                    await self._drop_pending(rid, "prefill worker died before the transfer finished")
+            for name, owner in list(self._channel_owners.items()):
+                if owner == handle:
+                    await self.close_channel(name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from actors.background import background_task
+from actors.background import background_task, every
 from actors.config import EngineConfig
 from actors.engine import Engine, ExportedChunk
 from actors.kv_channel import GlooPair, GlooSender, KVSender, NcclPair, NcclSender, ObjectStoreSender, StoreSender
@@ -33,6 +34,8 @@ from actors.messages import (ChunkMeta, ChunkTiming, GenerateRequest, PrefillRes
 from actors.request import Request, RequestOutput
 from actors.sampling_params import SamplingParams
 from actors.worker_base import WorkerBase
+
+log = logging.getLogger(__name__)
 
 # How long, and how many, the ids of requests aborted before their prefill came are
 # kept (`PrefillWorker.abort`): the two calls leave a scheduler a moment apart.
@@ -118,10 +121,13 @@ class _PairSender:
                 self._send(transfer)
             except Exception as exc:  # D's refusal of this request's chunk leaves the channel in step
                 one_request = isinstance(exc, (TransferFailed, RequestAborted))
+                self.worker.fail_job(job, exc)  # (first: closing the channel may fail too)
                 if isinstance(exc, ray.exceptions.RayActorError) or not one_request:
                     self.broken = f"channel {self.sender.name} broken: {type(exc).__name__}: {exc}"
-                    self.worker.forget_pair(self)
-                self.worker.fail_job(job, exc)
+                    try:
+                        self.worker.forget_pair(self)
+                    except Exception:  # noqa: BLE001 - the thread goes on, to drop what is queued
+                        log.exception("closing channel %s failed", self.sender.name)
             finally:
                 self.worker.release_later(transfer.src_block_ids)
         # Closed: whatever is still queued will never be sent; unpin it.
@@ -163,7 +169,7 @@ class PrefillWorker(WorkerBase):
         self._pairs: dict[tuple[str, str], _PairSender] = {}
         self._pairs_lock = threading.Lock()  # `forget_pair` runs on the sender threads and the watchdog's
         self._opening: dict[tuple[str, str], asyncio.Task] = {}  # the channels being opened, until they are
-        background_task(self._watch_pairs())
+        background_task(every(self.options.watchdog_interval_s, self._watch_pairs, f"{self.worker_id}'s pair watch"))
 
     # ---- channels -------------------------------------------------------------
     async def _pair_for(self, reservation: ReservationInfo, decode_handle, backend: str) -> _PairSender:
@@ -225,12 +231,11 @@ class PrefillWorker(WorkerBase):
         """Close the channels to Ds that died (drained and gone, say). Only a failed
         send closed one, and a D that got no more sends never failed one: P kept a
         sender thread and, over gloo, a group and its store's sockets for every D it
-        had met, growing with the decode pool's churn (a review found it)."""
-        while True:
-            await asyncio.sleep(self.options.watchdog_interval_s)
-            for pair in list(self._pairs.values()):
-                if await self._is_dead(pair.decode.ping.remote()):
-                    await self.in_thread(lambda pair=pair: self.forget_pair(pair))
+        had met, growing with the decode pool's churn (a review found it). One
+        round (`every` watchdog_interval_s)."""
+        for pair in list(self._pairs.values()):
+            if await self._is_dead(pair.decode.ping.remote()):
+                await self.in_thread(lambda pair=pair: self.forget_pair(pair))
 
     def forget_pair(self, pair: _PairSender) -> None:
         """Close a pair, broken (from its sender thread) or whose D died (from

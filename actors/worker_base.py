@@ -20,7 +20,7 @@ import ray
 import torch
 
 from actors.abort_marks import AbortMarks
-from actors.background import background_task
+from actors.background import background_task, every
 from actors.config import EngineConfig, ModelLocation
 from actors.deadlines import within
 from actors.engine import Engine
@@ -131,7 +131,8 @@ class WorkerBase(StoreImports):
         self.loop.start()
         self._profiled = self.loop.call(profile_engine)  # the engine thread's first call: before any request's
         self._feed_owners: dict[str, object] = {}  # subscription -> its consumer's actor handle
-        background_task(self._watch_feed_owners())  # not part of the request that starts the worker
+        background_task(every(self.options.watchdog_interval_s, self._watch_feed_owners,  # not part of the request
+                              f"{self.worker_id}'s feed watch"))  # that starts the worker
         self._on_started()
 
     def _on_started(self) -> None:
@@ -256,12 +257,10 @@ class WorkerBase(StoreImports):
                 await self._drop(request_id, "the consumer's feed closed")
 
     async def _watch_feed_owners(self) -> None:
-        interval = self.options.watchdog_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            for subscription, owner in list(self._feed_owners.items()):
-                if await self._is_dead(owner.__ray_ready__.remote()):
-                    self.streams.end(subscription)
+        """End the feeds whose consumers (scheduler replicas) died."""
+        for subscription, owner in list(self._feed_owners.items()):
+            if await self._is_dead(owner.__ray_ready__.remote()):
+                self.streams.end(subscription)
 
     async def _is_dead(self, probe) -> bool:
         """Whether the actor a probe call (an ObjectRef) went to is dead; a slow or
