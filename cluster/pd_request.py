@@ -28,7 +28,8 @@ from actors.background import background_call
 from actors.deadlines import within
 from actors.messages import (GenerateRequest, PrefillResult, RequestAborted, ReservationInfo, ReservationRefused,
                              TokenEvent, WorkerDied, error_message)
-from cluster.token_feeds import TokenFeeds
+from actors.token_streams import SubscriptionClosed
+from cluster.token_feeds import FeedLost, TokenFeeds
 
 # What the handshake's call may take beyond the wait D was given: the call's way
 # there and back, and D's last try at the end of its wait.
@@ -71,6 +72,8 @@ class DisaggregatedCall:
                         f"{self.handshake_timeout_s + HANDSHAKE_GRACE_S:g} s") from None
                 except ray.exceptions.ActorUnavailableError:  # (a RayActorError, not a death: cluster/actor_errors.py)
                     raise ReservationRefused("the decode worker is unreachable for now") from None
+                except SubscriptionClosed as exc:  # D ended this feed before ours saw it end: a 500 that was no retry
+                    raise FeedLost(f"request {request_id}: {error_message(exc)}") from None
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerDied(
                         f"request {request_id}: decode worker died before the handshake ({type(exc).__name__})"

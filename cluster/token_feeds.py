@@ -33,6 +33,7 @@ import ray
 
 from actors.background import background_call, background_task
 from actors.messages import GenerateRequest, TokenEvent, WorkerDied, error_message
+from actors.token_streams import SubscriptionClosed
 
 _ENDED = object()  # a queue's marker: the feed is gone
 
@@ -188,6 +189,8 @@ async def colocated_events(feeds: TokenFeeds, worker, request: GenerateRequest):
                                f"({type(exc).__name__})") from None
             except ray.exceptions.RayActorError as exc:
                 raise WorkerDied(f"request {request.request_id}: worker died ({type(exc).__name__})") from None
+            except SubscriptionClosed as exc:  # the worker ended this feed before it ended here
+                raise FeedLost(f"request {request.request_id}: {error_message(exc)}") from None
             async for event in events:
                 finished = event.finished
                 yield event

@@ -368,27 +368,36 @@ def test_a_prefill_waiting_on_a_busy_prefill_worker_past_the_ttl_keeps_its_reser
     wait_idle(d)
 
 
-def test_a_request_whose_reservation_d_drops_before_its_prefill_is_not_prefilled(ray_local, tiny_qwen2_dir):
-    """D ends a request with an error while its prompt waits on a busy P (here
-    `abort_transfer`, as a failed transfer or an expired reservation does). The
+@pytest.mark.parametrize("ending", ["error", "abort"])
+def test_a_request_whose_reservation_d_drops_before_its_prefill_is_not_prefilled(ray_local, tiny_qwen2_dir, ending):
+    """D ends a request while its prompt waits on a busy P: with an error
+    (`abort_transfer`, as a failed transfer or an expired reservation does), or
+    as aborted by its client (`end_aborted`, D's part of /abort_request). The
     call took that last event as the end and awaited P, which had not been
     told: it computed the prompt for nobody once free, and the call only
     returned when D refused its first chunk."""
     busy_s = 3.0
-    p, d = _busy_pair(tiny_qwen2_dir, "dropped", busy_s)
+    name = f"dropped-{ending}"
+    p, d = _busy_pair(tiny_qwen2_dir, name, busy_s)
     steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
     started = time.monotonic()
 
     async def scenario():
-        call = DisaggregatedCall(p, d, GenerateRequest("dropped", LONG_PROMPT, SHORT.params), "gloo")
+        call = DisaggregatedCall(p, d, GenerateRequest(name, LONG_PROMPT, SHORT.params), "gloo")
         task = asyncio.ensure_future(consume(call))
-        while not await p.holding.remote(["dropped"]):
+        while not await p.holding.remote([name]):
             await asyncio.sleep(0.05)
-        assert await d.abort_transfer.remote("dropped", "reservation dropped by D")
+        if ending == "error":
+            assert await d.abort_transfer.remote(name, "reservation dropped by D")
+        else:
+            await d.end_aborted.remote([name])
         return await task
 
     events = asyncio.run(scenario())
-    assert events[-1].finished and "dropped by D" in events[-1].error
+    if ending == "error":
+        assert events[-1].finished and "dropped by D" in events[-1].error
+    else:
+        assert events[-1].finished and events[-1].finish_reason == "abort" and events[-1].error is None
     assert time.monotonic() - started < busy_s  # not waiting for P
     time.sleep(busy_s)
     assert ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps)) == steps  # nothing computed

@@ -196,6 +196,29 @@ def test_a_closed_feed_aborts_what_its_worker_still_runs_for_it(ray_local, coloc
     wait_idle(colocated)  # the worker aborted it by itself
 
 
+def test_a_request_on_a_feed_its_worker_has_closed_is_a_lost_feed(ray_local, colocated):
+    """The worker closed a subscription (its feed's stream ended there) before
+    this process's feed saw it end: a request sent on it failed with the worker's
+    SubscriptionClosed, an error nothing caught (a 500, not a retry on another
+    worker); it is a lost feed, as when this side saw the end first."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        feeds = TokenFeeds()
+        feed = feeds.of(colocated)
+        try:
+            await colocated.__ray_call__.remote(lambda worker, name: worker.streams.close(name), feed.subscription)
+            assert feed.alive  # (nothing reached this side)
+            with pytest.raises(FeedLost, match="is closed: its consumer went away"):
+                async for _ in colocated_events(feeds, colocated, GenerateRequest("closed-0", [5, 6, 7], params)):
+                    pass
+        finally:
+            await feeds.close()
+
+    asyncio.run(run())
+    wait_idle(colocated)
+
+
 @ray.remote
 class _Consumer:
     """A consumer actor, as a scheduler replica is."""
