@@ -83,8 +83,10 @@ class SamplingParams:
             raise InvalidRequestError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise InvalidRequestError(f"seed must be a 64-bit integer, in [-2**63, 2**63), got {self.seed!r}")
+        if self.seed is not None:  # (vLLM's range; -1, which clients send, was refused: the draws take [0, 2**63))
+            object.__setattr__(self, "seed", self.seed % 2**63)
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10:
             raise InvalidRequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 10] (1 disables it), "
                                       f"got {self.repetition_penalty!r}")

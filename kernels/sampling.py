@@ -32,7 +32,15 @@ model's forward), so
   or, when a row filters by top_p alone, a window that grows (x4 from 1024) until
   it holds that row's top_p of the mass and no row keeps its last column (on CPU,
   where checking costs nothing; on CUDA checking would wait for the device, so
-  such a batch sorts the whole vocabulary, which a GPU does quickly).
+  such a batch sorts the whole vocabulary, which a GPU does quickly). On CUDA a
+  top_k window does not grow: ties of the k-th may lie past it (bf16 logits tie
+  often), so the kept set is read as what it always is, every token at least as
+  likely as the least likely kept one (top-k with its ties, top-p's whole groups
+  and min-p each keep such a set), the top-k's mass for top-p taken from the
+  whole row, and the draw is inverted over the whole row with that threshold.
+  Cut at the window, a seeded top_k 20 row's token changed with its batch (beside
+  a top_k 50 or a top_p row) in 27 to 106 of 400 seeds over flat bf16 logits (a
+  review's probe of this path on CPU).
 Ties: every token tied with the k-th stays (transformers and vLLM drop only those
 below it), a group of ties is kept or dropped by top_p whole, and the draw is
 inverted in vocabulary order, so the order a sort gives ties (a `topk` of 40 or of
@@ -42,6 +50,13 @@ is that of a full sort, and so a top-k or top-p row samples the same token as
 sorting everything would (`reference_sample`; tests/test_kernels.py holds it to
 that, and the reference's kept set to transformers' warpers). `tandem bench
 kernels` times both.
+
+The CDF is inverted in float64 (`_invert_cdf`): in float32 a running sum near 1
+moves in steps of 6e-8, so a token less likely than that late in the vocabulary
+could never be drawn (1.2e-3 of the mass of a 152k vocabulary at temperature 1, a
+review measured), and the draw itself kept only 24 of its 53 bits. Blocks of
+`CDF_BLOCK` tokens make it cheaper than the float32 prefix sum it replaced: their
+sums, then one block's prefix sum.
 
 Devices. The draws are made on the host. Every tensor the sampling makes sits on
 the logits' device; the per-row settings and the draws go there in one copy from
@@ -59,6 +74,7 @@ import torch
 from kernels import to_device
 
 FIRST_WINDOW = 1024  # candidates a top_p-only row starts from (CPU)
+CDF_BLOCK = 1024  # tokens a block of the CDF's inversion sums (`_invert_cdf`)
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment: 2**64 over the golden ratio, odd
 
 
@@ -115,13 +131,13 @@ def sample(
         probs = scaled.softmax(dim=-1)
         if any(min_ps[random_rows[n]] > 0 for n in vocab_order):
             probs.masked_fill_(probs < part[5].float()[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-        tokens[rows] = _invert_cdf(probs, part[4].float())
+        tokens[rows] = _invert_cdf(probs, part[4])
     if best_first:
         rows, scaled, part = _scaled_rows(logits, settings, best_first)
         max_k = max((ks[n] for n in best_first if ks[n] < vocab), default=0)
         needs_mass = any(ks[n] == vocab for n in best_first)  # a row filters by top_p alone
-        tokens[rows] = _sample_best_first(scaled, part[2].long(), part[3].float(), part[5].float(), part[4].float(),
-                                          max_k, needs_mass)
+        tokens[rows] = _sample_best_first(scaled, part[2].long(), part[3].float(), part[5].float(), part[4],
+                                          max_k, needs_mass, grows=logits.device.type == "cpu")
     return tokens
 
 
@@ -136,34 +152,55 @@ def _scaled_rows(logits: torch.Tensor, settings: torch.Tensor, members: list[int
 
 
 def _invert_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """Per row, the first index where the running sum of `probs` passes `draws` of
-    the row's total (a zero-probability entry is never picked). A draw at the very
-    top (one in [1 - 2**-25, 1) is 1.0 in float32, and a product with the total can
-    round up to it) passes every entry: it takes the last entry with any
-    probability. It took the last index, clamped: in vocabulary order, the last
-    vocabulary id whatever its probability, once in about 34 million draws a token
-    that allowed_token_ids, a pattern, min_p or a ban had removed."""
-    cdf = probs.cumsum(dim=-1)
-    picks = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(1)
-    last_kept = probs.shape[1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(picks, last_kept)
+    """Per row, the first index where the running sum of `probs` (float64) passes
+    `draws` (float64) of the row's total; a zero-probability entry is never
+    picked. By blocks: the block where the sums of the blocks pass it, then the
+    entry within it. A draw at the very top, which rounding can take past the
+    total, takes the last entry with any probability (it took the last index
+    once: the last vocabulary id whatever its probability, a token that
+    allowed_token_ids, a pattern, min_p or a ban had removed)."""
+    rows, vocab = probs.shape
+    whole = vocab // CDF_BLOCK
+    sums = [probs[:, : whole * CDF_BLOCK].unfold(1, CDF_BLOCK, CDF_BLOCK).sum(dim=-1, dtype=torch.float64)] \
+        if whole else []
+    if vocab > whole * CDF_BLOCK:
+        sums.append(probs[:, whole * CDF_BLOCK :].sum(dim=-1, keepdim=True, dtype=torch.float64))
+    block_sums = torch.cat(sums, dim=1)
+    block_cdf = block_sums.cumsum(dim=-1)
+    target = draws.double()[:, None] * block_cdf[:, -1:]
+    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True), _last_positive(block_sums))
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)
+    inside = torch.where(columns < vocab, probs.gather(1, columns.clamp(max=vocab - 1)), 0.0)
+    at = torch.searchsorted(inside.double().cumsum(dim=-1), target - before, right=True)
+    at = torch.minimum(at, _last_positive(inside))  # (past the block's sum by rounding: its last kept entry)
+    return (block * CDF_BLOCK + at).squeeze(1).clamp_(max=vocab - 1)
 
 
-def _sample_best_first(scaled, ks, ps, min_ps, draws, max_k: int, needs_mass: bool) -> torch.Tensor:
+def _last_positive(values: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: each row's last column above 0 (its last where none is)."""
+    return values.shape[1] - 1 - (values.flip(-1) > 0).int().argmax(dim=-1, keepdim=True)
+
+
+def _sample_best_first(scaled, ks, ps, min_ps, draws, max_k: int, needs_mass: bool, grows: bool) -> torch.Tensor:
     """Sample each row among its kept candidates (`_kept`), taken from a window of
-    the best `width` (see the module docstring). On the CPU the window grows while
-    a row keeps its last column (candidates tied with it may lie past it); on a
-    device, where checking would wait for it, a top_k window holds one column past
-    the largest k, and ties of the k-th past that are cut (rare: two or more)."""
+    the best `width` (see the module docstring). Where the window `grows` (the
+    CPU), it does while a row keeps its last column (candidates tied with it may
+    lie past it); elsewhere, where checking would wait for the device, a top_k
+    window holds one column past the largest k, and the kept set is read back
+    over the whole row (`_pick_over_row`)."""
     vocab = scaled.shape[1]
     probs = scaled.softmax(dim=-1)
     width = min(vocab, max_k + 1)  # every row's k fits, and a column past it: a tie of the k-th shows
     if needs_mass:
-        width = vocab if probs.device.type != "cpu" else min(vocab, max(max_k + 1, FIRST_WINDOW))
+        width = min(vocab, max(max_k + 1, FIRST_WINDOW)) if grows else vocab
     while True:
         top_probs, top_ids = probs.topk(width, dim=-1) if width < vocab else probs.sort(dim=-1, descending=True)
+        if not grows and width < vocab:
+            keep = _kept(top_probs, ks, ps, min_ps, vocab, _top_k_mass(probs, top_probs, ks, vocab))
+            return _pick_over_row(probs, top_probs, top_ids, keep, draws)
         keep = _kept(top_probs, ks, ps, min_ps, vocab)
-        if width == vocab or probs.device.type != "cpu":
+        if width == vocab:
             break
         # Enough when no row keeps the last column, and a top_p-only row's p of the mass is in.
         if not bool(keep[:, -1].any()) and (
@@ -171,6 +208,23 @@ def _sample_best_first(scaled, ks, ps, min_ps, draws, max_k: int, needs_mass: bo
             break
         width = min(vocab, max(width * 4, FIRST_WINDOW))
     return _pick(top_probs, top_ids, keep, draws)
+
+
+def _top_k_mass(probs: torch.Tensor, probs_desc: torch.Tensor, ks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each top_k row's mass of its k best and every one tied with the k-th, read
+    over the whole row (a window's own misses ties past it); 1 for the others."""
+    kth = probs_desc.gather(1, (ks.clamp(max=probs_desc.shape[1]) - 1)[:, None])
+    return torch.where(ks < vocab, (probs * (probs >= kth)).sum(dim=-1), 1.0)
+
+
+def _pick_over_row(probs: torch.Tensor, probs_desc: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor,
+                   draws: torch.Tensor) -> torch.Tensor:
+    """`_pick`, the kept set read over the whole row: every token at least as
+    likely as the least likely kept in the window (the kept set is always such a
+    set), so ties of it past the window are kept too."""
+    least = torch.where(keep, probs_desc, torch.inf).amin(dim=-1, keepdim=True)
+    picks = _invert_cdf(torch.where(probs >= least, probs, 0.0), draws)
+    return torch.where(keep.any(dim=-1), picks, ids[:, 0])  # (a NaN row keeps nothing: its best id)
 
 
 def _pick(probs_desc: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -188,20 +242,22 @@ def _pick(probs_desc: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, draws
 
 
 def _kept(probs_desc: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, min_ps: torch.Tensor,
-          vocab: int) -> torch.Tensor:
+          vocab: int, k_mass: torch.Tensor | None = None) -> torch.Tensor:
     """Which of each row's best candidates (`probs_desc`: descending, the first
     columns of a full sort) survive transformers' chain: the best k, and every one
     tied with the k-th (transformers and vLLM drop only those below it); of those,
     the fewest whose mass before them is under p of the k's mass, a group of ties
     counted from the mass before the group (kept or dropped whole: in sort order,
     which ties take anyhow, one was kept and its twin not); of those, every one at
-    least min_p of the best. The best always survives."""
+    least min_p of the best. The best always survives. `k_mass`: the top-k's mass
+    (`_top_k_mass`), where the columns may not hold all of it."""
     columns = probs_desc.shape[1]
     rank = torch.arange(columns, device=probs_desc.device)[None, :]
     kth = probs_desc.gather(1, (ks.clamp(max=columns) - 1)[:, None])
     in_top_k = (probs_desc >= kth) | (ks[:, None] >= vocab)
     # A row without top_k: the whole vocabulary's mass (1), which a window need not hold.
-    k_mass = torch.where(ks < vocab, (probs_desc * in_top_k).sum(dim=-1), 1.0)
+    if k_mass is None:
+        k_mass = torch.where(ks < vocab, (probs_desc * in_top_k).sum(dim=-1), 1.0)
     mass_before = probs_desc.cumsum(dim=-1) - probs_desc
     ascending = -probs_desc  # (a descending row, negated: ascending, as searchsorted wants)
     first_of_ties = torch.searchsorted(ascending.contiguous(), ascending.contiguous(), right=False)
@@ -235,16 +291,17 @@ def reference_sample(
     ps = torch.tensor([top_ps[i] for i in random_rows], dtype=torch.float32)
     min_p = torch.tensor([min_ps[i] if min_ps else 0.0 for i in random_rows], dtype=torch.float32)
     keep = _kept(sorted_probs, ks, ps, min_p, vocab)
-    row_draws = torch.tensor([draws[i] for i in random_rows], dtype=torch.float32)
+    row_draws = torch.tensor([draws[i] for i in random_rows], dtype=torch.float64)
     tokens[rows] = _pick(sorted_probs, sorted_ids, keep, row_draws)
     return tokens
 
 
 def ranks_of(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Each row's rank of `token_ids` ([B]) in its logits [B, V]: 1 plus how many
-    tokens have a higher one (vLLM's `rank`; ties share the better rank)."""
+    """Each row's rank of `token_ids` ([B]) in its logits [B, V]: how many tokens
+    have one at least as high, itself among them (vLLM's `rank`: ties share the
+    worse rank; 1 plus those higher gave them the better, unlike vLLM's)."""
     chosen = logits.gather(1, token_ids[:, None])
-    return (logits > chosen).sum(dim=-1) + 1
+    return (logits >= chosen).sum(dim=-1).clamp_(min=1)  # (a NaN logit is at least as high as nothing)
 
 
 def logprobs_of(

@@ -12,7 +12,7 @@ import pytest
 from actors.regex_dfa import compile_regex
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import InvalidRequestError
-from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody
+from cluster.api_models import ChatBody, ChatMessage, CompletionBody, TokenizeBody, choice_params
 from cluster.sglang_body import GenerateBody
 from cluster.tool_calls import TOOL_CALL_FORMATS, StreamedCalls, Tool, chat_answer
 
@@ -205,6 +205,19 @@ def test_top_k_minus_one_is_off_as_in_vllm():
     assert ChatBody(messages=MESSAGES).sampling(4, defaults).top_k == 20
     with pytest.raises(ValueError, match="top_k"):
         ChatBody(messages=MESSAGES, top_k=-2)
+
+
+def test_a_seed_is_any_64_bit_integer_as_in_vllm():
+    """-1 (which clients send) and other negative seeds were refused; each is
+    folded into the draws' [0, 2**63), reproducibly; past 64 bits is refused."""
+    seeds = [CompletionBody(prompt="x", seed=seed).sampling(4, SamplingDefaults()).seed
+             for seed in (-1, -(2**63), 2**63 - 1, 7)]
+    assert seeds == [2**63 - 1, 0, 2**63 - 1, 7]
+    params = CompletionBody(prompt="x", seed=-1).sampling(4, SamplingDefaults())
+    assert [p.seed for p in choice_params(params, 2)] == [2**63 - 1, 0]  # (n's choices, seed + i)
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(InvalidRequestError, match="seed must be a 64-bit integer"):
+            CompletionBody(prompt="x", seed=seed).sampling(4, SamplingDefaults())
 
 
 @pytest.mark.parametrize("key", ["1_0", " 5", "+7", "5.0", "x", ""])

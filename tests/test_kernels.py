@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -228,8 +229,28 @@ def test_a_draw_at_the_very_top_picks_a_possible_token(min_p):
     peaked = torch.randn(1, 2048)
     peaked[0, 7] = 20.0
     assert sample(peaked, [1.0], [0], [1.0], top, [0.5]).item() == 7  # min_p keeps token 7 alone
-    # (with every token possible, a top draw takes the last: that much of its share is a top draw's)
-    assert sample(peaked, [1.0], [0], [1.0], top, [min_p]).item() == (7 if min_p else 2047)
+    # (with every token possible, the draw, in float64, is no longer 1.0: the token where the CDF passes it)
+    assert sample(peaked, [1.0], [0], [1.0], top, [min_p]).item() == (7 if min_p else _inverted(peaked[0], top[0]))
+
+
+def _inverted(logits: torch.Tensor, draw: float) -> int:
+    """The token a draw picks from a row's softmax, its CDF summed in float64 by numpy."""
+    cdf = np.cumsum(logits.float().softmax(-1).double().numpy())
+    return int(np.searchsorted(cdf, draw * cdf[-1], side="right"))
+
+
+def test_the_least_likely_tokens_can_be_drawn():
+    """A 150k-token tail holding 1e-3 of the mass, each token 7e-9, below the
+    step of a float32 sum near 1 (6e-8): a CDF summed in float32 gave none of
+    them any width, and a draw in the tail took the last one, or a token the
+    rounding chose. Summed in float64 (by blocks), each is drawn as likely as
+    it is: a draw half through the tail takes the token half through it."""
+    vocab = 150_001
+    logits = torch.full((1, vocab), float(np.log(1e-3 / (vocab - 1))))
+    logits[0, 0] = float(np.log(1 - 1e-3))
+    for draw in (1 - 0.5e-3, 1 - 0.25e-3, 0.9995 + 1e-9):
+        picked = sample(logits, [1.0], [0], [1.0], [draw]).item()
+        assert picked == _inverted(logits[0], draw) and abs(picked - (draw - 0.999) / 1e-3 * vocab) < 200
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 1.0), (0, 0.5)])
@@ -264,10 +285,32 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert torch.equal(top_ids, reference.topk(4).indices)
 
 
-def test_a_tokens_rank_is_one_plus_the_tokens_above_it():
+def test_a_window_that_does_not_grow_keeps_the_ties_past_it():
+    """On CUDA a top_k window is one column past the batch's largest k and does
+    not grow (checking would wait for the device); bf16 logits tie often, and
+    ties of the k-th past the window were cut, so a seeded row's token changed
+    with its batch. That path, run here on the CPU, picks what sorting the whole
+    vocabulary picks for each row alone."""
+    from kernels.sampling import _sample_best_first
+
+    vocab, gen = 4096, torch.Generator().manual_seed(0)
+    temps, top_ks, top_ps, min_ps = [0.7, 1.0, 1.0], [20, 50, 5], [1.0, 0.95, 1.0], [0.0, 0.0, 0.1]
+    for seed in range(60):
+        logits = (torch.randn(3, vocab, generator=gen) * 2 + 5).bfloat16().float()
+        draws = uniform_draws([seed] * 3, [0, 1, 2])
+        got = _sample_best_first(logits / torch.tensor(temps)[:, None], torch.tensor(top_ks), torch.tensor(top_ps),
+                                 torch.tensor(min_ps), torch.tensor(draws, dtype=torch.float64), max_k=50,
+                                 needs_mass=False, grows=False)
+        alone = [reference_sample(logits[i : i + 1], [temps[i]], [top_ks[i]], [top_ps[i]], [draws[i]],
+                                  [min_ps[i]]).item() for i in range(3)]
+        assert got.tolist() == alone, seed
+
+
+def test_a_tokens_rank_counts_the_tokens_at_least_as_likely():
+    """vLLM's rank: a tie shares the worse one (it was the better, 1 plus those above)."""
     logits = torch.tensor([[0.5, 2.0, -1.0, 2.0], [3.0, 1.0, 0.0, -2.0]])
     assert ranks_of(logits, torch.tensor([0, 0])).tolist() == [3, 1]
-    assert ranks_of(logits, torch.tensor([3, 3])).tolist() == [1, 4]  # a tie shares the better rank
+    assert ranks_of(logits, torch.tensor([3, 3])).tolist() == [2, 4]
 
 
 def test_cpu_decode_kernel_matches_the_reference():
