@@ -25,9 +25,10 @@ so the store can demote them to the next tier. An entry a disk tier indexes from
 another writer (on start, or found by its path) can also take it over the high
 mark: the least recently used go then, deleted. An entry older than `ttl_s` is
 never served (its age is the block's in the store: a demotion or a promotion
-moves it with its age, a file keeping it as its mtime); it is removed when met and by the store's periodic `expire`, which on
-a disk tier also removes the files past it that this tier never indexed (another
-node's, on a shared path). Pinned keys (a set the store owns) are exempt from both.
+moves it with its age, a file keeping it as its mtime); it is removed when met
+and by the store's periodic `expire`, which on a disk tier also removes the
+files past it that this tier never indexed (another node's, on a shared path).
+Pinned keys (a set the store owns) are exempt from both.
 """
 
 from __future__ import annotations

@@ -121,9 +121,11 @@ class _PairSender:
                 self._send(transfer)
             except Exception as exc:  # D's refusal of this request's chunk leaves the channel in step
                 one_request = isinstance(exc, (TransferFailed, RequestAborted))
-                self.worker.fail_job(job, exc)  # (first: closing the channel may fail too)
-                if isinstance(exc, ray.exceptions.RayActorError) or not one_request:
+                broken = isinstance(exc, ray.exceptions.RayActorError) or not one_request
+                if broken:
                     self.broken = f"channel {self.sender.name} broken: {type(exc).__name__}: {exc}"
+                self.worker.fail_job(job, exc)  # (before the close, which may fail too)
+                if broken:
                     try:
                         self.worker.forget_pair(self)
                     except Exception:  # noqa: BLE001 - the thread goes on, to drop what is queued

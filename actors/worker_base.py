@@ -131,8 +131,9 @@ class WorkerBase(StoreImports):
         self.loop.start()
         self._profiled = self.loop.call(profile_engine)  # the engine thread's first call: before any request's
         self._feed_owners: dict[str, object] = {}  # subscription -> its consumer's actor handle
-        background_task(every(self.options.watchdog_interval_s, self._watch_feed_owners,  # not part of the request
-                              f"{self.worker_id}'s feed watch"))  # that starts the worker
+        # (a task of its own, not part of the request that starts the worker)
+        background_task(every(self.options.watchdog_interval_s, self._watch_feed_owners,
+                              f"{self.worker_id}'s feed watch"))
         self._on_started()
 
     def _on_started(self) -> None:
