@@ -31,6 +31,13 @@ Rules shared by both (`ScalingPolicy`):
   reacts to the load now, down to its peak over the window: a load that comes in
   waves (clients that start together and end together) must be low for a whole
   window before a worker goes.
+- Memory of shortfalls: a size whose attainment fell below the target is not
+  come back to (nor any smaller) for `shortfall_memory_s`, unless the load (the
+  outcomes a window) fell under `LOAD_FALL` of the load it fell short at. Backlog
+  and KV use each ask whether one worker fewer would still fit; attainment cannot
+  say, and under a steady load a pool scaled up for it came back down at its next
+  cooldown, fell short again, and went up again (a model load each round, every
+  minute or two: a review's run).
 """
 
 from __future__ import annotations
@@ -65,6 +72,17 @@ class PoolObservation:
     handshakes_waiting: int = 0  # decode: handshakes in the serving workers' lines, waiting for KV blocks
 
 
+LOAD_FALL = 0.8  # of the outcomes a window at which a size fell short: under it, that size may serve again
+
+
+@dataclass
+class Shortfall:
+    """A size's attainment fell below the target: when last, and at the least load it did."""
+
+    at_s: float
+    num_samples: int
+
+
 @dataclass(frozen=True)
 class Decision:
     action: Action
@@ -90,6 +108,7 @@ class ScalingPolicy:
         self.target = attainment_target
         self.down_attainment = min(1.0, attainment_target + knobs.scale_down_margin)
         self.settled_s = -math.inf  # the end of the last step (a worker starting or draining)
+        self.shortfalls: dict[int, Shortfall] = {}  # by pool size
 
     def decide(self, obs: PoolObservation, now_s: float) -> Decision:
         if obs.num_starting or obs.num_draining:
@@ -103,6 +122,8 @@ class ScalingPolicy:
         pressure = self.pressure(obs)
         if pressure is not None:
             signal, reason = pressure
+            if signal == f"{self.figure.lower()}_attainment":
+                self._note_shortfall(size, obs, now_s)
             if size >= self.max_size:
                 return _hold("at_max", f"{reason}, but already at the maximum of {self.max_size}")
             waited = now_s - self.settled_s
@@ -111,6 +132,9 @@ class ScalingPolicy:
             return Decision(Action.UP, signal, reason)
         if size > self.min_size:
             reason = self.relief(obs)
+            short = self._short_at(size - 1, obs, now_s) if reason is not None else None
+            if short is not None:
+                return _hold("fell_short", f"{reason}, but {short}")
             if reason is not None:
                 waited = now_s - self.settled_s
                 if waited < self.knobs.scale_down_cooldown_s:
@@ -118,6 +142,22 @@ class ScalingPolicy:
                                              f"({waited:.0f}/{self.knobs.scale_down_cooldown_s:.0f} s)")
                 return Decision(Action.DOWN, "idle", reason)
         return _hold("steady", f"{size} workers")
+
+    def _note_shortfall(self, size: int, obs: PoolObservation, now_s: float) -> None:
+        known = self.shortfalls.get(size)
+        fresh = known is not None and now_s - known.at_s < self.knobs.shortfall_memory_s
+        samples = min(obs.num_samples, known.num_samples) if fresh else obs.num_samples
+        self.shortfalls[size] = Shortfall(now_s, samples)
+
+    def _short_at(self, size: int, obs: PoolObservation, now_s: float) -> str | None:
+        """Why `size` workers would fall short again (None: no reason to think so):
+        it, or a larger size, did within the memory at no more load than now's."""
+        for known_size, known in sorted(self.shortfalls.items()):
+            if (known_size >= size and now_s - known.at_s < self.knobs.shortfall_memory_s
+                    and obs.num_samples > LOAD_FALL * known.num_samples):
+                return (f"{known_size} workers fell short of the {self.figure} target {now_s - known.at_s:.0f} s ago "
+                        f"at {known.num_samples} requests a window (now {obs.num_samples})")
+        return None
 
     # ---- what each pool watches ---------------------------------------------------------
     def pressure(self, obs: PoolObservation) -> tuple[str, str] | None:

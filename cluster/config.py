@@ -188,6 +188,9 @@ class AutoscalingSettings(_Strict):
     scale_down_margin: float = Field(0.05, ge=0, le=1)  # down only at attainment >= target + margin
     scale_up_cooldown_s: float = Field(10.0, ge=0)  # since the pool last had a worker starting or draining
     scale_down_cooldown_s: float = Field(60.0, ge=0)
+    # A size whose SLO attainment fell short is not come back to for this long unless the load fell
+    # (cluster/autoscaling.py `Shortfall`)
+    shortfall_memory_s: float = Field(1800.0, ge=0)
     prefill_backlog_up_tokens: int = Field(4096, ge=1)  # queued prompt tokens per prefill worker
     prefill_backlog_down_tokens: int = Field(512, ge=1)  # (down below it: 0 turned scale-down off)
     kv_usage_up: float = Field(0.8, gt=0, le=1)  # fraction of the decode pool's KV blocks in use

@@ -105,6 +105,48 @@ def test_no_more_than_one_scale_down_in_the_minute_after_a_scale_up():
     assert all(now - ups[0] >= 60 for now in downs) and downs
 
 
+def _steady(policy, attainment_at, samples_at, until_s: float, start_s: float = 20.0) -> list:
+    """Run a pool whose attainment and load (outcomes a window) are functions of its
+    size and the time; a worker starts in 20 s, drains in 10. Its (time, action, size)s."""
+    size, starting, draining, steps = 1, None, None, []
+    for now in range(0, int(until_s), 2):
+        if starting is not None and now >= starting:
+            size, starting = size + 1, None
+        if draining is not None and now >= draining:
+            size, draining = size - 1, None
+        obs = PoolObservation(num_serving=size, num_starting=int(starting is not None),
+                              num_draining=int(draining is not None), attainment=attainment_at(size, now),
+                              num_samples=samples_at(now), kv_blocks_used=20, kv_blocks_total=100 * size,
+                              kv_blocks_used_peak=20)
+        action = policy.decide(obs, float(now)).action
+        if action is Action.UP:
+            starting = now + start_s
+        elif action is Action.DOWN:
+            draining = now + 10
+        if action is not Action.HOLD:
+            steps.append((now, action, size))
+    return steps
+
+
+def test_a_size_that_fell_short_is_not_come_back_to_under_the_same_load():
+    """A steady load one decode worker serves at 60% TBT attainment, two at 100%:
+    up once, and the pool stays at two (it came back to one at each down cooldown,
+    fell short, and went up again: a worker started and drained every 96 s)."""
+    steps = _steady(decode(), lambda size, now: 0.6 if size == 1 else 1.0, lambda now: 50, until_s=1200)
+    assert steps == [(0, Action.UP, 1)]
+
+
+def test_a_size_that_fell_short_serves_again_once_the_load_falls_or_the_memory_ends():
+    load_falls = _steady(decode(), lambda size, now: 0.6 if size == 1 and now < 300 else 1.0,
+                         lambda now: 50 if now < 300 else 30, until_s=600)
+    assert [action for _, action, _ in load_falls] == [Action.UP, Action.DOWN]
+    assert load_falls[1][0] >= 300  # (down only once the load fell: 30 is under 0.8 of 50)
+    policy = DecodeScaling(POOL, KNOBS.model_copy(update={"shortfall_memory_s": 300}), attainment_target=0.9)
+    forgotten = _steady(policy, lambda size, now: 0.6 if size == 1 and now < 100 else 1.0, lambda now: 50,
+                        until_s=600)
+    assert [action for _, action, _ in forgotten] == [Action.UP, Action.DOWN] and forgotten[1][0] >= 300
+
+
 def test_decode_scales_on_kv_usage_and_tbt_only():
     policy = decode()
     full = PoolObservation(num_serving=1, kv_blocks_used=900, kv_blocks_total=1000)
