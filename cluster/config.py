@@ -137,6 +137,10 @@ class EngineSettings(_Strict):
         return EngineConfig(**self.model_dump())
 
 
+class _Placement:
+    """What Ray checks a pool's placement against (`PoolSettings._ray_takes_placement`)."""
+
+
 class PoolSettings(_Strict):
     replicas: int = Field(1, ge=0)  # the initial size
     min_replicas: int | None = Field(None, ge=0)  # None: `replicas`
@@ -153,6 +157,21 @@ class PoolSettings(_Strict):
             raise ValueError(f"replicas ({self.replicas}, the initial size) is above max_replicas ({self.max_size})")
         if self.replicas < self.min_size:
             raise ValueError(f"replicas ({self.replicas}, the initial size) is below min_replicas ({self.min_size})")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_takes_placement(self):
+        """Ray's own checks of the actor options a worker starts with (cluster/workers.py):
+        a label key with a space, or num_cpus finer than 0.0001, passed here and at
+        `check-manifest`, then failed each start (the pool manager's every step)."""
+        import ray
+
+        options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        try:
+            ray.remote(_Placement).options(**options, **({"label_selector": self.label_selector}
+                                                         if self.label_selector else {}))
+        except ValueError as exc:
+            raise ValueError(f"Ray refuses this pool's placement: {exc}") from None
         return self
 
     @property

@@ -298,17 +298,23 @@ class PoolAutoscaler:
         self._begin_awaited_drains(now)
         await self._finish_drains(now)
         for role in self.roles:
-            observation = self.observe(role, now)
-            self._export(role, observation)
-            policy = self.policies.get(role)
-            if policy is None:
-                await self._keep_size(role, observation)
-                continue
-            decision = policy.decide(observation, now)
-            if decision.action is Action.UP and self.restarts.held_s(role, now) > 0:
-                continue  # a run of start failures: the scale-up waits as a restart would
-            if decision.action is not Action.HOLD:
-                await self._carry_out(role, decision)
+            try:
+                await self._step_role(role, now)
+            except Exception:  # (the roles after it are still decided: one role's failing start stalled them)
+                log.exception("autoscaler step failed for the %s pool", role)
+
+    async def _step_role(self, role: str, now: float) -> None:
+        observation = self.observe(role, now)
+        self._export(role, observation)
+        policy = self.policies.get(role)
+        if policy is None:
+            await self._keep_size(role, observation)
+            return
+        decision = policy.decide(observation, now)
+        if decision.action is Action.UP and self.restarts.held_s(role, now) > 0:
+            return  # a run of start failures: the scale-up waits as a restart would
+        if decision.action is not Action.HOLD:
+            await self._carry_out(role, decision)
 
     def _members(self, role: str | None = None) -> list:
         return [m for m in self.manager.members.values() if role is None or m.role == role]

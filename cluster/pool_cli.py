@@ -97,6 +97,8 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
         connection = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError as exc:
         return exc.strerror or type(exc).__name__
+    except (UnicodeError, ValueError) as exc:  # (no host name: `a..b`, a label past 63 characters, a port past 65535)
+        return f"{host!r} port {port} is no address ({exc})"
     header = b""
     with connection:
         try:
@@ -126,6 +128,8 @@ def _answer(name: str, refs, timeout_s: float = ANSWER_TIMEOUT_S):
                        "try again") from None
     except ray.exceptions.RayActorError as exc:
         raise CliError(f"pool manager {name!r} is gone ({type(exc).__name__}): is the app being redeployed?") from None
+    except ray.exceptions.RayTaskError as exc:  # (its call failed: said in one line, the traceback in its log)
+        raise CliError(f"pool manager {name!r} failed the command: {type(exc.cause).__name__}: {exc.cause}") from None
 
 
 def _cmd_pools(args: argparse.Namespace) -> None:

@@ -165,6 +165,9 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "kv_store": {"shared_path": "/mnt/kv"}}, "shared_path needs a bound"),
         ({"model": {"preset": "tiny"}, "kv_store": {"disk_path": "/mnt/kv", "shared_path": "/mnt/kv/", "ttl_s": 60}},
          "two folders"),
+        ({"model": {"preset": "tiny"}, "prefill": {"label_selector": {"tandem role": "prefill"}}},
+         "Invalid label key name `tandem role`"),
+        ({"model": {"preset": "tiny"}, "decode": {"num_cpus": 1e-5}}, "cannot go beyond 0.0001"),
         # (0 turned scale-down off: an idle pool's backlog or KV use is never below 0)
         ({"model": {"preset": "tiny"}, "autoscaling": {"prefill_backlog_down_tokens": 0}}, "prefill_backlog_down"),
         ({"model": {"preset": "tiny"}, "autoscaling": {"kv_usage_down": 0}}, "kv_usage_down"),

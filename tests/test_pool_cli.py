@@ -120,6 +120,8 @@ def test_an_address_that_is_not_a_gcs_is_one_line_at_once():
         server.shutdown()
     assert answer.returncode == 2 and "Traceback" not in answer.stderr
     assert "it answers, but not as Ray's GCS does" in answer.stderr.splitlines()[0], answer.stderr
+    typo = _tandem("pools", "--address", "a..b:6379")  # (a UnicodeError from the IDNA codec, in a traceback)
+    assert typo.returncode == 2 and "Traceback" not in typo.stderr and "'a..b' port 6379 is no address" in typo.stderr
 
 
 def test_a_pool_manager_that_does_not_answer_or_is_gone_is_one_line(ray_local):
@@ -136,3 +138,11 @@ def test_a_pool_manager_that_does_not_answer_or_is_gone_is_one_line(ray_local):
     ray_local.kill(slow)
     with pytest.raises(CliError, match="pool manager 'p' is gone"):
         _answer("p", slow.workers.remote())
+
+    @ray_local.remote(num_cpus=0)
+    class Failing:
+        def drain(self):
+            raise ValueError("no such worker (as a test)")
+
+    with pytest.raises(CliError, match="pool manager 'p' failed the command: ValueError: no such worker"):
+        _answer("p", Failing.remote().drain.remote())

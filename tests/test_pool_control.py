@@ -384,3 +384,29 @@ def test_workers_of_one_start_that_fail_together_are_one_failure_in_a_row(pools)
     failures = [e.reason for e in manager.scaler.events if e.kind == "start_failed"]
     assert len(failures) == 4 and all(reason.endswith("next start in 2 s") for reason in failures)
     assert manager.scaler.start_failures()["decode"].failures_in_a_row == 1
+
+
+def test_a_pool_whose_start_fails_does_not_keep_the_other_pool_from_scaling(pools, monkeypatch):
+    """A worker start that raised in the prefill pool's part of a step (Ray
+    refusing its actor options) ended the step there: the decode pool, decided
+    after it, was never scaled, its KV full, for as long as the start kept failing."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 1, "min_replicas": 1, "max_replicas": 3}})
+    for worker in workers.values():
+        worker.come_up()
+    asyncio.run(manager.scaler.step())
+    start = pool_manager.start_worker
+
+    def refused(kind, worker_id, *args, **kwargs):
+        if kind == "prefill":
+            raise ValueError("Ray refuses this placement (as a test)")
+        return start(kind, worker_id, *args, **kwargs)
+
+    monkeypatch.setattr(pool_manager, "start_worker", refused)
+    asyncio.run(manager.apply_pools({**BASE, "prefill": {"replicas": 2},
+                                     "decode": {"replicas": 1, "min_replicas": 1, "max_replicas": 3}}))
+    full = dataclasses.replace(workers["d1"]._stats(), num_used_blocks=95, num_running=5)
+    workers["d1"].stats = _Method(lambda: _Ref(_answer(full)))
+    clock.now += 30
+    asyncio.run(manager.scaler.step())
+    assert [e.kind for e in manager.scaler.events if e.role == "decode"][-2:] == ["up", "started"]
