@@ -90,14 +90,21 @@ def chat_logprobs(tokenizer, logprobs, token_bytes: list[bytes] | None = None) -
                         for lp in logprobs]}
 
 
-def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list:
+def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list | None:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then for each
-    token, by id, its logprob, rank and text, and so for the `num_top` best."""
+    token, by id, its logprob, rank and text, and so for the `num_top` best.
+    None for a request aborted before its prompt's came, and None for each
+    token one aborted mid-prefill had not reached (a 500 had answered either)."""
     def described(token_id: int, logprob: float, rank: int | None) -> dict:
         return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
 
+    if logprobs is None:
+        return None
     entries = [None]
     for lp in logprobs[1:]:
+        if lp is None:
+            entries.append(None)
+            continue
         entry = {lp.token_id: described(lp.token_id, lp.logprob, lp.rank)}
         for rank, (token_id, logprob) in enumerate(lp.top[:num_top], 1):
             entry.setdefault(token_id, described(token_id, logprob, rank))

@@ -23,3 +23,13 @@ def test_prompt_logprobs_name_each_prompt_token_and_the_best_by_id():
     assert all(choice["prompt_logprobs"] == entries for choice in completion["choices"])
     chat = fmt.completion_body("id", "m", [("x", "length", None)] * 2, {}, True, [entries])
     assert chat["prompt_logprobs"] == entries and all("prompt_logprobs" not in c for c in chat["choices"])
+
+
+def test_a_request_aborted_before_or_during_its_prefill_has_what_came_of_its_prompt_logprobs():
+    """/abort_request before the prompt's logprobs came (P/D: before D's
+    handshake), or mid-prefill (colocated: those of the chunks not computed are
+    None): each was a 500 (a TypeError, an AttributeError) for the whole answer."""
+    assert fmt.prompt_logprobs(_Letters(), None, num_top=1) is None
+    partial = [None, TokenLogprob(3, -2.5, [(3, -2.5)], rank=1), None, None]
+    assert fmt.prompt_logprobs(_Letters(), partial, num_top=1) == [
+        None, {3: {"logprob": -2.5, "rank": 1, "decoded_token": "d"}}, None, None]
