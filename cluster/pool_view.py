@@ -9,6 +9,12 @@ answer is the other replicas' load (`WorkerModels.peers`). Each replica reads
 every worker's prefix-cache events from a cursor of its own (actors/event_log.py),
 so all of them route by the whole cache. The scheduler (cluster/service.py)
 admits and pairs by this view and runs requests; this file decides nothing.
+
+A worker's answers to a refresh (stats, cache events, its start-up profile) are
+waited for at most `WORKER_ANSWER_S`, and one late is asked again next time: one
+worker that stopped answering (a node cut off, not yet declared dead) held the
+refresh, and so this replica's reports: the pool manager forgot it after 30 s,
+and a drain killed its worker under the requests it still had there.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import ray
 
 from actors.background import background_call
 from actors.block_pool import blocks_to_reserve
+from actors.deadlines import within
 from actors.decode_room import growth_blocks
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import ProfileRunning, error_message
@@ -40,6 +47,7 @@ from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
 
 log = logging.getLogger("tandem.scheduler")
+WORKER_ANSWER_S = 5.0  # a worker's answer to one refresh's call, at most (then asked again at the next)
 
 
 class PoolView:
@@ -89,7 +97,8 @@ class PoolView:
         # A reading is as of when it was asked for: a request admitted while the calls
         # were on their way counts as sent since (`_room_and_sent`), not as in it.
         asked_s = time.monotonic()
-        results = await asyncio.gather(*(m.handle.stats.remote() for m in members), return_exceptions=True)
+        results = await asyncio.gather(*(within(m.handle.stats.remote(), WORKER_ANSWER_S) for m in members),
+                                       return_exceptions=True)
         for member, stats in zip(members, results):
             if actor_died(stats):
                 await self.report_dead(member.worker_id)
@@ -118,7 +127,8 @@ class PoolView:
                     self.models.observe_prefill_steps(member.worker_id, stats.prefill_steps)
         indexed = [m for m in members if m.worker_id in self.prefix]
         batches = await asyncio.gather(
-            *(m.handle.cache_events.remote(self.cache_cursors.get(m.worker_id)) for m in indexed),
+            *(within(m.handle.cache_events.remote(self.cache_cursors.get(m.worker_id)), WORKER_ANSWER_S)
+              for m in indexed),
             return_exceptions=True,
         )
         for member, batch in zip(indexed, batches):
@@ -243,7 +253,9 @@ class PoolView:
                 self.profiled.add(worker_id)
                 continue
             try:
-                profile = await member.handle.profile.remote()
+                profile = await within(member.handle.profile.remote(), WORKER_ANSWER_S)
+            except asyncio.TimeoutError:
+                continue  # still profiling (or not answering): asked again next refresh
             except ray.exceptions.RayActorError:
                 continue  # dead: its stats call reports it
             except ray.exceptions.RayTaskError:

@@ -13,8 +13,10 @@ import time
 import pytest
 import ray
 
+import cluster.pool_view as pool_view
 import cluster.service as service
 from actors.block_pool import block_hashes
+from actors.deadlines import within
 from actors.event_log import CacheEvents
 from actors.messages import ChunkTiming, TokenEvent
 from actors.sampling_params import SamplingParams
@@ -246,6 +248,39 @@ def test_a_worker_forgotten_while_its_cache_events_come_fails_no_refresh():
     listed.add("p0")
     asyncio.run(view.refresh())
     assert "p0" not in view.prefix and "d0" in view.prefix
+
+
+def test_a_worker_that_does_not_answer_holds_no_refresh_nor_its_report(monkeypatch):
+    """One worker's stats (and cache events) never came back (its node cut off,
+    not yet declared dead): the refresh waited for good, and this replica sent
+    the pool manager no report, which forgot it after 30 s and let a drain kill
+    a worker under its requests. The others' figures and the report go on."""
+    monkeypatch.setattr(pool_view, "WORKER_ANSWER_S", 0.2)
+    scheduler = _scheduler(ttft_ms=10_000)
+    view = scheduler.view
+    view.pools_applied = True
+    reports = []
+
+    async def read(worker_id):
+        if worker_id == "d1":
+            await asyncio.sleep(3600)
+        return _idle_stats(worker_id)
+
+    async def events(worker_id, cursor):
+        if worker_id == "d1":
+            await asyncio.sleep(3600)
+        return await _no_events(worker_id, cursor)
+
+    view.pool = _stand_in_pool(lambda: [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")], read, events)
+    view.pool.report = _remote(lambda report: _answered(reports, report))
+    started = time.monotonic()
+    asyncio.run(within(view.refresh(), 10))
+    assert time.monotonic() - started < 5 and len(reports) == 1
+    assert set(view.stats) == {"p0", "d0"}
+
+
+async def _answered(reports: list, report):
+    reports.append(report)
 
 
 def test_a_flush_that_could_not_reach_a_worker_says_so():
