@@ -43,7 +43,7 @@ import ray
 
 from actors.deadlines import within
 from actors.worker_base import WorkerStats
-from cluster.actor_errors import actor_died
+from cluster.actor_errors import actor_died, actor_unavailable
 from cluster.autoscaling import Action, Decision, PoolObservation, make_policy
 from cluster.config import AppSettings
 from cluster.pool_metrics import PoolMetrics
@@ -152,6 +152,18 @@ class PoolAutoscaler:
         if track is not None:
             self._note_profiled(member, track, self.clock())
         self.awaiting_drain.pop(member.worker_id, None)
+
+    @staticmethod
+    def _ask_again_if_unreachable(member, track: _Track) -> None:
+        """A worker's first answer or profile that failed as unreachable for a
+        moment (not dead) is asked for again: kept failed, a healthy worker was
+        never ready, held its pool "in progress" until `start_timeout_s`, and was
+        then killed as a start failure (and one whose profile failed so was never
+        "started": its later death was taken for a start failure)."""
+        if track.ready.done() and actor_unavailable(track.ready.exception()):
+            track.ready = member.handle.startup_times.remote().future()
+        if track.profiled.done() and actor_unavailable(track.profiled.exception()):
+            track.profiled = member.handle.profile.remote().future()
 
     def _note_profiled(self, member, track: _Track, now: float) -> None:
         """Once a worker's start-up profile answered: its start ends a run of
@@ -324,6 +336,7 @@ class PoolAutoscaler:
             track = self.tracks.get(member.worker_id)
             if track is None:
                 continue
+            self._ask_again_if_unreachable(member, track)
             self._note_profiled(member, track, now)
             if track.ready_s is not None:
                 continue

@@ -410,3 +410,26 @@ def test_a_pool_whose_start_fails_does_not_keep_the_other_pool_from_scaling(pool
     clock.now += 30
     asyncio.run(manager.scaler.step())
     assert [e.kind for e in manager.scaler.events if e.role == "decode"][-2:] == ["up", "started"]
+
+
+def test_a_new_worker_unreachable_for_a_moment_at_its_first_answer_is_asked_again(pools):
+    """Its first answer (and its profile's) failed as unreachable, not dead: kept
+    failed, the worker was never ready, its pool held "in progress" for
+    start_timeout_s (600 s), then it was killed as a start failure."""
+    make, workers = pools
+    manager, clock = make({"prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 3}})
+    unreachable = ray.exceptions.ActorUnavailableError("its node cut off for a moment (as a test)", b"\0" * 16)
+    worker = workers["p0"]
+    answers = {"startup_times": [_answer(error=unreachable)], "profile": [_answer(error=unreachable)]}
+    for name, future in (("startup_times", worker.ready), ("profile", worker.profiled)):
+        setattr(worker, name, _Method(lambda name=name, future=future: _Ref(
+            answers[name].pop() if answers[name] else future)))
+    manager.scaler.on_started(manager.members["p0"])  # (its track, asked through the methods above)
+    for other in workers.values():
+        other.come_up()
+    clock.now += 2
+    asyncio.run(manager.scaler.step())
+    clock.now += 2
+    asyncio.run(manager.scaler.step())
+    assert manager.scaler.is_ready("p0") and manager.scaler.has_started("p0")
+    assert "start_failed" not in [kind for kind, _ in _events(manager)]
