@@ -436,6 +436,9 @@ class PoolAutoscaler:
         if self.restarts.drop_waiting(role):
             self.record(role, "down", None, "above_size", f"{reason}: a waiting restart dropped")
             return
+        # (a first answer that came during this step's awaits: the schedulers list that worker,
+        # and route to it at once; it is drained, not stopped as one not ready yet)
+        self._check_readiness(self.clock())
         starting = self._starting(role)
         if starting:
             newest = max(starting, key=lambda m: self.tracks[m.worker_id].started_s if m.worker_id in self.tracks

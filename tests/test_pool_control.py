@@ -433,3 +433,38 @@ def test_a_new_worker_unreachable_for_a_moment_at_its_first_answer_is_asked_agai
     asyncio.run(manager.scaler.step())
     assert manager.scaler.is_ready("p0") and manager.scaler.has_started("p0")
     assert "start_failed" not in [kind for kind, _ in _events(manager)]
+
+
+def test_a_fixed_pool_shrunk_drains_a_worker_that_answered_during_the_step(pools):
+    """Prefill redeployed at 2 then back at 1; the new worker's first answer came
+    while the step waited for another's stats: the schedulers listed it (and
+    route to it at once) but the step, reading it as not ready, stopped it under
+    whatever it was sent."""
+    make, workers = pools
+    manager, clock = make({})
+
+    async def run():
+        for worker in list(workers.values()):
+            worker.come_up()
+        await manager.scaler.step()
+        await manager.apply_pools({**BASE, "prefill": {"replicas": 2}})
+        clock.now += 2
+        await manager.scaler.step()  # p2 starts
+        await manager.apply_pools(BASE)
+        slow = concurrent.futures.Future()
+        stats = workers["p0"]._stats()
+        workers["p0"].stats = _Method(lambda: _Ref(slow))
+
+        async def meanwhile():
+            await asyncio.sleep(0.05)
+            workers["p2"].come_up()
+            listed = [m.worker_id for m in await manager.list_members()]
+            slow.set_result(stats)
+            return listed
+
+        clock.now += 2
+        return (await asyncio.gather(manager.scaler.step(), meanwhile()))[1]
+
+    listed = asyncio.run(run())
+    assert "p2" in listed and not workers["p2"].killed
+    assert sum(m.draining for m in manager.members.values() if m.role == "prefill") == 1
