@@ -70,6 +70,12 @@ class InFlight:
         self.reserved_s = time.monotonic()
 
     @property
+    def waited_in_line_s(self) -> float:
+        """From its admission to D's reservation (its handshake, and D's line): 0
+        before it, or where no D reserves (colocated)."""
+        return 0.0 if self.reserved_s is None else self.reserved_s - self.admitted_s
+
+    @property
     def first_token_due_s(self) -> float | None:
         """When its first token is predicted (monotonic); None while it waits in a
         D's line it was predicted to wait in: not P's work yet (the line's own

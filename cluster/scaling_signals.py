@@ -9,7 +9,13 @@ pool manager on every refresh (about once a second).
 Pool manager side: `SignalBook`. TTFT outcomes judge the prefill pool and TBT
 outcomes the decode pool, each request's figure against the SLO, over a time
 window; an early rejection counts as a miss of the figure that was predicted to
-miss. From each replica's latest report it also keeps the backlog and the requests
+miss. The time a request waited in a decode worker's line for KV room (or a
+place in its batch) is the decode pool's: the prefill pool is judged by the TTFT
+without it, and a request whose TTFT missed only for that wait (served, or
+rejected early for its predicted wait) is a miss of the decode pool's (a line
+miss). Counted as the prefill pool's, a decode pool short of room scaled the
+prefill pool up for nothing, and nothing scaled the decode pool where its KV
+use read low (its places full, say). From each replica's latest report it also keeps the backlog and the requests
 in flight per worker; a replica silent for `FRESH_S` stops counting in the load,
 and one silent for `stale_after_s` is forgotten (drains wait for it until then). Each
 report is answered with the other replicas' load (`PeerLoad`), which the replica's
@@ -68,6 +74,7 @@ class SchedulerReport:
     tbt_s: tuple[float, ...] = ()
     num_rejected_ttft: int = 0  # early rejections whose predicted TTFT missed the SLO
     num_rejected_tbt: int = 0
+    num_line_misses: int = 0  # TTFT misses (served or rejected) that D's line alone made: the decode pool's
     backlog_tokens: dict[str, int] = field(default_factory=dict)  # prefill (or colocated) worker -> tokens
     decoding: dict[str, int] = field(default_factory=dict)  # decode (or colocated) worker -> requests
     decoding_kv_tokens: dict[str, int] = field(default_factory=dict)  # decode (or colocated) worker -> KV tokens
@@ -87,12 +94,13 @@ class RequestTimer:
         self.last_s: float | None = None
         self.num_tokens = 0
 
-    def tokens(self, count: int, now_s: float) -> None:
+    def tokens(self, count: int, now_s: float, line_wait_s: float = 0.0) -> None:
+        """`line_wait_s`: the time it waited in D's line (at its first token)."""
         if count <= 0:
             return
         if self.first_s is None:
             self.first_s = now_s
-            self.recorder.record_ttft(now_s - self.started_s)
+            self.recorder.record_ttft(now_s - self.started_s, line_wait_s)
         self.last_s = now_s
         self.num_tokens += count
 
@@ -129,20 +137,28 @@ class OutcomeRecorder:
         self._ttft: list[float] = []
         self._tbt: list[float] = []
         self._rejected = {"ttft": 0, "tbt": 0}
+        self._line_misses = 0
         self._routed: dict[str, int] = {}
 
     def timer(self, started_s: float) -> RequestTimer:
         return RequestTimer(self, started_s)
 
-    def record_ttft(self, seconds: float) -> None:
-        self._ttft.append(seconds)
+    def record_ttft(self, seconds: float, line_wait_s: float = 0.0) -> None:
+        """A TTFT, of which `line_wait_s` in D's line: the prefill pool's outcome
+        is the rest; a miss that wait alone made is a line miss."""
+        own_s = seconds - line_wait_s
+        self._ttft.append(own_s)
+        self._line_misses += seconds > self.ttft_slo_s >= own_s
 
     def record_tbt(self, seconds: float) -> None:
         self._tbt.append(seconds)
 
-    def rejected(self, ttft_missed: bool, tbt_missed: bool) -> None:
+    def rejected(self, ttft_missed: bool, tbt_missed: bool, line_missed: bool = False) -> None:
+        """An early rejection, by what its prediction missed (`line_missed`: the
+        TTFT, only for its wait in D's line; `ttft_missed` then False)."""
         self._rejected["ttft"] += ttft_missed
         self._rejected["tbt"] += tbt_missed
+        self._line_misses += line_missed
 
     def routed(self, worker_ids: Iterable[str | None]) -> None:
         for worker_id in worker_ids:
@@ -173,10 +189,11 @@ class OutcomeRecorder:
         report = SchedulerReport(
             self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
             num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
-            backlog_tokens=backlog, decoding=decoding, decoding_kv_tokens=decoding_kv, inflight=counts,
+            num_line_misses=self._line_misses, backlog_tokens=backlog, decoding=decoding, decoding_kv_tokens=decoding_kv, inflight=counts,
             routed=dict(self._routed), draining=frozenset(draining), backlog_prompts=prompts)
         self._ttft, self._tbt, self._routed = [], [], {}
         self._rejected = {"ttft": 0, "tbt": 0}
+        self._line_misses = 0
         return report
 
     def put_back(self, report: SchedulerReport) -> None:
@@ -187,6 +204,7 @@ class OutcomeRecorder:
         self._tbt = [*report.tbt_s, *self._tbt][-MAX_SAMPLES_HELD:]
         self._rejected["ttft"] += report.num_rejected_ttft
         self._rejected["tbt"] += report.num_rejected_tbt
+        self._line_misses += report.num_line_misses
         for worker_id, count in report.routed.items():
             _add(self._routed, worker_id, count)
 
@@ -216,7 +234,7 @@ class SignalBook:
     def add(self, report: SchedulerReport, now_s: float) -> None:
         self._replicas[report.replica_id] = _Replica(now_s, report)
         for figure, values, rejected in (("ttft", report.ttft_s, report.num_rejected_ttft),
-                                         ("tbt", report.tbt_s, report.num_rejected_tbt)):
+                                         ("tbt", report.tbt_s, report.num_rejected_tbt + report.num_line_misses)):
             window = self._outcomes[figure]
             window.extend((now_s, value <= self.slo_s[figure]) for value in values)
             window.extend((now_s, False) for _ in range(rejected))

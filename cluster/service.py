@@ -217,7 +217,10 @@ class GlobalScheduler:
                     outcome = "rejected"
                     self.metrics.inc("rejections_total", "requests rejected early by SLO admission")
                     slo = self.settings.slo
-                    self.outcomes.rejected(exc.best.ttft_s > slo.ttft_ms / 1e3, exc.best.tbt_s > slo.tbt_ms / 1e3)
+                    ttft_slo_s = slo.ttft_ms / 1e3
+                    line_missed = exc.best.ttft_s > ttft_slo_s >= exc.best.ttft_s - exc.best.line_wait_s
+                    self.outcomes.rejected(exc.best.ttft_s > ttft_slo_s and not line_missed,
+                                           exc.best.tbt_s > slo.tbt_ms / 1e3, line_missed)
                     raise
                 except ApiError:
                     if not exclude:
@@ -243,7 +246,9 @@ class GlobalScheduler:
                             failure = event.error
                             break
                         got_token = got_token or bool(event.token_ids)
-                        timer.tokens(len(event.token_ids), time.monotonic())
+                        inflight = self.view.models.inflight.get(attempt_id)
+                        timer.tokens(len(event.token_ids), time.monotonic(),
+                                     inflight.waited_in_line_s if inflight is not None else 0.0)
                         if event.finished:
                             outcome = "error" if event.error else "aborted" if event.finish_reason == "abort" else "ok"
                             finished = True

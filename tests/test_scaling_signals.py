@@ -48,6 +48,28 @@ def test_failures_and_cancellations():
     assert (report.num_rejected_ttft, report.num_rejected_tbt) == (1, 0)
 
 
+def test_a_wait_in_ds_line_is_the_decode_pools_not_the_prefill_pools():
+    """A TTFT the decode worker's line made late (it waited there for KV room):
+    the prefill pool's outcome is the TTFT less that wait, and a miss the wait
+    alone made counts against the decode pool; so does an early rejection for a
+    predicted wait. All were the prefill pool's misses: a decode pool short of
+    room scaled the prefill pool up, and could itself read as idle."""
+    recorder = OutcomeRecorder("r1", ttft_slo_s=1.0)
+    waited = recorder.timer(0.0)
+    waited.tokens(1, 1.5, line_wait_s=1.2)  # 1.5 s, 1.2 of it in D's line: P's part 0.3 s, a line miss
+    slow_anyway = recorder.timer(0.0)
+    slow_anyway.tokens(1, 2.5, line_wait_s=0.5)  # P's own part 2 s: P's miss
+    recorder.rejected(ttft_missed=False, tbt_missed=False, line_missed=True)
+    report = recorder.report([])
+    assert report.ttft_s == (pytest.approx(0.3), pytest.approx(2.0)) and report.num_line_misses == 2
+    book = SignalBook(ttft_slo_s=1.0, tbt_slo_s=0.1, window_s=30)
+    book.add(report, now_s=5.0)
+    assert book.attainment("ttft", 5.0, 0.0, 1) == (0.5, 2)
+    assert book.attainment("tbt", 5.0, 0.0, 1) == (0.0, 2)  # (the two line misses)
+    assert InFlight("a", "p0", "d0", 10, 1, 0.1, admitted_s=2.0, reserved_s=3.5).waited_in_line_s == 1.5
+    assert InFlight("b", None, "c0", 10, 1, 0.1, admitted_s=2.0).waited_in_line_s == 0.0
+
+
 def test_report_counts_backlog_inflight_and_routing():
     recorder = OutcomeRecorder("r1")
     recorder.routed(["p0", "d0"])
