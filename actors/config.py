@@ -238,7 +238,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (at least 2)
     dtype: str = "float32"
     device: str = "cpu"
     enable_prefix_cache: bool = True
@@ -287,6 +287,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:  # (0 was the model's whole context)
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and one to generate), or None for the "
+                             f"model's, got {self.max_model_len}")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")

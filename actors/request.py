@@ -60,7 +60,7 @@ class SampledToken:
     logprob: TokenLogprob | None
 
 
-@dataclass
+@dataclass(eq=False)  # (by identity: the batch's lists are searched for one, and ~40 fields compared a match)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -126,6 +126,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def has_all_prompt_logprobs(self) -> bool:
+        """Every prompt token's logprob is in (the first has none)."""
+        return self.prompt_logprobs is not None and all(lp is not None for lp in self.prompt_logprobs[1:])
 
     @property
     def num_tokens(self) -> int:

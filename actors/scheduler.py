@@ -87,9 +87,12 @@ class Scheduler:
     def cached_prefix(self, request: Request, computes_prompt: bool = True) -> list[int]:
         """Block ids of the request's longest cached prefix, never covering its last
         token (whose logits are needed). Takes no references. None for a request
-        whose prompt is computed here for its logprobs: they come from computing
-        every position (a decode worker's reservation still reuses its cache)."""
-        if not self.config.enable_prefix_cache or (computes_prompt and request.params.prompt_logprobs is not None):
+        whose prompt is computed here for its logprobs, until they are all in:
+        they come from computing every position (a decode worker's reservation
+        still reuses its cache, and so does a request preempted after its prompt,
+        which recomputed the whole prompt, one a decode worker never computed)."""
+        if not self.config.enable_prefix_cache or (computes_prompt and request.params.prompt_logprobs is not None
+                                                   and not request.has_all_prompt_logprobs):
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         return self.pool.lookup(request.block_hashes[:max_hit_blocks], request.all_token_ids)

@@ -468,3 +468,11 @@ def test_an_output_keeps_what_it_said_as_the_request_goes_on(llm):
         assert out.logprobs == logprobs and out.token_times_s == times and len(times) == out.num_tokens
         assert final.new_token_ids(out.num_tokens) == final.token_ids[out.num_tokens :]
         assert final.new_logprobs(out.num_tokens) == final.logprobs[out.num_tokens :]
+
+
+@pytest.mark.parametrize("max_model_len", [0, 1, -5])
+def test_a_max_model_len_with_no_room_for_a_token_is_refused_clearly(max_model_len):
+    """0 meant the model's whole context; a negative one refused every prompt
+    for its length."""
+    with pytest.raises(ValueError, match="max_model_len must be >= 2"):
+        EngineConfig(max_model_len=max_model_len)

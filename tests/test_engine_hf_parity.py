@@ -108,6 +108,36 @@ def test_preemption_by_recompute_still_matches(tiny_model_dir):
     assert engine.pool.num_used == 0
 
 
+def test_a_request_preempted_after_its_prompts_logprobs_reuses_its_cached_prompt(tiny_model_dir):
+    """Preempted once its prompt's logprobs were all in, a request that asked for
+    them computed its whole prompt again (the cache skipped for it as for a new
+    one): as many tokens as one that did not ask, and the logprobs still HF's."""
+    def run(prompt_logprobs):
+        engine = Engine(tiny_model_dir, EngineConfig(block_size=16, num_kv_blocks=6, max_num_batched_tokens=64,
+                                                     prefill_chunk_size=64))
+        engine.add_request(list(range(1, 40)), SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True), "A")
+        engine.add_request(list(range(100, 133)), SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True,
+                                                                 prompt_logprobs=prompt_logprobs), "B")
+        computed, launch = [0], engine.runner.launch
+
+        def counted(chunks, *args, **kwargs):
+            computed[0] += sum(c.num_new_tokens for c in chunks if c.request.request_id == "B")
+            return launch(chunks, *args, **kwargs)
+
+        engine.runner.launch = counted
+        results = {}
+        while engine.has_unfinished():
+            results.update({out.request_id: out for out in engine.step() if out.finished})
+        engine.pool.check()
+        return computed[0], engine.scheduler.num_preemptions, results["B"]
+
+    plain, asked = run(None), run(0)
+    assert asked[1] == plain[1] > 0 and asked[0] == plain[0]  # (it was 103 tokens against 87)
+    assert asked[2].token_ids == plain[2].token_ids
+    ours = torch.tensor([lp.logprob for lp in asked[2].prompt_logprobs[1:]])
+    torch.testing.assert_close(ours, hf_logprobs(tiny_model_dir, [100], list(range(101, 133))), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("config", [dict(prefill_chunk_size=64), dict(prefill_chunk_size=50, max_num_batched_tokens=70),
                                     dict(prefill_chunk_size=1024)], ids=["chunks-64", "chunks-50-budget-70", "whole"])
 def test_prompt_logprobs_match_hf_log_softmax(tiny_model_dir, config):
