@@ -33,7 +33,9 @@ Rules shared by both (`ScalingPolicy`):
   window before a worker goes.
 - Memory of shortfalls: a size whose attainment fell below the target is not
   come back to (nor any smaller) for `shortfall_memory_s`, unless the load (the
-  outcomes a window) fell under `LOAD_FALL` of the load it fell short at. Backlog
+  rate of outcomes: attainment counts those since the pool last changed, so a
+  count right after a step covers seconds, not the window) fell under
+  `LOAD_FALL` of the load it fell short at. Backlog
   and KV use each ask whether one worker fewer would still fit; attainment cannot
   say, and under a steady load a pool scaled up for it came back down at its next
   cooldown, fell short again, and went up again (a model load each round, every
@@ -64,6 +66,7 @@ class PoolObservation:
     num_draining: int = 0  # taking no new requests, finishing what they hold
     attainment: float | None = None  # of this pool's SLO figure over the window; None: too few outcomes
     num_samples: int = 0  # outcomes behind `attainment`
+    samples_span_s: float | None = None  # the time they came in (the window, or less since the pool last changed)
     backlog_tokens: int = 0  # prefill: prompt tokens admitted to the pool and not yet prefilled
     kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, over the serving workers
     kv_blocks_total: int = 0  # decode: KV blocks over the serving workers
@@ -72,7 +75,7 @@ class PoolObservation:
     handshakes_waiting: int = 0  # decode: handshakes in the serving workers' lines, waiting for KV blocks
 
 
-LOAD_FALL = 0.8  # of the outcomes a window at which a size fell short: under it, that size may serve again
+LOAD_FALL = 0.8  # of the load (outcomes a second) at which a size fell short: under it, that size may serve again
 
 
 @dataclass
@@ -80,7 +83,13 @@ class Shortfall:
     """A size's attainment fell below the target: when last, and at the least load it did."""
 
     at_s: float
-    num_samples: int
+    rate: float  # outcomes a second
+
+
+def _rate(obs: PoolObservation) -> float:
+    """Outcomes a second behind the observation's attainment (over at least a
+    second); their count where it does not say over how long."""
+    return obs.num_samples / max(obs.samples_span_s, 1.0) if obs.samples_span_s is not None else obs.num_samples
 
 
 @dataclass(frozen=True)
@@ -146,17 +155,16 @@ class ScalingPolicy:
     def _note_shortfall(self, size: int, obs: PoolObservation, now_s: float) -> None:
         known = self.shortfalls.get(size)
         fresh = known is not None and now_s - known.at_s < self.knobs.shortfall_memory_s
-        samples = min(obs.num_samples, known.num_samples) if fresh else obs.num_samples
-        self.shortfalls[size] = Shortfall(now_s, samples)
+        self.shortfalls[size] = Shortfall(now_s, min(_rate(obs), known.rate) if fresh else _rate(obs))
 
     def _short_at(self, size: int, obs: PoolObservation, now_s: float) -> str | None:
         """Why `size` workers would fall short again (None: no reason to think so):
         it, or a larger size, did within the memory at no more load than now's."""
         for known_size, known in sorted(self.shortfalls.items()):
             if (known_size >= size and now_s - known.at_s < self.knobs.shortfall_memory_s
-                    and obs.num_samples > LOAD_FALL * known.num_samples):
+                    and _rate(obs) > LOAD_FALL * known.rate):
                 return (f"{known_size} workers fell short of the {self.figure} target {now_s - known.at_s:.0f} s ago "
-                        f"at {known.num_samples} requests a window (now {obs.num_samples})")
+                        f"at {known.rate:.2f} requests a second (now {_rate(obs):.2f})")
         return None
 
     # ---- what each pool watches ---------------------------------------------------------

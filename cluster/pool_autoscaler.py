@@ -393,7 +393,8 @@ class PoolAutoscaler:
             history.popleft()
         return PoolObservation(
             num_serving=len(serving), num_starting=num_starting, num_draining=len(draining),
-            attainment=attainment, num_samples=num_samples, backlog_tokens=backlog,
+            attainment=attainment, num_samples=num_samples, samples_span_s=min(self.knobs.window_s, now - since),
+            backlog_tokens=backlog,
             kv_blocks_used=decoding, kv_blocks_total=sum(s.num_blocks for s in stats.values()),
             handshakes_waiting=waiting,
             backlog_tokens_peak=max(b for _, b, _ in history), kv_blocks_used_peak=max(k for _, _, k in history))

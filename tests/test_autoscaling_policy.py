@@ -4,6 +4,8 @@ P and D answering to their own signals only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from pydantic import ValidationError
 
@@ -105,19 +107,22 @@ def test_no_more_than_one_scale_down_in_the_minute_after_a_scale_up():
     assert all(now - ups[0] >= 60 for now in downs) and downs
 
 
-def _steady(policy, attainment_at, samples_at, until_s: float, start_s: float = 20.0) -> list:
-    """Run a pool whose attainment and load (outcomes a window) are functions of its
-    size and the time; a worker starts in 20 s, drains in 10. Its (time, action, size)s."""
-    size, starting, draining, steps = 1, None, None, []
+def _steady(policy, attainment_at, rate_at, until_s: float, start_s: float = 20.0) -> list:
+    """Run a pool whose attainment and load (requests a second) are functions of
+    its size and the time; a worker starts in 20 s, drains in 10. Outcomes are
+    counted as the pool manager counts them: those since the pool last changed,
+    within the 30 s window. Its (time, action, size)s."""
+    size, starting, draining, settled, steps = 1, None, None, -1e9, []
     for now in range(0, int(until_s), 2):
         if starting is not None and now >= starting:
-            size, starting = size + 1, None
+            size, starting, settled = size + 1, None, now
         if draining is not None and now >= draining:
-            size, draining = size - 1, None
+            size, draining, settled = size - 1, None, now
+        span = min(30.0, now - settled)
         obs = PoolObservation(num_serving=size, num_starting=int(starting is not None),
                               num_draining=int(draining is not None), attainment=attainment_at(size, now),
-                              num_samples=samples_at(now), kv_blocks_used=20, kv_blocks_total=100 * size,
-                              kv_blocks_used_peak=20)
+                              num_samples=round(rate_at(now) * span), samples_span_s=span, kv_blocks_used=20,
+                              kv_blocks_total=100 * size, kv_blocks_used_peak=20)
         action = policy.decide(obs, float(now)).action
         if action is Action.UP:
             starting = now + start_s
@@ -132,19 +137,30 @@ def test_a_size_that_fell_short_is_not_come_back_to_under_the_same_load():
     """A steady load one decode worker serves at 60% TBT attainment, two at 100%:
     up once, and the pool stays at two (it came back to one at each down cooldown,
     fell short, and went up again: a worker started and drained every 96 s)."""
-    steps = _steady(decode(), lambda size, now: 0.6 if size == 1 else 1.0, lambda now: 50, until_s=1200)
+    steps = _steady(decode(), lambda size, now: 0.6 if size == 1 else 1.0, lambda now: 2.0, until_s=1200)
     assert steps == [(0, Action.UP, 1)]
 
 
 def test_a_size_that_fell_short_serves_again_once_the_load_falls_or_the_memory_ends():
+    """The load compared as a rate: attainment counts outcomes since the pool last
+    changed, and a count taken seconds after a step (the least seen while short)
+    was below any window's count, so the load never read as fallen."""
     load_falls = _steady(decode(), lambda size, now: 0.6 if size == 1 and now < 300 else 1.0,
-                         lambda now: 50 if now < 300 else 30, until_s=600)
+                         lambda now: 2.0 if now < 300 else 1.2, until_s=600)
     assert [action for _, action, _ in load_falls] == [Action.UP, Action.DOWN]
-    assert load_falls[1][0] >= 300  # (down only once the load fell: 30 is under 0.8 of 50)
+    assert load_falls[1][0] >= 300  # (down only once the load fell: 1.2 a second is under 0.8 of 2)
     policy = DecodeScaling(POOL, KNOBS.model_copy(update={"shortfall_memory_s": 300}), attainment_target=0.9)
-    forgotten = _steady(policy, lambda size, now: 0.6 if size == 1 and now < 100 else 1.0, lambda now: 50,
+    forgotten = _steady(policy, lambda size, now: 0.6 if size == 1 and now < 100 else 1.0, lambda now: 2.0,
                         until_s=600)
     assert [action for _, action, _ in forgotten] == [Action.UP, Action.DOWN] and forgotten[1][0] >= 300
+    policy = decode()  # short at one worker 2 s after a step (4 outcomes: 2 a second), then 1.2 a second at two
+    short = PoolObservation(num_serving=1, attainment=0.6, num_samples=4, samples_span_s=2.0, kv_blocks_used=20,
+                            kv_blocks_total=100)
+    assert policy.decide(short, 100.0).action is Action.UP
+    policy.decide(dataclasses.replace(short, num_starting=1), 120.0)
+    met = PoolObservation(num_serving=2, attainment=1.0, num_samples=36, samples_span_s=30.0, kv_blocks_used=20,
+                          kv_blocks_total=200, kv_blocks_used_peak=20)
+    assert policy.decide(met, 300.0).action is Action.DOWN  # (36 outcomes were more than 0.8 of the 4)
 
 
 def test_decode_scales_on_kv_usage_and_tbt_only():
