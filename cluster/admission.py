@@ -69,11 +69,17 @@ class InFlight:
     def reserved(self) -> None:
         self.reserved_s = time.monotonic()
 
+    def waited_in_line_s(self, now_s: float) -> float:
+        """Its time from admission to D's reservation (its handshake, and D's
+        line), up to `now_s` while it still waits; 0 where no D reserves (colocated)."""
+        if self.prefill_id is None:
+            return 0.0
+        return (now_s if self.reserved_s is None else self.reserved_s) - self.admitted_s
+
     @property
-    def waited_in_line_s(self) -> float:
-        """From its admission to D's reservation (its handshake, and D's line): 0
-        before it, or where no D reserves (colocated)."""
-        return 0.0 if self.reserved_s is None else self.reserved_s - self.admitted_s
+    def in_line(self) -> bool:
+        """Waiting for D's reservation (its handshake)."""
+        return self.prefill_id is not None and self.reserved_s is None
 
     @property
     def first_token_due_s(self) -> float | None:

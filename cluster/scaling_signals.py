@@ -93,14 +93,22 @@ class RequestTimer:
         self.first_s: float | None = None
         self.last_s: float | None = None
         self.num_tokens = 0
+        self.line_wait_s = 0.0  # its attempts' time in D's line, those ended (`attempt_ended`)
+        self.ended_in_line = False  # its last attempt ended waiting in D's line
+
+    def attempt_ended(self, line_wait_s: float, in_line: bool) -> None:
+        """An attempt ended (served, retried or given up): its time in D's line,
+        and whether it ended there."""
+        self.line_wait_s += line_wait_s
+        self.ended_in_line = in_line
 
     def tokens(self, count: int, now_s: float, line_wait_s: float = 0.0) -> None:
-        """`line_wait_s`: the time it waited in D's line (at its first token)."""
+        """`line_wait_s`: the running attempt's time in D's line."""
         if count <= 0:
             return
         if self.first_s is None:
             self.first_s = now_s
-            self.recorder.record_ttft(now_s - self.started_s, line_wait_s)
+            self.recorder.record_ttft(now_s - self.started_s, self.line_wait_s + line_wait_s)
         self.last_s = now_s
         self.num_tokens += count
 
@@ -121,13 +129,17 @@ class RequestTimer:
         TTFT miss too, of the time it waited (clients that time out are the
         misses an overloaded pool makes: without them, its attainment read as
         met while they gave up); one that left sooner is no outcome (its TTFT
-        is not known)."""
-        if outcome == "error":
+        is not known). Before the first token, its time in D's line is the
+        decode pool's (`OutcomeRecorder.record_ttft`); one that failed there (no
+        room within its handshake's wait) is a line miss."""
+        if outcome == "error" and self.first_s is None and self.ended_in_line:
+            self.recorder.line_missed()
+        elif outcome == "error":
             (self.recorder.record_ttft if self.first_s is None else self.recorder.record_tbt)(math.inf)
         elif outcome == "ok" and self.tbt_s is not None:
             self.recorder.record_tbt(self.tbt_s)
         elif outcome == "cancelled" and self.first_s is None and now_s - self.started_s > self.recorder.ttft_slo_s:
-            self.recorder.record_ttft(now_s - self.started_s)
+            self.recorder.record_ttft(now_s - self.started_s, self.line_wait_s)
 
 
 class OutcomeRecorder:
@@ -152,6 +164,10 @@ class OutcomeRecorder:
 
     def record_tbt(self, seconds: float) -> None:
         self._tbt.append(seconds)
+
+    def line_missed(self) -> None:
+        """A request whose wait in D's line made it miss (failed there)."""
+        self._line_misses += 1
 
     def rejected(self, ttft_missed: bool, tbt_missed: bool, line_missed: bool = False) -> None:
         """An early rejection, by what its prediction missed (`line_missed`: the
@@ -234,7 +250,8 @@ class SignalBook:
     def add(self, report: SchedulerReport, now_s: float) -> None:
         self._replicas[report.replica_id] = _Replica(now_s, report)
         for figure, values, rejected in (("ttft", report.ttft_s, report.num_rejected_ttft),
-                                         ("tbt", report.tbt_s, report.num_rejected_tbt + report.num_line_misses)):
+                                         ("tbt", report.tbt_s,
+                                          report.num_rejected_tbt + report.num_line_misses)):
             window = self._outcomes[figure]
             window.extend((now_s, value <= self.slo_s[figure]) for value in values)
             window.extend((now_s, False) for _ in range(rejected))

@@ -39,7 +39,7 @@ from cluster.pd_request import DisaggregatedCall
 from cluster.pool_view import PoolView
 from cluster.prompt_limits import fitted_output, prompt_ids_within_limits
 from cluster.router import make_policy
-from cluster.scaling_signals import OutcomeRecorder
+from cluster.scaling_signals import OutcomeRecorder, RequestTimer
 from cluster.token_feeds import FeedLost, TokenFeeds, colocated_events
 
 log = logging.getLogger("tandem.scheduler")
@@ -233,7 +233,7 @@ class GlobalScheduler:
                 got_token = False
                 attempt_id = f"{request_id}-{attempt}"
                 request = GenerateRequest(attempt_id, prompt_ids, params, client_rid, call.arrived_s)
-                run = self._run(request, choice, hashes, started)
+                run = self._run(request, choice, hashes, started, timer)
                 deadline = started + self.settings.limits.request_timeout_s
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
@@ -246,9 +246,8 @@ class GlobalScheduler:
                             failure = event.error
                             break
                         got_token = got_token or bool(event.token_ids)
-                        inflight = self.view.models.inflight.get(attempt_id)
-                        timer.tokens(len(event.token_ids), time.monotonic(),
-                                     inflight.waited_in_line_s if inflight is not None else 0.0)
+                        inflight, now = self.view.models.inflight.get(attempt_id), time.monotonic()
+                        timer.tokens(len(event.token_ids), now, inflight.waited_in_line_s(now) if inflight else 0.0)
                         if event.finished:
                             outcome = "error" if event.error else "aborted" if event.finish_reason == "abort" else "ok"
                             finished = True
@@ -284,7 +283,8 @@ class GlobalScheduler:
             return choice.decode_id
         return choice.prefill_id or choice.decode_id
 
-    async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float):
+    async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float,
+                   timer: RequestTimer | None = None):
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
                             ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s)
@@ -316,7 +316,11 @@ class GlobalScheduler:
                 yield event
         finally:
             models.inflight.pop(request.request_id, None)
-            models.gone_before_its_first_token(inflight, time.monotonic())
+            now = time.monotonic()
+            models.gone_before_its_first_token(inflight, now)
+            if timer is not None:  # (its time in D's line: the decode pool's, cluster/scaling_signals.py)
+                timer.attempt_ended(inflight.waited_in_line_s(now) if inflight.in_prefill else 0.0,
+                                    inflight.in_line)
 
     async def _events(self, request: GenerateRequest, choice: Prediction, inflight: InFlight):
         call = None

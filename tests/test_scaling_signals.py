@@ -66,8 +66,29 @@ def test_a_wait_in_ds_line_is_the_decode_pools_not_the_prefill_pools():
     book.add(report, now_s=5.0)
     assert book.attainment("ttft", 5.0, 0.0, 1) == (0.5, 2)
     assert book.attainment("tbt", 5.0, 0.0, 1) == (0.0, 2)  # (the two line misses)
-    assert InFlight("a", "p0", "d0", 10, 1, 0.1, admitted_s=2.0, reserved_s=3.5).waited_in_line_s == 1.5
-    assert InFlight("b", None, "c0", 10, 1, 0.1, admitted_s=2.0).waited_in_line_s == 0.0
+    assert InFlight("a", "p0", "d0", 10, 1, 0.1, admitted_s=2.0, reserved_s=3.5).waited_in_line_s(9.0) == 1.5
+    assert InFlight("b", "p0", "d0", 10, 1, 0.1, admitted_s=2.0).waited_in_line_s(9.0) == 7.0  # (still waiting)
+    assert InFlight("c", None, "c0", 10, 1, 0.1, admitted_s=2.0).waited_in_line_s(9.0) == 0.0  # (colocated)
+
+
+def test_a_line_wait_over_attempts_and_one_that_ended_in_line_are_the_decode_pools():
+    """An attempt refused in D's line (no room within its handshake's wait) and
+    retried: its wait counts with the next one's; a request whose last attempt
+    failed in the line, and one whose client left while it waited there, are
+    line misses, not the prefill pool's."""
+    recorder = OutcomeRecorder("r1", ttft_slo_s=1.0)
+    retried = recorder.timer(0.0)
+    retried.attempt_ended(0.9, in_line=True)  # refused in the line after 0.9 s, retried
+    retried.tokens(1, 1.4, line_wait_s=0.3)  # served: 1.4 s, 1.2 of it in lines
+    retried.attempt_ended(0.0, in_line=False)
+    refused = recorder.timer(0.0)
+    refused.attempt_ended(1.5, in_line=True)
+    refused.end("error", 1.5)
+    left = recorder.timer(0.0)
+    left.attempt_ended(1.8, in_line=True)  # its client left after 2 s, 1.8 of them in the line
+    left.end("cancelled", 2.0)
+    report = recorder.report([])
+    assert report.ttft_s == (pytest.approx(0.2), pytest.approx(0.2)) and report.num_line_misses == 3
 
 
 def test_report_counts_backlog_inflight_and_routing():
