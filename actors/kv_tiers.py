@@ -328,8 +328,7 @@ class DiskTier(Tier):
                 f.write(data)
                 f.flush()
                 os.replace(tmp, path)
-                # (its age as the mtime, once renamed: an old temporary file is an abandoned one)
-                os.utime(f.fileno(), (stored_s, stored_s))
+                _age(f.fileno(), stored_s)  # (once renamed: an old temporary file is an abandoned one)
                 written = os.fstat(f.fileno())
         except OSError as exc:  # full, read-only, or the mount went: this block is not stored here
             _unlink(tmp)
@@ -375,6 +374,16 @@ def _file_id(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_ino, stat.st_mtime_ns
+
+
+def _age(fd: int, stored_s: float) -> None:
+    """A written file's mtime set to its block's age in the store (what a restart
+    indexes it by). A mount that refuses to set times (some FUSE, SMB) keeps the
+    write's: the block is stored, aged from now after a restart."""
+    try:
+        os.utime(fd, (stored_s, stored_s))
+    except OSError as exc:
+        log.debug("KV store: cannot set a file's time: %s", exc)
 
 
 def _unlink_if_abandoned(path: Path, stat: os.stat_result) -> None:

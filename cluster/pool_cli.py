@@ -97,7 +97,7 @@ def _unreachable(address: str, timeout_s: float = 5.0) -> str | None:
         connection = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError as exc:
         return exc.strerror or type(exc).__name__
-    except (UnicodeError, ValueError) as exc:  # (no host name: `a..b`, a label past 63 characters, a port past 65535)
+    except (ValueError, OverflowError) as exc:  # (no host name: `a..b`, a label past 63 characters; a huge port)
         return f"{host!r} port {port} is no address ({exc})"
     header = b""
     with connection:

@@ -241,7 +241,10 @@ class PoolView:
 
         A worker whose own profile failed (its engine could not step: its stats
         say why) is never routed, seeded or not; the pool manager starts another
-        (cluster/restart_backoff.py)."""
+        (cluster/restart_backoff.py). One worker of a role with no profiled peer
+        is asked for its profile a refresh, the roles' at once (one after
+        another, eight cold workers held a refresh 40 s)."""
+        asked: dict[str, object] = {}  # role -> the member asked for its own profile
         for member in members:
             worker_id = member.worker_id
             stats = self.stats.get(worker_id)
@@ -251,18 +254,20 @@ class PoolView:
             if peer is not None:
                 self.models.seed_from(peer, worker_id)
                 self.profiled.add(worker_id)
+            else:
+                asked.setdefault(member.role, member)
+        profiles = await asyncio.gather(*(within(m.handle.profile.remote(), WORKER_ANSWER_S) for m in asked.values()),
+                                        return_exceptions=True)
+        for member, profile in zip(asked.values(), profiles):
+            # Profiling still or not answering (asked again next refresh), dead (its stats call reports it),
+            # or its engine raised (its stats say so from now on, and the pool manager logs it):
+            if isinstance(profile, (asyncio.TimeoutError, ray.exceptions.RayActorError, ray.exceptions.RayTaskError)):
                 continue
-            try:
-                profile = await within(member.handle.profile.remote(), WORKER_ANSWER_S)
-            except asyncio.TimeoutError:
-                continue  # still profiling (or not answering): asked again next refresh
-            except ray.exceptions.RayActorError:
-                continue  # dead: its stats call reports it
-            except ray.exceptions.RayTaskError:
-                continue  # its engine raised: its stats say so from now on (and the pool manager logs it)
-            except ray.exceptions.RayError as exc:  # on the way, not the engine's: asked again next refresh
-                log.warning("profiling %s failed: %s", worker_id, exc)
+            if isinstance(profile, ray.exceptions.RayError):  # on the way, not the engine's: asked again next refresh
+                log.warning("profiling %s failed: %s", member.worker_id, profile)
                 continue
+            if isinstance(profile, BaseException):
+                raise profile
             self.models.observe_prefill_steps(member.worker_id, profile.prefill_steps)
             self.models.skip_prefill_steps(member.worker_id, profile.num_steps)
             for batch, kv_tokens, seconds in profile.decode:

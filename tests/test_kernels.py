@@ -293,6 +293,14 @@ def test_a_window_that_does_not_grow_keeps_the_ties_past_it():
     vocabulary picks for each row alone."""
     from kernels.sampling import _sample_best_first
 
+    tied = torch.full((1, 256), -10.0)  # 10 best, then 100 tied: top_k 20's k-th is one of them, and so are 90
+    tied[0, :10], tied[0, 10:110] = torch.linspace(6.0, 5.0, 10), 3.0  # past a window of 21
+    draws = uniform_draws(list(range(40)), [0] * 40)
+    got = [_sample_best_first(tied, torch.tensor([20]), torch.tensor([1.0]), torch.tensor([0.0]),
+                              torch.tensor([draw], dtype=torch.float64), max_k=20, needs_mass=False,
+                              grows=False).item() for draw in draws]
+    assert got == [reference_sample(tied, [1.0], [20], [1.0], [draw]).item() for draw in draws]
+    assert max(got) > 30  # (a tie past the window was drawn)
     vocab, gen = 4096, torch.Generator().manual_seed(0)
     temps, top_ks, top_ps, min_ps = [0.7, 1.0, 1.0], [20, 50, 5], [1.0, 0.95, 1.0], [0.0, 0.0, 0.1]
     for seed in range(60):

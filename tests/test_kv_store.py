@@ -172,6 +172,20 @@ def test_a_blocks_age_goes_with_it_between_tiers(tmp_path):
     assert store.load([first.key]) == [] and store.lookup([first.key]) == 0
 
 
+def test_a_mount_that_cannot_set_a_files_time_still_stores_the_block(tmp_path, monkeypatch):
+    """The age is set once the file is renamed in place: where the mount refuses
+    (EPERM), the write stood counted as failed though the file was there, unindexed."""
+    def refuses(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "utime", refuses)
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path)))
+    blocks = make_blocks(3)
+    store.save(blocks)
+    assert_same(store.load(keys_of(blocks)), blocks)
+    assert store.stats().num_write_errors == 0 and store.stats().tiers["disk"]["entries"] == 3
+
+
 def test_a_tier_whose_folder_cannot_be_made_starts_empty(tmp_path):
     """A shared mount gone or a file in the way at start: that tier stores nothing
     (its writes counted), the others serve (the store's constructor raised, and

@@ -279,6 +279,41 @@ def test_a_worker_that_does_not_answer_holds_no_refresh_nor_its_report(monkeypat
     assert set(view.stats) == {"p0", "d0"}
 
 
+def test_cold_workers_profiles_are_asked_for_at_once_one_a_role(monkeypatch):
+    """Eight cold prefill workers (no profiled peer) still profiling: each was
+    asked in turn, up to WORKER_ANSWER_S each, and one refresh took eight times
+    that (40 s: past the 30 s the pool manager waits for a replica's report).
+    One a role is asked, the roles at once; the others are seeded from it later."""
+    monkeypatch.setattr(pool_view, "WORKER_ANSWER_S", 0.3)
+    scheduler = _scheduler(ttft_ms=10_000)
+    view = scheduler.view
+    view.pools_applied = True
+    asked = []
+
+    async def read(worker_id):
+        return _idle_stats(worker_id)
+
+    listed = [(f"p{i}", "prefill") for i in range(8)] + [("d0", "decode")]
+    view.pool = _stand_in_pool(lambda: listed, read, _no_events)
+    members = asyncio.run(view.pool.list_members.remote())
+
+    async def never(worker_id):
+        asked.append(worker_id)
+        await asyncio.sleep(3600)
+
+    for member in members:
+        member.handle.profile = _remote(lambda worker_id=member.worker_id: never(worker_id))
+    view.pool.list_members = _remote(lambda: _members(members))
+    view.profiled.clear()
+    started = time.monotonic()
+    asyncio.run(within(view.refresh(), 10))
+    assert time.monotonic() - started < 1.5 and sorted(asked) == ["d0", "p0"]
+
+
+async def _members(members):
+    return members
+
+
 async def _answered(reports: list, report):
     reports.append(report)
 
