@@ -395,7 +395,7 @@ class Scheduler:
                     yield event
 
         await stream_to_store(self.stored, queued["id"], served(), feed,
-                              lambda last: self.stored.finish(final, items, last))
+                              lambda last, first: self.stored.finish(final, items, last, first))
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeBody):

@@ -131,25 +131,28 @@ class EventFeed:
 
 
 async def stream_to_store(stored, response_id: str, events: AsyncIterator[str], feed: EventFeed,
-                          finish: Callable[[list[str]], Awaitable]) -> None:
+                          finish: Callable[[list[str], int], Awaitable]) -> None:
     """`events` to `feed` as they come and to the store (`stored`, the
-    replica's StoredResponses) at most `FLUSH_S` later; `finish(last)` stores
-    the final state with the last ones. Stopped (cancelled), the events close,
-    which ends the request, and those written are stored."""
-    pending, flushed_s = [], 0.0  # (the first event at once)
+    replica's StoredResponses) at most `FLUSH_S` later; `finish(last, first)`
+    stores the final state with the last ones (`first`: the index of the first
+    of them). Stopped (cancelled), the events close, which ends the request, and
+    those written are stored. Each batch says where it starts in the stream: one
+    whose call was stopped may have been stored, and is sent again with those
+    after it; the store keeps each event once."""
+    pending, sent, flushed_s = [], 0, 0.0  # (sent: the events the store has said it holds; the first at once)
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 feed.add(event)
                 pending.append(event)
                 if time.monotonic() - flushed_s >= FLUSH_S:
-                    await stored.add_events(response_id, pending)
-                    pending, flushed_s = [], time.monotonic()
-        await finish(pending)
+                    await stored.add_events(response_id, pending, sent)
+                    sent, pending, flushed_s = sent + len(pending), [], time.monotonic()
+        await finish(pending, sent)
     except asyncio.CancelledError:
         if pending:
             with contextlib.suppress(Exception):
-                await stored.add_events(response_id, pending)
+                await stored.add_events(response_id, pending, sent)
         raise
     finally:
         feed.close()

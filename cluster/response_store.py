@@ -162,35 +162,52 @@ class ResponseStore:
         self._turn_ends(response, input_items)
         return bool(response["store"]) and self.put(response, input_items)
 
-    def finish(self, response: dict, input_items: list[dict], events: list[str] = ()) -> bool:
+    def finish(self, response: dict, input_items: list[dict], events: list[str] = (), first: int | None = None) -> bool:
         """`keep` a background response's last state, and a streamed one's last
-        `events` with it (so a reader that sees it finished has them all),
-        unless it was cancelled or given up meanwhile (then False, and the store
-        keeps that), or deleted (then False, and it stays deleted: it came back
-        with its answer when it finished before its replica's next beat)."""
+        `events` with it (so a reader that sees it finished has them all;
+        `first`: as `add_events`), unless it was cancelled or given up meanwhile
+        (then False, and the store keeps that), or deleted (then False, and it
+        stays deleted: it came back with its answer when it finished before its
+        replica's next beat). One too large to store alone fails so (it stayed
+        in progress, and read as its replica's death when the beats stopped)."""
         stored = self.get(response["id"])
         if stored is None or stored.response["status"] not in RUNNING:
             return False
         if not self.keep(response, input_items):
+            if response["store"]:
+                self._restate(stored, status="failed", error={
+                    "code": "server_error", "message": "the response is larger than this server stores "
+                                                       "(response_store_mib): it was not kept"})
             return False
         if stored.events is not None:  # (carried over to the entry put, then the last unless some were cut)
             kept = self.entries[response["id"]]
             kept.events = []
-            self.add_events(response["id"], stored.events)  # (cut first, they were lost: the prefix kept went too)
+            for event in stored.events:  # (one at a time: the longest prefix that fits with the final state)
+                if not self.add_events(response["id"], [event]):
+                    break
             kept.events_cut = kept.events_cut or stored.events_cut
-            self.add_events(response["id"], events, done=True)
+            self.add_events(response["id"], events, done=True, first=first)
         return True
 
-    def add_events(self, response_id: str, events: list[str], done: bool = False) -> bool:
+    def add_events(self, response_id: str, events: list[str], done: bool = False, first: int | None = None) -> bool:
         """A streamed background response's next events (`done`: its last);
         False if they are not kept (not streamed, gone, or over the bound: then
-        none of them nor any after, the first ones staying a whole prefix)."""
+        none of them nor any after, the first ones staying a whole prefix).
+        `first`: the index of the first of them in the stream; those already
+        held are not added again (a call its sender stopped may have come
+        through, and sent again, events were stored twice: a replay repeated
+        sequence numbers), and after a gap none are."""
         stored = self.get(response_id)
         if stored is None or stored.events is None:
             return False
         stored.events_done = stored.events_done or done
         if stored.events_cut:
             return False
+        if first is not None:
+            if first > len(stored.events):  # (a batch never came: the kept ones stay a whole prefix)
+                stored.events_cut = True
+                return False
+            events = events[len(stored.events) - first :]
         if not self._grow(stored, sum(map(len, events))):
             stored.events_cut = True
             return False
@@ -388,15 +405,25 @@ class ResponseStore:
         response evicted ends its turn on its conversation, as a delete does (it
         held the conversation until the turn's lease ran out, about 6 minutes)."""
         num_evicted = 0
-        while self.num_bytes + size > self.max_bytes:
+        while self.num_bytes + size > self.max_bytes and self.entries:
             oldest_id = next(iter(self.entries))
             oldest = self.entries[oldest_id]
             if isinstance(oldest, Stored) and oldest.response["status"] in RUNNING:
-                self._turn_ends(oldest.response, None)
+                self._release_turn(oldest_id, oldest.response)
             self._drop(oldest_id)
             num_evicted += 1
         self.num_evicted += num_evicted
         self._held(num_evicted)
+
+    def _release_turn(self, response_id: str, response: dict) -> None:
+        """An evicted running response's turn on its conversation ended, the
+        conversation left where it is in the LRU order (`end_turn` uses it: it
+        became the most recent, and the entry growing, evicted in its place,
+        went on counting its bytes)."""
+        on = response.get("conversation")
+        kept = self.entries.get(on["id"]) if on is not None else None
+        if isinstance(kept, KeptConversation) and kept.turn_id == response_id:
+            kept.turn_id = None
 
     def _grow(self, kept: Stored | KeptConversation, size: int) -> bool:
         """`size` more bytes (fewer, if negative) for an entry just used (the

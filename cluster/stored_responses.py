@@ -73,14 +73,16 @@ class StoredResponses:
         """A background response put as queued (`ResponseStore.put`); False if too large to store."""
         return await self.call(lambda store: store.put.remote(response, input_items, streamed))
 
-    async def finish(self, response: dict, input_items: list[dict], events: list[str] = ()) -> dict:
+    async def finish(self, response: dict, input_items: list[dict], events: list[str] = (),
+                     first: int | None = None) -> dict:
         """`keep` for a background response's last state, and a streamed one's
-        last events (`ResponseStore.finish`)."""
-        await self.call(lambda store: store.finish.remote(response, input_items, list(events)))
+        last events, the first of them the stream's `first` (`ResponseStore.finish`)."""
+        await self.call(lambda store: store.finish.remote(response, input_items, list(events), first))
         return response
 
-    async def add_events(self, response_id: str, events: list[str]) -> None:
-        await self.call(lambda store: store.add_events.remote(response_id, events))
+    async def add_events(self, response_id: str, events: list[str], first: int | None = None) -> None:
+        """A streamed response's next events, the first of them the stream's `first` (`ResponseStore.add_events`)."""
+        await self.call(lambda store: store.add_events.remote(response_id, events, False, first))
 
     async def replay(self, response_id: str, after: int = -1):
         """A streamed background response's events after sequence number

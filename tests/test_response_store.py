@@ -339,8 +339,8 @@ def test_a_streamed_background_response_reaches_its_feed_and_the_store_whole():
     store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
 
     class Replica:  # (the replica's view: the store's calls awaited, as over Ray)
-        async def add_events(self, response_id, events):
-            store.add_events(response_id, events)
+        async def add_events(self, response_id, events, first):
+            store.add_events(response_id, events, first=first)
 
     async def written():
         for k in range(50):
@@ -352,8 +352,8 @@ def test_a_streamed_background_response_reaches_its_feed_and_the_store_whole():
         reading = asyncio.ensure_future(_read_all(feed.read()))
         final = {**_response("s", None, "done"), "status": "completed", "background": True}
 
-        async def finish(last):
-            store.finish(final, _asked("s"), last)
+        async def finish(last, first):
+            store.finish(final, _asked("s"), last, first)
 
         await stream_to_store(Replica(), "s", written(), feed, finish)
         return await reading
@@ -361,3 +361,66 @@ def test_a_streamed_background_response_reaches_its_feed_and_the_store_whole():
     expected = [f"e{k}" for k in range(50)]
     assert asyncio.run(run()) == expected
     assert store.events("s", -1).events == expected and store.get("s").response["status"] == "completed"
+
+
+def test_a_batch_of_events_sent_again_is_kept_once_and_one_lost_cuts_the_stream():
+    """A flush stopped mid-call (a cancel) may have reached the store, and its
+    events were sent again: stored twice, a replay repeated sequence numbers.
+    Each batch says where it starts; a batch after a lost one keeps nothing."""
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
+    assert store.add_events("s", ["e0", "e1"], first=0)
+    assert store.add_events("s", ["e1", "e2", "e3"], first=1)  # (e1 again, and those after it)
+    assert store.events("s", -1).events == ["e0", "e1", "e2", "e3"]
+    final = {**_response("s", None, "done"), "status": "completed", "background": True}
+    assert store.finish(final, _asked("s"), ["e3", "e4"], first=3)
+    assert store.events("s", -1).events == ["e0", "e1", "e2", "e3", "e4"]
+    store.put({**_response("g", None, ""), "status": "queued", "background": True}, _asked("g"), streamed=True)
+    assert store.add_events("g", ["e0"], first=0) and not store.add_events("g", ["e5"], first=5)
+    assert store.events("g", -1).events == ["e0"]
+
+
+def test_a_finished_stream_keeps_the_longest_prefix_of_its_events_that_fits():
+    """Its events put back in one call with the final state, and over the bound
+    together, none were kept: a resumed stream got nothing, no completion."""
+    events = [f"event {k:03d} " + "x" * 60 for k in range(40)]
+    final = {**_response("s", None, "y" * 600), "status": "completed", "background": True}
+    bound = _size(final, _asked("s")) + sum(map(len, events[:25]))
+    store = ResponseStore(max_bytes=bound)
+    store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
+    store.add_events("s", events[:30], first=0)  # (fits beside the small queued state)
+    assert store.finish(final, _asked("s"), events[30:], first=30)
+    kept = store.events("s", -1).events
+    assert 0 < len(kept) < 30 and kept == events[: len(kept)]
+
+
+def test_an_evicted_running_response_leaves_the_growing_entry_the_most_recent():
+    """Evicting a running response ended its turn through the conversation's
+    reader, which made that conversation the most recent: the entry growing was
+    evicted under itself (the client's items lost), its bytes counted on, and
+    later puts failed (a StopIteration: 500s)."""
+    def item(name: str, length: int) -> dict:
+        return {"type": "message", "id": name, "role": "user", "status": "completed",
+                "content": [{"type": "input_text", "text": "x" * length}]}
+
+    store = ResponseStore(max_bytes=3000)
+    conversation = {"object": "conversation", "created_at": 0, "metadata": {}}
+    assert store.create_conversation({**conversation, "id": "conv_b"}, [item("b0", 600)])
+    store.begin_turn("conv_b", "resp_r", 100)
+    assert store.put({**_response("resp_r", None, ""), "status": "queued", "background": True,
+                      "conversation": {"id": "conv_b"}}, [item("r0", 10)])
+    store.conversation_items("conv_b", 20, "desc", None)  # (read: more recent than resp_r)
+    assert store.create_conversation({**conversation, "id": "conv_a"}, [item("a0", 300)])
+    assert store.add_items("conv_a", [item("a1", 1900)]) is True
+    assert store.get_conversation("conv_a") is not None
+    assert store.num_bytes == sum(entry.size for entry in store.entries.values())
+
+
+def test_a_finished_response_too_large_to_store_fails_rather_than_runs_on():
+    """It stayed in progress, and read as its replica's death once the beats stopped."""
+    store = ResponseStore(max_bytes=2000)
+    assert store.put({**_response("big", None, ""), "status": "queued", "background": True}, _asked("big"))
+    final = {**_response("big", None, "z" * 5000), "status": "completed", "background": True}
+    assert not store.finish(final, _asked("big"))
+    response = store.get("big").response
+    assert response["status"] == "failed" and "larger than this server stores" in response["error"]["message"]
