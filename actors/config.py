@@ -43,6 +43,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # An RMSNorm over each query and key head before RoPE (Qwen3's q_norm, k_norm).
     qk_norm: bool = False
+    # A bias on the attention's output projection: Llama's and Qwen3's `attention_bias`
+    # (which biases q, k, v and o alike; Qwen2's q, k, v biases come without one).
+    o_bias: bool = False
     # A mixture of experts (Qwen3-MoE): a sparse layer's MLP is `num_experts` experts
     # of `moe_intermediate_size`, each token through the `num_experts_per_tok` the
     # router scores best (their weights renormalised to sum 1 with `norm_topk_prob`);
@@ -96,6 +99,8 @@ class ModelConfig:
             activation = raw.get("hidden_act", "silu")
             if activation not in ("silu", "swish"):  # (the MLP is SwiGLU; another was served as SiLU)
                 raise ValueError(f"hidden_act {activation!r} is not supported (silu only)")
+            if raw.get("mlp_bias"):  # (it failed at the weights, "unexpected weight ...down_proj.bias")
+                raise ValueError("mlp_bias is not supported (an MLP without biases only)")
             config = cls(
                 architecture=family,
                 vocab_size=int(raw["vocab_size"]),
@@ -113,6 +118,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 # Qwen2 always carries q/k/v biases; Llama and Qwen3 only with attention_bias.
                 qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+                o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
                 eos_token_ids=_eos_ids(raw, Path(model_dir)),
                 qk_norm=family in ("qwen3", "qwen3_moe"),
                 **(_experts(raw) if family == "qwen3_moe" else {}),
@@ -136,6 +142,11 @@ class ModelConfig:
         for name, value in sizes.items():
             if value < 1:
                 raise CheckpointError(f"{path}: {name} must be at least 1, got {value}")
+        if self.num_heads % self.num_kv_heads:  # (accepted, it failed at the first step: a worker's crash)
+            raise CheckpointError(f"{path}: num_attention_heads ({self.num_heads}) must be a multiple of "
+                                  f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise CheckpointError(f"{path}: head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         from kernels.rope import rope_inv_freq
 
         try:

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, kernels.linear)
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, kernels.linear)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, kernels.linear)
         if config.qk_norm:  # one weight over head_dim, shared by the heads
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels.rms_norm)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels.rms_norm)

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from actors.config import CheckpointError, ModelConfig
+from actors.config import CheckpointError, EngineConfig, ModelConfig
 from actors.engine import Engine
 from actors.model import ForCausalLM
+from actors.sampling_params import SamplingParams
 from actors.weights import load_weights
 from cluster.cli import main
 
@@ -69,6 +70,51 @@ def test_config_fields_that_change_the_math_are_read_as_transformers_reads_them(
     del config["tie_word_embeddings"]
     (copy / "config.json").write_text(json.dumps(config))
     assert not ModelConfig.from_hf(copy).tie_word_embeddings
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of "
+                                                           r"num_key_value_heads \(3\)"),
+    ({"head_dim": 7}, "head_dim must be even"),
+    ({"mlp_bias": True}, "mlp_bias is not supported"),
+])
+def test_a_config_that_failed_only_at_the_first_step_or_its_weights_is_refused(copy, fields, message):
+    """Found by a review: accepted, then a worker crashed at its first step (heads
+    that do not group) or at its weights (an MLP's biases), with no word why."""
+    _edit_config(copy, **fields)
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_hf(copy)
+
+
+def test_llamas_attention_bias_biases_the_output_projection_too(tmp_path):
+    """transformers' `attention_bias` puts a bias on o_proj as on q, k and v:
+    such a Llama (or Qwen3) failed at its weights ("unexpected weight
+    ...o_proj.bias"). Served, it answers as transformers does."""
+    from actors.model_builder import ensure_checkpoint
+    from tests.conftest import hf_greedy
+
+    folder = tmp_path / "biased"
+    shutil.copytree(ensure_checkpoint("tiny", "llama"), folder)
+    _edit_config(folder, attention_bias=True)
+    config = json.loads((folder / "config.json").read_text())
+    shard = next(folder.glob("*.safetensors"))
+    weights = load_file(shard)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(config["num_hidden_layers"]):
+        for name, size in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"]),
+                           ("v_proj", config["num_key_value_heads"]), ("o_proj", None)):
+            rows = config["hidden_size"] if size is None else size * config.get("head_dim", config["hidden_size"]
+                                                                                 // config["num_attention_heads"])
+            weights[f"model.layers.{layer}.self_attn.{name}.bias"] = torch.randn(rows, generator=gen) * 0.5
+    save_file(weights, shard, metadata={"format": "pt"})
+    assert ModelConfig.from_hf(folder).o_bias
+    engine = Engine(folder, EngineConfig(block_size=16, num_kv_blocks=64))
+    prompt = list(range(5, 30))
+    engine.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), "r")
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                assert out.token_ids == hf_greedy(folder, prompt, 8)
 
 
 def test_a_broken_generation_config_is_named_as_itself(copy):
