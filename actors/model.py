@@ -221,10 +221,18 @@ class Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, kernels, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm, kernels.add_rms_norm)
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        cos, sin = rope_cos_sin(inv_freq, config.max_position_embeddings)
+        with torch.device("cpu"):  # (a table to compute, whichever device the model is built on)
+            self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        cos, sin = rope_cos_sin(self.inv_freq.to(torch.get_default_device()), config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_rope(self, max_positions: int, device) -> None:
+        """The RoPE tables, float32, for the positions below `max_positions`, on
+        `device` (the engine's: as long as it serves, not the model's whole
+        context; a model built on the meta device has none yet)."""
+        cos, sin = rope_cos_sin(self.inv_freq, max_positions)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, input_ids, positions, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

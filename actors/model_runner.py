@@ -76,11 +76,12 @@ class ModelRunner:
             silu_and_mul=select_silu_and_mul(backend, self.device),
         )
         self.block_copy = select_block_copy(backend, self.device)
-        with torch.device(self.device):
+        # Shapes only, then storage in `dtype` (the checkpoint's weights fill it): built on the
+        # device in float32 and then cast, a model took twice its weights' memory as it started.
+        with torch.device("meta"):
             model = ForCausalLM(model_config, kernels)
-        model.to(dtype=dtype)
-        model.model.rope_cos = model.model.rope_cos.float()
-        model.model.rope_sin = model.model.rope_sin.float()
+        model = model.to(dtype=dtype).to_empty(device=self.device)
+        model.model.make_rope(self._max_len(), self.device)
         load_weights(model, Path(model_dir), dtype)
         self.model = model.eval()
         self.num_blocks = config.num_kv_blocks or max(
