@@ -205,7 +205,8 @@ class OutcomeRecorder:
         report = SchedulerReport(
             self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
             num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
-            num_line_misses=self._line_misses, backlog_tokens=backlog, decoding=decoding, decoding_kv_tokens=decoding_kv, inflight=counts,
+            num_line_misses=self._line_misses, backlog_tokens=backlog, decoding=decoding,
+            decoding_kv_tokens=decoding_kv, inflight=counts,
             routed=dict(self._routed), draining=frozenset(draining), backlog_prompts=prompts)
         self._ttft, self._tbt, self._routed = [], [], {}
         self._rejected = {"ttft": 0, "tbt": 0}
