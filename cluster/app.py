@@ -328,7 +328,11 @@ class Scheduler:
         async def keep(response: dict) -> dict:  # (stored, and its turn ended, by one store call)
             if turn is not None:
                 turn.handed_on()
-            return await self.stored.keep(response, items)
+            # (a task of its own, run to its end: in the request's, the call went with a client that
+            # left meanwhile, and the turn, handed on, stayed held for its lease)
+            kept = background_task(self.stored.keep(response, items))
+            kept.add_done_callback(lambda task: task.cancelled() or task.exception())
+            return await asyncio.shield(kept)
 
         if not body.stream:
             completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, rid=response_id)

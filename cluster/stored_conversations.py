@@ -92,8 +92,12 @@ class StoredConversations:
         if not self.stored.enabled:
             raise ApiError(400, "conversation: this server stores no conversations (response_store_mib is 0); "
                                 "send the whole conversation in `input`", param="conversation")
-        found = await self.stored.call(
-            lambda store: store.begin_turn.remote(conversation_id, response_id, self.turn_lease_s))
+        try:
+            found = await self.stored.call(
+                lambda store: store.begin_turn.remote(conversation_id, response_id, self.turn_lease_s))
+        except asyncio.CancelledError:  # (its client left as the store gave it the turn: it held it for its lease)
+            self.abandon_turn(conversation_id, response_id)
+            raise
         if found.missing_id is not None:
             raise _not_found(conversation_id, param="conversation")
         if found.running_id is not None:

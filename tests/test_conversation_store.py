@@ -263,3 +263,41 @@ def test_a_streamed_turn_dropped_unread_is_abandoned():
         return view.abandoned
 
     assert asyncio.run(scenario()) == ["resp_unread", "resp_read", "resp_closed"]
+
+
+def test_a_turn_whose_caller_left_as_the_store_gave_it_is_let_go():
+    """The store gave the turn, and the caller was cancelled (its client left)
+    before the answer came back: nothing abandoned it, and the conversation
+    answered conversation_locked for the turn's lease (request_timeout_s + 60 s)."""
+    store = ResponseStore(max_bytes=1 << 20)
+    assert store.create_conversation(_conversation("conv_a"), [])
+
+    class Slowly:  # (an actor method: applied at once, answered later)
+        def __init__(self, method, delay_s: float) -> None:
+            self.method, self.delay_s = method, delay_s
+
+        def remote(self, *args):
+            async def answer():
+                result = self.method(*args)
+                await asyncio.sleep(self.delay_s)
+                return result
+            return answer()
+
+    class Stored:
+        enabled = True
+        handle = type("Handle", (), {"begin_turn": Slowly(store.begin_turn, 10.0),
+                                     "end_turn": Slowly(store.end_turn, 0.0)})()
+
+        async def call(self, remote):
+            return await remote(self.handle)
+
+    async def scenario():
+        conversations = StoredConversations(Stored(), request_timeout_s=300)
+        taking = asyncio.ensure_future(conversations.turn("conv_a", "resp_left"))
+        await asyncio.sleep(0.05)  # (the store gave it the turn; the answer is on its way)
+        taking.cancel()
+        await asyncio.gather(taking, return_exceptions=True)
+        await asyncio.sleep(0.05)  # (the turn let go in a task of its own)
+
+    asyncio.run(scenario())
+    assert store.begin_turn("conv_a", "resp_next", 600.0).running_id is None
