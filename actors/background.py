@@ -40,6 +40,14 @@ def background_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
     return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
 
 
+async def run_to_end(coroutine: Coroutine[Any, Any, T]) -> T:
+    """`await coroutine`, run in a task of its own (`background_task`) to its end
+    even if the caller is cancelled meanwhile (its failure then is nobody's)."""
+    task = background_task(coroutine)
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return await asyncio.shield(task)
+
+
 async def every(interval_s: float, one_round: Callable[[], Awaitable[Any]], what: str) -> None:
     """`await one_round()` every `interval_s`, for good (a watchdog's loop). A
     round that raises is logged and the next goes on: a watchdog that died at its

@@ -10,9 +10,9 @@ calls (`call`) and thread pool (`in_thread`) it uses.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
+from actors.background import run_to_end
 from actors.engine import Engine
 from actors.kv_store import KVStoreSettings, StoreStats
 from actors.kv_store_client import KVStoreClient, StoreWriter, open_kv_store
@@ -84,9 +84,7 @@ class StoreImports:
             held = await self.import_prefix(request, **import_options)
             return await self.call(lambda engine: start(engine, held))
 
-        task = asyncio.ensure_future(both())  # (no Ray call in it: the request's context is fine)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its failure is its caller's, if any)
-        return await asyncio.shield(task)
+        return await run_to_end(both())
 
     async def kv_store_stats(self) -> StoreStats | None:
         """The node store's tiers (entries, bytes, hits), after pending writes."""

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 import ray
 from ray import serve
 
-from actors.background import background_task
+from actors.background import background_task, run_to_end
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
 from actors.sampling_defaults import SamplingDefaults
@@ -328,11 +328,9 @@ class Scheduler:
         async def keep(response: dict) -> dict:  # (stored, and its turn ended, by one store call)
             if turn is not None:
                 turn.handed_on()
-            # (a task of its own, run to its end: in the request's, the call went with a client that
-            # left meanwhile, and the turn, handed on, stayed held for its lease)
-            kept = background_task(self.stored.keep(response, items))
-            kept.add_done_callback(lambda task: task.cancelled() or task.exception())
-            return await asyncio.shield(kept)
+            # (run to its end: in the request's task, the call went with a client that left
+            # meanwhile, and the turn, handed on, stayed held for its lease)
+            return await run_to_end(self.stored.keep(response, items))
 
         if not body.stream:
             completion = await self._openai(chat, [prompt], chat=True, reasoning=reasoning, rid=response_id)

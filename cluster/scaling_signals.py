@@ -93,22 +93,29 @@ class RequestTimer:
         self.first_s: float | None = None
         self.last_s: float | None = None
         self.num_tokens = 0
-        self.line_wait_s = 0.0  # its attempts' time in D's line, those ended (`attempt_ended`)
+        self.attempt = None  # the running attempt's InFlight record (cluster/admission.py)
+        self.line_wait_s = 0.0  # the ended attempts' time in D's line
         self.ended_in_line = False  # its last attempt ended waiting in D's line
 
-    def attempt_ended(self, line_wait_s: float, in_line: bool) -> None:
-        """An attempt ended (served, retried or given up): its time in D's line,
-        and whether it ended there."""
-        self.line_wait_s += line_wait_s
-        self.ended_in_line = in_line
+    def attempt_started(self, attempt) -> None:
+        """An attempt's InFlight record: its time in D's line is read from it."""
+        self.attempt = attempt
 
-    def tokens(self, count: int, now_s: float, line_wait_s: float = 0.0) -> None:
-        """`line_wait_s`: the running attempt's time in D's line."""
+    def attempt_ended(self, now_s: float) -> None:
+        """The attempt ended (served, retried or given up): its time in D's line
+        before its first token kept, and whether it ended there."""
+        attempt, self.attempt = self.attempt, None
+        if attempt is not None:
+            self.line_wait_s += attempt.waited_in_line_s(now_s) if attempt.in_prefill else 0.0
+            self.ended_in_line = attempt.in_line
+
+    def tokens(self, count: int, now_s: float) -> None:
         if count <= 0:
             return
         if self.first_s is None:
             self.first_s = now_s
-            self.recorder.record_ttft(now_s - self.started_s, self.line_wait_s + line_wait_s)
+            running = self.attempt.waited_in_line_s(now_s) if self.attempt is not None else 0.0
+            self.recorder.record_ttft(now_s - self.started_s, self.line_wait_s + running)
         self.last_s = now_s
         self.num_tokens += count
 

@@ -246,8 +246,7 @@ class GlobalScheduler:
                             failure = event.error
                             break
                         got_token = got_token or bool(event.token_ids)
-                        inflight, now = self.view.models.inflight.get(attempt_id), time.monotonic()
-                        timer.tokens(len(event.token_ids), now, inflight.waited_in_line_s(now) if inflight else 0.0)
+                        timer.tokens(len(event.token_ids), time.monotonic())
                         if event.finished:
                             outcome = "error" if event.error else "aborted" if event.finish_reason == "abort" else "ok"
                             finished = True
@@ -290,6 +289,8 @@ class GlobalScheduler:
                             ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s)
         models = self.view.models
         models.inflight[request.request_id] = inflight
+        if timer is not None:  # (its time in D's line is the decode pool's, cluster/scaling_signals.py)
+            timer.attempt_started(inflight)
         for worker_id in (choice.prefill_id, choice.decode_id):
             if worker_id in self.view.prefix and self.settings.engine.enable_prefix_cache:  # (off: never held)
                 self.view.prefix[worker_id].route(hashes)
@@ -318,9 +319,8 @@ class GlobalScheduler:
             models.inflight.pop(request.request_id, None)
             now = time.monotonic()
             models.gone_before_its_first_token(inflight, now)
-            if timer is not None:  # (its time in D's line: the decode pool's, cluster/scaling_signals.py)
-                timer.attempt_ended(inflight.waited_in_line_s(now) if inflight.in_prefill else 0.0,
-                                    inflight.in_line)
+            if timer is not None:
+                timer.attempt_ended(now)
 
     async def _events(self, request: GenerateRequest, choice: Prediction, inflight: InFlight):
         call = None

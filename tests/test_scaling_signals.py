@@ -56,9 +56,11 @@ def test_a_wait_in_ds_line_is_the_decode_pools_not_the_prefill_pools():
     room scaled the prefill pool up, and could itself read as idle."""
     recorder = OutcomeRecorder("r1", ttft_slo_s=1.0)
     waited = recorder.timer(0.0)
-    waited.tokens(1, 1.5, line_wait_s=1.2)  # 1.5 s, 1.2 of it in D's line: P's part 0.3 s, a line miss
+    waited.attempt_started(InFlight("w", "p0", "d0", 10, 1, 0.1, admitted_s=0.0, reserved_s=1.2))
+    waited.tokens(1, 1.5)  # 1.5 s, 1.2 of it in D's line: P's part 0.3 s, a line miss
     slow_anyway = recorder.timer(0.0)
-    slow_anyway.tokens(1, 2.5, line_wait_s=0.5)  # P's own part 2 s: P's miss
+    slow_anyway.attempt_started(InFlight("s", "p0", "d0", 10, 1, 0.1, admitted_s=0.0, reserved_s=0.5))
+    slow_anyway.tokens(1, 2.5)  # P's own part 2 s: P's miss
     recorder.rejected(ttft_missed=False, tbt_missed=False, line_missed=True)
     report = recorder.report([])
     assert report.ttft_s == (pytest.approx(0.3), pytest.approx(2.0)) and report.num_line_misses == 2
@@ -77,15 +79,21 @@ def test_a_line_wait_over_attempts_and_one_that_ended_in_line_are_the_decode_poo
     failed in the line, and one whose client left while it waited there, are
     line misses, not the prefill pool's."""
     recorder = OutcomeRecorder("r1", ttft_slo_s=1.0)
+    attempt = lambda admitted_s, reserved_s=None: InFlight("a", "p0", "d0", 10, 1, 0.1,  # noqa: E731
+                                                            admitted_s=admitted_s, reserved_s=reserved_s)
     retried = recorder.timer(0.0)
-    retried.attempt_ended(0.9, in_line=True)  # refused in the line after 0.9 s, retried
-    retried.tokens(1, 1.4, line_wait_s=0.3)  # served: 1.4 s, 1.2 of it in lines
-    retried.attempt_ended(0.0, in_line=False)
+    retried.attempt_started(attempt(0.0))
+    retried.attempt_ended(0.9)  # refused in the line after 0.9 s, retried
+    retried.attempt_started(attempt(1.0, reserved_s=1.3))
+    retried.tokens(1, 1.4)  # served: 1.4 s, 1.2 of it in lines
+    retried.attempt_ended(1.4)
     refused = recorder.timer(0.0)
-    refused.attempt_ended(1.5, in_line=True)
+    refused.attempt_started(attempt(0.0))
+    refused.attempt_ended(1.5)
     refused.end("error", 1.5)
     left = recorder.timer(0.0)
-    left.attempt_ended(1.8, in_line=True)  # its client left after 2 s, 1.8 of them in the line
+    left.attempt_started(attempt(0.2))
+    left.attempt_ended(2.0)  # its client left after 2 s, 1.8 of them in the line
     left.end("cancelled", 2.0)
     report = recorder.report([])
     assert report.ttft_s == (pytest.approx(0.2), pytest.approx(0.2)) and report.num_line_misses == 3

@@ -159,14 +159,16 @@ async def _no_events(worker_id, cursor):
     return CacheEvents(cursor, False, [])
 
 
-def _stand_in_pool(listed, read_stats, read_events):
+def _stand_in_pool(listed, read_stats, read_events, read_profile=None):
     """A pool manager's stand-in: `listed()` its members, (worker id, role); each
-    one's `stats` and `cache_events` answered by `read_stats(worker_id)` and
-    `read_events(worker_id, cursor)` (coroutines)."""
+    one's `stats`, `cache_events` (and `profile`) answered by `read_stats(worker_id)`,
+    `read_events(worker_id, cursor)` (and `read_profile(worker_id)`: coroutines)."""
     class Handle:
         def __init__(self, worker_id: str) -> None:
             self.stats = _remote(lambda: read_stats(worker_id))
             self.cache_events = _remote(lambda cursor: read_events(worker_id, cursor))
+            if read_profile is not None:
+                self.profile = _remote(lambda: read_profile(worker_id))
 
     async def answer(value):
         return value
@@ -255,10 +257,7 @@ def test_a_worker_that_does_not_answer_holds_no_refresh_nor_its_report(monkeypat
     not yet declared dead): the refresh waited for good, and this replica sent
     the pool manager no report, which forgot it after 30 s and let a drain kill
     a worker under its requests. The others' figures and the report go on."""
-    monkeypatch.setattr(pool_view, "WORKER_ANSWER_S", 0.2)
-    scheduler = _scheduler(ttft_ms=10_000)
-    view = scheduler.view
-    view.pools_applied = True
+    view = _view_waiting_at_most(monkeypatch, 0.2)
     reports = []
 
     async def read(worker_id):
@@ -284,34 +283,30 @@ def test_cold_workers_profiles_are_asked_for_at_once_one_a_role(monkeypatch):
     asked in turn, up to WORKER_ANSWER_S each, and one refresh took eight times
     that (40 s: past the 30 s the pool manager waits for a replica's report).
     One a role is asked, the roles at once; the others are seeded from it later."""
-    monkeypatch.setattr(pool_view, "WORKER_ANSWER_S", 0.3)
-    scheduler = _scheduler(ttft_ms=10_000)
-    view = scheduler.view
-    view.pools_applied = True
+    view = _view_waiting_at_most(monkeypatch, 0.3)
     asked = []
 
     async def read(worker_id):
         return _idle_stats(worker_id)
 
-    listed = [(f"p{i}", "prefill") for i in range(8)] + [("d0", "decode")]
-    view.pool = _stand_in_pool(lambda: listed, read, _no_events)
-    members = asyncio.run(view.pool.list_members.remote())
-
     async def never(worker_id):
         asked.append(worker_id)
         await asyncio.sleep(3600)
 
-    for member in members:
-        member.handle.profile = _remote(lambda worker_id=member.worker_id: never(worker_id))
-    view.pool.list_members = _remote(lambda: _members(members))
-    view.profiled.clear()
+    listed = [(f"p{i}", "prefill") for i in range(8)] + [("d0", "decode")]
+    view.pool = _stand_in_pool(lambda: listed, read, _no_events, never)
+    view.profiled.clear()  # (cold: none profiled)
     started = time.monotonic()
     asyncio.run(within(view.refresh(), 10))
     assert time.monotonic() - started < 1.5 and sorted(asked) == ["d0", "p0"]
 
 
-async def _members(members):
-    return members
+def _view_waiting_at_most(monkeypatch, seconds: float):
+    """A scheduler's view whose refresh waits `seconds` for each worker's answer."""
+    monkeypatch.setattr(pool_view, "WORKER_ANSWER_S", seconds)
+    view = _scheduler(ttft_ms=10_000).view
+    view.pools_applied = True
+    return view
 
 
 async def _answered(reports: list, report):
