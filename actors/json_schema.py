@@ -10,7 +10,8 @@ cannot count brackets, so this writes the shape out as one, as outlines does:
   it says nothing; `required` names properties `properties` must list;
 - `array` of `items`, `minItems`/`maxItems`; `string` with `minLength`/`maxLength`
   (in characters: no half of a surrogate pair as an escape), `enum`, `const`,
-  `pattern` (as a Python regex, inside the quotes), `format` (`FORMATS`: date,
+  `pattern` (as a Python regex, inside the quotes: matched whole, its `^` and `$`
+  dropped), `format` (`FORMATS`: date,
   time, date-time, uuid, ipv4, email); `integer` with `minimum`,
   `maximum` and their exclusive forms (actors/integer_ranges.py); `number`, with
   whole bounds from 0 up; `boolean`, `null`; a list of types (each with the keywords
@@ -31,7 +32,8 @@ A keyword that would constrain the value in a way the expression does not
 refused with its name rather than ignored: the output would not be held to it.
 Annotations (`title`, `description`, `default`, `examples`, `$schema`, ...) are
 ignored. A schema must first be a valid one: it is checked against the JSON Schema
-meta-schema its `$schema` names (2020-12 without one; the `jsonschema` package), so
+meta-schema its `$schema` names (2020-12 without one; drafts from 4 on; the
+`jsonschema` package), so
 `"required": "a"` or `"$defs": 5` is refused with where and why, as is an `enum` or
 `const` whose values its own `type` does not allow (no output could be valid).
 """
@@ -54,10 +56,15 @@ NESTED_FREE_DEPTH = 2  # and a value a schema leaves free (each copy costs autom
 MAX_PATTERN_CHARS = 200_000
 MAX_WRITTEN_CHARS = 20 * MAX_PATTERN_CHARS  # of all parts as written (nested ones counted at each level)
 COMMA, COLON = ", ", ": "  # json.dumps' separators, exactly
-STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
-# One character of a string whose length is bounded: no half of a surrogate pair as a
-# \u escape (a pair's two escapes are one character, and a lone half none).
-COUNTED_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
+# A \u escape of a character outside the surrogates, and a surrogate pair's two: a
+# lone half is no Unicode text (Rust's serde_json refuses it, as does this server's own
+# door, cluster/strict_json.py, and a tool call whose arguments held one came back as text).
+_ESCAPE = r"\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
+_PAIR_ESCAPE = r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+# One character of a string whose length is bounded: a pair as escapes is left out (it
+# would cost each counted character automaton states; the character itself is allowed).
+COUNTED_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|{_ESCAPE})'
+STRING_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|{_ESCAPE}|{_PAIR_ESCAPE})'
 STRING = f'"{STRING_CHAR}*"'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -127,7 +134,14 @@ def _meta_schema_problem(schema: dict) -> str | None:
     """Where and why `schema` breaks the meta-schema of its draft, or None."""
     from jsonschema import exceptions, validators
 
+    declared = schema.get("$schema")
+    if declared is not None and not isinstance(declared, str):
+        return "$schema must be a string, the URI of a draft"
     draft = validators.validator_for(schema, default=validators.Draft202012Validator)
+    supported = (validators.Draft4Validator, validators.Draft6Validator, validators.Draft7Validator,
+                 validators.Draft201909Validator, validators.Draft202012Validator)
+    if draft not in supported:  # (draft 3: `required` a boolean, `type` a list of schemas)
+        return f"$schema {declared!r}: drafts 4, 6, 7, 2019-09 and 2020-12 are supported"
     try:
         error = exceptions.best_match(draft(draft.META_SCHEMA).iter_errors(schema))
     except RecursionError:
@@ -225,6 +239,9 @@ def _finite(text: str) -> float:
 
 class _Writer:
     def __init__(self, root: dict) -> None:
+        for name in ("definitions", "$defs"):  # (draft 7's meta-schema does not know `$defs`: any value passed)
+            if not isinstance(root.get(name, {}), dict):
+                raise RegexError(f"json_schema: {name} must be an object of schemas")
         self.definitions = {**root.get("definitions", {}), **root.get("$defs", {})}
         self.resolving: list[str] = []
         self.written = 0  # characters of every part's pattern so far (a part's are counted in each above it too)
@@ -466,9 +483,9 @@ class _Writer:
             pattern = schema["pattern"]
             if not isinstance(pattern, str):
                 raise RegexError(f"json_schema: {where}.pattern must be a string")
-            pattern = pattern.removeprefix("^").removesuffix("$")
+            pattern = _unanchored(pattern)
             # Written between the quotes as it stands: what it allows must be a JSON string's text.
-            if compile_regex(pattern).transitions[:, _NOT_IN_A_STRING].any():
+            if compile_regex(f"(?:{pattern})").transitions[:, _NOT_IN_A_STRING].any():
                 raise RegexError(f"json_schema: {where}.pattern allows a quote, a backslash or a control "
                                  "character, which a JSON string must escape")
             return f'"(?:{pattern})"'
@@ -476,6 +493,37 @@ class _Writer:
         if (low, high) == (0, None):
             return STRING
         return f'"{COUNTED_CHAR}{{{low},{"" if high is None else high}}}"'
+
+
+def _unanchored(pattern: str) -> str:
+    """`pattern` without the `^` and `$` that begin and end it or each of its
+    top-level alternatives (`^yes$|^no$`), an escaped `\\$` kept: the pattern is
+    matched whole between the string's quotes, where an anchor could not stand.
+    (A text `removesuffix("$")` made `^[0-9]+\\$` a bad escape.)"""
+    alternatives, start, depth, i = [], 0, 0, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 1  # the escaped character
+        elif char == "[":  # a class: to its closing bracket (one first, or after ^, is a member)
+            i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            i += 1 if pattern[i:i + 1] == "]" else 0
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif char in "()":
+            depth += 1 if char == "(" else -1
+        elif char == "|" and depth == 0:
+            alternatives.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    alternatives.append(pattern[start:])
+    return "|".join(_without_anchors(a) for a in alternatives)
+
+
+def _without_anchors(alternative: str) -> str:
+    alternative = alternative.removeprefix("^")
+    escapes = len(alternative[:-1]) - len(alternative[:-1].rstrip("\\"))  # backslashes before a last "$"
+    return alternative[:-1] if alternative.endswith("$") and escapes % 2 == 0 else alternative
 
 
 def _count_bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:
@@ -488,18 +536,25 @@ def _count_bounds(schema: dict, low_name: str, high_name: str, where: str) -> tu
 
 def _members(members: list[tuple[str, bool]]) -> str:
     """Object members in order, the required ones present, the others optional,
-    commas between: an alternative for each member that may come first (those
-    before the first required one, and it), followed by the rest in order."""
-    firsts = []
-    for i, (member, is_required) in enumerate(members):
-        rest = "".join(f"{COMMA}{m}" if r else f"(?:{COMMA}{m})?" for m, r in members[i + 1:])
-        firsts.append(member + rest)
-        if is_required:
-            break
-    if not firsts:
+    commas between. Written from the left, each member once: `seen` is the
+    pattern of the members so far when at least one is written. Until a required
+    one comes, nothing may precede a member, so it is the first written or
+    follows what was (`(?:seen, m)` or `m`); after one, it only follows. One
+    alternative per member that may come first, each repeating the rest, grew
+    with the square of the members: 22 optional ones (a pydantic model of
+    `Optional` fields) passed the automaton's bounds."""
+    seen, may_be_empty = None, True
+    for member, is_required in members:
+        if seen is None:
+            seen = member
+        elif not may_be_empty:
+            seen = f"{seen}{COMMA}{member}" if is_required else f"{seen}(?:{COMMA}{member})?"
+        else:
+            seen = f"(?:{seen}{COMMA})?{member}" if is_required else f"(?:{seen}(?:{COMMA}{member})?|{member})"
+        may_be_empty = may_be_empty and not is_required
+    if seen is None:
         return ""
-    body = "(?:" + "|".join(firsts) + ")"
-    return body if any(r for _, r in members) else body + "?"
+    return f"(?:{seen})?" if may_be_empty else seen
 
 
 def _object_of(value: str) -> str:

@@ -202,6 +202,13 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "integer", "minimum": 10**400}, ["1" + "0" * 400], ["5"]),  # (math.isfinite raised OverflowError)
     # Found by a review: a $ref's JSON pointer escapes were read as written (a~1b is a/b)
     ({"$ref": "#/$defs/a~1b", "$defs": {"a/b": {"type": "integer"}, "a~1b": {"type": "string"}}}, ["7"], ['"x"']),
+    # Found by a review: a lone half of a surrogate pair as an escape is no Unicode text;
+    # anchors were cut from the pattern's text (`\$` lost its `$`; alternatives kept theirs)
+    ({"type": "string"}, ['"\\ud83d\\ude00"', '"\\u00e9"'], ['"hi \\ud83d"', '"\\ude00"', '"\\ud83d\\u0041"']),
+    ({"type": "string", "pattern": r"^[0-9]+\$"}, ['"12$"'], ['"12"']),
+    ({"type": "string", "pattern": r"^yes$|^no$"}, ['"yes"', '"no"'], ['"yesno"', '"y"']),
+    ({"type": "string", "pattern": r"^$"}, ['""'], ['"a"']),
+    ({"type": "string", "pattern": r"^[$^|]+$"}, ['"$|^"'], ['""']),
 ])
 def test_bounds_formats_and_type_lists(schema, good, bad):
     dfa = compile_regex(schema_regex(schema))
@@ -250,10 +257,36 @@ def test_any_json_object_parses():
     ({"enum": [1, float("-inf")]}, "not finite"), ('{"enum": [NaN]}', "not valid JSON"),
     ('{"const": 1e400}', "not valid JSON"),
     ({"oneOf": [{"enum": [1, "a"]}, {"const": 1.0}]}, "may both match a value"),
+    # Found by a review: each was an AttributeError or a TypeError (a 500)
+    ({"$schema": 5, "type": "string"}, r"\$schema must be a string"),
+    ({"$schema": "http://json-schema.org/draft-03/schema#", "type": "object", "properties": {}, "required": True},
+     "drafts 4, 6, 7, 2019-09 and 2020-12 are supported"),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "$defs": 5, "type": "string"},
+     r"\$defs must be an object of schemas"),
 ])
 def test_schemas_it_cannot_hold_an_output_to_are_refused(schema, message):
     with pytest.raises(RegexError, match=message):
         schema_regex(schema)
+
+
+def test_an_objects_optional_members_may_each_be_left_out_in_order():
+    """Every in-order choice of members that keeps the required ones, and no
+    other; each member written once (one alternative per member that could come
+    first repeated the rest: 22 optional properties passed the automaton's bounds)."""
+    rng = random.Random(3)
+    for _ in range(40):
+        required = [rng.random() < 0.3 for _ in range(rng.randrange(1, 6))]
+        names = [f"k{i}" for i in range(len(required))]
+        schema = {"type": "object", "properties": {n: {"const": i} for i, n in enumerate(names)},
+                  "required": [n for n, r in zip(names, required) if r]}
+        dfa = compile_regex(schema_regex(schema))
+        for mask in range(2 ** len(names)):
+            kept = [i for i in range(len(names)) if mask >> i & 1]
+            doc = json.dumps({names[i]: i for i in kept})
+            assert dfa.fullmatch(doc) == all(i in kept for i, r in enumerate(required) if r), (required, doc)
+            assert len(kept) < 2 or not dfa.fullmatch(json.dumps({names[i]: i for i in reversed(kept)}))
+    many = {"type": "object", "properties": {f"field_{i}": {"type": ["string", "null"]} for i in range(60)}}
+    assert compile_regex(schema_regex(many)).fullmatch('{"field_3": null, "field_59": "x"}')
 
 
 def _nested(depth: int, wrap) -> dict:
