@@ -35,6 +35,14 @@ UTF-8 decode replaces each maximal invalid subpart with one U+FFFD, as Rust's
 complete character, so the deltas concatenate to the backend's decode exactly
 (tests/test_detokenizer.py holds random id streams to it).
 
+A decoder that strips a text's first space (sentencepiece's Metaspace, Llama 2's
+Strip: Llama 2, Mistral 7B, Mixtral) would strip the output's first one too: "The
+capital is" answered "Paris." where vLLM, SGLang and TGI answer " Paris.", and
+prompt plus completion read "isParis". So the stream and the windows start from
+the prompt's last tokens (`context_ids`, as vLLM primes its DecodeStream: the
+shortest run of 4 to 24 whose text is complete), and only what follows them is
+the output's. The byte path strips nothing and needs none.
+
 The text is kept as the list of its deltas (`pieces`, with `piece_ends`: where each
 ends), never concatenated as it grows: appending a delta to one string copies the
 whole string every token, so a token cost 7.4 us at 100k characters of output
@@ -53,6 +61,7 @@ except ImportError:  # tokenizers < 0.21
     DecodeStream = None
 
 WINDOW_CONTEXT = 5  # tokens before the new ones a window decodes with, when it starts mid-text
+PROMPT_CONTEXT = (4, 24)  # the fewest and most of the prompt's last tokens a decode starts from
 
 
 @dataclass(frozen=True)
@@ -105,9 +114,10 @@ def cleans_up_spaces(tokenizer) -> bool:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True,
-                 byte_level: ByteLevelTables | None = None) -> None:
+                 byte_level: ByteLevelTables | None = None, prompt_ids: list[int] = ()) -> None:
         """`byte_level`: the tokenizer's tables (`ByteLevelTables.of`, built once by
-        the caller), for the byte path; without them, DecodeStream or windows."""
+        the caller), for the byte path; without them, DecodeStream or windows,
+        which start from `prompt_ids`' last tokens (`context_ids`)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.pieces: list[str] = []
@@ -119,18 +129,36 @@ class IncrementalDetokenizer:
             self._token_bytes = byte_level.without_special if skip_special_tokens else byte_level.with_special
             self._incomplete = b""  # the bytes of a character the next token may complete
             return
-        self.token_ids: list[int] = []  # the windows' and the stream's flush read them
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self._stream_sent = 0  # the tokens whose text the stream gave (it holds back an incomplete character's)
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_ids = tokenizer.decode
         if backend is not None and not cleans_up_spaces(tokenizer):
             self._decode_ids = backend.decode
-            if DecodeStream is not None:
-                self._backend = backend
-                self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        else:
-            self._decode_ids = tokenizer.decode
+        context = self.context_ids(prompt_ids)
+        # The windows' and the stream's flush read them: the context's first, then the output's
+        self.token_ids: list[int] = list(context)
+        self._context_chars = len(self._decode(context))
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self._stream_sent = len(context)  # tokens whose text the stream gave (it holds back an incomplete character's)
+        if backend is not None and not cleans_up_spaces(tokenizer) and DecodeStream is not None:
+            self._backend = backend
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            try:
+                for token_id in context:
+                    self._stream.step(backend, token_id)
+            except Exception:  # noqa: BLE001 - (a broken byte run in the context): windows only
+                self._stream = None
+
+    def context_ids(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last tokens a decode starts from: the fewest, from 4 on,
+        whose text has no U+FFFD (no character cut at the run's start), or the
+        last 24."""
+        fewest, most = PROMPT_CONTEXT
+        prompt_ids = list(prompt_ids[-most:])
+        for count in range(fewest, len(prompt_ids)):
+            if "\ufffd" not in self._decode(prompt_ids[-count:]):
+                return prompt_ids[-count:]
+        return prompt_ids
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
@@ -188,7 +216,7 @@ class IncrementalDetokenizer:
             tail, self._incomplete = self._incomplete.decode(errors="replace"), b""
             return self._emit(tail)
         if self._stream is not None:
-            delta = self._decode(self.token_ids)[self.num_chars :]
+            delta = self._decode(self.token_ids)[self._context_chars + self.num_chars :]
             self._stream = None  # the stream's state ends here; later calls decode in windows
             self.read_offset = self.prefix_offset = len(self.token_ids)
             return self._emit(delta)

@@ -187,7 +187,7 @@ class Engine:
             prompt_token_ids=prompt_ids,
             params=params,
             seed=seed,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.byte_level),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, self.byte_level, prompt_ids),
             stop_strings=StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None,
             stop_token_ids=stop_token_ids,
             bad_words=bad_words,

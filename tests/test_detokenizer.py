@@ -194,3 +194,50 @@ def test_an_output_keeps_the_text_of_its_step(tiny_qwen2_dir):
         assert final.text.startswith(earlier.text) and len(earlier.text) == earlier.num_chars
         assert earlier.new_text(2) == earlier.text[2:]
     assert [len(o.text) for o in outputs] == sorted(len(o.text) for o in outputs)
+
+
+def _metaspace_tokenizer():
+    """Metaspace with prepend_scheme "first", as tokenizers converts Llama 2's and
+    Mistral's sentencepiece models: a decode strips its text's first space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, ".": 7, "▁": 8}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("path", ["stream", "windows"])
+@pytest.mark.parametrize("make", [_metaspace_tokenizer, _byte_fallback_tokenizer])
+def test_an_output_keeps_its_first_space_where_a_decode_strips_a_texts_first(monkeypatch, path, make):
+    """Found by a review: "The capital is" answered "Paris." (vLLM: " Paris."),
+    and prompt plus completion read "isParis". The decode starts from the
+    prompt's last tokens, and the output is what follows them."""
+    import actors.detokenizer
+
+    if path == "windows":
+        monkeypatch.setattr(actors.detokenizer, "DecodeStream", None)
+    tokenizer = make()
+    if make is _metaspace_tokenizer:
+        prompt = tokenizer.convert_tokens_to_ids(["<s>", "▁The", "▁capital", "▁is"])
+        outputs = [tokenizer.convert_tokens_to_ids(["▁Paris", "."])]
+    else:
+        prompt = tokenizer.convert_tokens_to_ids(["▁a", "▁c", "<0xE4>", "<0xB8>", "<0xAD>", "▁a"])
+        rng = random.Random(5)
+        pieces = ["▁", "a", "c", "▁a", "▁c", "<0xE4>", "<0xB8>", "<0xAD>", "<0x41>"]
+        outputs = [tokenizer.convert_tokens_to_ids(["▁c", "<0xE4>", "<0xB8>", "<0xAD>"])]
+        outputs += [tokenizer.convert_tokens_to_ids(rng.choices(pieces, k=12)) for _ in range(30)]
+    for ids in outputs:
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+        text = "".join(detok.add(token_id) for token_id in ids) + detok.flush()
+        whole = tokenizer.decode(prompt + ids, skip_special_tokens=True)
+        if "\ufffd" not in whole:  # (a broken byte run: the known byte-fallback case)
+            assert text == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):], ids
+    assert text == detok.text
+    if make is _metaspace_tokenizer:
+        assert text == " Paris."
+        alone = IncrementalDetokenizer(tokenizer)  # (no prompt: an output's text as decode gives it)
+        assert "".join(alone.add(token_id) for token_id in outputs[0]) + alone.flush() == "Paris."
