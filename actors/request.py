@@ -165,7 +165,7 @@ class Request:
             num_chars = len(final_text)
         elif self.stop_strings is not None:
             # Hold back what could still become the start of a stop string.
-            num_chars = max(0, detokenizer.num_chars - self.stop_strings.hold)
+            num_chars = max(0, detokenizer.num_chars - self.stop_strings.held_chars)
         else:
             num_chars = detokenizer.num_chars
         return RequestOutput(

@@ -14,6 +14,7 @@ from actors.engine import Engine
 from actors.llm import LLM
 from actors.request import FinishReason
 from actors.sampling_params import InvalidRequestError, SamplingParams
+from actors.stop_strings import StopStrings
 from actors.tokenization import encode_prompt, load_tokenizer
 
 
@@ -149,8 +150,9 @@ def test_stop_strings_cut_the_text(llm):
 
 def test_stop_strings_anywhere_end_at_the_first_match(llm):
     """Stop strings cut across token boundaries at random offsets (several at once):
-    the text ends right before the earliest match in the whole output (the search
-    only looks at where a new match can end, so this pins that it misses none)."""
+    the text ends right before the match that ends first in the whole output (the
+    search only looks at where a new match can end, so this pins that it misses
+    none)."""
     rng = random.Random(5)
     prompts = [f"stop {i}" for i in range(6)]
     base = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
@@ -161,13 +163,30 @@ def test_stop_strings_anywhere_end_at_the_first_match(llm):
             start = rng.randrange(1, len(text) - 1)
             stops.append(text[start : start + rng.randint(1, 6)])
         out = llm.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=stops))[0]
-        first = min(text.find(s) for s in stops)
-        assert out.finish_reason is FinishReason.STOP and out.text == text[:first], (text, stops, out.text)
+        end, start = min((text.find(s) + len(s), text.find(s)) for s in stops)
+        assert out.finish_reason is FinishReason.STOP and out.text == text[:start], (text, stops, out.text)
         # Kept (include_stop_str_in_output): the text ends with the match that ends first.
         kept = llm.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=stops,
                                                      include_stop_str_in_output=True))[0]
-        end = min(text.find(s) + len(s) for s in stops if s in text)
         assert kept.text == text[:end] and kept.token_ids == out.token_ids, (text, stops, kept.text)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_overlapping_stop_strings_cut_where_the_first_to_end_does_however_the_text_came(keep):
+    """Found by a review: with "Hello" and "ell", "H|el|lo" was cut to "" and
+    "H|e|l|l|o" to "H" (the earliest start among a step's matches). Kept, a
+    stop string ends in text not read yet: nothing is held back."""
+    for splits in (["H", "el", "lo wor"], ["H", "e", "l", "l", "o"], ["Hello"], ["xH", "ello"]):
+        stops = StopStrings(("Hello", "ell"), keep)
+        text, dropped = "", None
+        for piece in splits:
+            text += piece
+            dropped = stops.feed(piece)
+            if dropped is not None:
+                break
+        cut = text[: len(text) - dropped]
+        assert cut == text[: text.index("ell") + (3 if keep else 0)], (splits, cut)
+        assert stops.held_chars == (0 if keep else 4)
 
 
 def test_a_stop_string_that_begins_before_min_new_tokens_stops_where_it_ends(llm, tiny_qwen2_dir):
