@@ -51,17 +51,70 @@ def block_call(body: str, tool_names: set[str]) -> tuple[str, str] | None:
         return None
 
 
-def _inside_a_string(json_text: str) -> bool:
-    """Whether a JSON text's end is inside one of its strings."""
-    inside = escaped = False
-    for char in json_text:
-        if escaped:
-            escaped = False
-        elif char == "\\" and inside:
-            escaped = True
-        elif char == '"':
-            inside = not inside
-    return inside
+class BlockBody:
+    """An open block's body, read piece by piece until its close tag: the first
+    one, except one inside a string of a body that begins as a JSON object, which
+    the arguments hold (a strict call's pattern lets a string hold the tag; the
+    call came back as text). Each character is read once: the body searched
+    again from its start at each piece, and from there for each tag inside a
+    string, took a 30 KB call streamed 4 characters an event with 8 tags in its
+    arguments 23 s of the event loop (0.012 s parsed whole)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []  # the body read so far
+        self.held = ""  # an end that may be the start of the close tag, not yet read
+        self.is_object: bool | None = None  # whether the body begins as a JSON object (None: only space yet)
+        self.inside = self.escaped = False  # where an object's reading is: in a string, after its backslash
+
+    def feed(self, text: str) -> tuple[str, str] | None:
+        """(the body, the text after its close tag) once the tag has come; else
+        None, `text` kept."""
+        text, self.held = self.held + text, ""
+        if self.is_object is None:
+            begun = text.lstrip()
+            if not begun:
+                self.pieces.append(text)
+                return None
+            self.is_object = begun.startswith("{")
+        end = self._object_end(text) if self.is_object else self._text_end(text)
+        if end is None:
+            return None
+        body = "".join(self.pieces) + text[:end]
+        return body, text[end + len(CLOSE):]
+
+    def so_far(self) -> str:
+        return "".join(self.pieces) + self.held
+
+    def _text_end(self, text: str) -> int | None:
+        end = text.find(CLOSE)
+        if end >= 0:
+            return end
+        self._hold_from(text, len(text) - tag_start(text, CLOSE))
+        return None
+
+    def _object_end(self, text: str) -> int | None:
+        inside, escaped = self.inside, self.escaped
+        for i, char in enumerate(text):
+            if escaped:
+                escaped = False
+            elif inside:
+                escaped, inside = char == "\\", char != '"'
+            elif char == '"':
+                inside = True
+            elif char == "<":
+                if text.startswith(CLOSE, i):
+                    return i
+                if CLOSE.startswith(text[i:]):  # the tag's start, maybe: read with the next piece
+                    self.inside = self.escaped = False
+                    self._hold_from(text, i)
+                    return None
+        self.inside, self.escaped = inside, escaped
+        self._hold_from(text, len(text))
+        return None
+
+    def _hold_from(self, text: str, start: int) -> None:
+        self.pieces.append(text[:start])
+        self.held = text[start:]
 
 
 class HermesStream:
@@ -72,51 +125,39 @@ class HermesStream:
     def __init__(self, tool_names: set[str], parallel: bool = True) -> None:
         self.tool_names, self.parallel = tool_names, parallel
         self.num_calls = 0
-        self.pending = ""  # text not yet given out (outside a block, or a block's body)
-        self.in_block = False
+        self.pending = ""  # text outside a block not yet given out (the start of an open tag, maybe)
+        self.block: BlockBody | None = None  # the open block
         self.text = TrimmedText()
 
     def feed(self, text: str) -> list:
-        self.pending += text
         out: list = []
         while True:
-            if self.in_block:
-                end = self._block_end()
-                if end < 0:
+            if self.block is not None:
+                ended = self.block.feed(text)
+                if ended is None:
                     return out
-                body, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
-                self.in_block = False
+                (body, text), self.block = ended, None
                 called = self._call(body)
                 out += [called] if called else self.text.pieces(OPEN + body + CLOSE)
                 continue
-            start = self.pending.find(OPEN)
+            pending, self.pending = self.pending + text, ""
+            start = pending.find(OPEN)
             if start < 0:
-                keep = tag_start(self.pending, OPEN)
-                out += self.text.pieces(self.pending[:len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep:]
+                keep = tag_start(pending, OPEN)
+                out += self.text.pieces(pending[:len(pending) - keep])
+                self.pending = pending[len(pending) - keep:]
                 return out
-            out += self.text.pieces(self.pending[:start])
-            self.pending, self.in_block = self.pending[start + len(OPEN):], True
-
-    def _block_end(self) -> int:
-        """Where the open block's body ends: its first close tag, except one inside
-        a string of a body that begins as a JSON object, which the arguments hold
-        (a strict call's pattern lets a string hold the tag; the call came back as
-        text). -1: not yet come."""
-        end = self.pending.find(CLOSE)
-        if not self.pending.lstrip().startswith("{"):
-            return end
-        while end >= 0 and _inside_a_string(self.pending[:end]):
-            end = self.pending.find(CLOSE, end + 1)
-        return end
+            out += self.text.pieces(pending[:start])
+            text, self.block = pending[start + len(OPEN):], BlockBody()
 
     def finish(self) -> list:
         """The rest: a tag's start is text after all, and so is a block left open,
         unless its body is a whole call (the model stopped, or a stop string cut
         the answer, before the close tag: vLLM reads it as a call too; it was
         answered as the call's markup, finish_reason "stop")."""
-        rest, in_block = self.pending, self.in_block
-        self.pending, self.in_block = "", False
+        in_block = self.block is not None
+        rest = self.block.so_far() if in_block else self.pending
+        self.pending, self.block = "", None
         called = self._call(rest) if in_block else None
         if called is not None:
             return [called]

@@ -82,7 +82,8 @@ def test_streamed_in_any_pieces_the_answer_is_the_same_as_whole():
     """Random answers of text, calls, bad blocks and partial tags, cut at random
     places (single characters too): the pieces together parse as the whole does."""
     parts = [" ", "\n", "ok", "<", "<tool", "</tool_call>", "<tool_call>", "tool_call>", block("get_time"),
-             block("get_weather", {"city": "Nice"}), block("nope", {}), f"{OPEN}{{bad}}{CLOSE}", "é 👋"]
+             block("get_weather", {"city": "Nice"}), block("nope", {}), f"{OPEN}{{bad}}{CLOSE}", "é 👋",
+             block("get_weather", {"city": f'a{CLOSE}"<</tool\\'}), f'{OPEN} {{"a": "<"}} <{CLOSE}']
     for text, pieces in random_answers(parts, seed=7, max_parts=8, max_cuts=6):
         for parallel in (True, False):
             assert _streamed(pieces, parallel) == tuple(parse(text, NAMES, parallel)), (pieces, parallel)
@@ -186,3 +187,10 @@ def test_a_close_tag_inside_an_arguments_string_is_the_arguments_not_the_blocks_
         assert streamed(HermesStream(NAMES), pieces) == (expected if whole else (None, []))
     not_json = f'{OPEN}she said "hi{CLOSE}{block("get_time", {})}'
     assert parse(not_json, NAMES) == (f'{OPEN}she said "hi{CLOSE}', [("get_time", "{}")])
+    # Streamed a few characters at a time, a long call whose arguments hold the tag (each
+    # piece searched the body again from its start, and from there for each tag inside a
+    # string: 23 s of the event loop for 30 KB, 0.012 s whole; the body is now read once)
+    written = {"path": "a.py", "content": f"# {CLOSE} \\ \" x\n" * 400}
+    text = block("get_weather", written)
+    expected = (None, [("get_weather", json.dumps(written))])
+    assert streamed(HermesStream(NAMES), [text[i:i + 3] for i in range(0, len(text), 3)]) == expected
