@@ -61,6 +61,7 @@ class InFlight:
     early_s: float = 0.0  # how much sooner than predicted that queue ended (WorkerModels.first_token_came)
     failed_id: str | None = None  # the worker its error came from, where the error says (a retry leaves it out)
     own_s: float = 0.0  # the predicted part of predicted_ttft_s that is its own work: prefill and transfer
+    decode_cached_blocks: int = 0  # its prompt's blocks D's prefix cache held at admission (its reservation shares)
 
     @property
     def in_prefill(self) -> bool:
@@ -302,16 +303,19 @@ class WorkerModels:
         already late, and it delays everything behind it by as much, so the most
         overdue request's lateness is added to what is left. A request waiting in
         a D's line, as predicted, is not the worker's yet
-        (`InFlight.first_token_due_s`). The other replicas' prompts still in
-        prefill there add their prefill time."""
+        (`InFlight.first_token_due_s`); nor is one late that still
+        waits for D's reservation (its handshake): P has not begun it, its delay is
+        D's (a handshake stuck on a full D made every request through that P a
+        429, recorded as the prefill pool's miss). The other replicas' prompts
+        still in prefill there add their prefill time."""
         return self._queue(worker_id)[0]
 
     def _queue(self, worker_id: str) -> tuple[float, str | None]:
         """`queued_prefill_s`, and the request whose predicted end it is (None: none)."""
         now = time.monotonic()
-        due = [(r.first_token_due_s, r.ttft_bias_s, r.request_id) for r in self.inflight.values()
+        due = [(r.first_token_due_s, r.ttft_bias_s, r.request_id, r.in_line) for r in self.inflight.values()
                if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill]  # colocated: no prefill_id
-        due = [(at, bias, request_id) for at, bias, request_id in due if at is not None]
+        due = [(at, bias, request_id, in_line) for at, bias, request_id, in_line in due if at is not None]
         # The other replicas' backlog, as the prompts it is of (of its mean length): priced
         # as one prompt of all their tokens, its attention term grew with their square.
         peers_tokens = self.peers.backlog_tokens.get(worker_id, 0)
@@ -321,8 +325,8 @@ class WorkerModels:
             peers_s = peers_prompts * self.prefill_s(worker_id, -(-peers_tokens // peers_prompts), 0)
         if not due:
             return peers_s, None
-        end, _, last = max((at - bias, at, request_id) for at, bias, request_id in due)
-        most_late = max(now - at for at, _, _ in due)
+        end, _, last = max((at - bias, at, request_id) for at, bias, request_id, _ in due)
+        most_late = max([now - at for at, _, _, in_line in due if not in_line], default=0.0)
         return max(end - now, 0.0) + max(most_late, 0.0) + peers_s, last
 
     def first_token_came(self, request: InFlight, now: float) -> None:

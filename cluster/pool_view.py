@@ -381,6 +381,13 @@ class PoolView:
             indexes += self.store_index.indexes_for(stats.node_id)
         return match_any(indexes, hashes) * self.block_size
 
+    def device_cached_blocks(self, worker_id: str, hashes: list[bytes]) -> int:
+        """The prompt's first blocks the worker's device prefix cache holds, as
+        routing last knew it: a D's reservation shares them (actors/block_pool.py;
+        its node's store tiers aside: blocks loaded from them are new blocks)."""
+        index = self.prefix.get(worker_id)
+        return 0 if index is None else match_any([index], hashes)
+
     def headroom(self, worker_id: str) -> int:
         """D's free KV blocks now, as far as this replica knows: those free at the
         last reading of D's stats, less those the handshakes then in D's line ask
@@ -469,7 +476,8 @@ class PoolView:
         there; the requests D's batch then had places for, less its line's (no
         bound where D did not say); and this replica's requests sent to D since,
         in the order they were sent, each with the blocks it takes (its prompt's
-        and its growth)."""
+        less those D's cache held as it was sent, and its growth: a burst sharing
+        a system prompt was charged the prompt once a request)."""
         stats = self.stats.get(worker_id)
         if stats is None:
             return 0, 0, []
@@ -482,7 +490,7 @@ class PoolView:
                 continue
             held, owed = self._blocks(r)
             if read_at is not None and r.admitted_s > read_at:
-                sent.append((r, held + owed))
+                sent.append((r, max(held - r.decode_cached_blocks, 0) + owed))
             else:
                 room -= owed
         return room, seqs, sent

@@ -107,7 +107,7 @@ class GlobalScheduler:
     def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int) -> Prediction:
         """`plan` with the prompt's block hashes already computed (once per request)."""
         view, models = self.view, self.view.models
-        usable_hashes = hashes[: (len(prompt_ids) - 1) // self.block_size]
+        usable_hashes = self._usable(hashes, len(prompt_ids))
         # What D's reservation must find room for, as D counts it (actors/decode_room.py)
         reserve = self.settings.engine.decode_reserve_tokens
         needed_blocks = -(-reservation_tokens(len(prompt_ids), max_new_tokens, reserve, self.max_model_len)
@@ -125,10 +125,13 @@ class GlobalScheduler:
             ]
         else:
             headroom = {d: view.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
-            line_wait = {d: self._line_wait_s(d, headroom[d], needed_blocks) for d in headroom}  # once: P aside
+            # Less the prompt's blocks D's prefix cache holds, which its reservation shares (a D holding a
+            # shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
+            needed = {d: needed_blocks - view.device_cached_blocks(d, usable_hashes) for d in headroom}
+            line_wait = {d: self._line_wait_s(d, headroom[d], needed[d]) for d in headroom}  # once: P aside
             # A full D whose wait nothing predicts (no line read yet, none of this replica's requests
             # there) only where no D has room: read as none, it beat a D with room.
-            any_room = any(room >= needed_blocks for room in headroom.values())
+            any_room = any(headroom[d] >= needed[d] for d in headroom)
             decodes = [d for d, wait in line_wait.items() if wait is not None or not any_room]
             line_wait = {d: wait or 0.0 for d, wait in line_wait.items()}
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
@@ -153,7 +156,7 @@ class GlobalScheduler:
                 # SLO was a 429 (or a miss) for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
-                        c.tbt_s > tbt_slo_s, c.line_wait_s, headroom[c.decode_id] < needed_blocks,
+                        c.tbt_s > tbt_slo_s, c.line_wait_s, headroom[c.decode_id] < needed[c.decode_id],
                         inflight.get(c.decode_id, 0), -headroom[c.decode_id], view.num_routed.get(c.decode_id, 0),
                         c.tbt_s)))
         if not candidates:
@@ -168,6 +171,11 @@ class GlobalScheduler:
                 raise SloRejected(best, slo.ttft_ms / 1e3, slo.tbt_ms / 1e3)
             choice = best
         return choice
+
+    def _usable(self, hashes: list[bytes], num_prompt_tokens: int) -> list[bytes]:
+        """The prompt's block hashes a worker's cache may serve: not the last
+        token's block (its logits are computed)."""
+        return hashes[: (num_prompt_tokens - 1) // self.block_size]
 
     def _line_wait_s(self, decode_id: str, headroom: int, needed_blocks: int) -> float | None:
         """The predicted wait for D's KV blocks: none where D's `headroom` (its
@@ -284,9 +292,12 @@ class GlobalScheduler:
 
     async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float,
                    timer: RequestTimer | None = None):
-        inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, len(request.prompt_token_ids),
+        num_prompt_tokens = len(request.prompt_token_ids)
+        inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, num_prompt_tokens,
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
-                            ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s)
+                            ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s,
+                            decode_cached_blocks=self.view.device_cached_blocks(
+                                choice.decode_id, self._usable(hashes, num_prompt_tokens)))
         models = self.view.models
         models.inflight[request.request_id] = inflight
         if timer is not None:  # (its time in D's line is the decode pool's, cluster/scaling_signals.py)

@@ -212,11 +212,16 @@ def test_a_request_late_for_its_first_token_delays_the_queue_by_its_lateness_alo
     models = _models()
     now = time.monotonic()
     models.inflight["on_its_way"] = InFlight("on_its_way", "p0", "d0", 100, 10, predicted_ttft_s=1.0,
-                                             admitted_s=now - 0.8, ttft_bias_s=0.5)
+                                             admitted_s=now - 0.8, ttft_bias_s=0.5, reserved_s=now - 0.8)
     assert models.queued_prefill_s("p0") == 0.0  # P's 0.5 s of work are over; its token is on its way
     models.inflight["late"] = InFlight("late", "p0", "d0", 100, 10, predicted_ttft_s=1.0, admitted_s=now - 3.0,
-                                       ttft_bias_s=0.5)
+                                       ttft_bias_s=0.5, reserved_s=now - 3.0)
     assert models.queued_prefill_s("p0") == pytest.approx(2.0, abs=0.1)
+    # Found by a review: one still in its handshake (D full, say) is D's delay, not P's: it
+    # made every request through P a 429 (and a prefill-pool miss)
+    del models.inflight["late"]
+    models.inflight["in_line"] = InFlight("in_line", "p0", "d0", 100, 10, predicted_ttft_s=1.0, admitted_s=now - 3.0)
+    assert models.inflight["in_line"].in_line and models.queued_prefill_s("p0") == 0.0
 
 
 def test_an_overdue_prefill_delays_the_queue_behind_it():
@@ -224,8 +229,9 @@ def test_an_overdue_prefill_delays_the_queue_behind_it():
     (predicted to end 1 s from now) moves back by those 2 s."""
     models = _models()
     now = time.monotonic()
-    models.inflight["late"] = InFlight("late", "p0", "d0", 100, 10, predicted_ttft_s=1.0, admitted_s=now - 3.0)
-    models.inflight["next"] = InFlight("next", "p0", "d0", 100, 10, predicted_ttft_s=4.0, admitted_s=now - 3.0)
+    for name, ttft_s in (("late", 1.0), ("next", 4.0)):
+        models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=ttft_s, admitted_s=now - 3.0,
+                                         reserved_s=now - 3.0)
     assert models.queued_prefill_s("p0") == pytest.approx(1.0 + 2.0, abs=0.3)
 
 
@@ -732,3 +738,29 @@ def test_a_prompt_past_the_queues_steps_pays_a_step_of_its_own():
     assert models.own_prefill_s("p0", 100, 0) == pytest.approx(0.0200)  # 1100: a second step
     models.inflight.clear()
     assert models.own_prefill_s("p0", 20, 0) == pytest.approx(0.0120)  # alone: its own step
+
+
+def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold():
+    """Found by a review: D held a shared 1024-token prefix and had 10 free blocks;
+    its reservation needed 2 new ones, but the scheduler asked room for all 66,
+    predicted a wait in D's line and answered 429. A burst of requests sharing
+    the prefix was charged it once a request until D's next reading."""
+    from actors.block_pool import block_hashes
+
+    prompt = list(range(1040))
+    hashes = block_hashes(prompt, 16, b"")
+    scheduler = _scheduler(ttft_ms=1000, decode_reserve_tokens=0)
+    view = scheduler.view
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=990)
+    for worker_id in ("p0", "d0"):
+        view.prefix[worker_id].insert(hashes[:64])
+    now = time.monotonic()
+    view.lines.observe("d0", num_granted=10, num_waiting=1, now_s=now - 2.0)  # a line a moment ago, gone
+    view.lines.observe("d0", num_granted=11, num_waiting=0, now_s=now - 0.1)
+    choice = scheduler.plan(prompt, max_new_tokens=16)
+    assert choice.decode_id == "d0" and choice.line_wait_s == 0.0
+    # Sent since the reading, each charged the blocks D's cache did not hold (and its growth)
+    for index in range(5):
+        view.models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=0.1,
+                                                     decode_cached_blocks=64)
+    assert view.headroom("d0") == 10 - 5 * 2
