@@ -28,6 +28,13 @@ non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a number >
 fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
+def int_between(low: int, high: int | None = None):
+    """An integer in [low, high] (no bound above where None): `--drafts 17`
+    failed once the model was loaded, minutes in."""
+    return _number(int, lambda v: v >= low and (high is None or v <= high),
+                   f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]")
+
+
 def _numbers(kind, accepts, wanted: str):
     def parse(text: str) -> list:
         try:

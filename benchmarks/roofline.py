@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.arguments import arch, positive_int
+from benchmarks.arguments import arch, int_between, positive_int
 
 
 # ---- machine peaks -------------------------------------------------------------
@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder (default: the built-in bench preset)")
     parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--prompt-tokens", type=positive_int, default=2048)
-    parser.add_argument("--decode-tokens", type=positive_int, default=32)
+    parser.add_argument("--decode-tokens", type=int_between(2), default=32, help="(a gap needs two tokens)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="repeats of prefill and decode per system (after a warm-up)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference rows")

@@ -35,7 +35,7 @@ import argparse
 import time
 
 from benchmarks import report
-from benchmarks.arguments import arch, positive_int, preset
+from benchmarks.arguments import arch, int_between, positive_int, preset
 
 SAMPLINGS = {"greedy": 0.0, "temperature 0.8": 0.8}
 LARGE_BATCH = 4  # the prompts this many times over
@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", type=preset, default="bench", help="built-in model preset")
     parser.add_argument("--arch", type=arch, default="qwen2")
     parser.add_argument("--tokens", type=positive_int, default=128, help="tokens each request generates")
-    parser.add_argument("--drafts", type=positive_int, default=4, help="num_speculative_tokens")
+    # (16: the engine's bound, actors.config.MAX_SPECULATIVE_TOKENS; imported here, it loaded torch for every
+    # command; main checks they agree)
+    parser.add_argument("--drafts", type=int_between(1, 16), default=4, help="num_speculative_tokens")
     parser.add_argument("--repeats", type=positive_int, default=3)
 
 
@@ -94,9 +96,11 @@ def _rows(figures: dict[str, dict]) -> list[list]:
 
 
 def main(args: argparse.Namespace) -> None:
+    from actors.config import MAX_SPECULATIVE_TOKENS
     from actors.llm import LLM
     from actors.model_builder import ensure_checkpoint
 
+    assert args.drafts <= MAX_SPECULATIVE_TOKENS, "--drafts' bound is the engine's"
     model_dir = ensure_checkpoint(args.preset, args.arch)
     max_num_seqs = len(PROMPTS) * LARGE_BATCH
     engines = {"plain": LLM(model_dir, max_num_seqs=max_num_seqs, enable_prefix_cache=False),

@@ -146,10 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (CliError, CheckpointError, UnknownModel) as exc:
+    except _one_line_errors() as exc:  # (evaluated only when something was raised)
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line_errors() -> tuple[type[Exception], ...]:
+    """What a command says in one line: a request an engine refuses too (a
+    benchmark's `--prompt-tokens` past the model's context was a traceback),
+    whose module, loading torch, is imported only then."""
+    from actors.sampling_params import InvalidRequestError
+
+    return CliError, CheckpointError, UnknownModel, InvalidRequestError
 
 
 if __name__ == "__main__":

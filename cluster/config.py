@@ -4,7 +4,7 @@ Serve boundary; cross-field checks here, frozen engine dataclasses inside).
     args:
       model: {preset: tiny, arch: qwen2}      # or {path: /models/my-checkpoint}
       mode: disaggregated                     # or colocated
-      channel: gloo                           # gloo | object_store | nccl
+      channel: gloo                           # gloo | object_store | nccl | store (through shared_path)
       routing: cache_aware                    # round_robin | least_load | cache_aware
       engine: {block_size: 16, prefill_chunk_size: 256, num_kv_blocks: 2048}
       prefill: {replicas: 1, min_replicas: 1, max_replicas: 4, num_cpus: 1, label_selector: {tandem/role: prefill}}
@@ -12,7 +12,7 @@ Serve boundary; cross-field checks here, frozen engine dataclasses inside).
       slo: {ttft_ms: 2000, tbt_ms: 200, attainment: 0.9}
       autoscaling: {scale_down_cooldown_s: 60, kv_usage_up: 0.8}   # see AutoscalingSettings
       limits: {max_prompt_tokens: 1536, max_new_tokens: 512}
-      kv_store: {host_gib: 2, disk_path: /var/tmp/tandem-kv, shared_path: /mnt/kv}   # optional
+      kv_store: {host_gib: 2, disk_path: /var/tmp/tandem-kv, shared_path: /mnt/kv, ttl_s: 86400}   # optional
       scheduler_replicas: 2                   # the global scheduler's Serve replicas (default 1)
       sampling_defaults: model                # omitted sampling fields: generation_config.json's, or openai
       response_store_mib: 64                  # stored responses and conversations (0: none), least recently used out
@@ -353,8 +353,11 @@ class AppSettings(_Strict):
                                  f"{' and '.join(gpuless)} pool settings (Ray shows an actor only the GPUs it asks for)")
         elif self.channel == "nccl":
             raise ValueError("channel: nccl moves KV between GPUs: set engine.device: cuda (or use gloo on CPU)")
-        if self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9):
-            raise ValueError("limits.max_prompt_tokens must leave room for one new token within engine.max_model_len")
+        # (the default limit, above a shorter max_model_len, gives way to it: a prompt is refused past either)
+        if ("max_prompt_tokens" in self.limits.model_fields_set
+                and self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9)):
+            raise ValueError(f"limits.max_prompt_tokens ({self.limits.max_prompt_tokens}) must leave room for one new "
+                             f"token within engine.max_model_len ({self.engine.max_model_len})")
         return self
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 IMPORT_PATH = "cluster.app:build_app"
+DEPLOYMENT = "Scheduler"  # the application's one deployment (cluster/app.py)
 MAX_PORT = 65535
 
 
@@ -63,6 +64,7 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
             problems += [f"application {application.name!r}: {_where(e) or 'args'}: {_message(e)}"
                          for e in exc.errors()]
             continue
+        problems += _deployment_problems(application)
         first = pools.setdefault(settings.pool_name, application.name)
         if first != application.name:  # (one pool manager: the second's settings refused, or its sizes taken)
             problems.append(f"application {application.name!r}: pool_name {settings.pool_name!r} is application "
@@ -75,6 +77,21 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
             problems.append(f"application {application.name!r}: args: {problem}")
     if not any(a.import_path == IMPORT_PATH for a in schema.applications):
         problems.append(f"no application has import_path {IMPORT_PATH}")
+    return problems
+
+
+def _deployment_problems(application) -> list[str]:
+    """An application's `deployments` overrides Serve would refuse at deploy (a
+    name the app has not: "Deployment 'Schedulr' does not exist") or its
+    replica at start (a `user_config`: the Scheduler takes none)."""
+    problems = []
+    for deployment in application.deployments:
+        if deployment.name != DEPLOYMENT:
+            problems.append(f"application {application.name!r}: deployments: {deployment.name!r} is not one of its "
+                            f"deployments (it has one: {DEPLOYMENT})")
+        elif "user_config" in deployment.model_fields_set:
+            problems.append(f"application {application.name!r}: deployments: {DEPLOYMENT} takes no user_config "
+                            "(its settings are the application's args)")
     return problems
 
 

@@ -71,6 +71,9 @@ def test_every_preset_option_is_checked_against_the_presets():
     # found by a review: each parsed, and overflowed (or looped) once the cluster was up
     (["overload", "--capacity", "inf"], "argument --capacity: must be a number > 0, got 'inf'"),
     (["soak", "--think-s", "inf"], "argument --think-s: must be a number >= 0, got 'inf'"),
+    # found by a review: each failed once the model was loaded, in a traceback
+    (["speculative", "--drafts", "17"], "argument --drafts: must be an integer in [1, 16], got '17'"),
+    (["roofline", "--decode-tokens", "1"], "argument --decode-tokens: must be an integer >= 2, got '1'"),
 ])
 def test_an_option_out_of_range_is_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -78,6 +81,13 @@ def test_an_option_out_of_range_is_one_line(capsys, argv, message):
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == f"tandem bench {argv[0]}: error: {message}"
+
+
+def test_a_request_the_engine_refuses_is_one_line(capsys, tmp_path):
+    """Found by a review: a prompt past the model's context was a traceback."""
+    argv = ["bench", "host", "--preset", "tiny", "--prompt-tokens", "99999", "--out", str(tmp_path / "host.json")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("tandem bench: prompt has 99999 tokens; the model's context is ")
 
 
 def test_in_range_values_parse():

@@ -142,8 +142,15 @@ def test_a_model_folder_not_here_is_a_problem_only_for_a_local_manifest(tmp_path
 def test_rayservice_has_labelled_prefill_and_decode_groups():
     raw = yaml.safe_load((Path(__file__).parent.parent / "manifests" / "rayservice.yaml").read_text())
     assert raw["kind"] == "RayService"
-    groups = {g["groupName"]: g["rayStartParams"]["labels"] for g in raw["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
-    assert groups == {"prefill": "tandem/role=prefill", "decode": "tandem/role=decode"}
+    cluster = raw["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g["labels"] for g in cluster["workerGroupSpecs"]}
+    assert groups == {"prefill": {"tandem/role": "prefill"}, "decode": {"tandem/role": "decode"}}
+    # (found by a review: KubeRay 1.5 refuses labels in rayStartParams, and Ray's autoscaler ignored them there)
+    assert all("labels" not in g["rayStartParams"] for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]])
+    # Every pod mounts the models, the head's too: a scheduler replica (the tokenizer) may run there
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        [container] = group["template"]["spec"]["containers"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
 
 
 def test_local_profile_binds_to_loopback():
@@ -211,6 +218,8 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"preset": "tiny"}, "kv_store": {"shared_path": "", "ttl_s": 60}},
          "kv_store.shared_path must be an absolute"),
         ({"model": {"path": "/models/x", "arch": "llama"}}, "model.arch is a preset's"),
+        ({"model": {"preset": "tiny"}, "engine": {"max_model_len": 1024}, "limits": {"max_prompt_tokens": 1024}},
+         r"limits.max_prompt_tokens \(1024\) must leave room for one new token within engine.max_model_len \(1024\)"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
@@ -324,3 +333,30 @@ def test_kv_store_section_maps_to_store_settings():
     store = settings.kv_store.store_settings()
     assert store.host_bytes == 2**29 and store.disk_path == "/var/tmp/kv" and store.shared_bytes is None
     assert store.disk_bytes == 16 * 2**30 and store.ttl_s == 60
+
+
+def test_deployment_overrides_are_checked_as_serve_would(tmp_path):
+    """Found by a review: `check-manifest` said valid, then Serve refused the
+    deploy (a misspelt deployment) or the replica's start (a user_config)."""
+    manifest = tmp_path / "overrides.yaml"
+    application = {"name": "tandem", "route_prefix": "/", "import_path": "cluster.app:build_app",
+                   "args": {"model": {"preset": "tiny"}}}
+    manifest.write_text(yaml.safe_dump({"applications": [{**application, "deployments": [
+        {"name": "Schedulr", "num_replicas": 2}, {"name": "Scheduler", "user_config": {"a": 1}}]}]}))
+    assert check_manifest(manifest) == [
+        "application 'tandem': deployments: 'Schedulr' is not one of its deployments (it has one: Scheduler)",
+        "application 'tandem': deployments: Scheduler takes no user_config (its settings are the application's args)"]
+    manifest.write_text(yaml.safe_dump({"applications": [{**application, "deployments": [
+        {"name": "Scheduler", "max_ongoing_requests": 256}]}]}))
+    assert check_manifest(manifest) == []
+
+
+def test_the_settings_example_validates_and_max_model_len_alone_bounds_the_prompt():
+    """Found by a review: config.py's example was refused (a shared path needs a
+    bound), and a max_model_len below the default prompt limit was refused though
+    nobody set the limit."""
+    import cluster.config
+
+    example = cluster.config.__doc__.split("args:\n", 1)[1].split("\n\n", 1)[0]
+    AppSettings.model_validate(yaml.safe_load(example))
+    AppSettings.model_validate({"model": {"preset": "tiny"}, "engine": {"max_model_len": 1024}})
