@@ -49,7 +49,8 @@ SETTINGS = {
     "decode": {**POOL, "label_selector": {"tandem/role": "decode"}},
     "slo": {"ttft_ms": 60000, "tbt_ms": 5000, "attainment": 0.9, "early_rejection": False},
     "limits": {"request_timeout_s": 90},
-    "autoscaling": {"interval_s": 1.0, "window_s": 10, "scale_up_cooldown_s": 5, "scale_down_cooldown_s": 15,
+    # (short windows and cooldowns: the test's time is mostly theirs and the workers' starts)
+    "autoscaling": {"interval_s": 1.0, "window_s": 6, "scale_up_cooldown_s": 5, "scale_down_cooldown_s": 6,
                     "prefill_backlog_up_tokens": 3000, "prefill_backlog_down_tokens": 300,
                     "kv_usage_up": 0.12, "kv_usage_down": 0.03, "drain_grace_s": 2.0},
     "pool_name": "autoscale-check-pool",
@@ -194,7 +195,7 @@ async def scenario(pool, settings, result: dict) -> dict:
 
 def main() -> dict:
     started = time.time()
-    with FakeAutoscalingCluster(NODE_TYPES, head_cpus=0, idle_timeout_s=6.0) as cluster:
+    with FakeAutoscalingCluster(NODE_TYPES, head_cpus=0, idle_timeout_s=3.0) as cluster:
         ray.init(address=cluster.address, log_to_driver=False)
         settings = AppSettings.model_validate(SETTINGS)
         pool = get_or_create_pool(settings)

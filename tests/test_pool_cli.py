@@ -43,13 +43,13 @@ async def _scenario(pool, settings):
         await asyncio.sleep(0.1)
     where = ["--address", ray.get_runtime_context().gcs_address, "--pool-name", settings.pool_name]
     run = lambda *args: asyncio.to_thread(_tandem, *args)  # noqa: E731
-    listed = await run("pools", *where, "--json")
+    # (side by side where nothing orders them: each command connects to the cluster for seconds)
+    listed, no_pool, only = await asyncio.gather(
+        run("pools", *where, "--json"), run("pools", "--address", where[1], "--pool-name", "no-such-pool"),
+        run("pools", "--address", where[1], "--json"))  # the only pool manager: no --pool-name needed
     drained = await run("drain", "p0", *where)
-    again = await run("drain", "p0", *where)
-    unknown = await run("drain", "x9", *where)
-    text = await run("pools", *where, "--events", "3")
-    no_pool = await run("pools", "--address", where[1], "--pool-name", "no-such-pool")
-    only = await run("pools", "--address", where[1], "--json")  # the only pool manager: no --pool-name needed
+    again, unknown, text = await asyncio.gather(
+        run("drain", "p0", *where), run("drain", "x9", *where), run("pools", *where, "--events", "3"))
     handles = [m.handle for m in await pool.list_members.remote()]
     store = open_kv_store(b"test-pool-cli", KVStoreSettings(host_bytes=1 << 20))  # a node's store, detached
     await store.handle.stats.remote()
