@@ -32,6 +32,15 @@ def start(kind, name, model_dir):
     return actor
 
 
+def start_pair(p_name: str, d_name: str, model_dir):
+    """A P and a D, started side by side (each start loads a model: one after the
+    other, the file's tests waited twice as long for them)."""
+    p, d = (start_worker(kind, name, model_dir, CONFIG, OPTIONS) for kind, name in (("prefill", p_name),
+                                                                                   ("decode", d_name)))
+    ray.get([p.ping.remote(), d.ping.remote()])
+    return p, d
+
+
 async def consume(call: DisaggregatedCall, stop_after: int | None = None):
     events = []
     async for event in call.events():
@@ -69,7 +78,7 @@ def serves(p, d, request_id: str) -> bool:
 
 
 def test_prefill_dies_mid_transfer(ray_local, tiny_qwen2_dir):
-    p, d = start("prefill", "p-dies", tiny_qwen2_dir), start("decode", "d-survives", tiny_qwen2_dir)
+    p, d = start_pair("p-dies", "d-survives", tiny_qwen2_dir)
     request = GenerateRequest("p-dies-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
 
     async def scenario():
@@ -90,7 +99,7 @@ def test_prefill_dies_mid_transfer(ray_local, tiny_qwen2_dir):
 
 def test_decode_frees_a_reservation_when_its_prefill_dies(ray_local, tiny_qwen2_dir):
     """No driver tells D: it notices P's death by itself, well before the TTL."""
-    p, d = start("prefill", "p-gone", tiny_qwen2_dir), start("decode", "d-watch", tiny_qwen2_dir)
+    p, d = start_pair("p-gone", "d-watch", tiny_qwen2_dir)
     ray.get(d.reserve.remote(GenerateRequest("orphan", LONG_PROMPT[:300], SHORT.params), "unread", p))
     assert ray.get(d.stats.remote()).num_reserved == 1
     ray.kill(p)
@@ -100,7 +109,7 @@ def test_decode_frees_a_reservation_when_its_prefill_dies(ray_local, tiny_qwen2_
 
 
 def test_decode_dies_mid_transfer(ray_local, tiny_qwen2_dir):
-    p, d = start("prefill", "p-survives", tiny_qwen2_dir), start("decode", "d-dies-early", tiny_qwen2_dir)
+    p, d = start_pair("p-survives", "d-dies-early", tiny_qwen2_dir)
     request = GenerateRequest("d-dies-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
 
     async def scenario():
@@ -116,7 +125,7 @@ def test_decode_dies_mid_transfer(ray_local, tiny_qwen2_dir):
 
 
 def test_decode_dies_mid_decode(ray_local, tiny_qwen2_dir):
-    p, d = start("prefill", "p-ok", tiny_qwen2_dir), start("decode", "d-dies-late", tiny_qwen2_dir)
+    p, d = start_pair("p-ok", "d-dies-late", tiny_qwen2_dir)
     request = GenerateRequest("d-dies-2", list(range(1, 100)), SamplingParams(max_new_tokens=2000, ignore_eos=True))
 
     async def scenario():
@@ -140,7 +149,7 @@ def test_decode_dies_mid_decode(ray_local, tiny_qwen2_dir):
 
 
 def test_cancel_mid_stream_frees_both_sides(ray_local, tiny_qwen2_dir):
-    p, d = start("prefill", "p-cancel", tiny_qwen2_dir), start("decode", "d-cancel", tiny_qwen2_dir)
+    p, d = start_pair("p-cancel", "d-cancel", tiny_qwen2_dir)
     request = GenerateRequest("cancel-1", list(range(1, 200)), SamplingParams(max_new_tokens=500, ignore_eos=True))
 
     async def scenario():
@@ -166,8 +175,8 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
     served, until requests free blocks or the wait is over; then it refuses saying
     why. An aborted handshake leaves the line (actors/reservation_queue.py)."""
     small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
+    d = start_worker("decode", "d-full", tiny_qwen2_dir, small, OPTIONS)  # (starts while P does)
     p = start("prefill", "p-full", tiny_qwen2_dir)
-    d = start_worker("decode", "d-full", tiny_qwen2_dir, small, OPTIONS)
     params = SamplingParams(max_new_tokens=4)
     for i in range(2):  # 69 prompt tokens and the first output token: 5 blocks each
         ray.get(d.reserve.remote(GenerateRequest(f"hold-{i}", list(range(1 + i, 70 + i)), params), "unread", p))
@@ -228,7 +237,7 @@ def test_a_transfer_stalled_past_its_timeout_fails_clearly_and_leaks_nothing(ray
     import os
     import signal
 
-    p, d = start("prefill", "p-stall", tiny_qwen2_dir), start("decode", "d-stall", tiny_qwen2_dir)
+    p, d = start_pair("p-stall", "d-stall", tiny_qwen2_dir)
     d_pid = ray.get(d.__ray_call__.remote(lambda self: os.getpid()))
     request = GenerateRequest("stalled-1", LONG_PROMPT, SamplingParams(max_new_tokens=8, temperature=0))
     stall_s = OPTIONS.transfer_timeout_s + 3
@@ -256,7 +265,7 @@ def test_a_transfer_stalled_past_its_timeout_fails_clearly_and_leaks_nothing(ray
 
 def test_prefill_dies_after_the_transfer_decode_goes_on(ray_local, tiny_qwen2_dir):
     """Once the KV is in D's blocks, P is no longer needed: its death costs nothing."""
-    p, d = start("prefill", "p-after", tiny_qwen2_dir), start("decode", "d-after", tiny_qwen2_dir)
+    p, d = start_pair("p-after", "d-after", tiny_qwen2_dir)
     request = GenerateRequest("p-dies-after", list(range(1, 120)), SamplingParams(max_new_tokens=40, ignore_eos=True))
 
     async def scenario():
@@ -283,7 +292,7 @@ def test_a_death_seen_after_the_last_chunk_leaves_the_request_decoding(ray_local
     transfer may finish while it waits. Here the ping answers "dead" only once the
     last chunk is in: the request, decoding by then, is not dropped. It was, from the
     watchdog's earlier look (a CI run of the test above saw it)."""
-    p, d = start("prefill", "p-late-death", tiny_qwen2_dir), start("decode", "d-late-death", tiny_qwen2_dir)
+    p, d = start_pair("p-late-death", "d-late-death", tiny_qwen2_dir)
 
     def death_seen_late(worker):
         is_dead = worker._is_dead
@@ -309,7 +318,7 @@ def test_a_death_seen_after_the_last_chunk_leaves_the_request_decoding(ray_local
 
 
 def test_prefill_dead_before_the_request_ends_it_clearly(ray_local, tiny_qwen2_dir):
-    p, d = start("prefill", "p-before", tiny_qwen2_dir), start("decode", "d-before", tiny_qwen2_dir)
+    p, d = start_pair("p-before", "d-before", tiny_qwen2_dir)
     ray.kill(p)
     request = GenerateRequest("p-dead-before", list(range(1, 120)), SamplingParams(max_new_tokens=4))
     events = asyncio.run(asyncio.wait_for(consume(DisaggregatedCall(p, d, request, "gloo")), timeout=60))
@@ -322,7 +331,7 @@ def test_a_failed_prefill_step_ends_its_request_and_prefill_keeps_serving(ray_lo
     """P's engine step raises once (an injected fault, as a kernel bug or an OOM
     would): the request ends with an error naming it rather than waiting for a first
     token forever, D frees the reservation, and the next request is served."""
-    p, d = start("prefill", "p-step-fails", tiny_qwen2_dir), start("decode", "d-step-fails", tiny_qwen2_dir)
+    p, d = start_pair("p-step-fails", "d-step-fails", tiny_qwen2_dir)
 
     def fail_next_step(worker):
         engine = worker.engine
