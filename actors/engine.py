@@ -437,6 +437,7 @@ class Engine:
         (`OutputWriter.take_confirmed`)."""
         num_stood = num_confirmed(drafts, token_ids)
         self.num_draft_tokens += len(drafts)
-        self.num_accepted_draft_tokens += num_stood
         self.drafter.record(request, len(drafts), num_stood)
-        self.writer.take_confirmed(request, token_ids[: num_stood + 1], logprobs and logprobs[: num_stood + 1], now)
+        # (those taken into the output: not drafts that stood past a token that ended the request)
+        self.num_accepted_draft_tokens += self.writer.take_confirmed(
+            request, token_ids[: num_stood + 1], logprobs and logprobs[: num_stood + 1], now)

@@ -29,23 +29,28 @@ class OutputWriter:
         self._jump_forward(request, now)
 
     def take_confirmed(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None] | None,
-                       now: float) -> None:
+                       now: float) -> int:
         """A drafted decode's samples that stand: all but the last are the drafts they
         confirmed (their KV computed by the step), the last is the sample after them.
         Each is taken as a plain decode's token would be, until one ends the request or
         its pattern fixes the text after one: jump-forward writes that text there, as
         after a plain decode's token, and the samples after it are dropped (the drafter
-        proposes none past such a token)."""
+        proposes none past such a token). Each draft is counted computed (its full
+        blocks published) before the next token is taken, as a plain decode's token is
+        by the step after it: counted after the loop, the drafts before a token that
+        ended the request were never published (the next turn's prefix hit a block
+        short). The number of drafts taken into the output."""
         for i, token_id in enumerate(token_ids):
+            if i:  # the token before this one is a draft that stood
+                self.scheduler.accept_drafts(request, 1)
             self._append(request, token_id, logprobs and logprobs[i], now)
             jumped = self._jump_forward(request, now)
-            if request.is_finished:
-                return
-            if jumped:
+            if request.is_finished or jumped:
                 break
         num_drafts_taken = min(i + 1, len(token_ids) - 1)  # (all taken tokens but a last sample are drafts)
-        if num_drafts_taken:
-            self.scheduler.accept_drafts(request, num_drafts_taken)
+        if jumped and num_drafts_taken > i:  # (the token the text was written after is a draft too)
+            self.scheduler.accept_drafts(request, 1)
+        return num_drafts_taken
 
     def finish(self, request: Request, reason: FinishReason, text: str | None = None) -> None:
         """End a request: its final text (the whole detokenized output unless a stop

@@ -128,9 +128,12 @@ class Scheduler:
     # ---- planning ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """The step: every running request's known tokens first (preempting the
-        latest ones where blocks run out), then drafts from the budget and blocks
-        left (no one is preempted, or left out of the step, for a guess), then
-        waiting requests."""
+        latest ones where blocks run out), then waiting requests, then drafts
+        from the budget and blocks left: no one is preempted, or left out of the
+        step, for a guess. (Drafts before the waiting, 60 requests drafting 16
+        tokens each took 1020 of a 1024-token budget, and a new prompt waited
+        as long as they drafted: vLLM schedules drafts with their running
+        requests, before its waiting ones.)"""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         planned: list[tuple[Request, int]] = []  # (request, its known tokens this step)
@@ -148,11 +151,7 @@ class Scheduler:
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
-        for request, num_new in planned:
-            drafts = self._drafts(request, num_new, budget)
-            budget -= len(drafts)
-            out.chunks.append(ScheduledChunk(request, num_new + len(drafts), request.num_computed_tokens, drafts))
-
+        admitted = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             chunk = self._admit(request, budget)
@@ -163,8 +162,13 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(chunk)
+            admitted.append(chunk)
             budget -= chunk.num_new_tokens
+        for request, num_new in planned:
+            drafts = self._drafts(request, num_new, budget)
+            budget -= len(drafts)
+            out.chunks.append(ScheduledChunk(request, num_new + len(drafts), request.num_computed_tokens, drafts))
+        out.chunks += admitted
         return out
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:

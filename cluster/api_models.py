@@ -242,6 +242,10 @@ class ChatMessage(RequestBody):
     tool_calls: list[PastCall] | None = None  # an assistant's earlier calls (cluster/tool_calls.py)
     tool_call_id: str | None = None  # a tool's answer: to which call
     name: str | None = None
+    # An assistant's earlier reasoning, as this server answers it (vLLM's `reasoning` too): Qwen3's template
+    # writes it back as a <think> block for the turns of a tool loop (it was dropped, the prompt not vLLM's)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -263,10 +267,13 @@ class ChatMessage(RequestBody):
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """Messages as a chat template takes them (an assistant's earlier calls with
-    their arguments parsed, cluster/tool_calls.py)."""
+    their arguments parsed, cluster/tool_calls.py; its reasoning as
+    `reasoning_content`, the name templates read)."""
     return [{"role": m.role, "content": m.text(),
              **({} if m.tool_calls is None else {"tool_calls": [template_call(c) for c in m.tool_calls]}),
-             **{k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None}}
+             **{k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name),
+                                  ("reasoning_content", m.reasoning_content if m.reasoning_content is not None
+                                   else m.reasoning)) if v is not None}}
             for m in messages]
 
 

@@ -28,9 +28,9 @@ The tools go to the chat template (`tools`), which renders them where it knows h
 messages' `tool_calls`, with their arguments as the JSON text OpenAI sends) reach
 the template with the arguments parsed, as templates expect. The finish reason
 stays the output's (`stop`, or `length` when cut), as vLLM answers a call it
-forced, except that an "auto" answer that called a tool ends with `tool_calls`,
-as OpenAI's does; a cut "required" answer that is no longer JSON comes back as
-text.
+forced by name, except that an "auto" or "required" answer that called a tool
+ends with `tool_calls`, as OpenAI's does; a cut "required" answer that is no
+longer JSON comes back as text.
 """
 
 from __future__ import annotations

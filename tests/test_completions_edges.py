@@ -110,6 +110,20 @@ def test_a_past_calls_arguments_nested_past_pythons_limit_are_kept_as_written():
     assert call["function"]["arguments"] == deep
 
 
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_an_assistants_reasoning_sent_back_reaches_the_template(field):
+    """Found by a review: it was dropped (Qwen3's template writes it back as a
+    <think> block in a tool loop; vLLM passes it on)."""
+    body = ChatBody.model_validate({"messages": [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": None, field: "I should call get_weather.",
+         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "12C"}]})
+    messages = template_messages(body.messages)
+    assert messages[1]["reasoning_content"] == "I should call get_weather."
+    assert "reasoning_content" not in messages[0] and "reasoning_content" not in messages[2]
+
+
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_nan_and_infinity_are_not_json(constant):
     """Python's decoder reads them; a free-form field (a Responses request's

@@ -1,7 +1,8 @@
 """How a step shares its token budget and the pool's blocks between running
-requests' known tokens and speculative drafts (actors/scheduler.py `schedule`):
-every running request's known tokens first, drafts from what is left, so no one
-is preempted, or left out of the step, for a guess."""
+requests' known tokens, waiting prompts and speculative drafts
+(actors/scheduler.py `schedule`): every running request's known tokens first, then
+the waiting, drafts from what is left, so no one is preempted, or left out of the
+step, for a guess."""
 
 from __future__ import annotations
 
@@ -52,3 +53,14 @@ def test_drafts_fill_the_room_there_is_rather_than_none(tiny_qwen2_dir):
     engine.pool.allocate(engine.pool.num_available)
     engine.requests["A"].draft_token_ids = list(range(7, 23))
     assert _planned(engine) == [("A", 12, tuple(range(7, 18)))]
+
+
+def test_a_waiting_prompt_is_admitted_before_drafts_take_the_budget(tiny_qwen2_dir):
+    """Found by a review: drafts took the budget first, and a new prompt waited as
+    long as the running requests drafted (60 drafting 16 tokens took 1020 of
+    1024). The prompt's chunk comes first, the drafts have what is left."""
+    engine = _decoding(tiny_qwen2_dir, {"A": list(range(100, 103)), "B": [200]},
+                       num_kv_blocks=32, num_speculative_tokens=4, max_num_batched_tokens=8)
+    engine.requests["A"].draft_token_ids, engine.requests["B"].draft_token_ids = [7, 8, 9, 10], [5, 6, 7, 8]
+    engine.add_request(list(range(300, 305)), PARAMS, "new")
+    assert _planned(engine) == [("A", 2, (7,)), ("B", 1, ()), ("new", 5, ())]

@@ -248,6 +248,26 @@ def test_confirmed_drafts_fill_the_prefix_cache(tiny_qwen2_dir):
     assert _finish(fresh)["second"].token_ids == second.token_ids
 
 
+def test_drafts_before_the_token_that_ends_a_request_fill_the_prefix_cache_and_count(tiny_qwen2_dir):
+    """Found by a review: the drafts a request's last step confirmed, before the
+    token that ended it, were never published (the next turn hit up to a block
+    fewer than after plain decoding), and drafts that stood past that token were
+    counted accepted. Here a repeating output of 13 tokens, every draft verified."""
+    prompt = [7, 8, 9] * 6 + [7, 8]
+    params = SamplingParams(max_new_tokens=13, temperature=0, ignore_eos=True, logit_bias={9: 100.0})
+    cached = []
+    for config in (CONFIG, SPECULATING):
+        engine = Engine(tiny_qwen2_dir, config)
+        engine.drafter.trim = lambda running: None  # (verify every draft, as on a GPU)
+        engine.add_request(prompt, params, "first")
+        first = _finish(engine)["first"]
+        engine.add_request(prompt + first.token_ids + [11], SamplingParams(max_new_tokens=1, temperature=0), "second")
+        cached.append(_finish(engine)["second"].num_cached_tokens)
+        engine.pool.check()
+    assert cached[1] == cached[0] == (len(prompt) + 13 - 1) // 16 * 16
+    assert 0 < engine.num_accepted_draft_tokens <= len(first.token_ids) - 1  # (the first token is the prefill's)
+
+
 def test_a_speculating_decode_worker_gives_the_colocated_tokens(tiny_qwen2_dir):
     """P prefills and samples the first token; D proposes drafts from its
     activation on (for a patterned request too, after walking P's token): the
