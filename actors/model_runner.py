@@ -117,10 +117,14 @@ class ModelRunner:
 
     def static_decode(self, capture: bool) -> DecodeGraphs:
         """Static-shape decode steps over this runner's model and cache, for up to
-        max_num_seqs (at most MAX_GRAPH_BATCH) sequences of up to max_model_len
-        tokens; `capture` records them as CUDA graphs (CUDA only)."""
+        max_num_seqs sequences of up to max_model_len tokens, each with its drafts'
+        rows (1 + num_speculative_tokens a sequence: sized for sequences alone, a
+        step of 13 requests drafting 4 tokens among 64 ran eagerly), within the
+        step's token budget and MAX_GRAPH_BATCH rows; `capture` records them as
+        CUDA graphs (CUDA only)."""
         max_blocks = -(-self._max_len() // self.config.block_size)
-        max_batch = min(self.config.max_num_seqs, MAX_GRAPH_BATCH)
+        rows = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
+        max_batch = min(rows, self.config.max_num_batched_tokens, MAX_GRAPH_BATCH)
         return DecodeGraphs(self.model, self.kv_cache, self.scratch_block, max_batch, max_blocks, capture)
 
     def static_prefill(self, capture: bool) -> PrefillGraphs:
