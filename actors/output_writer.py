@@ -41,16 +41,14 @@ class OutputWriter:
         ended the request were never published (the next turn's prefix hit a block
         short). The number of drafts taken into the output."""
         for i, token_id in enumerate(token_ids):
-            if i:  # the token before this one is a draft that stood
-                self.scheduler.accept_drafts(request, 1)
             self._append(request, token_id, logprobs and logprobs[i], now)
-            jumped = self._jump_forward(request, now)
-            if request.is_finished or jumped:
+            if request.is_finished:
                 break
-        num_drafts_taken = min(i + 1, len(token_ids) - 1)  # (all taken tokens but a last sample are drafts)
-        if jumped and num_drafts_taken > i:  # (the token the text was written after is a draft too)
-            self.scheduler.accept_drafts(request, 1)
-        return num_drafts_taken
+            if i < len(token_ids) - 1:  # a draft that stood (the last is the sample after them)
+                self.scheduler.accept_drafts(request, 1)
+            if self._jump_forward(request, now):  # (text that may end the request: its blocks gone then)
+                break
+        return min(i + 1, len(token_ids) - 1)
 
     def finish(self, request: Request, reason: FinishReason, text: str | None = None) -> None:
         """End a request: its final text (the whole detokenized output unless a stop

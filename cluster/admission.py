@@ -61,7 +61,7 @@ class InFlight:
     early_s: float = 0.0  # how much sooner than predicted that queue ended (WorkerModels.first_token_came)
     failed_id: str | None = None  # the worker its error came from, where the error says (a retry leaves it out)
     own_s: float = 0.0  # the predicted part of predicted_ttft_s that is its own work: prefill and transfer
-    decode_cached_blocks: int = 0  # its prompt's blocks D's prefix cache held at admission (its reservation shares)
+    decode_held_blocks: int = 0  # its prompt's blocks D held for running requests at admission (shared with them)
 
     @property
     def in_prefill(self) -> bool:

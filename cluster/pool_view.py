@@ -381,12 +381,18 @@ class PoolView:
             indexes += self.store_index.indexes_for(stats.node_id)
         return match_any(indexes, hashes) * self.block_size
 
-    def device_cached_blocks(self, worker_id: str, hashes: list[bytes]) -> int:
-        """The prompt's first blocks the worker's device prefix cache holds, as
-        routing last knew it: a D's reservation shares them (actors/block_pool.py;
-        its node's store tiers aside: blocks loaded from them are new blocks)."""
-        index = self.prefix.get(worker_id)
-        return 0 if index is None else match_any([index], hashes)
+    def held_prefix_blocks(self, worker_id: str, hashes: list[bytes]) -> int:
+        """The prompt's first blocks the worker's device prefix cache holds for
+        running requests, at least, as routing and its last reading knew them: a
+        D's reservation shares those. A hit on a cached block no request holds
+        saves nothing (D counts it free, and reusing it takes it from there:
+        `BlockPool.can_hold`), and which hits are idle is not known here: at most
+        the blocks the reading found cached and idle (on a D short of room, few).
+        Its node's store tiers aside: blocks loaded from them are new blocks."""
+        index, stats = self.prefix.get(worker_id), self.stats.get(worker_id)
+        if index is None or stats is None:
+            return 0
+        return max(match_any([index], hashes) - stats.num_cached_blocks, 0)
 
     def headroom(self, worker_id: str) -> int:
         """D's free KV blocks now, as far as this replica knows: those free at the
@@ -476,8 +482,9 @@ class PoolView:
         there; the requests D's batch then had places for, less its line's (no
         bound where D did not say); and this replica's requests sent to D since,
         in the order they were sent, each with the blocks it takes (its prompt's
-        less those D's cache held as it was sent, and its growth: a burst sharing
-        a system prompt was charged the prompt once a request)."""
+        less those D held for running requests as it was sent, and its growth: a
+        burst sharing a system prompt D serves was charged the prompt once a
+        request)."""
         stats = self.stats.get(worker_id)
         if stats is None:
             return 0, 0, []
@@ -490,7 +497,7 @@ class PoolView:
                 continue
             held, owed = self._blocks(r)
             if read_at is not None and r.admitted_s > read_at:
-                sent.append((r, max(held - r.decode_cached_blocks, 0) + owed))
+                sent.append((r, max(held - r.decode_held_blocks, 0) + owed))
             else:
                 room -= owed
         return room, seqs, sent

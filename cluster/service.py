@@ -125,9 +125,9 @@ class GlobalScheduler:
             ]
         else:
             headroom = {d: view.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
-            # Less the prompt's blocks D's prefix cache holds, which its reservation shares (a D holding a
-            # shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
-            needed = {d: needed_blocks - view.device_cached_blocks(d, usable_hashes) for d in headroom}
+            # Less the prompt's blocks D holds for running requests, which its reservation shares (a D serving
+            # a shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
+            needed = {d: needed_blocks - view.held_prefix_blocks(d, usable_hashes) for d in headroom}
             line_wait = {d: self._line_wait_s(d, headroom[d], needed[d]) for d in headroom}  # once: P aside
             # A full D whose wait nothing predicts (no line read yet, none of this replica's requests
             # there) only where no D has room: read as none, it beat a D with room.
@@ -296,7 +296,7 @@ class GlobalScheduler:
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, num_prompt_tokens,
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
                             ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s,
-                            decode_cached_blocks=self.view.device_cached_blocks(
+                            decode_held_blocks=self.view.held_prefix_blocks(
                                 choice.decode_id, self._usable(hashes, num_prompt_tokens)))
         models = self.view.models
         models.inflight[request.request_id] = inflight

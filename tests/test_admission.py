@@ -759,8 +759,14 @@ def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold()
     view.lines.observe("d0", num_granted=11, num_waiting=0, now_s=now - 0.1)
     choice = scheduler.plan(prompt, max_new_tokens=16)
     assert choice.decode_id == "d0" and choice.line_wait_s == 0.0
-    # Sent since the reading, each charged the blocks D's cache did not hold (and its growth)
+    # Found by the second read: a cached block no request holds saves no room (D counts it free, and
+    # reusing it takes it from there): the blocks D's reading found idle are not taken as held
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=935, num_cached_blocks=64)
+    assert view.held_prefix_blocks("d0", hashes[:65]) == 0
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=990, num_cached_blocks=10)
+    assert view.held_prefix_blocks("d0", hashes[:65]) == 64 - 10
+    # Sent since the reading, each charged the blocks D did not hold for running requests (and its growth)
     for index in range(5):
         view.models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=0.1,
-                                                     decode_cached_blocks=64)
+                                                     decode_held_blocks=64)
     assert view.headroom("d0") == 10 - 5 * 2

@@ -268,6 +268,26 @@ def test_drafts_before_the_token_that_ends_a_request_fill_the_prefix_cache_and_c
     assert 0 < engine.num_accepted_draft_tokens <= len(first.token_ids) - 1  # (the first token is the prefill's)
 
 
+def test_text_a_pattern_fixes_after_a_draft_may_end_the_request_at_any_place_in_a_block(tiny_qwen2_dir):
+    """Found by a second read: a draft that stood, then the text its pattern
+    fixed after it ending the request (its blocks released), then the draft
+    counted computed: on a block's last slot its publishing read the emptied
+    block table, and the step failed (with every request of the worker). The
+    prompt is padded so that the last draft lands on each slot of a block."""
+    engine = Engine(tiny_qwen2_dir, SPECULATING)
+    tokenizer = engine.tokenizer
+    bias = {tokenizer.convert_tokens_to_ids("x"): 30.0, tokenizer.convert_tokens_to_ids("a"): 20.0}
+    base = tokenizer.encode("xxxxxxxxame " * 3, add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=40, temperature=0, regex="x{1,8}ame", logit_bias=bias)
+    for pad in range(16):
+        engine = Engine(tiny_qwen2_dir, SPECULATING)
+        engine.drafter.trim = lambda running: None  # (verify every draft)
+        engine.add_request([7] * pad + base, params, "r")
+        assert _finish(engine)["r"].text == "xxxxxxxxame", pad
+        assert engine.num_accepted_draft_tokens > 0
+        engine.pool.check()
+
+
 def test_a_speculating_decode_worker_gives_the_colocated_tokens(tiny_qwen2_dir):
     """P prefills and samples the first token; D proposes drafts from its
     activation on (for a patterned request too, after walking P's token): the
