@@ -151,12 +151,14 @@ class IncrementalDetokenizer:
 
     def context_ids(self, prompt_ids: list[int]) -> list[int]:
         """The prompt's last tokens a decode starts from: the fewest, from 4 on,
-        whose text has no U+FFFD (no character cut at the run's start), or the
-        last 24."""
+        whose text is some text (special tokens skipped may leave none, and a
+        decoder would strip the output's first space again) with no U+FFFD (no
+        character cut at the run's start), or the last 24."""
         fewest, most = PROMPT_CONTEXT
         prompt_ids = list(prompt_ids[-most:])
         for count in range(fewest, len(prompt_ids)):
-            if "\ufffd" not in self._decode(prompt_ids[-count:]):
+            text = self._decode(prompt_ids[-count:])
+            if text and "\ufffd" not in text:
                 return prompt_ids[-count:]
         return prompt_ids
 

@@ -384,7 +384,8 @@ class _Writer:
             value = schema.get(name, 0)  # (an int is finite: math.isfinite(10**400) raises OverflowError)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
                                                                                    and not math.isfinite(value)):
-                raise RegexError(f"json_schema: {where}.{name} must be a finite number")
+                boolean = " (draft 4's true/false form is not supported: give the bound itself)" * isinstance(value, bool)
+                raise RegexError(f"json_schema: {where}.{name} must be a finite number{boolean}")
         if "minimum" in schema and "exclusiveMinimum" in schema or "maximum" in schema and "exclusiveMaximum" in schema:
             raise RegexError(f"json_schema: {where}: give minimum or exclusiveMinimum (maximum or "
                              "exclusiveMaximum), not both")

@@ -263,6 +263,8 @@ def test_any_json_object_parses():
      "drafts 4, 6, 7, 2019-09 and 2020-12 are supported"),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "$defs": 5, "type": "string"},
      r"\$defs must be an object of schemas"),
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 5, "exclusiveMinimum": True},
+     "exclusiveMinimum must be a finite number \\(draft 4's true/false form is not supported"),
 ])
 def test_schemas_it_cannot_hold_an_output_to_are_refused(schema, message):
     with pytest.raises(RegexError, match=message):
