@@ -27,17 +27,20 @@ SHORT = GenerateRequest("short", list(range(1, 40)), SamplingParams(max_new_toke
 
 
 def start(kind, name, model_dir):
+    """A worker, once its start-up profile (which steps its engine) is done: a
+    fault a test then puts in the engine's next step meets the test's request."""
     actor = start_worker(kind, name, model_dir, CONFIG, OPTIONS)
-    ray.get(actor.ping.remote())
+    ray.get(actor.profile.remote())
     return actor
 
 
 def start_pair(p_name: str, d_name: str, model_dir):
-    """A P and a D, started side by side (each start loads a model: one after the
-    other, the file's tests waited twice as long for them)."""
+    """A P and a D as `start` gives them, started side by side (each start loads a
+    model: one after the other, the file's tests waited twice as long for them;
+    answering at `ping`, P's profile could take a step fault meant for a request)."""
     p, d = (start_worker(kind, name, model_dir, CONFIG, OPTIONS) for kind, name in (("prefill", p_name),
                                                                                    ("decode", d_name)))
-    ray.get([p.ping.remote(), d.ping.remote()])
+    ray.get([p.profile.remote(), d.profile.remote()])
     return p, d
 
 
