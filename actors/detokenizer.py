@@ -130,9 +130,9 @@ class IncrementalDetokenizer:
             self._incomplete = b""  # the bytes of a character the next token may complete
             return
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode_ids = tokenizer.decode
-        if backend is not None and not cleans_up_spaces(tokenizer):
-            self._decode_ids = backend.decode
+        if backend is not None and cleans_up_spaces(tokenizer):
+            backend = None  # (the wrapper's decode, which cleans up, decodes)
+        self._decode_ids = tokenizer.decode if backend is None else backend.decode
         context = self.context_ids(prompt_ids)
         # The windows' and the stream's flush read them: the context's first, then the output's
         self.token_ids: list[int] = list(context)
@@ -140,7 +140,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self._stream_sent = len(context)  # tokens whose text the stream gave (it holds back an incomplete character's)
-        if backend is not None and not cleans_up_spaces(tokenizer) and DecodeStream is not None:
+        if backend is not None and DecodeStream is not None:
             self._backend = backend
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             try:
