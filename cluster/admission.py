@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from actors.messages import PrefillStep
@@ -135,8 +135,9 @@ class WorkerModels:
     """Per-worker cost models and in-flight bookkeeping."""
 
     def __init__(self, block_size: int, bias_quantile: float = 0.9, prefill_chunk_size: int = 256,
-                 max_num_batched_tokens: int = 1024) -> None:
+                 max_num_batched_tokens: int = 1024, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
+        self.clock = clock  # monotonic seconds: the in-flight requests' times are on it
         # A prompt's tokens a step, at most (the engine also keeps a chunk within a step): see prefill_s.
         self.prefill_chunk_size = min(prefill_chunk_size, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens  # a worker's step, in tokens: see own_prefill_s
@@ -281,7 +282,7 @@ class WorkerModels:
         """Prompt tokens the worker is predicted still to compute: those of the
         requests whose predicted work there is not over (`queued_prefill_s`; their
         cached tokens counted too) and the other replicas' backlog."""
-        now = time.monotonic()
+        now = self.clock()
         mine = sum(r.num_prompt_tokens for r in self.inflight.values()
                    if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill
                    and r.first_token_due_s is not None and r.first_token_due_s - r.ttft_bias_s > now)
@@ -312,7 +313,7 @@ class WorkerModels:
 
     def _queue(self, worker_id: str) -> tuple[float, str | None]:
         """`queued_prefill_s`, and the request whose predicted end it is (None: none)."""
-        now = time.monotonic()
+        now = self.clock()
         due = [(r.first_token_due_s, r.ttft_bias_s, r.request_id, r.in_line) for r in self.inflight.values()
                if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill]  # colocated: no prefill_id
         due = [(at, bias, request_id, in_line) for at, bias, request_id, in_line in due if at is not None]
@@ -382,7 +383,7 @@ class WorkerModels:
         model = self.decode_model(decode_id)
         if not model.is_fitted:
             return 0.0
-        now = time.monotonic()
+        now = self.clock()
         # The other replicas' decoding requests are taken to last past `at_s`.
         batch = 1 + self.peers.decoding.get(decode_id, 0)
         kv_tokens = extra_kv_tokens + self.peers.decoding_kv_tokens.get(decode_id, 0)

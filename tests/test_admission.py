@@ -50,8 +50,10 @@ def test_cost_model_needs_observations():
         LinearCostModel(2).predict((1.0, 1.0))
 
 
-def _models() -> WorkerModels:
-    models = WorkerModels(block_size=16)
+def _models(now: float | None = None) -> WorkerModels:
+    """Fitted models; with `now`, their clock stands still there (a slow machine's
+    time between the test's calls does not move the predictions it compares)."""
+    models = WorkerModels(block_size=16) if now is None else WorkerModels(block_size=16, clock=lambda: now)
     for new in (16, 64, 256):
         models.prefill_model("p0").observe(prefill_features(new, 0), 0.001 * new)
         models.prefill_model("p1").observe(prefill_features(new, 0), 0.001 * new)
@@ -74,8 +76,8 @@ def test_queued_prefill_counts_only_that_workers_unfinished_prefills():
 def test_queued_prefill_ends_with_the_last_predicted_first_token():
     """Each TTFT prediction includes the queue ahead of it: three requests admitted
     back to back end when the last one does, not after the sum of their TTFTs."""
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     for name, ttft in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
         models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=ttft, admitted_s=now)
     assert models.queued_prefill_s("p0") == pytest.approx(3.0, abs=0.3)
@@ -86,8 +88,8 @@ def test_a_first_token_sooner_than_predicted_moves_the_queue_behind_it_as_much()
     first one's token came 0.9 s early, so the two behind it are due 0.9 s sooner;
     the second one's, on time for its corrected due, moves nothing more. Without
     it, a steady load's queue crept up to the TTFT SLO (WorkerModels.first_token_came)."""
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     for name, ttft, ahead in (("a", 1.0, None), ("b", 2.0, "a"), ("c", 3.0, "b")):
         models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=ttft, admitted_s=now,
                                          ahead_id=ahead)
@@ -128,9 +130,9 @@ def test_a_first_token_within_its_bias_does_not_move_the_queue_behind_it():
     P finished it: on time for P's part, early only against the bias. Measured
     against the bias too, the queue behind moved by 0.25 s and then lost the
     bias in `_queue` again: it read 0.6 s with 0.85 s of P's work left."""
-    models = _models()
-    models.observe_ttft(models.predict("p0", "d0", 100, 0), observed_s=0.1 + 0.3)
     now = time.monotonic()
+    models = _models(now)
+    models.observe_ttft(models.predict("p0", "d0", 100, 0), observed_s=0.1 + 0.3)
     burst = _admitted_burst(models, now)
     models.first_token_came(burst[0], now + 0.15)
     burst[0].first_token_s = now + 0.15
@@ -141,8 +143,8 @@ def test_a_first_token_within_its_bias_does_not_move_the_queue_behind_it():
 def test_requests_gone_before_their_first_token_take_their_work_off_the_queue():
     """Five of a burst of ten 0.1 s prompts were cancelled before P came to them:
     the queue read 1 s, for 0.5 s of P's work left, until the next first token."""
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     burst = _admitted_burst(models, now)
     assert burst[0].own_s == pytest.approx(0.1, abs=0.01)
     for gone in burst[2:7]:
@@ -195,12 +197,13 @@ def test_a_learned_ttft_bias_counts_once_not_once_for_every_request_ahead():
     back, side by side for concurrent requests): a burst of 16 short prompts,
     admitted back to back, has its last predicted at 16 prefills plus one bias.
     With the bias in the queue it was 16 of each, 5 s on an idle cluster."""
-    models = _models()
+    now = time.monotonic()
+    models = _models(now)
     models.observe_ttft(models.predict("p0", "d0", 20, 0), observed_s=0.02 + 0.3)
     for index in range(16):
         prediction = models.predict("p0", "d0", num_prompt_tokens=20, cached_tokens=0)
         models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 20, 10, prediction.ttft_s,
-                                                ttft_bias_s=prediction.ttft_bias_s)
+                                                admitted_s=now, ttft_bias_s=prediction.ttft_bias_s)
     assert prediction.ttft_bias_s == pytest.approx(0.3, abs=0.01)
     assert prediction.ttft_s == pytest.approx(16 * 0.02 + 0.3, abs=0.05)
 
@@ -209,8 +212,8 @@ def test_a_request_late_for_its_first_token_delays_the_queue_by_its_lateness_alo
     """Past its predicted first token (bias included) a request is late; before
     it, though P's part may be done, it is not: the queue behind waits for P's
     work only."""
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     models.inflight["on_its_way"] = InFlight("on_its_way", "p0", "d0", 100, 10, predicted_ttft_s=1.0,
                                              admitted_s=now - 0.8, ttft_bias_s=0.5, reserved_s=now - 0.8)
     assert models.queued_prefill_s("p0") == 0.0  # P's 0.5 s of work are over; its token is on its way
@@ -227,8 +230,8 @@ def test_a_request_late_for_its_first_token_delays_the_queue_by_its_lateness_alo
 def test_an_overdue_prefill_delays_the_queue_behind_it():
     """A request 2 s past its predicted first token is not done: the queue behind it
     (predicted to end 1 s from now) moves back by those 2 s."""
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     for name, ttft_s in (("late", 1.0), ("next", 4.0)):
         models.inflight[name] = InFlight(name, "p0", "d0", 100, 10, predicted_ttft_s=ttft_s, admitted_s=now - 3.0,
                                          reserved_s=now - 3.0)
@@ -249,8 +252,8 @@ def test_prefix_hits_lower_the_predicted_ttft():
 
 
 def test_tbt_prediction_drops_requests_that_finish_before_the_prefill():
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     # One request decoding with 2 tokens left (~0.02 s), one with 1000 left.
     models.inflight["short"] = InFlight("short", "p0", "d0", 10, 12, 0.0, admitted_s=now, first_token_s=now,
                                        num_generated=10)
@@ -264,8 +267,8 @@ def test_tbt_prediction_drops_requests_that_finish_before_the_prefill():
 
 def test_observed_token_gaps_refit_the_decode_model():
     """The profile says 10 ms per step at batch 1; clients see 40 ms: predictions follow."""
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     models.inflight["r"] = InFlight("r", "p0", "d0", 100, 500, 0.0, admitted_s=now, first_token_s=now)
     assert models.tbt_at("d0", 0.0, 0) == pytest.approx(0.02, rel=0.05)  # batch of 2 by the profile
     for _ in range(300):  # the window forgets the profile
@@ -485,8 +488,8 @@ def test_before_a_line_was_read_a_full_ds_wait_is_when_its_requests_finish():
 
 
 def test_a_request_waiting_in_a_decode_workers_line_is_not_its_prefill_workers_work_yet():
-    models = _models()
     now = time.monotonic()
+    models = _models(now)
     waiting = InFlight("waiting", "p0", "d0", 100, 10, predicted_ttft_s=5.5, admitted_s=now, line_wait_s=5.0)
     models.inflight["waiting"] = waiting
     assert models.queued_prefill_s("p0") == 0.0  # P is free while it waits (it was predicted to)
