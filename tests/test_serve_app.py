@@ -64,9 +64,11 @@ def wait_workers_idle(pool_name: str, timeout_s: float = 15.0) -> None:
 def test_the_seeds_request(base_url):
     response = httpx.post(f"{base_url}/generate", json={"text": "Hello there", "max_new_tokens": 32, "temperature": 0.7})
     assert response.status_code == 200, response.text
-    body = response.json()
-    assert isinstance(body["text"], str) and len(body["output_ids"]) == 32
-    assert body["meta_info"]["completion_tokens"] == 32 and body["meta_info"]["finish_reason"]["type"] == "length"
+    body, meta = response.json(), response.json()["meta_info"]
+    assert isinstance(body["text"], str) and meta["completion_tokens"] == len(body["output_ids"])
+    # Unseeded at temperature 0.7, the tiny model can sample its end-of-text token (23 tokens in one CI run).
+    ended = "length" if len(body["output_ids"]) == 32 else "stop"
+    assert 0 < len(body["output_ids"]) <= 32 and meta["finish_reason"]["type"] == ended
 
 
 def test_sglang_sampling_params_and_input_ids(base_url):
