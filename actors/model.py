@@ -218,12 +218,19 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Uninitialised (the checkpoint fills it): on the meta device, `Embedding`'s own
+        # normal_ init imports torch._dynamo, 3 s of every worker's start on 2 CPUs.
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(config, kernels, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels.rms_norm, kernels.add_rms_norm)
         with torch.device("cpu"):  # (a table to compute, whichever device the model is built on)
             self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        cos, sin = rope_cos_sin(self.inv_freq.to(torch.get_default_device()), config.max_position_embeddings)
+        device = torch.get_default_device()
+        if device.type == "meta":  # shapes only: torch.arange there would import torch._dynamo too
+            cos = sin = torch.empty(config.max_position_embeddings, config.head_dim)
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq.to(device), config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
