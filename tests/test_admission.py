@@ -713,9 +713,9 @@ def test_a_decode_workers_room_counts_what_its_requests_and_the_new_one_will_gro
     assert waiting.line_wait_s == pytest.approx(0.25, rel=1e-3)  # 1 / the 4 grants a second with a line
 
 
-def _fixed_cost_models() -> WorkerModels:
-    """p0's prefill: 10 ms a step whatever its size, and 0.1 ms a token."""
-    models = WorkerModels(block_size=16, max_num_batched_tokens=1024)
+def _fixed_cost_models(now: float) -> WorkerModels:
+    """p0's prefill: 10 ms a step whatever its size, and 0.1 ms a token; the clock stands at `now`."""
+    models = WorkerModels(block_size=16, max_num_batched_tokens=1024, clock=lambda: now)
     for new in (16, 64, 256, 512):
         models.prefill_model("p0").observe(prefill_features(new, 0), 0.010 + 0.0001 * new)
     for batch in (1, 4, 16):
@@ -727,16 +727,18 @@ def test_prompts_that_share_the_queues_steps_add_their_tokens_alone():
     """A burst of 16 prompts of 24 tokens fits in one 1024-token step: the first
     pays the step's 10 ms, the others 2.4 ms each (charged a step each, the last
     was predicted at 16 x 12.4 ms)."""
-    models = _fixed_cost_models()
+    now = time.monotonic()
+    models = _fixed_cost_models(now)
     for index in range(16):
         prediction = models.predict("p0", "d0", num_prompt_tokens=24, cached_tokens=0)
-        models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 24, 10, prediction.ttft_s)
+        models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 24, 10, prediction.ttft_s, admitted_s=now)
     assert prediction.ttft_s == pytest.approx(0.0124 + 15 * 0.0024, abs=0.005)
 
 
 def test_a_prompt_past_the_queues_steps_pays_a_step_of_its_own():
-    models = _fixed_cost_models()
-    models.inflight["long"] = InFlight("long", "p0", "d0", 1000, 10, predicted_ttft_s=0.11)
+    now = time.monotonic()
+    models = _fixed_cost_models(now)
+    models.inflight["long"] = InFlight("long", "p0", "d0", 1000, 10, predicted_ttft_s=0.11, admitted_s=now)
     assert models.own_prefill_s("p0", 20, 0) == pytest.approx(0.0020)  # 1000 + 20 tokens: in the queue's one step
     assert models.own_prefill_s("p0", 100, 0) == pytest.approx(0.0200)  # 1100: a second step
     models.inflight.clear()
@@ -773,3 +775,4 @@ def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold()
         view.models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=0.1,
                                                      decode_held_blocks=64)
     assert view.headroom("d0") == 10 - 5 * 2
+
