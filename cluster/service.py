@@ -135,30 +135,30 @@ class GlobalScheduler:
             decodes = [d for d, wait in line_wait.items() if wait is not None or not any_room]
             line_wait = {d: wait or 0.0 for d, wait in line_wait.items()}
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
+            d_cached = {d: view.cached_tokens(d, usable_hashes) // self.block_size for d in decodes}
             candidates = []
             for p in view.routable("prefill", exclude):
                 cached = view.cached_tokens(p, usable_hashes)
-                per_d = [
-                    _waiting(models.predict(p, d, len(prompt_ids), cached,
-                                            view.cached_tokens(d, usable_hashes) // self.block_size),
-                             line_wait[d])
-                    for d in decodes
-                ]
+                per_d = [_waiting(models.predict(p, d, len(prompt_ids), cached, d_cached[d]), line_wait[d])
+                         for d in decodes]
                 # D: within the TBT SLO, the shortest wait for KV blocks (none where
                 # there is room), one with room before one without (whose wait
                 # may be unknown: read as none), the least busy (so a new decode
                 # worker takes requests even if its start-up profile came out
-                # slower), then the most KV headroom, then the one routed to
-                # least so far (idle equals take turns, and a scaled-up worker
-                # serves from the next request); past the SLO, the fastest. Every
-                # D is a candidate: one without room but within the TBT SLO was
-                # left out where another had room, and that one's TBT past the
-                # SLO was a 429 (or a miss) for a request the first could serve.
+                # slower), then the one whose cache holds most of the prompt (P
+                # sends it only the rest: a conversation's next turn went to
+                # whichever idle D was next in turn, and its whole history moved
+                # again), then the most KV headroom, then the one routed to least
+                # so far (idle equals take turns, and a scaled-up worker serves
+                # from the next request); past the SLO, the fastest. Every D is a
+                # candidate: one without room but within the TBT SLO was left out
+                # where another had room, and that one's TBT past the SLO was a
+                # 429 (or a miss) for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
                         c.tbt_s > tbt_slo_s, c.line_wait_s, headroom[c.decode_id] < needed[c.decode_id],
-                        inflight.get(c.decode_id, 0), -headroom[c.decode_id], view.num_routed.get(c.decode_id, 0),
-                        c.tbt_s)))
+                        inflight.get(c.decode_id, 0), -d_cached[c.decode_id], -headroom[c.decode_id],
+                        view.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})

@@ -776,3 +776,20 @@ def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold()
                                                      decode_held_blocks=64)
     assert view.headroom("d0") == 10 - 5 * 2
 
+
+def test_among_equally_busy_decode_workers_the_one_holding_the_prompt_is_chosen():
+    """A conversation's next turn: d1's cache holds its history, d0 is next in
+    turn (routed to less). d0 took it, and the whole history moved again; d1 is
+    sent only the rest. Busier than d0, d1 is not chosen (load comes first)."""
+    from actors.block_pool import block_hashes
+
+    prompt = list(range(200))
+    scheduler = _scheduler(ttft_ms=5000, decodes=("d0", "d1"))
+    view = scheduler.view
+    view.prefix["d1"].insert(block_hashes(prompt, 16, b"")[:12])
+    view.num_routed.update(d0=3, d1=4)
+    choice = scheduler.plan(prompt)
+    assert choice.decode_id == "d1" and choice.prefill_id == "p0"
+    view.models.inflight["running"] = InFlight("running", "p0", "d1", 100, 500, predicted_ttft_s=0.0,
+                                               first_token_s=time.monotonic())
+    assert scheduler.plan(prompt).decode_id == "d0"
