@@ -357,22 +357,32 @@ def test_a_failed_prefill_step_ends_its_request_and_prefill_keeps_serving(ray_lo
     assert serves(p, d, "after-step-fault")
 
 
-def _busy_pair(tiny_qwen2_dir, name: str, busy_s: float):
-    """A P and a D whose reservations expire after 0.5 s, P's engine then busy for `busy_s`."""
+@pytest.fixture(scope="module")
+def short_ttl_pair(ray_local, tiny_qwen2_dir):
+    """A P and a D whose reservations expire after 0.5 s, shared by the tests that
+    keep P busy (each leaves both idle: `wait_idle`)."""
     options = dataclasses.replace(OPTIONS, reservation_ttl_s=0.5, watchdog_interval_s=0.1)
-    p = start_worker("prefill", f"p-{name}", tiny_qwen2_dir, CONFIG, options)
-    d = start_worker("decode", f"d-{name}", tiny_qwen2_dir, CONFIG, options)
+    p = start_worker("prefill", "p-short-ttl", tiny_qwen2_dir, CONFIG, options)
+    d = start_worker("decode", "d-short-ttl", tiny_qwen2_dir, CONFIG, options)
     ray.get([p.profile.remote(), d.profile.remote()])  # (the start-up profile steps the engine)
+    yield p, d
+    for worker in (p, d):
+        ray.kill(worker)
+
+
+def _busy_pair(short_ttl_pair, busy_s: float):
+    """The short-TTL pair, P's engine busy for `busy_s` from now."""
+    p, d = short_ttl_pair
     ray.get(p.__ray_call__.remote(lambda worker: worker.loop.call(lambda engine: time.sleep(busy_s)) and None))
     return p, d
 
 
-def test_a_prefill_waiting_on_a_busy_prefill_worker_past_the_ttl_keeps_its_reservation(ray_local, tiny_qwen2_dir):
+def test_a_prefill_waiting_on_a_busy_prefill_worker_past_the_ttl_keeps_its_reservation(short_ttl_pair):
     """P's engine is busy six times `reservation_ttl_s` with the request waiting
     there: D keeps its reservation, as P says it holds the request
     (`PrefillWorker.holding`), and the request is served. D dropped it at the
     TTL: P computed the prompt for nobody, and the request failed."""
-    p, d = _busy_pair(tiny_qwen2_dir, "busy-ttl", busy_s=3.0)
+    p, d = _busy_pair(short_ttl_pair, busy_s=3.0)
     events = asyncio.run(consume(DisaggregatedCall(p, d, GenerateRequest("waits", LONG_PROMPT, SHORT.params), "gloo")))
     assert events[-1].finished and events[-1].error is None and events[-1].finish_reason == "length"
     assert sum(len(e.token_ids) for e in events) == 4
@@ -381,7 +391,7 @@ def test_a_prefill_waiting_on_a_busy_prefill_worker_past_the_ttl_keeps_its_reser
 
 
 @pytest.mark.parametrize("ending", ["error", "abort"])
-def test_a_request_whose_reservation_d_drops_before_its_prefill_is_not_prefilled(ray_local, tiny_qwen2_dir, ending):
+def test_a_request_whose_reservation_d_drops_before_its_prefill_is_not_prefilled(short_ttl_pair, ending):
     """D ends a request while its prompt waits on a busy P: with an error
     (`abort_transfer`, as a failed transfer or an expired reservation does), or
     as aborted by its client (`end_aborted`, D's part of /abort_request). The
@@ -390,7 +400,7 @@ def test_a_request_whose_reservation_d_drops_before_its_prefill_is_not_prefilled
     returned when D refused its first chunk."""
     busy_s = 3.0
     name = f"dropped-{ending}"
-    p, d = _busy_pair(tiny_qwen2_dir, name, busy_s)
+    p, d = _busy_pair(short_ttl_pair, busy_s)
     steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
     started = time.monotonic()
 
