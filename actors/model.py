@@ -218,8 +218,9 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, config: ModelConfig, kernels: ModelKernels) -> None:
         super().__init__()
-        # Uninitialised (the checkpoint fills it): on the meta device, `Embedding`'s own
-        # normal_ init imports torch._dynamo, 3 s of every worker's start on 2 CPUs.
+        # Uninitialised (the checkpoint fills it): on the meta device, `Embedding`'s own normal_
+        # init imports torch._dynamo, about a second of each worker's start on 2 CPUs
+        # (docs/benchmarks.md, "Session 56").
         table = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(config, kernels, index) for index in range(config.num_layers))

@@ -34,8 +34,8 @@ def test_the_report_reads_a_prestarted_process_as_such():
 def test_an_engine_starts_without_importing_torch_dynamo(tiny_qwen2_dir):
     """The model is built on the meta device: `Embedding`'s normal_ init and the
     RoPE table's arange went there through torch._refs, which imports
-    torch._dynamo, about 2 s of every worker's start on 2 CPUs (docs/benchmarks.md,
-    "Worker start")."""
+    torch._dynamo, about a second of each worker's start on 2 CPUs (docs/benchmarks.md,
+    "Session 56")."""
     code = ("import sys; from actors.config import EngineConfig; from actors.engine import Engine; "
             f"Engine({str(tiny_qwen2_dir)!r}, EngineConfig(num_kv_blocks=64)); "
             "print('torch._dynamo' in sys.modules)")
