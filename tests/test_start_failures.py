@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from concurrent.futures import Future
 
 import ray
@@ -93,7 +94,12 @@ async def _die_starting(pool, settings):
                    for role in ("prefill", "decode")):
                 break
             await asyncio.sleep(0.25)
-        await asyncio.sleep(0.5)  # a refresh reads the pool's start failures
+        # A refresh reads the pool's start failures (a fixed 0.5 s was too short for one on a slow CI machine)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (
+                set(scheduler.view.start_failures) == {"prefill", "decode"}
+                and all(f.failures_in_a_row >= 2 for f in scheduler.view.start_failures.values())):
+            await asyncio.sleep(0.1)
         return dict(events=events, health=scheduler.view.health(), ready=scheduler.view.ready)
 
 
