@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors import model_shapes, tokenizer_builder
-from actors.model_shapes import ARCH_SPECS, MOE_DENSE_LAYERS, PRESETS, ArchSpec, Preset, UnknownModel
+from actors.model_shapes import ARCH_SPECS, BUILD_STAMP, MOE_DENSE_LAYERS, PRESETS, ArchSpec, Preset, UnknownModel
 from actors.tokenizer_builder import IM_END, SPECIAL_TOKENS, build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,7 +60,6 @@ LOGIT_STD = 3.0
 NORM_NOISE_STD = 0.05
 BIAS_STD = 0.02
 RESIDUAL_GAIN = 16.0
-BUILD_STAMP = "tandem_build.json"
 
 
 def _check(preset: str, arch: str, dtype: str = "float32") -> tuple[Preset, ArchSpec]:

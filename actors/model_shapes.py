@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from actors.tokenizer_builder import ENDOFTEXT
 
 MOE_DENSE_LAYERS = (0,)  # qwen3_moe: the layers that keep one MLP (config.json's mlp_only_layers)
+BUILD_STAMP = "tandem_build.json"  # in a folder the builder wrote; names the preset, arch and builder once complete
 
 
 @dataclass(frozen=True)
