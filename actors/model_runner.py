@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from actors.attention_metadata import AttentionMetadata, PrefillSpan
 from actors.config import EngineConfig, ModelConfig
@@ -59,6 +60,29 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once
 
 
+def empty_on(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` for a model built on the meta device: storage
+    of each parameter's and buffer's shape and dtype, uninitialised. Made with
+    `torch.empty` from the shapes: `to_empty`'s `empty_like` of a meta tensor goes
+    through torch's Python references, which import sympy, about 0.4 s of every
+    worker's start here (tests/test_worker_startup.py)."""
+    made: dict[int, torch.Tensor] = {}  # a tensor two modules share stays shared
+
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            storage = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            made[id(tensor)] = (nn.Parameter(storage, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, nn.Parameter) else storage)
+        return made[id(tensor)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    tensors[name] = empty(tensor)
+    return model
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path) -> None:
         self.model_config = model_config
@@ -80,7 +104,7 @@ class ModelRunner:
         # device in float32 and then cast, a model took twice its weights' memory as it started.
         with torch.device("meta"):
             model = ForCausalLM(model_config, kernels)
-        model = model.to(dtype=dtype).to_empty(device=self.device)
+        model = empty_on(model.to(dtype=dtype), self.device)
         model.model.make_rope(self._max_len(), self.device)
         load_weights(model, Path(model_dir), dtype)
         self.model = model.eval()

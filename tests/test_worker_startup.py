@@ -31,13 +31,14 @@ def test_the_report_reads_a_prestarted_process_as_such():
         "a Ray worker process up since 0.5 s before the request, boot and imports 1.5 s, engine 1.0 s")
 
 
-def test_an_engine_starts_without_importing_torch_dynamo(tiny_qwen2_dir):
+def test_an_engine_starts_without_importing_torch_dynamo_or_sympy(tiny_qwen2_dir):
     """The model is built on the meta device: `Embedding`'s normal_ init and the
     RoPE table's arange went there through torch._refs, which imports
     torch._dynamo, about a second of each worker's start on 2 CPUs (docs/benchmarks.md,
-    "Session 56")."""
+    "Session 56"); `to_empty` then went through them too, and imported sympy
+    (0.4 s; "Session 57")."""
     code = ("import sys; from actors.config import EngineConfig; from actors.engine import Engine; "
             f"Engine({str(tiny_qwen2_dir)!r}, EngineConfig(num_kv_blocks=64)); "
-            "print('torch._dynamo' in sys.modules)")
+            "print([name for name in ('torch._dynamo', 'sympy') if name in sys.modules])")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert child.stdout.split()[-1] == "False"
+    assert child.stdout.splitlines()[-1] == "[]"
