@@ -348,3 +348,12 @@ class ModelLocation:
         from actors.model_builder import ensure_checkpoint
 
         return Path(ensure_checkpoint(self.preset, self.arch))
+
+    def present(self) -> Path | None:
+        """The checkpoint's folder where this node has it now (a preset built
+        here before), else None; unlike `resolve`, this builds nothing."""
+        if self.path is not None:
+            return Path(self.path) if Path(self.path).is_dir() else None
+        from actors.model_builder import built_checkpoint
+
+        return built_checkpoint(self.preset, self.arch)

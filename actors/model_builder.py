@@ -275,16 +275,24 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
 
 
+def built_checkpoint(preset: str, arch: str = "qwen2", root: Path | None = None) -> Path | None:
+    """`ensure_checkpoint`'s folder where it is built, by this builder's code, else
+    None: this call builds nothing."""
+    _check(preset, arch)
+    final = (Path(root) if root is not None else default_cache_root()) / f"{preset}-{arch}"
+    return final if _is_current(final, preset, arch) else None
+
+
 def ensure_checkpoint(preset: str, arch: str = "qwen2", root: Path | None = None) -> Path:
     """Return `<root>/<preset>-<arch>`, building it first if it does not exist yet.
 
     root defaults to $TANDEM_MODEL_CACHE, else ~/.cache/tandem/models. Safe under
     concurrent calls from several processes (see the module docstring)."""
-    _check(preset, arch)
+    built = built_checkpoint(preset, arch, root)
+    if built is not None:
+        return built
     root = Path(root) if root is not None else default_cache_root()
     final = root / f"{preset}-{arch}"
-    if _is_current(final, preset, arch):
-        return final
     root.mkdir(parents=True, exist_ok=True)
     with _file_lock(root / f".{preset}-{arch}.lock"):
         if _is_current(final, preset, arch):  # another process built it while we waited

@@ -47,6 +47,7 @@ from cluster.background_responses import BackgroundResponses, EventFeed, stream_
 from cluster.completions import Completions
 from cluster.config import AppSettings
 from cluster.conversation_truncation import drop_oldest_turns
+from cluster.early_pools import start_pools_early
 from cluster.ingress_guard import install_guard, refusal
 from cluster.pool_manager import get_or_create_pool
 from cluster.pool_settings import check_redeploy
@@ -482,6 +483,7 @@ def build_app(args: dict):
     """Serve's application builder: `import_path: cluster.app:build_app`."""
     settings = AppSettings.model_validate(args)
     check_redeploy(settings)  # pools started from another manifest run: refused, the replicas before serve on
+    start_pools_early(settings)  # beside the replicas' start, not after it (cluster/early_pools.py)
     # A replica that Serve stops (a redeploy, fewer replicas, `serve shutdown`) takes
     # no new request and finishes those it has: each ends within the request timeout,
     # where Serve's default grace of 20 s would cut a long stream short. It checks for
