@@ -7,8 +7,10 @@ that comes last in a replica's start: its process, then its imports of
 the pool manager's own process and imports begin, and only after them the
 workers'. Created by the application builder (`build_app`), the pool manager
 starts beside the replicas instead; each replica then finds it by name, as a
-replica always finds the one another replica made. A served app was healthy
-about N s sooner (docs/benchmarks.md, "Session 57").
+replica always finds the one another replica made. Its first worker was asked
+for about 3.5 s sooner here, and a served app was healthy about 2 s sooner (the
+replicas' own start is now as long as the workers'; docs/benchmarks.md, "Session
+57").
 
 Only where the builder can tell the deploy will stand: Ray is connected (`serve
 run` with an import path builds before it connects; a config file is built in a
