@@ -19,13 +19,13 @@ docs/benchmarks.md).
 First come, first served, so a request joining a line of k waits about
 (k + 1) / rate; k counts, besides the line at the last reading, this replica's
 requests sent to D since then that its room did not hold
-(`PoolView.num_joined_line`: a burst joins the line between two readings). With
+(`DecodeRooms.num_joined_line`: a burst joins the line between two readings). With
 room for the prompt once the line has what it asks for (the scheduler's
-`PoolView.headroom`), no wait. With no grant for `MIN_SPAN_S` or more since
+`DecodeRooms.headroom`), no wait. With no grant for `MIN_SPAN_S` or more since
 handshakes waited, D frees nothing now: the wait is the whole handshake wait,
 at whose end the request would be refused. Without a line read for `MIN_SPAN_S`
 in the window, no prediction here: the scheduler predicts the wait from when
-its requests on D will finish (`PoolView.release_wait_s`).
+its requests on D will finish (`DecodeRooms.release_wait_s`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What one scheduler replica knows of its pool, refreshed each second: the
 members (from the pool manager), each worker's stats, prefix index and cache
 cursor, the cost models (`WorkerModels`, with this replica's requests in flight),
-decode lines, start failures, and readiness.
+decode lines, start failures, and readiness; and, from them, each D's room
+(cluster/decode_rooms.py).
 
 Each refresh sends the pool manager a report for its autoscaler
 (cluster/scaling_signals.py): SLO outcomes, backlog and requests in flight; the
@@ -22,23 +23,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 
 import ray
 
 from actors.background import background_call
-from actors.block_pool import blocks_to_reserve
 from actors.deadlines import within
-from actors.decode_room import growth_blocks
 from actors.event_log import CacheEvents, Cursor
 from actors.messages import ProfileRunning, error_message
 from cluster.actor_errors import actor_died, actor_unavailable
-from cluster.admission import InFlight, WorkerModels
+from cluster.admission import WorkerModels
 from cluster.api_models import ApiError
 from cluster.config import AppSettings
 from cluster.cost_model import decode_features
 from cluster.decode_lines import DecodeLines
+from cluster.decode_rooms import DecodeRooms
 from cluster.metrics import Metrics
 from cluster.pool_settings import pools_keep, redeploy_refusal
 from cluster.restart_backoff import StartFailure
@@ -65,6 +64,7 @@ class PoolView:
         self.lines = DecodeLines(settings.timeouts.handshake_s)  # waits for D's KV blocks, for admission
         self.members: dict[str, object] = {}  # worker_id -> Member
         self.stats: dict[str, object] = {}  # worker_id -> WorkerStats
+        self.rooms = DecodeRooms(self)  # each D's room, as this replica reckons it
         self.prefix: dict[str, PrefixIndex] = {}
         self.cache_cursors: dict[str, Cursor] = {}  # worker_id -> where this replica read its cache events to
         self.store_index = StoreIndex(kv_seed, settings.kv_store.store_settings()) if settings.kv_store else None
@@ -95,7 +95,7 @@ class PoolView:
         for gone in (set(self.stats) | self.profiled) - set(self.members):
             self._forget(gone)
         # A reading is as of when it was asked for: a request admitted while the calls
-        # were on their way counts as sent since (`_room_and_sent`), not as in it.
+        # were on their way counts as sent since (`DecodeRooms`), not as in it.
         asked_s = time.monotonic()
         results = await asyncio.gather(*(within(m.handle.stats.remote(), WORKER_ANSWER_S) for m in members),
                                        return_exceptions=True)
@@ -393,111 +393,3 @@ class PoolView:
         if index is None or stats is None:
             return 0
         return max(match_any([index], hashes) - stats.num_cached_blocks, 0)
-
-    def headroom(self, worker_id: str) -> int:
-        """D's free KV blocks now, as far as this replica knows: those free at the
-        last reading of D's stats, less those the handshakes then in D's line ask
-        for (they take what comes free first), less those of this replica's
-        requests sent to D since (the reading does not show them yet), less the
-        growth D keeps for this replica's requests there (actors/decode_room.py;
-        the other replicas' are not known request by request). None at all
-        where D's batch is full (`Engine.batch_full`: it holds `max_num_seqs`
-        requests with its line's and those sent since): D grants the next
-        reservation only as a request ends, whatever blocks are free, and a D
-        routed to as if it had room kept the request in its line up to the
-        handshake's wait. Counting no headroom while any handshake waited
-        instead, a burst passing through an idle D's line (one engine-thread
-        call each) read as a full D: admission predicted a 4.7 s wait there and
-        answered 429."""
-        room, seqs, sent = self._room_and_sent(worker_id)
-        if len(sent) >= seqs:
-            return 0
-        return max(room - sum(blocks for _, blocks in sent), 0)
-
-    def num_joined_line(self, worker_id: str) -> int:
-        """This replica's requests that joined D's line since the last reading of
-        D's stats: sent to D since, still in their handshake, and past the room
-        `headroom` counts (blocks or places in D's batch), taken in the order
-        they were sent (those the room held are granted as they come). Counting
-        every request still in its handshake instead, a burst's own first
-        requests read as a line ahead of its last (with the grant rate of
-        readings before D's line, `tandem bench bursts --size 80 --prompt 96
-        --output 160` had 49-78 of 320 answered 429, predicted at up to 14 s,
-        while every first token served came within 3 s)."""
-        room, seqs, sent = self._room_and_sent(worker_id)
-        joined = 0
-        for index, (request, blocks) in enumerate(sent):
-            room -= blocks
-            past_room = room < 0 or index >= seqs
-            joined += past_room and request.prefill_id is not None and request.reserved_s is None
-        return joined
-
-    def release_wait_s(self, worker_id: str, needed_blocks: int, step_s: float) -> float | None:
-        """How long until D frees `needed_blocks` more blocks than `headroom`
-        leaves (what the requests ahead of one more in its line take first),
-        and, where D's batch is full, until enough of its requests end for one
-        more; from this replica's requests D holds: each runs to its
-        `max_new_tokens` at `step_s` a token (as `WorkerModels.tbt_at` takes
-        them to) and then frees its blocks and the growth D kept for it. Past
-        what they hold, D is taken to free blocks at the pace they did (it turns
-        its pool over again). None with nothing of this replica's on D to go by.
-        For a D whose line no reading has shown yet (`DecodeLines.wait_s` is
-        None): with no prediction there, the start of an overload admitted a
-        second's arrivals whole, and D's line made them late. A request run to
-        its end is the most it can take: one that stops early frees its blocks
-        sooner."""
-        room, seqs, sent = self._room_and_sent(worker_id)
-        short = needed_blocks - (room - sum(blocks for _, blocks in sent))
-        short_seqs = len(sent) + 1 - seqs  # requests that must end before D's batch takes one more
-        if short <= 0 and short_seqs <= 0:
-            return 0.0
-        now = time.monotonic()
-        releases = []
-        for r in self.models.inflight.values():
-            if r.decode_id != worker_id or r.reserved_s is None:
-                continue
-            first_token_in_s = 0.0 if r.first_token_s is not None else max((r.first_token_due_s or now) - now, 0.0)
-            releases.append((first_token_in_s + (r.max_new_tokens - r.num_generated) * step_s, sum(self._blocks(r))))
-        releases.sort()
-        freed = 0
-        for ended, (at_s, blocks) in enumerate(releases, 1):
-            freed += blocks
-            if freed >= short and ended >= short_seqs:
-                return at_s
-        if not freed or step_s <= 0:
-            return None
-        return releases[-1][0] * max(short / freed, short_seqs / len(releases))
-
-    def _blocks(self, request: InFlight) -> tuple[int, int]:
-        """The blocks `request` holds on its D, and the growth D keeps for it
-        (actors/decode_room.py)."""
-        num_tokens = request.num_prompt_tokens + request.num_generated
-        held = blocks_to_reserve(num_tokens, self.block_size)
-        return held, growth_blocks(num_tokens, request.num_generated, request.max_new_tokens, held,
-                                   self.settings.engine.decode_reserve_tokens, self.block_size, self.max_model_len)
-
-    def _room_and_sent(self, worker_id: str) -> tuple[int, int | float, list[tuple[InFlight, int]]]:
-        """D's free blocks at the last reading of its stats, less those its line
-        then asked for and the growth D keeps for this replica's requests read
-        there; the requests D's batch then had places for, less its line's (no
-        bound where D did not say); and this replica's requests sent to D since,
-        in the order they were sent, each with the blocks it takes (its prompt's
-        less those D held for running requests as it was sent, and its growth: a
-        burst sharing a system prompt D serves was charged the prompt once a
-        request)."""
-        stats = self.stats.get(worker_id)
-        if stats is None:
-            return 0, 0, []
-        seqs = math.inf if stats.num_free_seqs is None else stats.num_free_seqs - stats.num_waiting_handshakes
-        read_at = self.lines.read_at_s(worker_id)
-        room = stats.num_blocks - stats.num_used_blocks - stats.num_waiting_blocks
-        sent = []
-        for r in self.models.inflight.values():
-            if r.decode_id != worker_id:
-                continue
-            held, owed = self._blocks(r)
-            if read_at is not None and r.admitted_s > read_at:
-                sent.append((r, max(held - r.decode_held_blocks, 0) + owed))
-            else:
-                room -= owed
-        return room, seqs, sent

@@ -124,7 +124,7 @@ class GlobalScheduler:
                 for c in view.routable("colocated", exclude)
             ]
         else:
-            headroom = {d: view.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
+            headroom = {d: view.rooms.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
             # Less the prompt's blocks D holds for running requests, which its reservation shares (a D serving
             # a shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
             needed = {d: needed_blocks - view.held_prefix_blocks(d, usable_hashes) for d in headroom}
@@ -183,14 +183,14 @@ class GlobalScheduler:
         reservations D granted since a reading showed its line
         (cluster/decode_lines.py), and before any reading did, from when this
         replica's requests on D will free blocks (at D's predicted step time
-        now, `PoolView.release_wait_s`); None where neither says."""
+        now, `DecodeRooms.release_wait_s`); None where neither says."""
         if headroom >= needed_blocks:
             return 0.0
         lines = self.view.lines
-        wait = lines.wait_s(decode_id, has_room=False, joined=self.view.num_joined_line(decode_id))
+        wait = lines.wait_s(decode_id, has_room=False, joined=self.view.rooms.num_joined_line(decode_id))
         if wait is None:
             step_s = self.view.models.tbt_at(decode_id, 0.0, 0)  # D's step now (the line's requests not in it)
-            wait = self.view.release_wait_s(decode_id, needed_blocks, step_s)
+            wait = self.view.rooms.release_wait_s(decode_id, needed_blocks, step_s)
         return None if wait is None else min(wait, lines.max_wait_s)
 
     # ---- running a request --------------------------------------------------------------

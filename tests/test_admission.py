@@ -462,7 +462,7 @@ def test_a_burst_joins_the_line_only_past_the_room_it_found():
     scheduler.view.lines.observe("d0", num_granted=14, num_waiting=0, now_s=2.0)
     for index in range(5):  # 100 prompt tokens and 10 out: 7 blocks each, none reserved yet
         scheduler.view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 100, 10, 0.1)
-    assert scheduler.view.num_joined_line("d0") == 2
+    assert scheduler.view.rooms.num_joined_line("d0") == 2
     assert scheduler.plan(list(range(300))).line_wait_s == pytest.approx((0 + 2 + 1) / 2)
 
 
@@ -480,8 +480,8 @@ def test_before_a_line_was_read_a_full_ds_wait_is_when_its_requests_finish():
     for index, left in enumerate((30, 10, 20)):
         view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 127, left, 0.1,
                                                          admitted_s=now - 5, reserved_s=now - 4, first_token_s=now - 3)
-    assert view.release_wait_s("d0", needed_blocks=10, step_s=0.01) == pytest.approx(0.2)
-    assert view.release_wait_s("d0", needed_blocks=40, step_s=0.01) == pytest.approx(0.5)
+    assert view.rooms.release_wait_s("d0", needed_blocks=10, step_s=0.01) == pytest.approx(0.2)
+    assert view.rooms.release_wait_s("d0", needed_blocks=40, step_s=0.01) == pytest.approx(0.5)
     choice = scheduler.plan(list(range(300)))  # 19 blocks: when the third finishes, at D's step time now
     step_s = view.models.tbt_at("d0", 0.0, 0)
     assert step_s > 0 and choice.line_wait_s == pytest.approx(30 * step_s)
@@ -669,18 +669,18 @@ def test_a_decode_worker_whose_batch_is_full_has_no_headroom_whatever_blocks_are
     for index, left in enumerate((30, 10)):
         view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 100, left, 0.1, admitted_s=now,
                                                          reserved_s=now, first_token_s=now)
-    assert view.headroom("d0") == 0 and view.headroom("d1") == 100
+    assert view.rooms.headroom("d0") == 0 and view.rooms.headroom("d1") == 100
     assert scheduler.plan(list(range(32))).decode_id == "d1"
-    assert view.release_wait_s("d0", needed_blocks=1, step_s=0.01) == pytest.approx(0.1)  # the 10 tokens to go
+    assert view.rooms.release_wait_s("d0", needed_blocks=1, step_s=0.01) == pytest.approx(0.1)  # the 10 tokens to go
 
     alone = _scheduler(ttft_ms=10_000, decode_reserve_tokens=0)
     alone.view.stats["d0"] = _idle_stats("d0", num_free_seqs=2, num_waiting_handshakes=1)  # one place left
     alone.view.lines.observe("d0", num_granted=0, num_waiting=0, now_s=now - 1.0)
-    assert alone.view.headroom("d0") > 0
+    assert alone.view.rooms.headroom("d0") > 0
     for index in range(3):  # sent since the reading, the last two past D's places, in its line
         alone.view.models.inflight[f"mine-{index}"] = InFlight(f"mine-{index}", "p0", "d0", 100, 10, 0.1,
                                                                admitted_s=now)
-    assert alone.view.headroom("d0") == 0 and alone.view.num_joined_line("d0") == 2
+    assert alone.view.rooms.headroom("d0") == 0 and alone.view.rooms.num_joined_line("d0") == 2
 
 
 def test_draining_workers_get_no_new_requests():
@@ -707,7 +707,7 @@ def test_a_decode_workers_room_counts_what_its_requests_and_the_new_one_will_gro
         scheduler.view.models.inflight[name] = InFlight(name, "p0", "d0", 100, 200, predicted_ttft_s=0.1,
                                                    admitted_s=time.monotonic() - 5.0, first_token_s=time.monotonic(),
                                                    num_generated=10)
-    assert scheduler.view.headroom("d0") == 50 - 2 * 12
+    assert scheduler.view.rooms.headroom("d0") == 50 - 2 * 12
     assert scheduler.plan(list(range(32)), max_new_tokens=100).line_wait_s == 0.0
     waiting = scheduler.plan(list(range(32)), max_new_tokens=500)
     assert waiting.line_wait_s == pytest.approx(0.25, rel=1e-3)  # 1 / the 4 grants a second with a line
@@ -774,7 +774,7 @@ def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold()
     for index in range(5):
         view.models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=0.1,
                                                      decode_held_blocks=64)
-    assert view.headroom("d0") == 10 - 5 * 2
+    assert view.rooms.headroom("d0") == 10 - 5 * 2
 
 
 def test_among_equally_busy_decode_workers_the_one_holding_the_prompt_is_chosen():

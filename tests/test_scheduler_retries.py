@@ -204,7 +204,7 @@ def test_a_request_admitted_while_a_reading_of_d_was_on_its_way_is_not_in_it():
         view.models.inflight["burst"] = InFlight("burst", "p0", "d0", 96 * 16 - 1, 1, 0.5)  # admitted, reserved
         used["d0"] = 996
         await refreshing
-        return view.headroom("d0")
+        return view.rooms.headroom("d0")
 
     assert asyncio.run(run()) <= 4
 
