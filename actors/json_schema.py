@@ -20,7 +20,8 @@ cannot count brackets, so this writes the shape out as one, as outlines does:
   `$ref` into `$defs`/`definitions` (not recursive);
 - free JSON: `json_object` any object `FREE_DEPTH` levels of objects and arrays
   deep; a value a schema leaves free (`{}`, an object without `properties`, an
-  array without `items`) `NESTED_FREE_DEPTH` levels.
+  array without `items`) `NESTED_FREE_DEPTH` levels (actors/json_text.py writes
+  JSON's own text).
 The text is laid out as `json.dumps` writes it: `", "` and `": "` between items,
 nothing inside the brackets. One layout, not any whitespace (outlines' `[ ]?`,
 xgrammar's any): a small model cannot pad the output with spaces, and the keys with
@@ -43,33 +44,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import NamedTuple
 from urllib.parse import unquote
 
 from actors.integer_ranges import integer_range_regex
+from actors.json_text import (COLON, COUNTED_CHAR, INTEGER, NESTED_FREE_DEPTH, NUMBER, SCALARS, STRING, array_of,
+                               free_json_regex, members_of, object_of)
+from actors.json_values import KINDS, Shape, canonical, is_of_type, kinds_of_value, may_overlap
 from actors.regex_dfa import RegexError, compile_regex
 
-FREE_DEPTH = 3  # levels of objects and arrays any JSON object (`json_object`) may use
-NESTED_FREE_DEPTH = 2  # and a value a schema leaves free (each copy costs automaton states)
 # A schema's pattern, and each of its parts, is at most this long: longer ones pass the
 # automaton's bounds anyway (actors/regex_dfa.py: 40k characters of nested arrays did).
 MAX_PATTERN_CHARS = 200_000
 MAX_WRITTEN_CHARS = 20 * MAX_PATTERN_CHARS  # of all parts as written (nested ones counted at each level)
-COMMA, COLON = ", ", ": "  # json.dumps' separators, exactly
-# A \u escape of a character outside the surrogates, and a surrogate pair's two: a
-# lone half is no Unicode text (Rust's serde_json refuses it, as does this server's own
-# door, cluster/strict_json.py, and a tool call whose arguments held one came back as text).
-_ESCAPE = r"\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
-_PAIR_ESCAPE = r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-# One character of a string whose length is bounded: a pair as escapes is left out (it
-# would cost each counted character automaton states; the character itself is allowed).
-COUNTED_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|{_ESCAPE})'
-STRING_CHAR = rf'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|{_ESCAPE}|{_PAIR_ESCAPE})'
-STRING = f'"{STRING_CHAR}*"'
-INTEGER = r"-?(?:0|[1-9][0-9]*)"
-NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _NOT_IN_A_STRING = [ord('"'), ord("\\"), *range(0x20)]  # bytes a string's pattern must not allow
-SCALARS = {"integer": INTEGER, "number": NUMBER, "boolean": "(?:true|false)", "null": "null", "string": STRING}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
 # Each month's days (February's 29 whatever the year: leap years are not checked)
@@ -92,16 +79,6 @@ KEYWORDS = {
     "string": {"type", "minLength", "maxLength", "pattern", "format"},
     "integer": {"type", *BOUNDS}, "number": {"type", *BOUNDS}, "boolean": {"type"}, "null": {"type"},
 }
-
-
-def free_json_regex(depth: int = FREE_DEPTH, top: str = "object") -> str:
-    """Any JSON `top` ("object", "array" or "value") with at most `depth` levels of
-    objects and arrays, the outermost included."""
-    inner = "(?:" + "|".join(SCALARS.values()) + ")"
-    for _ in range(depth - 1):
-        inner = f"(?:{inner}|{_object_of(inner)}|{_array_of(inner, 0, None)})"
-    containers = {"object": _object_of(inner), "array": _array_of(inner, 0, None)}
-    return containers[top] if top in containers else f"(?:{inner}|{containers['object']}|{containers['array']})"
 
 
 def schema_regex(schema, what: str = "json_schema") -> str:
@@ -154,66 +131,12 @@ def _meta_schema_problem(schema: dict) -> str | None:
     return f"at {where}: {message}" if where else message
 
 
-JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
-              "integer": int, "number": (int, float)}
-
-
-def _is_of_type(value, kind: str) -> bool:
-    if isinstance(value, bool) and kind in ("integer", "number"):
-        return False  # (a bool is an int to Python, not to JSON)
-    if kind == "integer" and isinstance(value, float):
-        return value.is_integer()
-    return isinstance(value, JSON_TYPES[kind])
-
-
-# The kinds of JSON value, an integer apart from a number with a fraction: a type's kinds.
-_KINDS = {"null": frozenset({"null"}), "boolean": frozenset({"boolean"}), "string": frozenset({"string"}),
-          "object": frozenset({"object"}), "array": frozenset({"array"}), "integer": frozenset({"integer"}),
-          "number": frozenset({"integer", "fraction"})}
-
-
-def _kinds_of_value(value) -> frozenset:
-    for kind in ("null", "boolean", "string", "object", "array", "integer"):
-        if _is_of_type(value, kind):
-            return _KINDS[kind]
-    return frozenset({"fraction"})
-
-
-class _Shape(NamedTuple):
-    """What values a schema may match, coarsely (`_Writer._shape`)."""
-
-    kinds: frozenset  # the kinds of value (`_KINDS`)
-    values: frozenset | None = None  # an enum's or const's values as JSON text (`_canonical`); None: any of its kinds
-
-
-def _may_overlap(first: _Shape | None, second: _Shape | None) -> bool:
-    """Whether two shapes (None: any value) may match one value."""
-    if first is None or second is None:
-        return True
-    if first.values is not None and second.values is not None:
-        return bool(first.values & second.values)
-    return bool(first.kinds & second.kinds)
-
-
 def _definition_name(ref) -> str | None:
     """The `$defs`/`definitions` name a `$ref` points at, its JSON pointer's
     escapes decoded (`~1` a "/", `~0` a "~", after the URI's `%xx`: `a~1b`
     names `a/b`); None for any other reference."""
     match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
     return None if match is None else unquote(match.group(1)).replace("~1", "/").replace("~0", "~")
-
-
-def _canonical(value):
-    """`value` with its whole floats as integers, nested ones too: JSON Schema
-    compares numbers by value (`1` and `1.0` are one value, which two oneOf
-    options naming them both match)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_canonical(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _canonical(v) for k, v in value.items()}
-    return value
 
 
 def _literal(value, where: str) -> str:
@@ -334,12 +257,12 @@ class _Writer:
         shapes = [self._shape(option) for option in options]
         for i, first in enumerate(shapes):
             for j in range(i + 1, len(shapes)):
-                if _may_overlap(first, shapes[j]):
+                if may_overlap(first, shapes[j]):
                     raise RegexError(f"json_schema: {where}.oneOf options {i} and {j} may both match a value, "
                                      "which oneOf forbids and the expression cannot: use anyOf, or options of "
                                      "different types")
 
-    def _shape(self, schema, seen: frozenset = frozenset()) -> _Shape | None:
+    def _shape(self, schema, seen: frozenset = frozenset()) -> Shape | None:
         """What values a schema may match, coarsely; None for any value (unknown)."""
         if not isinstance(schema, dict) or not schema:
             return None
@@ -352,19 +275,19 @@ class _Writer:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list):
                 return None
-            return _Shape(frozenset().union(*(_kinds_of_value(v) for v in values)),
-                          frozenset(json.dumps(_canonical(v), sort_keys=True) for v in values))
+            return Shape(frozenset().union(*(kinds_of_value(v) for v in values)),
+                          frozenset(json.dumps(canonical(v), sort_keys=True) for v in values))
         for name in ("anyOf", "oneOf"):
             if isinstance(schema.get(name), list):
                 shapes = [self._shape(option, seen) for option in schema[name]]
                 if any(shape is None for shape in shapes):
                     return None
-                return _Shape(frozenset().union(*(shape.kinds for shape in shapes)))
+                return Shape(frozenset().union(*(shape.kinds for shape in shapes)))
         kind = schema.get("type", "object" if "properties" in schema else "array" if "items" in schema else None)
         if kind is None:
             return None
         kinds = kind if isinstance(kind, list) else [kind]
-        return _Shape(frozenset().union(*(_KINDS.get(k, frozenset(_KINDS)) for k in kinds)))
+        return Shape(frozenset().union(*(KINDS.get(k, frozenset(KINDS)) for k in kinds)))
 
     @staticmethod
     def _typed(schema: dict, values: list, where: str) -> None:
@@ -374,7 +297,7 @@ class _Writer:
             return
         kinds = kinds if isinstance(kinds, list) else [kinds]
         for value in values:
-            if not any(_is_of_type(value, kind) for kind in kinds):
+            if not any(is_of_type(value, kind) for kind in kinds):
                 raise RegexError(f"json_schema: {where} value {json.dumps(value)[:80]} is not of type "
                                  f"{' or '.join(kinds)}: no output could match the schema")
 
@@ -453,7 +376,7 @@ class _Writer:
                 return "\\{\\}"
             if extra is True or extra == {}:
                 return free_json_regex(NESTED_FREE_DEPTH, "object")
-            return _object_of(self.value(extra, f"{path}.additionalProperties"))
+            return object_of(self.value(extra, f"{path}.additionalProperties"))
         if not isinstance(properties, dict):
             raise RegexError(f"json_schema: {path or 'the schema'}.properties must be an object")
         required = set(schema.get("required", []))
@@ -463,12 +386,12 @@ class _Writer:
         members = [(f'"{re.escape(json.dumps(name, ensure_ascii=False)[1:-1])}"{COLON}'
                     f"{self.value(sub, f'{path}.{name}')}", name in required)
                    for name, sub in properties.items()]
-        return "\\{" + _members(members) + "\\}"
+        return "\\{" + members_of(members) + "\\}"
 
     def _array(self, schema: dict, path: str) -> str:
         low, high = _count_bounds(schema, "minItems", "maxItems", path or "the schema")
         items = schema.get("items", True)
-        return _array_of(self.value(items, f"{path}[]"), low, high)
+        return array_of(self.value(items, f"{path}[]"), low, high)
 
     def _string(self, schema: dict, where: str) -> str:
         if "format" in schema:
@@ -533,40 +456,3 @@ def _count_bounds(schema: dict, low_name: str, high_name: str, where: str) -> tu
     if not isinstance(low, int) or low < 0 or high is not None and (not isinstance(high, int) or high < low):
         raise RegexError(f"json_schema: {where} has bad {low_name}/{high_name}")
     return low, high
-
-
-def _members(members: list[tuple[str, bool]]) -> str:
-    """Object members in order, the required ones present, the others optional,
-    commas between. Written from the left, each member once: `seen` is the
-    pattern of the members so far when at least one is written. Until a required
-    one comes, nothing may precede a member, so it is the first written or
-    follows what was (`(?:seen, m)` or `m`); after one, it only follows. One
-    alternative per member that may come first, each repeating the rest, grew
-    with the square of the members: 22 optional ones (a pydantic model of
-    `Optional` fields) passed the automaton's bounds."""
-    seen, may_be_empty = None, True
-    for member, is_required in members:
-        if seen is None:
-            seen = member
-        elif not may_be_empty:
-            seen = f"{seen}{COMMA}{member}" if is_required else f"{seen}(?:{COMMA}{member})?"
-        else:
-            seen = f"(?:{seen}{COMMA})?{member}" if is_required else f"(?:{seen}(?:{COMMA}{member})?|{member})"
-        may_be_empty = may_be_empty and not is_required
-    if seen is None:
-        return ""
-    return f"(?:{seen})?" if may_be_empty else seen
-
-
-def _object_of(value: str) -> str:
-    """Any object whose members' values match `value`."""
-    member = f"{STRING}{COLON}{value}"
-    return f"\\{{(?:{member}(?:{COMMA}{member})*)?\\}}"
-
-
-def _array_of(item: str, low: int, high: int | None) -> str:
-    if high == 0:
-        return "\\[\\]"
-    rest = f"(?:{COMMA}{item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
-    body = f"{item}{rest}"
-    return f"\\[{body if low else f'(?:{body})?'}\\]"

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _patterns() -> dict[str, str]:
-    from actors.json_schema import free_json_regex, schema_regex
+    from actors.json_schema import schema_regex
+    from actors.json_text import free_json_regex
     from actors.regex_dfa import choice_regex
 
     schema = {"type": "object", "required": ["name", "age"], "properties": {
@@ -188,7 +189,7 @@ def _jump_forward(args) -> dict[str, dict[str, list[float]]]:
 def main(args: argparse.Namespace) -> None:
     import torch
 
-    from actors.json_schema import free_json_regex
+    from actors.json_text import free_json_regex
     from actors.llm import LLM
     from actors.model_builder import ensure_checkpoint
 

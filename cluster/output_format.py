@@ -18,7 +18,8 @@ regular: they stay refused, cluster/api_models.py's `UNSUPPORTED`.)
 
 from __future__ import annotations
 
-from actors.json_schema import free_json_regex, schema_regex
+from actors.json_schema import schema_regex
+from actors.json_text import free_json_regex
 from actors.regex_dfa import RegexError, choice_regex
 
 STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "json_object"}

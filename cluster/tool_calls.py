@@ -44,7 +44,8 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.json_schema import NESTED_FREE_DEPTH, check_json_schema, free_json_regex, schema_regex
+from actors.json_schema import check_json_schema, schema_regex
+from actors.json_text import NESTED_FREE_DEPTH, free_json_regex
 from actors.sampling_params import InvalidRequestError
 from cluster import hermes_calls, llama_calls, mistral_calls
 from cluster.answer_parts import ParsedCalls, known_call

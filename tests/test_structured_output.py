@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from actors.integer_ranges import integer_range_regex
-from actors.json_schema import free_json_regex, schema_regex
+from actors.json_schema import schema_regex
+from actors.json_text import free_json_regex
 from actors.llm import LLM
 from actors import dfa_minimise, regex_dfa
 from actors.regex_dfa import START, RegexError, choice_regex, compile_regex
