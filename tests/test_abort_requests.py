@@ -273,7 +273,13 @@ def test_an_abort_that_reaches_prefill_while_its_channel_opens_ends_it(ray_local
     reservation = ray.get(d.reserve.remote(waiting, "unread", p))
     steps = ray.get(p.__ray_call__.remote(lambda worker: worker.engine.num_steps))
     prefilled = p.prefill.remote(waiting, reservation, d, "gloo")
-    assert ray.get(p.abort_named.remote("opening")) == ["opening-0"]  # (sent after it: it runs from its first await)
+    # An async actor need not run two calls in the order they were sent (a clean-clone run ran the abort
+    # first, and its mark turned the prefill away: tested above): the abort goes once P holds the job.
+    deadline = time.monotonic() + 10
+    while not ray.get(p.__ray_call__.remote(lambda worker: "opening-0" in worker._jobs)):
+        assert time.monotonic() < deadline, "P never took the prefill"
+        time.sleep(0.005)
+    assert ray.get(p.abort_named.remote("opening")) == ["opening-0"]
     with pytest.raises(RequestAborted):
         ray.get(prefilled)
     ray.get(d.end_aborted.remote(["opening-0"]))  # (as the scheduler's call does on RequestAborted)
