@@ -279,8 +279,12 @@ def built_checkpoint(preset: str, arch: str = "qwen2", root: Path | None = None)
     """`ensure_checkpoint`'s folder where it is built, by this builder's code, else
     None: this call builds nothing."""
     _check(preset, arch)
-    final = (Path(root) if root is not None else default_cache_root()) / f"{preset}-{arch}"
+    final = _folder(preset, arch, root)
     return final if _is_current(final, preset, arch) else None
+
+
+def _folder(preset: str, arch: str, root: Path | None) -> Path:
+    return (Path(root) if root is not None else default_cache_root()) / f"{preset}-{arch}"
 
 
 def ensure_checkpoint(preset: str, arch: str = "qwen2", root: Path | None = None) -> Path:
@@ -291,8 +295,8 @@ def ensure_checkpoint(preset: str, arch: str = "qwen2", root: Path | None = None
     built = built_checkpoint(preset, arch, root)
     if built is not None:
         return built
-    root = Path(root) if root is not None else default_cache_root()
-    final = root / f"{preset}-{arch}"
+    final = _folder(preset, arch, root)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     with _file_lock(root / f".{preset}-{arch}.lock"):
         if _is_current(final, preset, arch):  # another process built it while we waited
