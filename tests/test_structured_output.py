@@ -105,6 +105,25 @@ def test_hashed_rounds_merge_what_the_exact_rounds_merge(pattern):
         assert not dfa_minimise._merges_soundly(wrong, by_class, accepting)
 
 
+def test_dead_ends_are_the_states_no_accepting_state_can_be_reached_from():
+    """`prune_dead`'s search back from the accepting states against the rounds of "leads
+    to a live state" it replaced (one round a step of the longest path), on random
+    automata: the same transitions kept."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        num_states, num_columns = rng.integers(2, 40), rng.integers(1, 6)
+        transitions = rng.integers(0, num_states, (num_states, num_columns)).astype(np.int32)
+        transitions[0] = 0
+        accepting = rng.random(num_states) < 0.1
+        accepting[0] = False
+        live = accepting.copy()
+        while not (live == (reaches := live[transitions].any(axis=1) | accepting)).all():
+            live = reaches
+        live[0] = False
+        expected = np.where(live[transitions], transitions, 0)
+        assert (dfa_minimise.prune_dead(transitions, accepting) == expected).all()
+
+
 @pytest.mark.parametrize("pattern, message", [
     (r"(a)\1", "backreferences"), (r"(?=a)b", "lookahead"), (r"\bfoo", "anchors"), (r"a^b", "anchors"),
     (r"(?i)abc", "case-insensitive"), ("a(", "not valid"), ("", "non-empty"), (r"a{100000}", "too large"),
