@@ -20,9 +20,26 @@ xgrammar draw the same line), `.` every character but a newline (every one under
 does, is refused with the reason: backreferences, lookarounds, word boundaries,
 anchors other than at the two ends, case-insensitive matching, possessive
 repeats. A pattern whose automaton has more than `MAX_STATES` states once merged
-is refused too (each state costs a walk of the vocabulary when a request first
-reaches it), and one whose subset construction passes `MAX_BUILT_STATES` or
-`MAX_WORK` before merging (its time).
+is refused too (its transitions, 512 bytes a state, are held by the ingress and
+each worker a request visits), and one whose subset construction passes
+`MAX_BUILT_STATES` or `MAX_WORK` before merging (its time).
+
+A repeat of many copies (`x{0,1000}`: a JSON schema's `maxLength`, `maxItems`) is
+built from its part's own merged DFA, one copy of its states a count
+(`_Nfa._copier`), not from the part's NFA: the subset construction then builds
+about the merged automaton itself (a JSON string of at most 1000 characters: 14
+states a character, 14,004 in all, 0.5 s), where built from the NFA it made about
+twice the states and left them to merging, whose rounds grow with the chain's
+length and stop short of it (a bound of 5000 states then refused any string of
+more than about 185 characters; clients like a `maxLength` of 2000, which is now
+28,004 states). xgrammar met the same blow-up (`[a-z]{2,20000}` slow to compile)
+and added a repetition expression to its grammars (its PR #368); llama.cpp turns a
+repetition of more than 2000 into an unbounded one, so it lets through text longer
+than the schema allows, which Tandem never does: past `MAX_STATES` it refuses.
+
+The DFAs of a process's latest patterns are kept (`compile_regex`; the ingress and
+each worker a request visits compile a pattern once), at most `MAX_CACHED` of them
+and `MAX_CACHED_STATES` states in all: a pattern at the bound holds 15 MB.
 
 States: 0 is dead (nothing can follow), 1 the start. Transitions that lead only to
 dead states go to 0, so a live state can still be completed, and a state is
@@ -33,6 +50,8 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,10 +66,13 @@ except ImportError:  # Python 3.10
     import sre_constants as sre  # noqa: F401
     import sre_parse
 
-MAX_STATES = 5000  # of the automaton kept (its states merged)
-MAX_BUILT_STATES = 10_000  # of the subset construction's, before merging
+MAX_STATES = 30_000  # of the automaton kept (its states merged): 15 MB of transitions (int16) at most
+MAX_BUILT_STATES = 60_000  # of the subset construction's, before merging
 MAX_NFA_STATES = 100_000  # bounds what counted repeats expand to
+MANY_COPIES = 8  # a repeat of more copies is built from its part's own DFA (`_Nfa._copier`)
 MAX_WORK = 3_000_000  # NFA states visited by the subset construction: about a second of it at most
+MAX_CACHED = 64  # compiled patterns a process keeps,
+MAX_CACHED_STATES = 120_000  # and their states in all (60 MB of transitions)
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)
 
@@ -61,7 +83,7 @@ class RegexError(InvalidRequestError):
 
 @dataclass(frozen=True, eq=False)
 class ByteDfa:
-    transitions: np.ndarray  # int32 [states, 256]: the next state; 0 dead
+    transitions: np.ndarray  # int16 [states, 256]: the next state; 0 dead
     accepting: np.ndarray  # bool [states]
 
     @functools.cached_property
@@ -82,16 +104,49 @@ class ByteDfa:
         return bool(self.accepting[self.walk(START, text.encode())])
 
 
-@functools.lru_cache(maxsize=64)
+class _Compiled:
+    """The latest patterns' DFAs, the least recently asked for dropped first while
+    there are more than `MAX_CACHED` or their states pass `MAX_CACHED_STATES`
+    (threads compile: the ingress's request threads, a worker's off its engine)."""
+
+    def __init__(self) -> None:
+        self._dfas: OrderedDict[str, ByteDfa] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, pattern: str) -> ByteDfa | None:
+        with self._lock:
+            dfa = self._dfas.get(pattern)
+            if dfa is not None:
+                self._dfas.move_to_end(pattern)
+            return dfa
+
+    def put(self, pattern: str, dfa: ByteDfa) -> None:
+        with self._lock:
+            self._dfas[pattern] = dfa
+            while len(self._dfas) > 1 and (len(self._dfas) > MAX_CACHED or sum(
+                    len(kept.accepting) for kept in self._dfas.values()) > MAX_CACHED_STATES):
+                self._dfas.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._dfas.clear()
+
+
+COMPILED = _Compiled()
+
+
 def compile_regex(pattern: str) -> ByteDfa:
-    """The pattern's DFA (cached: a pattern is compiled at the ingress and on every
-    worker a request visits); RegexError when it cannot be one."""
+    """The pattern's DFA (kept: `COMPILED`); RegexError when it cannot be one."""
     if not isinstance(pattern, str) or not pattern:
         raise RegexError("regex must be a non-empty string")
-    try:
-        return _compile(pattern)
-    except RecursionError:
-        raise RegexError("regex is nested too deeply") from None
+    dfa = COMPILED.get(pattern)
+    if dfa is None:
+        try:
+            dfa = _compile(pattern)
+        except RecursionError:
+            raise RegexError("regex is nested too deeply") from None
+        COMPILED.put(pattern, dfa)
+    return dfa
 
 
 def _compile(pattern: str) -> ByteDfa:
@@ -195,13 +250,15 @@ class _Nfa:
         raise RegexError(f"regex: {str(op).lower()} is not supported")
 
     def repeat(self, items, low: int, high: int | None) -> tuple[int, int]:
+        copies = low + (1 if high is None else high - low)
+        copy = self._copier(items) if copies > MANY_COPIES else functools.partial(self.sequence, items)
         start = end = self.state()
         for _ in range(low):
-            first, last = self.sequence(items)
+            first, last = copy()
             self.epsilon[end].append(first)
             end = last
         if high is None:  # a loop: zero or more further copies
-            first, last = self.sequence(items)
+            first, last = copy()
             self.epsilon[end].append(first)
             self.epsilon[last].append(first)
             tail = self.state()
@@ -210,11 +267,32 @@ class _Nfa:
             return start, tail
         exit_ = self.state()  # optional copies, nested: x{0,3} as (x(x(x)?)?)?
         for _ in range(high - low):
-            first, last = self.sequence(items)
+            first, last = copy()
             self.epsilon[end] += [first, exit_]
             end = last
         self.epsilon[end].append(exit_)
         return start, exit_
+
+    def _copier(self, items):
+        """A way to add a copy of `items`: their own DFA (merged), whose states become
+        this NFA's. The subset construction then meets no choice inside a copy, so a
+        counted repeat's automaton is built about as small as it merges, which its
+        rounds of merging could not reach (a JSON string's `maxLength`: a chain of
+        copies each told apart from the next only by its distance to the end)."""
+        part = _Nfa(self.dotall)
+        dfa = _determinise(part, *part.sequence(items))
+        edges = [[(frozenset(np.nonzero(row == target)[0].tolist()), int(target))
+                  for target in np.unique(row) if target != DEAD] for row in dfa.transitions]
+
+        def copy() -> tuple[int, int]:
+            ids = [DEAD] + [self.state() for _ in range(1, len(edges))]
+            exit_ = self.state()
+            for state in range(1, len(edges)):
+                self.byte_edges[ids[state]] = [(byte_set, ids[target]) for byte_set, target in edges[state]]
+                if dfa.accepting[state]:
+                    self.epsilon[ids[state]].append(exit_)
+            return ids[START], exit_
+        return copy
 
     def code_points(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
         """One character from `ranges`: its UTF-8 byte sequences as alternatives."""
@@ -368,7 +446,7 @@ def _determinise(nfa: _Nfa, start: int, accept: int) -> ByteDfa:
     by_class, accepting = minimised(prune_dead(np.array(rows, dtype=np.int32), accepting), accepting)
     if len(accepting) > MAX_STATES:
         raise RegexError(f"regex is too complex: its automaton has {len(accepting)} states, more than {MAX_STATES}")
-    transitions = np.zeros((len(accepting), 256), dtype=np.int32)
+    transitions = np.zeros((len(accepting), 256), dtype=np.int16)  # (MAX_STATES < 2**15)
     for column, members in enumerate(class_bytes):
         transitions[:, members] = by_class[:, column:column + 1]
     return ByteDfa(transitions, accepting)

@@ -24,6 +24,8 @@ PATTERNS = [
     r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-Z][a-z]*( [A-Z][a-z]*)*", r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?",
     r'"([^"\\]|\\.)*"', r"[一-龥]{1,3}", r"[^a]", r"\w+@\w+\.com", r"^abc$", r"(?s).a", r"a{0,5}b?", r"[\s\S]",
     r"[^\x00-\x7f]+", r"(?:ab|c)+[^a-z\d]x{2,3}?.é", r"\U0001F600|[\u0800-\uFFFF]",
+    # repeats of more than MANY_COPIES copies, each built from its part's own DFA
+    r"(?:ab|c){2,12}d", r"(?s)[^a]{9}.?", r"(?:é{9}|[xy]){0,10}\d", r"(?:a|bc)*(?:x|1){9,}",
 ]
 ALPHABET = list("abcxyzAB019 -.\"\\@é一龥\n😀eE+") + [chr(0xFF), chr(0x800), chr(0xFFFF), chr(0x10000)]
 
@@ -74,7 +76,7 @@ def _built(pattern: str) -> tuple[np.ndarray, np.ndarray]:
         return by_class, accepting
     original, regex_dfa.minimised = regex_dfa.minimised, keep
     try:
-        compile_regex.__wrapped__(pattern)
+        regex_dfa._compile(pattern)
     finally:
         regex_dfa.minimised = original
     return built["dfa"]
@@ -127,7 +129,7 @@ def test_dead_ends_are_the_states_no_accepting_state_can_be_reached_from():
 @pytest.mark.parametrize("pattern, message", [
     (r"(a)\1", "backreferences"), (r"(?=a)b", "lookahead"), (r"\bfoo", "anchors"), (r"a^b", "anchors"),
     (r"(?i)abc", "case-insensitive"), ("a(", "not valid"), ("", "non-empty"), (r"a{100000}", "too large"),
-    (r"(a|b)*a(a|b){13}", "too complex"), (r"[^\x00-\U0010FFFF]", "matches no text"),
+    (r"(a|b)*a(a|b){15}", "too complex"), (r"[^\x00-\U0010FFFF]", "matches no text"),
 ])
 def test_patterns_that_cannot_constrain_are_refused_with_the_reason(pattern, message):
     with pytest.raises(RegexError, match=message):
@@ -180,6 +182,44 @@ def test_a_schemas_pattern_matches_its_documents_and_only_them():
         data = _random_match(dfa, rng, max_bytes=200)
         if data is not None:
             assert _valid(json.loads(data)), data
+
+
+def test_a_long_strings_length_bounds_are_held_with_one_automaton_state_a_count_and_place():
+    """`maxLength` 2000 (clients like it): each count's copy of a JSON string's
+    character built from the character's own DFA is as small as merging could make it
+    (14 states a count), which the rounds of merging could not reach past a few hundred
+    (a maxLength of 250 was refused; two strings of 100 and 500 too). Counted in
+    characters of the value: an escape or a character of four UTF-8 bytes is one."""
+    dfa = compile_regex(schema_regex({"type": "string", "minLength": 2, "maxLength": 2000}))
+    assert len(dfa.accepting) < 14 * 2001 + 10
+    for body, ok in [("a" * 2000, True), ("a" * 2001, False), ("😀\\n\\u00e9" * 666 + "xy", True),
+                     ("😀\\n\\u00e9" * 667, False), ("é", False), ("é" * 2, True)]:
+        assert dfa.fullmatch(f'"{body}"') == ok, body[:12]
+    two = compile_regex(schema_regex({"type": "object", "required": ["name", "bio"], "properties": {
+        "name": {"type": "string", "maxLength": 100}, "bio": {"type": "string", "maxLength": 500}}}))
+    assert two.fullmatch(json.dumps({"name": "n" * 100, "bio": "b" * 500}))
+    assert not two.fullmatch(json.dumps({"name": "n" * 100, "bio": "b" * 501}))
+
+
+def test_compiled_patterns_are_kept_within_a_count_and_a_number_of_states(monkeypatch):
+    """A process keeps its latest patterns' automata, the least recently asked for
+    dropped first once they pass `MAX_CACHED_STATES` states in all (one at the bound
+    holds 15 MB; 64 of them were kept whatever their size) or `MAX_CACHED` patterns."""
+    monkeypatch.setattr(regex_dfa, "COMPILED", regex_dfa._Compiled())
+    monkeypatch.setattr(regex_dfa, "MAX_CACHED_STATES", 30)
+    kept = regex_dfa.COMPILED._dfas
+    first, second = compile_regex("a{10}"), compile_regex("b{10}")  # 12 states each
+    assert list(kept) == ["a{10}", "b{10}"] and compile_regex("a{10}") is first  # asked for: the latest
+    compile_regex("c{10}")
+    assert list(kept) == ["a{10}", "c{10}"]
+    assert compile_regex("b{10}") is not second and list(kept) == ["c{10}", "b{10}"]
+    compile_regex("d{40}")  # past the bound alone: kept alone
+    assert list(kept) == ["d{40}"]
+    monkeypatch.setattr(regex_dfa, "MAX_CACHED_STATES", 10**6)
+    monkeypatch.setattr(regex_dfa, "MAX_CACHED", 2)
+    for pattern in ("x", "y", "z"):
+        compile_regex(pattern)
+    assert list(kept) == ["y", "z"]
 
 
 def test_a_string_pattern_holds_the_text_between_the_quotes():
@@ -355,7 +395,7 @@ PROMPTS = ["The answer is", "Hello world, this", "Once upon a time", "1, 2, 3,"]
 
 
 @pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[一-龥]{2,4}", schema_regex(SCHEMA),
-                                     free_json_regex()])
+                                     free_json_regex(), schema_regex({"type": "string", "maxLength": 300})])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_output_matches_its_pattern(llm, pattern, temperature):
     params = SamplingParams(max_new_tokens=200, temperature=temperature, seed=3, regex=pattern)
