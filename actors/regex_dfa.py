@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from actors.code_points import MAX_CODE_POINT, byte_set_sequences, complement, merged
 from actors.dfa_minimise import DEAD, START, minimised, prune_dead
 from actors.sampling_params import InvalidRequestError
 
@@ -73,8 +74,6 @@ MANY_COPIES = 8  # a repeat of more copies is built from its part's own DFA (`_N
 MAX_WORK = 3_000_000  # NFA states visited by the subset construction: about a second of it at most
 MAX_CACHED = 64  # compiled patterns a process keeps,
 MAX_CACHED_STATES = 120_000  # and their states in all (60 MB of transitions)
-MAX_CODE_POINT = 0x10FFFF
-SURROGATES = (0xD800, 0xDFFF)
 
 
 class RegexError(InvalidRequestError):
@@ -219,11 +218,11 @@ class _Nfa:
         if op is sre.LITERAL:
             return self.code_points([(av, av)])
         if op is sre.NOT_LITERAL:
-            return self.code_points(_complement([(av, av)]))
+            return self.code_points(complement([(av, av)]))
         if op is sre.ANY:
-            return self.code_points([(0, MAX_CODE_POINT)] if self.dotall else _complement([(10, 10)]))
+            return self.code_points([(0, MAX_CODE_POINT)] if self.dotall else complement([(10, 10)]))
         if op is sre.IN:
-            return self.code_points(_class_ranges(av))
+            return self.code_points(class_ranges(av))
         if op is sre.SUBPATTERN:
             _group, add_flags, del_flags, items = av
             if add_flags & (sre.SRE_FLAG_IGNORECASE | sre.SRE_FLAG_LOCALE):
@@ -297,7 +296,7 @@ class _Nfa:
     def code_points(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
         """One character from `ranges`: its UTF-8 byte sequences as alternatives."""
         start, end = self.state(), self.state()
-        for sequence in _byte_set_sequences(tuple(ranges)):
+        for sequence in byte_set_sequences(tuple(ranges)):
             state = start
             for i, byte_set in enumerate(sequence):
                 target = end if i == len(sequence) - 1 else self.state()
@@ -306,7 +305,7 @@ class _Nfa:
         return start, end
 
 
-def _class_ranges(av) -> list[tuple[int, int]]:
+def class_ranges(av) -> list[tuple[int, int]]:
     ranges, negate = [], False
     for op, arg in av:
         if op is sre.NEGATE:
@@ -319,69 +318,12 @@ def _class_ranges(av) -> list[tuple[int, int]]:
             if arg in _ASCII_CATEGORIES:
                 ranges += _ASCII_CATEGORIES[arg]
             elif arg in _NEGATED_CATEGORIES:
-                ranges += _complement(_ASCII_CATEGORIES[_NEGATED_CATEGORIES[arg]])
+                ranges += complement(_ASCII_CATEGORIES[_NEGATED_CATEGORIES[arg]])
             else:
                 raise RegexError(f"regex: {str(arg).lower()} is not supported in a character class")
         else:
             raise RegexError(f"regex: {str(op).lower()} is not supported in a character class")
-    return _complement(ranges) if negate else _merged(ranges)
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for low, high in sorted(ranges):
-        if out and low <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], high))
-        else:
-            out.append((low, high))
-    return out
-
-
-def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out, next_low = [], 0
-    for low, high in _merged(ranges):
-        if low > next_low:
-            out.append((next_low, low - 1))
-        next_low = high + 1
-    if next_low <= MAX_CODE_POINT:
-        out.append((next_low, MAX_CODE_POINT))
-    return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _byte_set_sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[frozenset[int], ...], ...]:
-    """`_utf8_sequences` as sets of bytes, made once for a class a pattern repeats
-    (`[\\s\\S]{2000}`: one class, two thousand copies); shared sets let the subset
-    construction look up each set's byte classes once."""
-    return tuple(tuple(frozenset(range(low, high + 1)) for low, high in sequence)
-                 for sequence in _utf8_sequences(list(ranges)))
-
-
-def _utf8_sequences(ranges: list[tuple[int, int]]):
-    """Each code point range as UTF-8 byte-range sequences: [(low, high) a byte]."""
-    for low, high in ranges:
-        for part_low, part_high in ((low, min(high, SURROGATES[0] - 1)), (max(low, SURROGATES[1] + 1), high)):
-            for bound_low, bound_high in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE_POINT)):
-                a, b = max(part_low, bound_low), min(part_high, bound_high)
-                if a <= b:
-                    yield from _split_same_length(a, b)
-
-
-def _split_same_length(low: int, high: int):
-    """[low, high] (code points of one UTF-8 length) as products of byte ranges."""
-    length = len(chr(low).encode())
-    for i in range(1, length):
-        mask = (1 << (6 * i)) - 1
-        if low & ~mask != high & ~mask:
-            if low & mask:
-                yield from _split_same_length(low, low | mask)
-                yield from _split_same_length((low | mask) + 1, high)
-                return
-            if high & mask != mask:
-                yield from _split_same_length(low, (high & ~mask) - 1)
-                yield from _split_same_length(high & ~mask, high)
-                return
-    yield list(zip(chr(low).encode(), chr(high).encode()))
+    return complement(ranges) if negate else merged(ranges)
 
 
 # ---- NFA -> DFA ----------------------------------------------------------------------
