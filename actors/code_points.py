@@ -1,6 +1,6 @@
 """Sets of code points as sorted ranges, and the UTF-8 bytes of a set: what a
 character class of a pattern becomes (actors/regex_dfa.py reads each character as
-its UTF-8 bytes).
+its UTF-8 bytes; actors/json_string_text.py writes each as JSON writes it).
 
 A range of code points is split so each part is a product of byte ranges, one a
 byte of its UTF-8 form (the split RE2 and Rust's regex crate make); surrogates,

@@ -10,8 +10,9 @@ cannot count brackets, so this writes the shape out as one, as outlines does:
   it says nothing; `required` names properties `properties` must list;
 - `array` of `items`, `minItems`/`maxItems`; `string` with `minLength`/`maxLength`
   (in characters: no half of a surrogate pair as an escape), `enum`, `const`,
-  `pattern` (as a Python regex, inside the quotes: matched whole, its `^` and `$`
-  dropped), `format` (`FORMATS`: date,
+  `pattern` (as a Python regex of the value, matched whole, its `^` and `$`
+  dropped; its characters written as JSON writes them: actors/json_string_text.py),
+  `format` (`FORMATS`: date,
   time, date-time, uuid, ipv4, email); `integer` with `minimum`,
   `maximum` and their exclusive forms (actors/integer_ranges.py); `number`, with
   whole bounds from 0 up; `boolean`, `null`; a list of types (each with the keywords
@@ -49,6 +50,7 @@ from urllib.parse import unquote
 from actors.integer_ranges import integer_range_regex
 from actors.json_text import (COLON, COUNTED_CHAR, INTEGER, NESTED_FREE_DEPTH, NUMBER, SCALARS, STRING, array_of,
                                free_json_regex, members_of, object_of)
+from actors.json_string_text import json_string_text
 from actors.json_values import KINDS, Shape, canonical, is_of_type, kinds_of_value, may_overlap
 from actors.regex_dfa import RegexError, compile_regex
 
@@ -56,7 +58,6 @@ from actors.regex_dfa import RegexError, compile_regex
 # automaton's bounds anyway (actors/regex_dfa.py: 40k characters of nested arrays did).
 MAX_PATTERN_CHARS = 200_000
 MAX_WRITTEN_CHARS = 20 * MAX_PATTERN_CHARS  # of all parts as written (nested ones counted at each level)
-_NOT_IN_A_STRING = [ord('"'), ord("\\"), *range(0x20)]  # bytes a string's pattern must not allow
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
 # Each month's days (February's 29 whatever the year: leap years are not checked)
@@ -408,11 +409,9 @@ class _Writer:
             if not isinstance(pattern, str):
                 raise RegexError(f"json_schema: {where}.pattern must be a string")
             pattern = _unanchored(pattern)
-            # Written between the quotes as it stands: what it allows must be a JSON string's text.
-            if compile_regex(f"(?:{pattern})").transitions[:, _NOT_IN_A_STRING].any():
-                raise RegexError(f"json_schema: {where}.pattern allows a quote, a backslash or a control "
-                                 "character, which a JSON string must escape")
-            return f'"(?:{pattern})"'
+            if pattern:  # (`^$`: the empty value)
+                compile_regex(pattern)  # RegexError unless the automaton takes it (the reason why)
+            return f'"{json_string_text(pattern)}"'  # written anew from its parse: its characters as JSON writes them
         low, high = _count_bounds(schema, "minLength", "maxLength", where)
         if (low, high) == (0, None):
             return STRING
