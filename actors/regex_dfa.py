@@ -84,6 +84,7 @@ class RegexError(InvalidRequestError):
 class ByteDfa:
     transitions: np.ndarray  # int16 [states, 256]: the next state; 0 dead
     accepting: np.ndarray  # bool [states]
+    by_class: np.ndarray  # int16 [states, classes]: the same, a column a class of bytes no edge tells apart
 
     @functools.cached_property
     def terminal(self) -> np.ndarray:
@@ -391,4 +392,4 @@ def _determinise(nfa: _Nfa, start: int, accept: int) -> ByteDfa:
     transitions = np.zeros((len(accepting), 256), dtype=np.int16)  # (MAX_STATES < 2**15)
     for column, members in enumerate(class_bytes):
         transitions[:, members] = by_class[:, column:column + 1]
-    return ByteDfa(transitions, accepting)
+    return ByteDfa(transitions, accepting, by_class.astype(np.int16))

@@ -5,9 +5,11 @@ a JSON schema, a tool call; cluster/output_format.py) draws each token from thos
 the output a prefix of some match of the pattern (actors/regex_dfa.py: a DFA over
 bytes). What each DFA state allows is found by walking every token of the
 vocabulary through the DFA at once (numpy, the tokens sorted longest first so each
-byte position is one gather over a shrinking prefix; a few milliseconds a state for
-a 152k-token vocabulary), the first time a request reaches that state, and kept as
-a packed bit mask (19 KB a state there). outlines builds the same state -> tokens
+byte position is one gather, by a flat index, over a shrinking prefix; a few
+milliseconds a state for a 152k-token vocabulary), the first time a request reaches
+that state, and kept as a packed bit mask (19 KB a state there); states alike to
+every token of up to `SHARED_BYTES` bytes share that part of their masks
+(`TokenIndex`). outlines builds the same state -> tokens
 index ahead for every state; xgrammar adds a pushdown automaton for grammars that
 are not regular. Here the index is lazy: a request pays only for the states it
 visits.
@@ -46,23 +48,27 @@ without a step (jump-forward, actors/output_writer.py `_jump_forward`).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import numpy as np
 
+from actors.dfa_minimise import classes_within
 from actors.regex_dfa import START, ByteDfa, compile_regex
 from actors.sampling_params import InvalidRequestError
 
 MAX_PATTERNS = 16  # a worker keeps the indexes of its latest patterns,
 MAX_MASKS = 1024  # each up to this many states' masks (16 MB at 152k tokens; then it starts afresh)
 MAX_FORCED_BYTES = 256  # text jump-forward writes at once, at most
+SHARED_BYTES = 16  # states alike in what texts of up to this many bytes lead on share their tokens' masks that long
 
 
 class VocabularyBytes:
     """A vocabulary's tokens as bytes, for walking them all through a DFA at once:
-    `matrix` [tokens, longest] the bytes of each token that has any (special tokens
-    and ids past the tokenizer have none), longest first, `active[j]` how many of
-    them have more than j bytes."""
+    `columns` [longest, tokens] the bytes of each token that has any (special tokens
+    and ids past the tokenizer have none), longest first, a row a byte position (one
+    step of the walk reads a row whole), `active[j]` how many of them have more than
+    j bytes."""
 
     def __init__(self, token_bytes: list[bytes]) -> None:
         lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=len(token_bytes))
@@ -73,43 +79,80 @@ class VocabularyBytes:
         self.vocab_size = len(token_bytes)
         self.token_bytes = token_bytes
         self.token_ids = order
-        self.matrix = np.zeros((len(order), int(lengths[order[0]])), dtype=np.uint8)
+        matrix = np.zeros((len(order), int(lengths[order[0]])), dtype=np.uint8)
         for row, token_id in enumerate(order.tolist()):
             data = token_bytes[token_id]
-            self.matrix[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+            matrix[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.columns = np.ascontiguousarray(matrix.T)
         sorted_lengths = lengths[order]
-        self.active = [int(np.count_nonzero(sorted_lengths > j)) for j in range(self.matrix.shape[1])]
+        self.active = [int(np.count_nonzero(sorted_lengths > j)) for j in range(matrix.shape[1])]
 
     def mask(self, ids) -> np.ndarray:
         """A packed mask (np.packbits' bit order) over the vocabulary with `ids` set."""
         bits = np.zeros(self.vocab_size, dtype=bool)
-        bits[np.asarray(list(ids), dtype=np.int64)] = True
+        bits[ids if isinstance(ids, np.ndarray) else np.fromiter(ids, dtype=np.int64)] = True
         return np.packbits(bits)
 
 
 class TokenIndex:
-    """One pattern over one vocabulary: the tokens each DFA state may draw next."""
+    """One pattern over one vocabulary: the tokens each DFA state may draw next.
+
+    States that no text of up to `SHARED_BYTES` bytes tells apart (which lead to a
+    dead state after the same such texts: `classes_within`) allow the same tokens
+    of up to that many bytes, so that part of a mask is walked once a class; only
+    the longer tokens (2% of a Qwen2-sized vocabulary) are walked for each state. A
+    counted repeat's copies are the case: a JSON string of at most 2000 characters
+    has 28,004 states, each a step of a request writing it, and 211 classes. A step
+    inside a string of at most 150 characters paid a walk of the whole vocabulary
+    (7.9 ms a state at 152k tokens, on the engine thread); now 0.5 ms, most of it the
+    first state of each class (docs/benchmarks.md, session 58). xgrammar's masks
+    inside such a string took 5 ms (its issue #465)."""
 
     def __init__(self, dfa: ByteDfa, vocabulary: VocabularyBytes) -> None:
         self.dfa = dfa
         self.vocabulary = vocabulary
+        self.classes = classes_within(dfa.by_class, SHARED_BYTES)
+        active = vocabulary.active
+        self._num_long = active[SHARED_BYTES] if len(active) > SHARED_BYTES else 0  # (the first tokens: longest first)
         self._masks: dict[int, np.ndarray] = {}
+        self._shared: dict[int, np.ndarray] = {}  # a class's mask of the tokens of up to SHARED_BYTES bytes
         self._forced: dict[int, bytes] = {}
 
     def continuing(self, state: int) -> np.ndarray:
         """The packed mask of the tokens after which the output can still match."""
         mask = self._masks.get(state)
         if mask is None:
-            vocabulary, transitions = self.vocabulary, self.dfa.transitions
-            states = np.full(len(vocabulary.token_ids), state, dtype=np.int32)
-            for column, active in enumerate(vocabulary.active):
-                states[:active] = transitions[states[:active], vocabulary.matrix[:active, column]]
-            bits = np.zeros(vocabulary.vocab_size, dtype=bool)
-            bits[vocabulary.token_ids[states != 0]] = True
+            group = int(self.classes[state])
+            shared = self._shared.get(group)
+            if shared is None:
+                if len(self._shared) >= MAX_MASKS:
+                    self._shared.clear()
+                shared = self._shared[group] = self.vocabulary.mask(
+                    self._live(state, self._num_long, len(self.vocabulary.token_ids)))
+            mask = shared
+            if self._num_long:
+                mask = shared.copy()
+                long_ids = self._live(state, 0, self._num_long)
+                np.bitwise_or.at(mask, long_ids >> 3, (0x80 >> (long_ids & 7)).astype(np.uint8))
             if len(self._masks) >= MAX_MASKS:
                 self._masks.clear()
-            mask = self._masks[state] = np.packbits(bits)
+            self._masks[state] = mask
         return mask
+
+    def _live(self, state: int, first: int, end: int) -> np.ndarray:
+        """The ids of the tokens `first:end` (in the vocabulary's order, longest
+        first) after which, from `state`, the output can still match."""
+        vocabulary, flat = self.vocabulary, self.dfa.transitions.ravel()  # (one index a step: 3x a pair's speed)
+        states = np.full(end - first, state, dtype=np.int64)
+        for column, active in enumerate(vocabulary.active):
+            count = min(active, end) - first
+            if count <= 0:
+                break
+            walked = states[:count]
+            walked *= 256
+            walked += vocabulary.columns[column, first:first + count]
+            states[:count] = flat[walked]
+        return vocabulary.token_ids[first:end][states != 0]
 
     def forced(self, state: int) -> bytes:
         """The bytes that must follow `state` whatever is drawn: while a state does
@@ -209,24 +252,34 @@ class TokenIndexes:
         self._token_bytes = token_bytes
         self._vocabulary: VocabularyBytes | None = None
         self._indexes: OrderedDict[str, TokenIndex] = OrderedDict()
+        self._lock = threading.Lock()  # (a worker prepares in a thread; its engine asks in its own)
 
     def prepare(self, pattern: str) -> None:
-        """Compile `pattern` and make the vocabulary's bytes ahead of `constraint`
-        (a worker runs this off its engine thread; a race makes them twice, no harm)."""
-        compile_regex(pattern)
-        if self._vocabulary is None and self._token_bytes is not None:
-            self._vocabulary = VocabularyBytes(self._token_bytes)
+        """Compile `pattern` and make its index (the vocabulary's bytes at the first,
+        the classes of states that share masks) ahead of `constraint`: a worker runs
+        this off its engine thread (a race makes them twice, no harm)."""
+        if self._token_bytes is None:
+            compile_regex(pattern)  # (`constraint` says why it cannot be held)
+        else:
+            self._index(pattern)
 
     def constraint(self, pattern: str, end_token_ids) -> OutputConstraint:
-        index = self._indexes.pop(pattern, None)
-        if index is None:
-            if self._token_bytes is None:
-                raise InvalidRequestError("structured output (regex, choice, JSON schema) needs a byte-level BPE "
-                                          "tokenizer; this model's decodes otherwise")
-            if self._vocabulary is None:
-                self._vocabulary = VocabularyBytes(self._token_bytes)
-            index = TokenIndex(compile_regex(pattern), self._vocabulary)
-        self._indexes[pattern] = index
-        while len(self._indexes) > MAX_PATTERNS:
-            self._indexes.popitem(last=False)
-        return OutputConstraint(index, end_token_ids)
+        if self._token_bytes is None:
+            raise InvalidRequestError("structured output (regex, choice, JSON schema) needs a byte-level BPE "
+                                      "tokenizer; this model's decodes otherwise")
+        return OutputConstraint(self._index(pattern), end_token_ids)
+
+    def _index(self, pattern: str) -> TokenIndex:
+        with self._lock:
+            index = self._indexes.get(pattern)
+            if index is not None:
+                self._indexes.move_to_end(pattern)
+                return index
+        vocabulary = self._vocabulary or VocabularyBytes(self._token_bytes)
+        index = TokenIndex(compile_regex(pattern), vocabulary)
+        with self._lock:
+            self._vocabulary = self._vocabulary or vocabulary
+            index = self._indexes.setdefault(pattern, index)
+            while len(self._indexes) > MAX_PATTERNS:
+                self._indexes.popitem(last=False)
+        return index

@@ -7,7 +7,9 @@ Three parts, each timed side by side in one process:
   answer that may call two strict tools (`tool_choice: "auto"`), and for patterns
   at the automaton's bound and past it (refused: how soon);
 - `masks`: the tokens a DFA state allows, walked over the whole vocabulary the
-  first time a request reaches the state, then read from the cache; for the tiny
+  first time a request reaches the state (or over its longest tokens, where a state
+  alike to a token shared its mask: a long string's characters), then read from the
+  cache; for any JSON object and inside a string of at most 2000 characters; for the tiny
   preset's tokenizer and for a vocabulary of Qwen2's size (151,643 byte strings,
   log-normal lengths about Qwen2's mean of 6.7 bytes, the 256 single bytes among
   them: no tokenizer of that size is on disk, and the walk's cost depends only on
@@ -190,6 +192,7 @@ def _jump_forward(args) -> dict[str, dict[str, list[float]]]:
 def main(args: argparse.Namespace) -> None:
     import torch
 
+    from actors.json_schema import schema_regex
     from actors.json_text import free_json_regex
     from actors.llm import LLM
     from actors.model_builder import ensure_checkpoint
@@ -209,6 +212,11 @@ def main(args: argparse.Namespace) -> None:
     masks = {name: _mask_ms(tokens, free_json_regex(), text) for name, tokens in vocabularies.items()}
     report.print_table("A state's token mask, any JSON object (ms a state)", ["vocabulary", "first visit", "cached"],
                        [[name, first, cached] for name, (first, cached) in masks.items()])
+    long_string = schema_regex({"type": "string", "maxLength": 2000})
+    string_masks = {name: _mask_ms(tokens, long_string, b'"' + b"ab\\n" * 250) for name, tokens in vocabularies.items()}
+    report.print_table("A state's token mask, the first 750 characters of a string of at most 2000 (ms a state)",
+                       ["vocabulary", "first visit", "cached"],
+                       [[name, first, cached] for name, (first, cached) in string_masks.items()])
 
     workloads = {"unconstrained": None, "[a-z ]+": "[a-z ]+", "JSON lines": JSON_LINES}
     times: dict[str, list[float]] = {name: [] for name in workloads}
@@ -231,7 +239,7 @@ def main(args: argparse.Namespace) -> None:
     report.finish(
         "structured", args.out,
         {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "compile_s": compiled,
-         "mask_ms": masks, "decode_s_per_token": times, "jump_forward": jumps, "machine": report.machine_info()},
+         "mask_ms": masks, "string_mask_ms": string_masks, "decode_s_per_token": times, "jump_forward": jumps, "machine": report.machine_info()},
         f"slowest compile {slowest * 1e3:.0f} ms; JSON-lines decode {json_ratio:.2f}x unconstrained; "
         f"jump-forward answers a schema in {jump_ratio:.2f}x the time",
         f"compile <= {GOAL_COMPILE_S:g} s",

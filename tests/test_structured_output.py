@@ -478,6 +478,56 @@ def test_packed_masks_keep_exactly_their_tokens():
     assert np.array_equal(table_bits.numpy(), np.unpackbits(packed, axis=1).astype(bool))
 
 
+def _vocabulary_with_long_tokens(rng: random.Random) -> list[bytes]:
+    """Every byte, then 3000 tokens of 2 to 40 bytes of JSON's and a string's text
+    (many past `SHARED_BYTES`), some of whole UTF-8 characters."""
+    pieces = [b"a", b"b", b"c", b"d", b"x", b"1", b" ", b'"', b"\\", b"\\n", b"\\u00e9", b"{", b"}", b"[", b"]", b":",
+              b",", "é".encode(), "😀".encode(), b"true", b"null", b"\n"]
+    tokens = [bytes([b]) for b in range(256)]
+    while len(tokens) < 3256:
+        data = b"".join(rng.choice(pieces) for _ in range(rng.randrange(2, 24)))[:40]
+        tokens.append(data)
+    return tokens
+
+
+@pytest.mark.parametrize("pattern", [
+    schema_regex({"type": "string", "minLength": 3, "maxLength": 300}), free_json_regex(), r"(?:ab|c){2,40}d",
+    schema_regex({"type": "string", "pattern": r"^.{1,50}$"}), schema_regex(SCHEMA),
+])
+def test_a_states_mask_shared_with_its_class_is_the_mask_its_own_walk_gives(pattern):
+    """States no text of up to SHARED_BYTES bytes tells apart share the mask of their
+    tokens that long; each state's longer tokens are walked apart: every state's mask
+    is the one a walk of each token's bytes from it gives."""
+    from actors.structured_output import SHARED_BYTES, TokenIndex, VocabularyBytes
+
+    rng = random.Random(pattern)
+    tokens = _vocabulary_with_long_tokens(rng)
+    assert max(map(len, tokens)) > SHARED_BYTES
+    dfa = compile_regex(pattern)
+    index = TokenIndex(dfa, VocabularyBytes(tokens))
+    states = list(range(1, len(dfa.accepting)))
+    for state in rng.sample(states, min(len(states), 150)):
+        want = np.packbits([dfa.walk(state, data) != 0 for data in tokens])
+        assert np.array_equal(index.continuing(state), want), state
+
+
+def test_the_copies_of_a_long_strings_characters_share_their_masks():
+    """A JSON string of at most 2000 characters: 28,004 states, each a step of a request
+    writing it, in 211 classes of states alike to a token of up to SHARED_BYTES bytes,
+    so the masks of a long walk through it are mostly the ones already made."""
+    from actors.structured_output import TokenIndex, VocabularyBytes
+
+    dfa = compile_regex(schema_regex({"type": "string", "maxLength": 2000}))
+    index = TokenIndex(dfa, VocabularyBytes(_vocabulary_with_long_tokens(random.Random(0))))
+    assert len(dfa.accepting) == 28_004 and len(set(index.classes.tolist())) == 211
+    state, visited = START, set()
+    for byte in b'"' + b"ab\\n" * 450:
+        state = dfa.walk(state, bytes([byte]))
+        visited.add(state)
+        index.continuing(state)
+    assert len(visited) == 1801 and len(index._shared) < 40
+
+
 PET = {"type": "object", "required": ["name", "kind", "ok"], "properties": {
     "name": {"type": "string", "maxLength": 8}, "kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}}}
 
