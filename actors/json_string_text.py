@@ -66,17 +66,16 @@ class _Writer:
 def _characters(ranges: list[tuple[int, int]]) -> str:
     """One character of `ranges` as JSON writes it."""
     themselves = _intersection(ranges, complement(NOT_AS_THEMSELVES))
-    escaped = [_escape(c) for low, high in _intersection(ranges, NOT_AS_THEMSELVES) for c in range(low, high + 1)]
+    others = [c for low, high in _intersection(ranges, NOT_AS_THEMSELVES) for c in range(low, high + 1)]
+    escaped = [ESCAPED[c] for c in others if c in ESCAPED]
+    hex_codes = [f"{c:02x}" for c in others if c not in ESCAPED]
+    escaped += [f"\\\\u00(?:{'|'.join(hex_codes)})"] if hex_codes else []
     if not escaped and len(themselves) == 1 and themselves[0][0] == themselves[0][1]:
         return re.escape(chr(themselves[0][0]))
     parts = (["[" + "".join(_range_text(low, high) for low, high in themselves) + "]"] if themselves else []) + escaped
     if not parts:
         return f"[^\\x00-\\U{MAX_CODE_POINT:08x}]"  # (no character: the automaton has no way on)
     return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
-
-
-def _escape(code_point: int) -> str:
-    return ESCAPED.get(code_point, f"\\\\u{code_point:04x}")
 
 
 def _range_text(low: int, high: int) -> str:
