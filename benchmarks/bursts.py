@@ -1,13 +1,16 @@
 """Bursts: does early rejection turn requests away from a lightly loaded cluster?
 
-    tandem bench bursts [--bursts 12] [--size 16] [--out FILE.json]
+    tandem bench bursts [--bursts 12] [--size 16] [--shared-prefix 0] [--kv-blocks 1024] [--out FILE.json]
 
-System: disaggregated 1 P + 1 D, tiny model, a KV pool far larger than the load,
+System: disaggregated 1 P + 1 D, tiny model, a KV pool far larger than the load (by default),
 early rejection on with a TTFT SLO (`--ttft-slo-ms`; the TBT SLO far away, so
 only TTFT predictions reject). Workload (over HTTP): `--bursts` bursts of `--size`
 short requests sent at the same instant (`--prompt` random tokens in, `--output`
-out, fresh prompts each time, so no prefix hits), `--every-s` apart, so the
-cluster idles between them; one burst first as a warm-up, not counted.
+out, fresh prompts each time, so no prefix hits, or after `--shared-prefix` tokens
+every prompt begins with: a system prompt, cached and idle on D between bursts),
+`--every-s` apart, so the cluster idles between them; one burst first as a warm-up,
+not counted (after one request of it alone where prompts share a prefix, so that the
+warm-up burst finds it cached, as later ones do). `--kv-blocks`: each worker's pool.
 
 Reported: requests, rejected (429), served, failed, TTFT median, p90 and max of
 the served and how many met the SLO, and the TTFTs the rejections predicted
@@ -27,17 +30,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import random
 import re
 
 from benchmarks import report
-from benchmarks.arguments import positive_float, positive_int
+from benchmarks.arguments import non_negative_int, positive_float, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_burst_arguments(parser, num_bursts=12, every_s=3.0)
     parser.add_argument("--ttft-slo-ms", type=positive_float, default=5000.0)
+    parser.add_argument("--kv-blocks", type=positive_int, default=1024, help="KV blocks of each worker's pool")
 
 
 def add_burst_arguments(parser: argparse.ArgumentParser, num_bursts: int, every_s: float) -> None:
@@ -47,6 +52,14 @@ def add_burst_arguments(parser: argparse.ArgumentParser, num_bursts: int, every_
     parser.add_argument("--every-s", type=positive_float, default=every_s, help="time from one burst to the next")
     parser.add_argument("--prompt", type=positive_int, default=24, help="prompt tokens a request")
     parser.add_argument("--output", type=positive_int, default=16, help="output tokens a request")
+    parser.add_argument("--shared-prefix", type=non_negative_int, default=0,
+                        help="tokens every prompt begins with (a system prompt), before its fresh ones")
+
+
+def shared_prefix(args, vocab: int) -> list[int]:
+    """The `--shared-prefix` tokens every prompt of a run begins with (the same in every run)."""
+    rng = random.Random(-7)
+    return [rng.randrange(3, vocab) for _ in range(args.shared_prefix)]
 
 
 def workload(args, vocab: int, seed: int, num_bursts: int):
@@ -54,10 +67,11 @@ def workload(args, vocab: int, seed: int, num_bursts: int):
     from benchmarks.workload import BenchRequest, Workload
 
     rng = random.Random(seed)
+    shared = shared_prefix(args, vocab)
     requests = []
     for burst in range(num_bursts):
         for _ in range(args.size):
-            prompt = [rng.randrange(3, vocab) for _ in range(args.prompt)]
+            prompt = shared + [rng.randrange(3, vocab) for _ in range(args.prompt)]
             requests.append(BenchRequest(len(requests), burst * args.every_s, prompt, args.output))
     return Workload("bursts", requests)
 
@@ -71,11 +85,14 @@ def main(args: argparse.Namespace) -> None:
     ensure_checkpoint("tiny", "qwen2")
     settings = app_settings(argparse.Namespace(preset="tiny", arch="qwen2", kv_cache_mib=0), mode="disaggregated",
                             slo={"early_rejection": True, "ttft_ms": args.ttft_slo_ms, "tbt_ms": 60_000})
-    settings["engine"] = {"block_size": 16, "num_kv_blocks": 1024, "max_num_seqs": 64, "prefill_chunk_size": 256,
-                          "max_num_batched_tokens": 1024}
+    settings["engine"] = {"block_size": 16, "num_kv_blocks": args.kv_blocks, "max_num_seqs": 64,
+                          "prefill_chunk_size": 256, "max_num_batched_tokens": 1024}
     with ServeCluster(num_cpus=4) as cluster:
         url = cluster.deploy({"bursts": settings})["bursts"]
-        asyncio.run(run_workload(url, workload(args, TINY_VOCAB, seed=-1, num_bursts=1)))  # warm-up, not counted
+        warm_up = workload(args, TINY_VOCAB, seed=-1, num_bursts=1)
+        if args.shared_prefix:  # one request first: the system prompt cached on P and D, as in a steady state
+            asyncio.run(run_workload(url, dataclasses.replace(warm_up, requests=warm_up.requests[:1])))
+        asyncio.run(run_workload(url, warm_up))  # warm-up, not counted
         records = asyncio.run(run_workload(url, workload(args, TINY_VOCAB, seed=0, num_bursts=args.bursts),
                                            request_timeout_s=120))
     slo_s = args.ttft_slo_ms / 1e3
@@ -92,8 +109,9 @@ def main(args: argparse.Namespace) -> None:
                "ttft_max_s": max(ttfts) if ttfts else None,
                "rejected_predicted_ttft_s": [min(predicted), max(predicted)] if predicted else None,
                "rejections": dict(messages)}
-    report.print_table(f"{args.bursts} bursts of {args.size} requests ({args.prompt} tokens in, {args.output} out) "
-                       f"{args.every_s:g} s apart, TTFT SLO {args.ttft_slo_ms:g} ms",
+    shared = f"{args.shared_prefix} shared + " if args.shared_prefix else ""
+    report.print_table(f"{args.bursts} bursts of {args.size} requests ({shared}{args.prompt} tokens in, {args.output} "
+                       f"out) {args.every_s:g} s apart, TTFT SLO {args.ttft_slo_ms:g} ms, {args.kv_blocks} KV blocks",
                        ["requests", "rejected", "served", "failed", "within SLO", "TTFT median s", "TTFT p90 s",
                         "TTFT max s"],
                        [[summary[k] for k in ("requests", "rejected", "served", "failed", "within_slo",

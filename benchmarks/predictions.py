@@ -10,7 +10,8 @@ deployment's `GlobalScheduler`, without Serve's HTTP hop), its
 hands them at each first token and each finished request: the prediction the
 request was admitted on and the TTFT (the mean gap between tokens) it then
 took. Workload: `--bursts` bursts of `--size` short requests started at the same
-instant (fresh random prompts, so no prefix hits), `--every-s` apart; one burst
+instant (fresh random prompts, so no prefix hits, after `--shared-prefix` tokens
+every prompt begins with), `--every-s` apart; one burst
 first as a warm-up, not counted. With `--lengths`, the prompts take those
 lengths in turn (in place of `--prompt`), and a second table gives the
 same figures by prompt length: a model that sees what a prompt's length costs
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 from benchmarks import report
 from benchmarks.arguments import positive_ints
-from benchmarks.bursts import add_burst_arguments
+from benchmarks.bursts import add_burst_arguments, shared_prefix
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,13 +152,14 @@ async def _drive(pool, settings, args, vocab: int) -> tuple[list[list[Observed]]
     params = SamplingParams(max_new_tokens=args.output, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     lengths = itertools.cycle(args.lengths or [args.prompt])
+    shared = shared_prefix(args, vocab)
     bursts = []
     async with refreshing(scheduler):
         await wait_ready(scheduler, timeout_s=300)
         for burst in range(args.bursts + 1):  # the first: a warm-up
             seen.clear()
             num_tbts = len(tbts)
-            prompts = [[rng.randrange(3, vocab) for _ in range(next(lengths))] for _ in range(args.size)]
+            prompts = [shared + [rng.randrange(3, vocab) for _ in range(next(lengths))] for _ in range(args.size)]
             results = await asyncio.gather(*(complete(scheduler, prompt, params) for prompt in prompts))
             failed = [error for _, error in results if error]
             if failed:

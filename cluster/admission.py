@@ -62,6 +62,7 @@ class InFlight:
     failed_id: str | None = None  # the worker its error came from, where the error says (a retry leaves it out)
     own_s: float = 0.0  # the predicted part of predicted_ttft_s that is its own work: prefill and transfer
     decode_held_blocks: int = 0  # its prompt's blocks D held for running requests at admission (shared with them)
+    prefix_hashes: tuple[bytes, ...] = ()  # its prompt's blocks a cache may serve (D shares them with later requests)
 
     @property
     def in_prefill(self) -> bool:

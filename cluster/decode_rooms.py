@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from actors.block_pool import blocks_to_reserve
 from actors.decode_room import growth_blocks
 from cluster.admission import InFlight
+from cluster.router import match_any
 
 if TYPE_CHECKING:
     from cluster.pool_view import PoolView
@@ -98,6 +99,32 @@ class DecodeRooms:
         if not freed or step_s <= 0:
             return None
         return releases[-1][0] * max(short / freed, short_seqs / len(releases))
+
+    def held_prefix_blocks(self, worker_id: str, hashes: list[bytes]) -> int:
+        """The prompt's first blocks the worker's device prefix cache holds for
+        running requests, at least, as routing and its last reading knew them: a
+        D's reservation shares those. A hit on a cached block no request holds
+        saves nothing (D counts it free, and reusing it takes it from there:
+        `BlockPool.can_hold`), and which hits are idle is not known here: at most
+        the blocks the reading found cached and idle (on a D short of room, few).
+        The cached blocks a request this replica has in flight on D shares with
+        the prompt are held too (from D's reservation for it to its end): the
+        first of a burst sharing a system prompt D holds idle revives it, and the
+        rest share it (each was charged the whole prompt, and after D's next
+        reading still, as its idle blocks, any prompt's, outnumbered the prompt's).
+        Its node's store tiers aside: blocks loaded from them are new blocks."""
+        view = self.view
+        index, stats = view.prefix.get(worker_id), view.stats.get(worker_id)
+        if index is None or stats is None:
+            return 0
+        cached = match_any([index], hashes)
+        held = max(cached - stats.num_cached_blocks, 0)
+        for request in view.models.inflight.values() if held < cached else ():
+            if request.decode_id == worker_id:
+                shared = next((i for i, (a, b) in enumerate(zip(request.prefix_hashes, hashes[:cached])) if a != b),
+                              min(len(request.prefix_hashes), cached))
+                held = max(held, shared)
+        return held
 
     def _blocks(self, request: InFlight) -> tuple[int, int]:
         """The blocks `request` holds on its D, and the growth D keeps for it

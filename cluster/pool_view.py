@@ -380,16 +380,3 @@ class PoolView:
         if self.store_index is not None and stats is not None:
             indexes += self.store_index.indexes_for(stats.node_id)
         return match_any(indexes, hashes) * self.block_size
-
-    def held_prefix_blocks(self, worker_id: str, hashes: list[bytes]) -> int:
-        """The prompt's first blocks the worker's device prefix cache holds for
-        running requests, at least, as routing and its last reading knew them: a
-        D's reservation shares those. A hit on a cached block no request holds
-        saves nothing (D counts it free, and reusing it takes it from there:
-        `BlockPool.can_hold`), and which hits are idle is not known here: at most
-        the blocks the reading found cached and idle (on a D short of room, few).
-        Its node's store tiers aside: blocks loaded from them are new blocks."""
-        index, stats = self.prefix.get(worker_id), self.stats.get(worker_id)
-        if index is None or stats is None:
-            return 0
-        return max(match_any([index], hashes) - stats.num_cached_blocks, 0)

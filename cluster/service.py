@@ -127,7 +127,7 @@ class GlobalScheduler:
             headroom = {d: view.rooms.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
             # Less the prompt's blocks D holds for running requests, which its reservation shares (a D serving
             # a shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
-            needed = {d: needed_blocks - view.held_prefix_blocks(d, usable_hashes) for d in headroom}
+            needed = {d: needed_blocks - view.rooms.held_prefix_blocks(d, usable_hashes) for d in headroom}
             line_wait = {d: self._line_wait_s(d, headroom[d], needed[d]) for d in headroom}  # once: P aside
             # A full D whose wait nothing predicts (no line read yet, none of this replica's requests
             # there) only where no D has room: read as none, it beat a D with room.
@@ -293,11 +293,12 @@ class GlobalScheduler:
     async def _run(self, request: GenerateRequest, choice: Prediction, hashes: list[bytes], started: float,
                    timer: RequestTimer | None = None):
         num_prompt_tokens = len(request.prompt_token_ids)
+        usable = self._usable(hashes, num_prompt_tokens)
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, num_prompt_tokens,
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
                             ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s,
-                            decode_held_blocks=self.view.held_prefix_blocks(
-                                choice.decode_id, self._usable(hashes, num_prompt_tokens)))
+                            decode_held_blocks=self.view.rooms.held_prefix_blocks(choice.decode_id, usable),
+                            prefix_hashes=tuple(usable))
         models = self.view.models
         models.inflight[request.request_id] = inflight
         if timer is not None:  # (its time in D's line is the decode pool's, cluster/scaling_signals.py)

@@ -767,14 +767,56 @@ def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold()
     # Found by the second read: a cached block no request holds saves no room (D counts it free, and
     # reusing it takes it from there): the blocks D's reading found idle are not taken as held
     view.stats["d0"] = _idle_stats("d0", num_used_blocks=935, num_cached_blocks=64)
-    assert view.held_prefix_blocks("d0", hashes[:65]) == 0
+    assert view.rooms.held_prefix_blocks("d0", hashes[:65]) == 0
     view.stats["d0"] = _idle_stats("d0", num_used_blocks=990, num_cached_blocks=10)
-    assert view.held_prefix_blocks("d0", hashes[:65]) == 64 - 10
+    assert view.rooms.held_prefix_blocks("d0", hashes[:65]) == 64 - 10
     # Sent since the reading, each charged the blocks D did not hold for running requests (and its growth)
     for index in range(5):
         view.models.inflight[f"r{index}"] = InFlight(f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=0.1,
                                                      decode_held_blocks=64)
     assert view.rooms.headroom("d0") == 10 - 5 * 2
+
+
+def test_a_burst_sharing_a_prompt_d_holds_idle_is_charged_it_once():
+    """D's reading found a 1024-token system prompt cached and idle (no request held
+    it): a request's reservation revives those blocks, taking them from D's free
+    room, so the first of a burst is charged the whole prompt. The rest share what
+    it holds, but were each charged it too until D's next reading: a burst of 16
+    asked for 16 x 66 blocks of a D with 100 free, predicted a wait in D's line,
+    and answered 429s."""
+    from actors.block_pool import block_hashes
+
+    prompt = list(range(1040))
+    hashes = block_hashes(prompt, 16, b"")
+    scheduler = _scheduler(ttft_ms=60_000, decode_reserve_tokens=0)
+    view = scheduler.view
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=900, num_cached_blocks=64)
+    for worker_id in ("p0", "d0"):
+        view.prefix[worker_id].insert(hashes[:64])
+    now = time.monotonic()
+    view.lines.observe("d0", num_granted=0, num_waiting=0, now_s=now - 0.5)
+    usable = hashes[:64]
+    assert view.rooms.held_prefix_blocks("d0", usable) == 0  # idle: the first request revives them
+    view.models.inflight["elsewhere"] = InFlight("elsewhere", "p0", "d1", 1040, 16, predicted_ttft_s=0.1,
+                                                 prefix_hashes=tuple(usable))
+    assert view.rooms.held_prefix_blocks("d0", usable) == 0  # (on another D)
+    view.models.inflight["other"] = InFlight("other", "p0", "d0", 1040, 16, predicted_ttft_s=0.1,
+                                             prefix_hashes=tuple(usable[:10]) + (b"x",))
+    assert view.rooms.held_prefix_blocks("d0", usable) == 10  # its first 10 blocks are the prompt's
+    view.models.inflight.clear()
+    for index in range(16):  # the burst, as the scheduler admits it
+        choice = scheduler.plan(prompt, max_new_tokens=16)
+        assert choice.decode_id == "d0" and choice.line_wait_s == 0.0, index
+        view.models.inflight[f"r{index}"] = InFlight(
+            f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=choice.ttft_s, prefix_hashes=tuple(usable),
+            decode_held_blocks=view.rooms.held_prefix_blocks("d0", usable))
+    assert [r.decode_held_blocks for r in view.models.inflight.values()] == [0] + [64] * 15
+    assert view.rooms.headroom("d0") == 100 - 66 - 15 * 2
+    # D's next reading: the burst's blocks in use, its idle ones (any prompt's, 80) more than the prompt's 64:
+    # a request in flight there still holds the prompt's, which the next one shares
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=900 + 66 + 15 * 2, num_cached_blocks=80)
+    view.lines.observe("d0", num_granted=16, num_waiting=0, now_s=time.monotonic())
+    assert view.rooms.held_prefix_blocks("d0", usable) == 64
 
 
 def test_among_equally_busy_decode_workers_the_one_holding_the_prompt_is_chosen():
