@@ -39,7 +39,8 @@ than the schema allows, which Tandem never does: past `MAX_STATES` it refuses.
 
 The DFAs of a process's latest patterns are kept (`compile_regex`; the ingress and
 each worker a request visits compile a pattern once), at most `MAX_CACHED` of them
-and `MAX_CACHED_STATES` states in all: a pattern at the bound holds 15 MB.
+and `MAX_CACHED_STATES` states in all: a pattern at the bound holds 15 MB. A
+pattern is compiled once at a time (actors/compile_cache.py).
 
 States: 0 is dead (nothing can follow), 1 the start. Transitions that lead only to
 dead states go to 0, so a live state can still be completed, and a state is
@@ -50,13 +51,12 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from actors.code_points import MAX_CODE_POINT, byte_set_sequences, complement, merged
+from actors.compile_cache import CompileCache
 from actors.dfa_minimise import DEAD, START, minimised, prune_dead
 from actors.sampling_params import InvalidRequestError
 
@@ -104,49 +104,21 @@ class ByteDfa:
         return bool(self.accepting[self.walk(START, text.encode())])
 
 
-class _Compiled:
-    """The latest patterns' DFAs, the least recently asked for dropped first while
-    there are more than `MAX_CACHED` or their states pass `MAX_CACHED_STATES`
-    (threads compile: the ingress's request threads, a worker's off its engine)."""
-
-    def __init__(self) -> None:
-        self._dfas: OrderedDict[str, ByteDfa] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, pattern: str) -> ByteDfa | None:
-        with self._lock:
-            dfa = self._dfas.get(pattern)
-            if dfa is not None:
-                self._dfas.move_to_end(pattern)
-            return dfa
-
-    def put(self, pattern: str, dfa: ByteDfa) -> None:
-        with self._lock:
-            self._dfas[pattern] = dfa
-            while len(self._dfas) > 1 and (len(self._dfas) > MAX_CACHED or sum(
-                    len(kept.accepting) for kept in self._dfas.values()) > MAX_CACHED_STATES):
-                self._dfas.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._dfas.clear()
-
-
-COMPILED = _Compiled()
+COMPILED: CompileCache[ByteDfa] = CompileCache(MAX_CACHED, MAX_CACHED_STATES, lambda dfa: len(dfa.accepting))
 
 
 def compile_regex(pattern: str) -> ByteDfa:
     """The pattern's DFA (kept: `COMPILED`); RegexError when it cannot be one."""
     if not isinstance(pattern, str) or not pattern:
         raise RegexError("regex must be a non-empty string")
-    dfa = COMPILED.get(pattern)
-    if dfa is None:
-        try:
-            dfa = _compile(pattern)
-        except RecursionError:
-            raise RegexError("regex is nested too deeply") from None
-        COMPILED.put(pattern, dfa)
-    return dfa
+    return COMPILED.get(pattern, _checked_compile)
+
+
+def _checked_compile(pattern: str) -> ByteDfa:
+    try:
+        return _compile(pattern)
+    except RecursionError:
+        raise RegexError("regex is nested too deeply") from None
 
 
 def _compile(pattern: str) -> ByteDfa:

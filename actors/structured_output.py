@@ -48,11 +48,9 @@ without a step (jump-forward, actors/output_writer.py `_jump_forward`).
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import numpy as np
 
+from actors.compile_cache import CompileCache
 from actors.dfa_minimise import classes_within
 from actors.regex_dfa import START, ByteDfa, compile_regex
 from actors.sampling_params import InvalidRequestError
@@ -245,41 +243,31 @@ class OutputConstraint:
 
 
 class TokenIndexes:
-    """A worker's indexes, one a pattern (the latest `MAX_PATTERNS`), over its
-    vocabulary's bytes (made at the first pattern)."""
+    """A worker's indexes, one a pattern (the latest `MAX_PATTERNS`, each made once
+    at a time: actors/compile_cache.py), over its vocabulary's bytes (made at the
+    first pattern)."""
 
     def __init__(self, token_bytes: list[bytes] | None) -> None:
         self._token_bytes = token_bytes
         self._vocabulary: VocabularyBytes | None = None
-        self._indexes: OrderedDict[str, TokenIndex] = OrderedDict()
-        self._lock = threading.Lock()  # (a worker prepares in a thread; its engine asks in its own)
+        self._indexes: CompileCache[TokenIndex] = CompileCache(MAX_PATTERNS, MAX_PATTERNS, lambda _: 1)
 
     def prepare(self, pattern: str) -> None:
         """Compile `pattern` and make its index (the vocabulary's bytes at the first,
         the classes of states that share masks) ahead of `constraint`: a worker runs
-        this off its engine thread (a race makes them twice, no harm)."""
+        this off its engine thread."""
         if self._token_bytes is None:
             compile_regex(pattern)  # (`constraint` says why it cannot be held)
         else:
-            self._index(pattern)
+            self._indexes.get(pattern, self._new_index)
 
     def constraint(self, pattern: str, end_token_ids) -> OutputConstraint:
         if self._token_bytes is None:
             raise InvalidRequestError("structured output (regex, choice, JSON schema) needs a byte-level BPE "
                                       "tokenizer; this model's decodes otherwise")
-        return OutputConstraint(self._index(pattern), end_token_ids)
+        return OutputConstraint(self._indexes.get(pattern, self._new_index), end_token_ids)
 
-    def _index(self, pattern: str) -> TokenIndex:
-        with self._lock:
-            index = self._indexes.get(pattern)
-            if index is not None:
-                self._indexes.move_to_end(pattern)
-                return index
-        vocabulary = self._vocabulary or VocabularyBytes(self._token_bytes)
-        index = TokenIndex(compile_regex(pattern), vocabulary)
-        with self._lock:
-            self._vocabulary = self._vocabulary or vocabulary
-            index = self._indexes.setdefault(pattern, index)
-            while len(self._indexes) > MAX_PATTERNS:
-                self._indexes.popitem(last=False)
-        return index
+    def _new_index(self, pattern: str) -> TokenIndex:
+        if self._vocabulary is None:  # (two patterns' first indexes at once may both make it: no harm)
+            self._vocabulary = VocabularyBytes(self._token_bytes)
+        return TokenIndex(compile_regex(pattern), self._vocabulary)

@@ -239,7 +239,8 @@ def main(args: argparse.Namespace) -> None:
     report.finish(
         "structured", args.out,
         {"config": {k: v for k, v in vars(args).items() if not callable(v)}, "compile_s": compiled,
-         "mask_ms": masks, "string_mask_ms": string_masks, "decode_s_per_token": times, "jump_forward": jumps, "machine": report.machine_info()},
+         "mask_ms": masks, "string_mask_ms": string_masks, "decode_s_per_token": times, "jump_forward": jumps,
+         "machine": report.machine_info()},
         f"slowest compile {slowest * 1e3:.0f} ms; JSON-lines decode {json_ratio:.2f}x unconstrained; "
         f"jump-forward answers a schema in {jump_ratio:.2f}x the time",
         f"compile <= {GOAL_COMPILE_S:g} s",

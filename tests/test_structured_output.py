@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import numpy as np
 import pytest
@@ -205,21 +206,68 @@ def test_compiled_patterns_are_kept_within_a_count_and_a_number_of_states(monkey
     """A process keeps its latest patterns' automata, the least recently asked for
     dropped first once they pass `MAX_CACHED_STATES` states in all (one at the bound
     holds 15 MB; 64 of them were kept whatever their size) or `MAX_CACHED` patterns."""
-    monkeypatch.setattr(regex_dfa, "COMPILED", regex_dfa._Compiled())
-    monkeypatch.setattr(regex_dfa, "MAX_CACHED_STATES", 30)
-    kept = regex_dfa.COMPILED._dfas
+    from actors.compile_cache import CompileCache
+
+    monkeypatch.setattr(regex_dfa, "COMPILED", CompileCache(64, 30, lambda dfa: len(dfa.accepting)))
+    kept = regex_dfa.COMPILED.keys
     first, second = compile_regex("a{10}"), compile_regex("b{10}")  # 12 states each
-    assert list(kept) == ["a{10}", "b{10}"] and compile_regex("a{10}") is first  # asked for: the latest
+    assert kept() == ["a{10}", "b{10}"] and compile_regex("a{10}") is first  # asked for: the latest
     compile_regex("c{10}")
-    assert list(kept) == ["a{10}", "c{10}"]
-    assert compile_regex("b{10}") is not second and list(kept) == ["c{10}", "b{10}"]
+    assert kept() == ["a{10}", "c{10}"]
+    assert compile_regex("b{10}") is not second and kept() == ["c{10}", "b{10}"]
     compile_regex("d{40}")  # past the bound alone: kept alone
-    assert list(kept) == ["d{40}"]
-    monkeypatch.setattr(regex_dfa, "MAX_CACHED_STATES", 10**6)
-    monkeypatch.setattr(regex_dfa, "MAX_CACHED", 2)
+    assert kept() == ["d{40}"]
+    monkeypatch.setattr(regex_dfa, "COMPILED", CompileCache(2, 10**6, lambda dfa: len(dfa.accepting)))
     for pattern in ("x", "y", "z"):
         compile_regex(pattern)
-    assert list(kept) == ["y", "z"]
+    assert regex_dfa.COMPILED.keys() == ["y", "z"]
+
+
+def test_threads_asking_for_one_new_pattern_at_once_share_one_compile(monkeypatch):
+    """A burst of requests sharing a new schema each compiled it at once, holding
+    the GIL in turn (the ingress's event loop waited on all of them); now one
+    compiles and the others wait for its automaton, or its error."""
+    import concurrent.futures
+    import threading
+    from actors import compile_cache
+
+    monkeypatch.setattr(regex_dfa, "COMPILED", compile_cache.CompileCache(64, 10**6, lambda dfa: len(dfa.accepting)))
+    calls, waiting, original = [], [], regex_dfa._checked_compile
+
+    class CountedFuture(concurrent.futures.Future):
+        def result(self, timeout=None):
+            waiting.append(1)
+            return super().result(timeout)
+    monkeypatch.setattr(compile_cache, "Future", CountedFuture)
+
+    def slow_compile(pattern):  # done once the 5 other threads wait for it
+        calls.append(pattern)
+        deadline = time.monotonic() + 10
+        while len(waiting) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return original(pattern)
+    monkeypatch.setattr(regex_dfa, "_checked_compile", slow_compile)
+    for pattern, good in (("[a-z]{3}", True), ("a(", False)):
+        calls.clear()
+        waiting.clear()
+        results = []
+
+        def ask(pattern=pattern):
+            try:
+                results.append(compile_regex(pattern))
+            except RegexError as exc:
+                results.append(exc)
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert calls == [pattern] and len(waiting) == 5 and len(results) == 6
+        assert all(r is results[0] for r in results) if good else all(isinstance(r, RegexError) for r in results)
+    calls.clear()
+    with pytest.raises(RegexError):  # a refusal is not kept: asked again, compiled again
+        compile_regex("a(")
+    assert calls == ["a("]
 
 
 STRING_PATTERNS = [r"^\S+$", r"^.{1,5}$", r"[^@]+@[^@]+\.\w+", r"(?s).{2}", r'^"[a-z]+"$', r"a\\b|c",
