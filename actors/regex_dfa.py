@@ -74,6 +74,8 @@ MANY_COPIES = 8  # a repeat of more copies is built from its part's own DFA (`_N
 MAX_WORK = 3_000_000  # NFA states visited by the subset construction: about a second of it at most
 MAX_CACHED = 64  # compiled patterns a process keeps,
 MAX_CACHED_STATES = 120_000  # and their states in all (60 MB of transitions)
+COPIES_HINT = (" (a counted repeat, such as a JSON schema's maxLength or maxItems, is a copy of its part a count, "
+               "and repeats nested in each other multiply)")
 
 
 class RegexError(InvalidRequestError):
@@ -173,8 +175,8 @@ class _Nfa:
 
     def state(self) -> int:
         if len(self.epsilon) >= MAX_NFA_STATES:
-            raise RegexError("regex is too large (its counted repeats expand past "
-                             f"{MAX_NFA_STATES} automaton states)")
+            raise RegexError(f"regex is too large: its counted repeats expand past {MAX_NFA_STATES} automaton states"
+                             + COPIES_HINT)
         self.byte_edges.append([])
         self.epsilon.append([])
         return len(self.epsilon) - 1
@@ -356,11 +358,13 @@ def _determinise(nfa: _Nfa, start: int, accept: int) -> ByteDfa:
         rows.append(row)
         if len(order) > MAX_BUILT_STATES or work > MAX_WORK:
             raise RegexError(f"regex is too complex: its automaton passes {MAX_BUILT_STATES} states as built"
-                             if len(order) > MAX_BUILT_STATES else "regex is too complex to compile quickly")
+                             + COPIES_HINT if len(order) > MAX_BUILT_STATES
+                             else "regex is too complex to compile quickly")
     accepting = np.array([accept in s for s in order], dtype=bool)
     by_class, accepting = minimised(prune_dead(np.array(rows, dtype=np.int32), accepting), accepting)
     if len(accepting) > MAX_STATES:
-        raise RegexError(f"regex is too complex: its automaton has {len(accepting)} states, more than {MAX_STATES}")
+        raise RegexError(f"regex is too complex: its automaton has {len(accepting)} states, more than {MAX_STATES}"
+                         f"{COPIES_HINT}")
     transitions = np.zeros((len(accepting), 256), dtype=np.int16)  # (MAX_STATES < 2**15)
     for column, members in enumerate(class_bytes):
         transitions[:, members] = by_class[:, column:column + 1]

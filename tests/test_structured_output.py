@@ -202,6 +202,14 @@ def test_a_long_strings_length_bounds_are_held_with_one_automaton_state_a_count_
     assert not two.fullmatch(json.dumps({"name": "n" * 100, "bio": "b" * 501}))
 
 
+def test_a_schema_past_the_automatons_bound_is_refused_saying_why_its_bounds_multiply():
+    """Up to 50 strings of up to 100 characters: 50 copies of a string's 1400 states.
+    "regex is too complex" alone said nothing to a client that sent no regex."""
+    pattern = schema_regex({"type": "array", "maxItems": 50, "items": {"type": "string", "maxLength": 100}})
+    with pytest.raises(InvalidRequestError, match="JSON schema's maxLength or maxItems.*nested in each other multiply"):
+        SamplingParams(regex=pattern)
+
+
 def test_compiled_patterns_are_kept_within_a_count_and_a_number_of_states(monkeypatch):
     """A process keeps its latest patterns' automata, the least recently asked for
     dropped first once they pass `MAX_CACHED_STATES` states in all (one at the bound
