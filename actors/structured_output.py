@@ -120,11 +120,12 @@ class TokenIndex:
         """The packed mask of the tokens after which the output can still match."""
         mask = self._masks.get(state)
         if mask is None:
+            if len(self._masks) + (len(self._shared) if self._num_long else 0) >= MAX_MASKS:  # (arrays kept)
+                self._masks.clear()
+                self._shared.clear()
             group = int(self.classes[state])
             shared = self._shared.get(group)
             if shared is None:
-                if len(self._shared) >= MAX_MASKS:
-                    self._shared.clear()
                 shared = self._shared[group] = self.vocabulary.mask(
                     self._live(state, self._num_long, len(self.vocabulary.token_ids)))
             mask = shared
@@ -132,8 +133,6 @@ class TokenIndex:
                 mask = shared.copy()
                 long_ids = self._live(state, 0, self._num_long)
                 np.bitwise_or.at(mask, long_ids >> 3, (0x80 >> (long_ids & 7)).astype(np.uint8))
-            if len(self._masks) >= MAX_MASKS:
-                self._masks.clear()
             self._masks[state] = mask
         return mask
 
