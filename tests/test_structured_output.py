@@ -185,6 +185,36 @@ def test_a_schemas_pattern_matches_its_documents_and_only_them():
             assert _valid(json.loads(data)), data
 
 
+def _same_language(first, second) -> bool:
+    """Whether two byte DFAs accept the same texts: every pair of states both reach
+    on one text accepts alike and is dead alike (their dead ends pruned)."""
+    seen, stack = {(START, START)}, [(START, START)]
+    while stack:
+        a, b = stack.pop()
+        if first.accepting[a] != second.accepting[b] or (a == 0) != (b == 0):
+            return False
+        for pair in set(zip(first.transitions[a].tolist(), second.transitions[b].tolist())):
+            if pair not in seen:
+                seen.add(pair)
+                stack.append(pair)
+    return True
+
+
+@pytest.mark.parametrize("pattern", [
+    r"(?:ab|c){2,12}d", r"(?s)[^a]{9}.?", r"(?:é{9}|[xy]){0,10}\d", r"(?:a|bc)*(?:x|1){9,}", r"(?:a{3}b){9,11}c?",
+    r"(?:(?:ab){0,9}c){9}", r"[\s\S]{10}", r"(?:x?){12}", r"(?:a|){10}b", r"(?:😀|\d\d){3,20}",
+    schema_regex({"type": "array", "minItems": 2, "maxItems": 12, "items": {"type": "string", "maxLength": 10}}),
+    schema_regex({"type": "string", "minLength": 3, "maxLength": 40}),
+])
+def test_a_repeat_built_from_its_parts_own_automaton_matches_the_same_texts(pattern, monkeypatch):
+    """`_Nfa._copier` (more than MANY_COPIES copies) against the copies built from the
+    part's NFA: the same language, checked state pair by state pair."""
+    copied = regex_dfa._compile(pattern)
+    monkeypatch.setattr(regex_dfa, "MANY_COPIES", 10**9)
+    assert _same_language(copied, regex_dfa._compile(pattern))
+    assert not _same_language(copied, regex_dfa._compile(pattern + "x"))  # (the check tells languages apart)
+
+
 def test_a_long_strings_length_bounds_are_held_with_one_automaton_state_a_count_and_place():
     """`maxLength` 2000 (clients like it): each count's copy of a JSON string's
     character built from the character's own DFA is as small as merging could make it
