@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 
 from actors.code_points import MAX_CODE_POINT, complement, merged
-from actors.regex_dfa import RegexError, class_ranges, sre, sre_parse
+from actors.regex_dfa import RegexError, class_ranges, parse_whole, sre
 
 ESCAPED = {0x22: '\\\\"', 0x5C: "\\\\\\\\", 0x08: "\\\\b", 0x0C: "\\\\f", 0x0A: "\\\\n", 0x0D: "\\\\r", 0x09: "\\\\t"}
 NOT_AS_THEMSELVES = merged([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])  # in a JSON string's text
@@ -32,9 +32,9 @@ NOT_AS_THEMSELVES = merged([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])  # in a JSON
 
 def json_string_text(pattern: str) -> str:
     """The pattern of the JSON texts (between the quotes) of the values `pattern`
-    matches whole."""
-    parsed = sre_parse.parse(pattern, 0)
-    return _Writer(dotall=bool(parsed.state.flags & sre.SRE_FLAG_DOTALL)).sequence(list(parsed))
+    matches whole (read as actors/regex_dfa.py reads it: `parse_whole`)."""
+    items, dotall = parse_whole(pattern)
+    return _Writer(dotall).sequence(items)
 
 
 class _Writer:

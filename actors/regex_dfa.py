@@ -123,7 +123,9 @@ def _checked_compile(pattern: str) -> ByteDfa:
         raise RegexError("regex is nested too deeply") from None
 
 
-def _compile(pattern: str) -> ByteDfa:
+def parse_whole(pattern: str) -> tuple[list, bool]:
+    """Python's parse of `pattern` as matched whole: its items, less a `^` (`\\A`)
+    first and a `$` (`\\Z`) last, and whether `(?s)` holds for it all."""
     try:
         parsed = sre_parse.parse(pattern, 0)
     except (sre.error, OverflowError) as exc:
@@ -131,12 +133,17 @@ def _compile(pattern: str) -> ByteDfa:
     flags = parsed.state.flags
     if flags & (sre.SRE_FLAG_IGNORECASE | sre.SRE_FLAG_LOCALE):
         raise RegexError("regex: case-insensitive matching ((?i)) is not supported")
-    nfa = _Nfa(dotall=bool(flags & sre.SRE_FLAG_DOTALL))
     items = list(parsed)
     if items[:1] in ([(sre.AT, sre.AT_BEGINNING)], [(sre.AT, sre.AT_BEGINNING_STRING)]):
         items = items[1:]
     if items[-1:] in ([(sre.AT, sre.AT_END)], [(sre.AT, sre.AT_END_STRING)]):
         items = items[:-1]
+    return items, bool(flags & sre.SRE_FLAG_DOTALL)
+
+
+def _compile(pattern: str) -> ByteDfa:
+    items, dotall = parse_whole(pattern)
+    nfa = _Nfa(dotall)
     start, end = nfa.sequence(items)
     dfa = _determinise(nfa, start, end)
     if not dfa.accepting.any():

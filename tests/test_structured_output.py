@@ -380,6 +380,9 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "string", "pattern": r"^yes$|^no$"}, ['"yes"', '"no"'], ['"yesno"', '"y"']),
     ({"type": "string", "pattern": r"^$"}, ['""'], ['"a"']),
     ({"type": "string", "pattern": r"^[$^|]+$"}, ['"$|^"'], ['""']),
+    # Found by a review: the pattern's writer read anchors the automaton drops (\A, \Z, ^ after a global flag)
+    ({"type": "string", "pattern": r"\Aab\Z"}, ['"ab"'], ['"abc"']),
+    ({"type": "string", "pattern": r"(?s)^a.c$"}, ['"a\\nc"', '"abc"', '"a\\"c"'], ['"ac"', '"abbc"']),
 ])
 def test_bounds_formats_and_type_lists(schema, good, bad):
     dfa = compile_regex(schema_regex(schema))
