@@ -12,8 +12,9 @@ cannot count brackets, so this writes the shape out as one, as outlines does:
   (in characters: no half of a surrogate pair as an escape), `enum`, `const`,
   `pattern` (as a Python regex of the value, matched whole, its `^` and `$`
   dropped; its characters written as JSON writes them: actors/json_string_text.py),
-  `format` (`FORMATS`: date,
-  time, date-time, uuid, ipv4, email); `integer` with `minimum`,
+  `format` (`FORMATS`: date, time, date-time, uuid, ipv4, email), either with
+  length bounds where its own lengths lie within them or its one part of varying
+  length is a character repeated (`within`); `integer` with `minimum`,
   `maximum` and their exclusive forms (actors/integer_ranges.py); `number`, with
   whole bounds from 0 up; `boolean`, `null`; a list of types (each with the keywords
   that apply to it); `anyOf`; `oneOf` of options no value can match two of
@@ -395,27 +396,33 @@ class _Writer:
         return array_of(self.value(items, f"{path}[]"), low, high)
 
     def _string(self, schema: dict, where: str) -> str:
+        low, high = _count_bounds(schema, "minLength", "maxLength", where)
         if "format" in schema:
-            if {"minLength", "maxLength", "pattern"} & set(schema):
-                raise RegexError(f"json_schema: {where}: format with minLength, maxLength or pattern is not supported")
+            if "pattern" in schema:
+                raise RegexError(f"json_schema: {where}: format with pattern is not supported")
             if schema["format"] not in FORMATS:
                 raise RegexError(f"json_schema: {where}.format {schema['format']!r} is not supported (supported: "
                                  f"{', '.join(FORMATS)})")
-            return f'"{FORMATS[schema["format"]]}"'
+            return f'"{_held_to(FORMATS[schema["format"]], low, high, where)}"'  # (its text: no escapes)
         if "pattern" in schema:
-            if {"minLength", "maxLength"} & set(schema):
-                raise RegexError(f"json_schema: {where}: pattern with minLength/maxLength is not supported")
             pattern = schema["pattern"]
             if not isinstance(pattern, str):
                 raise RegexError(f"json_schema: {where}.pattern must be a string")
             pattern = _unanchored(pattern)
             if pattern:  # (`^$`: the empty value)
                 compile_regex(pattern)  # RegexError unless the automaton takes it (the reason why)
-            return f'"{json_string_text(pattern)}"'  # written anew from its parse: its characters as JSON writes them
-        low, high = _count_bounds(schema, "minLength", "maxLength", where)
+            return f'"{_held_to(pattern, low, high, where)}"'  # written anew from its parse, as JSON writes it
         if (low, high) == (0, None):
             return STRING
         return f'"{COUNTED_CHAR}{{{low},{"" if high is None else high}}}"'
+
+
+def _held_to(pattern: str, low: int, high: int | None, where: str) -> str:
+    """`json_string_text` of a string's pattern or format, its refusals saying where."""
+    try:
+        return json_string_text(pattern, low, high)
+    except RegexError as exc:
+        raise RegexError(f"json_schema: {where}: {exc}") from None
 
 
 def _unanchored(pattern: str) -> str:

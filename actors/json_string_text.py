@@ -17,10 +17,19 @@ reads it), which has already been checked to be one the automaton takes: groups,
 alternatives and repeats are written back as they were, character sets as
 classes of code points (`\\U` escapes), the pattern's own flags (`(?s)`) resolved
 into the sets they change.
+
+Each character the rewrite writes is one character of the value, so a schema's
+`minLength` and `maxLength` beside a `pattern` (or a `format`, whose text is its
+own) can be held where the pattern's parse says how: it needs nothing where every
+value it matches has a length within them, and where its one part of varying
+length is a character repeated, that repeat's bounds are narrowed (`within`;
+pydantic's `constr(pattern=r"^[a-z0-9_]+$", min_length=3, max_length=32)`). Any
+other pair needs two automata intersected, which a pattern's text cannot say.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 from actors.code_points import MAX_CODE_POINT, complement, merged
@@ -30,11 +39,66 @@ ESCAPED = {0x22: '\\\\"', 0x5C: "\\\\\\\\", 0x08: "\\\\b", 0x0C: "\\\\f", 0x0A: 
 NOT_AS_THEMSELVES = merged([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])  # in a JSON string's text
 
 
-def json_string_text(pattern: str) -> str:
+def json_string_text(pattern: str, low: int = 0, high: int | None = None) -> str:
     """The pattern of the JSON texts (between the quotes) of the values `pattern`
-    matches whole (read as actors/regex_dfa.py reads it: `parse_whole`)."""
+    matches whole (read as actors/regex_dfa.py reads it: `parse_whole`), of `low`
+    to `high` characters (a schema's minLength and maxLength: `within`)."""
     items, dotall = parse_whole(pattern)
-    return _Writer(dotall).sequence(items)
+    return _Writer(dotall).sequence(within(items, low, high))
+
+
+def within(items: list, low: int, high: int | None) -> list:
+    """`items` (a parsed pattern) held to values of `low` to `high` characters: as
+    they are where every value they match has a length within (`^[A-Z]{3}$` of at
+    most 10); else with the bounds of their one part of varying length narrowed,
+    where that part is one character repeated (`^[a-z0-9_]+$` of 3 to 32 is
+    `[a-z0-9_]{3,32}`, `^[A-Z][a-z]*$` of at most 20 is `[A-Z][a-z]{0,19}`).
+    Anything else needs two automata intersected, which a pattern's text cannot
+    say: RegexError, as where no value could have both."""
+    fewest, most = _lengths(items)
+    if fewest >= low and (high is None or most is not None and most <= high):
+        return items
+    varying = [i for i, item in enumerate(items) if len(set(_lengths([item]))) > 1]
+    if len(varying) == 1 and items[varying[0]][0] in (sre.MAX_REPEAT, sre.MIN_REPEAT):
+        op, (least, greatest, part) = items[varying[0]]
+        if _lengths(part) == (1, 1):
+            fixed = fewest - least
+            least = max(least, low - fixed)
+            greatest = min(math.inf if greatest == sre.MAXREPEAT else greatest,
+                           math.inf if high is None else high - fixed)
+            if least > greatest:
+                raise RegexError("no value matches both the pattern and the minLength/maxLength")
+            bounds = (least, sre.MAXREPEAT if greatest == math.inf else int(greatest), part)
+            return items[:varying[0]] + [(op, bounds)] + items[varying[0] + 1:]
+    if most is not None and (most < low or high is not None and fewest > high):
+        raise RegexError("no value matches both the pattern and the minLength/maxLength")
+    raise RegexError("minLength/maxLength with a pattern or format are held where the pattern's own lengths lie "
+                     "within them, or where one part of it varies in length, a character repeated")
+
+
+def _lengths(items) -> tuple[int, int | None]:
+    """The fewest and the most characters of a text `items` matches (None: no most)."""
+    fewest, most = 0, 0
+    for op, av in items:
+        if op in (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN):
+            least, greatest = 1, 1
+        elif op is sre.SUBPATTERN:
+            least, greatest = _lengths(av[3])
+        elif op is sre.BRANCH:
+            options = [_lengths(option) for option in av[1]]
+            least = min(a for a, _ in options)
+            greatest = None if any(b is None for _, b in options) else max(b for _, b in options)
+        elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT):
+            times_low, times_high, part = av
+            part_low, part_high = _lengths(part)
+            least = times_low * part_low
+            greatest = (0 if part_high == 0 else None if part_high is None or times_high == sre.MAXREPEAT
+                        else times_high * part_high)
+        else:
+            raise RegexError(f"regex: {str(op).lower()} is not supported")  # (the automaton refused it first)
+        fewest += least
+        most = None if most is None or greatest is None else most + greatest
+    return fewest, most
 
 
 class _Writer:

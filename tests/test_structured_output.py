@@ -383,6 +383,15 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     # Found by a review: the pattern's writer read anchors the automaton drops (\A, \Z, ^ after a global flag)
     ({"type": "string", "pattern": r"\Aab\Z"}, ['"ab"'], ['"abc"']),
     ({"type": "string", "pattern": r"(?s)^a.c$"}, ['"a\\nc"', '"abc"', '"a\\"c"'], ['"ac"', '"abbc"']),
+    # A pattern or format with length bounds (each was refused): its own lengths within them, or its one part
+    # of varying length a character repeated, narrowed (pydantic's constr(pattern=..., min_length, max_length))
+    ({"type": "string", "pattern": r"^[a-z0-9_]+$", "minLength": 3, "maxLength": 8}, ['"abc"', '"abcdefgh"'],
+     ['"ab"', '"abcdefghi"', '"a-b"']),
+    ({"type": "string", "pattern": r"^[A-Z][a-z]*$", "maxLength": 4}, ['"Abcd"', '"A"'], ['"Abcde"', '"abc"']),
+    ({"type": "string", "pattern": r"^\S+$", "maxLength": 3}, ['"a\\"b"', '"\\\\"'], ['"abcd"', '""']),
+    ({"type": "string", "pattern": r"^[A-Z]{3}-\d{4}$", "maxLength": 10}, ['"ABC-1234"'], ['"AB-1234"']),
+    ({"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
+     ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
 ])
 def test_bounds_formats_and_type_lists(schema, good, bad):
     dfa = compile_regex(schema_regex(schema))
@@ -425,6 +434,10 @@ def test_any_json_object_parses():
     ({"type": "integer", "minimum": float("inf")}, "must be a finite number"),  # JSON's Infinity, as Python reads it
     ({"type": ["integer", "null"], "maxLength": 3}, "uses maxLength"),
     ({"type": "string", "pattern": "^a(?=b)"}, "lookahead"), ({"type": "string", "pattern": "a("}, "not valid"),
+    ({"type": "string", "pattern": "^(ab)+$", "maxLength": 6}, "one part of it varies in length"),
+    ({"type": "string", "format": "email", "maxLength": 254}, "own lengths lie within them"),
+    ({"type": "string", "pattern": "^[A-Z]{3}$", "minLength": 5}, "no value matches both"),
+    ({"type": "string", "pattern": "^a{2,4}$", "minLength": 5}, "no value matches both"),
     # Found by a review: Infinity as a const (1e400 in a body) was the pattern `Infinity`, no JSON;
     # 1 and 1.0 are one value, which two oneOf options naming them both match
     ({"type": "object", "properties": {"v": {"const": float("inf")}}, "required": ["v"]}, "not finite"),
