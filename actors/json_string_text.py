@@ -58,6 +58,7 @@ def within(items: list, low: int, high: int | None) -> list:
     fewest, most = _lengths(items)
     if fewest >= low and (high is None or most is not None and most <= high):
         return items
+    items = _flattened(items)  # (`^([a-z]+)$`: its group's items are the sequence's)
     varying = [i for i, item in enumerate(items) if len(set(_lengths([item]))) > 1]
     if len(varying) == 1 and items[varying[0]][0] in (sre.MAX_REPEAT, sre.MIN_REPEAT):
         op, (least, greatest, part) = items[varying[0]]
@@ -74,6 +75,11 @@ def within(items: list, low: int, high: int | None) -> list:
         raise RegexError("no value matches both the pattern and the minLength/maxLength")
     raise RegexError("minLength/maxLength with a pattern or format are held where the pattern's own lengths lie "
                      "within them, or where one part of it varies in length, a character repeated")
+
+
+def _flattened(items) -> list:
+    """A sequence with its groups' items in their place."""
+    return [flat for op, av in items for flat in (_flattened(av[3]) if op is sre.SUBPATTERN else [(op, av)])]
 
 
 def _lengths(items) -> tuple[int, int | None]:

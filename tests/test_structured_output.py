@@ -388,6 +388,8 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "string", "pattern": r"^[a-z0-9_]+$", "minLength": 3, "maxLength": 8}, ['"abc"', '"abcdefgh"'],
      ['"ab"', '"abcdefghi"', '"a-b"']),
     ({"type": "string", "pattern": r"^[A-Z][a-z]*$", "maxLength": 4}, ['"Abcd"', '"A"'], ['"Abcde"', '"abc"']),
+    ({"type": "string", "pattern": r"^(x(\w+))$", "minLength": 3, "maxLength": 4}, ['"xab"', '"xabc"'],
+     ['"xa"', '"xabcd"']),
     ({"type": "string", "pattern": r"^\S+$", "maxLength": 3}, ['"a\\"b"', '"\\\\"'], ['"abcd"', '""']),
     ({"type": "string", "pattern": r"^[A-Z]{3}-\d{4}$", "maxLength": 10}, ['"ABC-1234"'], ['"AB-1234"']),
     ({"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
