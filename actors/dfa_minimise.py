@@ -20,8 +20,8 @@ def prune_dead(transitions: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     """Transitions into states from which no accepting state is reachable go to 0
     (`transitions`: a column a byte, or a class of bytes). A search back from the
     accepting states along the edges reversed: each state once, where rounds of
-    "leads to a live state" took one a step of the longest path (a counted repeat's
-    chain of 16k states: 6000 rounds, 1.2 s)."""
+    "leads to a live state" took one a step of the longest path (`[\\s\\S]{2000}`,
+    a chain of 16k states: about 2000 rounds, and its compile 2.0 s, 0.46 s after)."""
     num_states, num_columns = transitions.shape
     targets = transitions.ravel()
     order = np.argsort(targets, kind="stable")

@@ -2,9 +2,10 @@
 it between readings of D's stats (cluster/pool_view.py reads them): the blocks and
 batch places D had free at the last reading, less what D's line then asked for, the
 growth D keeps for this replica's requests (actors/decode_room.py), and what this
-replica sent D since. Admission's wait for D's blocks (`release_wait_s`, the
-requests that joined D's line: `num_joined_line`) and the D choice's `headroom`
-(cluster/service.py) read it.
+replica sent D since, and the prompt's blocks D holds already, which a reservation
+shares (`held_prefix_blocks`). Admission's wait for D's blocks (`release_wait_s`,
+the requests that joined D's line: `num_joined_line`) and the D choice's
+`headroom` (cluster/service.py) read it.
 """
 
 from __future__ import annotations
