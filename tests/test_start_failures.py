@@ -150,11 +150,26 @@ def test_a_worker_no_node_takes_is_given_up_and_another_asked_for(ray_local, tin
 
 
 async def _killed_after_profile(pool, settings):
-    (decode,) = [m for m in await pool.list_members.remote() if m.role == "decode"]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 120  # (a listing waits up to 30 s for workers to come up; a loaded machine took longer)
+    while not (decodes := [m for m in await pool.list_members.remote() if m.role == "decode"]):
+        if loop.time() > deadline:
+            raise TimeoutError("no decode worker listed")
+        await asyncio.sleep(0.25)
+    (decode,) = decodes
     await decode.handle.profile.remote()
+    worker_id = decode.worker_id
+
+    def answered(manager) -> bool:  # (nested: Ray ships it by value to the pool manager)
+        return manager.scaler.has_started(worker_id)
+    # The pool's own profile call answered too: its reply may come after this one (a clean-clone
+    # run killed the worker first, and the pool's call failed with it: a start failure)
+    deadline = loop.time() + 30
+    while not await pool.__ray_call__.remote(answered) and loop.time() < deadline:
+        await asyncio.sleep(0.02)
     ray.kill(decode.handle)  # long before the next control step reads its stats
-    deadline = asyncio.get_running_loop().time() + 60
-    while asyncio.get_running_loop().time() < deadline:
+    deadline = loop.time() + 60
+    while loop.time() < deadline:
         events = [e for e in await pool.scaling_events.remote() if e.worker_id == decode.worker_id]
         if any(e.kind in ("replaced", "start_failed") for e in events):
             break
