@@ -23,11 +23,13 @@ Value = TypeVar("Value")
 
 
 class CompileCache(Generic[Value]):
-    """Values made from string keys: at most `max_entries` of them, their
-    `weight`s at most `max_weight` in all (the least recently asked for dropped
-    first; the latest kept whatever its weight), each made once at a time."""
+    """Values made from string keys: at most `max_entries` of them, and where
+    given, their `weight`s at most `max_weight` in all (the least recently asked
+    for dropped first; the latest kept whatever its weight), each made once at a
+    time."""
 
-    def __init__(self, max_entries: int, max_weight: int, weight: Callable[[Value], int]) -> None:
+    def __init__(self, max_entries: int, max_weight: int | None = None,
+                 weight: Callable[[Value], int] | None = None) -> None:
         self.max_entries = max_entries
         self.max_weight = max_weight
         self.weight = weight
@@ -67,9 +69,11 @@ class CompileCache(Generic[Value]):
     def _keep(self, key: str, value: Value) -> None:
         with self._lock:
             self._values[key] = value
-            while len(self._values) > 1 and (len(self._values) > self.max_entries or sum(
-                    self.weight(kept) for kept in self._values.values()) > self.max_weight):
+            while len(self._values) > 1 and (len(self._values) > self.max_entries or self._too_heavy()):
                 self._values.popitem(last=False)
+
+    def _too_heavy(self) -> bool:
+        return self.max_weight is not None and sum(map(self.weight, self._values.values())) > self.max_weight
 
     def keys(self) -> list[str]:
         """The keys kept, the least recently asked for first."""

@@ -33,7 +33,7 @@ import math
 import re
 
 from actors.code_points import MAX_CODE_POINT, complement, merged
-from actors.regex_dfa import RegexError, class_ranges, parse_whole, sre
+from actors.regex_dfa import CHARACTER_OPS, RegexError, character_ranges, parse_whole, sre
 
 ESCAPED = {0x22: '\\\\"', 0x5C: "\\\\\\\\", 0x08: "\\\\b", 0x0C: "\\\\f", 0x0A: "\\\\n", 0x0D: "\\\\r", 0x09: "\\\\t"}
 NOT_AS_THEMSELVES = merged([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])  # in a JSON string's text
@@ -86,7 +86,7 @@ def _lengths(items) -> tuple[int, int | None]:
     """The fewest and the most characters of a text `items` matches (None: no most)."""
     fewest, most = 0, 0
     for op, av in items:
-        if op in (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN):
+        if op in CHARACTER_OPS:
             least, greatest = 1, 1
         elif op is sre.SUBPATTERN:
             least, greatest = _lengths(av[3])
@@ -115,14 +115,8 @@ class _Writer:
         return "".join(self.item(op, av) for op, av in items)
 
     def item(self, op, av) -> str:
-        if op is sre.LITERAL:
-            return _characters([(av, av)])
-        if op is sre.NOT_LITERAL:
-            return _characters(complement([(av, av)]))
-        if op is sre.ANY:
-            return _characters([(0, MAX_CODE_POINT)] if self.dotall else complement([(10, 10)]))
-        if op is sre.IN:
-            return _characters(class_ranges(av))
+        if op in CHARACTER_OPS:
+            return _characters(character_ranges(op, av, self.dotall))
         if op is sre.SUBPATTERN:
             return f"(?:{self.sequence(av[3])})"
         if op is sre.BRANCH:

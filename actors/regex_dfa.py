@@ -197,14 +197,8 @@ class _Nfa:
         return start, end
 
     def item(self, op, av) -> tuple[int, int]:
-        if op is sre.LITERAL:
-            return self.code_points([(av, av)])
-        if op is sre.NOT_LITERAL:
-            return self.code_points(complement([(av, av)]))
-        if op is sre.ANY:
-            return self.code_points([(0, MAX_CODE_POINT)] if self.dotall else complement([(10, 10)]))
-        if op is sre.IN:
-            return self.code_points(class_ranges(av))
+        if op in CHARACTER_OPS:
+            return self.code_points(character_ranges(op, av, self.dotall))
         if op is sre.SUBPATTERN:
             _group, add_flags, del_flags, items = av
             if add_flags & (sre.SRE_FLAG_IGNORECASE | sre.SRE_FLAG_LOCALE):
@@ -285,6 +279,20 @@ class _Nfa:
                 self.byte_edges[state].append((byte_set, target))
                 state = target
         return start, end
+
+
+CHARACTER_OPS = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN)  # a parse's items that are one character
+
+
+def character_ranges(op, av, dotall: bool) -> list[tuple[int, int]]:
+    """The code points one character of a parse (`CHARACTER_OPS`) may be."""
+    if op is sre.LITERAL:
+        return [(av, av)]
+    if op is sre.NOT_LITERAL:
+        return complement([(av, av)])
+    if op is sre.ANY:
+        return [(0, MAX_CODE_POINT)] if dotall else complement([(10, 10)])
+    return class_ranges(av)
 
 
 def class_ranges(av) -> list[tuple[int, int]]:

@@ -249,7 +249,7 @@ class TokenIndexes:
     def __init__(self, token_bytes: list[bytes] | None) -> None:
         self._token_bytes = token_bytes
         self._vocabulary: VocabularyBytes | None = None
-        self._indexes: CompileCache[TokenIndex] = CompileCache(MAX_PATTERNS, MAX_PATTERNS, lambda _: 1)
+        self._indexes: CompileCache[TokenIndex] = CompileCache(MAX_PATTERNS)
 
     def prepare(self, pattern: str) -> None:
         """Compile `pattern` and make its index (the vocabulary's bytes at the first,
