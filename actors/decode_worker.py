@@ -2,8 +2,11 @@
 chunk by chunk into them, then decodes it in its continuous batch and streams tokens.
 
 Handshake: `reserve` holds blocks for the prompt plus the first output token and
-answers with their ids and how many leading ones the prefix cache already filled (P
-skips those: delta transfer). While the pool has no room for them, the handshake
+answers with their ids and how many leading ones the prefix cache already filled, or
+another reservation is still to fill (P skips those: delta transfer). A request that
+borrowed blocks so (actors/arriving_blocks.py) starts decoding once they are written,
+its own KV whole: until then it is parked; it is ended, its stream told, if their
+owner ends first (`_release_aborted`). While the pool has no room for them, the handshake
 waits in line (`actors.reservation_queue`, first come first served) for running
 requests to free blocks, up to the caller's `wait_s`; then it raises
 `ReservationRefused` so the caller can pick another D. Each `receive_chunk` checks
@@ -55,13 +58,18 @@ class _Pending:
     block_ids: list[int]
     prefill_handle: object
     heard_s: float  # made, its latest chunk came, or P said it holds it (time.monotonic): its TTL counts from here
+    borrowed: frozenset[int] = frozenset()  # blocks of other reservations it shares (actors/arriving_blocks.py)
     next_chunk: int = 0
 
 
 class DecodeWorker(WorkerBase):
     def _on_started(self) -> None:
         self._pending: dict[str, _Pending] = {}
-        self._pending_lock = threading.Lock()  # guards _pending and writes into reserved blocks
+        self._pending_lock = threading.Lock()  # guards _pending, _unwritten, _parked and writes into reserved blocks
+        # Blocks a reservation lends (`Reservation.arriving_block_ids`) and has not written yet -> its request id
+        self._unwritten: dict[int, str] = {}
+        # Requests whose own KV has all come, waiting for blocks they borrowed: (last chunk, borrowed blocks)
+        self._parked: dict[str, tuple[ChunkMeta, frozenset[int]]] = {}
         self._receivers: dict[str, KVReceiver] = {}
         self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
         self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
@@ -128,7 +136,9 @@ class DecodeWorker(WorkerBase):
             reservation = engine.reserve(request.prompt_token_ids, request.params, request_id, held)
             if reservation is not None:
                 with self._pending_lock:
-                    self._pending[request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic())
+                    self._pending[request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic(),
+                                                         frozenset(reservation.borrowed_block_ids))
+                    self._unwritten.update(dict.fromkeys(reservation.arriving_block_ids, request_id))
             return reservation
 
         return await self.import_then(request, reserve, computes_prompt=False, reserving=True)
@@ -208,6 +218,8 @@ class DecodeWorker(WorkerBase):
         except Exception as exc:  # the bytes were consumed, the channel is in step: fail this request only
             raise TransferFailed(f"request {meta.request_id}: chunk {meta.chunk_index} could not be placed on "
                                  f"{self.worker_id}: {type(exc).__name__}: {exc}") from exc
+        if self._parked:
+            await self._activate_unparked()
         return arrived_s
 
     def _write_chunk(self, meta: ChunkMeta, kv: torch.Tensor) -> None:
@@ -226,13 +238,37 @@ class DecodeWorker(WorkerBase):
                 raise TransferFailed(f"request {meta.request_id}: chunk targets blocks outside its reservation")
             if meta.dst_block_ids:
                 self.engine.runner.write_blocks(meta.dst_block_ids, kv)
+            for block_id in meta.dst_block_ids:
+                self._unwritten.pop(block_id, None)
             pending.next_chunk += 1
             pending.heard_s = time.monotonic()  # a transfer under way, however long, is not abandoned
 
     async def _activate(self, meta: ChunkMeta) -> None:
+        """Its last chunk is in: start decoding it, unless blocks it borrowed are still
+        to come (then it waits, parked, for their owner's chunks: `_activate_unparked`),
+        or it was ended since the chunk was written (its stream has been told)."""
         with self._pending_lock:
-            self._pending.pop(meta.request_id, None)
+            pending = self._pending.pop(meta.request_id, None)
+            if pending is None:
+                return
+            if not pending.borrowed.isdisjoint(self._unwritten):
+                self._parked[meta.request_id] = (meta, pending.borrowed)
+                return
         await self.call(lambda engine: self._activate_on_engine(engine, meta))
+
+    async def _activate_unparked(self) -> None:
+        """Start the parked requests whose borrowed blocks have all been written since
+        (after a chunk of another request, whose own result this leaves alone)."""
+        with self._pending_lock:
+            ready = [meta for meta, borrowed in self._parked.values() if borrowed.isdisjoint(self._unwritten)]
+            for meta in ready:
+                del self._parked[meta.request_id]
+        for meta in ready:
+            try:
+                await self.call(lambda engine, meta=meta: self._activate_on_engine(engine, meta))
+            except Exception as exc:  # noqa: BLE001 - its P is done: its stream is what must hear of it
+                await self._end_failed(meta.request_id, f"request {meta.request_id} could not start decoding on "
+                                                        f"{self.worker_id}: {type(exc).__name__}: {exc}")
 
     def _activate_on_engine(self, engine: Engine, meta: ChunkMeta) -> None:
         """Start decoding a request whose last chunk landed, and publish its first
@@ -271,8 +307,23 @@ class DecodeWorker(WorkerBase):
         self.handshakes.room_freed()
 
     def _release_aborted(self, request_id: str) -> None:
+        """(On the engine thread.) A reservation ended before writing blocks it lent
+        ends the requests that borrowed them too: their KV will never be whole. Each
+        is ended here, in the same engine call (before any can be activated), and its
+        stream fails, so its scheduler retries it elsewhere (it has no token yet)."""
         with self._pending_lock:
             self._pending.pop(request_id, None)
+            self._parked.pop(request_id, None)
+            lost = {block_id for block_id, owner in self._unwritten.items() if owner == request_id}
+            for block_id in lost:
+                del self._unwritten[block_id]
+            borrowers = [rid for rid, p in self._pending.items() if not p.borrowed.isdisjoint(lost)]
+            borrowers += [rid for rid, (_, borrowed) in self._parked.items() if not borrowed.isdisjoint(lost)]
+        for borrower in borrowers:
+            self._release_aborted(borrower)
+            self.engine.cancel_reservation(borrower)
+            if borrower in self.streams:
+                self.streams.fail(borrower, f"request {request_id}, whose KV blocks it shared, ended before they came")
 
     async def abort_transfer(self, request_id: str, reason: str) -> bool:
         """Drop a request whose prefill failed, unless its KV has all arrived: once

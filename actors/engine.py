@@ -48,11 +48,12 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from actors.arriving_blocks import ArrivingBlocks
 from actors.bad_words import BadWords, encode_bad_words
 from actors.block_pool import BlockPool, blocks_to_reserve, kv_namespace
 from actors.config import CheckpointError, EngineConfig, ModelConfig
@@ -88,11 +89,16 @@ class ExportedChunk:
 @dataclass(frozen=True)
 class Reservation:
     """Blocks a decode engine holds for a prompt plus its first output token.
-    The first `num_cached_blocks` already hold the prompt's KV (prefix cache)."""
+    The first `num_cached_blocks` hold the prompt's KV (prefix cache) or will hold
+    it without this request's transfer: the last `borrowed_block_ids` of them are
+    another reservation's, still on their way (actors/arriving_blocks.py).
+    `arriving_block_ids`: this one's blocks that later reservations may borrow."""
 
     request_id: str
     block_ids: list[int]
     num_cached_blocks: int
+    borrowed_block_ids: list[int] = field(default_factory=list)
+    arriving_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,7 @@ class Engine:
                                         self.config.enable_prefix_cache)
         self.requests: dict[str, Request] = {}
         self.reservations: dict[str, Request] = {}  # decode side: awaiting their KV
+        self.arriving = ArrivingBlocks(self.config.block_size)  # ... and their blocks, for later ones to share
         self.num_reserved_blocks = 0  # the blocks they hold (one int: read off the engine thread)
         self._seed_rng = random.Random(self.config.seed)
         self._ids = itertools.count()
@@ -235,16 +242,25 @@ class Engine:
             return None
         self.scheduler.prepare(request)
         hits = self.scheduler.cached_prefix(request, computes_prompt=False)
+        borrowed = []
+        if self.config.enable_prefix_cache:  # (capped as the cached hits are: the last token's block is sent)
+            max_hit_blocks = (request.num_prompt_tokens - 1) // self.pool.block_size
+            borrowed = self.arriving.match(request.block_hashes[:max_hit_blocks], request.prompt_token_ids, len(hits))
+        shared = hits + borrowed
         num_tokens, num_kept_blocks = self.reservation_room(request.num_prompt_tokens, params)
-        if not self.pool.can_hold(num_tokens, hits, num_kept_blocks):
+        if not self.pool.can_hold(num_tokens, shared, num_kept_blocks):
             return None
-        self.pool.take(hits)
-        request.block_table = hits + self.pool.allocate(
-            blocks_to_reserve(request.num_prompt_tokens, self.pool.block_size) - len(hits))
-        request.num_cached_tokens = len(hits) * self.pool.block_size
+        self.pool.take(shared)
+        request.block_table = shared + self.pool.allocate(
+            blocks_to_reserve(request.num_prompt_tokens, self.pool.block_size) - len(shared))
+        request.num_cached_tokens = len(shared) * self.pool.block_size
+        arriving = []
+        if self.config.enable_prefix_cache:
+            arriving = self.arriving.add(request_id, request.block_hashes, request.block_table,
+                                         request.prompt_token_ids, len(shared))
         self.reservations[request_id] = request
         self.num_reserved_blocks += len(request.block_table)
-        return Reservation(request_id, list(request.block_table), len(hits))
+        return Reservation(request_id, list(request.block_table), len(shared), borrowed, arriving)
 
     @property
     def batch_full(self) -> bool:
@@ -273,6 +289,7 @@ class Engine:
         request = self.reservations.pop(request_id, None)
         if request is None:
             return False
+        self.arriving.forget(request_id)
         self.num_reserved_blocks -= len(request.block_table)
         self.pool.release(request.block_table)
         request.block_table = []
@@ -282,8 +299,10 @@ class Engine:
                  prompt_logprobs: list | None = None) -> RequestOutput:
         """The prompt's KV is in the reserved blocks: start decoding after the first
         token (sampled by the prefill worker, with `seed`: the draws go on from it;
-        the prompt's logprobs, if asked for, computed there too)."""
+        the prompt's logprobs, if asked for, computed there too). Its borrowed
+        blocks must hold their KV by now (the decode worker waits for them)."""
         request = self.reservations.pop(request_id)
+        self.arriving.forget(request_id)  # (its blocks are published to the prefix cache below)
         self.num_reserved_blocks -= len(request.block_table)
         if prompt_logprobs is not None:
             request.prompt_logprobs = prompt_logprobs

@@ -108,22 +108,24 @@ class DecodeRooms:
         saves nothing (D counts it free, and reusing it takes it from there:
         `BlockPool.can_hold`), and which hits are idle is not known here: at most
         the blocks the reading found cached and idle (on a D short of room, few).
-        The cached blocks a request this replica has in flight on D shares with
-        the prompt are held too (from D's reservation for it to its end): the
-        first of a burst sharing a system prompt D holds idle revives it, and the
-        rest share it (each was charged the whole prompt, and after D's next
-        reading still, as its idle blocks, any prompt's, outnumbered the prompt's).
+        The blocks a request this replica has in flight on D shares with the
+        prompt are held too, from D's reservation for it to its end, cached or
+        still on their way (D lends those: actors/arriving_blocks.py): the first
+        of a burst sharing a system prompt D holds idle revives it, and the rest
+        share it (each was charged the whole prompt, and after D's next reading
+        still, as its idle blocks, any prompt's, outnumbered the prompt's); a
+        burst sharing a new one shares the first's blocks as they come.
         Its node's store tiers aside: blocks loaded from them are new blocks."""
         view = self.view
         index, stats = view.prefix.get(worker_id), view.stats.get(worker_id)
-        if index is None or stats is None:
-            return 0
-        cached = match_any([index], hashes)
-        held = max(cached - stats.num_cached_blocks, 0)
-        for request in view.models.inflight.values() if held < cached else ():
+        held = 0
+        if index is not None and stats is not None:
+            cached = match_any([index], hashes)
+            held = max(cached - stats.num_cached_blocks, 0)
+        for request in view.models.inflight.values() if held < len(hashes) else ():
             if request.decode_id == worker_id:
-                shared = next((i for i, (a, b) in enumerate(zip(request.prefix_hashes, hashes[:cached])) if a != b),
-                              min(len(request.prefix_hashes), cached))
+                shared = next((i for i, (a, b) in enumerate(zip(request.prefix_hashes, hashes)) if a != b),
+                              min(len(request.prefix_hashes), len(hashes)))
                 held = max(held, shared)
         return held
 

@@ -184,7 +184,7 @@ def test_a_handshake_waiting_in_line_ends_as_aborted(ray_local, tiny_qwen2_dir):
     ray.get(d.reserve.remote(GenerateRequest("hold", list(range(1, 150)), params), "unread", p))  # 10 blocks
 
     async def scenario():
-        waits = GenerateRequest("waits-0", list(range(1, 60)), params, "waits")  # 4 blocks
+        waits = GenerateRequest("waits-0", list(range(500, 559)), params, "waits")  # 4 blocks, none held's
         call = DisaggregatedCall(p, d, waits, "gloo")
         task = asyncio.ensure_future(events_of(call))
         deadline = time.monotonic() + 10

@@ -819,6 +819,30 @@ def test_a_burst_sharing_a_prompt_d_holds_idle_is_charged_it_once():
     assert view.rooms.held_prefix_blocks("d0", usable) == 64
 
 
+def test_a_burst_sharing_a_new_prompt_is_charged_it_once():
+    """A system prompt no worker holds yet: D's reservations lend the blocks still
+    on their way (actors/arriving_blocks.py), so the first of a burst is charged
+    the whole prompt and the rest what follows it. Each was charged the whole
+    prompt, D's index holding none of it: 16 x 66 blocks of a D with 100 free, a
+    wait in D's line predicted for all but the first."""
+    from actors.block_pool import block_hashes
+
+    prompt = list(range(1040))
+    usable = block_hashes(prompt, 16, b"")[:64]
+    scheduler = _scheduler(ttft_ms=60_000, decode_reserve_tokens=0)
+    view = scheduler.view
+    view.stats["d0"] = _idle_stats("d0", num_used_blocks=900)
+    view.lines.observe("d0", num_granted=0, num_waiting=0, now_s=time.monotonic() - 0.5)
+    for index in range(16):
+        choice = scheduler.plan(prompt, max_new_tokens=16)
+        assert choice.decode_id == "d0" and choice.line_wait_s == 0.0, index
+        view.models.inflight[f"r{index}"] = InFlight(
+            f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=choice.ttft_s, prefix_hashes=tuple(usable),
+            decode_held_blocks=view.rooms.held_prefix_blocks("d0", usable))
+    assert [r.decode_held_blocks for r in view.models.inflight.values()] == [0] + [64] * 15
+    assert view.rooms.headroom("d0") == 100 - 66 - 15 * 2
+
+
 def test_among_equally_busy_decode_workers_the_one_holding_the_prompt_is_chosen():
     """A conversation's next turn: d1's cache holds its history, d0 is next in
     turn (routed to less). d0 took it, and the whole history moved again; d1 is

@@ -31,7 +31,7 @@ def test_a_request_done_at_its_first_token_lets_the_next_in_line_in_at_once(tiny
         first = await worker.reserve(GenerateRequest("big", list(range(3, 150)), ONE_TOKEN), "feed", None,
                                      wait_s=0.0)  # 10 of the 12 blocks
         waiting = asyncio.ensure_future(
-            worker.reserve(GenerateRequest("next", list(range(3, 60)), ONE_TOKEN), "feed", None, wait_s=20.0))
+            worker.reserve(GenerateRequest("next", list(range(203, 260)), ONE_TOKEN), "feed", None, wait_s=20.0))
         while not len(worker.handshakes):
             await asyncio.sleep(0.01)
         worker._receivers["channel"] = ObjectStoreReceiver()

@@ -42,9 +42,11 @@ def test_a_prompt_near_the_context_is_reserved_in_a_pool_of_the_context(tiny_qwe
 
 
 def _reserve_all(engine: Engine, count: int) -> list[str]:
+    """Prompts of PROMPT's length that share no block (a later one would borrow an
+    earlier one's blocks: actors/arriving_blocks.py)."""
     granted = []
     for index in range(count):
-        if engine.reserve(PROMPT, EIGHTY, f"r{index}") is not None:
+        if engine.reserve([token + 100 * index for token in PROMPT], EIGHTY, f"r{index}") is not None:
             granted.append(f"r{index}")
     return granted
 

@@ -183,7 +183,8 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
     params = SamplingParams(max_new_tokens=4)
     for i in range(2):  # 69 prompt tokens and the first output token: 5 blocks each
         ray.get(d.reserve.remote(GenerateRequest(f"hold-{i}", list(range(1 + i, 70 + i)), params), "unread", p))
-    too_much = GenerateRequest("too-much", list(range(1, 60)), SHORT.params)  # 4 blocks
+    # 4 blocks, none shared with those held (it would borrow them: actors/arriving_blocks.py)
+    too_much = GenerateRequest("too-much", list(range(500, 559)), SHORT.params)
     with pytest.raises(ReservationRefused, match=r"no room for 59 prompt tokens within 0 s \(2 blocks free"):
         ray.get(d.reserve.remote(too_much, "unread", p))  # no wait asked for
     assert ray.get(d.stats.remote()).num_used_blocks == 10  # the refusal took nothing

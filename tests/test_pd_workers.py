@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -198,3 +199,100 @@ def test_a_speculating_decode_worker_streams_the_colocated_tokens(ray_local, wor
         assert_idle(ray_local, p, d)
     finally:
         ray_local.kill(d)
+
+
+def _sharing_a_system_prompt(tag: str, count: int) -> list[GenerateRequest]:
+    """Prompts that begin with the same 96 tokens (6 blocks), then 20 of their own."""
+    rng = random.Random(tag)
+    system = [rng.randrange(2000) for _ in range(96)]
+    return [GenerateRequest(f"{tag}-{i}", system + [rng.randrange(2000) for _ in range(20)], GREEDY)
+            for i in range(count)]
+
+
+async def _until(predicate, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_prompt_borrowing_blocks_still_on_their_way_decodes_once_they_land(ray_local, workers):
+    """The second request reserves while the first's KV has not come: it borrows
+    the first's six system-prompt blocks (actors/arriving_blocks.py), its P sends
+    only its own two, and D holds it, its KV otherwise whole, until the first's
+    chunks wrote them; then it decodes the colocated tokens."""
+    p, d, c = workers
+    first, second = _sharing_a_system_prompt("borrow", 2)
+
+    async def scenario():
+        feeds = TokenFeeds()
+        feed = feeds.of(d)
+        try:
+            with feed.expect(first.request_id) as first_events:
+                reservation = await d.reserve.remote(first, feed.subscription, p)
+                call = DisaggregatedCall(p, d, second, "gloo", feeds=feeds)
+                seen = []
+                reading = asyncio.ensure_future(_collect(call, seen))
+                await _until(lambda: call.prefill_result is not None)  # its own chunks are all in on D
+                held = (list(seen), await d.stats.remote())
+                first_result = await p.prefill.remote(first, reservation, d, "gloo")
+                await asyncio.wait_for(reading, 30)
+                return reservation, call, held, seen, first_result, [e async for e in first_events]
+        finally:
+            await feeds.close()
+
+    reservation, call, (seen_then, stats_then), events, first_result, first_events = asyncio.run(scenario())
+    assert call.reservation.num_cached_blocks == 6 and call.reservation.block_ids[:6] == reservation.block_ids[:6]
+    assert call.prefill_result.num_blocks_sent == 8 - 6 and first_result.num_blocks_sent == 8
+    assert seen_then == [] and stats_then.num_reserved == 2  # held: no token before the borrowed blocks came
+    assert events[0].time_s >= max(t.arrived_s for t in first_result.chunks)
+    assert tokens(events) == tokens(asyncio.run(colocated(c, second)))
+    assert tokens(first_events) == tokens(asyncio.run(colocated(c, first)))
+    assert_idle(ray_local, p, d, c)
+
+
+async def _collect(call: DisaggregatedCall, into: list) -> None:
+    async for event in call.events():
+        into.append(event)
+
+
+@pytest.mark.parametrize("when", ["awaiting its own KV", "its own KV in"])
+def test_a_lender_ended_before_its_blocks_came_ends_its_borrowers_which_are_served_again(ray_local, workers, when):
+    """The first request is aborted before any of its KV came. The second borrowed
+    its blocks, so its KV can never be whole: D ends it too, saying why, before or
+    after its own chunks came; D holds nothing after; sent again, it is served."""
+    p, d, c = workers
+    first, second = _sharing_a_system_prompt(f"lender-{when}", 2)
+
+    async def scenario():
+        feeds = TokenFeeds()
+        feed = feeds.of(d)
+        try:
+            with feed.expect(first.request_id) as first_events:
+                await d.reserve.remote(first, feed.subscription, p)
+                if when == "awaiting its own KV":
+                    with feed.expect(second.request_id) as second_events:
+                        await d.reserve.remote(second, feed.subscription, p)
+                        await d.abort.remote(first.request_id, "its client left")
+                        events = [e async for e in second_events]
+                else:
+                    call = DisaggregatedCall(p, d, second, "gloo", feeds=feeds)
+                    events = []
+                    reading = asyncio.ensure_future(_collect(call, events))
+                    await _until(lambda: call.prefill_result is not None)
+                    await d.abort.remote(first.request_id, "its client left")
+                    await asyncio.wait_for(reading, 30)
+                return events, [e async for e in first_events]
+        finally:
+            await feeds.close()
+
+    events, first_events = asyncio.run(scenario())
+    assert first_events[-1].error == "its client left"
+    assert len(events) == 1 and events[0].token_ids == []
+    assert events[0].error == f"request {first.request_id}, whose KV blocks it shared, ended before they came"
+    assert_idle(ray_local, p, d)
+    again = dataclasses.replace(second, request_id=f"{second.request_id}-again")
+    call, events = asyncio.run(disaggregated(p, d, again, "gloo"))
+    assert call.reservation.num_cached_blocks == 0 and call.prefill_result.num_blocks_sent == 8
+    assert tokens(events) == tokens(asyncio.run(colocated(c, again)))
+    assert_idle(ray_local, p, d, c)
