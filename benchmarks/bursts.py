@@ -1,6 +1,7 @@
 """Bursts: does early rejection turn requests away from a lightly loaded cluster?
 
-    tandem bench bursts [--bursts 12] [--size 16] [--shared-prefix 0] [--kv-blocks 1024] [--out FILE.json]
+    tandem bench bursts [--bursts 12] [--size 16] [--shared-prefix 0 [--new-prefix]] [--kv-blocks 1024]
+                        [--out FILE.json]
 
 System: disaggregated 1 P + 1 D, tiny model, a KV pool far larger than the load (by default),
 early rejection on with a TTFT SLO (`--ttft-slo-ms`; the TBT SLO far away, so
@@ -10,7 +11,11 @@ out, fresh prompts each time, so no prefix hits, or after `--shared-prefix` toke
 every prompt begins with: a system prompt, cached and idle on D between bursts),
 `--every-s` apart, so the cluster idles between them; one burst first as a warm-up,
 not counted (after one request of it alone where prompts share a prefix, so that the
-warm-up burst finds it cached, as later ones do). `--kv-blocks`: each worker's pool.
+warm-up burst finds it cached, as later ones do). With `--new-prefix` the warm-up
+(its lone request and burst) shares another prefix as long, so that the first
+counted burst is the first to send the shared prefix (a new system prompt), after
+a warm-up as loaded as a burst; the first burst is reported apart as well.
+`--kv-blocks`: each worker's pool.
 
 Reported: requests, rejected (429), served, failed, TTFT median, p90 and max of
 the served and how many met the SLO, and the TTFTs the rejections predicted
@@ -43,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_burst_arguments(parser, num_bursts=12, every_s=3.0)
     parser.add_argument("--ttft-slo-ms", type=positive_float, default=5000.0)
     parser.add_argument("--kv-blocks", type=positive_int, default=1024, help="KV blocks of each worker's pool")
+    parser.add_argument("--new-prefix", action="store_true",
+                        help="the first counted burst is the first to send --shared-prefix (the warm-up does not)")
 
 
 def add_burst_arguments(parser: argparse.ArgumentParser, num_bursts: int, every_s: float) -> None:
@@ -56,18 +63,19 @@ def add_burst_arguments(parser: argparse.ArgumentParser, num_bursts: int, every_
                         help="tokens every prompt begins with (a system prompt), before its fresh ones")
 
 
-def shared_prefix(args, vocab: int) -> list[int]:
+def shared_prefix(args, vocab: int, seed: int = -7) -> list[int]:
     """The `--shared-prefix` tokens every prompt of a run begins with (the same in every run)."""
-    rng = random.Random(-7)
+    rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(args.shared_prefix)]
 
 
-def workload(args, vocab: int, seed: int, num_bursts: int):
-    """`num_bursts` bursts of `args.size` fresh random prompts, `args.every_s` apart."""
+def workload(args, vocab: int, seed: int, num_bursts: int, prefix_seed: int = -7):
+    """`num_bursts` bursts of `args.size` fresh random prompts, `args.every_s` apart,
+    after the shared prefix (`prefix_seed`'s)."""
     from benchmarks.workload import BenchRequest, Workload
 
     rng = random.Random(seed)
-    shared = shared_prefix(args, vocab)
+    shared = shared_prefix(args, vocab, prefix_seed)
     requests = []
     for burst in range(num_bursts):
         for _ in range(args.size):
@@ -89,7 +97,7 @@ def main(args: argparse.Namespace) -> None:
                           "prefill_chunk_size": 256, "max_num_batched_tokens": 1024}
     with ServeCluster(num_cpus=4) as cluster:
         url = cluster.deploy({"bursts": settings})["bursts"]
-        warm_up = workload(args, TINY_VOCAB, seed=-1, num_bursts=1)
+        warm_up = workload(args, TINY_VOCAB, seed=-1, num_bursts=1, prefix_seed=-8 if args.new_prefix else -7)
         if args.shared_prefix:  # one request first: the system prompt cached on P and D, as in a steady state
             asyncio.run(run_workload(url, dataclasses.replace(warm_up, requests=warm_up.requests[:1])))
         asyncio.run(run_workload(url, warm_up))  # warm-up, not counted
@@ -108,7 +116,7 @@ def main(args: argparse.Namespace) -> None:
                "ttft_p90_s": report.percentile(ttfts, 90) if ttfts else None,
                "ttft_max_s": max(ttfts) if ttfts else None,
                "rejected_predicted_ttft_s": [min(predicted), max(predicted)] if predicted else None,
-               "rejections": dict(messages)}
+               "rejections": dict(messages), "first_burst": _first_burst(records, args.size)}
     shared = f"{args.shared_prefix} shared + " if args.shared_prefix else ""
     report.print_table(f"{args.bursts} bursts of {args.size} requests ({shared}{args.prompt} tokens in, {args.output} "
                        f"out) {args.every_s:g} s apart, TTFT SLO {args.ttft_slo_ms:g} ms, {args.kv_blocks} KV blocks",
@@ -116,6 +124,10 @@ def main(args: argparse.Namespace) -> None:
                         "TTFT max s"],
                        [[summary[k] for k in ("requests", "rejected", "served", "failed", "within_slo",
                                               "ttft_median_s", "ttft_p90_s", "ttft_max_s")]])
+    first = summary["first_burst"]
+    first_worst = "-" if first["ttft_max_s"] is None else f"{first['ttft_max_s']:.2f} s"
+    print(f"the first burst: {first['rejected']} of {args.size} rejected, {first['failed']} failed, the served's TTFT "
+          f"at most {first_worst}")
     if predicted:
         print(f"the rejections predicted TTFTs of {min(predicted):.2f}-{max(predicted):.2f} s")
     for message, count in messages.most_common(5):
@@ -124,6 +136,15 @@ def main(args: argparse.Namespace) -> None:
     report.finish("bursts", args.out, {"args": vars(args) | {"func": None}, "summary": summary},
                   f"{len(rejected)} of {len(records)} rejected, {len(failed)} failed, the served's TTFT at most "
                   f"{worst} against an SLO of {slo_s:g} s", "none rejected while every served TTFT meets the SLO")
+
+
+def _first_burst(records, size: int) -> dict:
+    """The first counted burst's outcome (with `--new-prefix`, the first to send the shared prefix)."""
+    first = [r for r in records if r.index < size]
+    ttfts = [r.ttft_s for r in first if r.status == "ok"]
+    return {"rejected": sum(r.status == "rejected" for r in first),
+            "failed": sum(r.status not in ("ok", "rejected") for r in first),
+            "ttft_max_s": max(ttfts) if ttfts else None}
 
 
 def _error_body(text: str | None) -> dict:
