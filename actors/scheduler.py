@@ -11,6 +11,10 @@ plan. Policy:
   to the front of the waiting queue).
 - Then waiting requests, oldest first, up to `max_num_seqs` running, each starting
   from its longest prefix-cache hit (never the last token: its logits are needed).
+  One whose next block a running request is computing waits (`_waits_for_prefix`):
+  it will find the block cached once that request's chunk has run, and a burst of
+  requests sharing a new system prompt computes it once, not once per request the
+  step's budget admits (SGLang's in-batch prefix caching defers such requests too).
   Blocks a worker imported from the KV store for a waiting request are held until
   it is admitted, unless memory runs short: they go before anyone is preempted.
 """
@@ -152,8 +156,13 @@ class Scheduler:
             self._preempt(victim)
             out.preempted.append(victim)
         admitted = []
+        deferred = []  # (back at the queue's front, in order, after the loop)
+        computing = self._prompt_blocks_in_compute()
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if computing and self._waits_for_prefix(request, computing):
+                deferred.append(self.waiting.popleft())
+                continue
             chunk = self._admit(request, budget)
             if chunk is None and self._release_waiting_pins():
                 chunk = self._admit(request, budget)
@@ -164,12 +173,32 @@ class Scheduler:
             self.running.append(request)
             admitted.append(chunk)
             budget -= chunk.num_new_tokens
+            if self.config.enable_prefix_cache:
+                computing.update(request.block_hashes[chunk.start // self.block_size:])
+        self.waiting.extendleft(reversed(deferred))
         for request, num_new in planned:
             drafts = self._drafts(request, num_new, budget)
             budget -= len(drafts)
             out.chunks.append(ScheduledChunk(request, num_new + len(drafts), request.num_computed_tokens, drafts))
         out.chunks += admitted
         return out
+
+    def _prompt_blocks_in_compute(self) -> set[bytes]:
+        """The hashes of the prompt blocks running requests have yet to compute (each
+        is published to the prefix cache once its chunk has run: `update`)."""
+        if not self.config.enable_prefix_cache:
+            return set()
+        return {block_hash for request in self.running if request.num_computed_tokens < request.num_prompt_tokens
+                for block_hash in request.block_hashes[request.num_computed_tokens // self.block_size:]}
+
+    def _waits_for_prefix(self, request: Request, computing: set[bytes]) -> bool:
+        """Whether the block after the request's cached prefix is one a running
+        request is computing: admitted now, it would compute it again."""
+        num_hits = len(self.cached_prefix(request))
+        if num_hits == 0 and request.params.prompt_logprobs is not None and not request.has_all_prompt_logprobs:
+            return False  # (it computes its whole prompt anyway)
+        usable = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        return num_hits < usable and request.block_hashes[num_hits] in computing
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
         """The drafts a request verifies this step, its blocks grown for them: those

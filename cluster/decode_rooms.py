@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from actors.block_pool import blocks_to_reserve
 from actors.decode_room import growth_blocks
 from cluster.admission import InFlight
-from cluster.router import match_any
+from cluster.router import match_any, num_common_blocks
 
 if TYPE_CHECKING:
     from cluster.pool_view import PoolView
@@ -124,9 +124,7 @@ class DecodeRooms:
             held = max(cached - stats.num_cached_blocks, 0)
         for request in view.models.inflight.values() if held < len(hashes) else ():
             if request.decode_id == worker_id:
-                shared = next((i for i, (a, b) in enumerate(zip(request.prefix_hashes, hashes)) if a != b),
-                              min(len(request.prefix_hashes), len(hashes)))
-                held = max(held, shared)
+                held = max(held, num_common_blocks(request.prefix_hashes, hashes))
         return held
 
     def _blocks(self, request: InFlight) -> tuple[int, int]:

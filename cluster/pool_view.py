@@ -41,7 +41,7 @@ from cluster.decode_rooms import DecodeRooms
 from cluster.metrics import Metrics
 from cluster.pool_settings import pools_keep, redeploy_refusal
 from cluster.restart_backoff import StartFailure
-from cluster.router import PrefixIndex, match_any
+from cluster.router import PrefixIndex, match_any, num_common_blocks
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.store_index import StoreIndex
 
@@ -371,7 +371,11 @@ class PoolView:
 
     def cached_tokens(self, worker_id: str, hashes: list[bytes]) -> int:
         """Prompt tokens the worker need not compute: its device prefix cache, then
-        its node's KV store tiers (a load costs far less than a recompute)."""
+        its node's KV store tiers (a load costs far less than a recompute), or the
+        blocks a request this replica has in prefill there shares with the prompt:
+        they are cached by the time this one's turn comes, or it waits for them
+        (`Scheduler._waits_for_prefix`), so a burst sharing a new system prompt is
+        not charged it once a request."""
         index = self.prefix.get(worker_id)
         if index is None:
             return 0
@@ -379,4 +383,8 @@ class PoolView:
         stats = self.stats.get(worker_id)
         if self.store_index is not None and stats is not None:
             indexes += self.store_index.indexes_for(stats.node_id)
-        return match_any(indexes, hashes) * self.block_size
+        cached = match_any(indexes, hashes)
+        for request in self.models.inflight.values() if cached < len(hashes) else ():
+            if request.in_prefill and (request.prefill_id or request.decode_id) == worker_id:
+                cached = max(cached, num_common_blocks(request.prefix_hashes, hashes))
+        return cached * self.block_size

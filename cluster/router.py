@@ -105,6 +105,11 @@ def match_any(indexes: Sequence[PrefixIndex], hashes: Sequence[bytes]) -> int:
     return count
 
 
+def num_common_blocks(chain: Sequence[bytes], hashes: Sequence[bytes]) -> int:
+    """How many leading blocks two prompts' hash chains share."""
+    return next((i for i, (a, b) in enumerate(zip(chain, hashes)) if a != b), min(len(chain), len(hashes)))
+
+
 def _worker(candidate: Prediction) -> str:
     """The worker a candidate's prefill runs on (its P, or the colocated worker)."""
     return candidate.prefill_id or candidate.decode_id

@@ -843,6 +843,26 @@ def test_a_burst_sharing_a_new_prompt_is_charged_it_once():
     assert view.rooms.headroom("d0") == 100 - 66 - 15 * 2
 
 
+def test_a_prompt_another_request_computes_on_p_is_charged_only_the_rest():
+    """The blocks a request in prefill on P shares with the prompt are computed once:
+    P's cache has them by this one's turn, or it waits for them
+    (`Scheduler._waits_for_prefix`). A burst sharing a new system prompt was charged
+    it once a request on P, its queue read as 16 prompts' work."""
+    from actors.block_pool import block_hashes
+
+    prompt = list(range(1040))
+    usable = block_hashes(prompt, 16, b"")[:64]
+    scheduler = _scheduler(ttft_ms=60_000)
+    view = scheduler.view
+    first = scheduler.plan(prompt, max_new_tokens=16)
+    assert first.uncached_tokens == 1040
+    view.models.inflight["r0"] = InFlight("r0", "p0", "d0", 1040, 16, predicted_ttft_s=first.ttft_s,
+                                          prefix_hashes=tuple(usable))
+    assert scheduler.plan(prompt, max_new_tokens=16).uncached_tokens == 1040 - 64 * 16
+    view.models.inflight["r0"].first_token_s = time.monotonic()  # past P: its cache, as P's index shows it, tells
+    assert scheduler.plan(prompt, max_new_tokens=16).uncached_tokens == 1040
+
+
 def test_among_equally_busy_decode_workers_the_one_holding_the_prompt_is_chosen():
     """A conversation's next turn: d1's cache holds its history, d0 is next in
     turn (routed to less). d0 took it, and the whole history moved again; d1 is
