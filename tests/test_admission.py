@@ -777,6 +777,21 @@ def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold()
     assert view.rooms.headroom("d0") == 10 - 5 * 2
 
 
+def _admit_a_burst_sharing_the_prompt(scheduler, prompt: list[int], usable: list[bytes]) -> None:
+    """16 requests of the 1040-token prompt, as the scheduler admits them, each
+    charged on d0 (its 100 free blocks) the whole prompt's 66 blocks, less those
+    held there: the first all of them, each later one 2."""
+    view = scheduler.view
+    for index in range(16):
+        choice = scheduler.plan(prompt, max_new_tokens=16)
+        assert choice.decode_id == "d0" and choice.line_wait_s == 0.0, index
+        view.models.inflight[f"r{index}"] = InFlight(
+            f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=choice.ttft_s, prefix_hashes=tuple(usable),
+            decode_held_blocks=view.rooms.held_prefix_blocks("d0", usable))
+    assert [r.decode_held_blocks for r in view.models.inflight.values()] == [0] + [64] * 15
+    assert view.rooms.headroom("d0") == 100 - 66 - 15 * 2
+
+
 def test_a_burst_sharing_a_prompt_d_holds_idle_is_charged_it_once():
     """D's reading found a 1024-token system prompt cached and idle (no request held
     it): a request's reservation revives those blocks, taking them from D's free
@@ -804,14 +819,7 @@ def test_a_burst_sharing_a_prompt_d_holds_idle_is_charged_it_once():
                                              prefix_hashes=tuple(usable[:10]) + (b"x",))
     assert view.rooms.held_prefix_blocks("d0", usable) == 10  # its first 10 blocks are the prompt's
     view.models.inflight.clear()
-    for index in range(16):  # the burst, as the scheduler admits it
-        choice = scheduler.plan(prompt, max_new_tokens=16)
-        assert choice.decode_id == "d0" and choice.line_wait_s == 0.0, index
-        view.models.inflight[f"r{index}"] = InFlight(
-            f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=choice.ttft_s, prefix_hashes=tuple(usable),
-            decode_held_blocks=view.rooms.held_prefix_blocks("d0", usable))
-    assert [r.decode_held_blocks for r in view.models.inflight.values()] == [0] + [64] * 15
-    assert view.rooms.headroom("d0") == 100 - 66 - 15 * 2
+    _admit_a_burst_sharing_the_prompt(scheduler, prompt, usable)
     # D's next reading: the burst's blocks in use, its idle ones (any prompt's, 80) more than the prompt's 64:
     # a request in flight there still holds the prompt's, which the next one shares
     view.stats["d0"] = _idle_stats("d0", num_used_blocks=900 + 66 + 15 * 2, num_cached_blocks=80)
@@ -833,14 +841,7 @@ def test_a_burst_sharing_a_new_prompt_is_charged_it_once():
     view = scheduler.view
     view.stats["d0"] = _idle_stats("d0", num_used_blocks=900)
     view.lines.observe("d0", num_granted=0, num_waiting=0, now_s=time.monotonic() - 0.5)
-    for index in range(16):
-        choice = scheduler.plan(prompt, max_new_tokens=16)
-        assert choice.decode_id == "d0" and choice.line_wait_s == 0.0, index
-        view.models.inflight[f"r{index}"] = InFlight(
-            f"r{index}", "p0", "d0", 1040, 16, predicted_ttft_s=choice.ttft_s, prefix_hashes=tuple(usable),
-            decode_held_blocks=view.rooms.held_prefix_blocks("d0", usable))
-    assert [r.decode_held_blocks for r in view.models.inflight.values()] == [0] + [64] * 15
-    assert view.rooms.headroom("d0") == 100 - 66 - 15 * 2
+    _admit_a_burst_sharing_the_prompt(scheduler, prompt, usable)
 
 
 def test_a_prompt_another_request_computes_on_p_is_charged_only_the_rest():
