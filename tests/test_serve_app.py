@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import threading
 import time
@@ -93,6 +94,28 @@ def test_generate_answers_sglangs_batch_as_it_answers_each_prompt(base_url):
     for prompt, p, answer in zip(prompts, params, answers):
         alone = httpx.post(f"{base_url}/generate", json={"text": prompt, "sampling_params": p}, timeout=60).json()
         assert (answer["text"], answer["output_ids"]) == (alone["text"], alone["output_ids"])
+
+
+def test_a_burst_sharing_a_new_prompt_sends_it_to_the_decode_worker_once(base_url):
+    """Eight requests that begin with the same 96 tokens, new to the workers, sent at
+    once: the first reservation on D holds the prompt's blocks, and every later one
+    shares them, cached or still on their way (actors/arriving_blocks.py), so P sends
+    them once. Their answers are those of each prompt sent alone."""
+    rng = random.Random("a new system prompt")
+    system = [rng.randrange(3, 2000) for _ in range(96)]
+    prompts = [system + [rng.randrange(3, 2000) for _ in range(20)] for _ in range(8)]
+    greedy = {"max_new_tokens": 4, "temperature": 0}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(http.post(f"{base_url}/generate", json={
+                "input_ids": prompt, "sampling_params": greedy}) for prompt in prompts))
+
+    answers = [answer.json() for answer in asyncio.run(burst())]
+    assert sorted(a["meta_info"]["cached_tokens"] for a in answers) == [0] + [96] * 7, answers
+    for prompt, answer in zip(prompts, answers):
+        alone = httpx.post(f"{base_url}/generate", json={"input_ids": prompt, "sampling_params": greedy}, timeout=60)
+        assert alone.json()["output_ids"] == answer["output_ids"]
 
 
 def test_generate_streams_a_batch_with_n_choices_by_index(base_url):
