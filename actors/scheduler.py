@@ -157,7 +157,7 @@ class Scheduler:
             out.preempted.append(victim)
         admitted = []
         deferred = []  # (back at the queue's front, in order, after the loop)
-        computing = self._prompt_blocks_in_compute()
+        computing = self._prompt_blocks_in_compute() if self.waiting else set()
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if computing and self._waits_for_prefix(request, computing):
