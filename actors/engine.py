@@ -243,9 +243,8 @@ class Engine:
         self.scheduler.prepare(request)
         hits = self.scheduler.cached_prefix(request, computes_prompt=False)
         borrowed = []
-        if self.config.enable_prefix_cache:  # (capped as the cached hits are: the last token's block is sent)
-            max_hit_blocks = (request.num_prompt_tokens - 1) // self.pool.block_size
-            borrowed = self.arriving.match(request.block_hashes[:max_hit_blocks], request.prompt_token_ids, len(hits))
+        if self.config.enable_prefix_cache:  # (as the cached hits: the last token's block is sent)
+            borrowed = self.arriving.match(self.scheduler.usable_hashes(request), request.prompt_token_ids, len(hits))
         shared = hits + borrowed
         num_tokens, num_kept_blocks = self.reservation_room(request.num_prompt_tokens, params)
         if not self.pool.can_hold(num_tokens, shared, num_kept_blocks):

@@ -98,8 +98,12 @@ class Scheduler:
         if not self.config.enable_prefix_cache or (computes_prompt and request.params.prompt_logprobs is not None
                                                    and not request.has_all_prompt_logprobs):
             return []
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        return self.pool.lookup(request.block_hashes[:max_hit_blocks], request.all_token_ids)
+        return self.pool.lookup(self.usable_hashes(request), request.all_token_ids)
+
+    def usable_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's blocks a cache may serve: its full blocks
+        but the one holding its last token (whose logits are needed)."""
+        return request.block_hashes[:(request.num_tokens - 1) // self.block_size]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -160,12 +164,13 @@ class Scheduler:
         computing = self._prompt_blocks_in_compute() if self.waiting else set()
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if computing and self._waits_for_prefix(request, computing):
+            hits = self.cached_prefix(request)  # (pins released below leave these cached)
+            if computing and self._waits_for_prefix(request, hits, computing):
                 deferred.append(self.waiting.popleft())
                 continue
-            chunk = self._admit(request, budget)
+            chunk = self._admit(request, budget, hits)
             if chunk is None and self._release_waiting_pins():
-                chunk = self._admit(request, budget)
+                chunk = self._admit(request, budget, hits)
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -191,14 +196,13 @@ class Scheduler:
         return {block_hash for request in self.running if request.num_computed_tokens < request.num_prompt_tokens
                 for block_hash in request.block_hashes[request.num_computed_tokens // self.block_size:]}
 
-    def _waits_for_prefix(self, request: Request, computing: set[bytes]) -> bool:
-        """Whether the block after the request's cached prefix is one a running
-        request is computing: admitted now, it would compute it again."""
-        num_hits = len(self.cached_prefix(request))
-        if num_hits == 0 and request.params.prompt_logprobs is not None and not request.has_all_prompt_logprobs:
+    def _waits_for_prefix(self, request: Request, hits: list[int], computing: set[bytes]) -> bool:
+        """Whether the block after the request's cached prefix (`hits`) is one a
+        running request is computing: admitted now, it would compute it again."""
+        if not hits and request.params.prompt_logprobs is not None and not request.has_all_prompt_logprobs:
             return False  # (it computes its whole prompt anyway)
-        usable = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        return num_hits < usable and request.block_hashes[num_hits] in computing
+        usable = self.usable_hashes(request)
+        return len(hits) < len(usable) and usable[len(hits)] in computing
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
         """The drafts a request verifies this step, its blocks grown for them: those
@@ -229,8 +233,8 @@ class Scheduler:
         request.block_table += self.pool.allocate(needed)
         return True
 
-    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
-        hits = self.cached_prefix(request)
+    def _admit(self, request: Request, budget: int, hits: list[int]) -> ScheduledChunk | None:
+        """Start the request from its cached prefix `hits` (`cached_prefix`)."""
         self.pool.take(hits)
         self.unpin(request)
         request.block_table = list(hits)
