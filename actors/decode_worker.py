@@ -310,7 +310,8 @@ class DecodeWorker(WorkerBase):
         """(On the engine thread.) A reservation ended before writing blocks it lent
         ends the requests that borrowed them too: their KV will never be whole. Each
         is ended here, in the same engine call (before any can be activated), and its
-        stream fails, so its scheduler retries it elsewhere (it has no token yet)."""
+        stream fails, saying the fault was the lender's: its scheduler tries it again
+        (it has no token yet) on the same pair if it likes, the try not counted."""
         with self._pending_lock:
             self._pending.pop(request_id, None)
             self._parked.pop(request_id, None)
@@ -323,7 +324,8 @@ class DecodeWorker(WorkerBase):
             self._release_aborted(borrower)
             self.engine.cancel_reservation(borrower)
             if borrower in self.streams:
-                self.streams.fail(borrower, f"request {request_id}, whose KV blocks it shared, ended before they came")
+                self.streams.fail(borrower, f"request {request_id}, whose KV blocks it shared, ended before they came",
+                                  borrowed_kv_lost=True)
 
     async def abort_transfer(self, request_id: str, reason: str) -> bool:
         """Drop a request whose prefill failed, unless its KV has all arrived: once

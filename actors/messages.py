@@ -136,3 +136,6 @@ class TokenEvent(NamedTuple):
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first event, if asked for
+    # An error that was another request's: the KV blocks this one borrowed from it never came
+    # (actors/arriving_blocks.py). Its pair is sound: the scheduler tries it again there, the try not counted.
+    borrowed_kv_lost: bool = False

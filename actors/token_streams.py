@@ -166,9 +166,10 @@ class TokenStreams:
         if events:
             self._loop.call_soon_threadsafe(self._deliver, events, subscriptions)
 
-    def fail(self, request_id: str, error: str) -> None:
-        """End a request's stream with an error event."""
-        self._end(request_id, "error", error)
+    def fail(self, request_id: str, error: str, borrowed_kv_lost: bool = False) -> None:
+        """End a request's stream with an error event (`TokenEvent.borrowed_kv_lost`:
+        the error was the request's that lent it KV blocks)."""
+        self._end(request_id, "error", error, borrowed_kv_lost)
 
     def end_aborted(self, request_id: str, output: RequestOutput | None) -> None:
         """End a request's stream as aborted: with its aborted `output` (the
@@ -179,10 +180,11 @@ class TokenStreams:
         else:
             self._end(request_id, "abort", None)
 
-    def _end(self, request_id: str, reason: str, error: str | None) -> None:
+    def _end(self, request_id: str, reason: str, error: str | None, borrowed_kv_lost: bool = False) -> None:
         stream = self._streams.get(request_id)
         if stream is None or stream.closed:
             return
         stream.closed = True
-        event = TokenEvent(request_id, [], "", None, True, reason, time.time(), error=error)
+        event = TokenEvent(request_id, [], "", None, True, reason, time.time(), error=error,
+                           borrowed_kv_lost=borrowed_kv_lost)
         self._loop.call_soon_threadsafe(self._deliver, [event], [stream.subscription])

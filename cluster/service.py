@@ -51,6 +51,16 @@ log = logging.getLogger("tandem.scheduler")
 # fewer than 8 tokens taught D's model nothing, which kept its start-up profile.
 GAPS_PER_OBSERVATION = 8
 
+# Tries a request may have after a D ended it because the request that lent it KV
+# blocks ended before writing them (`TokenEvent.borrowed_kv_lost`: a burst sharing a
+# new system prompt borrows the first one's blocks, actors/arriving_blocks.py). No
+# worker failed, so such a try is not the one retry after a failure and leaves no
+# worker out: that retry left out a sound P, and with one P (manifests/local.yaml)
+# a client cancelling the first of a burst answered the rest 503. Bounded all the
+# same (then the error is the answer): each try could borrow again from a request
+# that ends too.
+BORROWED_KV_RETRIES = 3
+
 
 def _waiting(prediction: Prediction, line_wait_s: float) -> Prediction:
     """`prediction` with the wait in D's line for KV blocks added to its TTFT."""
@@ -199,7 +209,9 @@ class GlobalScheduler:
         """TokenEvents of one request, first token to last. Raises SloRejected or
         ApiError before anything is spent; retries once on another pair if the
         first pair fails before the first token, without the worker that failed
-        (the D that had no room, else the P; a dead D is out of the pool).
+        (the D that had no room, else the P; a dead D is out of the pool); and on
+        any pair if the request that lent it KV blocks ended before writing them
+        (up to BORROWED_KV_RETRIES times).
         `client_rid`: the name `/abort_request` finds it by on the workers."""
         # Workers know a request by an id this replica makes: a caller's id (a client's
         # rid) may repeat one in flight, and a worker refusing the second as a
@@ -213,12 +225,13 @@ class GlobalScheduler:
         started = time.monotonic()
         timer = self.outcomes.timer(started)
         exclude: set[str] = set()
-        failure = ""  # why the first attempt failed, if it did
+        failure = ""  # why the latest attempt failed, if one did
+        num_failed = num_lent_lost = 0  # attempts ended before the first token: by a worker, by a lender
         outcome, finished = "error", False  # finished: its outcome is known (closing it after changes nothing)
         routed = False  # admitted to a pair: its end-to-end latency is one a client waited a served answer for
         hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         try:
-            for attempt in range(2):
+            for attempt in itertools.count():
                 try:
                     choice = self._plan(prompt_ids, hashes, exclude, params.max_new_tokens)
                 except SloRejected as exc:
@@ -246,9 +259,14 @@ class GlobalScheduler:
                 async with contextlib.aclosing(_until(run, deadline, request_id)) as events:
                     async for event in events:
                         # (not past its deadline: a timed-out request ends, `_until`'s error event as its last)
-                        if event.error and not got_token and attempt == 0 and time.monotonic() < deadline:
-                            if choice.decode_id in self.view.members:  # else D died (reported): P may serve again
-                                exclude.add(self._failed_worker(choice, self.view.models.inflight[attempt_id]))
+                        if event.error and not got_token and time.monotonic() < deadline and (
+                                num_lent_lost < BORROWED_KV_RETRIES if event.borrowed_kv_lost else not num_failed):
+                            if event.borrowed_kv_lost:  # another request's failure: this pair may take it again
+                                num_lent_lost += 1
+                            else:
+                                num_failed += 1
+                                if choice.decode_id in self.view.members:  # else D died (reported): P may serve again
+                                    exclude.add(self._failed_worker(choice, self.view.models.inflight[attempt_id]))
                             log.warning("request %s failed before its first token (%s); retrying", request_id,
                                         event.error)
                             failure = event.error

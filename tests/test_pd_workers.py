@@ -259,8 +259,9 @@ async def _collect(call: DisaggregatedCall, into: list) -> None:
 @pytest.mark.parametrize("when", ["awaiting its own KV", "its own KV in"])
 def test_a_lender_ended_before_its_blocks_came_ends_its_borrowers_which_are_served_again(ray_local, workers, when):
     """The first request is aborted before any of its KV came. The second borrowed
-    its blocks, so its KV can never be whole: D ends it too, saying why, before or
-    after its own chunks came; D holds nothing after; sent again, it is served."""
+    its blocks, so its KV can never be whole: D ends it too, saying why and whose
+    fault it was, before or after its own chunks came; D holds nothing after; sent
+    again, it is served."""
     p, d, c = workers
     first, second = _sharing_a_system_prompt(f"lender-{when}", 2)
 
@@ -290,6 +291,7 @@ def test_a_lender_ended_before_its_blocks_came_ends_its_borrowers_which_are_serv
     assert first_events[-1].error == "its client left"
     assert len(events) == 1 and events[0].token_ids == []
     assert events[0].error == f"request {first.request_id}, whose KV blocks it shared, ended before they came"
+    assert events[0].borrowed_kv_lost  # (the fault was its lender's: its scheduler tries it again on this pair)
     assert_idle(ray_local, p, d)
     again = dataclasses.replace(second, request_id=f"{second.request_id}-again")
     call, events = asyncio.run(disaggregated(p, d, again, "gloo"))

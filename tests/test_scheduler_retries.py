@@ -102,6 +102,72 @@ def test_a_decode_worker_whose_feed_was_lost_is_left_out_of_the_retry(monkeypatc
     assert first != second  # the retry went to the other D, through the same P
 
 
+class _CallWhoseLenderEnds:
+    """A P/D call whose attempts play `script` in turn: "lender ended" (D ended it,
+    the request that lent it KV blocks having ended before writing them), "feed
+    lost" (after D reserved), or "served" (one token)."""
+
+    script: list[str] = []
+    attempts: list[tuple[str, str, str]] = []  # (what it played, its P, its D)
+
+    def __init__(self, prefill, decode, request, *args, on_reserved=None, on_prefilled=None, **kwargs):
+        self.request, self.prefill, self.decode, self.on_reserved = request, prefill, decode, on_reserved
+        self.prefill_result = self.prefill_error = self.reservation = None
+
+    async def events(self):
+        played = self.script[len(self.attempts)]
+        self.attempts.append((played, self.prefill, self.decode))
+        self.on_reserved()
+        request_id = self.request.request_id
+        if played == "feed lost":
+            raise FeedLost(f"request {request_id}: the worker is unreachable for now")
+        if played == "lender ended":
+            yield TokenEvent(request_id, [], "", None, True, "error", time.time(),
+                             error="request r0, whose KV blocks it shared, ended before they came",
+                             borrowed_kv_lost=True)
+            return
+        yield TokenEvent(request_id, [7], "x", None, True, "length", time.time())
+
+
+def _play(monkeypatch, scheduler, script: list[str]) -> list:
+    for worker_id, member in scheduler.view.members.items():  # (the stand-in call is given the worker's name)
+        scheduler.view.members[worker_id] = dataclasses.replace(member, handle=worker_id)
+    _CallWhoseLenderEnds.script, _CallWhoseLenderEnds.attempts = script, []
+    monkeypatch.setattr(service, "DisaggregatedCall", _CallWhoseLenderEnds)
+
+    async def run():
+        return [e async for e in scheduler.generate(list(range(100)), SamplingParams(max_new_tokens=1))]
+
+    return asyncio.run(run())
+
+
+def test_a_request_whose_lender_ended_is_tried_again_on_its_pair(monkeypatch):
+    """A burst sharing a new system prompt borrows the first one's blocks on D; the
+    first's client left before they came, so D ended the rest. Their retry left
+    out their P, which had done nothing wrong: with one P every one of them was
+    answered 503. No worker is left out, and such a try is not the one retry."""
+    events = _play(monkeypatch, _scheduler(ttft_ms=10_000), ["lender ended"] * service.BORROWED_KV_RETRIES
+                   + ["served"])
+    assert events[-1].finish_reason == "length" and events[-1].error is None
+    assert {(p, d) for _, p, d in _CallWhoseLenderEnds.attempts} == {("p0", "d0")}
+
+
+def test_after_its_lender_ended_a_request_still_has_its_retry_after_a_failure(monkeypatch):
+    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler.view.models.seed_from("d0", "d1")
+    events = _play(monkeypatch, scheduler, ["lender ended", "feed lost", "served"])
+    assert events[-1].finish_reason == "length"
+    (_, _, lost_on), (_, _, served_on) = _CallWhoseLenderEnds.attempts[1:]
+    assert served_on != lost_on  # (the D whose feed was lost is left out)
+
+
+def test_a_request_whose_lenders_keep_ending_is_not_tried_for_ever(monkeypatch):
+    events = _play(monkeypatch, _scheduler(ttft_ms=10_000, decodes=("d0", "d1")),
+                   ["lender ended"] * (service.BORROWED_KV_RETRIES + 1) + ["served"])
+    assert events[-1].error.endswith("ended before they came")
+    assert len(_CallWhoseLenderEnds.attempts) == service.BORROWED_KV_RETRIES + 1
+
+
 class _CallWhosePrefillDiesOnce:
     """A P/D call whose first attempt's P dies before the first token."""
 
