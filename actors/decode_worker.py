@@ -278,7 +278,7 @@ class DecodeWorker(WorkerBase):
         if meta.request_id not in engine.reservations:
             return
         first = SampledToken(meta.first_token_id, meta.first_logprob)
-        output = engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs)
+        output = engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs, meta.num_cached_tokens)
         self.streams.publish([output])
         self._wake_line_if_any_finished([output])  # (done at its first token: one token asked, or a stop)
 

@@ -252,7 +252,6 @@ class Engine:
         self.pool.take(shared)
         request.block_table = shared + self.pool.allocate(
             blocks_to_reserve(request.num_prompt_tokens, self.pool.block_size) - len(shared))
-        request.num_cached_tokens = len(shared) * self.pool.block_size
         arriving = []
         if self.config.enable_prefix_cache:
             arriving = self.arriving.add(request_id, request.block_hashes, request.block_table,
@@ -295,17 +294,19 @@ class Engine:
         return True
 
     def activate(self, request_id: str, first_token: SampledToken, seed: int | None,
-                 prompt_logprobs: list | None = None) -> RequestOutput:
+                 prompt_logprobs: list | None = None, num_cached_tokens: int = 0) -> RequestOutput:
         """The prompt's KV is in the reserved blocks: start decoding after the first
         token (sampled by the prefill worker, with `seed`: the draws go on from it;
-        the prompt's logprobs, if asked for, computed there too). Its borrowed
-        blocks must hold their KV by now (the decode worker waits for them)."""
+        the prompt's logprobs, if asked for, computed there too; and how many of
+        its tokens the prefill worker found cached). Its borrowed blocks must hold
+        their KV by now (the decode worker waits for them)."""
         request = self.reservations.pop(request_id)
         self.arriving.forget(request_id)  # (its blocks are published to the prefix cache below)
         self.num_reserved_blocks -= len(request.block_table)
         if prompt_logprobs is not None:
             request.prompt_logprobs = prompt_logprobs
         request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = num_cached_tokens
         if seed is not None:
             request.seed = seed
         if self.config.enable_prefix_cache:

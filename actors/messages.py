@@ -77,6 +77,10 @@ class ChunkMeta:
     first_logprob: TokenLogprob | None = None
     seed: int | None = None  # of the request's draws: D samples on from the same one
     prompt_logprobs: list[TokenLogprob | None] | None = None  # computed by P, if the request asks
+    # Prompt tokens P did not compute (its prefix cache, the KV store): the request's usage `cached_tokens`.
+    # Not D's count of blocks it was not sent: those P may have computed all the same (another P's
+    # prefix, or a request's it borrowed them from), and P's prefix may be new to D.
+    num_cached_tokens: int = 0
     sent_s: float = 0.0  # wall clock (time.time) when P started the send
 
 

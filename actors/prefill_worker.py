@@ -376,6 +376,7 @@ class PrefillWorker(WorkerBase):
                     first_logprob=first.logprobs[0] if first.logprobs else None,
                     seed=job.engine_request.seed,
                     prompt_logprobs=first.prompt_logprobs,
+                    num_cached_tokens=job.engine_request.num_cached_tokens,
                 )
                 job.first_token_s = now
             self.engine.hold_blocks(src)

@@ -74,7 +74,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks so far
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (on D, P's: ChunkMeta.num_cached_tokens)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -120,6 +120,26 @@ def test_delta_transfer_sends_only_missing_blocks(ray_local, workers):
     assert_idle(ray_local, p, d)
 
 
+def test_a_requests_cached_tokens_are_those_its_prefill_worker_did_not_compute(ray_local, workers):
+    """Usage's `cached_tokens` was D's count of the blocks it was not sent: a prefix
+    D held but P computed anew read as cached, one P had but D did not as computed
+    (as vLLM's and SGLang's decode side once counted it). It is P's count now."""
+    p, d, c = workers
+    rng = random.Random(10)
+    shared = [rng.randrange(2000) for _ in range(100)]  # 6 full blocks
+    asyncio.run(disaggregated(p, d, GenerateRequest("usage-a", shared, GREEDY), "gloo"))
+    ray_local.get(p.reset_prefix_cache.remote())  # D holds the prefix, P does not
+    d_only = GenerateRequest("usage-b", shared + [rng.randrange(2000) for _ in range(60)], GREEDY)
+    call, events = asyncio.run(disaggregated(p, d, d_only, "gloo"))
+    assert call.reservation.num_cached_blocks == 6 and events[0].num_cached_tokens == 0
+    ray_local.get(d.reset_prefix_cache.remote())  # P holds it (usage-b computed it), D does not
+    p_only = GenerateRequest("usage-c", shared + [rng.randrange(2000) for _ in range(60)], GREEDY)
+    call, events = asyncio.run(disaggregated(p, d, p_only, "gloo"))
+    assert call.reservation.num_cached_blocks == 0 and events[0].num_cached_tokens == 6 * 16
+    assert call.prefill_result.num_computed_tokens == len(p_only.prompt_token_ids) - 6 * 16
+    assert_idle(ray_local, p, d)
+
+
 @pytest.mark.parametrize("penalties", [{}, dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.3)],
                          ids=["plain", "penalised"])
 def test_seeded_sampling_continues_on_decode(ray_local, workers, penalties):

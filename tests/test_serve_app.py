@@ -100,7 +100,8 @@ def test_a_burst_sharing_a_new_prompt_sends_it_to_the_decode_worker_once(base_ur
     """Eight requests that begin with the same 96 tokens, new to the workers, sent at
     once: the first reservation on D holds the prompt's blocks, and every later one
     shares them, cached or still on their way (actors/arriving_blocks.py), so P sends
-    them once. Their answers are those of each prompt sent alone."""
+    them once. Their answers are those of each prompt sent alone. Their usage's
+    `cached_tokens` are their P's count, as the prompt-token metric's."""
     rng = random.Random("a new system prompt")
     system = [rng.randrange(3, 2000) for _ in range(96)]
     prompts = [system + [rng.randrange(3, 2000) for _ in range(20)] for _ in range(8)]
@@ -111,8 +112,13 @@ def test_a_burst_sharing_a_new_prompt_sends_it_to_the_decode_worker_once(base_ur
             return await asyncio.gather(*(http.post(f"{base_url}/generate", json={
                 "input_ids": prompt, "sampling_params": greedy}) for prompt in prompts))
 
+    series = [f'tandem_kv_transfer_blocks_total{{kind="{kind}"}}' for kind in ("sent", "held")]
+    series.append('tandem_prompt_tokens_total{source="cache"}')
+    before = [_counter(base_url, s) for s in series]
     answers = [answer.json() for answer in asyncio.run(burst())]
-    assert sorted(a["meta_info"]["cached_tokens"] for a in answers) == [0] + [96] * 7, answers
+    sent, held, cached = (_counter(base_url, s) - b for s, b in zip(series, before))
+    assert (sent, held) == (8 + 7 * 2, 7 * 6), answers  # 8 blocks a prompt; after the first, 6 of them held
+    assert sum(a["meta_info"]["cached_tokens"] for a in answers) == cached
     for prompt, answer in zip(prompts, answers):
         alone = httpx.post(f"{base_url}/generate", json={"input_ids": prompt, "sampling_params": greedy}, timeout=60)
         assert alone.json()["output_ids"] == answer["output_ids"]
