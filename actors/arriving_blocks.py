@@ -15,7 +15,8 @@ cached ones (delta transfer). The borrower may then not start decoding until the
 blocks are written; the decode worker holds its activation until they are, and
 ends it if the owner ends before writing them (actors/decode_worker.py). Entries
 leave when the owner's reservation activates (the blocks are then in the prefix
-cache proper) or is cancelled.
+cache proper) or is cancelled (then those written go into the prefix cache:
+`DecodeWorker._release_aborted`).
 
 Plain Python, on the engine thread. The same hash chain as the prefix cache
 (`block_pool.block_hashes`), tokens verified on a match.

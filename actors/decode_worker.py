@@ -15,7 +15,8 @@ resolves only once the bytes are in the blocks; the last chunk activates the
 request. A reservation is freed when it expires (no chunk for it within
 `reservation_ttl_s` of the handshake or of its latest chunk, nor P saying it
 still holds the request), when the request is aborted, or soon after its prefill
-worker dies (a watchdog pings the P named in the handshake).
+worker dies (a watchdog pings the P named in the handshake); its leading blocks
+whose KV came stay in the prefix cache, for the prompt sent again.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class _Pending:
     heard_s: float  # made, its latest chunk came, or P said it holds it (time.monotonic): its TTL counts from here
     borrowed: frozenset[int] = frozenset()  # blocks of other reservations it shares (actors/arriving_blocks.py)
     next_chunk: int = 0
+    num_in: int = 0  # leading blocks holding their KV, cached or written (but a borrowed one may be in `_unwritten`)
 
 
 class DecodeWorker(WorkerBase):
@@ -137,7 +139,8 @@ class DecodeWorker(WorkerBase):
             if reservation is not None:
                 with self._pending_lock:
                     self._pending[request_id] = _Pending(reservation.block_ids, prefill_handle, time.monotonic(),
-                                                         frozenset(reservation.borrowed_block_ids))
+                                                         frozenset(reservation.borrowed_block_ids),
+                                                         num_in=reservation.num_cached_blocks)
                     self._unwritten.update(dict.fromkeys(reservation.arriving_block_ids, request_id))
             return reservation
 
@@ -240,6 +243,7 @@ class DecodeWorker(WorkerBase):
                 self.engine.runner.write_blocks(meta.dst_block_ids, kv)
             for block_id in meta.dst_block_ids:
                 self._unwritten.pop(block_id, None)
+            pending.num_in += len(meta.dst_block_ids)  # (P sends the blocks after the cached ones, in order)
             pending.next_chunk += 1
             pending.heard_s = time.monotonic()  # a transfer under way, however long, is not abandoned
 
@@ -307,25 +311,47 @@ class DecodeWorker(WorkerBase):
         self.handshakes.room_freed()
 
     def _release_aborted(self, request_id: str) -> None:
-        """(On the engine thread.) A reservation ended before writing blocks it lent
-        ends the requests that borrowed them too: their KV will never be whole. Each
-        is ended here, in the same engine call (before any can be activated), and its
-        stream fails, saying the fault was the lender's: its scheduler tries it again
-        (it has no token yet) on the same pair if it likes, the try not counted."""
+        """(On the engine thread, before the engine lets the request go.) A
+        reservation ended before its KV was whole keeps the leading blocks whose KV
+        came: they go into the prefix cache (`Engine.keep_arrived_blocks`), so the
+        prompt sent again (a retry, the client's next try) or another sharing it is
+        sent only the rest, and later reservations share them as they did while
+        they were lent. One that ended before writing blocks it lent ends the
+        requests that borrowed them too: their KV will never be whole. Each is
+        ended here, in the same engine call (before any can be activated), and its
+        stream fails, saying the fault was the lender's: its scheduler tries it
+        again (it has no token yet) on the same pair if it likes, the try not counted."""
         with self._pending_lock:
+            num_in = self._num_leading_blocks_in(request_id)
             self._pending.pop(request_id, None)
             self._parked.pop(request_id, None)
             lost = {block_id for block_id, owner in self._unwritten.items() if owner == request_id}
-            for block_id in lost:
-                del self._unwritten[block_id]
             borrowers = [rid for rid, p in self._pending.items() if not p.borrowed.isdisjoint(lost)]
             borrowers += [rid for rid, (_, borrowed) in self._parked.items() if not borrowed.isdisjoint(lost)]
-        for borrower in borrowers:
+        if num_in:
+            self.engine.keep_arrived_blocks(request_id, num_in)
+        for borrower in borrowers:  # (each keeps the blocks before the lost ones, still in `_unwritten`)
             self._release_aborted(borrower)
             self.engine.cancel_reservation(borrower)
             if borrower in self.streams:
                 self.streams.fail(borrower, f"request {request_id}, whose KV blocks it shared, ended before they came",
                                   borrowed_kv_lost=True)
+        with self._pending_lock:
+            for block_id in lost:
+                del self._unwritten[block_id]
+
+    def _num_leading_blocks_in(self, request_id: str) -> int:
+        """How many of a reservation's leading blocks hold their KV (under
+        `_pending_lock`): those cached or written, up to a borrowed one still to
+        come; a parked request's all but those. 0 for one decoding or unknown."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            block_ids = pending.block_ids[:pending.num_in]
+        elif request_id in self._parked and request_id in self.engine.reservations:
+            block_ids = self.engine.reservations[request_id].block_table
+        else:
+            return 0
+        return next((index for index, block_id in enumerate(block_ids) if block_id in self._unwritten), len(block_ids))
 
     async def abort_transfer(self, request_id: str, reason: str) -> bool:
         """Drop a request whose prefill failed, unless its KV has all arrived: once

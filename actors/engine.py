@@ -283,6 +283,17 @@ class Engine:
         return (reservation_tokens(num_prompt_tokens, params.max_new_tokens, reserve, self.max_model_len),
                 owed_blocks(held, reserve, self.pool.block_size, self.max_model_len))
 
+    def keep_arrived_blocks(self, request_id: str, num_blocks: int) -> None:
+        """A reservation about to be cancelled whose first `num_blocks` blocks hold
+        their KV (cached, or sent before it ended): make its full prompt blocks
+        among them findable in the prefix cache. Without it their KV was freed
+        unfindable, and the same prompt sent again was sent whole."""
+        request = self.reservations.get(request_id)
+        if request is None or not self.config.enable_prefix_cache:
+            return
+        request.num_computed_tokens = min(num_blocks * self.pool.block_size, request.num_prompt_tokens)
+        self.scheduler.publish_full_blocks(request, 0)
+
     def cancel_reservation(self, request_id: str) -> bool:
         request = self.reservations.pop(request_id, None)
         if request is None:

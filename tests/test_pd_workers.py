@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.config import EngineConfig
-from actors.messages import GenerateRequest
+from actors.messages import ChunkMeta, GenerateRequest
 from actors.sampling_params import SamplingParams
 from cluster.pd_request import DisaggregatedCall
 from cluster.token_feeds import TokenFeeds, colocated_events
@@ -317,4 +317,81 @@ def test_a_lender_ended_before_its_blocks_came_ends_its_borrowers_which_are_serv
     call, events = asyncio.run(disaggregated(p, d, again, "gloo"))
     assert call.reservation.num_cached_blocks == 0 and call.prefill_result.num_blocks_sent == 8
     assert tokens(events) == tokens(asyncio.run(colocated(c, again)))
+    assert_idle(ray_local, p, d, c)
+
+
+def _real_kv(ray, c, request: GenerateRequest, num_blocks: int) -> torch.Tensor:
+    """The KV of a prompt's first blocks, as the colocated worker computes them."""
+    asyncio.run(colocated(c, dataclasses.replace(request, request_id=f"{request.request_id}-kv")))
+    return ray.get(c.read_blocks.remote(ray.get(c.prefix_block_ids.remote(request.prompt_token_ids))[:num_blocks]))
+
+
+async def _send_by_hand(d, request_id: str, block_ids: list[int], kv: torch.Tensor, blocks_a_chunk: int = 2) -> None:
+    """Send `kv` into D's `block_ids` as P would, a chunk at a time, never the last."""
+    await d.open_channel.remote("by-hand", "object_store")
+    for index, start in enumerate(range(0, len(block_ids), blocks_a_chunk)):
+        meta = ChunkMeta(request_id, index, block_ids[start:start + blocks_a_chunk], is_last=False)
+        await d.receive_chunk.remote(meta, "by-hand", kv[start:start + blocks_a_chunk])
+
+
+def test_a_reservation_ended_midway_keeps_the_blocks_whose_kv_came(ray_local, workers):
+    """A request whose client left after 4 of its 8 blocks came: D freed them
+    unfindable, and the same prompt sent again (the scheduler's retry, the
+    client's next try) was sent whole. They are in D's prefix cache now: it is
+    sent the other 4, and its tokens are the colocated ones."""
+    p, d, c = workers
+    (first,) = _sharing_a_system_prompt("midway", 1)
+    kv = _real_kv(ray_local, c, first, 4)
+
+    async def scenario():
+        feeds = TokenFeeds()
+        feed = feeds.of(d)
+        try:
+            with feed.expect(first.request_id) as events:
+                reservation = await d.reserve.remote(first, feed.subscription, p)
+                await _send_by_hand(d, first.request_id, reservation.block_ids[:4], kv)
+                await d.abort.remote(first.request_id, "its client left")
+                return reservation, [e async for e in events]
+        finally:
+            await d.close_channel.remote("by-hand")
+            await feeds.close()
+
+    reservation, events = asyncio.run(scenario())
+    assert events[-1].error == "its client left"
+    again = dataclasses.replace(first, request_id="midway-again")
+    call, events = asyncio.run(disaggregated(p, d, again, "gloo"))
+    assert call.reservation.num_cached_blocks == 4 and call.reservation.block_ids[:4] == reservation.block_ids[:4]
+    assert call.prefill_result.num_blocks_sent == 8 - 4
+    assert tokens(events) == tokens(asyncio.run(colocated(c, again)))
+    assert_idle(ray_local, p, d, c)
+
+
+def test_a_lender_ended_midway_keeps_what_came_and_its_borrowers_no_more(ray_local, workers):
+    """The first request lends its 6 system-prompt blocks to the second; only 2
+    came before its client left. The second ends (its blocks 3 to 6 never will
+    come); the 2 that came are kept, not the 4 that did not, which the second
+    also held: the third request shares 2, and decodes the colocated tokens."""
+    p, d, c = workers
+    first, second, third = _sharing_a_system_prompt("lent-midway", 3)
+    kv = _real_kv(ray_local, c, first, 2)
+
+    async def scenario():
+        feeds = TokenFeeds()
+        feed = feeds.of(d)
+        try:
+            with feed.expect(first.request_id), feed.expect(second.request_id) as second_events:
+                lender = await d.reserve.remote(first, feed.subscription, p)
+                borrower = await d.reserve.remote(second, feed.subscription, p)
+                await _send_by_hand(d, first.request_id, lender.block_ids[:2], kv)
+                await d.abort.remote(first.request_id, "its client left")
+                return borrower, [e async for e in second_events]
+        finally:
+            await d.close_channel.remote("by-hand")
+            await feeds.close()
+
+    borrower, events = asyncio.run(scenario())
+    assert borrower.num_cached_blocks == 6 and events[-1].borrowed_kv_lost
+    call, events = asyncio.run(disaggregated(p, d, third, "gloo"))
+    assert call.reservation.num_cached_blocks == 2 and call.prefill_result.num_blocks_sent == 8 - 2
+    assert tokens(events) == tokens(asyncio.run(colocated(c, third)))
     assert_idle(ray_local, p, d, c)
