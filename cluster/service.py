@@ -267,6 +267,8 @@ class GlobalScheduler:
                                 num_failed += 1
                                 if choice.decode_id in self.view.members:  # else D died (reported): P may serve again
                                     exclude.add(self._failed_worker(choice, self.view.models.inflight[attempt_id]))
+                            self.metrics.inc("retries_total", "requests tried again before their first token, by why",
+                                             reason="lender_ended" if event.borrowed_kv_lost else "failed")
                             log.warning("request %s failed before its first token (%s); retrying", request_id,
                                         event.error)
                             failure = event.error

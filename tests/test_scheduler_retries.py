@@ -146,10 +146,11 @@ def test_a_request_whose_lender_ended_is_tried_again_on_its_pair(monkeypatch):
     first's client left before they came, so D ended the rest. Their retry left
     out their P, which had done nothing wrong: with one P every one of them was
     answered 503. No worker is left out, and such a try is not the one retry."""
-    events = _play(monkeypatch, _scheduler(ttft_ms=10_000), ["lender ended"] * service.BORROWED_KV_RETRIES
-                   + ["served"])
+    scheduler = _scheduler(ttft_ms=10_000)
+    events = _play(monkeypatch, scheduler, ["lender ended"] * service.BORROWED_KV_RETRIES + ["served"])
     assert events[-1].finish_reason == "length" and events[-1].error is None
     assert {(p, d) for _, p, d in _CallWhoseLenderEnds.attempts} == {("p0", "d0")}
+    assert f'tandem_retries_total{{reason="lender_ended"}} {service.BORROWED_KV_RETRIES}' in scheduler.metrics.render()
 
 
 def test_after_its_lender_ended_a_request_still_has_its_retry_after_a_failure(monkeypatch):
@@ -157,6 +158,8 @@ def test_after_its_lender_ended_a_request_still_has_its_retry_after_a_failure(mo
     scheduler.view.models.seed_from("d0", "d1")
     events = _play(monkeypatch, scheduler, ["lender ended", "feed lost", "served"])
     assert events[-1].finish_reason == "length"
+    metrics = scheduler.metrics.render()
+    assert 'tandem_retries_total{reason="lender_ended"} 1' in metrics and 'retries_total{reason="failed"} 1' in metrics
     (_, _, lost_on), (_, _, served_on) = _CallWhoseLenderEnds.attempts[1:]
     assert served_on != lost_on  # (the D whose feed was lost is left out)
 
