@@ -36,6 +36,9 @@ class ArrivingBlocks:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._by_hash
+
     def add(self, owner: str, hashes: Sequence[bytes], block_ids: Sequence[int], token_ids: Sequence[int],
             first: int) -> list[int]:
         """Register the owner's full blocks from index `first` on (`hashes` and

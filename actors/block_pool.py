@@ -103,6 +103,11 @@ class BlockPool:
         idle_hits = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
         return -(-num_tokens // self.block_size) - len(hits) <= len(self._free) - idle_hits - num_kept_blocks
 
+    def in_use(self, block_hash: bytes) -> bool:
+        """Whether the cached block of this hash is held by a request (by hash alone)."""
+        block_id = self._by_hash.get(block_hash)
+        return block_id is not None and self.blocks[block_id].ref_count > 0
+
     def lookup(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix (tokens verified). Takes no refs."""
         found: list[int] = []

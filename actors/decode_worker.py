@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.background import background_task, every
-from actors.block_pool import blocks_to_reserve
+from actors.block_pool import block_hashes, blocks_to_reserve
 from actors.deadlines import within
 from actors.engine import Engine
 from actors.kv_channel import (
@@ -42,6 +42,7 @@ from actors.kv_channel import (
     ObjectStoreReceiver,
     StoreReceiver,
 )
+from actors.line_asks import LineAsks
 from actors.messages import (ChunkMeta, GenerateRequest, RequestAborted, ReservationInfo, ReservationRefused,
                              TransferFailed)
 from actors.request import SampledToken
@@ -75,7 +76,7 @@ class DecodeWorker(WorkerBase):
         self._receivers: dict[str, KVReceiver] = {}
         self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
         self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
-        self._line_blocks: dict[str, int] = {}  # request id -> the blocks its waiting handshake asks for
+        self._line_asks = LineAsks()  # the blocks the waiting handshakes ask for
         self.num_granted = 0  # reservations granted (the scheduler's line-wait predictions)
         self._ended_aborted: OrderedDict[str, None] = OrderedDict()  # the latest requests their clients aborted here
         background_task(every(self.options.watchdog_interval_s, self._watchdog, f"{self.worker_id}'s watchdog"))
@@ -92,7 +93,7 @@ class DecodeWorker(WorkerBase):
         # cleanup) ends the stream, and the request is turned away as it would
         # reserve, instead of being granted blocks nobody waits for.
         self.streams.open(request_id, subscription, request.client_rid)
-        self._line_blocks[request_id] = blocks_to_reserve(len(request.prompt_token_ids), self.engine.pool.block_size)
+        self._join_line(request)
         try:
             await self.prepare_pattern(request)
             reservation = await self.handshakes.wait_turn(
@@ -112,7 +113,7 @@ class DecodeWorker(WorkerBase):
                 background_task(self._end_failed(request_id, "its caller left"))
             raise
         finally:
-            self._line_blocks.pop(request_id, None)
+            self._line_asks.remove(request_id)
         if reservation is None:
             self.streams.forget(request_id)
             behind = f", {len(self.handshakes)} more handshakes waiting" if len(self.handshakes) else ""
@@ -187,7 +188,13 @@ class DecodeWorker(WorkerBase):
         return len(self.handshakes)
 
     def _num_waiting_blocks(self) -> int:
-        return sum(self._line_blocks.values())
+        return self._line_asks.total(self.engine.holds_block)
+
+    def _join_line(self, request: GenerateRequest) -> None:
+        prompt, block_size = request.prompt_token_ids, self.engine.pool.block_size
+        shareable = block_hashes(prompt[:(len(prompt) - 1) // block_size * block_size], block_size,
+                                 self.engine.scheduler.hash_seed)  # (as `Scheduler.usable_hashes`)
+        self._line_asks.add(request.request_id, blocks_to_reserve(len(prompt), block_size), shareable)
 
     def _num_reservations_granted(self) -> int:
         return self.num_granted

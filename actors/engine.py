@@ -283,6 +283,12 @@ class Engine:
         return (reservation_tokens(num_prompt_tokens, params.max_new_tokens, reserve, self.max_model_len),
                 owed_blocks(held, reserve, self.pool.block_size, self.max_model_len))
 
+    def holds_block(self, block_hash: bytes) -> bool:
+        """Whether a decode engine holds the block of this hash for a request: in
+        use (running or reserved) or on its way (`arriving`). By hash alone, and
+        safe off the engine thread (dict lookups): for estimates (actors/line_asks.py)."""
+        return self.pool.in_use(block_hash) or block_hash in self.arriving
+
     def keep_arrived_blocks(self, request_id: str, num_blocks: int) -> None:
         """A reservation about to be cancelled whose first `num_blocks` blocks hold
         their KV (cached, or sent before it ended): make its full prompt blocks

@@ -199,8 +199,8 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
         return stats
 
     async def in_line():
-        long = asyncio.ensure_future(d.reserve.remote(GenerateRequest("long", list(range(1, 120)), params),
-                                                      "unread", p, 30))  # 8 blocks
+        long = asyncio.ensure_future(d.reserve.remote(GenerateRequest("long", list(range(1000, 1119)), params),
+                                                      "unread", p, 30))  # 8 blocks (none of them hold-0's)
         await line_holds(1)  # the long prompt first in line
         short = asyncio.ensure_future(d.reserve.remote(GenerateRequest("short", list(range(200, 240)), params),
                                                        "unread", p, 30))  # 3 blocks
@@ -232,6 +232,41 @@ def test_a_full_decode_worker_keeps_handshakes_in_line_and_keeps_serving(ray_loc
     assert events[-1].error is None and sum(len(e.token_ids) for e in events) == 4
     wait_idle(d)
     assert serves(p, d, "after-full")
+
+
+def test_a_line_of_handshakes_sharing_a_prompt_asks_for_its_blocks_once(ray_local, tiny_qwen2_dir):
+    """Each handshake in D's line was counted its whole reservation: a burst sharing
+    a system prompt, passing through the line, read as asking for the prompt once a
+    request, and admission, seeing no room on D, answered 429 (actors/line_asks.py).
+    A handshake's leading blocks that D holds (on their way here), or that one ahead
+    of it will hold, are not counted again."""
+    small = EngineConfig(block_size=16, prefill_chunk_size=16, num_kv_blocks=12)
+    d = start_worker("decode", "d-line", tiny_qwen2_dir, small, OPTIONS)
+    params = SamplingParams(max_new_tokens=4)
+    system, other = list(range(1, 65)), list(range(500, 564))  # 4 blocks each
+    # 84 prompt tokens and the first output token: 6 blocks each, 11 of the 12 held
+    ray.get(d.reserve.remote(GenerateRequest("holder", system + list(range(100, 120)), params), "unread"))
+    ray.get(d.reserve.remote(GenerateRequest("filler", list(range(800, 869)), params), "unread"))  # 5 blocks
+
+    async def in_line():
+        waiting = []
+        for request_id, prefix, start in (("a", system, 200), ("b", other, 600), ("c", other, 700)):
+            request = GenerateRequest(request_id, prefix + list(range(start, start + 20)), params)
+            waiting.append(asyncio.ensure_future(d.reserve.remote(request, "unread", None, 30)))
+            deadline = time.monotonic() + 10
+            while (stats := await d.stats.remote()).num_waiting_handshakes < len(waiting):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        for request_id in ("a", "b", "c", "holder", "filler"):
+            await d.abort.remote(request_id)
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return stats
+
+    stats = asyncio.run(in_line())
+    # a: 6 less the holder's 4 system blocks; b: 6; c: 6 less the 4 it shares with b, ahead of it
+    assert (stats.num_waiting_handshakes, stats.num_waiting_blocks) == (3, 2 + 6 + 2)
+    wait_idle(d)
+    ray.kill(d)
 
 
 def test_a_transfer_stalled_past_its_timeout_fails_clearly_and_leaks_nothing(ray_local, tiny_qwen2_dir):

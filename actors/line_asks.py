@@ -1,0 +1,51 @@
+"""The KV blocks the handshakes in a decode worker's line ask for, a prefix they
+share counted once.
+
+A handshake waits in D's line (actors/reservation_queue.py) until D grants its
+reservation, and D's stats say what the line asks for (`num_waiting_blocks`),
+which admission takes from D's free room (cluster/decode_rooms.py). Counted as
+each prompt's whole reservation, a burst sharing a system prompt, passing through
+the line one engine call each, read as asking for the prompt once a request: 8
+handshakes of 536 tokens asked for 272 blocks of a D with 208 free, where they
+take about 32 (the first allocates the prefix or revives it, the rest share it, or
+borrow it on its way: actors/arriving_blocks.py). Admission saw no room, predicted
+a wait of 0.7 to 1.5 s for D's blocks and answered 429 (docs/benchmarks.md,
+session 60).
+
+So a handshake's ask leaves out its leading blocks that D holds for a request (in
+use, or on their way) or that a handshake ahead of it in the line will hold.
+Cached blocks no request holds count once, for the first to ask: it takes them
+from D's free room. An estimate read off the engine thread, by hash alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class LineAsks:
+    def __init__(self) -> None:
+        # Request id -> (the blocks its reservation takes, the hashes of the prompt blocks it may share),
+        # in the order the handshakes joined the line: the order D grants them in
+        self._asks: dict[str, tuple[int, Sequence[bytes]]] = {}
+
+    def add(self, request_id: str, num_blocks: int, shareable: Sequence[bytes]) -> None:
+        self._asks[request_id] = (num_blocks, shareable)
+
+    def remove(self, request_id: str) -> None:
+        self._asks.pop(request_id, None)
+
+    def total(self, held: Callable[[bytes], bool]) -> int:
+        """The blocks the line takes: each handshake's less its leading blocks
+        `held` by D for a request, or shared with one ahead of it."""
+        ahead: set[bytes] = set()
+        total = 0
+        for num_blocks, shareable in list(self._asks.values()):
+            shared = 0
+            for block_hash in shareable:
+                if block_hash not in ahead and not held(block_hash):
+                    break
+                shared += 1
+            total += num_blocks - shared
+            ahead.update(shareable)
+        return total
