@@ -76,7 +76,7 @@ class DecodeWorker(WorkerBase):
         self._receivers: dict[str, KVReceiver] = {}
         self._channel_owners: dict[str, object] = {}  # channel name -> its P's handle
         self.handshakes = ReservationQueue()  # handshakes waiting for room (on the event loop)
-        self._line_asks = LineAsks()  # the blocks the waiting handshakes ask for
+        self._line_asks = LineAsks(self._shareable_hashes)  # the blocks the waiting handshakes ask for
         self.num_granted = 0  # reservations granted (the scheduler's line-wait predictions)
         self._ended_aborted: OrderedDict[str, None] = OrderedDict()  # the latest requests their clients aborted here
         background_task(every(self.options.watchdog_interval_s, self._watchdog, f"{self.worker_id}'s watchdog"))
@@ -93,7 +93,9 @@ class DecodeWorker(WorkerBase):
         # cleanup) ends the stream, and the request is turned away as it would
         # reserve, instead of being granted blocks nobody waits for.
         self.streams.open(request_id, subscription, request.client_rid)
-        self._join_line(request)
+        block_size = self.engine.pool.block_size
+        self._line_asks.add(request_id, blocks_to_reserve(len(request.prompt_token_ids), block_size),
+                            request.prompt_token_ids)
         try:
             await self.prepare_pattern(request)
             reservation = await self.handshakes.wait_turn(
@@ -190,11 +192,11 @@ class DecodeWorker(WorkerBase):
     def _num_waiting_blocks(self) -> int:
         return self._line_asks.total(self.engine.holds_block)
 
-    def _join_line(self, request: GenerateRequest) -> None:
-        prompt, block_size = request.prompt_token_ids, self.engine.pool.block_size
-        shareable = block_hashes(prompt[:(len(prompt) - 1) // block_size * block_size], block_size,
-                                 self.engine.scheduler.hash_seed)  # (as `Scheduler.usable_hashes`)
-        self._line_asks.add(request.request_id, blocks_to_reserve(len(prompt), block_size), shareable)
+    def _shareable_hashes(self, prompt: list[int]) -> list[bytes]:
+        """The hashes of a prompt's blocks a reservation may share (as `Scheduler.usable_hashes`)."""
+        block_size = self.engine.pool.block_size
+        return block_hashes(prompt[:(len(prompt) - 1) // block_size * block_size], block_size,
+                            self.engine.scheduler.hash_seed)
 
     def _num_reservations_granted(self) -> int:
         return self.num_granted

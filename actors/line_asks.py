@@ -15,7 +15,10 @@ session 60).
 So a handshake's ask leaves out its leading blocks that D holds for a request (in
 use, or on their way) or that a handshake ahead of it in the line will hold.
 Cached blocks no request holds count once, for the first to ask: it takes them
-from D's free room. An estimate read off the engine thread, by hash alone.
+from D's free room. An estimate read off the engine thread, by hash alone. A
+prompt is hashed the first time the line's total is asked for while it waits, not
+as it joins: most handshakes leave the line within an engine call, and hashing a
+32k-token prompt takes about 7 ms of D's event loop.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from collections.abc import Callable, Sequence
 
 
 class LineAsks:
-    def __init__(self) -> None:
-        # Request id -> (the blocks its reservation takes, the hashes of the prompt blocks it may share),
+    def __init__(self, shareable_hashes: Callable[[Sequence[int]], Sequence[bytes]]) -> None:
+        self._shareable_hashes = shareable_hashes  # a prompt's -> the hashes of its blocks a reservation may share
+        # Request id -> [the blocks its reservation takes, its prompt, its shareable hashes once hashed],
         # in the order the handshakes joined the line: the order D grants them in
-        self._asks: dict[str, tuple[int, Sequence[bytes]]] = {}
+        self._asks: dict[str, list] = {}
 
-    def add(self, request_id: str, num_blocks: int, shareable: Sequence[bytes]) -> None:
-        self._asks[request_id] = (num_blocks, shareable)
+    def add(self, request_id: str, num_blocks: int, prompt_token_ids: Sequence[int]) -> None:
+        self._asks[request_id] = [num_blocks, prompt_token_ids, None]
 
     def remove(self, request_id: str) -> None:
         self._asks.pop(request_id, None)
@@ -40,7 +44,10 @@ class LineAsks:
         `held` by D for a request, or shared with one ahead of it."""
         ahead: set[bytes] = set()
         total = 0
-        for num_blocks, shareable in list(self._asks.values()):
+        for ask in list(self._asks.values()):
+            if ask[2] is None:
+                ask[2] = self._shareable_hashes(ask[1])
+            num_blocks, _, shareable = ask
             shared = 0
             for block_hash in shareable:
                 if block_hash not in ahead and not held(block_hash):
