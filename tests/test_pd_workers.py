@@ -4,6 +4,7 @@ HF, bit-exact KV in D's blocks, delta transfer, and block accounting afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import time
@@ -334,6 +335,29 @@ async def _send_by_hand(d, request_id: str, block_ids: list[int], kv: torch.Tens
         await d.receive_chunk.remote(meta, "by-hand", kv[start:start + blocks_a_chunk])
 
 
+def _ended_midway(p, d, first: GenerateRequest, kv: torch.Tensor, borrower: GenerateRequest | None = None):
+    """Reserve `first` on D (then `borrower`, which borrows its blocks), send `kv`
+    into its first blocks by hand, and abort it as its client would: the last
+    reservation made, and its request's events."""
+    requests = [first] + ([borrower] if borrower else [])
+
+    async def scenario():
+        feeds = TokenFeeds()
+        feed = feeds.of(d)
+        try:
+            with contextlib.ExitStack() as stack:
+                streams = [stack.enter_context(feed.expect(r.request_id)) for r in requests]
+                reservations = [await d.reserve.remote(r, feed.subscription, p) for r in requests]
+                await _send_by_hand(d, first.request_id, reservations[0].block_ids[:len(kv)], kv)
+                await d.abort.remote(first.request_id, "its client left")
+                return reservations[-1], [e async for e in streams[-1]]
+        finally:
+            await d.close_channel.remote("by-hand")
+            await feeds.close()
+
+    return asyncio.run(scenario())
+
+
 def test_a_reservation_ended_midway_keeps_the_blocks_whose_kv_came(ray_local, workers):
     """A request whose client left after 4 of its 8 blocks came: D freed them
     unfindable, and the same prompt sent again (the scheduler's retry, the
@@ -341,22 +365,7 @@ def test_a_reservation_ended_midway_keeps_the_blocks_whose_kv_came(ray_local, wo
     sent the other 4, and its tokens are the colocated ones."""
     p, d, c = workers
     (first,) = _sharing_a_system_prompt("midway", 1)
-    kv = _real_kv(ray_local, c, first, 4)
-
-    async def scenario():
-        feeds = TokenFeeds()
-        feed = feeds.of(d)
-        try:
-            with feed.expect(first.request_id) as events:
-                reservation = await d.reserve.remote(first, feed.subscription, p)
-                await _send_by_hand(d, first.request_id, reservation.block_ids[:4], kv)
-                await d.abort.remote(first.request_id, "its client left")
-                return reservation, [e async for e in events]
-        finally:
-            await d.close_channel.remote("by-hand")
-            await feeds.close()
-
-    reservation, events = asyncio.run(scenario())
+    reservation, events = _ended_midway(p, d, first, _real_kv(ray_local, c, first, 4))
     assert events[-1].error == "its client left"
     again = dataclasses.replace(first, request_id="midway-again")
     call, events = asyncio.run(disaggregated(p, d, again, "gloo"))
@@ -373,23 +382,7 @@ def test_a_lender_ended_midway_keeps_what_came_and_its_borrowers_no_more(ray_loc
     also held: the third request shares 2, and decodes the colocated tokens."""
     p, d, c = workers
     first, second, third = _sharing_a_system_prompt("lent-midway", 3)
-    kv = _real_kv(ray_local, c, first, 2)
-
-    async def scenario():
-        feeds = TokenFeeds()
-        feed = feeds.of(d)
-        try:
-            with feed.expect(first.request_id), feed.expect(second.request_id) as second_events:
-                lender = await d.reserve.remote(first, feed.subscription, p)
-                borrower = await d.reserve.remote(second, feed.subscription, p)
-                await _send_by_hand(d, first.request_id, lender.block_ids[:2], kv)
-                await d.abort.remote(first.request_id, "its client left")
-                return borrower, [e async for e in second_events]
-        finally:
-            await d.close_channel.remote("by-hand")
-            await feeds.close()
-
-    borrower, events = asyncio.run(scenario())
+    borrower, events = _ended_midway(p, d, first, _real_kv(ray_local, c, first, 2), borrower=second)
     assert borrower.num_cached_blocks == 6 and events[-1].borrowed_kv_lost
     call, events = asyncio.run(disaggregated(p, d, third, "gloo"))
     assert call.reservation.num_cached_blocks == 2 and call.prefill_result.num_blocks_sent == 8 - 2
