@@ -49,6 +49,13 @@ def blocks_to_reserve(num_prompt_tokens: int, block_size: int) -> int:
     return -(-(num_prompt_tokens + 1) // block_size)
 
 
+def num_usable_blocks(num_tokens: int, block_size: int) -> int:
+    """The leading full blocks of a sequence a prefix cache may serve: all but the
+    one holding its last token, whose logits must be computed (the one rule for
+    every worker's cache, D's lending and the scheduler's routing)."""
+    return (num_tokens - 1) // block_size
+
+
 def kv_namespace(model_dir: str | Path, dtype: str, block_size: int) -> bytes:
     """The seed of every hash chain: what makes KV compatible. Same checkpoint config,
     dtype, block size and layout version -> same namespace, on any node."""

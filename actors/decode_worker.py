@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.background import background_task, every
-from actors.block_pool import block_hashes, blocks_to_reserve
+from actors.block_pool import block_hashes, blocks_to_reserve, num_usable_blocks
 from actors.deadlines import within
 from actors.engine import Engine
 from actors.kv_channel import (
@@ -195,7 +195,7 @@ class DecodeWorker(WorkerBase):
     def _shareable_hashes(self, prompt: list[int]) -> list[bytes]:
         """The hashes of a prompt's blocks a reservation may share (as `Scheduler.usable_hashes`)."""
         block_size = self.engine.pool.block_size
-        return block_hashes(prompt[:(len(prompt) - 1) // block_size * block_size], block_size,
+        return block_hashes(prompt[:num_usable_blocks(len(prompt), block_size) * block_size], block_size,
                             self.engine.scheduler.hash_seed)
 
     def _num_reservations_granted(self) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from actors.block_pool import BlockPool, block_hashes
+from actors.block_pool import BlockPool, block_hashes, num_usable_blocks
 from actors.config import EngineConfig
 from actors.request import Request, RequestStatus
 
@@ -103,7 +103,7 @@ class Scheduler:
     def usable_hashes(self, request: Request) -> list[bytes]:
         """The hashes of the request's blocks a cache may serve: its full blocks
         but the one holding its last token (whose logits are needed)."""
-        return request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        return request.block_hashes[:num_usable_blocks(request.num_tokens, self.block_size)]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -23,7 +23,7 @@ import uuid
 import ray
 from ray import serve
 
-from actors.block_pool import block_hashes
+from actors.block_pool import block_hashes, num_usable_blocks
 from actors.deadlines import within
 from actors.decode_room import reservation_tokens
 from actors.messages import GenerateRequest, ReservationRefused, TokenEvent, WorkerDied, error_message
@@ -185,7 +185,7 @@ class GlobalScheduler:
     def _usable(self, hashes: list[bytes], num_prompt_tokens: int) -> list[bytes]:
         """The prompt's block hashes a worker's cache may serve: not the last
         token's block (its logits are computed)."""
-        return hashes[: (num_prompt_tokens - 1) // self.block_size]
+        return hashes[:num_usable_blocks(num_prompt_tokens, self.block_size)]
 
     def _line_wait_s(self, decode_id: str, headroom: int, needed_blocks: int) -> float | None:
         """The predicted wait for D's KV blocks: none where D's `headroom` (its
