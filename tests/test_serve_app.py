@@ -68,9 +68,11 @@ def test_the_seeds_request(base_url):
     body = response.json()
     meta = body["meta_info"]
     assert isinstance(body["text"], str) and meta["completion_tokens"] == len(body["output_ids"])
-    # Unseeded at temperature 0.7, the tiny model can sample its end-of-text token (after 23 tokens in a run here).
-    ended = "length" if len(body["output_ids"]) == 32 else "stop"
-    assert len(body["output_ids"]) <= 32 and meta["finish_reason"]["type"] == ended
+    # Unseeded at temperature 0.7, the tiny model can sample its end-of-text token (after 23 tokens in a run here;
+    # as the 32nd in one, a stop with 32 tokens, which this read as a length that came out a stop)
+    reason = meta["finish_reason"]["type"]
+    assert len(body["output_ids"]) <= 32 and reason in ("stop", "length")
+    assert reason == "stop" or len(body["output_ids"]) == 32
 
 
 def test_sglang_sampling_params_and_input_ids(base_url):
