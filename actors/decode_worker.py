@@ -124,9 +124,8 @@ class DecodeWorker(WorkerBase):
                 f"within {wait_s:g} s ({self.engine.pool.num_available} blocks free{behind})"
             )
         self.num_granted += 1
-        return ReservationInfo(
-            request.request_id, self.worker_id, reservation.block_ids, reservation.num_cached_blocks
-        )
+        return ReservationInfo(request.request_id, self.worker_id, reservation.block_ids,
+                               reservation.num_cached_blocks, len(reservation.borrowed_block_ids))
 
     async def _try_reserve(self, request: GenerateRequest, prefill_handle):
         """The engine's reservation for `request` now, then waiting for its KV, or

@@ -62,6 +62,8 @@ class ReservationInfo:
     decode_worker_id: str
     block_ids: list[int]
     num_cached_blocks: int  # leading blocks D already holds: P skips them
+    # Of those, the ones another reservation's transfer is still bringing (actors/arriving_blocks.py)
+    num_borrowed_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -394,9 +394,13 @@ class GlobalScheduler:
         if call.prefill_result is not None:
             result = call.prefill_result
             self._count_prompt(result.num_prompt_tokens, result.num_prompt_tokens - result.num_computed_tokens)
-            help_text = "prompt KV blocks a decode worker needed: sent by the prefill worker, or already held"
+            help_text = ("prompt KV blocks a decode worker needed: sent by the prefill worker, already held, "
+                         "or borrowed from another request's transfer")
+            reservation = call.reservation
             self.metrics.inc("kv_transfer_blocks_total", help_text, result.num_blocks_sent, kind="sent")
-            self.metrics.inc("kv_transfer_blocks_total", help_text, call.reservation.num_cached_blocks, kind="held")
+            self.metrics.inc("kv_transfer_blocks_total", help_text,
+                             reservation.num_cached_blocks - reservation.num_borrowed_blocks, kind="held")
+            self.metrics.inc("kv_transfer_blocks_total", help_text, reservation.num_borrowed_blocks, kind="borrowed")
         if actor_died(call.prefill_error):
             await self.view.report_dead(choice.prefill_id)
 
