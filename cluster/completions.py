@@ -92,28 +92,51 @@ class Completions:
     async def start_choices(self, requests: list[tuple], n: int) -> list:
         """`_start` (prompt ids, params, request id[, client rid: what
         `/abort_request` knows it by]) each, request k being a prompt's choice
-        k % n. Each prompt's first choice is admitted and prefilled first;
-        its others start once it has its first token, when the prompt's KV is in
-        its workers' prefix caches, so they prefill only what the cache lacks (vLLM
-        and SGLang prefill once and fork instead). All are admitted before any
-        response starts; if one is refused, those started are closed, and those
-        that never started count as withdrawn (or cancelled, where the client
-        left), as the closed ones do: an n=3 call refused counted one request."""
+        k % n. Each prompt's first choice is admitted first; its others start once
+        it is routed, on its pair (`GlobalScheduler._plan`), planned with its prefix
+        in prefill there (`PoolView.cached_tokens`): P computes the prompt once, the
+        others waiting for its blocks (`Scheduler._waits_for_prefix`), and sends it
+        to D once, the others borrowing its blocks on their way
+        (actors/arriving_blocks.py). Started after the first's first token, as SGLang
+        starts them after a prefill of the prompt alone, they waited for that token's
+        way back and a handshake more (all four choices' first tokens 20 ms later on
+        the tiny model: docs/benchmarks.md, session 61). vLLM starts all at once, and
+        under P/D computes and sends the prompt n times (vllm-project/vllm#39647). All are
+        admitted before any response starts; if one is refused, those started are
+        closed, and those that never started count as withdrawn (or cancelled,
+        where the client left), as the closed ones do: an n=3 call refused at its
+        first choice counted one request."""
         keys = range(len(requests))
-        started: dict[int, object] = {}  # request k -> its events
         current_call()  # (one record for all of them, where no HTTP call opened one)
-        for group in ([k for k in keys if k % n == 0], [k for k in keys if k % n]):  # firsts, then the rest
-            try:
-                events = await self._start_all([requests[k] for k in group])
-            except BaseException as exc:
-                await asyncio.gather(*(s.aclose() for s in started.values()))
-                never_started = len(requests) - len(started) - len(group)
-                if never_started:
-                    outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "withdrawn"
-                    self.service.metrics.inc("requests_total", "requests by outcome", never_started, outcome=outcome)
-                raise
-            started.update(zip(group, events))
-        return [started[k] for k in keys]
+        loop = asyncio.get_running_loop()
+        routed = {k: loop.create_future() for k in keys if k % n == 0}  # each prompt's first choice
+        starts = {k: asyncio.ensure_future(self._start(*requests[k], routed=routed[k])) for k in routed}
+        try:
+            for k, first_routed in routed.items():  # (a first refused, or failed unrouted, ends its `_start`)
+                await asyncio.wait((first_routed, starts[k]), return_when=asyncio.FIRST_COMPLETED)
+            if all(first_routed.done() for first_routed in routed.values()):
+                pairs = {k: (first.result().prefill_id, first.result().decode_id) for k, first in routed.items()}
+                starts.update((k, asyncio.ensure_future(self._start(*requests[k], pair=pairs[k - k % n])))
+                              for k in keys if k % n)
+            results = dict(zip(starts, await asyncio.gather(*starts.values(), return_exceptions=True)))
+        except BaseException:  # (cancelled: its client left while they started)
+            for task in starts.values():
+                task.cancel()
+            ended = await asyncio.gather(*starts.values(), return_exceptions=True)
+            await asyncio.gather(*(s.aclose() for s in ended if not isinstance(s, BaseException)))
+            self._count_never_started(len(requests) - len(starts), "cancelled")
+            raise
+        failed = next((r for r in results.values() if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(s.aclose() for s in results.values() if not isinstance(s, BaseException)))
+            self._count_never_started(len(requests) - len(starts),
+                                      "cancelled" if isinstance(failed, asyncio.CancelledError) else "withdrawn")
+            raise failed
+        return [results[k] for k in keys]
+
+    def _count_never_started(self, count: int, outcome: str) -> None:
+        if count:
+            self.service.metrics.inc("requests_total", "requests by outcome", count, outcome=outcome)
 
     @staticmethod
     async def collect_all(streams) -> list:
@@ -125,16 +148,6 @@ class Completions:
         finally:
             for task in collecting:
                 task.cancel()
-
-    async def _start_all(self, requests: list[tuple]) -> list:
-        """`_start` each (prompt ids, params, request id) at once; if one is refused,
-        the others are closed (their requests aborted) and its error raised."""
-        started = await asyncio.gather(*(self._start(*request) for request in requests), return_exceptions=True)
-        failed = next((r for r in started if isinstance(r, BaseException)), None)
-        if failed is not None:
-            await asyncio.gather(*(s.aclose() for s in started if not isinstance(s, BaseException)))
-            raise failed
-        return started
 
     def _echoed(self, prompt, prompt_ids: list[int], out, prompt_only: bool, num_top: int | None):
         """A completion (a `Collected`, or a streamed choice's first `TokenEvent`)
@@ -152,10 +165,11 @@ class Completions:
             logprobs = [first, *prompt_logprobs, *logprobs]
         return out._replace(text=prompt_text + out.text, logprobs=logprobs)
 
-    async def _start(self, prompt_ids, params, request_id, client_rid=""):
+    async def _start(self, prompt_ids, params, request_id, client_rid="", routed=None, pair=None):
         """Admission happens here, before any response starts: rejections and
-        early failures keep their HTTP status even for streaming requests."""
-        events = self.service.generate(prompt_ids, params, request_id, client_rid)
+        early failures keep their HTTP status even for streaming requests
+        (`routed`, `pair`: see `GlobalScheduler.generate`)."""
+        events = self.service.generate(prompt_ids, params, request_id, client_rid, routed, pair)
         try:
             first = await events.__anext__()
         except StopAsyncIteration:

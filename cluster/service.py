@@ -109,13 +109,35 @@ class GlobalScheduler:
                                         eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size)
 
     # ---- admission and pairing ----------------------------------------------------------
-    def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset(), max_new_tokens: int = 1) -> Prediction:
+    def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset(), max_new_tokens: int = 1,
+             pair: tuple[str | None, str] | None = None) -> Prediction:
         """The pair to use, or SloRejected / ApiError(503)."""
         return self._plan(prompt_ids, block_hashes(prompt_ids, self.block_size, self.kv_seed), exclude,
-                          max_new_tokens)
+                          max_new_tokens, pair)
 
-    def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int) -> Prediction:
-        """`plan` with the prompt's block hashes already computed (once per request)."""
+    def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int,
+              pair: tuple[str | None, str] | None = None) -> Prediction:
+        """`plan` with the prompt's block hashes already computed (once per request).
+        `pair`: the (P, D) to take where they may take requests, unless they miss
+        the SLO where another pair would not. A prompt's later choices go where its
+        first went: there they wait for its blocks, so P computes the prompt once
+        and D holds it once (borrowed, actors/arriving_blocks.py). Planned freely,
+        each went to whichever P its predicted TTFT named, an idle one computing
+        the whole prompt again for a few milliseconds less than waiting took."""
+        if pair is not None:
+            try:
+                return self._plan_on(prompt_ids, hashes, exclude, max_new_tokens, pair)
+            except SloRejected:
+                pass
+        return self._plan_on(prompt_ids, hashes, exclude, max_new_tokens)
+
+    def _routable(self, role: str, exclude: set[str], pinned: str | None) -> list[str]:
+        """The workers of `role` a request may go to: `pinned` alone where it is one."""
+        workers = self.view.routable(role, exclude)
+        return [pinned] if pinned in workers else workers
+
+    def _plan_on(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int,
+                 pair: tuple[str | None, str | None] = (None, None)) -> Prediction:
         view, models = self.view, self.view.models
         usable_hashes = self._usable(hashes, len(prompt_ids))
         # What D's reservation must find room for, as D counts it (actors/decode_room.py)
@@ -131,10 +153,11 @@ class GlobalScheduler:
         if self.settings.mode == "colocated":
             candidates = [
                 models.predict(None, c, len(prompt_ids), view.cached_tokens(c, usable_hashes))
-                for c in view.routable("colocated", exclude)
+                for c in self._routable("colocated", exclude, pair[1])
             ]
         else:
-            headroom = {d: view.rooms.headroom(d) for d in view.routable("decode", exclude)}  # once: it sums inflight
+            headroom = {d: view.rooms.headroom(d)  # once: it sums inflight
+                        for d in self._routable("decode", exclude, pair[1])}
             # Less the prompt's blocks D holds for running requests, which its reservation shares (a D serving
             # a shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
             needed = {d: needed_blocks - view.rooms.held_prefix_blocks(d, usable_hashes) for d in headroom}
@@ -147,7 +170,7 @@ class GlobalScheduler:
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             d_cached = {d: view.cached_tokens(d, usable_hashes) // self.block_size for d in decodes}
             candidates = []
-            for p in view.routable("prefill", exclude):
+            for p in self._routable("prefill", exclude, pair[0]):
                 cached = view.cached_tokens(p, usable_hashes)
                 per_d = [_waiting(models.predict(p, d, len(prompt_ids), cached, d_cached[d]), line_wait[d])
                          for d in decodes]
@@ -205,14 +228,20 @@ class GlobalScheduler:
 
     # ---- running a request --------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       client_rid: str = ""):
+                       client_rid: str = "", routed: asyncio.Future | None = None,
+                       pair: tuple[str | None, str] | None = None):
         """TokenEvents of one request, first token to last. Raises SloRejected or
         ApiError before anything is spent; retries once on another pair if the
         first pair fails before the first token, without the worker that failed
         (the D that had no room, else the P; a dead D is out of the pool); and on
         any pair if the request that lent it KV blocks ended before writing them
         (up to BORROWED_KV_RETRIES times).
-        `client_rid`: the name `/abort_request` finds it by on the workers."""
+        `client_rid`: the name `/abort_request` finds it by on the workers.
+        `routed`: given the Prediction it is routed by, its prefix then counted as
+        in prefill there (its waiter runs after this generator's first await, by
+        which time `_run` has registered it). `pair`: the (P, D) it goes to where
+        they may take it and meet the SLO (a prompt's later choices go where its
+        first went: `_plan`)."""
         # Workers know a request by an id this replica makes: a caller's id (a client's
         # rid) may repeat one in flight, and a worker refusing the second as a
         # duplicate ended the first's stream with it. Errors name it as the caller did.
@@ -228,12 +257,13 @@ class GlobalScheduler:
         failure = ""  # why the latest attempt failed, if one did
         num_failed = num_lent_lost = 0  # attempts ended before the first token: by a worker, by a lender
         outcome, finished = "error", False  # finished: its outcome is known (closing it after changes nothing)
-        routed = False  # admitted to a pair: its end-to-end latency is one a client waited a served answer for
+        admitted = False  # routed to a pair: its end-to-end latency is one a client waited a served answer for
         hashes = block_hashes(prompt_ids, self.block_size, self.kv_seed)
         try:
             for attempt in itertools.count():
                 try:
-                    choice = self._plan(prompt_ids, hashes, exclude, params.max_new_tokens)
+                    pinned = pair if not attempt else None  # (a retry: planned anew)
+                    choice = self._plan(prompt_ids, hashes, exclude, params.max_new_tokens, pinned)
                 except SloRejected as exc:
                     outcome = "rejected"
                     self.metrics.inc("rejections_total", "requests rejected early by SLO admission")
@@ -249,7 +279,9 @@ class GlobalScheduler:
                     raise ApiError(503, f"{said} failed ({failure}), and no other worker can take it; "
                                    "retry shortly", kind="service_unavailable", headers={"Retry-After": "1"}) from None
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
-                routed = True
+                admitted = True
+                if routed is not None and not routed.done():
+                    routed.set_result(choice)
                 self.view.num_routed[choice.decode_id] = self.view.num_routed.get(choice.decode_id, 0) + 1
                 got_token = False
                 attempt_id = f"{request_id}-{attempt}"
@@ -294,7 +326,7 @@ class GlobalScheduler:
             call.ended(outcome)  # (a refusal or failure raised: before its caller closes the others)
             timer.end(outcome, time.monotonic())
             self.metrics.inc("requests_total", "requests by outcome", outcome=outcome)
-            if routed:  # (a rejection's or a 503's instant answer put the p50 near 0 under overload)
+            if admitted:  # (a rejection's or a 503's instant answer put the p50 near 0 under overload)
                 self.metrics.observe("e2e_seconds", "end-to-end latency of requests admitted",
                                      time.monotonic() - started)
 

@@ -589,6 +589,30 @@ def test_a_scaled_up_worker_starts_from_a_peers_models_and_takes_the_next_reques
     assert scheduler.plan(list(range(300))).prefill_id == "p1"
 
 
+def test_a_later_choice_goes_to_its_first_choices_pair_unless_that_misses_the_slo():
+    """`pair` (a prompt's later choices, cluster/completions.py) is taken though
+    the other P is idle and predicted faster; not where it misses the SLO and the
+    other P does not, nor where it may take no request."""
+    from cluster.pool_manager import Member
+
+    def two_prefills(queued_s: float):
+        scheduler = _scheduler(ttft_ms=2000)
+        scheduler.view.members["p1"] = Member("p1", "prefill", handle=None)
+        scheduler.view.stats["p1"] = _idle_stats("p1")
+        scheduler.view.prefix["p1"] = PrefixIndex(1000)
+        scheduler.view.profiled.add("p1")
+        scheduler.view.models.inflight["queued"] = InFlight("queued", "p0", "d0", 900, 10, predicted_ttft_s=queued_s)
+        return scheduler
+
+    prompt = list(range(300))  # predicted prefill: 0.3 s on either P
+    scheduler = two_prefills(queued_s=1.0)
+    assert scheduler.plan(prompt).prefill_id == "p1"
+    pinned = scheduler.plan(prompt, pair=("p0", "d0"))
+    assert pinned.prefill_id == "p0" and pinned.ttft_s == pytest.approx(1.3, abs=0.3)
+    assert scheduler.plan(prompt, exclude={"p0"}, pair=("p0", "d0")).prefill_id == "p1"
+    assert two_prefills(queued_s=3.0).plan(prompt, pair=("p0", "d0")).prefill_id == "p1"  # p0: 3.3 s, past the SLO
+
+
 def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     """The new pool's workers reuse ids (p0, d0) but are new processes: no cost
     model, prefix index or stats of the old ones may carry over."""

@@ -79,6 +79,61 @@ def test_choices_that_never_started_because_the_first_was_refused_are_withdrawn(
         "a refusal's instant answer is no end-to-end latency (under overload they put its p50 near 0)")
 
 
+def test_a_prompts_choices_start_together_charged_its_prefix_once(tiny_qwen2_dir):
+    """An n=3 call's other choices start once its first is routed, not after its
+    first token: every choice is with the workers before any has a token, and the
+    two others are admitted though two such prompts queued on the one P break the
+    TTFT SLO (1 s), since the first's prompt, in prefill there, is charged to
+    them as cached (the P computes it once; on D they borrow its blocks)."""
+    entered: list[str] = []
+    all_in = asyncio.Event()
+
+    async def first_token_once_all_are_in(request, choice, inflight):
+        entered.append(request.request_id)
+        if len(entered) == 3:
+            all_in.set()
+        try:
+            await asyncio.wait_for(all_in.wait(), 5.0)
+        except TimeoutError:
+            pass  # (so that a call whose choices wait for a first token ends: the test then fails)
+        yield TokenEvent(request.request_id, [7], "x", None, True, "length", time.time())
+
+    completions = _completions(tiny_qwen2_dir, first_token_once_all_are_in)
+
+    async def call():
+        return await completions.collect_all(await completions.start_choices(_requests(1) * 3, n=3))
+
+    answers = asyncio.run(call())
+    assert all_in.is_set() and len(entered) == 3 and [a.finish_reason for a in answers] == ["length"] * 3
+    assert _outcomes(completions) == {"ok": 3, "error": 0, "rejected": 0, "cancelled": 0, "withdrawn": 0}
+
+
+def test_choices_whose_client_left_while_they_started_are_cancelled(tiny_qwen2_dir):
+    """The client leaves an n=3 call before any choice has its first token: the
+    three started (the first's two others with it) end cancelled, and none is left
+    in flight."""
+    entered: list[str] = []
+
+    async def never_a_token(request, choice, inflight):
+        entered.append(request.request_id)
+        await asyncio.Event().wait()
+        yield  # (an async generator)
+
+    completions = _completions(tiny_qwen2_dir, never_a_token)
+
+    async def call():
+        starting = asyncio.ensure_future(completions.start_choices(_requests(1) * 3, n=3))
+        while len(entered) < 3:
+            await asyncio.sleep(0.01)
+        starting.cancel()  # the client hangs up
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+
+    asyncio.run(asyncio.wait_for(call(), 10))
+    assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 0, "cancelled": 3, "withdrawn": 0}
+    assert not completions.service.view.models.inflight
+
+
 def test_a_request_whose_client_left_is_cancelled(tiny_qwen2_dir):
     completions = _completions(tiny_qwen2_dir, _first_token_then_silence)
 

@@ -126,6 +126,28 @@ def test_a_burst_sharing_a_new_prompt_sends_it_to_the_decode_worker_once(base_ur
         assert alone.json()["output_ids"] == answer["output_ids"]
 
 
+def test_a_prompts_choices_share_its_prefill_and_its_transfer(base_url):
+    """n = 4 on a prompt new to the workers: the others start once the first is
+    routed, on its pair, so on D they borrow its blocks still on their way (P
+    computes and sends the prompt once, then each other choice its last block),
+    and each choice answers as the prompt alone does with its seed (choice j:
+    seed + j)."""
+    prompt = [random.Random("n choices").randrange(3, 2000) for _ in range(580)]  # 37 blocks, 36 a cache may serve
+    params = {"max_new_tokens": 6, "temperature": 1.0, "seed": 11}
+    series = [f'tandem_kv_transfer_blocks_total{{kind="{kind}"}}' for kind in ("sent", "held", "borrowed")]
+    series.append('tandem_prompt_tokens_total{source="cache"}')
+    before = [_counter(base_url, s) for s in series]
+    answers = httpx.post(f"{base_url}/generate", json={"input_ids": prompt, "sampling_params": {**params, "n": 4}},
+                         timeout=60).json()
+    sent, held, borrowed, cached = (_counter(base_url, s) - b for s, b in zip(series, before))
+    assert (sent, held + borrowed) == (37 + 3, 3 * 36) and borrowed > 0, (sent, held, borrowed)
+    assert cached == 3 * 36 * 16  # one P computed it: the others found it there
+    for j, answer in enumerate(answers):
+        alone = httpx.post(f"{base_url}/generate", timeout=60, json={
+            "input_ids": prompt, "sampling_params": {**params, "seed": params["seed"] + j}}).json()
+        assert answer["output_ids"] == alone["output_ids"]
+
+
 def test_generate_streams_a_batch_with_n_choices_by_index(base_url):
     """Two id prompts, n = 2, seeded: four requests, prompt i's choice j at index
     2i + j, choice j drawing from seed + j; streamed chunks say their index and
@@ -224,18 +246,16 @@ def test_a_batch_of_prompts_numbers_its_choices_prompt_major(client):
 
 
 def test_later_choices_prefill_from_the_first_ones_cache(base_url, client):
-    """Two prefill workers, cache-aware routing: the second choice starts after
-    the first has its first token, goes to the P that holds the prompt, and finds
-    all of it but the last block there (the metric every prefill reports). One
-    later choice, not two: a third, routed at the same moment, weighs the hit
-    against the queue the second makes on that P, and on the tiny model (its
-    prefill mostly a fixed cost) the other P can win (it did, in CI, now and then)."""
+    """Two prefill workers, cache-aware routing: the later choices start once the
+    first is routed, go to its P (not to the idle one, which would compute the
+    whole prompt again for a few milliseconds less), wait for its blocks and find
+    all of the prompt but the last block there (the metric every prefill reports)."""
     prompt = list(range(300, 780))  # 480 tokens: 29 full blocks can hit
     series = 'tandem_prompt_tokens_total{source="cache"}'
     before = _counter(base_url, series)
-    client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, n=2, max_tokens=4, temperature=0.7, seed=1,
+    client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, n=3, max_tokens=4, temperature=0.7, seed=1,
                               extra_body={"ignore_eos": True})
-    assert _counter(base_url, series) - before == 464
+    assert _counter(base_url, series) - before == 2 * 464
 
 
 def test_tokenize_gives_the_ids_requests_use(base_url, client):
