@@ -24,17 +24,24 @@ as it joins: most handshakes leave the line within an engine call, and hashing a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class _Ask:
+    num_blocks: int  # the blocks its reservation takes
+    prompt_token_ids: Sequence[int]
+    shareable: Sequence[bytes] | None = None  # the hashes of its blocks a reservation may share, once hashed
 
 
 class LineAsks:
     def __init__(self, shareable_hashes: Callable[[Sequence[int]], Sequence[bytes]]) -> None:
         self._shareable_hashes = shareable_hashes  # a prompt's -> the hashes of its blocks a reservation may share
-        # Request id -> [the blocks its reservation takes, its prompt, its shareable hashes once hashed],
-        # in the order the handshakes joined the line: the order D grants them in
-        self._asks: dict[str, list] = {}
+        # Request id -> its ask, in the order the handshakes joined the line: the order D grants them in
+        self._asks: dict[str, _Ask] = {}
 
     def add(self, request_id: str, num_blocks: int, prompt_token_ids: Sequence[int]) -> None:
-        self._asks[request_id] = [num_blocks, prompt_token_ids, None]
+        self._asks[request_id] = _Ask(num_blocks, prompt_token_ids)
 
     def remove(self, request_id: str) -> None:
         self._asks.pop(request_id, None)
@@ -45,14 +52,13 @@ class LineAsks:
         ahead: set[bytes] = set()
         total = 0
         for ask in list(self._asks.values()):
-            if ask[2] is None:
-                ask[2] = self._shareable_hashes(ask[1])
-            num_blocks, _, shareable = ask
+            if ask.shareable is None:
+                ask.shareable = self._shareable_hashes(ask.prompt_token_ids)
             shared = 0
-            for block_hash in shareable:
+            for block_hash in ask.shareable:
                 if block_hash not in ahead and not held(block_hash):
                     break
                 shared += 1
-            total += num_blocks - shared
-            ahead.update(shareable)
+            total += ask.num_blocks - shared
+            ahead.update(ask.shareable)
         return total

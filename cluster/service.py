@@ -61,6 +61,8 @@ GAPS_PER_OBSERVATION = 8
 # that ends too.
 BORROWED_KV_RETRIES = 3
 
+Pair = tuple[str | None, str]  # (P, D) a request goes to; (None, the worker) where colocated
+
 
 def _waiting(prediction: Prediction, line_wait_s: float) -> Prediction:
     """`prediction` with the wait in D's line for KV blocks added to its TTFT."""
@@ -110,13 +112,13 @@ class GlobalScheduler:
 
     # ---- admission and pairing ----------------------------------------------------------
     def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset(), max_new_tokens: int = 1,
-             pair: tuple[str | None, str] | None = None) -> Prediction:
+             pair: Pair | None = None) -> Prediction:
         """The pair to use, or SloRejected / ApiError(503)."""
         return self._plan(prompt_ids, block_hashes(prompt_ids, self.block_size, self.kv_seed), exclude,
                           max_new_tokens, pair)
 
     def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int,
-              pair: tuple[str | None, str] | None = None) -> Prediction:
+              pair: Pair | None = None) -> Prediction:
         """`plan` with the prompt's block hashes already computed (once per request).
         `pair`: the (P, D) to take where they may take requests, unless they miss
         the SLO where another pair would not. A prompt's later choices go where its
@@ -137,8 +139,9 @@ class GlobalScheduler:
         return [pinned] if pinned in workers else workers
 
     def _plan_on(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int,
-                 pair: tuple[str | None, str | None] = (None, None)) -> Prediction:
+                 pair: Pair | None = None) -> Prediction:
         view, models = self.view, self.view.models
+        pinned_p, pinned_d = pair or (None, None)
         usable_hashes = self._usable(hashes, len(prompt_ids))
         # What D's reservation must find room for, as D counts it (actors/decode_room.py)
         reserve = self.settings.engine.decode_reserve_tokens
@@ -153,11 +156,11 @@ class GlobalScheduler:
         if self.settings.mode == "colocated":
             candidates = [
                 models.predict(None, c, len(prompt_ids), view.cached_tokens(c, usable_hashes))
-                for c in self._routable("colocated", exclude, pair[1])
+                for c in self._routable("colocated", exclude, pinned_d)
             ]
         else:
             headroom = {d: view.rooms.headroom(d)  # once: it sums inflight
-                        for d in self._routable("decode", exclude, pair[1])}
+                        for d in self._routable("decode", exclude, pinned_d)}
             # Less the prompt's blocks D holds for running requests, which its reservation shares (a D serving
             # a shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
             needed = {d: needed_blocks - view.rooms.held_prefix_blocks(d, usable_hashes) for d in headroom}
@@ -170,7 +173,7 @@ class GlobalScheduler:
             tbt_slo_s = self.settings.slo.tbt_ms / 1e3
             d_cached = {d: view.cached_tokens(d, usable_hashes) // self.block_size for d in decodes}
             candidates = []
-            for p in self._routable("prefill", exclude, pair[0]):
+            for p in self._routable("prefill", exclude, pinned_p):
                 cached = view.cached_tokens(p, usable_hashes)
                 per_d = [_waiting(models.predict(p, d, len(prompt_ids), cached, d_cached[d]), line_wait[d])
                          for d in decodes]
@@ -229,7 +232,7 @@ class GlobalScheduler:
     # ---- running a request --------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        client_rid: str = "", routed: asyncio.Future | None = None,
-                       pair: tuple[str | None, str] | None = None):
+                       pair: Pair | None = None):
         """TokenEvents of one request, first token to last. Raises SloRejected or
         ApiError before anything is spent; retries once on another pair if the
         first pair fails before the first token, without the worker that failed
