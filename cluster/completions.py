@@ -26,6 +26,10 @@ from cluster.tool_calls import StreamedCalls, chat_answer
 log = logging.getLogger("tandem.scheduler")
 
 
+def _failed(task: asyncio.Future) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)
+
+
 class Completions:
     def __init__(self, service, tokenizer, model_name: str, tool_format) -> None:
         self.service = service  # the GlobalScheduler: generate(prompt_ids, params, request_id)
@@ -101,35 +105,45 @@ class Completions:
         starts them after a prefill of the prompt alone, they waited for that token's
         way back and a handshake more (all four choices' first tokens 20 ms later on
         the tiny model: docs/benchmarks.md, session 61). vLLM starts all at once, and
-        under P/D computes and sends the prompt n times (vllm-project/vllm#39647). All are
-        admitted before any response starts; if one is refused, those started are
-        closed, and those that never started count as withdrawn (or cancelled,
-        where the client left), as the closed ones do: an n=3 call refused at its
-        first choice counted one request."""
+        under P/D computes and sends the prompt n times (vllm-project/vllm#39647).
+        All are admitted before any response starts; the first refused or failed
+        ends the call at once, those started closed with it (no waiting for the
+        others' first tokens), and those that never started count as withdrawn (or
+        cancelled, where the client left), as the closed ones do: an n=3 call
+        refused at its first choice counted one request."""
         keys = range(len(requests))
         current_call()  # (one record for all of them, where no HTTP call opened one)
         loop = asyncio.get_running_loop()
+        begun: set[int] = set()  # the requests whose `_start` ran: each counts its own outcome
+
+        async def start(k: int, **how):
+            begun.add(k)
+            return await self._start(*requests[k], **how)
+
         routed = {k: loop.create_future() for k in keys if k % n == 0}  # each prompt's first choice
-        starts = {k: asyncio.ensure_future(self._start(*requests[k], routed=routed[k])) for k in routed}
+        starts = {k: asyncio.ensure_future(start(k, routed=routed[k])) for k in routed}
         try:
             for k, first_routed in routed.items():  # (a first refused, or failed unrouted, ends its `_start`)
                 await asyncio.wait((first_routed, starts[k]), return_when=asyncio.FIRST_COMPLETED)
-            if all(first_routed.done() for first_routed in routed.values()):
+            if not any(_failed(task) for task in starts.values()):  # (each first routed: none refused or failed)
                 pairs = {k: (first.result().prefill_id, first.result().decode_id) for k, first in routed.items()}
-                starts.update((k, asyncio.ensure_future(self._start(*requests[k], pair=pairs[k - k % n])))
-                              for k in keys if k % n)
+                starts.update((k, asyncio.ensure_future(start(k, pair=pairs[k - k % n]))) for k in keys if k % n)
+            await asyncio.wait(starts.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for task in starts.values():  # (one failed: the call fails, the others need not reach a first token)
+                task.cancel()
             results = dict(zip(starts, await asyncio.gather(*starts.values(), return_exceptions=True)))
         except BaseException:  # (cancelled: its client left while they started)
             for task in starts.values():
                 task.cancel()
             ended = await asyncio.gather(*starts.values(), return_exceptions=True)
             await asyncio.gather(*(s.aclose() for s in ended if not isinstance(s, BaseException)))
-            self._count_never_started(len(requests) - len(starts), "cancelled")
+            self._count_never_started(len(requests) - len(begun), "cancelled")
             raise
-        failed = next((r for r in results.values() if isinstance(r, BaseException)), None)
-        if failed is not None:
+        failures = [r for r in results.values() if isinstance(r, BaseException)]
+        if failures:  # (the one that ended the call, not a CancelledError of those closed for it)
+            failed = next((f for f in failures if not isinstance(f, asyncio.CancelledError)), failures[0])
             await asyncio.gather(*(s.aclose() for s in results.values() if not isinstance(s, BaseException)))
-            self._count_never_started(len(requests) - len(starts),
+            self._count_never_started(len(requests) - len(begun),
                                       "cancelled" if isinstance(failed, asyncio.CancelledError) else "withdrawn")
             raise failed
         return [results[k] for k in keys]

@@ -19,6 +19,7 @@ from actors.messages import TokenEvent
 from actors.sampling_params import SamplingParams
 from actors.tokenization import load_tokenizer
 from cluster.admission import InFlight, SloRejected
+from cluster.api_models import ApiError
 from cluster.completions import Completions
 from tests.test_admission import _scheduler
 
@@ -129,6 +130,68 @@ def test_choices_whose_client_left_while_they_started_are_cancelled(tiny_qwen2_d
         with pytest.raises(asyncio.CancelledError):
             await starting
 
+    asyncio.run(asyncio.wait_for(call(), 10))
+    assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 0, "cancelled": 3, "withdrawn": 0}
+    assert not completions.service.view.models.inflight
+
+
+def test_a_first_choice_that_fails_once_routed_ends_its_call_without_waiting_for_the_others(tiny_qwen2_dir):
+    """The first of an n=3 call is routed, its others start on its pair, then it
+    fails before its first token (and its retry finds no other P): the call
+    answers its error at once, the two others closed, withdrawn, not left to reach
+    a first token that nobody would read (here they never would)."""
+    entered: list[str] = []
+
+    async def first_fails_others_never_answer(request, choice, inflight):
+        entered.append(request.request_id)
+        if request.request_id.startswith("call-0-"):  # (each of the first's attempts)
+            await asyncio.sleep(0.01)
+            yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error="P failed")
+            return
+        await asyncio.Event().wait()
+        yield  # (an async generator)
+
+    completions = _completions(tiny_qwen2_dir, first_fails_others_never_answer)
+    requests = [(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.0), f"call-{k}") for k in range(3)]
+
+    async def call():
+        await completions.start_choices(requests, n=3)
+
+    with pytest.raises(ApiError) as failed:
+        asyncio.run(asyncio.wait_for(call(), 10))
+    assert failed.value.status == 503 and "P failed" in str(failed.value)
+    assert len(entered) == 3, entered  # (the others had started: closing them is the thing pinned)
+    assert _outcomes(completions) == {"ok": 0, "error": 1, "rejected": 0, "cancelled": 0, "withdrawn": 2}
+    assert not completions.service.view.models.inflight
+
+
+@pytest.mark.parametrize("steps", range(6))
+def test_every_choice_counts_once_whenever_its_client_leaves(tiny_qwen2_dir, steps):
+    """The client leaves `steps` turns of the event loop after an n=3 call's
+    first choice is routed: as the others are made, before or after they first
+    run. Each of the three counts once, cancelled, those cancelled before
+    they ran too."""
+
+    async def never_a_token(request, choice, inflight):
+        if request.request_id.startswith("call-0-"):
+            leave_after(steps)
+        await asyncio.Event().wait()
+        yield  # (an async generator)
+
+    def leave_after(turns: int):
+        loop = asyncio.get_running_loop()
+        loop.call_soon(starting.cancel) if turns == 0 else loop.call_soon(leave_after, turns - 1)
+
+    completions = _completions(tiny_qwen2_dir, never_a_token)
+    requests = [(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.0), f"call-{k}") for k in range(3)]
+
+    async def call():
+        nonlocal starting
+        starting = asyncio.ensure_future(completions.start_choices(requests, n=3))
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+
+    starting = None
     asyncio.run(asyncio.wait_for(call(), 10))
     assert _outcomes(completions) == {"ok": 0, "error": 0, "rejected": 0, "cancelled": 3, "withdrawn": 0}
     assert not completions.service.view.models.inflight
