@@ -112,7 +112,7 @@ class Completions:
         cancelled, where the client left), as the closed ones do: an n=3 call
         refused at its first choice counted one request."""
         keys = range(len(requests))
-        current_call()  # (one record for all of them, where no HTTP call opened one)
+        call = current_call()  # (one record for all of them, where no HTTP call opened one)
         loop = asyncio.get_running_loop()
         begun: set[int] = set()  # the requests whose `_start` ran: each counts its own outcome
 
@@ -137,7 +137,7 @@ class Completions:
                 task.cancel()
             ended = await asyncio.gather(*starts.values(), return_exceptions=True)
             await asyncio.gather(*(s.aclose() for s in ended if not isinstance(s, BaseException)))
-            self._count_never_started(len(requests) - len(begun), "cancelled")
+            self._count_never_started(len(requests) - len(begun), "withdrawn" if call.withdrawn else "cancelled")
             raise
         failures = [r for r in results.values() if isinstance(r, BaseException)]
         if failures:  # (the one that ended the call, not a CancelledError of those closed for it)
