@@ -79,7 +79,8 @@ Rids = _one_or_many(Rid, list[Rid], _is_list)
 class GenerateBody(RequestBody):
     """The seeds' body: {"text": ..., "max_new_tokens": 32, "temperature": 0.7}, its
     sampling fields (`FLAT_SAMPLING_FIELDS`) beside the prompt, or SGLang's
-    `sampling_params` object (a flat field wins over its key); `input_ids` instead
+    `sampling_params` object (both where they agree: a field given twice with two
+    values is refused, since either could be the one meant); `input_ids` instead
     of `text`.
 
     A batch, as SGLang takes it: `text` a list of strings or `input_ids` a list of
@@ -135,6 +136,13 @@ class GenerateBody(RequestBody):
                                  + (f" (this one has {size})" if self.is_batch else " (this is one prompt)"))
         if self.is_batch and isinstance(self.rid, str):
             raise ValueError("rid must be a list for a batch, one a prompt")
+        for name in FLAT_SAMPLING_FIELDS:
+            flat = getattr(self, name)
+            other = next((getattr(p, name) for p in self._sampling_params() if name in p.model_fields_set
+                          and _meaning(name, getattr(p, name)) != _meaning(name, flat)), None)
+            if flat is not None and other is not None:
+                raise ValueError(f"{name} is given twice, {flat!r} beside the prompt and {other!r} in "
+                                 "sampling_params: give it once")
         if self.n is None and len({p.n for p in self._sampling_params()}) > 1:
             raise ValueError("every prompt of a batch must ask for the same n")
         if size * self.num_choices > MAX_BATCH_REQUESTS:
@@ -207,6 +215,11 @@ class GenerateBody(RequestBody):
             include_stop_str_in_output=merged.no_stop_trim,
             regex=sglang_regex(merged),
         )
+
+
+def _meaning(name: str, value):
+    """A sampling field's value as it is served (`stop`: a string, or a list of them)."""
+    return stop_tuple(value) if name == "stop" else value
 
 
 # The seeds' flat body: GenerateBody's fields that are sampling_params' keys too, beside `text`, over them.

@@ -70,18 +70,32 @@ def test_prompt_logprobs_are_whole_responses_only():
 
 
 def test_the_seeds_flat_body_takes_every_sampling_field():
-    """Beside the prompt, as the seeds write it, over SGLang's sampling_params
+    """Beside the prompt, as the seeds write it, with SGLang's sampling_params
     (`ignore_eos` there was ignored: a body's unknown keys are)."""
     body = GenerateBody(text="x", max_new_tokens=3, ignore_eos=True, stop_token_ids=[5], min_new_tokens=2,
                         logit_bias={"7": 1.5}, no_stop_trim=True, skip_special_tokens=False,
-                        sampling_params={"max_new_tokens": 9, "ignore_eos": False, "seed": 4})
+                        sampling_params={"max_new_tokens": 3, "stop": ["y"], "seed": 4})
     (params,) = body.sampling(SamplingDefaults())
     assert (params.max_new_tokens, params.ignore_eos) == (3, True)
     assert (params.stop_token_ids, params.min_new_tokens) == ((5,), 2)
     assert params.logit_bias == ((7, 1.5),) and params.include_stop_str_in_output and not params.skip_special_tokens
-    assert params.seed == 4  # from sampling_params: not set flat
-    flat_n = GenerateBody(text=["x", "y"], n=2, sampling_params=[{"n": 1}, {"n": 3}])  # flat n wins for every prompt
+    assert (params.seed, params.stop) == (4, ("y",))  # from sampling_params: not set flat
+    flat_n = GenerateBody(text=["x", "y"], n=2, sampling_params=[{"n": 2}, {"seed": 3}])  # n for every prompt
     assert flat_n.num_choices == 2 and flat_n.answers_a_list
+
+
+@pytest.mark.parametrize("flat, in_params", [({"max_new_tokens": 5}, {"max_new_tokens": 3}),
+                                             ({"stop": "x"}, {"stop": ["x", "y"]}),
+                                             ({"n": 2}, {"n": 3})])
+def test_a_sampling_field_given_flat_and_in_sampling_params_with_two_values_is_refused(flat, in_params):
+    """Either could be the one meant: the 5 tokens beside the prompt were served
+    over sampling_params' 3, without a word. Given twice alike, it is served."""
+    (name,) = flat
+    with pytest.raises(pydantic.ValidationError, match=f"{name} is given twice, .* beside the prompt and .* in "
+                                                       "sampling_params: give it once"):
+        GenerateBody.model_validate({"text": ["a", "b"], "sampling_params": [{}, in_params], **flat})
+    GenerateBody.model_validate({"text": "a", "sampling_params": flat, **flat})
+    GenerateBody.model_validate({"text": "a", "sampling_params": {"stop": ["x"]}, "stop": "x"})  # (one stop string)
 
 
 
