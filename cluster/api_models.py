@@ -426,6 +426,7 @@ class TokenizeBody(_ChatTemplateFields):
     tools: list[Tool] | None = None  # written into a chat's prompt by its template, as the chat request's are
     tool_choice: Literal["none", "auto", "required"] | dict | None = None  # "none": no tools in it, as the chat's
     add_special_tokens: bool | None = None
+    return_token_strs: bool = False  # each token's string too, as the tokenizer's vocabulary spells it
 
     def template_tools(self) -> list[dict] | None:
         """As `ChatBody.template_tools`: a count of the chat's prompt counted tools

@@ -411,7 +411,8 @@ class Scheduler:
             return encode_prompt(self.tokenizer, prompt, add_special_tokens=body.add_special_tokens)
 
         ids = await self.prompt_thread.run(tokenized)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.service.max_model_len}
+        strs = {"token_strs": self.tokenizer.convert_ids_to_tokens(ids)} if body.return_token_strs else {}
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.service.max_model_len, **strs}
 
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeBody):

@@ -260,7 +260,10 @@ def test_later_choices_prefill_from_the_first_ones_cache(base_url, client):
 
 def test_tokenize_gives_the_ids_requests_use(base_url, client):
     tokens = httpx.post(f"{base_url}/tokenize", json={"prompt": "The quick brown fox"}).json()
-    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0 and "token_strs" not in tokens
+    spelt = httpx.post(f"{base_url}/tokenize", json={"prompt": "The quick brown fox", "return_token_strs": True})
+    assert spelt.json()["tokens"] == tokens["tokens"]  # (vLLM's: each token as the vocabulary spells it)
+    assert "".join(spelt.json()["token_strs"]).replace("\u0120", " ") == "The quick brown fox"
     by_text = httpx.post(f"{base_url}/generate", json={"text": "The quick brown fox", "max_new_tokens": 6,
                                                        "temperature": 0}).json()
     by_ids = httpx.post(f"{base_url}/generate", json={"input_ids": tokens["tokens"], "max_new_tokens": 6,
@@ -284,6 +287,7 @@ def test_tokenize_gives_the_ids_requests_use(base_url, client):
     assert text == "The quick brown fox"
     for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": "x", "messages": messages}),
                        ("/tokenize", {"prompt": "x", "tools": tools}),
+                       ("/tokenize", {"prompt": "x", "return_token_strs": [1]}),
                        ("/detokenize", {"tokens": [10**9]}), ("/detokenize", {"tokens": "abc"})):
         response = httpx.post(f"{base_url}{path}", json=body)
         assert response.status_code == 400 and "message" in response.json()["error"], (path, body)
