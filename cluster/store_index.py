@@ -9,6 +9,7 @@ loads and verifies blocks itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import ray
@@ -21,6 +22,7 @@ from cluster.router import PrefixIndex
 log = logging.getLogger("tandem.scheduler")
 
 INDEX_CAPACITY_BLOCKS = 1 << 20
+STORE_ANSWER_S = 5.0  # a node store's answer to one refresh, at most (as a worker's: cluster/pool_view.py)
 
 
 class StoreIndex:
@@ -31,27 +33,55 @@ class StoreIndex:
         self.shared = PrefixIndex(INDEX_CAPACITY_BLOCKS)
         self._stores: dict[str, object] = {}  # node id -> its store actor's handle, once found
         self._cursors: dict[str, dict[str, Cursor]] = {}  # node id -> tier -> where this replica read to
+        self._asking: dict[str, asyncio.Future] = {}  # node id -> its store's answer on the way, at most one
+        self._late: set[str] = set()  # nodes whose store's answer is late (said once)
 
     def indexes_for(self, node_id: str) -> list[PrefixIndex]:
         return [*self.node_tiers.get(node_id, {}).values(), self.shared]
 
     async def refresh(self, node_ids: set[str]) -> None:
         """Read every known node store's events from this replica's cursors (a store
-        not created yet is skipped)."""
+        not created yet is skipped), waiting at most STORE_ANSWER_S. A store is a
+        serial actor: behind a save on a hung NFS mount it answers nothing, and the
+        view's refresh (membership, worker stats, readiness) must not wait with it.
+        A store still answering an earlier refresh is not asked again (questions
+        would pile up behind the first); its answer, when it comes, is read at the
+        next refresh."""
         for gone in set(self.node_tiers) - node_ids:
             del self.node_tiers[gone]
             self._cursors.pop(gone, None)
+        for gone in set(self._asking) - node_ids:
+            self._asking.pop(gone).cancel()
+            self._late.discard(gone)
         for node_id in node_ids:
-            try:
-                store = self._stores.get(node_id) or ray.get_actor(
-                    node_store_name(node_id, self.namespace, self.settings), namespace=STORE_NAMESPACE)
-                batches = await store.events_since.remote(self._cursors.get(node_id))
-            except (ValueError, ray.exceptions.RayError) as exc:
-                self._stores.pop(node_id, None)  # not created yet, or gone: look it up again next time
-                log.debug("no KV store events from node %s: %s", node_id, exc)
-                continue
-            self._stores[node_id] = store
-            self.apply(node_id, batches)
+            if node_id not in self._asking:
+                self._asking[node_id] = asyncio.ensure_future(self._events_of(node_id))
+        asking = {node_id: self._asking[node_id] for node_id in node_ids}
+        if asking:
+            await asyncio.wait(asking.values(), timeout=STORE_ANSWER_S)
+        for node_id, ask in asking.items():
+            if ask.done():
+                del self._asking[node_id]
+                self._late.discard(node_id)
+                if ask.result() is not None:
+                    self.apply(node_id, ask.result())
+            elif node_id not in self._late:
+                self._late.add(node_id)
+                log.warning("the KV store of node %s has not answered in %.0f s; routing goes on with its "
+                            "last events", node_id, STORE_ANSWER_S)
+
+    async def _events_of(self, node_id: str) -> dict[str, CacheEvents] | None:
+        """A node store's events since this replica's cursor (None: no store there yet, or gone)."""
+        try:
+            store = self._stores.get(node_id) or ray.get_actor(
+                node_store_name(node_id, self.namespace, self.settings), namespace=STORE_NAMESPACE)
+            batches = await store.events_since.remote(self._cursors.get(node_id))
+        except (ValueError, ray.exceptions.RayError) as exc:
+            self._stores.pop(node_id, None)  # not created yet, or gone: look it up again next time
+            log.debug("no KV store events from node %s: %s", node_id, exc)
+            return None
+        self._stores[node_id] = store
+        return batches
 
     def apply(self, node_id: str, batches: dict[str, CacheEvents]) -> None:
         """One node store's events per tier. A snapshot (`reset`) rebuilds that

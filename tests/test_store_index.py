@@ -35,3 +35,56 @@ def test_a_snapshot_rebuilds_a_node_tier_and_adds_to_the_shared_path():
     (host,) = index.node_tiers["node-a"].values()
     assert [h in host for h in CHAIN[:3]] == [False, False, True]  # what node A's host tier holds now
     assert all(h in index.shared for h in CHAIN[4:7])  # node B's view of the shared path stays
+
+
+def test_a_store_that_does_not_answer_holds_up_no_refresh_and_is_asked_once_at_a_time(ray_local, monkeypatch):
+    """A node store busy past STORE_ANSWER_S (a save on a hung NFS mount, say: it
+    is a serial actor) kept the view's refresh, membership and worker stats with
+    it, waiting. The refresh now goes on without it, does not ask it again while it
+    answers the first question, and reads that answer at the next refresh. The
+    store here is a real named actor answering when told (the thing under test is
+    the index's refresh)."""
+    import asyncio
+
+    import ray
+
+    from actors.kv_store_client import STORE_NAMESPACE, node_store_name
+    from cluster import store_index
+
+    @ray.remote
+    class SlowStore:
+        def __init__(self, events):
+            self.events, self.num_asked, self.answer = events, 0, asyncio.Event()
+
+        async def events_since(self, cursor):
+            self.num_asked += 1
+            await self.answer.wait()
+            return self.events
+
+        async def answer_now(self):
+            self.answer.set()
+
+        async def asked(self) -> int:
+            return self.num_asked
+
+    monkeypatch.setattr(store_index, "STORE_ANSWER_S", 0.3)
+    settings = KVStoreSettings(shared_path="/mnt/kv")
+    store = SlowStore.options(name=node_store_name("node-slow", b"ns", settings), namespace=STORE_NAMESPACE) \
+        .remote(_events(host=[(True, CHAIN[0])]))
+    index = StoreIndex(b"ns", settings)
+
+    async def refreshes():
+        await asyncio.wait_for(index.refresh({"node-slow"}), 10)  # (waited for the store before: hung)
+        await asyncio.wait_for(index.refresh({"node-slow"}), 10)
+        assert await store.asked.remote() == 1 and "node-slow" not in index.node_tiers
+        await store.answer_now.remote()
+        await asyncio.sleep(0.2)
+        await asyncio.wait_for(index.refresh({"node-slow"}), 10)  # the late answer, read
+        assert await store.asked.remote() == 1 and CHAIN[0] in index.node_tiers["node-slow"]["host"]
+        await asyncio.wait_for(index.refresh({"node-slow"}), 10)  # asked again, answered at once
+        assert await store.asked.remote() == 2
+
+    try:
+        asyncio.run(refreshes())
+    finally:
+        ray.kill(store)
