@@ -2,9 +2,12 @@
 prompt may be loses its oldest turns until it fits ("dropping items from the
 beginning of the conversation", OpenAI's words), instead of being refused.
 
-A turn starts at a user message and holds what answered it (assistant messages,
-their calls, the calls' outputs), so a call is never kept without the message
-that made it nor an output without its call (templates render them together).
+A turn starts at a user message, or at the system and developer messages right
+before it (instructions given with that turn: a request continuing a response
+with `[developer, user]` as its input), and holds what answered it (assistant
+messages, their calls, the calls' outputs), so a call is never kept without the
+message that made it nor an output without its call (templates render them
+together).
 A user message that came between a call and its output (the client spoke
 before sending the output back) starts no turn: cut there, the output was
 kept without its call.
@@ -47,7 +50,8 @@ def drop_oldest_turns(messages: list, fits: Callable[[list], bool]) -> list:
 
 def _turn_starts(messages: list) -> list[int]:
     """The indexes past the first where a turn starts: a user message, unless a
-    tool's output after it answers a call made before it."""
+    tool's output after it answers a call made before it; or the system and
+    developer messages right before such a user message, the first of them."""
     made_at: dict[str, int] = {}  # a call's id -> the index of the latest message that made it
     answers: dict[int, int] = {}  # a tool output's index -> its call's (the latest before it of that id:
     for k, message in enumerate(messages):  # clients reuse ids such as call_0 every turn)
@@ -62,5 +66,8 @@ def _turn_starts(messages: list) -> list[int]:
         if k in answers:
             earliest = min(earliest, answers[k])
         elif messages[k].role == "user" and earliest >= k:
-            starts.append(k)
+            start = k
+            while start > 1 and messages[start - 1].role in LEADING_ROLES:
+                start -= 1
+            starts.append(start)
     return starts[::-1]

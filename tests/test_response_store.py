@@ -107,7 +107,7 @@ def test_with_the_store_off_ids_are_answered_as_unknown(call, status, message):
 
 def _chat(*turns: str) -> list[ChatMessage]:
     """Messages from role:text strings (`a` an assistant's, `t` a tool's answer to call c)."""
-    roles = {"s": "system", "u": "user", "a": "assistant", "t": "tool"}
+    roles = {"s": "system", "d": "developer", "u": "user", "a": "assistant", "t": "tool"}
     messages = []
     for spec in turns:
         role, text = spec.split(":", 1)
@@ -138,6 +138,17 @@ def test_truncation_keeps_a_conversation_that_fits_and_drops_the_fewest_oldest_t
     assert [m.content for m in kept] == ["sys", "gggg"], "the last turn stays, for the prompt's check to refuse"
 
 
+def test_truncation_keeps_the_instructions_given_with_a_kept_turn():
+    """A request continuing a conversation with `[developer, user]` as its input:
+    its developer message went with the turn before it, dropped, and the turn
+    kept was answered without its instructions."""
+    messages = _chat("s:sys", "u:aaaa", "a:bbbb", "u:cccc", "a:dddd", "d:in French", "u:eeee")
+    kept = drop_oldest_turns(messages, _fits_within(3 + 9 + 4))
+    assert [m.content for m in kept] == ["sys", "in French", "eeee"]
+    kept = drop_oldest_turns(messages, _fits_within(1))
+    assert [m.content for m in kept] == ["sys", "in French", "eeee"], "the last turn stays whole"
+
+
 def test_truncation_keeps_no_calls_output_without_its_call():
     """The client spoke between a call and its output (user, the call, user, the
     output): cut at the second user message, the output was kept without the
@@ -162,20 +173,25 @@ def test_truncation_keeps_no_calls_output_without_its_call():
     assert [m.content for m in kept] == ["u3", "", "t3", "a3"]
 
 
-@given(st.lists(st.tuples(st.sampled_from("uat"), st.integers(1, 30)), min_size=1, max_size=40),
+@given(st.lists(st.tuples(st.sampled_from("uatd"), st.integers(1, 30)), min_size=1, max_size=40),
        st.integers(0, 400), st.booleans())
 @settings(max_examples=300, deadline=None)
 def test_truncation_drops_exactly_the_turns_a_scan_would_in_few_tries(parts, limit, with_system):
     """Against the plain scan (drop one turn at a time, oldest first, until it
-    fits): the same messages, in at most log2(turns) + 2 renderings."""
+    fits; a turn from the developer messages right before its user message):
+    the same messages, in at most log2(turns) + 2 renderings."""
     specs = (["s:" + "s" * 5] if with_system else []) + [f"{role}:" + "x" * size for role, size in parts]
     messages = _chat(*specs)
     calls: list = []
     kept = drop_oldest_turns(messages, _fits_within(limit, calls))
     fits = _fits_within(limit)
-    head = [m for m in messages[:1] if m.role == "system"]
-    rest = messages[len(head):]
-    starts = [0] + [k for k, m in enumerate(rest) if k > 0 and m.role == "user"]
+    num_head = next((k for k, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    head, rest = messages[:num_head], messages[num_head:]
+    starts = [0]
+    for k, m in enumerate(rest):
+        if k > 0 and m.role == "user":
+            instructed = [j for j in range(1, k) if all(r.role == "developer" for r in rest[j:k])]
+            starts.append(min(instructed, default=k))
     expected = next((head + rest[k:] for k in starts if fits(head + rest[k:])), head + rest[starts[-1]:])
     assert kept == expected
     assert len(calls) <= math.log2(len(starts)) + 2
