@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from actors.event_log import CacheEvents, Cursor, EventLog
+from actors.weights_fingerprint import weights_fingerprint
 
 KV_LAYOUT_VERSION = "page-first-v1"  # [blocks, layers, 2, block_size, kv_heads, head_dim]
 
@@ -57,10 +58,12 @@ def num_usable_blocks(num_tokens: int, block_size: int) -> int:
 
 
 def kv_namespace(model_dir: str | Path, dtype: str, block_size: int) -> bytes:
-    """The seed of every hash chain: what makes KV compatible. Same checkpoint config,
-    dtype, block size and layout version -> same namespace, on any node."""
+    """The seed of every hash chain: what makes KV compatible. Same checkpoint config
+    and weights (actors/weights_fingerprint.py), dtype, block size and layout
+    version -> same namespace, on any node."""
     config = (Path(model_dir) / "config.json").read_bytes()
-    return hashlib.sha256(config + f"|{dtype}|{block_size}|{KV_LAYOUT_VERSION}".encode()).digest()
+    weights = weights_fingerprint(model_dir)
+    return hashlib.sha256(config + weights + f"|{dtype}|{block_size}|{KV_LAYOUT_VERSION}".encode()).digest()
 
 
 @dataclass

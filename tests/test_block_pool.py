@@ -171,3 +171,38 @@ def test_kv_namespace_depends_on_what_makes_kv_compatible(tmp_path):
     assert base != kv_namespace(tmp_path, "float32", 32)
     (tmp_path / "config.json").write_text('{"hidden_size": 16}')
     assert base != kv_namespace(tmp_path, "float32", 16)
+
+
+def test_kv_namespace_tells_other_weights_under_the_same_config_apart(tmp_path):
+    """A fine-tune saved with its base's config.json (or a preset built again by a
+    newer builder) shared the base's namespace, so a KV store on disk or a shared
+    path served it the base's KV for the same tokens."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from actors.block_pool import kv_namespace
+
+    rng = np.random.default_rng(0)
+    weights = {"a.weight": rng.standard_normal((64, 64), dtype=np.float32),
+               "b.weight": rng.standard_normal((3,), dtype=np.float32)}
+
+    def checkpoint(name: str, tensors: dict):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text('{"hidden_size": 64}')
+        save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+
+    base = kv_namespace(checkpoint("base", weights), "float32", 16)
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "base", copy)  # (another path, other file times: the same weights)
+    assert kv_namespace(copy, "float32", 16) == base
+    tuned = dict(weights, **{"a.weight": weights["a.weight"] + 1e-3})  # every entry of one matrix trained
+    assert kv_namespace(checkpoint("tuned", tuned), "float32", 16) != base
+    last_row = weights["a.weight"].copy()
+    last_row[-1] += 1.0  # (only the tensor's end: a sample of its first bytes alone would miss it)
+    assert kv_namespace(checkpoint("last-row", dict(weights, **{"a.weight": last_row})), "float32", 16) != base
+    small = dict(weights, **{"b.weight": weights["b.weight"] * 2})
+    assert kv_namespace(checkpoint("small", small), "float32", 16) != base
