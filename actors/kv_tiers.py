@@ -326,10 +326,11 @@ class DiskTier(Tier):
             stored_s = self._stored_s(block)
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.replace(tmp, path)
-                _age(f.fileno(), stored_s)  # (once renamed: an old temporary file is an abandoned one)
-                written = os.fstat(f.fileno())
+            # Renamed once closed: on NFS a file's data reaches the server at its close, and a
+            # reader on another node opening the name before then read it short (and removed it).
+            os.replace(tmp, path)
+            _age(path, stored_s)  # (once renamed: an old temporary file is an abandoned one)
+            written = path.stat()
         except OSError as exc:  # full, read-only, or the mount went: this block is not stored here
             _unlink(tmp)
             self.num_write_errors += 1
@@ -376,12 +377,12 @@ def _file_id(path: Path) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def _age(fd: int, stored_s: float) -> None:
+def _age(path: Path, stored_s: float) -> None:
     """A written file's mtime set to its block's age in the store (what a restart
     indexes it by). A mount that refuses to set times (some FUSE, SMB) keeps the
     write's: the block is stored, aged from now after a restart."""
     try:
-        os.utime(fd, (stored_s, stored_s))
+        os.utime(path, (stored_s, stored_s))
     except OSError as exc:
         log.debug("KV store: cannot set a file's time: %s", exc)
 
