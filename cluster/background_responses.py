@@ -133,26 +133,64 @@ class EventFeed:
 async def stream_to_store(stored, response_id: str, events: AsyncIterator[str], feed: EventFeed,
                           finish: Callable[[list[str], int], Awaitable]) -> None:
     """`events` to `feed` as they come and to the store (`stored`, the
-    replica's StoredResponses) at most `FLUSH_S` later; `finish(last, first)`
-    stores the final state with the last ones (`first`: the index of the first
-    of them). Stopped (cancelled), the events close, which ends the request, and
-    those written are stored. Each batch says where it starts in the stream: one
-    whose call was stopped may have been stored, and is sent again with those
-    after it; the store keeps each event once."""
-    pending, sent, flushed_s = [], 0, 0.0  # (sent: the events the store has said it holds; the first at once)
+    replica's StoredResponses) at most `FLUSH_S` later, the first at once, and
+    those written before a pause (admission, the first token, a stall) during it,
+    not when the next one comes; `finish(last, first)` stores the final state
+    with the last ones (`first`: the index of the first of them). Stopped
+    (cancelled), the events close, which ends the request, and those written are
+    stored. Each batch says where it starts in the stream: one whose call was
+    stopped may have been stored, and is sent again with those after it; the
+    store keeps each event once."""
+    unsent = _UnsentEvents(stored, response_id)
+    pausing = asyncio.ensure_future(unsent.flush_in_pauses())
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 feed.add(event)
-                pending.append(event)
-                if time.monotonic() - flushed_s >= FLUSH_S:
-                    await stored.add_events(response_id, pending, sent)
-                    sent, pending, flushed_s = sent + len(pending), [], time.monotonic()
-        await finish(pending, sent)
+                unsent.events.append(event)
+                if time.monotonic() - unsent.flushed_s >= FLUSH_S:
+                    await unsent.flush()
+        await _stopped(pausing)
+        await finish(unsent.events, unsent.num_sent)
     except asyncio.CancelledError:
-        if pending:
+        await _stopped(pausing)
+        if unsent.events:
             with contextlib.suppress(Exception):
-                await stored.add_events(response_id, pending, sent)
+                await unsent.flush()
         raise
     finally:
         feed.close()
+        await _stopped(pausing)  # (where the events failed: the request did)
+
+
+class _UnsentEvents:
+    """A streamed response's events written and not yet in the store, and how
+    many are (`num_sent`); one flush at a time."""
+
+    def __init__(self, stored, response_id: str) -> None:
+        self.stored, self.response_id = stored, response_id
+        self.events: list[str] = []
+        self.num_sent, self.flushed_s = 0, 0.0
+        self._lock = asyncio.Lock()
+
+    async def flush(self) -> None:
+        """Those written so far to the store; kept here until it has said so."""
+        async with self._lock:
+            batch = self.events[:]
+            if batch:
+                await self.stored.add_events(self.response_id, batch, self.num_sent)
+                del self.events[:len(batch)]
+                self.num_sent += len(batch)
+            self.flushed_s = time.monotonic()
+
+    async def flush_in_pauses(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if self.events and time.monotonic() - self.flushed_s >= FLUSH_S:
+                await self.flush()
+
+
+async def _stopped(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

@@ -379,6 +379,45 @@ def test_a_streamed_background_response_reaches_its_feed_and_the_store_whole():
     assert store.events("s", -1).events == expected and store.get("s").response["status"] == "completed"
 
 
+def test_a_streamed_background_responses_events_reach_the_store_during_a_pause():
+    """The events written before a pause (waiting for admission or the first
+    token, a stall) went to the store only when the next one came: a replay from
+    another replica missed them for as long, and they were lost with the replica."""
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
+    go_on = asyncio.Event()
+
+    class Replica:
+        async def add_events(self, response_id, events, first):
+            store.add_events(response_id, events, first=first)
+
+    async def written():
+        for k in range(3):
+            yield f"e{k}"
+        await go_on.wait()  # (the pause)
+        yield "e3"
+
+    async def run():
+        feed = EventFeed()
+        final = {**_response("s", None, "done"), "status": "completed", "background": True}
+
+        async def finish(last, first):
+            store.finish(final, _asked("s"), last, first)
+
+        streaming = asyncio.ensure_future(stream_to_store(Replica(), "s", written(), feed, finish))
+        for _ in range(100):  # (FLUSH_S is 0.1 s: up to 5 s here)
+            if len(store.events("s", -1).events) == 3:
+                break
+            await asyncio.sleep(0.05)
+        paused = store.events("s", -1).events
+        go_on.set()
+        await streaming
+        return paused
+
+    assert asyncio.run(run()) == ["e0", "e1", "e2"]
+    assert store.events("s", -1).events == ["e0", "e1", "e2", "e3"] and store.get("s").response["status"] == "completed"
+
+
 def test_a_batch_of_events_sent_again_is_kept_once_and_one_lost_cuts_the_stream():
     """A flush stopped mid-call (a cancel) may have reached the store, and its
     events were sent again: stored twice, a replay repeated sequence numbers.
