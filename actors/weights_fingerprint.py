@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def weights_fingerprint(model_dir: str | Path) -> bytes:
         with open(path, "rb") as file:
             try:
                 (header_bytes,) = struct.unpack("<Q", file.read(8))
+                if header_bytes > os.fstat(file.fileno()).st_size - 8:  # (read whole, it took all memory)
+                    raise ValueError(f"a header of {header_bytes} bytes, past the file's end")
                 header = file.read(header_bytes)
                 tensors = json.loads(header)
                 spans = sorted((info["data_offsets"] for name, info in tensors.items() if name != "__metadata__"))

@@ -206,3 +206,6 @@ def test_kv_namespace_tells_other_weights_under_the_same_config_apart(tmp_path):
     assert kv_namespace(checkpoint("last-row", dict(weights, **{"a.weight": last_row})), "float32", 16) != base
     small = dict(weights, **{"b.weight": weights["b.weight"] * 2})
     assert kv_namespace(checkpoint("small", small), "float32", 16) != base
+    broken = checkpoint("broken", weights)
+    (broken / "model.safetensors").write_bytes(b"not a checkpoint")  # (its first 8 bytes: a header of 8e18 bytes)
+    assert kv_namespace(broken, "float32", 16) != base  # (loading it says what is wrong: not this)
