@@ -119,6 +119,15 @@ class ScalingPolicy:
         self.settled_s = -math.inf  # the end of the last step (a worker starting or draining)
         self.shortfalls: dict[int, Shortfall] = {}  # by pool size
 
+    def carry_on_from(self, before: ScalingPolicy) -> None:
+        """What `before`, this pool's policy until a redeploy rebuilt it, learned of
+        the pool: when it last settled (its cooldowns run on; a fresh policy's let
+        it scale down at once) and the sizes that fell short (not come back to:
+        forgotten, a redeploy of any setting brought back the down, short, up
+        cycle `shortfall_memory_s` is there to stop)."""
+        self.settled_s = before.settled_s
+        self.shortfalls = dict(before.shortfalls)
+
     def decide(self, obs: PoolObservation, now_s: float) -> Decision:
         if obs.num_starting or obs.num_draining:
             self.settled_s = now_s

@@ -203,8 +203,8 @@ class PoolAutoscaler:
         if pool.autoscales:
             before = self.policies.get(role)
             self.policies[role] = make_policy(role, pool, self.knobs, self.attainment_target)
-            if before is not None:  # its cooldowns run on (a fresh policy's let it scale down at once)
-                self.policies[role].settled_s = before.settled_s
+            if before is not None:
+                self.policies[role].carry_on_from(before)
         else:
             self.policies.pop(role, None)
         sizes = f"{pool.min_size} to {pool.max_size} workers" if pool.autoscales else f"size {pool.replicas}"
@@ -214,7 +214,7 @@ class PoolAutoscaler:
         """A redeploy's autoscaling knobs and SLO targets, from now on: the signals
         judge new outcomes by the new SLO (those already in the window keep their
         verdicts until they age out of it), and each autoscaling pool's policy is
-        rebuilt on them, keeping when its pool last settled (its cooldowns run on)."""
+        rebuilt on them, keeping what the old one learned (`ScalingPolicy.carry_on_from`)."""
         self.knobs, slo = settings.autoscaling, settings.slo
         self.attainment_target = slo.attainment
         self.signals.slo_s = {"ttft": slo.ttft_ms / 1e3, "tbt": slo.tbt_ms / 1e3}
@@ -222,7 +222,7 @@ class PoolAutoscaler:
         self.restarts.first_s, self.restarts.max_s = self.knobs.restart_backoff_s, self.knobs.restart_backoff_max_s
         for role, policy in list(self.policies.items()):
             self.policies[role] = make_policy(role, getattr(settings, role), self.knobs, slo.attainment)
-            self.policies[role].settled_s = policy.settled_s
+            self.policies[role].carry_on_from(policy)
         for role in self.roles:
             self.record(role, "retuned", reason="redeployed: autoscaling and slo settings")
 

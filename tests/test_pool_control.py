@@ -18,6 +18,7 @@ import ray
 import cluster.pool_autoscaler as pool_autoscaler
 import cluster.pool_manager as pool_manager
 from actors.worker_base import WorkerStartup, WorkerStats
+from cluster.autoscaling import Shortfall
 
 BASE = {"model": {"preset": "tiny", "arch": "qwen2"}, "engine": {"block_size": 16, "num_kv_blocks": 256},
         "response_store_mib": 0, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
@@ -196,6 +197,24 @@ def test_a_redeploy_keeps_an_autoscaling_pools_cooldown(pools):
 
     asyncio.run(run())
     assert not [e for e in _events(manager) if e[0] == "down"]
+
+
+@pytest.mark.parametrize("change", [{"decode": {"replicas": 2, "min_replicas": 1, "max_replicas": 4}},
+                                    {"autoscaling": {"scale_down_cooldown_s": 60.0, "interval_s": 5.0}},
+                                    {"slo": {"ttft_ms": 900}}])
+def test_a_redeploy_keeps_the_sizes_an_autoscaling_pool_fell_short_at(pools, change):
+    """A redeploy of the pool's sizes, or of any autoscaling or SLO setting,
+    rebuilt its policy with no memory of the sizes that fell short: the pool came
+    down to one again, fell short again and came back up, a model load each time."""
+    make, _ = pools
+    settings = {"decode": {"replicas": 2, "min_replicas": 1, "max_replicas": 3},
+                "autoscaling": {"scale_down_cooldown_s": 60.0}}
+    manager, _ = make(settings)
+    short_at_one = {1: Shortfall(at_s=5.0, rate=3.0)}
+    manager.scaler.policies["decode"].shortfalls = dict(short_at_one)
+
+    asyncio.run(manager.apply_pools({**BASE, **settings, **change}))
+    assert manager.scaler.policies["decode"].shortfalls == short_at_one
 
 
 def test_a_restarted_worker_that_ran_its_profile_ends_the_run_of_failures_though_it_died_before_a_step(pools):
