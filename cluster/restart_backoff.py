@@ -10,8 +10,9 @@ and lost a worker of each role every 4 s, for ever, and `/health` said only
 before it (`restart_backoff_s`, then 2x, 4x, ... up to `restart_backoff_max_s`),
 as Kubernetes spaces the restarts of a crashing container. The run ends when a
 worker of the role started since its latest failure has run its start-up
-profile (an older one doing so says nothing of the starts that fail): the next
-failure waits `restart_backoff_s` again. A worker an autoscaling pool does not
+profile (an older one doing so says nothing of the starts that fail; a round's
+workers lost together count once, from its first failure): the next failure
+waits `restart_backoff_s` again. A worker an autoscaling pool does not
 start again (its policy decides what it needs) holds the policy's next start of
 the role for as long: a scale-up no node took was otherwise tried again each
 `scale_up_cooldown_s`, for ever.
@@ -42,7 +43,8 @@ class RestartBackoff:
         self.first_s = first_s
         self.max_s = max_s
         self._in_a_row: dict[str, int] = defaultdict(int)
-        self._latest: dict[str, tuple[str, str, float]] = {}  # role -> (worker_id, error, when)
+        self._latest: dict[str, tuple[str, str]] = {}  # role -> (worker_id, error) of its latest failure
+        self._round_s: dict[str, float] = {}  # role -> when the latest failure counted in the run came
         self._waiting: dict[str, list[float]] = defaultdict(list)  # role -> when each waiting restart is due
         self._not_before: dict[str, float] = {}  # role -> when its pool's policy may start one again
 
@@ -52,13 +54,17 @@ class RestartBackoff:
         is due after the delay returned (seconds); with `restart` False, none
         waits, and the pool's policy starts what it needs after the delay
         (`held_s`). A worker started before
-        the role's latest failure is of that failure's round, not one more in the
-        run: the workers of one start lost together (their node went) waited 2,
-        4, 8, 16 s, and /health said four failures in a row after one round."""
-        latest = self._latest.get(role)
-        if latest is None or started_s is None or started_s > latest[2]:
+        the failure that began the role's latest round is of that round, not one
+        more in the run: the workers of one start lost together (their node went)
+        waited 2, 4, 8, 16 s, and /health said four failures in a row after one
+        round. The round keeps its first failure's time: moved to each of its
+        failures, a restart started between them that ran its profile did not end
+        the run."""
+        round_s = self._round_s.get(role)
+        if round_s is None or started_s is None or started_s > round_s:
             self._in_a_row[role] += 1
-        self._latest[role] = (worker_id, error, now_s)
+            self._round_s[role] = now_s
+        self._latest[role] = (worker_id, error)
         doublings = min(self._in_a_row[role] - 1, 64)  # (past the cap anyway: 2.0**1024 overflows a float)
         delay_s = min(self.first_s * 2.0 ** doublings, self.max_s)
         if restart:
@@ -81,12 +87,13 @@ class RestartBackoff:
 
     def started(self, role: str, started_s: float) -> None:
         """A worker of `role`, started at `started_s`, ran its start-up profile:
-        if it started after the role's latest failure, the run of failures ends
-        (restarts already waiting keep their time)."""
-        latest = self._latest.get(role)
-        if latest is not None and started_s >= latest[2]:
+        if it started after the failure that began the role's latest round, the
+        run of failures ends (restarts already waiting keep their time)."""
+        round_s = self._round_s.get(role)
+        if round_s is not None and started_s >= round_s:
             self._in_a_row.pop(role, None)
             self._latest.pop(role, None)
+            self._round_s.pop(role, None)
             self._not_before.pop(role, None)
 
     def take_due(self, now_s: float) -> list[str]:
@@ -103,7 +110,7 @@ class RestartBackoff:
     def failures(self, now_s: float) -> dict[str, StartFailure]:
         """Each role whose latest start failed, and nothing since started."""
         out = {}
-        for role, (worker_id, error, _) in sorted(self._latest.items()):
+        for role, (worker_id, error) in sorted(self._latest.items()):
             times = self._waiting[role]
             held_s = self.held_s(role, now_s)
             next_start_in_s = max(min(times) - now_s, 0.0) if times else held_s if held_s > 0 else None

@@ -98,6 +98,19 @@ def test_a_thousand_failures_in_a_row_wait_the_cap_not_an_overflow():
     assert delays[-1] == 120.0 and max(delays) == 120.0
 
 
+def test_a_restart_started_between_a_rounds_failures_ends_the_run_once_it_runs_its_profile():
+    """Two workers started together fail at 5 s and 8 s (one round); the first's
+    restart, started at 7 s, runs its profile: the run is over. The round took the
+    time of its latest failure (8 s), so /health said failing on, and the next
+    failure waited twice as long."""
+    backoff = RestartBackoff(first_s=2.0, max_s=60.0)
+    assert backoff.failed("prefill", "p0", "boom", 5.0, started_s=0.0) == 2.0
+    assert backoff.failed("prefill", "p1", "boom", 8.0, started_s=0.0) == 2.0  # (of p0's round)
+    backoff.started("prefill", started_s=7.0)  # p0's restart
+    assert backoff.failures(9.0) == {}
+    assert backoff.failed("prefill", "p3", "boom", 12.0, started_s=10.0) == 2.0, "a new run"
+
+
 def test_a_worker_started_before_the_latest_failure_is_of_its_round():
     """Failures of workers of one start (lost together) are one failure in the
     run, with one delay; a worker started after them failing is the next."""
