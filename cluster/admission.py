@@ -63,6 +63,7 @@ class InFlight:
     own_s: float = 0.0  # the predicted part of predicted_ttft_s that is its own work: prefill and transfer
     decode_held_blocks: int = 0  # its prompt's blocks D held for running requests at admission (shared with them)
     prefix_hashes: tuple[bytes, ...] = ()  # its prompt's blocks a cache may serve (D shares them with later requests)
+    num_cached_tokens: int = 0  # its prompt's tokens its P (or colocated worker) had cached, predicted at admission
 
     @property
     def in_prefill(self) -> bool:

@@ -67,7 +67,7 @@ class PoolObservation:
     attainment: float | None = None  # of this pool's SLO figure over the window; None: too few outcomes
     num_samples: int = 0  # outcomes behind `attainment`
     samples_span_s: float | None = None  # the time they came in (the window, or less since the pool last changed)
-    backlog_tokens: int = 0  # prefill: prompt tokens admitted to the pool and not yet prefilled
+    backlog_tokens: int = 0  # prefill: prompt tokens admitted to the pool to compute (not cached), not yet prefilled
     kv_blocks_used: int = 0  # decode: KV blocks held by requests past their prefill, over the serving workers
     kv_blocks_total: int = 0  # decode: KV blocks over the serving workers
     backlog_tokens_peak: int = 0  # the highest backlog_tokens over the window

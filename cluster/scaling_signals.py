@@ -28,10 +28,12 @@ Definitions:
 - TBT of a request: (last token time - first token time) / (tokens - 1), the mean,
   as the benchmarks judge it (`benchmarks/serving_metrics.py`); a request with
   fewer than two tokens has none.
-- Backlog of a prefill (or colocated) worker: the prompt tokens of the requests
-  admitted to it whose first token has not come yet (queued or in prefill), past
-  their handshake: one waiting in a decode worker's line for KV blocks is no P's
-  work yet (its D is short of KV, not the prefill pool of compute).
+- Backlog of a prefill (or colocated) worker: the prompt tokens it computes (its
+  cached prefix aside, as admission predicted it: two turns of a 3k-token chat,
+  each nearly all cached, read as 6k tokens and scaled the pool up) of the
+  requests admitted to it whose first token has not come yet (queued or in
+  prefill), past their handshake: one waiting in a decode worker's line for KV
+  blocks is no P's work yet (its D is short of KV, not the prefill pool of compute).
 - Decoding on a decode (or colocated) worker: the requests past their first token,
   and their KV tokens (prompt plus generated).
 - Not here: the blocks a decode worker reserved for prompts still in prefill. The
@@ -202,7 +204,8 @@ class OutcomeRecorder:
                 # In its handshake (maybe waiting in D's line): no P's work yet.
                 in_handshake = request.prefill_id is not None and request.reserved_s is None
                 if not in_handshake:
-                    _add(backlog, request.prefill_id or request.decode_id, request.num_prompt_tokens)
+                    _add(backlog, request.prefill_id or request.decode_id,
+                         request.num_prompt_tokens - request.num_cached_tokens)
                     _add(prompts, request.prefill_id or request.decode_id, 1)
             else:
                 _add(decoding, request.decode_id, 1)

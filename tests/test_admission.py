@@ -769,6 +769,30 @@ def test_a_prompt_past_the_queues_steps_pays_a_step_of_its_own():
     assert models.own_prefill_s("p0", 20, 0) == pytest.approx(0.0120)  # alone: its own step
 
 
+def test_a_request_in_flight_knows_the_prefix_its_p_had_cached():
+    """What the prefill pool's backlog leaves out (cluster/scaling_signals.py): the
+    cached prompt tokens admission predicted on the P it chose."""
+    from actors.block_pool import block_hashes
+
+    prompt = list(range(320))
+    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler.view.prefix["p0"].insert(block_hashes(prompt, 16, b"")[:16])  # 256 tokens
+    seen = []
+
+    async def first_token(request, choice, inflight):
+        seen.append(inflight.num_cached_tokens)
+        yield TokenEvent(request.request_id, [7], "x", None, True, "length", time.time())
+
+    scheduler._events = first_token
+
+    async def run():
+        async for _ in scheduler.generate(prompt, SamplingParams(max_new_tokens=1), "r"):
+            pass
+
+    asyncio.run(run())
+    assert seen == [256]
+
+
 def test_a_ds_room_is_asked_only_for_the_blocks_its_prefix_cache_does_not_hold():
     """Found by a review: D held a shared 1024-token prefix and had 10 free blocks;
     its reservation needed 2 new ones, but the scheduler asked room for all 66,

@@ -114,6 +114,15 @@ def test_report_counts_backlog_inflight_and_routing():
     assert report.draining == frozenset({"d1"})
 
 
+def test_a_prefill_backlog_counts_the_tokens_p_computes_not_its_cached_prefix():
+    """Two turns of a 3,000-token chat, each with 2,900 tokens cached on P, read
+    as a backlog of 6,000 tokens (over `prefill_backlog_up_tokens`, 4,096): the
+    pool scaled up for 200 tokens of work."""
+    inflight = [InFlight(f"turn{k}", "p0", "d0", 3000, 10, 0.1, reserved_s=0.5, num_cached_tokens=2900)
+                for k in range(2)]
+    assert OutcomeRecorder("r1").report(inflight).backlog_tokens == {"p0": 200}
+
+
 def _book() -> SignalBook:
     return SignalBook(ttft_slo_s=1.0, tbt_slo_s=0.1, window_s=30.0, stale_after_s=10.0)
 
