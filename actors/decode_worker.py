@@ -25,6 +25,7 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -318,7 +319,7 @@ class DecodeWorker(WorkerBase):
         await super().end_aborted(request_ids)
         self.handshakes.room_freed()
 
-    def _release_aborted(self, request_id: str) -> None:
+    def _release_aborted(self, request_id: str, also_ending: Collection[str] = ()) -> None:
         """(On the engine thread, before the engine lets the request go.) A
         reservation ended before its KV was whole keeps the leading blocks whose KV
         came: they go into the prefix cache (`Engine.keep_arrived_blocks`), so the
@@ -341,7 +342,9 @@ class DecodeWorker(WorkerBase):
         for borrower in borrowers:  # (each keeps the blocks before the lost ones, still in `_unwritten`)
             self._release_aborted(borrower)
             self.engine.cancel_reservation(borrower)
-            if borrower in self.streams:
+            if borrower in also_ending:  # (aborted with it: failed, an n=4 call's `/abort_request` had its
+                self.streams.end_aborted(borrower, None)  # three later choices tried again on another pair)
+            elif borrower in self.streams:
                 self.streams.fail(borrower, f"request {request_id}, whose KV blocks it shared, ended before they came",
                                   borrowed_kv_lost=True)
         with self._pending_lock:

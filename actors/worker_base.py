@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -63,7 +64,7 @@ class WorkerStats:
     num_waiting_handshakes: int = 0  # a decode worker's handshakes waiting for KV blocks
     num_waiting_blocks: int = 0  # the KV blocks those handshakes ask for
     num_reservations_granted: int = 0  # a decode worker's reservations since it started
-    num_reserved_blocks: int = 0  # KV blocks a decode worker holds for prompts whose KV is still coming
+    num_reserved_blocks: int = 0  # KV blocks a decode worker holds only for prompts whose KV is still coming
     num_free_seqs: int | None = None  # requests a decode worker may take before its batch is full; None: no bound
     num_preemptions: int = 0  # running requests preempted (by recompute) for room, since the worker started
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, since the worker started
@@ -324,16 +325,17 @@ class WorkerBase(StoreImports):
 
         def end(engine: Engine) -> None:
             for request_id in request_ids:
-                self._release_aborted(request_id)
+                self._release_aborted(request_id, also_ending=request_ids)
                 output = engine.abort(request_id)
                 engine.cancel_reservation(request_id)
                 self.streams.end_aborted(request_id, output)
 
         await self.call(end)
 
-    def _release_aborted(self, request_id: str) -> None:
+    def _release_aborted(self, request_id: str, also_ending: Collection[str] = ()) -> None:
         """What this role holds for an ended request besides the engine's (on
-        the engine thread)."""
+        the engine thread); `also_ending`: the requests ended with it, each in
+        turn, as aborted by their client (`end_aborted`)."""
 
     def _aborted_on_its_way(self, request: GenerateRequest) -> bool:
         """On the engine thread, as a request would start here (added, reserved):

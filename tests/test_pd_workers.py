@@ -321,6 +321,33 @@ def test_a_lender_ended_before_its_blocks_came_ends_its_borrowers_which_are_serv
     assert_idle(ray_local, p, d, c)
 
 
+def test_requests_aborted_together_end_aborted_though_one_borrowed_the_others_blocks(ray_local, workers):
+    """An n=2 call's choices share its rid, and the second borrows the first's
+    blocks on D. `/abort_request` for the rid ended the first, and with it the
+    second as a borrower whose lender failed: an error its scheduler answered by
+    trying it again on another pair, where an abort was asked."""
+    p, d = workers[:2]
+    first, second = (dataclasses.replace(r, client_rid="call-n2") for r in _sharing_a_system_prompt("n-abort", 2))
+
+    async def scenario():
+        feeds = TokenFeeds()
+        feed = feeds.of(d)
+        try:
+            with feed.expect(first.request_id) as first_events, feed.expect(second.request_id) as second_events:
+                await d.reserve.remote(first, feed.subscription, p)
+                borrower = await d.reserve.remote(second, feed.subscription, p)
+                aborted = await d.abort_named.remote("call-n2")
+                return borrower, aborted, [e async for e in first_events], [e async for e in second_events]
+        finally:
+            await feeds.close()
+
+    borrower, aborted, first_events, second_events = asyncio.run(scenario())
+    assert borrower.num_cached_blocks == 6 and sorted(aborted) == sorted([first.request_id, second.request_id])
+    for events in (first_events, second_events):
+        assert [(e.finish_reason, e.error, e.borrowed_kv_lost) for e in events] == [("abort", None, False)]
+    assert_idle(ray_local, p, d)
+
+
 def _real_kv(ray, c, request: GenerateRequest, num_blocks: int) -> torch.Tensor:
     """The KV of a prompt's first blocks, as the colocated worker computes them."""
     asyncio.run(colocated(c, dataclasses.replace(request, request_id=f"{request.request_id}-kv")))
