@@ -141,7 +141,12 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.reservations: dict[str, Request] = {}  # decode side: awaiting their KV
         self.arriving = ArrivingBlocks(self.config.block_size)  # ... and their blocks, for later ones to share
-        self.num_reserved_blocks = 0  # the blocks they hold (one int: read off the engine thread)
+        # The blocks only reservations hold (one int: read off the engine thread), each reservation's
+        # `_reserved_only` counted: those it allocated and the cached hits it revived, not those it shares
+        # with running requests or borrows (counted again, a burst sharing a system prompt read as a decode
+        # pool at rest: `num_used_blocks - num_reserved_blocks`, cluster/pool_autoscaler.py, came to 0).
+        self.num_reserved_blocks = 0
+        self._reserved_only: dict[str, int] = {}
         self._seed_rng = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.num_steps = 0
@@ -249,6 +254,7 @@ class Engine:
         num_tokens, num_kept_blocks = self.reservation_room(request.num_prompt_tokens, params)
         if not self.pool.can_hold(num_tokens, shared, num_kept_blocks):
             return None
+        revived = sum(self.pool.blocks[block_id].ref_count == 0 for block_id in hits)  # (in no table until now)
         self.pool.take(shared)
         request.block_table = shared + self.pool.allocate(
             blocks_to_reserve(request.num_prompt_tokens, self.pool.block_size) - len(shared))
@@ -257,7 +263,8 @@ class Engine:
             arriving = self.arriving.add(request_id, request.block_hashes, request.block_table,
                                          request.prompt_token_ids, len(shared))
         self.reservations[request_id] = request
-        self.num_reserved_blocks += len(request.block_table)
+        self._reserved_only[request_id] = len(request.block_table) - len(shared) + revived
+        self.num_reserved_blocks += self._reserved_only[request_id]
         return Reservation(request_id, list(request.block_table), len(shared), borrowed, arriving)
 
     @property
@@ -305,7 +312,7 @@ class Engine:
         if request is None:
             return False
         self.arriving.forget(request_id)
-        self.num_reserved_blocks -= len(request.block_table)
+        self.num_reserved_blocks -= self._reserved_only.pop(request_id)
         self.pool.release(request.block_table)
         request.block_table = []
         return True
@@ -319,7 +326,7 @@ class Engine:
         their KV by now (the decode worker waits for them)."""
         request = self.reservations.pop(request_id)
         self.arriving.forget(request_id)  # (its blocks are published to the prefix cache below)
-        self.num_reserved_blocks -= len(request.block_table)
+        self.num_reserved_blocks -= self._reserved_only.pop(request_id)
         if prompt_logprobs is not None:
             request.prompt_logprobs = prompt_logprobs
         request.num_computed_tokens = request.num_prompt_tokens

@@ -78,7 +78,9 @@ def _run_disaggregated(prefill: Engine, decode: Engine, batch: dict, stats: dict
         stats["cached_blocks"] += reservation.num_cached_blocks
         prefill.add_request(prompt, prefill_params(params), request_id, exports_kv=True)
         engine_requests[request_id] = prefill.requests[request_id]
-    assert decode.num_reserved_blocks == sum(len(r.block_ids) for r in reservations.values())
+    running = {block_id for request in decode.requests.values() for block_id in request.block_table}
+    reserved = {block_id for r in reservations.values() for block_id in r.block_ids}
+    assert decode.num_reserved_blocks == len(reserved - running)  # (each counted once: shared, borrowed)
     block_size = prefill.pool.block_size
     while prefill.has_unfinished():
         exported, outputs = prefill.run_step()
@@ -159,11 +161,13 @@ def test_disaggregated_outputs_equal_colocated_ones(tiny_qwen2_dir):
 def test_a_decode_engine_counts_the_blocks_its_reservations_hold(tiny_qwen2_dir):
     """What the autoscaler subtracts from D's blocks in use (prompts still in
     prefill are the prefill pool's backlog): held from the reservation to its
-    activation or cancellation."""
+    activation or cancellation, a block two reservations share counted once (twice,
+    it was subtracted twice from the blocks in use)."""
     decode = _engine(tiny_qwen2_dir, overlap=True, static=True)
     params = SamplingParams(max_new_tokens=4)
     short = decode.reserve(list(range(3, 20)), params, "short")  # 17 tokens and the first output: 2 blocks
-    long = decode.reserve(list(range(3, 103)), params, "long")  # 100 and one: 7 blocks
-    assert (len(short.block_ids), len(long.block_ids)) == (2, 7) and decode.num_reserved_blocks == 9
+    long = decode.reserve(list(range(3, 103)), params, "long")  # 100 and one: 7 blocks, the first borrowed
+    assert (len(short.block_ids), len(long.block_ids)) == (2, 7) and long.borrowed_block_ids == short.block_ids[:1]
+    assert decode.num_reserved_blocks == 8 == decode.pool.num_used
     assert decode.cancel_reservation("long") and decode.num_reserved_blocks == 2
     assert decode.cancel_reservation("short") and decode.num_reserved_blocks == 0 == decode.pool.num_used
