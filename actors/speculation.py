@@ -13,9 +13,10 @@ row as the plain decode would and keeping the samples while they match is the
 speculative sampling of Leviathan et al. (2023) for a draft that puts all its mass
 on one token: accept draft `d` with probability p(d), otherwise draw from p without
 `d`. With seeded draws it is more: the tokens are the plain decode's tokens, as far
-as a step's rows leave each other's results alone (on CPU they do, and the tests
-hold the tokens to it; a GPU's GEMM may round differently for another number of
-rows, as it does whenever a batch grows or shrinks).
+as a step's rows leave each other's results alone (on CPU they do up to 128 rows a
+step, the C++ small-batch linear layers', and the tests hold the tokens to it;
+MKL's past that and a GPU's GEMM may round differently for another number of
+rows, as they do whenever a batch grows or shrinks: kernels/sampling.py).
 
 Drafting costs compute (a rejected draft is a position computed for nothing), so
 it backs off where it does not pay: a request whose drafts all fail skips the

@@ -13,12 +13,16 @@ one's). vLLM renormalises top-p over top-k too; SGLang's torch path takes top-p 
 the whole mass. The draws come from `uniform_draws`: a
 counter-based generator, one number per (seed, index of the token being sampled),
 the same on every device and in every batch. So a request's tokens depend on its
-seed alone, whatever shares the batch, whichever worker samples them (a prefill
+seed and its logits alone, whatever shares the batch, whichever worker samples them (a prefill
 worker samples the first token, a decode worker the rest: the seed is all that
 travels), whether a step was launched ahead or the request was preempted and
 recomputed; and the draws of a whole batch cost one vectorised call (0.04 ms at
 batch 64, against 0.33 ms for a `torch.rand` call on a generator of each request's
-own, one-off probes on this machine).
+own, one-off probes on this machine). The logits themselves may round differently
+for another step's size: a GPU's GEMM does, and on CPU a step of more than 128
+rows leaves the C++ small-batch linear layers for MKL's (kernels/cpu_linear.py),
+which round otherwise by about 2e-6 in a logprob (a review saw a seeded request's
+33rd token change beside 7 others, 1 case in about 20 fuzzed runs).
 
 No full sort of the vocabulary where it can be avoided: sorting a 152k-token
 vocabulary costs about 10 ms a row on this machine's CPU (590-680 ms a step at

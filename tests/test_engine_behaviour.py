@@ -20,6 +20,8 @@ from actors.tokenization import encode_prompt, load_tokenizer
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen2_dir):
+    # (128 tokens a step at most: every step on the C++ small-batch linear layers, whose rows leave each other
+    # alone; MKL's, past 128 rows, round by the step's size: kernels/sampling.py)
     return LLM(tiny_qwen2_dir, block_size=16, prefill_chunk_size=48, max_num_batched_tokens=128)
 
 
