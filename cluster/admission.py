@@ -61,6 +61,7 @@ class InFlight:
     early_s: float = 0.0  # how much sooner than predicted that queue ended (WorkerModels.first_token_came)
     failed_id: str | None = None  # the worker its error came from, where the error says (a retry leaves it out)
     own_s: float = 0.0  # the predicted part of predicted_ttft_s that is its own work: prefill and transfer
+    peers_s: float = 0.0  # the part of predicted_ttft_s that was the other replicas' backlog on its P
     decode_held_blocks: int = 0  # its prompt's blocks D held for running requests at admission (shared with them)
     prefix_hashes: tuple[bytes, ...] = ()  # its prompt's blocks a cache may serve (D shares them with later requests)
     num_cached_tokens: int = 0  # its prompt's tokens its P (or colocated worker) had cached, predicted at admission
@@ -108,6 +109,7 @@ class Prediction:
     tbt_bias_s: float = 0.0  # the learned part of tbt_s (see WorkerModels.observe_tbt)
     ahead_id: str | None = None  # the request whose predicted end is the queue ahead (`queued_prefill_s`)
     own_s: float = 0.0  # its own prefill and transfer (the queue, the line and the bias aside)
+    peers_s: float = 0.0  # the other replicas' backlog on its P, in ttft_s (`WorkerModels.queued_prefill_s`)
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         return self.ttft_s <= ttft_slo_s and self.tbt_s <= tbt_slo_s
@@ -310,27 +312,35 @@ class WorkerModels:
         waits for D's reservation (its handshake): P has not begun it, its delay is
         D's (a handshake stuck on a full D made every request through that P a
         429, recorded as the prefill pool's miss). The other replicas' prompts
-        still in prefill there add their prefill time."""
+        still in prefill there add their prefill time, once: this replica's queue
+        ends where its latest request was due without the other replicas' part of
+        its prediction (`InFlight.peers_s`). With it, each request ahead counted
+        them again: a peer backlog of 2 s and four 300-token prompts (0.3 s each)
+        were predicted 2.3, 4.6, 6.9 and 9.2 s, for about 3.2 s at the last."""
         return self._queue(worker_id)[0]
 
     def _queue(self, worker_id: str) -> tuple[float, str | None]:
         """`queued_prefill_s`, and the request whose predicted end it is (None: none)."""
         now = self.clock()
-        due = [(r.first_token_due_s, r.ttft_bias_s, r.request_id, r.in_line) for r in self.inflight.values()
+        due = [(r.first_token_due_s, r.ttft_bias_s + r.peers_s, r.request_id, r.in_line) for r in self.inflight.values()
                if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill]  # colocated: no prefill_id
-        due = [(at, bias, request_id, in_line) for at, bias, request_id, in_line in due if at is not None]
-        # The other replicas' backlog, as the prompts it is of (of its mean length): priced
-        # as one prompt of all their tokens, its attention term grew with their square.
-        peers_tokens = self.peers.backlog_tokens.get(worker_id, 0)
-        peers_prompts = max(self.peers.backlog_prompts.get(worker_id, 1), 1)
-        peers_s = 0.0
-        if peers_tokens:
-            peers_s = peers_prompts * self.prefill_s(worker_id, -(-peers_tokens // peers_prompts), 0)
+        due = [(at, aside, request_id, in_line) for at, aside, request_id, in_line in due if at is not None]
+        peers_s = self.peers_prefill_s(worker_id)
         if not due:
             return peers_s, None
-        end, _, last = max((at - bias, at, request_id) for at, bias, request_id, _ in due)
+        end, _, last = max((at - aside, at, request_id) for at, aside, request_id, _ in due)
         most_late = max([now - at for at, _, _, in_line in due if not in_line], default=0.0)
         return max(end - now, 0.0) + max(most_late, 0.0) + peers_s, last
+
+    def peers_prefill_s(self, worker_id: str) -> float:
+        """The other replicas' backlog on a P (or colocated worker), as the prompts
+        it is of (of its mean length): priced as one prompt of all their tokens,
+        its attention term grew with their square."""
+        peers_tokens = self.peers.backlog_tokens.get(worker_id, 0)
+        if not peers_tokens:
+            return 0.0
+        peers_prompts = max(self.peers.backlog_prompts.get(worker_id, 1), 1)
+        return peers_prompts * self.prefill_s(worker_id, -(-peers_tokens // peers_prompts), 0)
 
     def first_token_came(self, request: InFlight, now: float) -> None:
         """A request's first token came at `now` (monotonic). Sooner than predicted,
@@ -419,4 +429,4 @@ class WorkerModels:
         tbt_bias = self.tbt_bias(decode_id)
         tbt = self.tbt_at(decode_id, ttft, num_prompt_tokens) + tbt_bias
         return Prediction(prefill_id, decode_id, ttft, tbt, uncached, bias, tbt_bias_s=tbt_bias, ahead_id=ahead_id,
-                          own_s=prefill + transfer)
+                          own_s=prefill + transfer, peers_s=self.peers_prefill_s(prefill_id or decode_id))

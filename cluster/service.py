@@ -352,6 +352,7 @@ class GlobalScheduler:
         inflight = InFlight(request.request_id, choice.prefill_id, choice.decode_id, num_prompt_tokens,
                             request.params.max_new_tokens, choice.ttft_s, line_wait_s=choice.line_wait_s,
                             ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s,
+                            peers_s=choice.peers_s,
                             decode_held_blocks=self.view.rooms.held_prefix_blocks(choice.decode_id, usable),
                             prefix_hashes=tuple(usable), num_cached_tokens=num_prompt_tokens - choice.uncached_tokens)
         models = self.view.models

@@ -531,6 +531,26 @@ def test_other_replicas_load_counts_in_the_predictions_and_the_routing():
         strict.plan(prompt)
 
 
+def test_other_replicas_backlog_counts_once_in_a_burst_of_this_ones():
+    """Each prediction held the other replicas' backlog on P, and the queue ended
+    at the latest request's prediction and added it again: with 2 s of theirs, four
+    300-token prompts (0.3 s each) were predicted 2.3, 4.6, 6.9 and 9.2 s, for
+    about 3.2 s at the last, and refused past a 5 s SLO."""
+    scheduler = _scheduler(ttft_ms=5000)
+    models = scheduler.view.models
+    models.peers = PeerLoad(backlog_tokens={"p0": 2000}, backlog_prompts={"p0": 1})
+    predicted = []
+    for index in range(4):
+        choice = scheduler.plan(list(range(1000 * index, 1000 * index + 300)))
+        predicted.append(choice.ttft_s)
+        request = InFlight(f"r{index}", choice.prefill_id, choice.decode_id, 300, 10, choice.ttft_s,
+                           ttft_bias_s=choice.ttft_bias_s, ahead_id=choice.ahead_id, own_s=choice.own_s,
+                           peers_s=choice.peers_s)
+        request.reserved()
+        models.inflight[request.request_id] = request
+    assert predicted == pytest.approx([2.3, 2.6, 2.9, 3.2], abs=0.1)
+
+
 def test_a_request_past_its_deadline_ends_with_an_error_and_is_closed():
     import asyncio
 
