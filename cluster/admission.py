@@ -399,8 +399,12 @@ class WorkerModels:
         # The other replicas' decoding requests are taken to last past `at_s`.
         batch = 1 + self.peers.decoding.get(decode_id, 0)
         kv_tokens = extra_kv_tokens + self.peers.decoding_kv_tokens.get(decode_id, 0)
-        mine = sum(1 for r in self.inflight.values() if r.decode_id == decode_id)
-        step_now = model.predict(decode_features(batch + mine, 0))
+        # The step by which each request's end is reckoned: with D's KV (without it, 32 requests of 6,000
+        # tokens, 47 ms a step, read as done in 0.33 s for 1.9 s, and the prediction as 5 ms a step).
+        mine = [r for r in self.inflight.values() if r.decode_id == decode_id]
+        kv_now = self.peers.decoding_kv_tokens.get(decode_id, 0) + sum(r.num_prompt_tokens + r.num_generated
+                                                                       for r in mine)
+        step_now = model.predict(decode_features(batch + len(mine), kv_now))
         for request in self.inflight.values():
             if request.decode_id != decode_id:
                 continue
