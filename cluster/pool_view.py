@@ -356,9 +356,12 @@ class PoolView:
 
     async def report_dead(self, worker_id: str) -> None:
         """A worker found dead (a call's error, `actor_died`): out of the view at
-        once, and told to the pool manager, which replaces it."""
+        once, all that was learned of it (`_forget`: one that died before its
+        profile ran was in neither `stats` nor `profiled` at the next refresh, and
+        its prefix index and gauges stayed for good), and told to the pool
+        manager, which replaces it."""
         self.members.pop(worker_id, None)
-        self.stats.pop(worker_id, None)
+        self._forget(worker_id)
         try:  # maybe in a request: the replacement it starts must not go with that request
             await background_call(lambda: self.pool.report_dead.remote(worker_id))
         except ray.exceptions.RayError as exc:

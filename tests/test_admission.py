@@ -570,6 +570,33 @@ def test_the_decode_step_that_ends_ds_requests_counts_their_kv():
     assert models.tbt_at("d0", 0.5, 100) == pytest.approx(full_step_s, rel=0.01)  # all 32 still running then
 
 
+def test_a_worker_found_dead_before_its_profile_ran_leaves_nothing_behind():
+    """Out of `stats` and never `profiled`, it was not among the workers a refresh
+    forgets: its prefix index, its cursor and its gauges stayed for good (a worker
+    crashing as it starts, again and again, piled them up)."""
+    from cluster.pool_manager import Member
+
+    scheduler = _scheduler(ttft_ms=1000)
+    view = scheduler.view
+    view.members["p1"] = Member("p1", "prefill", handle=None)
+    view.stats["p1"] = _idle_stats("p1")
+    view.prefix["p1"] = PrefixIndex(1000)
+    view.cache_cursors["p1"] = ("log", 3)
+    view.metrics.set("kv_blocks_used", "KV blocks in use per worker", 5, worker="p1", role="prefill")
+    told = []
+
+    class PoolManager:  # (its answer: the thing under test is the view's own)
+        class report_dead:
+            @staticmethod
+            async def remote(worker_id):
+                told.append(worker_id)
+
+    view.pool = PoolManager()
+    asyncio.run(view.report_dead("p1"))
+    assert told == ["p1"] and "p1" not in view.members and "p1" not in view.stats
+    assert "p1" not in view.prefix and "p1" not in view.cache_cursors and 'worker="p1"' not in view.metrics.render()
+
+
 def test_a_request_past_its_deadline_ends_with_an_error_and_is_closed():
     import asyncio
 
