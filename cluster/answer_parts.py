@@ -52,6 +52,12 @@ def tag_start(text: str, tag: str) -> int:
     return 0
 
 
+# The whitespace `str.strip` removes, as a pattern's class (the parsers read an answer's start past it), not
+# `\s`'s ASCII alone: an answer opening with a no-break space, then a strict tool's call, was free text to the
+# pattern and a call to the parser, its arguments unchecked (Llama's and Mistral's formats).
+STRIPPED_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
+
 @functools.lru_cache(maxsize=16)
 def text_not_beginning_regex(prefixes: tuple[str, ...]) -> str:
     """Text whose start, after its leading whitespace, is none of `prefixes` (none
@@ -59,7 +65,7 @@ def text_not_beginning_regex(prefixes: tuple[str, ...]) -> str:
     the prefixes' trie: at each point a character no prefix goes on with, then
     anything; or one some go on with, and the same again for their rests (none
     where a prefix ends); or the end."""
-    anything, space = r"[\s\S]", r"\s"
+    anything, space = r"[\s\S]", STRIPPED_SPACE
 
     def after(rests: list[str], first: bool) -> str:
         heads = sorted({rest[0] for rest in rests})
@@ -71,7 +77,7 @@ def text_not_beginning_regex(prefixes: tuple[str, ...]) -> str:
                 options.append(f"{re.escape(head)}{after(onward, False)}")
         return f"(?:{'|'.join(options)})?"
 
-    return rf"\s*{after(list(prefixes), True)}"
+    return rf"[{space}]*{after(list(prefixes), True)}"
 
 
 def text_without_regex(tag: str) -> str:

@@ -87,6 +87,28 @@ def test_strict_tools_hold_an_answer_to_text_or_well_formed_calls():
         assert bool(re.fullmatch(pattern, text)) == compile_regex(pattern).fullmatch(text)
 
 
+@pytest.mark.parametrize("fmt", ["llama3_json", "mistral"])
+def test_a_strict_tools_call_after_any_whitespace_is_held_to_its_schema(fmt):
+    """The parsers read an answer's start past the whitespace `str.lstrip` drops,
+    the pattern past `\\s`'s ASCII alone: opened with a no-break space (or any of
+    Unicode's), a call with arguments its schema refuses was text to the pattern
+    and a call to the parser. Behind a reasoning block too."""
+    from cluster import reasoning
+
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 2}}, "required": ["n"]}}})]
+    held = compile_regex(tool_regex(tools, "auto", True, TOOL_CALL_FORMATS[fmt]))
+    thinking = compile_regex(reasoning.held_regex(tool_regex(tools, "auto", True, TOOL_CALL_FORMATS[fmt], None,
+                                                             (reasoning.OPEN,))))
+    bodies = ['{"name": "f", "parameters": {"n": 999}}', '[{"name": "f", "arguments": {"n": 999}}]', 'f{"n": 999}']
+    for space in (chr(c) for c in range(0x3001) if chr(c).isspace()):
+        for body in bodies:
+            if held.fullmatch(space + body):
+                assert not chat_answer(space + body, "stop", tools, "auto", True, TOOL_CALL_FORMATS[fmt]).calls
+            assert not thinking.fullmatch(f"{space}{reasoning.OPEN}x{reasoning.CLOSE}{body}"), repr(space)
+        assert held.fullmatch(f"{space}Sunny.")
+
+
 def test_the_format_is_the_manifests_choice():
     assert set(get_args(AppSettings.model_fields["tool_call_parser"].annotation)) == set(TOOL_CALL_FORMATS)
     tools = [Tool.model_validate({"type": "function", "function": {"name": "get_time", "strict": True}})]
