@@ -285,8 +285,8 @@ class _Writer:
                 if any(shape is None for shape in shapes):
                     return None
                 return Shape(frozenset().union(*(shape.kinds for shape in shapes)))
-        kind = schema.get("type", "object" if "properties" in schema else "array" if "items" in schema else None)
-        if kind is None:
+        kind = schema.get("type")
+        if kind is None:  # (`properties` or `items` alone hold objects or arrays, and let every other value by)
             return None
         kinds = kind if isinstance(kind, list) else [kind]
         return Shape(frozenset().union(*(KINDS.get(k, frozenset(KINDS)) for k in kinds)))

@@ -414,6 +414,9 @@ def test_any_json_object_parses():
     ({"type": ["object", "null"], "required": ["a"]}, "not in properties"),
     ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "may both match a value"),
     ({"oneOf": [{"const": "a"}, {"enum": ["b", "a"]}]}, "may both match a value"),
+    # Found by a review: an option of `properties` (or `items`) and no type matches every string (or null) too
+    ({"oneOf": [{"properties": {"a": {"type": "integer"}}}, {"type": "string"}]}, "may both match a value"),
+    ({"oneOf": [{"items": {"type": "integer"}}, {"type": "null"}]}, "may both match a value"),
     ({"type": "strin"}, r"at type: 'strin' is not one of \['array', "),
     # not schemas at all (the meta-schema's complaints; each was a TypeError, a 500 over HTTP)
     ({"$defs": 5}, "at \\$defs: 5 is not of type 'object'"), ({"type": "string", "format": []}, "at format: "),
