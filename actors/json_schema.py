@@ -133,12 +133,15 @@ def _meta_schema_problem(schema: dict) -> str | None:
     return f"at {where}: {message}" if where else message
 
 
-def _definition_name(ref) -> str | None:
-    """The `$defs`/`definitions` name a `$ref` points at, its JSON pointer's
-    escapes decoded (`~1` a "/", `~0` a "~", after the URI's `%xx`: `a~1b`
-    names `a/b`); None for any other reference."""
-    match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
-    return None if match is None else unquote(match.group(1)).replace("~1", "/").replace("~0", "~")
+def definition_key(ref) -> tuple[str, str] | None:
+    """The definition a `$ref` points at: `$defs` or `definitions`, and the name
+    there, its JSON pointer's escapes decoded (`~1` a "/", `~0` a "~", after the
+    URI's `%xx`: `a~1b` names `a/b`); None for any other reference. (By name
+    alone, `#/definitions/x` read `$defs`' x where a schema had both.)"""
+    match = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
+    if match is None:
+        return None
+    return match.group(1), unquote(match.group(2)).replace("~1", "/").replace("~0", "~")
 
 
 def _literal(value, where: str) -> str:
@@ -167,8 +170,9 @@ class _Writer:
         for name in ("definitions", "$defs"):  # (draft 7's meta-schema does not know `$defs`: any value passed)
             if not isinstance(root.get(name, {}), dict):
                 raise RegexError(f"json_schema: {name} must be an object of schemas")
-        self.definitions = {**root.get("definitions", {}), **root.get("$defs", {})}
-        self.resolving: list[str] = []
+        self.definitions = {(section, name): schema for section in ("definitions", "$defs")
+                            for name, schema in root.get(section, {}).items()}
+        self.resolving: list[tuple[str, str]] = []
         self.written = 0  # characters of every part's pattern so far (a part's are counted in each above it too)
 
     def value(self, schema, path: str) -> str:
@@ -269,10 +273,10 @@ class _Writer:
         if not isinstance(schema, dict) or not schema:
             return None
         if "$ref" in schema:
-            name = _definition_name(schema["$ref"])
-            if name in seen or name not in self.definitions:
+            key = definition_key(schema["$ref"])
+            if key in seen or key not in self.definitions:
                 return None
-            return self._shape(self.definitions[name], seen | {name})
+            return self._shape(self.definitions[key], seen | {key})
         if "const" in schema or "enum" in schema:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list):
@@ -351,15 +355,15 @@ class _Writer:
 
     def _reference(self, schema: dict, where: str, path: str) -> str:
         ref = schema["$ref"]
-        name = _definition_name(ref)
-        if name not in self.definitions:
+        key = definition_key(ref)
+        if key not in self.definitions:
             raise RegexError(f"json_schema: {where}.$ref {ref!r} is not a definition of this schema")
         self._only(schema, {"$ref"}, where)
-        if name in self.resolving:
-            raise RegexError(f"json_schema: {name!r} refers to itself; recursive schemas are not supported")
-        self.resolving.append(name)
+        if key in self.resolving:
+            raise RegexError(f"json_schema: {key[1]!r} refers to itself; recursive schemas are not supported")
+        self.resolving.append(key)
         try:
-            return self.value(self.definitions[name], f"{path}.$defs.{name}")
+            return self.value(self.definitions[key], f"{path}.{key[0]}.{key[1]}")
         finally:
             self.resolving.pop()
 

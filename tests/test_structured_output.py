@@ -371,6 +371,9 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "integer", "minimum": 10**400}, ["1" + "0" * 400], ["5"]),  # (math.isfinite raised OverflowError)
     # Found by a review: a $ref's JSON pointer escapes were read as written (a~1b is a/b)
     ({"$ref": "#/$defs/a~1b", "$defs": {"a/b": {"type": "integer"}, "a~1b": {"type": "string"}}}, ["7"], ['"x"']),
+    # Found by a review: a definition was found by its name alone (definitions' x read $defs' x)
+    ({"$ref": "#/definitions/x", "definitions": {"x": {"type": "integer"}}, "$defs": {"x": {"type": "string"}}},
+     ["7"], ['"x"']),
     # Found by a review: a lone half of a surrogate pair as an escape is no Unicode text;
     # anchors were cut from the pattern's text (`\$` lost its `$`; alternatives kept theirs)
     ({"type": "string"}, ['"\\ud83d\\ude00"', '"\\u00e9"'], ['"hi \\ud83d"', '"\\ude00"', '"\\ud83d\\u0041"']),
