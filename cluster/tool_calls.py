@@ -41,10 +41,11 @@ import string
 import uuid
 from collections.abc import Callable
 from typing import Literal, NamedTuple
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.json_schema import check_json_schema, schema_regex
+from actors.json_schema import check_json_schema, definition_key, schema_regex
 from actors.json_text import NESTED_FREE_DEPTH, free_json_regex
 from actors.sampling_params import InvalidRequestError
 from cluster import hermes_calls, llama_calls, mistral_calls
@@ -170,11 +171,42 @@ def tool_regex(tools: list[Tool] | None, tool_choice, parallel: bool = True, fmt
         return None
     for tool in tools:  # (each alone first: a complaint about the array of calls would name none of them)
         check_json_schema(tool.function.parameters or NO_PARAMETERS, _parameters_of(tool.function.name))
-    calls = [{"type": "object", "required": ["name", "parameters"], "properties": {
-        "name": {"const": tool.function.name}, "parameters": tool.function.parameters or NO_PARAMETERS}}
-        for tool in tools]
+    definitions, calls = {}, []
+    for index, tool in enumerate(tools):
+        parameters, own = _hoisted(tool.function.parameters or NO_PARAMETERS, f"tool{index}-")
+        definitions.update(own)
+        calls.append({"type": "object", "required": ["name", "parameters"], "properties": {
+            "name": {"const": tool.function.name}, "parameters": parameters}})
     at_most_one = {} if parallel else {"maxItems": 1}
-    return schema_regex({"type": "array", "minItems": 1, "items": {"anyOf": calls}, **at_most_one})
+    return schema_regex({"type": "array", "minItems": 1, "items": {"anyOf": calls}, **at_most_one,
+                         **({"$defs": definitions} if definitions else {})})
+
+
+def _hoisted(parameters: dict, prefix: str) -> tuple[dict, dict]:
+    """A tool's parameters as one part of a larger schema (the array of calls
+    `"required"` holds an answer to), and their definitions, renamed with
+    `prefix` for that schema's `$defs`: a `$ref` points into its whole schema's
+    root, where a tool's own `$defs` were not (a pydantic model's nested models
+    are there), and the tool was refused."""
+    own = {(section, name): schema for section in ("definitions", "$defs")
+           for name, schema in (parameters.get(section) or {}).items()} if isinstance(parameters, dict) else {}
+    if not own:
+        return parameters, {}
+    renamed = {key: f"{prefix}{key[0]}-{key[1]}" for key in own}
+
+    def moved(value):
+        if isinstance(value, list):
+            return [moved(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        key = definition_key(value.get("$ref"))
+        out = {k: moved(v) for k, v in value.items()}
+        if key in renamed:
+            out["$ref"] = "#/$defs/" + quote(renamed[key].replace("~", "~0").replace("/", "~1"), safe="~")
+        return out
+
+    body = moved({k: v for k, v in parameters.items() if k not in ("definitions", "$defs")})
+    return body, {renamed[key]: moved(schema) for key, schema in own.items()}
 
 
 def _parameters_of(name: str) -> str:

@@ -120,6 +120,25 @@ def test_tools_ask_for_a_pattern_only_when_a_call_is_required_or_named():
                      ).output_regex()
 
 
+def test_required_calls_hold_tools_whose_parameters_have_definitions():
+    """A pydantic model's nested models are `$defs`: nested in the array of calls
+    `"required"` holds an answer to, a tool's `$ref` pointed at that array's root,
+    where they were not, and the request was a 400 (named or auto: served). Two
+    tools' definitions of one name stay each their own."""
+    address = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    ship = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"],
+        "$defs": {"Address": address}}}}
+    wait = {"type": "function", "function": {"name": "wait", "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/definitions/Address"}}, "required": ["at"],
+        "definitions": {"Address": {"type": "integer"}}}}}
+    dfa = compile_regex(ChatBody(messages=MESSAGES, tools=[ship, wait], tool_choice="required").output_regex())
+    assert dfa.fullmatch('[{"name": "ship", "parameters": {"to": {"city": "Oslo"}}}, '
+                         '{"name": "wait", "parameters": {"at": 3}}]')
+    assert not dfa.fullmatch('[{"name": "wait", "parameters": {"at": {"city": "Oslo"}}}]')
+    assert not dfa.fullmatch('[{"name": "ship", "parameters": {"to": 3}}]')
+
+
 def test_twenty_strict_tools_of_their_own_schemas_compile():
     """An agent's tools, each strict with its own arguments (the OpenAI Agents SDK
     makes function tools strict; the Responses API's are by default): the
