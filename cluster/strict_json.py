@@ -64,12 +64,13 @@ def loads(body: bytes):
         problem = ("is not a JSON number (JSON has no NaN nor Infinity)" if name in ("NaN", "Infinity", "-Infinity")
                    else "is past a double's range (it would be read as Infinity, which JSON has not)")
         raise json.JSONDecodeError(f"{name} {problem}", text, max(text.find(name), 0)) from None
-    if not _MAY_HOLD_SURROGATE.search(body):
+    encoding = json.detect_encoding(body)  # (UTF-16 and UTF-32 too, as json.loads reads them: no such bytes there)
+    if encoding.startswith("utf-8") and not _MAY_HOLD_SURROGATE.search(body):
         return value
     where = _lone_surrogate_path(value)
     if where is None:  # only valid pairs, or escaped backslashes before a "u"
         return value
-    text = body.decode("utf-8", "surrogatepass")
+    text = body.decode(encoding, "surrogatepass")
     field = ".".join(_printable(part) for part in where)
     raise json.JSONDecodeError(f"{field or 'the body'} holds a lone surrogate (U+D800 to U+DFFF outside "
                                "a pair), which is not Unicode", text, _lone_surrogate_at(text))

@@ -40,6 +40,15 @@ def test_a_lone_surrogate_is_invalid_json_at_its_field_and_character(body, field
     refused.value.msg.encode("utf-8")  # the message itself is Unicode: it goes back as JSON
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+def test_a_lone_surrogate_is_refused_in_a_body_in_utf_16_or_32_too(encoding):
+    """json.loads reads them, and the lone surrogate's escape, its bytes NUL
+    between, did not show to the quick look for one: it was let through."""
+    with pytest.raises(json.JSONDecodeError, match="^a holds a lone surrogate"):
+        loads('{"a": "\\ud800"}'.encode(encoding))
+    assert loads('{"a": "\\ud83d\\ude00"}'.encode(encoding)) == {"a": "\U0001F600"}
+
+
 @pytest.mark.parametrize("body, name", [
     (b'{"a": NaN}', "NaN"), (b'{"a": [1, -Infinity]}', "-Infinity"),
     (b'{"a": {"b": 1e400}}', "1e400"),  # (past a double's range: read as inf, no JSON once written again)
