@@ -45,6 +45,7 @@ def test_a_store_that_does_not_answer_holds_up_no_refresh_and_is_asked_once_at_a
     store here is a real named actor answering when told (the thing under test is
     the index's refresh)."""
     import asyncio
+    import time
 
     import ray
 
@@ -73,16 +74,27 @@ def test_a_store_that_does_not_answer_holds_up_no_refresh_and_is_asked_once_at_a
         .remote(_events(host=[(True, CHAIN[0])]))
     index = StoreIndex(b"ns", settings)
 
+    async def asked(count: int) -> None:  # (the index's calls come by a handle of its own: no order with ours)
+        deadline = time.monotonic() + 10
+        while await store.asked.remote() != count:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
     async def refreshes():
+        await store.asked.remote()  # (started)
         await asyncio.wait_for(index.refresh({"node-slow"}), 10)  # (waited for the store before: hung)
+        await asked(1)
         await asyncio.wait_for(index.refresh({"node-slow"}), 10)
+        await asyncio.sleep(0.5)  # (a second question, had it been asked, would be there by now)
         assert await store.asked.remote() == 1 and "node-slow" not in index.node_tiers
         await store.answer_now.remote()
-        await asyncio.sleep(0.2)
-        await asyncio.wait_for(index.refresh({"node-slow"}), 10)  # the late answer, read
+        deadline = time.monotonic() + 10
+        while "node-slow" not in index.node_tiers:  # the late answer, read at a refresh
+            assert time.monotonic() < deadline
+            await asyncio.wait_for(index.refresh({"node-slow"}), 10)
         assert await store.asked.remote() == 1 and CHAIN[0] in index.node_tiers["node-slow"]["host"]
         await asyncio.wait_for(index.refresh({"node-slow"}), 10)  # asked again, answered at once
-        assert await store.asked.remote() == 2
+        await asked(2)
 
     try:
         asyncio.run(refreshes())
