@@ -319,18 +319,19 @@ class WorkerModels:
         were predicted 2.3, 4.6, 6.9 and 9.2 s, for about 3.2 s at the last."""
         return self._queue(worker_id)[0]
 
-    def _queue(self, worker_id: str) -> tuple[float, str | None]:
-        """`queued_prefill_s`, and the request whose predicted end it is (None: none)."""
+    def _queue(self, worker_id: str) -> tuple[float, str | None, float]:
+        """`queued_prefill_s`, the request whose predicted end it is (None: none),
+        and the other replicas' part of it (`peers_prefill_s`)."""
         now = self.clock()
         due = [(r.first_token_due_s, r.ttft_bias_s + r.peers_s, r.request_id, r.in_line) for r in self.inflight.values()
                if (r.prefill_id or r.decode_id) == worker_id and r.in_prefill]  # colocated: no prefill_id
         due = [(at, aside, request_id, in_line) for at, aside, request_id, in_line in due if at is not None]
         peers_s = self.peers_prefill_s(worker_id)
         if not due:
-            return peers_s, None
+            return peers_s, None, peers_s
         end, _, last = max((at - aside, at, request_id) for at, aside, request_id, _ in due)
         most_late = max([now - at for at, _, _, in_line in due if not in_line], default=0.0)
-        return max(end - now, 0.0) + max(most_late, 0.0) + peers_s, last
+        return max(end - now, 0.0) + max(most_late, 0.0) + peers_s, last, peers_s
 
     def peers_prefill_s(self, worker_id: str) -> float:
         """The other replicas' backlog on a P (or colocated worker), as the prompts
@@ -405,9 +406,7 @@ class WorkerModels:
         kv_now = self.peers.decoding_kv_tokens.get(decode_id, 0) + sum(r.num_prompt_tokens + r.num_generated
                                                                        for r in mine)
         step_now = model.predict(decode_features(batch + len(mine), kv_now))
-        for request in self.inflight.values():
-            if request.decode_id != decode_id:
-                continue
+        for request in mine:
             remaining = request.max_new_tokens - request.num_generated
             if request.in_prefill:
                 joins_at = max(request.predicted_ttft_s - (now - request.admitted_s), 0.0)
@@ -423,7 +422,7 @@ class WorkerModels:
                 decode_cached_blocks: int = 0) -> Prediction:
         uncached = num_prompt_tokens - cached_tokens
         prefill = self.own_prefill_s(prefill_id or decode_id, uncached, cached_tokens)
-        queued, ahead_id = self._queue(prefill_id or decode_id)
+        queued, ahead_id, peers_s = self._queue(prefill_id or decode_id)
         transfer = 0.0
         if prefill_id is not None:
             blocks = max(math.ceil(num_prompt_tokens / self.block_size) - decode_cached_blocks, 0)
@@ -433,4 +432,4 @@ class WorkerModels:
         tbt_bias = self.tbt_bias(decode_id)
         tbt = self.tbt_at(decode_id, ttft, num_prompt_tokens) + tbt_bias
         return Prediction(prefill_id, decode_id, ttft, tbt, uncached, bias, tbt_bias_s=tbt_bias, ahead_id=ahead_id,
-                          own_s=prefill + transfer, peers_s=self.peers_prefill_s(prefill_id or decode_id))
+                          own_s=prefill + transfer, peers_s=peers_s)

@@ -135,22 +135,23 @@ class Completions:
         except BaseException:  # (cancelled: its client left while they started)
             for task in starts.values():
                 task.cancel()
-            ended = await asyncio.gather(*starts.values(), return_exceptions=True)
-            await asyncio.gather(*(s.aclose() for s in ended if not isinstance(s, BaseException)))
-            self._count_never_started(len(requests) - len(begun), "withdrawn" if call.withdrawn else "cancelled")
+            await self._close_started(await asyncio.gather(*starts.values(), return_exceptions=True),
+                                      len(requests) - len(begun), call.withdrawn)
             raise
         failures = [r for r in results.values() if isinstance(r, BaseException)]
         if failures:  # (the one that ended the call, not a CancelledError of those closed for it)
-            failed = next((f for f in failures if not isinstance(f, asyncio.CancelledError)), failures[0])
-            await asyncio.gather(*(s.aclose() for s in results.values() if not isinstance(s, BaseException)))
-            self._count_never_started(len(requests) - len(begun),
-                                      "cancelled" if isinstance(failed, asyncio.CancelledError) else "withdrawn")
-            raise failed
+            await self._close_started(results.values(), len(requests) - len(begun), call.withdrawn)
+            raise next((f for f in failures if not isinstance(f, asyncio.CancelledError)), failures[0])
         return [results[k] for k in keys]
 
-    def _count_never_started(self, count: int, outcome: str) -> None:
-        if count:
-            self.service.metrics.inc("requests_total", "requests by outcome", count, outcome=outcome)
+    async def _close_started(self, started, num_never_started: int, withdrawn: bool) -> None:
+        """A call's requests closed, those that failed aside, and those that never
+        started counted as the closed ones count themselves: withdrawn where one of
+        the call's was refused or failed, else cancelled (`ClientCall`)."""
+        await asyncio.gather(*(s.aclose() for s in started if not isinstance(s, BaseException)))
+        if num_never_started:
+            self.service.metrics.inc("requests_total", "requests by outcome", num_never_started,
+                                     outcome="withdrawn" if withdrawn else "cancelled")
 
     @staticmethod
     async def collect_all(streams) -> list:

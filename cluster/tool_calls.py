@@ -189,7 +189,7 @@ def _hoisted(parameters: dict, prefix: str) -> tuple[dict, dict]:
     root, where a tool's own `$defs` were not (a pydantic model's nested models
     are there), and the tool was refused."""
     own = {(section, name): schema for section in ("definitions", "$defs")
-           for name, schema in (parameters.get(section) or {}).items()} if isinstance(parameters, dict) else {}
+           for name, schema in (parameters.get(section) or {}).items()}
     if not own:
         return parameters, {}
     renamed = {key: f"{prefix}{key[0]}-{key[1]}" for key in own}
