@@ -64,6 +64,7 @@ class StoreStats:
     num_missed_blocks: int = 0
     num_corrupt: int = 0
     num_write_errors: int = 0  # blocks a disk tier could not write (full, read-only): not stored there
+    num_read_errors: int = 0  # reads a disk tier's file system refused for now (EACCES, ESTALE): misses, kept
 
 
 class KVStore:
@@ -210,4 +211,5 @@ class KVStore:
             }
             corrupt = sum(getattr(t, "num_corrupt", 0) for t in self.tiers)
             write_errors = sum(getattr(t, "num_write_errors", 0) for t in self.tiers)
-            return StoreStats(tiers, self.num_lookups, self.num_missed_blocks, corrupt, write_errors)
+            read_errors = sum(getattr(t, "num_read_errors", 0) for t in self.tiers)
+            return StoreStats(tiers, self.num_lookups, self.num_missed_blocks, corrupt, write_errors, read_errors)

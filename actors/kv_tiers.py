@@ -14,7 +14,9 @@ Two tier kinds, one policy shape (`TierPolicy`):
   shared mount (NFS, Ceph) that several nodes write. Files are written to a
   temporary name and renamed, so a reader never sees a partial file; each carries a
   header (namespace, key, tokens, dtype, shape) and a checksum of its bytes, checked
-  on every read: a corrupt or foreign file is deleted and reported as a miss. On
+  on every read: a corrupt or foreign file is deleted and reported as a miss, as
+  is one gone; a read the file system refuses for now (EACCES, ESTALE on NFS,
+  EMFILE, EIO) is a miss that keeps the file and its entry, and is counted. On
   start the tier indexes what is already there (restart recovery); a key another
   writer added since is found by its path. A write the file system refuses (full,
   read-only, gone) stores nothing and is counted; it never fails the caller.
@@ -57,6 +59,13 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 ABANDONED_TMP_S = 600.0
 
 log = logging.getLogger("tandem.kv_store")
+# A read failing with one of these finds no file at the key's path: the entry goes.
+# Any other OSError says nothing of the file's bytes, which stay (`Unreadable`).
+_NO_FILE = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+class Unreadable(Exception):
+    """A tier's copy of a block that cannot be read now, though it may be whole."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,10 @@ class Tier(ABC):
         entry = self._live(key)
         if entry is None:
             return None
-        block = self._read(key, entry)
+        try:
+            block = self._read(key, entry)
+        except Unreadable:  # a miss this time; the entry stays
+            return None
         if block is None:
             self.remove(key)
             return None
@@ -194,11 +206,18 @@ class Tier(ABC):
                 break
             if key in self.pinned:
                 continue
-            block = self._read(key, self._entries[key]) if keep_evicted else None
+            block = self._evicted_copy(key) if keep_evicted else None
             self.remove(key)
             if block is not None:
                 evicted.append(block)
         return evicted
+
+    def _evicted_copy(self, key: bytes) -> StoredBlock | None:
+        """An entry on its way out, read for demotion; none if it cannot be read."""
+        try:
+            return self._read(key, self._entries[key])
+        except Unreadable:
+            return None
 
     # ---- storage ----------------------------------------------------------------
     @abstractmethod
@@ -206,7 +225,9 @@ class Tier(ABC):
         """Store `block`, aged from `_stored_s(block)`."""
 
     @abstractmethod
-    def _read(self, key: bytes, entry: _Entry) -> StoredBlock | None: ...
+    def _read(self, key: bytes, entry: _Entry) -> StoredBlock | None:
+        """The block; None if it is gone or corrupt (its entry is then removed).
+        Raises `Unreadable` for a copy that cannot be read now."""
 
     def _delete(self, key: bytes) -> None:
         pass
@@ -251,6 +272,7 @@ class DiskTier(Tier):
             log.warning("KV store %s tier: cannot make %s: %s", self.name, self.dir, exc)
         self.num_corrupt = 0
         self.num_write_errors = 0
+        self.num_read_errors = 0  # reads refused for now (`Unreadable`): each a miss, its file kept
         self._index_existing()
 
     def _path(self, key: bytes) -> Path:
@@ -356,8 +378,12 @@ class DiskTier(Tier):
     def _read(self, key: bytes, entry: _Entry) -> StoredBlock | None:
         try:
             data = self._path(key).read_bytes()
-        except OSError:
+        except _NO_FILE:
             return None
+        except OSError as exc:
+            self.num_read_errors += 1
+            log.warning("KV store %s tier: cannot read %s now, kept: %s", self.name, key.hex(), exc)
+            raise Unreadable(key.hex()) from exc
         try:
             return replace(decode_entry(data, self.namespace, key), stored_s=entry.created_s)
         except CorruptEntry:

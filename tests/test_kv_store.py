@@ -313,6 +313,40 @@ def test_a_file_system_that_fails_stores_nothing_there_and_the_call_goes_on(tmp_
     assert store.disk.num_write_errors == errors and store.disk.dir.is_dir()
 
 
+@pytest.mark.parametrize("code", ["EACCES", "ESTALE", "EMFILE", "EIO"])
+def test_a_read_the_file_system_refuses_for_now_is_a_miss_that_keeps_the_file(tmp_path, monkeypatch, code):
+    """A read refused by the file system (permissions, a stale NFS handle, no file
+    descriptors left, an I/O error) says nothing of the file's bytes: before,
+    any OSError deleted the file as if corrupt. Now the load misses there and
+    counts it, the file and its entry stay, and the next load reads them. A file
+    gone is forgotten, and counts as no error."""
+    import errno
+    import pathlib
+
+    refused = set()
+    real_read = pathlib.Path.read_bytes
+
+    def read_bytes(path):
+        if path in refused:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real_read(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=0, disk_path=str(tmp_path)))
+    blocks = make_blocks(3)
+    store.save(blocks)
+    path = store.disk._path(blocks[1].key)
+    refused.add(path)
+    assert_same(store.load(keys_of(blocks)), blocks[:1])
+    assert path.exists() and store.lookup(keys_of(blocks)) == 3
+    assert store.stats().num_read_errors == 1 and store.stats().num_corrupt == 0
+    refused.clear()
+    assert_same(store.load(keys_of(blocks)), blocks)
+    store.disk._path(blocks[2].key).unlink()
+    assert_same(store.load(keys_of(blocks)), blocks[:2])
+    assert store.lookup(keys_of(blocks)) == 2 and store.stats().num_read_errors == 1
+
+
 def test_a_load_from_a_store_that_does_not_answer_gives_up():
     """The node's store is one serial actor doing file I/O: on a mount that hangs,
     a load waited for good, holding the request's import and a thread of the
