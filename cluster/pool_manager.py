@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from actors.background import background_task
+from actors.background import background_task, every
 from actors.deadlines import within
 from actors.worker_base import WorkerOptions
 from cluster.actor_errors import actor_died
@@ -132,20 +132,24 @@ class PoolManager:
             self._control_task = background_task(self.scaler.run())
 
     async def _health_loop(self) -> None:
-        """Ping the workers that answered once, every `health_interval_s`; one
-        found dead is replaced. A worker still starting is watched by its first
-        answer (the control loop's), not pinged: one waiting for a node held
-        every round for `health_timeout_s`, and a death elsewhere went unseen."""
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            members = [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]
-            results = await asyncio.gather(
-                *(within(m.handle.ping.remote(), self.health_timeout_s) for m in members),
-                return_exceptions=True,
-            )
-            for member, result in zip(members, results):
-                if actor_died(result):  # (one unreachable for now is pinged again next round)
-                    await self.report_dead(member.worker_id, death_reason(result))
+        """`_health_round` every `health_interval_s`. A round that raises is logged
+        and the next goes on (`every`): before, the loop ended unsaid, and no
+        death was seen until some call to the manager started it again."""
+        await every(self.health_interval_s, self._health_round, "pool health check")
+
+    async def _health_round(self) -> None:
+        """Ping the workers that answered once; one found dead is replaced. A
+        worker still starting is watched by its first answer (the control
+        loop's), not pinged: one waiting for a node held every round for
+        `health_timeout_s`, and a death elsewhere went unseen."""
+        members = [m for m in self.members.values() if self.scaler.is_ready(m.worker_id)]
+        results = await asyncio.gather(
+            *(within(m.handle.ping.remote(), self.health_timeout_s) for m in members),
+            return_exceptions=True,
+        )
+        for member, result in zip(members, results):
+            if actor_died(result):  # (one unreachable for now is pinged again next round)
+                await self.report_dead(member.worker_id, death_reason(result))
 
     async def list_members(self) -> list[Member]:
         """Members that answered their first ping, draining ones included (flagged).

@@ -282,6 +282,36 @@ def test_a_worker_waiting_for_a_node_does_not_hold_up_the_health_rounds(pools):
     assert ("replaced", serving) in _events(manager)
 
 
+def test_a_health_round_that_fails_is_logged_and_the_next_goes_on(pools):
+    """A round whose replacement raised ended the health loop, unsaid: no death
+    was seen until some call to the manager started the loop again."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 2}})
+    for worker in workers.values():
+        worker.come_up()
+    manager.scaler._check_readiness(clock())
+    manager.health_interval_s = 0.01
+    first = sorted(w for w in workers if w.startswith("d"))[0]
+    workers[first].killed = True
+    report_dead, failed = manager.report_dead, []
+
+    async def report_once_failing(worker_id, reason):
+        if not failed:
+            failed.append(worker_id)
+            raise RuntimeError("a start that failed")
+        await report_dead(worker_id, reason)
+
+    manager.report_dead = report_once_failing
+
+    async def run():
+        loop = asyncio.ensure_future(manager._health_loop())
+        await asyncio.sleep(0.3)
+        loop.cancel()
+
+    asyncio.run(run())
+    assert failed == [first] and ("replaced", first) in _events(manager)
+
+
 def test_a_fixed_pool_shrunk_stops_what_has_not_started_before_draining_a_serving_worker(pools):
     """Decode at 2, d2 waiting for a node, redeployed at 1: the one serving
     worker was drained (only ready workers were candidates) and, with no room
