@@ -27,7 +27,7 @@ One step:
 
 Every change is logged and kept as a `ScalingEvent` (kinds: up, down, started,
 ready, serving, start_failed, restart, drain_waits, drain_started, drained, drain_timeout,
-died_draining, replaced, resized);
+died_draining, died (not replaced: the pool at its maximum without it), replaced, resized);
 decisions are counted in `ray_tandem_autoscale_decisions_total`.
 """
 

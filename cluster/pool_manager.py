@@ -176,8 +176,10 @@ class PoolManager:
 
     async def report_dead(self, worker_id: str, reason: str = "reported dead") -> Member | None:
         """A caller saw this worker die: replace it (same role), unless it was
-        draining, or died before its start-up profile ran (a start failure:
-        another starts after a delay, and None is returned). Idempotent."""
+        draining, or its role has its maximum without it (a redeploy shrank the
+        pool: a replacement started, then drained), or it died before its start-up
+        profile ran (a start failure: another starts after a delay, and None is
+        returned). Idempotent."""
         member = self.members.get(worker_id)
         if member is None:
             return None
@@ -193,6 +195,12 @@ class PoolManager:
         self.scaler.on_gone(member)
         if leaving:  # (its replacement, if it needed one, was started by the drain)
             self.scaler.record(member.role, "died_draining", worker_id)
+            return None
+        staying = sum(1 for m in self.members.values() if m.role == member.role and not self.scaler.is_leaving(m))
+        maximum = self.pools[member.role].max_size
+        if staying >= maximum:
+            self.scaler.record(member.role, "died", worker_id,
+                               reason=f"dead; not replaced: {staying} workers stay, the pool's maximum is {maximum}")
             return None
         self.num_replaced += 1
         self.scaler.metrics.replaced(member.role)

@@ -337,6 +337,31 @@ def test_a_fixed_pool_shrunk_stops_what_has_not_started_before_draining_a_servin
     assert workers["d2"].killed and ("down", "d2") in _events(manager)
 
 
+def test_a_worker_that_dies_in_a_pool_above_its_new_size_is_not_replaced(pools):
+    """Decode at 3, redeployed at 1, and a serving worker dead before the control
+    loop's next step: it was replaced all the same, a worker started only to be
+    stopped. Now it is not; one below the maximum still is."""
+    make, workers = pools
+    manager, clock = make({"decode": {"replicas": 3}})
+
+    async def run():
+        for worker in workers.values():
+            worker.come_up()
+        clock.now += 2
+        await manager.scaler.step()
+        await manager.apply_pools({**BASE, "decode": {"replicas": 1}})
+        gone = await manager.report_dead("d1")
+        clock.now += 2
+        await manager.scaler.step()
+        started = sorted(workers)
+        await manager.apply_pools({**BASE, "decode": {"replicas": 2}})
+        return gone, started, await manager.report_dead("d3")  # (d2 drains, to size 1)
+
+    gone, started, replacement = asyncio.run(run())
+    assert gone is None and ("died", "d1") in _events(manager) and started == ["d1", "d2", "d3", "p0"]
+    assert replacement is not None and ("replaced", "d3") in _events(manager)
+
+
 def test_a_fixed_pool_shrunk_drops_a_waiting_restart_first(pools):
     make, workers = pools
     manager, clock = make({"decode": {"replicas": 2}, "autoscaling": {"restart_backoff_s": 60.0,
