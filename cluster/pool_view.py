@@ -359,9 +359,14 @@ class PoolView:
         once, all that was learned of it (`_forget`: one that died before its
         profile ran was in neither `stats` nor `profiled` at the next refresh, and
         its prefix index and gauges stayed for good), and told to the pool
-        manager, which replaces it."""
-        self.members.pop(worker_id, None)
+        manager, which replaces it. One the view no longer lists is not told: the
+        manager stopped listing it, or it was an earlier manager's (`replace_pool`),
+        and the new one, whose ids repeat the old ones, killed its own worker of
+        that id, still starting, as a start failure."""
+        member = self.members.pop(worker_id, None)
         self._forget(worker_id)
+        if member is None:
+            return
         try:  # maybe in a request: the replacement it starts must not go with that request
             await background_call(lambda: self.pool.report_dead.remote(worker_id))
         except ray.exceptions.RayError as exc:

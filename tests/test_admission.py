@@ -684,12 +684,22 @@ def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     model, prefix index or stats of the old ones may carry over."""
     scheduler = _scheduler(ttft_ms=10_000)
     scheduler.view.ready = True
-    new_pool = object()
+    told = []
+
+    class NewPool:  # (its answer: the thing under test is the view's own)
+        class report_dead:
+            @staticmethod
+            async def remote(worker_id):
+                told.append(worker_id)
+
+    new_pool = NewPool()
     scheduler.view.replace_pool(new_pool)
     assert scheduler.view.pool is new_pool and not scheduler.view.ready
     assert not (scheduler.view.members or scheduler.view.stats or scheduler.view.prefix or scheduler.view.profiled)
     models = scheduler.view.models
     assert not models.prefill_model("p0").is_fitted and not models.decode_model("d0").is_fitted
+    asyncio.run(scheduler.view.report_dead("d0"))  # a request on the old d0 failing now
+    assert told == []  # (the new pool's d0 lives)
 
 
 def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():
