@@ -1,5 +1,5 @@
 """The OpenAI endpoints' answers at their edges, from a real GlobalScheduler
-(known cost models, as in tests/test_admission.py) whose workers' events are
+(known cost models: tests/scheduler_setup.py) whose workers' events are
 scripted (what the workers send is tested against real ones in
 tests/test_serve_app.py): a batch's usage, answers nested past Python's limit,
 and bodies a plain JSON decoder reads but JSON does not allow. Each case
@@ -20,13 +20,13 @@ from cluster import strict_json
 from cluster.api_models import ChatBody, CompletionBody, template_messages
 from cluster.completions import Completions
 from cluster.tool_calls import TOOL_CALL_FORMATS
-from tests.test_admission import _scheduler
+from tests.scheduler_setup import make_scheduler
 
 
 def _completions(tiny_qwen2_dir, texts: list[str], num_cached: int = 0, reason: str = "stop") -> Completions:
     """Completions whose every request answers `texts`, one token each, having
     found `num_cached` of its prompt's tokens cached, and ends for `reason`."""
-    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler = make_scheduler(ttft_ms=10_000)
 
     async def events(request, choice, inflight):
         for i, text in enumerate(texts):

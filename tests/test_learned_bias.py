@@ -14,11 +14,11 @@ from actors.block_pool import block_hashes
 from cluster.admission import WorkerModels
 from cluster.pool_manager import Member
 from cluster.router import PrefixIndex
-from tests.test_admission import _idle_stats, _models, _scheduler
+from tests.scheduler_setup import fitted_models, idle_stats, make_scheduler
 
 
 def test_ttft_bias_learns_the_systematic_error_without_compounding():
-    models = _models()
+    models = fitted_models()
     for _ in range(50):
         prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
         models.observe_ttft(prediction, observed_s=prediction.ttft_s - prediction.ttft_bias_s + 0.3)
@@ -31,7 +31,7 @@ def test_the_ttft_bias_is_the_attainment_quantile_of_the_errors_not_their_mean()
     """Predictions mostly right or pessimistic, one in five 0.5 s short: a mean
     (about 0.04 s) would leave the requests predicted just inside the SLO missing it
     whenever theirs was short; the 90th percentile covers them."""
-    models, median = _models(), WorkerModels(block_size=16, bias_quantile=0.5)
+    models, median = fitted_models(), WorkerModels(block_size=16, bias_quantile=0.5)
     for built in (models, median):
         for i in range(60):
             prediction = built.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
@@ -48,7 +48,7 @@ def test_a_ttft_bias_fades_without_observations_so_early_rejection_cannot_lock_e
     import cluster.admission as admission
     from cluster.learned_bias import HALF_LIFE_S
 
-    models = _models()
+    models = fitted_models()
     prediction = models.predict("p0", "d0", num_prompt_tokens=200, cached_tokens=0)
     models.observe_ttft(prediction, observed_s=prediction.ttft_s + 8.0)  # a bad spell: 8 s late
     assert models.predict("p0", "d0", 200, 0).ttft_s == pytest.approx(0.2 + 8.0, rel=0.05)
@@ -88,9 +88,9 @@ PROMPT = list(range(300))  # 0.3 s of prefill on either P; 0.012 s on p0, which 
 def _two_prefill_workers_p0_cold(ttft_ms: float):
     """p0 and p1 alike, but p0's first request paid a cold start: a 0.5 s residual,
     so a 0.5 s bias; p0 holds the first 288 tokens of `PROMPT`."""
-    scheduler = _scheduler(ttft_ms=ttft_ms)
+    scheduler = make_scheduler(ttft_ms=ttft_ms)
     scheduler.view.members["p1"] = Member("p1", "prefill", handle=None)
-    scheduler.view.stats["p1"] = _idle_stats("p1")
+    scheduler.view.stats["p1"] = idle_stats("p1")
     scheduler.view.prefix["p1"] = PrefixIndex(1000)
     scheduler.view.profiled.add("p1")
     cold = scheduler.view.models.predict("p0", "d0", num_prompt_tokens=32, cached_tokens=0)
@@ -120,7 +120,7 @@ def test_a_tbt_bias_is_the_attainment_quantile_of_finished_requests_errors():
     """D's step model is a mean (0.01 s a step at batch 1 here): with one request
     in five 15 ms slower than that, a request admitted at the mean would miss a
     TBT SLO just above it one time in five; the 90th percentile is added."""
-    models = _models()
+    models = fitted_models()
     assert models.predict("p0", "d0", 32, 0).tbt_s == pytest.approx(0.01, rel=0.01)
     _tbt_errors(models, "d0", [0.015 if i % 5 == 0 else -0.001 for i in range(60)])
     prediction = models.predict("p0", "d0", 32, 0)
@@ -134,16 +134,15 @@ def test_a_tbt_bias_is_the_attainment_quantile_of_finished_requests_errors():
 
 def test_a_tbt_bias_past_the_slo_sends_the_request_to_another_d_or_rejects_it():
     from cluster.admission import SloRejected
-    from tests.test_admission import _models as fitted
 
-    one_d = _scheduler(ttft_ms=5000, tbt_ms=20)
+    one_d = make_scheduler(ttft_ms=5000, tbt_ms=20)
     assert one_d.plan(PROMPT).decode_id == "d0"  # 10 ms predicted: inside 20 ms
     _tbt_errors(one_d.view.models, "d0", [0.015] * 8)
     with pytest.raises(SloRejected, match=r"^predicted TBT 25 ms exceeds the SLO of 20 ms$"):
         one_d.plan(PROMPT)
 
-    two_ds = _scheduler(ttft_ms=5000, tbt_ms=20, decodes=("d0", "d1"))
-    two_ds.view.models.decode["d1"] = fitted().decode_model("d0")  # d1 as fast as d0
+    two_ds = make_scheduler(ttft_ms=5000, tbt_ms=20, decodes=("d0", "d1"))
+    two_ds.view.models.decode["d1"] = fitted_models().decode_model("d0")  # d1 as fast as d0
     _tbt_errors(two_ds.view.models, "d0", [0.015] * 8)
     choice = two_ds.plan(PROMPT)
     assert choice.decode_id == "d1" and choice.tbt_s == pytest.approx(0.01, rel=0.01)

@@ -4,7 +4,7 @@ is `withdrawn`, one closed because its client left is `cancelled`, and one
 closed after its last event keeps the outcome that event gave it.
 
 The scheduler here is a real GlobalScheduler with known cost models (as in
-tests/test_admission.py); what a worker would send is replaced by its events,
+tests/scheduler_setup.py); what a worker would send is replaced by its events,
 since the accounting is the thing under test (the workers' side: tests/test_serve_app.py)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from actors.tokenization import load_tokenizer
 from cluster.admission import InFlight, SloRejected
 from cluster.api_models import ApiError
 from cluster.completions import Completions
-from tests.test_admission import _scheduler
+from tests.scheduler_setup import make_scheduler
 
 PROMPT = list(range(600))  # 0.6 s of predicted prefill on p0 (1 ms a token)
 
@@ -29,7 +29,7 @@ PROMPT = list(range(600))  # 0.6 s of predicted prefill on p0 (1 ms a token)
 def _completions(tiny_qwen2_dir, events):
     """Completions over a scheduler (TTFT SLO 1 s: one such prompt fits, two
     queued on the one P do not) whose workers would send `events`."""
-    scheduler = _scheduler(ttft_ms=1000)
+    scheduler = make_scheduler(ttft_ms=1000)
     scheduler._events = events
     return Completions(scheduler, load_tokenizer(tiny_qwen2_dir), "tiny", None)
 

@@ -26,14 +26,14 @@ from cluster.pool_manager import Member
 from cluster.router import PrefixIndex
 from cluster.scaling_signals import OutcomeRecorder, PeerLoad
 from cluster.token_feeds import FeedLost
-from tests.test_admission import _idle_stats, _scheduler
+from tests.scheduler_setup import idle_stats, make_scheduler
 
 
 def test_a_prefix_the_decode_worker_holds_is_counted_in_blocks():
     """D's prefix hit was passed to the prediction in tokens where blocks were
     meant: one block held read as sixteen, and the transfer of the blocks D
     lacked was priced as an empty chunk (267 ms predicted for 558 ms here)."""
-    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler = make_scheduler(ttft_ms=10_000)
     models = scheduler.view.models
     for blocks in (1, 4, 8, 16):  # the p0 -> d0 link: 2 ms a chunk and 20 ms a block
         models.transfers.observe("p0", "d0", [ChunkTiming(0, blocks, 0.0, 0.0, 0.0, 0.002 + 0.020 * blocks)])
@@ -48,7 +48,7 @@ def test_a_request_past_its_deadline_before_its_first_token_ends_timed_out():
     """The deadline's error event came after the attempt's record was gone, and
     the retry it started looked the record up: a KeyError, not 'request timed
     out' (and a retry after the deadline would have timed out at once)."""
-    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler = make_scheduler(ttft_ms=10_000)
     limits = scheduler.settings.limits.model_copy(update={"request_timeout_s": 0.3})
     scheduler.settings = scheduler.settings.model_copy(update={"limits": limits})
 
@@ -86,7 +86,7 @@ class _CallWhoseFeedIsLostOnce:
 def test_a_decode_worker_whose_feed_was_lost_is_left_out_of_the_retry(monkeypatch):
     """Its feed lost after D reserved, the retry left out the P (which had done
     nothing wrong) and kept the D: with one P, no worker could take the retry."""
-    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler = make_scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
     for worker_id, member in scheduler.view.members.items():  # (the stand-in call is given the worker's name)
         scheduler.view.members[worker_id] = dataclasses.replace(member, handle=worker_id)
     scheduler.view.models.seed_from("d0", "d1")
@@ -146,7 +146,7 @@ def test_a_request_whose_lender_ended_is_tried_again_on_its_pair(monkeypatch):
     first's client left before they came, so D ended the rest. Their retry left
     out their P, which had done nothing wrong: with one P every one of them was
     answered 503. No worker is left out, and such a try is not the one retry."""
-    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler = make_scheduler(ttft_ms=10_000)
     events = _play(monkeypatch, scheduler, ["lender ended"] * service.BORROWED_KV_RETRIES + ["served"])
     assert events[-1].finish_reason == "length" and events[-1].error is None
     assert {(p, d) for _, p, d in _CallWhoseLenderEnds.attempts} == {("p0", "d0")}
@@ -154,7 +154,7 @@ def test_a_request_whose_lender_ended_is_tried_again_on_its_pair(monkeypatch):
 
 
 def test_after_its_lender_ended_a_request_still_has_its_retry_after_a_failure(monkeypatch):
-    scheduler = _scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
+    scheduler = make_scheduler(ttft_ms=10_000, decodes=("d0", "d1"))
     scheduler.view.models.seed_from("d0", "d1")
     events = _play(monkeypatch, scheduler, ["lender ended", "feed lost", "served"])
     assert events[-1].finish_reason == "length"
@@ -165,7 +165,7 @@ def test_after_its_lender_ended_a_request_still_has_its_retry_after_a_failure(mo
 
 
 def test_a_request_whose_lenders_keep_ending_is_not_tried_for_ever(monkeypatch):
-    events = _play(monkeypatch, _scheduler(ttft_ms=10_000, decodes=("d0", "d1")),
+    events = _play(monkeypatch, make_scheduler(ttft_ms=10_000, decodes=("d0", "d1")),
                    ["lender ended"] * (service.BORROWED_KV_RETRIES + 1) + ["served"])
     assert events[-1].error.endswith("ended before they came")
     assert len(_CallWhoseLenderEnds.attempts) == service.BORROWED_KV_RETRIES + 1
@@ -195,7 +195,7 @@ def test_a_prefill_worker_that_died_on_the_first_attempt_is_reported_at_once(mon
     """The retry closed the first attempt at its error event, before the lines
     after it that report a dead P: other requests were routed to it until the
     next refresh found it."""
-    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler = make_scheduler(ttft_ms=10_000)
     view = scheduler.view
     view.members["p1"] = Member("p1", "prefill", None)
     view.stats["p1"], view.prefix["p1"] = view.stats["p0"], PrefixIndex(1000)
@@ -254,13 +254,13 @@ def test_a_request_admitted_while_a_reading_of_d_was_on_its_way_is_not_in_it():
     """D's stats were stamped when their answer came back, so a request admitted
     while the call was on its way (its reservation not in D's figures) counted as
     in them: its prompt's blocks were free in `headroom` (100 here, with 4)."""
-    scheduler = _scheduler(ttft_ms=10_000, decode_reserve_tokens=0)
+    scheduler = make_scheduler(ttft_ms=10_000, decode_reserve_tokens=0)
     view = scheduler.view
     view.pools_applied = True
     used = {"d0": 900}  # of D's 1000 blocks
 
     async def read(worker_id):
-        figures = _idle_stats(worker_id, num_used_blocks=used.get(worker_id, 0))  # as it arrives
+        figures = idle_stats(worker_id, num_used_blocks=used.get(worker_id, 0))  # as it arrives
         await asyncio.sleep(0.3)  # the answer's way back
         return figures
 
@@ -299,13 +299,13 @@ def test_a_worker_forgotten_while_its_cache_events_come_fails_no_refresh():
     """Two refreshes at once (the loop's and a request's while the view was not
     ready; the app now runs one at a time) and one forgot a worker whose events
     the other was reading: a KeyError, the view not ready, 503s until the next."""
-    scheduler = _scheduler(ttft_ms=10_000)
+    scheduler = make_scheduler(ttft_ms=10_000)
     view = scheduler.view
     view.pools_applied = True
     listed = {"p0", "d0"}
 
     async def read(worker_id):
-        return _idle_stats(worker_id)
+        return idle_stats(worker_id)
 
     async def events(worker_id, cursor):
         if worker_id == "p0" and "p0" in listed:
@@ -332,7 +332,7 @@ def test_a_worker_that_does_not_answer_holds_no_refresh_nor_its_report(monkeypat
     async def read(worker_id):
         if worker_id == "d1":
             await asyncio.sleep(3600)
-        return _idle_stats(worker_id)
+        return idle_stats(worker_id)
 
     async def events(worker_id, cursor):
         if worker_id == "d1":
@@ -356,7 +356,7 @@ def test_cold_workers_profiles_are_asked_for_at_once_one_a_role(monkeypatch):
     asked = []
 
     async def read(worker_id):
-        return _idle_stats(worker_id)
+        return idle_stats(worker_id)
 
     async def never(worker_id):
         asked.append(worker_id)
@@ -373,7 +373,7 @@ def test_cold_workers_profiles_are_asked_for_at_once_one_a_role(monkeypatch):
 def _view_waiting_at_most(monkeypatch, seconds: float):
     """A scheduler's view whose refresh waits `seconds` for each worker's answer."""
     monkeypatch.setattr(pool_view, "WORKER_ANSWER_S", seconds)
-    view = _scheduler(ttft_ms=10_000).view
+    view = make_scheduler(ttft_ms=10_000).view
     view.pools_applied = True
     return view
 
@@ -387,7 +387,7 @@ def test_a_flush_that_could_not_reach_a_worker_says_so():
     answered "Cache flushed." without it: a cold benchmark run then read that
     worker's prefixes as cached. The others are flushed; the answer is a 503
     naming it."""
-    view = _scheduler(ttft_ms=10_000).view
+    view = make_scheduler(ttft_ms=10_000).view
     flushed = []
 
     async def flush(worker_id):
@@ -420,7 +420,7 @@ def test_the_worker_endpoints_reach_the_workers_up_while_a_pool_is_not_ready():
 
     from cluster.worker_endpoints import router
 
-    view = _scheduler(ttft_ms=10_000).view
+    view = make_scheduler(ttft_ms=10_000).view
     asked = []
 
     def member(worker_id, role):
@@ -453,9 +453,9 @@ def test_a_role_whose_only_worker_drains_is_not_ready():
     """/health said 200 "ready" while the only decode worker drained (by hand,
     no room for another beside it): every request got a 503 for want of a
     routable worker. A draining worker makes no role ready."""
-    view = _scheduler(ttft_ms=10_000).view
+    view = make_scheduler(ttft_ms=10_000).view
     view.pool = _stand_in_pool(lambda: [("p0", "prefill"), ("d0", "decode")],
-                               lambda worker_id: _answer(_idle_stats(worker_id)), _no_events)
+                               lambda worker_id: _answer(idle_stats(worker_id)), _no_events)
     asyncio.run(view.refresh())
     assert view.ready and view.health()[0] == 200
     listed = view.pool.list_members.remote

@@ -11,7 +11,7 @@ import pytest
 import actors.step_profile as step_profile
 from cluster.api_models import ApiError
 from cluster.pool_manager import Member
-from tests.test_admission import _scheduler
+from tests.scheduler_setup import make_scheduler
 from tests.test_scheduler_retries import _remote
 
 
@@ -41,7 +41,7 @@ def test_a_start_that_fails_on_one_worker_leaves_none_tracing():
 
             self.start_profile, self.stop_profile = _remote(start), _remote(stop)
 
-    view = _scheduler(ttft_ms=1000, decodes=("d0", "d1")).view
+    view = make_scheduler(ttft_ms=1000, decodes=("d0", "d1")).view
     view.members = {w: Member(w, role, handle=Worker(w, can_write=w != "d1"))
                     for w, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))}
     with pytest.raises(ApiError) as refused:
