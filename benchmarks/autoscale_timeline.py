@@ -57,6 +57,8 @@ def pool_sizes(events: Sequence[Event], roles: Sequence[str]) -> dict[str, list[
             state[worker] = "serving"
         elif event.kind == "drain_started":
             state[worker] = "draining"
+        elif event.kind == "taken_back" and state.get(worker) == "draining":
+            state[worker] = "serving"
         elif event.kind in ("drained", "drain_timeout", "died_draining", "died", "start_failed", "replaced"):
             state.pop(worker, None)
         else:

@@ -22,7 +22,10 @@ Rules shared by both (`ScalingPolicy`):
 - Bounds: never above `max_size` nor below `min_size` (outside them: one step
   back at once, no cooldown).
 - One step at a time: no decision while a worker of the pool is starting or
-  draining.
+  draining; but for one: pressure while a worker this policy scaled down still
+  drains takes that worker back (`num_recallable`), at once. It is warm, where a
+  new one is a model load and a cooldown away, and the drain was the wrong call.
+  One drained by hand (`tandem drain`) or by a redeploy is never taken back.
 - Cooldowns count from the end of the last step, i.e. the last moment the pool had
   a worker starting or draining: up needs `scale_up_cooldown_s`, down needs
   `scale_down_cooldown_s` (long: at most one scale-down in that time after a
@@ -64,6 +67,7 @@ class PoolObservation:
     num_serving: int  # ready workers that take new requests
     num_starting: int = 0  # started, not ready yet
     num_draining: int = 0  # taking no new requests, finishing what they hold
+    num_recallable: int = 0  # of those, ones this pool's policy scaled down (a scale-up takes one back)
     attainment: float | None = None  # of this pool's SLO figure over the window; None: too few outcomes
     num_samples: int = 0  # outcomes behind `attainment`
     samples_span_s: float | None = None  # the time they came in (the window, or less since the pool last changed)
@@ -131,7 +135,8 @@ class ScalingPolicy:
     def decide(self, obs: PoolObservation, now_s: float) -> Decision:
         if obs.num_starting or obs.num_draining:
             self.settled_s = now_s
-            return _hold("in_progress", f"{obs.num_starting} starting, {obs.num_draining} draining")
+            recall = self._recall(obs, now_s) if obs.num_recallable and not obs.num_starting else None
+            return recall or _hold("in_progress", f"{obs.num_starting} starting, {obs.num_draining} draining")
         size = obs.num_serving
         if size < self.min_size:
             return Decision(Action.UP, "below_min", f"{size} workers, below the minimum of {self.min_size}")
@@ -160,6 +165,19 @@ class ScalingPolicy:
                                              f"({waited:.0f}/{self.knobs.scale_down_cooldown_s:.0f} s)")
                 return Decision(Action.DOWN, "idle", reason)
         return _hold("steady", f"{size} workers")
+
+    def _recall(self, obs: PoolObservation, now_s: float) -> Decision | None:
+        """UP, while a worker this policy scaled down still drains, if the pool is
+        short again: the pool manager takes that worker back. No cooldown (it
+        counts from now: the pool is still changing), and a shortfall at this
+        size is noted as at any other time."""
+        pressure = self.pressure(obs)
+        if pressure is None or obs.num_serving >= self.max_size:
+            return None
+        signal, reason = pressure
+        if signal == f"{self.figure.lower()}_attainment":
+            self._note_shortfall(obs.num_serving, obs, now_s)
+        return Decision(Action.UP, signal, f"{reason}; a worker scaled down and still draining is taken back")
 
     def _note_shortfall(self, size: int, obs: PoolObservation, now_s: float) -> None:
         known = self.shortfalls.get(size)

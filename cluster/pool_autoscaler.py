@@ -27,7 +27,8 @@ One step:
 
 Every change is logged and kept as a `ScalingEvent` (kinds: up, down, started,
 ready, serving, start_failed, restart, drain_waits, drain_started, drained, drain_timeout,
-died_draining, died (not replaced: the pool at its maximum without it), replaced, resized);
+died_draining, died (not replaced: the pool at its maximum without it), replaced, resized,
+taken_back: a worker scaled down, still draining, serving again at a scale-up);
 decisions are counted in `ray_tandem_autoscale_decisions_total`.
 """
 
@@ -108,6 +109,7 @@ class PoolAutoscaler:
         self.tracks: dict[str, _Track] = {}
         # Drains waiting for another worker of their role to start: worker id -> (the drain's reason, since)
         self.awaiting_drain: dict[str, tuple[str, float]] = {}
+        self.scaled_down: set[str] = set()  # workers a policy's DOWN drains: a scale-up takes one back
         self.history: dict[str, deque[tuple[float, int, int]]] = {role: deque() for role in roles}  # load per step
         self.events: deque[ScalingEvent] = deque(maxlen=MAX_EVENTS)
         self.num_events = 0  # ever recorded (the index of the next one)
@@ -231,6 +233,7 @@ class PoolAutoscaler:
         self.manager.members.pop(member.worker_id, None)
         self.tracks.pop(member.worker_id, None)
         self.awaiting_drain.pop(member.worker_id, None)
+        self.scaled_down.discard(member.worker_id)
         try:
             ray.kill(member.handle)
         except Exception:  # already gone
@@ -266,6 +269,17 @@ class PoolAutoscaler:
         if track is not None:
             track.drain_started_s = self.clock()
         self.record(member.role, "drain_started", member.worker_id, reason=reason)
+
+    def on_taken_back(self, member, reason: str) -> None:
+        track = self.tracks.get(member.worker_id)
+        if track is not None:
+            track.drain_started_s = None
+        self.scaled_down.discard(member.worker_id)
+        self.record(member.role, "taken_back", member.worker_id, reason=reason)
+
+    def _recallable(self, role: str) -> list:
+        """The role's workers draining because a policy scaled the pool down."""
+        return [m for m in self._members(role) if m.draining and m.worker_id in self.scaled_down]
 
     def on_report(self, report: SchedulerReport) -> None:
         now = self.clock()
@@ -323,8 +337,8 @@ class PoolAutoscaler:
             await self._keep_size(role, observation)
             return
         decision = policy.decide(observation, now)
-        if decision.action is Action.UP and self.restarts.held_s(role, now) > 0:
-            return  # a run of start failures: the scale-up waits as a restart would
+        if decision.action is Action.UP and not self._recallable(role) and self.restarts.held_s(role, now) > 0:
+            return  # a run of start failures: the scale-up waits as a restart would (one taken back starts nothing)
         if decision.action is not Action.HOLD:
             await self._carry_out(role, decision)
 
@@ -393,6 +407,7 @@ class PoolAutoscaler:
             history.popleft()
         return PoolObservation(
             num_serving=len(serving), num_starting=num_starting, num_draining=len(draining),
+            num_recallable=len(self._recallable(role)),
             attainment=attainment, num_samples=num_samples, samples_span_s=min(self.knobs.window_s, now - since),
             backlog_tokens=backlog,
             kv_blocks_used=decoding, kv_blocks_total=sum(s.num_blocks for s in stats.values()),
@@ -411,13 +426,19 @@ class PoolAutoscaler:
         self.metrics.decision(role, decision.action.value, decision.signal)
         if decision.action is Action.UP:
             self.record(role, "up", signal=decision.signal, reason=decision.reason)
-            self.manager._start(role)
+            recallable = self._recallable(role)
+            if recallable:  # (the latest drained: the most of its cache left)
+                latest = max(recallable, key=lambda m: self.tracks[m.worker_id].drain_started_s)
+                self.manager.take_back(latest, f"scale up: {decision.reason}")
+            else:
+                self.manager._start(role)
             return
         victim = self._least_loaded(role)
         if victim is None:
             return
         self.record(role, "down", victim, decision.signal, decision.reason)
-        await self.manager.drain(victim, f"scale down: {decision.reason}")
+        if await self.manager.drain(victim, f"scale down: {decision.reason}") == "draining":
+            self.scaled_down.add(victim)
 
     async def _keep_size(self, role: str, obs: PoolObservation) -> None:
         """A fixed pool at its `replicas`: what is missing started (a worker no

@@ -250,6 +250,13 @@ class PoolManager:
         self.members[member.worker_id] = replace(member, draining=True)
         self.scaler.on_drain(member, reason)
 
+    def take_back(self, member: Member, reason: str) -> None:
+        """A draining member serving again (schedulers route to it from their next
+        refresh): a scale-up while a worker a scale-down drained still holds its
+        model and, often, requests and cache."""
+        self.members[member.worker_id] = replace(member, draining=False)
+        self.scaler.on_taken_back(member, reason)
+
     async def apply_pools(self, settings: dict) -> list[str]:
         """A (re)deployed scheduler's settings: each pool's size (and the
         placement of the workers started from now on) becomes theirs, the control

@@ -36,6 +36,8 @@ def test_pool_sizes_follow_the_events():
     assert sizes["prefill"] == [(-20.0, 0, 1, 0), (-10.0, 1, 0, 0), (35.1, 1, 1, 0), (50.0, 2, 0, 0),
                                 (120.1, 1, 0, 1), (125.0, 1, 0, 0)]
     assert size_at(sizes["decode"], 100.0) == 1
+    taken_back = [*EVENTS[:-1], Event(123.0, "prefill", "taken_back", "p2")]  # (a scale-up before it drained)
+    assert pool_sizes(taken_back, ["prefill"])["prefill"][-1] == (123.0, 2, 0, 0)
 
 
 def test_breach_is_the_first_moment_a_request_missed():

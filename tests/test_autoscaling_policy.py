@@ -46,6 +46,23 @@ def test_prefill_backlog_scales_up_once_then_waits_for_the_new_worker():
     assert policy.decide(still_busy, 141.0).action is Action.UP
 
 
+def test_pressure_while_a_scaled_down_worker_drains_takes_it_back_at_once():
+    """One step at a time held a scale-up for the whole drain of the worker a
+    scale-down had just chosen (up to `drain_timeout_s`), then started a new
+    one, a model load away. That worker is warm: taken back, without a cooldown.
+    Not one drained by hand, nor while another starts, nor past the maximum."""
+    busy = dict(num_serving=1, num_draining=1, backlog_tokens=9000)
+    decision = prefill().decide(PoolObservation(**busy, num_recallable=1), 100.0)
+    assert decision.action is Action.UP and decision.signal == "prefill_backlog"
+    assert decision.reason.endswith("a worker scaled down and still draining is taken back")
+    assert prefill().decide(PoolObservation(**busy), 100.0).signal == "in_progress"  # drained by hand
+    assert prefill().decide(PoolObservation(**busy, num_recallable=1, num_starting=1), 100.0).signal == "in_progress"
+    at_max = PoolObservation(**{**busy, "num_serving": 3}, num_recallable=1)
+    assert prefill().decide(at_max, 100.0).signal == "in_progress"
+    calm = PoolObservation(num_serving=1, num_draining=1, num_recallable=1, backlog_tokens=100)
+    assert prefill().decide(calm, 100.0).signal == "in_progress"
+
+
 def test_ttft_attainment_below_target_scales_prefill_up():
     decision = prefill().decide(PoolObservation(num_serving=2, attainment=0.7, num_samples=20), 0.0)
     assert decision.action is Action.UP and decision.signal == "ttft_attainment"
