@@ -23,7 +23,10 @@ them (`EventFeed`), and the task keeps them in the store as it goes, every
 stream broke, or another, replays them from any replica by `GET
 /v1/responses/{id}?stream=true`, after the last sequence number it saw
 (`starting_after`). A client that leaves the POST's stream leaves the response
-running; a cancel ends the stream without a last event.
+running; a cancel ends the stream without a last event. The last event
+(`response.completed`, ...) reaches the POST's stream once the store has kept
+the final state: a cancel that landed just before it was kept ended the stream
+"completed" while every GET said "cancelled".
 
 The task belongs to no request (actors/background.py): the POST that started it
 has returned, and a Ray call made in its context would go with it.
@@ -38,6 +41,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 
 from actors.background import background_task
+from cluster.responses_format import is_final_event
 
 BEAT_S = 1.0
 FLUSH_S = 0.1  # a streamed background response's events go to the store at most this late
@@ -131,27 +135,34 @@ class EventFeed:
 
 
 async def stream_to_store(stored, response_id: str, events: AsyncIterator[str], feed: EventFeed,
-                          finish: Callable[[list[str], int], Awaitable]) -> None:
+                          finish: Callable[[list[str], int], Awaitable[bool]]) -> None:
     """`events` to `feed` as they come and to the store (`stored`, the
     replica's StoredResponses) at most `FLUSH_S` later, the first at once, and
     those written before a pause (admission, the first token, a stall) during it,
     not when the next one comes; `finish(last, first)` stores the final state
-    with the last ones (`first`: the index of the first of them). Stopped
+    with the last ones (`first`: the index of the first of them), and says
+    whether the store kept it: the stream's final event (`is_final_event`)
+    reaches `feed` only then (not kept: cancelled, or too large). Stopped
     (cancelled), the events close, which ends the request, and those written are
     stored. Each batch says where it starts in the stream: one whose call was
     stopped may have been stored, and is sent again with those after it; the
     store keeps each event once."""
     unsent = _UnsentEvents(stored, response_id)
     pausing = asyncio.ensure_future(unsent.flush_in_pauses())
+    final = None
     try:
         async with contextlib.aclosing(events):
             async for event in events:
-                feed.add(event)
+                if is_final_event(event):
+                    final = event
+                else:
+                    feed.add(event)
                 unsent.events.append(event)
                 if time.monotonic() - unsent.flushed_s >= FLUSH_S:
                     await unsent.flush()
         await _stopped(pausing)
-        await finish(unsent.events, unsent.num_sent)
+        if await finish(unsent.events, unsent.num_sent) and final is not None:
+            feed.add(final)
     except asyncio.CancelledError:
         await _stopped(pausing)
         if unsent.events:

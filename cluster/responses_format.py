@@ -35,6 +35,14 @@ CUT = "length"  # the chat finish reason of an answer its token limit cut
 ABORTED = None  # the chat finish reason of an answer /abort_request ended (OpenAI's null)
 
 
+FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")  # a stream's last, with its response
+
+
+def is_final_event(event: str) -> bool:
+    """Whether a streamed event (`ResponseEvents._event`'s text) is its stream's last."""
+    return event.startswith(tuple(f"event: {kind}\n" for kind in FINAL_EVENTS))
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 

@@ -74,11 +74,12 @@ class StoredResponses:
         return await self.call(lambda store: store.put.remote(response, input_items, streamed))
 
     async def finish(self, response: dict, input_items: list[dict], events: list[str] = (),
-                     first: int | None = None) -> dict:
+                     first: int | None = None) -> bool:
         """`keep` for a background response's last state, and a streamed one's
-        last events, the first of them the stream's `first` (`ResponseStore.finish`)."""
-        await self.call(lambda store: store.finish.remote(response, input_items, list(events), first))
-        return response
+        last events, the first of them the stream's `first` (`ResponseStore.finish`);
+        whether the store kept them (not if it was cancelled, given up, deleted
+        or too large meanwhile)."""
+        return await self.call(lambda store: store.finish.remote(response, input_items, list(events), first))
 
     async def add_events(self, response_id: str, events: list[str], first: int | None = None) -> None:
         """A streamed response's next events, the first of them the stream's `first` (`ResponseStore.add_events`)."""

@@ -379,6 +379,42 @@ def test_a_streamed_background_response_reaches_its_feed_and_the_store_whole():
     assert store.events("s", -1).events == expected and store.get("s").response["status"] == "completed"
 
 
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_streams_last_event_reaches_its_post_only_once_the_store_kept_the_final_state(cancelled):
+    """A cancel that landed just before the final state was stored: the store
+    kept "cancelled" (every GET said so) while the POST's stream had already
+    sent `response.completed`. Now that event waits for the store's word: the
+    stream ends without it, as a cancel ends one."""
+    store = ResponseStore(max_bytes=1 << 20)
+    store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
+    completed = 'event: response.completed\ndata: {"type":"response.completed"}\n\n'
+
+    class Replica:
+        async def add_events(self, response_id, events, first):
+            store.add_events(response_id, events, first=first)
+
+    async def written():
+        yield "e0"
+        yield completed
+
+    async def run():
+        feed = EventFeed()
+        reading = asyncio.ensure_future(_read_all(feed.read()))
+        final = {**_response("s", None, "done"), "status": "completed", "background": True}
+
+        async def finish(last, first):
+            if cancelled:  # (it lands between the last event and the final state's store)
+                store.cancel("s")
+            return store.finish(final, _asked("s"), last, first)
+
+        await stream_to_store(Replica(), "s", written(), feed, finish)
+        return await reading
+
+    sent = asyncio.run(run())
+    assert store.get("s").response["status"] == ("cancelled" if cancelled else "completed")
+    assert sent == (["e0"] if cancelled else ["e0", completed])
+
+
 def test_a_streamed_background_responses_events_reach_the_store_during_a_pause():
     """The events written before a pause (waiting for admission or the first
     token, a stall) went to the store only when the next one came: a replay from
