@@ -198,6 +198,20 @@ def test_top_p_after_top_k_is_of_the_top_ks_mass():
     assert picks == {0}
 
 
+def test_top_p_after_top_k_counts_the_kths_ties_past_the_window():
+    """top_k 2 over 0.5 and five tokens tied at 0.1: the top-k mass is 1.0 (the k
+    best and every tie of the k-th), so the ties, 0.5 of it before them, stay
+    under a top_p of 0.6. The CPU window (3 columns) summed its own 0.7 and
+    dropped them, and kept nothing in its last column, so it never grew: it
+    picked the best alone, and a row's token changed with its batch's top_k."""
+    logits = torch.log(torch.tensor([[0.5] + [0.1] * 5 + [1e-13] * 10]))
+    draws = [0.3, 0.6, 0.9]
+    got = [int(sample(logits, [1.0], [2], [0.6], [draw])[0]) for draw in draws]
+    assert got == [int(reference_sample(logits, [1.0], [2], [0.6], [draw])[0]) for draw in draws] == [0, 1, 4]
+    beside = torch.cat([logits, logits.roll(3, dims=1)])  # (a mate whose top_k makes the window wider)
+    assert [int(sample(beside, [1.0, 1.0], [2, 12], [0.6, 1.0], [draw, 0.5])[0]) for draw in draws] == got
+
+
 def test_min_p_alone_keeps_what_holds_min_p_of_the_best():
     """0.2 of the best (0.5) is 0.1: the 0.05 token goes, the rest keep their shares."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
