@@ -142,7 +142,8 @@ async def stream_to_store(stored, response_id: str, events: AsyncIterator[str], 
     not when the next one comes; `finish(last, first)` stores the final state
     with the last ones (`first`: the index of the first of them), and says
     whether the store kept it: the stream's final event (`is_final_event`)
-    reaches `feed` only then (not kept: cancelled, or too large). Stopped
+    reaches `feed` only then (not kept: cancelled, or too large), and the store
+    only with the final state, not in a flush before it. Stopped
     (cancelled), the events close, which ends the request, and those written are
     stored. Each batch says where it starts in the stream: one whose call was
     stopped may have been stored, and is sent again with those after it; the
@@ -153,15 +154,15 @@ async def stream_to_store(stored, response_id: str, events: AsyncIterator[str], 
     try:
         async with contextlib.aclosing(events):
             async for event in events:
-                if is_final_event(event):
+                if is_final_event(event):  # (to the store with the final state alone: a replay shows it then)
                     final = event
-                else:
-                    feed.add(event)
+                    continue
+                feed.add(event)
                 unsent.events.append(event)
                 if time.monotonic() - unsent.flushed_s >= FLUSH_S:
                     await unsent.flush()
         await _stopped(pausing)
-        if await finish(unsent.events, unsent.num_sent) and final is not None:
+        if await finish(unsent.events + ([final] if final else []), unsent.num_sent) and final is not None:
             feed.add(final)
     except asyncio.CancelledError:
         await _stopped(pausing)

@@ -380,11 +380,15 @@ def test_a_streamed_background_response_reaches_its_feed_and_the_store_whole():
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
-def test_a_streams_last_event_reaches_its_post_only_once_the_store_kept_the_final_state(cancelled):
+def test_a_streams_last_event_reaches_its_post_only_once_the_store_kept_the_final_state(cancelled, monkeypatch):
     """A cancel that landed just before the final state was stored: the store
     kept "cancelled" (every GET said so) while the POST's stream had already
-    sent `response.completed`. Now that event waits for the store's word: the
-    stream ends without it, as a cancel ends one."""
+    sent `response.completed`, and a flush (each event flushes here) had put it
+    in the store, where a replay sent it. Now that event waits for the store's
+    word: both streams end without it, as a cancel ends one."""
+    import cluster.background_responses
+
+    monkeypatch.setattr(cluster.background_responses, "FLUSH_S", 0.0)
     store = ResponseStore(max_bytes=1 << 20)
     store.put({**_response("s", None, ""), "status": "queued", "background": True}, _asked("s"), streamed=True)
     completed = 'event: response.completed\ndata: {"type":"response.completed"}\n\n'
@@ -412,7 +416,7 @@ def test_a_streams_last_event_reaches_its_post_only_once_the_store_kept_the_fina
 
     sent = asyncio.run(run())
     assert store.get("s").response["status"] == ("cancelled" if cancelled else "completed")
-    assert sent == (["e0"] if cancelled else ["e0", completed])
+    assert sent == store.events("s", -1).events == (["e0"] if cancelled else ["e0", completed])
 
 
 def test_a_streamed_background_responses_events_reach_the_store_during_a_pause():
