@@ -354,19 +354,21 @@ class PoolView:
                 answers[member.worker_id] = result
         return answers
 
-    async def report_dead(self, worker_id: str) -> None:
+    async def report_dead(self, worker_id: str, handle=None) -> None:
         """A worker found dead (a call's error, `actor_died`): out of the view at
         once, all that was learned of it (`_forget`: one that died before its
         profile ran was in neither `stats` nor `profiled` at the next refresh, and
         its prefix index and gauges stayed for good), and told to the pool
-        manager, which replaces it. One the view no longer lists is not told: the
-        manager stopped listing it, or it was an earlier manager's (`replace_pool`),
-        and the new one, whose ids repeat the old ones, killed its own worker of
-        that id, still starting, as a start failure."""
-        member = self.members.pop(worker_id, None)
-        self._forget(worker_id)
-        if member is None:
+        manager, which replaces it. `handle`: the actor the caller's call went to.
+        A worker the view does not list, or lists as another actor, is left
+        alone: the manager stopped listing it, or it was an earlier manager's
+        (`replace_pool`), and the new one, whose ids repeat the old ones, killed
+        its own worker of that id as a start failure, or replaced it."""
+        member = self.members.get(worker_id)
+        if member is None or (handle is not None and member.handle != handle):
             return
+        del self.members[worker_id]
+        self._forget(worker_id)
         try:  # maybe in a request: the replacement it starts must not go with that request
             await background_call(lambda: self.pool.report_dead.remote(worker_id))
         except ray.exceptions.RayError as exc:

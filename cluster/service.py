@@ -392,11 +392,11 @@ class GlobalScheduler:
 
     async def _events(self, request: GenerateRequest, choice: Prediction, inflight: InFlight):
         call = None
+        decode = self.view.members[choice.decode_id].handle
         if choice.prefill_id is None:
-            events = colocated_events(self.feeds, self.view.members[choice.decode_id].handle, request)
+            events = colocated_events(self.feeds, decode, request)
         else:
             prefill = self.view.members[choice.prefill_id].handle
-            decode = self.view.members[choice.decode_id].handle
             call = DisaggregatedCall(
                 prefill, decode, request, self.settings.channel, self.settings.timeouts.handshake_s, self.feeds,
                 on_reserved=inflight.reserved,
@@ -414,7 +414,7 @@ class GlobalScheduler:
         except ReservationRefused as exc:
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         except WorkerDied as exc:
-            await self.view.report_dead(choice.decode_id)
+            await self.view.report_dead(choice.decode_id, decode)
             yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error=error_message(exc))
         except FeedLost as exc:  # the worker lives: not reported (that would replace it), but not tried again
             inflight.failed_id = choice.decode_id
@@ -438,7 +438,7 @@ class GlobalScheduler:
                              reservation.num_cached_blocks - reservation.num_borrowed_blocks, kind="held")
             self.metrics.inc("kv_transfer_blocks_total", help_text, reservation.num_borrowed_blocks, kind="borrowed")
         if actor_died(call.prefill_error):
-            await self.view.report_dead(choice.prefill_id)
+            await self.view.report_dead(choice.prefill_id, call.prefill)
 
     def _count_prompt(self, num_prompt: int, num_cached: int) -> None:
         """Prompt tokens the prefilling worker found in its prefix cache (device or

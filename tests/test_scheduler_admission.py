@@ -320,7 +320,13 @@ def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     models = scheduler.view.models
     assert not models.prefill_model("p0").is_fitted and not models.decode_model("d0").is_fitted
     asyncio.run(scheduler.view.report_dead("d0"))  # a request on the old d0 failing now
-    assert told == []  # (the new pool's d0 lives)
+    from cluster.pool_manager import Member
+
+    new_d0 = scheduler.view.members["d0"] = Member("d0", "decode", handle="the new d0")  # (listed by a refresh)
+    asyncio.run(scheduler.view.report_dead("d0", "the old d0"))  # (one failing only now)
+    assert told == [] and scheduler.view.members["d0"] is new_d0  # (the new pool's d0 lives)
+    asyncio.run(scheduler.view.report_dead("d0", "the new d0"))
+    assert told == ["d0"] and "d0" not in scheduler.view.members
 
 
 def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():

@@ -177,7 +177,7 @@ class _CallWhosePrefillDiesOnce:
     num_calls = 0
 
     def __init__(self, prefill, decode, request, *args, on_reserved=None, on_prefilled=None, **kwargs):
-        self.request, self.on_reserved = request, on_reserved
+        self.prefill, self.request, self.on_reserved = prefill, request, on_reserved
         self.prefill_result = self.prefill_error = self.reservation = None
 
     async def events(self):
@@ -203,7 +203,7 @@ def test_a_prefill_worker_that_died_on_the_first_attempt_is_reported_at_once(mon
     view.models.seed_from("p0", "p1")
     reported = []
 
-    async def report_dead(worker_id):  # (the pool manager's part of it is tested with the pools)
+    async def report_dead(worker_id, handle=None):  # (the pool manager's part of it is tested with the pools)
         reported.append(worker_id)
         view.members.pop(worker_id, None)
 
