@@ -154,6 +154,7 @@ class PoolAutoscaler:
         if track is not None:
             self._note_profiled(member, track, self.clock())
         self.awaiting_drain.pop(member.worker_id, None)
+        self.scaled_down.discard(member.worker_id)
 
     @staticmethod
     def _ask_again_if_unreachable(member, track: _Track) -> None:

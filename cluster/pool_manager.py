@@ -224,6 +224,8 @@ class PoolManager:
         "waiting". None if the worker is unknown, or draining or waiting already."""
         self._ensure_health_loop()
         member = self.members.get(worker_id)
+        # A drain asked for besides the policy's own (which marks it after this): never taken back
+        self.scaler.scaled_down.discard(worker_id)
         if member is None or self.scaler.is_leaving(member):
             return None
         others = [m for m in self.members.values()

@@ -439,6 +439,32 @@ def test_a_scale_up_while_a_scaled_down_worker_drains_takes_that_worker_back(poo
     assert sorted(workers) == ["d2", "p0", "p1"]  # none started
 
 
+def test_a_worker_a_scale_down_drains_and_then_drained_by_hand_is_not_taken_back(pools):
+    """`tandem drain` of the worker the policy drains already ("draining
+    already"): a scale-up still took it back, undoing the operator's drain."""
+    make, workers = pools
+    manager, clock = make({"prefill": {"replicas": 2, "min_replicas": 1, "max_replicas": 3},
+                           "autoscaling": {"scale_down_cooldown_s": 10.0, "drain_grace_s": 60.0}})
+    backlog = [0]
+    manager.scaler.signals.backlog_tokens = lambda serving, now: backlog[0]
+
+    async def run():
+        for worker in workers.values():
+            worker.come_up()
+        for _ in range(20):
+            clock.now += 1
+            await manager.scaler.step()
+        (drained,) = [worker for kind, worker in _events(manager) if kind == "down"]
+        await manager.drain(drained, "by hand (tandem drain)")
+        backlog[0] = 10**6
+        clock.now += 1
+        await manager.scaler.step()
+        return drained
+
+    drained = asyncio.run(run())
+    assert manager.members[drained].draining and not [e for e in _events(manager) if e[0] == "taken_back"]
+
+
 def test_scale_ups_that_no_node_takes_are_tried_again_after_the_restart_backoff_not_each_cooldown(pools):
     """An autoscaling pool short of workers whose scale-ups no node takes: each
     failure in a row holds the next scale-up for as long as a restart would wait
