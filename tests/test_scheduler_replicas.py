@@ -94,6 +94,7 @@ async def _abort_while_decoding(a, b, worker, attempts: int = 3) -> dict:
                      "B sees A's decoding request")
         if request.done():  # all its tokens came before B saw it
             assert request.result().finish_reason == "length"
+            await _until(lambda: not b.view.models.peers.decoding, 10, "B sees A's request end")  # (not stale)
             continue
         batch, kv_tokens = b.view.models.decode_load(worker)
         inflight_b = len(b.view.models.inflight)
