@@ -5,11 +5,14 @@ Each new token decodes a short window `ids[prefix_offset:]` and subtracts the te
 merge at window edges (sentencepiece's leading space) still give the exact text. A
 window whose text ends in U+FFFD (an incomplete UTF-8 sequence) emits nothing until
 the next token completes the character; `flush` emits whatever is left at the end.
-The concatenated deltas equal `tokenizer.decode(all_ids)`.
+The concatenated deltas equal `tokenizer.decode(all_ids, clean_up_tokenization_spaces=False)`.
 
-A fast (Rust) tokenizer whose wrapper adds nothing to its backend's decode (no
-`clean_up_tokenization_spaces`, or one transformers 5 ignores: `cleans_up_spaces`)
-is decoded by the backend directly: the same text,
+Spaces are never cleaned up after decoding (transformers' `clean_up_tokenization_spaces`,
+which Llama 3's checkpoints set and transformers 4 applies: " ." as ".", " 's" as
+"'s"), as vLLM's detokenizers never do. Applied to the windows, it made a window's
+text shorter than its prefix's, and the punctuation it removed was lost for good: a
+review's probe streamed "a b  c " for "a.b, c?". So a fast (Rust) tokenizer is
+decoded by its backend directly: the same text,
 without the wrapper's per-call Python (which was most of the cost: 12 us a call,
 two calls a token, 1.8 ms of host time per decode step at batch 64). Where the
 `tokenizers` library has `DecodeStream` (0.21 on), the same two-window algorithm
@@ -53,6 +56,7 @@ a range of characters overlaps; `text` joins them all (at the end).
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 try:
@@ -76,14 +80,14 @@ class ByteLevelTables:
     @classmethod
     def of(cls, tokenizer, vocab_size: int = 0) -> ByteLevelTables | None:
         """The tables, or None when the tokenizer decodes otherwise (another decoder,
-        a slow tokenizer, spaces cleaned up after decoding). They cover `vocab_size`
+        a slow tokenizer). They cover `vocab_size`
         ids (a model's, where it has more rows than its tokenizer has tokens: ids
         past the tokenizer's decode to nothing, as in the backend's decode)."""
         from tokenizers.decoders import ByteLevel
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or cleans_up_spaces(tokenizer) or type(backend.decoder) is not ByteLevel:
+        if backend is None or type(backend.decoder) is not ByteLevel:
             return None
         byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
         special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
@@ -96,20 +100,6 @@ class ByteLevelTables:
                 with_special.append(token.encode())
         without_special = [b"" if i in special else data for i, data in enumerate(with_special)]
         return cls(with_special, without_special)
-
-
-def cleans_up_spaces(tokenizer) -> bool:
-    """Whether `tokenizer.decode` cleans up spaces after its backend's decode
-    (transformers' `clean_up_tokenization_spaces`). Transformers 5 ignores the
-    flag for a BPE model unless forced (`..._for_bpe_even_though_it_will_corrupt_output`,
-    an attribute transformers 4 does not have, where the flag always applies):
-    read as set there, a checkpoint carrying it lost its byte tables, and with
-    them structured output and chat logprobs' bytes, for a text no different."""
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return False
-    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    return forced is None or forced or backend is None or type(backend.model).__name__ != "BPE"
 
 
 class IncrementalDetokenizer:
@@ -130,9 +120,8 @@ class IncrementalDetokenizer:
             self._incomplete = b""  # the bytes of a character the next token may complete
             return
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and cleans_up_spaces(tokenizer):
-            backend = None  # (the wrapper's decode, which cleans up, decodes)
-        self._decode_ids = tokenizer.decode if backend is None else backend.decode
+        self._decode_ids = backend.decode if backend is not None else functools.partial(
+            tokenizer.decode, clean_up_tokenization_spaces=False)
         context = self.context_ids(prompt_ids)
         # The windows' and the stream's flush read them: the context's first, then the output's
         self.token_ids: list[int] = list(context)

@@ -97,26 +97,39 @@ def test_added_tokens_outside_the_byte_alphabet_decode_as_their_text(tiny_qwen2_
 
 
 def test_other_decoders_take_the_stream_path(tiny_qwen2_dir):
-    """Tables only where a ByteLevel decoder alone decodes: a tokenizer whose
-    wrapper cleans spaces after decoding, or with another decoder, has none.
-    Transformers 5 ignores `clean_up_tokenization_spaces` for a BPE model unless
-    forced: a checkpoint carrying the flag lost its tables (structured output
-    refused, chat logprobs' bytes U+FFFD's) for a text no different."""
+    """Tables only where a ByteLevel decoder alone decodes: another decoder has none."""
     from tokenizers import decoders
 
     tokenizer = load_tokenizer(tiny_qwen2_dir)
     assert ByteLevelTables.of(tokenizer) is not None
-    tokenizer.clean_up_tokenization_spaces = True
-    ids = tokenizer.encode("a . b , c 's d n't", add_special_tokens=False)
-    if hasattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):  # (5.x)
-        assert tokenizer.decode(ids) == tokenizer.backend_tokenizer.decode(ids)  # (the flag changes nothing)
-        assert ByteLevelTables.of(tokenizer) is not None
-        tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
-    assert tokenizer.decode(ids) != tokenizer.backend_tokenizer.decode(ids)
-    assert ByteLevelTables.of(tokenizer) is None
-    tokenizer = load_tokenizer(tiny_qwen2_dir)
     tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     assert ByteLevelTables.of(tokenizer) is None
+
+
+@pytest.mark.parametrize("path", ["bytes", "stream", "windows"])
+def test_spaces_are_never_cleaned_up_and_no_punctuation_is_lost(tiny_qwen2_dir, monkeypatch, path):
+    """A tokenizer that cleans up spaces after decoding (transformers'
+    `clean_up_tokenization_spaces`, set by Llama 3's checkpoints, applied by
+    transformers 4 and here forced): its windows were decoded so, a window's
+    text came out shorter than its prefix's, and the punctuation went: "a b  c "
+    for "a.b, c?". Now no path cleans up, as vLLM's never do, and the byte
+    tables stay."""
+    import actors.detokenizer
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    tokenizer.clean_up_tokenization_spaces = True
+    if hasattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):  # (5.x)
+        tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tokenizer.convert_tokens_to_ids(["a", "Ġ", ".", "b", "Ġ", ",", "Ġc", "Ġ", "?"])
+    assert tokenizer.decode(ids) == "a.b, c?"  # (the cleanup, as transformers applies it)
+    tables = ByteLevelTables.of(tokenizer)
+    assert tables is not None
+    if path == "windows":
+        monkeypatch.setattr(actors.detokenizer, "DecodeStream", None)
+    detok = IncrementalDetokenizer(tokenizer, True, tables if path == "bytes" else None,
+                                   tokenizer.encode("Hello there", add_special_tokens=False))
+    text = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, clean_up_tokenization_spaces=False) == "a .b , c ?"
 
 
 def _byte_fallback_tokenizer():
