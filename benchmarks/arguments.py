@@ -26,6 +26,8 @@ non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: 0 < v < float("inf"), "a number > 0")
 non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a number >= 0")
 fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+# (an SLO's attainment target: 0 passed, and the autoscale run's app refused it after minutes of calibration)
+attainment_target = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def int_between(low: int, high: int | None = None):

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from benchmarks import report
 from benchmarks import workload as wl
-from benchmarks.arguments import arch, fraction, non_negative_float, positive_float, positive_int, preset
+from benchmarks.arguments import arch, attainment_target, non_negative_float, positive_float, positive_int, preset
 
 ROLES = ("prefill", "decode")
 PHASE_HEADERS = ["phase", "from s", "to s", "requests", "ok", "attainment", "TTFT p50 s", "TTFT p99 s",
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-workers", type=positive_int, default=2, help="most workers (and nodes) per pool")
     parser.add_argument("--ttft-scale", type=positive_float, default=4.0)
     parser.add_argument("--tbt-scale", type=positive_float, default=3.0)
-    parser.add_argument("--attainment", type=fraction, default=0.9)
+    parser.add_argument("--attainment", type=attainment_target, default=0.9)
     parser.add_argument("--kv-cache-mib", type=positive_int, default=512)
     parser.add_argument("--bin-s", type=positive_float, default=5.0, help="bin width of the plot's load and attainment")
     parser.add_argument("--seed", type=int, default=0)

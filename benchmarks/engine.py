@@ -130,7 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model_dir(args) -> Path:
-    if args.model:
+    if args.model is not None:
+        if not args.model.strip():  # (--model "$UNSET": not the built-in model)
+            from cluster.cli_error import CliError
+
+            raise CliError("--model is empty: give a checkpoint folder, or leave --model out for the built-in one")
         return Path(args.model)
     from actors.model_builder import ensure_checkpoint
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks import report
 from benchmarks import workload as wl
-from benchmarks.arguments import arch, fraction, positive_float, positive_int, preset, rates
+from benchmarks.arguments import arch, attainment_target, positive_float, positive_int, preset, rates
 
 MAX_EXTENSIONS = 2  # extra sweep rates when the capacity is outside the first sweep
 RUN_HEADERS = ["app", "load", "rate req/s", "requests", "rejected", "attainment (offered)", "attainment (admitted)",
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbt-slo-ms", type=positive_float, default=None,
                         help="TBT SLO (default: --tbt-scale x isolated)")
     parser.add_argument("--tbt-scale", type=positive_float, default=2.0)
-    parser.add_argument("--attainment", type=fraction, default=0.9)
+    parser.add_argument("--attainment", type=attainment_target, default=0.9)
     parser.add_argument("--kv-cache-mib", type=positive_int, default=512)
     parser.add_argument("--overhead-pairs", type=positive_int, default=40, help="HTTP/direct pairs for the overhead")
     parser.add_argument("--overhead-only", action="store_true", help="measure only the scheduler overhead")

@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.arguments import arch, fraction, positive_float, positive_int, preset, rates
+from benchmarks.arguments import arch, attainment_target, positive_float, positive_int, preset, rates
 from benchmarks.serve_scenarios import SCENARIOS, Scenario, build_scenario
 
 RUN_HEADERS = ["system", "rate req/s", "requests", "ok", "TTFT p50 s", "TTFT p99 s", "TBT p50 ms", "TBT p99 ms",
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbt-scale", type=positive_float, default=2.0)
     parser.add_argument("--tbt-stat", choices=["mean", "p90", "max"], default="mean",
                         help="per-request TBT judged against the SLO")
-    parser.add_argument("--attainment", type=fraction, default=0.9, help="attainment target for goodput")
+    parser.add_argument("--attainment", type=attainment_target, default=0.9, help="attainment target for goodput")
     parser.add_argument("--chunk", type=positive_int, default=128, help="prefill chunk of colocated-chunked")
     parser.add_argument("--kv-cache-mib", type=positive_int, default=512, help="KV cache per worker")
     parser.add_argument("--probes", type=positive_int, default=3, help="isolated requests for calibration")

@@ -43,7 +43,9 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
     if args.model is not None and not args.model.strip():  # (--model "$UNSET": not the built-in model)
         raise CliError("--model is empty: give a checkpoint folder, or leave --model out for a built-in one")
-    model_dir = Path(args.model) if args.model else ensure_checkpoint(args.preset, args.arch)
+    if args.model is not None and (args.preset, args.arch) != (None, None):  # (both were taken: the folder ran)
+        raise CliError("--preset and --arch name a built-in model: give them, or --model, not both")
+    model_dir = Path(args.model) if args.model else ensure_checkpoint(args.preset or "tiny", args.arch or "qwen2")
     llm = LLM(model_dir, block_size=16, prefill_chunk_size=64)
     prompts = args.prompt or ["The quick brown fox", "Serving language models on Ray", "Prefill and decode"]
     try:
@@ -120,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="generate offline with the built-in model (no Ray)")
     demo.add_argument("--model", help="checkpoint folder (default: the built-in preset)")
-    demo.add_argument("--preset", default="tiny")
-    demo.add_argument("--arch", choices=list(ARCH_SPECS), default="qwen2")
+    demo.add_argument("--preset", help="a built-in model (default: tiny)")
+    demo.add_argument("--arch", choices=list(ARCH_SPECS), help="its architecture (default: qwen2)")
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     demo.add_argument("--max-new-tokens", type=int, default=24)
     demo.add_argument("--temperature", type=float, default=0.7)
@@ -147,18 +149,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except _one_line_errors() as exc:  # (evaluated only when something was raised)
-        print(f"tandem {args.command}: {exc}", file=sys.stderr)
+        print(f"tandem {args.command}: {_said(exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _said(exc: Exception) -> str:
+    """An error's line: an OSError's as `<why>: <path>`, without its errno."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(exc)
 
 
 def _one_line_errors() -> tuple[type[Exception], ...]:
     """What a command says in one line: a request an engine refuses too (a
     benchmark's `--prompt-tokens` past the model's context was a traceback),
-    whose module, loading torch, is imported only then."""
+    whose module, loading torch, is imported only then; and an OSError the
+    command met on a path it was given (`File name too long`, from an
+    `is_dir()` Python 3.11 lets it through)."""
     from actors.sampling_params import InvalidRequestError
 
-    return CliError, CheckpointError, UnknownModel, InvalidRequestError
+    return CliError, CheckpointError, UnknownModel, InvalidRequestError, OSError
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ from actors.kv_store import GIB, KVStoreSettings
 from actors.model_shapes import PRESETS
 from actors.sampling_defaults import SamplingDefaultsSource
 
+MAX_GIB = float(1 << 20)  # a store's size at most (1 PiB): past it, sizes overflowed an int in bytes
+MAX_SCHEDULER_REPLICAS = 10_000  # (Serve refused 2**31 at deploy, past its checks)
+
 
 class _Strict(BaseModel):
     """No unknown settings, and each value of its own type, as YAML or JSON writes
@@ -252,11 +255,12 @@ class KVStoreSection(_Strict):
     """The tiers behind the workers' device pools (docs/kv-store.md). Paths must be
     the same on every node; the shared path is a mount every node sees."""
 
-    host_gib: float = Field(1.0, ge=0)
+    # (bounded: `host_gib: 1.0e+300` passed, and the pool manager's start raised OverflowError)
+    host_gib: float = Field(1.0, ge=0, le=MAX_GIB)
     disk_path: str | None = None
-    disk_gib: float = Field(16.0, gt=0)
+    disk_gib: float = Field(16.0, gt=0, le=MAX_GIB)
     shared_path: str | None = None
-    shared_gib: float | None = Field(None, gt=0)  # None: unbounded by size, bounded by ttl_s (one is needed)
+    shared_gib: float | None = Field(None, gt=0, le=MAX_GIB)  # None: unbounded by size, by ttl_s (one is needed)
     ttl_s: float | None = Field(None, gt=0)
     high_watermark: float = Field(0.9, gt=0, le=1)
     low_watermark: float = Field(0.7, gt=0, le=1)
@@ -314,11 +318,11 @@ class AppSettings(_Strict):
     reasoning_parser: Literal["think"] | None = None
     # How the served model writes tool calls under tool_choice "auto" (cluster/tool_calls.py TOOL_CALL_FORMATS)
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
-    scheduler_replicas: int = Field(1, ge=1)  # Serve replicas of the global scheduler (HTTP front end)
+    scheduler_replicas: int = Field(1, ge=1, le=MAX_SCHEDULER_REPLICAS)  # the global scheduler's Serve replicas
     api_key: str | None = Field(None, min_length=1, pattern=r"\S")  # or TANDEM_API_KEY; "" is refused (not "off")
     # The Responses API's stored responses (previous_response_id) and conversations (/v1/conversations;
     # cluster/response_store.py): 0 stores none
-    response_store_mib: float = Field(64, ge=0)
+    response_store_mib: float = Field(64, ge=0, le=MAX_GIB * 1024)
     pool_name: str = "tandem-pool"  # the detached pool manager's actor name
     profile_dir: str | None = None  # where /start_profile's traces go, on each worker's node (None: off)
 
@@ -354,8 +358,8 @@ class AppSettings(_Strict):
         elif self.channel == "nccl":
             raise ValueError("channel: nccl moves KV between GPUs: set engine.device: cuda (or use gloo on CPU)")
         # (the default limit, above a shorter max_model_len, gives way to it: a prompt is refused past either)
-        if ("max_prompt_tokens" in self.limits.model_fields_set
-                and self.limits.max_prompt_tokens + 1 > (self.engine.max_model_len or 10**9)):
+        if ("max_prompt_tokens" in self.limits.model_fields_set and self.engine.max_model_len is not None
+                and self.limits.max_prompt_tokens + 1 > self.engine.max_model_len):
             raise ValueError(f"limits.max_prompt_tokens ({self.limits.max_prompt_tokens}) must leave room for one new "
                              f"token within engine.max_model_len ({self.engine.max_model_len})")
         return self

@@ -44,6 +44,8 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
             raw = yaml.safe_load(config)
         except yaml.YAMLError as exc:
             return [f"spec.serveConfigV2 is not valid YAML ({' '.join(str(exc).split())})"]
+        except RecursionError:
+            return ["spec.serveConfigV2 nests too deeply to be a Serve config"]
     if not isinstance(raw, dict):
         return ["expected a mapping at the top level"]
     try:
@@ -56,6 +58,9 @@ def check_manifest(path: str | Path, local: bool = False) -> list[str]:
         problems.append(f"http_options.port: {port} is not a TCP port (1 to {MAX_PORT})")
     pools: dict[str, str] = {}  # pool_name -> the first application that names it
     for application in schema.applications:
+        problem = _route_prefix_problem(application.route_prefix)
+        if problem is not None:
+            problems.append(f"application {application.name!r}: route_prefix {application.route_prefix!r} {problem}")
         if application.import_path != IMPORT_PATH:
             continue  # another app in the same config: not Tandem's to check
         try:
@@ -95,11 +100,28 @@ def _deployment_problems(application) -> list[str]:
     return problems
 
 
+def _route_prefix_problem(route_prefix) -> str | None:
+    """Why Serve would refuse an application's route prefix at deploy (its
+    config schema takes any string), or None."""
+    if not isinstance(route_prefix, str):  # (None: not served over HTTP; or Serve's default)
+        return None
+    if not route_prefix.startswith("/"):
+        return "must start with '/'"
+    if route_prefix != "/" and route_prefix.endswith("/"):
+        return "must not end with '/'"
+    if "{" in route_prefix or "}" in route_prefix:
+        return "must not hold wildcards ({ or })"
+    return None
+
+
 def _checkpoint_context(path: str | None, local: bool) -> tuple[int | None, str | None]:
     """The context of the checkpoint folder at `path` (None where it is not read
     here), or why it would not load here."""
-    if path is None or not (local or Path(path).is_dir()):
-        return None, None
+    try:
+        if path is None or not (local or Path(path).is_dir()):
+            return None, None
+    except OSError as exc:  # (a path too long: Python 3.11's is_dir() lets that through)
+        return None, exc.strerror or str(exc)
     from actors.config import CheckpointError, ModelConfig, ModelLocation
     from actors.tokenization import load_tokenizer
     from actors.sampling_defaults import SamplingDefaults
@@ -113,6 +135,8 @@ def _checkpoint_context(path: str | None, local: bool) -> tuple[int | None, str 
         SamplingDefaults.load(model_dir)
     except CheckpointError as exc:
         return None, str(exc)
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
     return config.max_position_embeddings, None
 
 

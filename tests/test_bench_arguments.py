@@ -54,7 +54,9 @@ def test_every_preset_option_is_checked_against_the_presets():
 
 @pytest.mark.parametrize("argv, message", [
     (["overload", "--capacity", "-1"], "argument --capacity: must be a number > 0, got '-1'"),
-    (["serve", "--attainment", "1.5"], "argument --attainment: must be a number in [0, 1], got '1.5'"),
+    (["serve", "--attainment", "1.5"], "argument --attainment: must be a number in (0, 1], got '1.5'"),
+    # found by a review: the autoscale run's app refused it, after minutes of calibration
+    (["autoscale", "--attainment", "0"], "argument --attainment: must be a number in (0, 1], got '0'"),
     (["engine", "--repeats", "0"], "argument --repeats: must be an integer > 0, got '0'"),
     (["kernels", "--threads", "x"], "argument --threads: must be an integer >= 0, got 'x'"),
     (["transfer", "--preset", "nope"], "argument --preset: must be one of bench, qwen2.5-0.5b, tiny, got 'nope'"),

@@ -71,6 +71,11 @@ def test_malformed_manifests_are_problems_not_tracebacks(tmp_path, tiny_qwen2_di
         (tmp_path / "rs.yaml").write_text(f"kind: RayService\nspec:\n  serveConfigV2:{config}\n")
         [problem] = check_manifest(tmp_path / "rs.yaml")
         assert problem.startswith("a RayService's spec.serveConfigV2 must be the Serve config as a YAML string"), config
+    (tmp_path / "deep_rs.yaml").write_text("kind: RayService\nspec:\n  serveConfigV2: '" + "[" * 5000 + "'\n")
+    assert check_manifest(tmp_path / "deep_rs.yaml") == ["spec.serveConfigV2 nests too deeply to be a Serve config"]
+    too_long = "/tmp/" + "x" * 300
+    [problem] = check_manifest(_with_model_path(tmp_path, too_long), local=True)
+    assert problem == "application 'tandem': model.path: File name too long"
     listed = tmp_path / "listed"
     shutil.copytree(tiny_qwen2_dir, listed)
     (listed / "config.json").write_text("[1, 2]")
@@ -220,6 +225,11 @@ def test_local_profile_binds_to_loopback():
         ({"model": {"path": "/models/x", "arch": "llama"}}, "model.arch is a preset's"),
         ({"model": {"preset": "tiny"}, "engine": {"max_model_len": 1024}, "limits": {"max_prompt_tokens": 1024}},
          r"limits.max_prompt_tokens \(1024\) must leave room for one new token within engine.max_model_len \(1024\)"),
+        # Found by a review: each passed, then failed the pool manager's start (OverflowError) or Serve's deploy
+        ({"model": {"preset": "tiny"}, "kv_store": {"host_gib": 1e300}}, "kv_store.host_gib\n.*less than or equal"),
+        ({"model": {"preset": "tiny"}, "kv_store": {"disk_path": "/kv", "disk_gib": 1e300}}, "kv_store.disk_gib"),
+        ({"model": {"preset": "tiny"}, "response_store_mib": 1.7e308}, "response_store_mib\n.*less than or equal"),
+        ({"model": {"preset": "tiny"}, "scheduler_replicas": 2**31}, "scheduler_replicas\n.*less than or equal"),
     ],
 )
 def test_bad_settings_are_refused_clearly(args, message):
@@ -349,6 +359,25 @@ def test_deployment_overrides_are_checked_as_serve_would(tmp_path):
     manifest.write_text(yaml.safe_dump({"applications": [{**application, "deployments": [
         {"name": "Scheduler", "max_ongoing_requests": 256}]}]}))
     assert check_manifest(manifest) == []
+
+
+@pytest.mark.parametrize("route_prefix, problem", [("abc", "must start with '/'"), ("/a/", "must not end with '/'"),
+                                                    ("/{x}", "must not hold wildcards ({ or })")])
+def test_a_route_prefix_serve_would_refuse_at_deploy_is_a_problem(tmp_path, route_prefix, problem):
+    """Found by a review: Serve's config schema takes any string; its deploy does not."""
+    manifest = tmp_path / "prefix.yaml"
+    manifest.write_text(yaml.safe_dump({"applications": [{"name": "tandem", "route_prefix": route_prefix,
+                                                           "import_path": "cluster.app:build_app",
+                                                           "args": {"model": {"preset": "tiny"}}}]}))
+    assert check_manifest(manifest) == [f"application 'tandem': route_prefix {route_prefix!r} {problem}"]
+
+
+def test_a_long_prompt_limit_needs_no_max_model_len_to_compare_with():
+    """Found by a review: without `max_model_len` the limit was held to 10**9, and
+    the message named `max_model_len (None)`; the model's own context bounds it
+    where the checkpoint is read (`kv_pool_problem`)."""
+    AppSettings.model_validate({"model": {"preset": "tiny"}, "limits": {"max_prompt_tokens": 10**9},
+                                "engine": {"num_kv_blocks": 10**8}})
 
 
 def test_the_settings_example_validates_and_max_model_len_alone_bounds_the_prompt():

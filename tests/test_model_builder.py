@@ -252,6 +252,17 @@ def test_cli_demo_with_an_unknown_preset_is_one_line(capsys):
     assert capsys.readouterr().err == "tandem make-model: --out is empty: give the folder to write the checkpoint to\n"
     assert main(["demo", "--model", __file__]) == 2
     assert capsys.readouterr().err == f"tandem demo: {__file__}: a file, not a checkpoint folder\n"
+    # Found by a review: --arch was ignored beside --model; an empty --model ran the built-in bench model;
+    # a path too long was a traceback (Python 3.11's is_dir() lets ENAMETOOLONG through)
+    assert main(["demo", "--model", "/models/x", "--arch", "llama"]) == 2
+    assert capsys.readouterr().err == "tandem demo: --preset and --arch name a built-in model: give them, or " \
+                                      "--model, not both\n"
+    assert main(["bench", "engine", "--model", "", "--out", "/tmp/tandem-unused.json"]) == 2
+    assert capsys.readouterr().err == "tandem bench: --model is empty: give a checkpoint folder, or leave " \
+                                      "--model out for the built-in one\n"
+    too_long = "/tmp/" + "x" * 300
+    assert main(["make-model", "--preset", "tiny", "--out", too_long]) == 2
+    assert capsys.readouterr().err == f"tandem make-model: File name too long: {too_long}\n"
 
 
 def test_a_manifest_takes_every_preset():
