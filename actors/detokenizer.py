@@ -46,6 +46,14 @@ the prompt's last tokens (`context_ids`, as vLLM primes its DecodeStream: the
 shortest run of 4 to 24 whose text is complete), and only what follows them is
 the output's. The byte path strips nothing and needs none.
 
+A prompt of token ids may end inside a character (an output cut mid-emoji, sent
+back to go on): the output's first text then starts with that character, whole
+where the output completes it, U+FFFD where it does not, as DecodeStream gives it.
+The byte path starts from the prompt's trailing bytes of the character, and the
+windows from the tokens that hold them (`_cut_character_tokens`); the byte path
+gave each of the output's continuation bytes as a U+FFFD, and the windows lost
+the character (a review's probe).
+
 The text is kept as the list of its deltas (`pieces`, with `piece_ends`: where each
 ends), never concatenated as it grows: appending a delta to one string copies the
 whole string every token, so a token cost 7.4 us at 100k characters of output
@@ -117,7 +125,8 @@ class IncrementalDetokenizer:
         self._stream = None
         if byte_level is not None:
             self._token_bytes = byte_level.without_special if skip_special_tokens else byte_level.with_special
-            self._incomplete = b""  # the bytes of a character the next token may complete
+            # the bytes of a character the next token may complete: at first, one the prompt ends inside
+            _, self._incomplete = _decode_complete(b"".join(self._token_bytes[t] for t in prompt_ids[-8:]))
             return
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_ids = backend.decode if backend is not None else functools.partial(
@@ -127,7 +136,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = list(context)
         self._context_chars = len(self._decode(context))
         self.prefix_offset = 0
-        self.read_offset = len(context)
+        self.read_offset = len(context) - self._cut_character_tokens(context)
         self._stream_sent = len(context)  # tokens whose text the stream gave (it holds back an incomplete character's)
         if backend is not None and DecodeStream is not None:
             self._backend = backend
@@ -150,6 +159,17 @@ class IncrementalDetokenizer:
             if text and "\ufffd" not in text:
                 return prompt_ids[-count:]
         return prompt_ids
+
+    def _cut_character_tokens(self, context: list[int]) -> int:
+        """How many of the context's last tokens hold a character it ends inside
+        (its text ends in U+FFFD, which the tokens before them do not): the
+        windows' output starts at them."""
+        if not self._decode(context).endswith("\ufffd"):
+            return 0
+        for count in range(1, min(4, len(context)) + 1):  # (a character is at most 4 bytes)
+            if not self._decode(context[:-count]).endswith("\ufffd"):
+                return count
+        return 0
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)

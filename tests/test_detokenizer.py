@@ -258,3 +258,27 @@ def test_an_output_keeps_its_first_space_where_a_decode_strips_a_texts_first(mon
         assert "".join(detok.add(token_id) for token_id in outputs[0]) + detok.flush() == " Paris."
         alone = IncrementalDetokenizer(tokenizer)  # (no prompt: an output's text as decode gives it)
         assert "".join(alone.add(token_id) for token_id in outputs[0]) + alone.flush() == "Paris."
+
+
+@pytest.mark.parametrize("rest, expected", [("🙂 end", "🙂 end"), ("a end", "\ufffda end")])
+def test_a_prompt_that_ends_inside_a_character_starts_the_output_with_it_on_every_path(tiny_qwen2_dir,
+                                                                                        monkeypatch, rest, expected):
+    """A prompt of ids cut inside "🙂" (an output cut mid-emoji, sent back to go
+    on): the byte path gave the output's continuation bytes as U+FFFDs, the
+    windows lost the character; now every path gives what DecodeStream gives,
+    the character whole where the output completes it, U+FFFD where it does not
+    (a review's probe)."""
+    import actors.detokenizer
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    ids = tokenizer.encode("ok🙂 end", add_special_tokens=False)  # ok, then 🙂 in four byte tokens
+    prompt = ids[:3]
+    assert tokenizer.decode(prompt) == "ok\ufffd"
+    out = ids[3:] if rest == "🙂 end" else tokenizer.encode(rest, add_special_tokens=False)
+    texts = []
+    for tables, stream in ((ByteLevelTables.of(tokenizer), True), (None, True), (None, False)):
+        if not stream:
+            monkeypatch.setattr(actors.detokenizer, "DecodeStream", None)
+        detok = IncrementalDetokenizer(tokenizer, True, tables, prompt)
+        texts.append("".join(detok.add(t) for t in out) + detok.flush())
+    assert texts == [expected] * 3
