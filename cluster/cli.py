@@ -111,7 +111,7 @@ def _checked_out(run):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tandem", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
 
     make = sub.add_parser("make-model", help="write a deterministic HF checkpoint folder")
