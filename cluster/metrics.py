@@ -12,14 +12,20 @@ import bisect
 import threading
 from collections import defaultdict
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# (to 600 s: a request may run `limits.request_timeout_s`, 300 s by default, and an e2e p99 past the last
+# bucket read as that bucket's bound, 60 s, whatever it was)
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def _escaped(text: str) -> str:
+    """A label value or HELP text as the exposition format writes it: backslash and newline escaped."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in sorted(labels.items()))
+    inner = ",".join(f'{k}="{_escaped(str(v)).replace(chr(34), chr(92) + chr(34))}"' for k, v in sorted(labels.items()))
     return "{" + inner + "}"
 
 
@@ -66,17 +72,19 @@ class Metrics:
                 for key in [key for key in series if wanted <= set(key)]:
                     del series[key]
 
-    def observe(self, name: str, help_text: str, value: float, **labels) -> None:
+    def observe(self, name: str, help_text: str, value: float, count: int = 1, **labels) -> None:
+        """`count` observations of `value` (an event of several tokens: as many gaps)."""
         with self._lock:
             self._help[name] = ("histogram", help_text)
             series = self._histograms[name].setdefault(self._key(labels), [[0] * len(LATENCY_BUCKETS_S), 0.0, 0])
             index = bisect.bisect_left(LATENCY_BUCKETS_S, value)
             if index < len(LATENCY_BUCKETS_S):
-                series[0][index] += 1
-            series[1] += value
-            series[2] += 1
+                series[0][index] += count
+            series[1] += value * count
+            series[2] += count
         if self.export is not None:
-            self.export.observe(name, help_text, value, labels)
+            for _ in range(count):
+                self.export.observe(name, help_text, value, labels)
 
     def value(self, name: str, **labels) -> float:
         """A counter's or gauge's current value (0 when never set)."""
@@ -91,7 +99,7 @@ class Metrics:
         with self._lock:
             for name, (kind, help_text) in sorted(self._help.items()):
                 full = f"tandem_{name}"
-                lines.append(f"# HELP {full} {help_text}")
+                lines.append(f"# HELP {full} {_escaped(help_text)}")
                 lines.append(f"# TYPE {full} {kind}")
                 if kind == "counter":
                     for key, value in self._counters[name].items():

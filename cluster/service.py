@@ -258,6 +258,7 @@ class GlobalScheduler:
         timer = self.outcomes.timer(started)
         exclude: set[str] = set()
         failure = ""  # why the latest attempt failed, if one did
+        retry_reason = None  # why the next attempt is a retry (counted once it is planned)
         num_failed = num_lent_lost = 0  # attempts ended before the first token: by a worker, by a lender
         outcome, finished = "error", False  # finished: its outcome is known (closing it after changes nothing)
         admitted = False  # routed to a pair: its end-to-end latency is one a client waited a served answer for
@@ -281,6 +282,9 @@ class GlobalScheduler:
                         raise
                     raise ApiError(503, f"{said} failed ({failure}), and no other worker can take it; "
                                    "retry shortly", kind="service_unavailable", headers={"Retry-After": "1"}) from None
+                if retry_reason is not None:  # (tried again only now: one no worker could take was not)
+                    self.metrics.inc("retries_total", "requests tried again before their first token, by why",
+                                     reason=retry_reason)
                 self.outcomes.routed((choice.prefill_id, choice.decode_id))
                 admitted = True
                 if routed is not None and not routed.done():
@@ -302,9 +306,8 @@ class GlobalScheduler:
                                 num_failed += 1
                                 if choice.decode_id in self.view.members:  # else D died (reported): P may serve again
                                     exclude.add(self._failed_worker(choice, self.view.models.inflight[attempt_id]))
-                            self.metrics.inc("retries_total", "requests tried again before their first token, by why",
-                                             reason="lender_ended" if event.borrowed_kv_lost else "failed")
-                            log.warning("request %s failed before its first token (%s); retrying", request_id,
+                            retry_reason = "lender_ended" if event.borrowed_kv_lost else "failed"
+                            log.warning("request %s failed before its first token (%s); trying again", request_id,
                                         event.error)
                             failure = event.error
                             break
@@ -374,8 +377,8 @@ class GlobalScheduler:
                         self.metrics.observe("ttft_seconds", "time to first token", now - started)
                         models.observe_ttft(choice, now - inflight.admitted_s)
                     elif last_s is not None:
-                        gap = (now - last_s) / len(event.token_ids)
-                        self.metrics.observe("tbt_seconds", "time between tokens", gap)
+                        gap = (now - last_s) / len(event.token_ids)  # (an event of k tokens: k gaps of it)
+                        self.metrics.observe("tbt_seconds", "time between tokens", gap, count=len(event.token_ids))
                         num_gaps += len(event.token_ids)
                         if num_gaps >= GAPS_PER_OBSERVATION or (event.finished and num_gaps):  # short ones teach too
                             models.observe_token_gap(choice.decode_id, (now - gaps_from_s) / num_gaps)

@@ -234,6 +234,58 @@ def test_a_request_closed_after_its_last_event_keeps_that_events_outcome(tiny_qw
     assert _outcomes(completions)[outcome] == 1 and sum(_outcomes(completions).values()) == 1
 
 
+def test_an_event_of_several_tokens_counts_a_gap_for_each(tiny_qwen2_dir):
+    """A speculating D (or `stream_interval` > 1) sends several tokens an event:
+    `tandem_tbt_seconds` counted one gap for it, its mean gap, and leant to slow
+    single-token events (a review's probe: 2 observations for 10 gaps)."""
+    async def nine_at_once(request, choice, inflight):
+        yield TokenEvent(request.request_id, [1], "a", None, False, None, time.time())
+        yield TokenEvent(request.request_id, list(range(9)), "b" * 9, None, False, None, time.time())
+        yield TokenEvent(request.request_id, [2], "c", None, True, "length", time.time())
+
+    scheduler = make_scheduler(ttft_ms=10_000)
+    scheduler._events = nine_at_once
+
+    async def run():
+        return [e async for e in scheduler.generate(PROMPT, SamplingParams(max_new_tokens=11))]
+
+    asyncio.run(run())
+    assert "tandem_tbt_seconds_count 10" in scheduler.metrics.render().splitlines()
+
+
+def test_a_retry_no_worker_can_take_is_not_counted(tiny_qwen2_dir):
+    """One P and one D, and the attempt failed before its first token: the
+    request ended "no other worker can take it", counted as retried all the same."""
+    async def failed(request, choice, inflight):
+        yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error="the actor died")
+
+    scheduler = make_scheduler(ttft_ms=10_000)
+    scheduler._events = failed
+
+    async def run():
+        return [e async for e in scheduler.generate(PROMPT, SamplingParams(max_new_tokens=4))]
+
+    with pytest.raises(ApiError, match="no other worker can take it"):
+        asyncio.run(run())
+    assert scheduler.metrics.value("retries_total", reason="failed") == 0
+    assert scheduler.metrics.value("requests_total", outcome="error") == 1
+
+
+def test_the_exposition_escapes_newlines_and_e2e_buckets_reach_the_request_timeout():
+    """A newline in a label value split its sample line (no label takes user text
+    today); e2e buckets ended at 60 s while a request may run 300, and every p99
+    past 60 s read as 60."""
+    from cluster.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.set("queue_depth", "requests\nwaiting", 2, worker="d0\nx")
+    metrics.observe("e2e_seconds", "end-to-end latency", 280.0)
+    lines = metrics.render().splitlines()
+    assert "# HELP tandem_queue_depth requests\\nwaiting" in lines
+    assert 'tandem_queue_depth{worker="d0\\nx"} 2' in lines
+    assert 'tandem_e2e_seconds_bucket{le="300.0"} 1' in lines and 'tandem_e2e_seconds_bucket{le="120.0"} 0' in lines
+
+
 def test_each_replicas_counts_are_a_series_of_their_own_on_rays_metrics_port(ray_local, tiny_qwen2_dir):
     """Two schedulers (replicas) count their requests; Ray's metrics port has
     each one's count under its own `replica` tag (cluster/metrics_export.py),
