@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import time
 import uuid
 
 from actors.detokenizer import ByteLevelTables
@@ -49,6 +48,7 @@ class Completions:
         the name `/abort_request` knows its requests by (the completion's id
         unless given: a response's id)."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = fmt.created_now()  # (once: every chunk and the body say when the request came)
         per_choice, n = choice_params(params, body.n), body.n
         streams = await self.start_choices([(prompt_ids[k // n], per_choice[k % n],
                                              f"{request_id}-{k}" if k else request_id, rid or request_id)
@@ -60,8 +60,8 @@ class Completions:
                 for k in range(len(streams))] if not chat and body.echo else None
         if body.stream:
             writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
-            chunks = self._chunks(streams, request_id, chat, num_prompt, body.include_usage, echo, writers, reasoning,
-                                  n)
+            chunks = self._chunks(streams, request_id, created, chat, num_prompt, body.include_usage, echo, writers,
+                                  reasoning, n)
             return stream_as(chunks) if stream_as is not None else fmt.sse_response(fmt.sse_stream(chunks))
         results = await self.collect_all(streams)
         if echo is not None:
@@ -85,7 +85,7 @@ class Completions:
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls,
-                                   [t.reasoning for t in thoughts] if reasoning else None)
+                                   [t.reasoning for t in thoughts] if reasoning else None, created=created)
 
     def _chat_deltas(self, body: ChatBody, reasoning: Reasoning | None):
         """What writes a streamed chat choice's deltas where they are not its text
@@ -200,8 +200,8 @@ class Completions:
             return None
         return sum(num_reasoning_tokens(self.tokenizer, ids, reasoning.opened) for ids in answers)
 
-    async def _chunks(self, streams, request_id, chat, num_prompt, include_usage, echo=None, writers=None,
-                      reasoning: Reasoning | None = None, n: int = 1):
+    async def _chunks(self, streams, request_id, created: int, chat, num_prompt, include_usage, echo=None,
+                      writers=None, reasoning: Reasoning | None = None, n: int = 1):
         """Every choice's events as they come, as chunk payloads (then "[DONE]"),
         each chunk naming its choice; `echo[k]` rewrites choice k's first event
         (see `_echoed`); `writers[k]`, where not None, writes choice k's deltas
@@ -244,7 +244,7 @@ class Completions:
                             logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
                             token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
                         yield fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
-                                                   first[index], index, delta)
+                                                   first[index], index, delta, created=created)
                         first[index] = False
             except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
                 log.exception("request %s: its stream failed", request_id)
@@ -252,6 +252,6 @@ class Completions:
                                  "code": 500}}
         if include_usage:
             yield {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                   "created": int(time.time()), "model": self.model_name, "choices": [],
+                   "created": created, "model": self.model_name, "choices": [],
                    "usage": fmt.usage(num_prompt, num_tokens, sum(cached), self._reasoning_tokens(reasoning, answers))}
         yield "[DONE]"

@@ -114,15 +114,15 @@ def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list | None:
 
 def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: bool,
                     prompt_logprobs: list | None = None, tool_calls: list | None = None,
-                    reasoning: list | None = None) -> dict:
+                    reasoning: list | None = None, *, created: int) -> dict:
     """A whole response; `choices`: (text, finish reason, logprobs) each, in index
     order; `prompt_logprobs`: each choice's (`prompt_logprobs`), where vLLM puts them:
     on each completion choice, once on a chat response (its choices share a prompt);
     `tool_calls`: each chat choice's, or None where it answered with text
     (cluster/tool_calls.py); a chat choice's text is its message's content (null
     beside calls, or the text around them); `reasoning`: each chat choice's
-    `reasoning_content` where the server parses reasoning (cluster/reasoning.py)."""
-    created = int(time.time())
+    `reasoning_content` where the server parses reasoning (cluster/reasoning.py);
+    `created`: when the request came (`created_now`), as on each of its chunks."""
     if chat:
         calls = tool_calls or [None] * len(choices)
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
@@ -151,10 +151,11 @@ def _message(text: str | None, tool_calls: list | None) -> dict:
 
 
 def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False,
-                     index: int = 0, delta: dict | None = None) -> dict:
+                     index: int = 0, delta: dict | None = None, *, created: int) -> dict:
     """One streamed event of a choice; `delta`: a chat delta's fields in place of
-    {"content": text} (a tool call's, cluster/tool_calls.py)."""
-    created = int(time.time())
+    {"content": text} (a tool call's, cluster/tool_calls.py); `created`: the
+    request's, the same on every chunk (OpenAI's: "each chunk has the same
+    timestamp"; each read the clock, and a stream that crossed a second changed it)."""
     if chat:
         delta = {"content": text} if delta is None else dict(delta)
         if first:
@@ -164,6 +165,11 @@ def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: boo
                 "choices": [choice]}
     choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def created_now() -> int:
+    """A completion's `created`: the Unix time in whole seconds."""
+    return int(time.time())
 
 
 def finish_reason(event_reason: str | None) -> str | None:

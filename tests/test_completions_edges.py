@@ -62,6 +62,28 @@ def test_a_batchs_usage_counts_the_cached_tokens_of_every_prompt(tiny_qwen2_dir,
     assert usage["prompt_tokens"] == 80 and usage["prompt_tokens_details"]["cached_tokens"] == 32
 
 
+def test_every_chunk_and_body_says_when_the_request_came(tiny_qwen2_dir, monkeypatch):
+    """Each chunk read the clock: a stream that crossed a second changed
+    `created` (OpenAI: "each chunk has the same timestamp"), and a body was
+    stamped when its answer ended (a review's probe, a clock a second a call)."""
+    import itertools
+
+    import cluster.openai_format as fmt
+
+    clock = itertools.count(1_700_000_000)
+    monkeypatch.setattr(fmt.time, "time", lambda: next(clock))
+    completions = _completions(tiny_qwen2_dir, ["a", "b", "c"])
+    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                    "stream_options": {"include_usage": True}})
+
+    async def run():
+        answer = await completions.answer(body, ["p"], SamplingParams(max_new_tokens=3), [[1, 2]], chat=True)
+        return [json.loads(line) for line in await _sse(answer) if line != "[DONE]"]
+
+    chunks = asyncio.run(run())
+    assert len(chunks) >= 4 and {chunk["created"] for chunk in chunks} == {1_700_000_000}
+
+
 DEEP_CALL = "<tool_call>" + "[" * 1500 + "]" * 1500 + "</tool_call>"  # (a client can force it: guided_regex)
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 

@@ -19,9 +19,9 @@ def test_prompt_logprobs_name_each_prompt_token_and_the_best_by_id():
     assert entries[1] == {3: {"logprob": -2.5, "rank": 2, "decoded_token": "d"},
                           1: {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}
     assert list(entries[2]) == [4, 0, 2] and entries[2][4]["rank"] == 40 and entries[2][2]["rank"] == 2
-    completion = fmt.completion_body("id", "m", [("x", "length", None)] * 2, {}, False, [entries, entries])
+    completion = fmt.completion_body("id", "m", [("x", "length", None)] * 2, {}, False, [entries, entries], created=0)
     assert all(choice["prompt_logprobs"] == entries for choice in completion["choices"])
-    chat = fmt.completion_body("id", "m", [("x", "length", None)] * 2, {}, True, [entries])
+    chat = fmt.completion_body("id", "m", [("x", "length", None)] * 2, {}, True, [entries], created=0)
     assert chat["prompt_logprobs"] == entries and all("prompt_logprobs" not in c for c in chat["choices"])
 
 

@@ -179,14 +179,17 @@ def test_non_streaming_bodies_are_checked_field_by_field():
     assert judge(generate, RawResponse(http_status=200, body="<html>")).outcome is Outcome.FAILED
 
     completions = request(Endpoint.COMPLETIONS, max_new_tokens=4)
-    done = fmt.completion_body("cmpl-1", "m", [("abc", "stop", None)], fmt.usage(8, 2), chat=False)
+    done = fmt.completion_body("cmpl-1", "m", [("abc", "stop", None)], fmt.usage(8, 2), chat=False, created=0)
     assert judge(completions, RawResponse(http_status=200, body=json.dumps(done))).outcome is Outcome.OK
-    cut = fmt.completion_body("cmpl-1", "m", [("abc", None, None)], fmt.usage(8, 2), chat=False)  # an aborted request
+    # an aborted request
+    cut = fmt.completion_body("cmpl-1", "m", [("abc", None, None)], fmt.usage(8, 2), chat=False, created=0)
     assert judge(completions, RawResponse(http_status=200, body=json.dumps(cut))).outcome is Outcome.FAILED
 
 
 def chat_chunks(reason: str | None, usage: bool) -> list[str]:
-    chunk = lambda text, why, first=False: fmt.completion_chunk("c-1", "m", text, why, None, True, first)  # noqa: E731
+    def chunk(text, why, first=False):
+        return fmt.completion_chunk("c-1", "m", text, why, None, True, first, created=0)
+
     payloads = [chunk("", None, first=True), chunk("ab", None), chunk("c", reason)]
     if usage:
         payloads.append({"id": "c-1", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [],
