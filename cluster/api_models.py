@@ -265,16 +265,29 @@ class ChatMessage(RequestBody):
         return self.content or ""
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
+def template_messages(messages: list[ChatMessage], developer_as_system: bool = False) -> list[dict]:
     """Messages as a chat template takes them (an assistant's earlier calls with
     their arguments parsed, cluster/tool_calls.py; its reasoning as
-    `reasoning_content`, the name templates read)."""
-    return [{"role": m.role, "content": m.text(),
+    `reasoning_content`, the name templates read); `developer_as_system`: a
+    `developer` message as a `system` one, for a template that has no such role
+    (`knows_developer_role`)."""
+    role = {"developer": "system"} if developer_as_system else {}
+    return [{"role": role.get(m.role, m.role), "content": m.text(),
              **({} if m.tool_calls is None else {"tool_calls": [template_call(c) for c in m.tool_calls]}),
              **{k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name),
                                   ("reasoning_content", m.reasoning_content if m.reasoning_content is not None
                                    else m.reasoning)) if v is not None}}
             for m in messages]
+
+
+def knows_developer_role(chat_template) -> bool:
+    """Whether a chat template names the `developer` role. Qwen2.5's and Qwen3's
+    do not: they dropped such a message, the request answered 200 with its
+    instructions unread (and Qwen2.5's put its default system prompt in their
+    place; a review's probe). OpenAI's newer clients send instructions so; vLLM's
+    Responses path maps the role to `system`, as `template_messages` does then."""
+    texts = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    return any("developer" in text for text in texts)
 
 
 # What apply_chat_template takes itself, or the request's fields give the template.

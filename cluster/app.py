@@ -42,7 +42,7 @@ from cluster import stored_endpoints, worker_endpoints
 from cluster.actor_errors import actor_unavailable
 from cluster.admission import SloRejected
 from cluster.api_models import (ApiError, ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, choice_params,
-                                template_messages)
+                                knows_developer_role, template_messages)
 from cluster.background_responses import BackgroundResponses, EventFeed, stream_to_store
 from cluster.completions import Completions
 from cluster.config import AppSettings
@@ -425,7 +425,7 @@ class Scheduler:
     def _chat_prompt(self, body) -> str:
         """The chat template's text for a body's messages (cluster/api_models.py
         `_ChatTemplateFields`: an assistant turn opened, or the last one continued)."""
-        messages = template_messages(body.messages)
+        messages = template_messages(body.messages, not knows_developer_role(self.tokenizer.chat_template))
         if body.continue_final_message and messages[-1]["role"] != "assistant":
             raise ApiError(400, "continue_final_message continues an assistant's message: the last message's role "
                                 f"is {messages[-1]['role']!r}")

@@ -154,3 +154,22 @@ def test_nan_and_infinity_are_not_json(constant):
     with pytest.raises(json.JSONDecodeError, match=f"{constant} is not a JSON number"):
         strict_json.loads(f'{{"input": "x", "reasoning": {{"summary": {constant}}}}}'.encode())
     assert strict_json.loads(b'{"input": "NaN"}') == {"input": "NaN"}
+
+
+def test_a_developer_message_is_a_system_one_for_a_template_without_that_role(tiny_qwen2_dir):
+    """Qwen2.5's and Qwen3's templates have no `developer` role: such a message
+    was dropped, answered 200 with its instructions unread. It is rendered as a
+    `system` one there (as vLLM's Responses path maps it); a template that names
+    the role gets it as it is."""
+    from cluster.api_models import knows_developer_role
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
+    body = ChatBody.model_validate({"messages": [{"role": "developer", "content": "Answer in French."},
+                                                 {"role": "user", "content": "hi"}]})
+    assert not knows_developer_role(tokenizer.chat_template)
+    messages = template_messages(body.messages, developer_as_system=True)
+    assert [m["role"] for m in messages] == ["system", "user"]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\nAnswer in French.<|im_end|>")
+    assert knows_developer_role({"default": "{% if m.role == 'developer' %}{% endif %}"})
+    assert [m["role"] for m in template_messages(body.messages)] == ["developer", "user"]
