@@ -43,7 +43,8 @@ class ApiError(Exception):
         self.extra = extra
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "code": self.status, **self.extra}}
+        """OpenAI's error body: `param` always there, null where no field is to blame (as OpenAI and vLLM send it)."""
+        return {"error": {"message": str(self), "type": self.kind, "param": None, "code": self.status, **self.extra}}
 
 
 def stop_tuple(stop) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ stores, and /v1/conversations: cluster/stored_endpoints.py), POST /tokenize and
 /abort_request, /start_profile, /stop_profile: cluster/worker_endpoints.py), GET
 /v1/models, GET /health
 (200 only when both pools are ready), GET /metrics (Prometheus text), and the
-OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type",
+OpenAPI schema at /openapi.json. Errors are JSON: {"error": {"message", "type", "param",
 "code"}}; 400 for bad input, 401 for a missing or wrong API key, 413 for an
 oversized body, 429 with Retry-After for an early SLO rejection, 503 while not ready
 (cluster/ingress_guard.py).

@@ -1,6 +1,6 @@
 """What every HTTP request meets outside its endpoint: the API key and the body
 size limit on the way in (`RequestGuard`), and on the way out every error as
-a JSON body, {"error": {"message", "type", "code"}}, never a traceback: pydantic's
+a JSON body, {"error": {"message", "type", "param", "code"}}, never a traceback: pydantic's
 complaints as `field: message`, a worker's refusal as its message, an SLO
 rejection as a 429 with Retry-After and its predictions, anything unexpected as a
 500 that names only the exception's type (the traceback goes to the log)."""

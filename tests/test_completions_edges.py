@@ -173,3 +173,13 @@ def test_a_developer_message_is_a_system_one_for_a_template_without_that_role(ti
     assert prompt.startswith("<|im_start|>system\nAnswer in French.<|im_end|>")
     assert knows_developer_role({"default": "{% if m.role == 'developer' %}{% endif %}"})
     assert [m["role"] for m in template_messages(body.messages)] == ["developer", "user"]
+
+
+def test_an_error_body_always_has_param_as_openai_sends_it():
+    """OpenAI's and vLLM's error bodies always have `param`, null where no field
+    is to blame; it was there only where one was (a review's find)."""
+    from cluster.api_models import ApiError
+
+    assert ApiError(400, "bad").body() == {"error": {"message": "bad", "type": "invalid_request_error",
+                                                     "param": None, "code": 400}}
+    assert ApiError(400, "bad", param="top_p").body()["error"]["param"] == "top_p"
