@@ -47,12 +47,14 @@ shortest run of 4 to 24 whose text is complete), and only what follows them is
 the output's. The byte path strips nothing and needs none.
 
 A prompt of token ids may end inside a character (an output cut mid-emoji, sent
-back to go on): the output's first text then starts with that character, whole
-where the output completes it, U+FFFD where it does not, as DecodeStream gives it.
-The byte path starts from the prompt's trailing bytes of the character, and the
-windows from the tokens that hold them (`_cut_character_tokens`); the byte path
-gave each of the output's continuation bytes as a U+FFFD, and the windows lost
-the character (a review's probe).
+back to go on): the output's first text then starts with that character where the
+output completes it. Where it does not, the character's U+FFFD is the prompt's
+text, not the output's, and is left out (DecodeStream gives it: an output held to
+a pattern began with a U+FFFD its pattern does not allow). The byte path starts
+from the prompt's trailing bytes of the character, and the windows from the tokens
+that hold them (`_cut_character_tokens`); the byte path gave each of the output's
+continuation bytes as a U+FFFD, and the windows lost the character (a review's
+probe).
 
 The text is kept as the list of its deltas (`pieces`, with `piece_ends`: where each
 ends), never concatenated as it grows: appending a delta to one string copies the
@@ -127,6 +129,7 @@ class IncrementalDetokenizer:
             self._token_bytes = byte_level.without_special if skip_special_tokens else byte_level.with_special
             # the bytes of a character the next token may complete: at first, one the prompt ends inside
             _, self._incomplete = _decode_complete(b"".join(self._token_bytes[t] for t in prompt_ids[-8:]))
+            self._cut_pending = bool(self._incomplete)
             return
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_ids = backend.decode if backend is not None else functools.partial(
@@ -136,7 +139,9 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = list(context)
         self._context_chars = len(self._decode(context))
         self.prefix_offset = 0
-        self.read_offset = len(context) - self._cut_character_tokens(context)
+        cut = self._cut_character_tokens(context)
+        self._cut_pending = cut > 0
+        self.read_offset = len(context) - cut
         self._stream_sent = len(context)  # tokens whose text the stream gave (it holds back an incomplete character's)
         if backend is not None and DecodeStream is not None:
             self._backend = backend
@@ -182,6 +187,10 @@ class IncrementalDetokenizer:
         return text_between(self.pieces, self.piece_ends, start, end)
 
     def _emit(self, delta: str) -> str:
+        if delta and self._cut_pending:  # (the first text after a prompt cut inside a character)
+            self._cut_pending = False
+            if delta.startswith("\ufffd"):  # not completed: the prompt's U+FFFD, not the output's
+                delta = delta[1:]
         if delta:
             self.num_chars += len(delta)
             self.pieces.append(delta)
