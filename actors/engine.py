@@ -388,11 +388,14 @@ class Engine:
 
     def _launch_next_decodes(self, step: _StepInFlight) -> _StepInFlight | None:
         """Launch the decode step after `step` before its tokens are read, when the
-        batch only decodes, nobody waits to be admitted and the blocks are there.
-        Requests that `step` ends by length are left out; running requests that
-        were not in it and have one token pending (a decode worker's activations)
-        join, their input token from the host."""
-        if not step.decodes_only or self.scheduler.waiting or step.launched.stale_rows:
+        batch only decodes, nobody waits for a seat it has free (a full batch
+        admits no one until a request ends: it decoded without overlap all the
+        while, under the load overlap is for; a review's probe) and the blocks are
+        there. Requests that `step` ends by length are left out; running requests
+        that were not in it and have one token pending (a decode worker's
+        activations) join, their input token from the host."""
+        seat_free = len(self.scheduler.running) < self.config.max_num_seqs
+        if not step.decodes_only or (self.scheduler.waiting and seat_free) or step.launched.stale_rows:
             return None
         rows, starts, num_unfinished = [], [], 0
         for row, chunk in enumerate(step.chunks):

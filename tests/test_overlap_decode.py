@@ -185,6 +185,21 @@ def test_overlap_under_preemption(tiny_qwen2_dir):
     assert preemptions[True] == preemptions[False] > 0
 
 
+def test_a_full_batch_with_a_request_queued_still_overlaps_and_gives_the_same_outputs(tiny_qwen2_dir):
+    """max_num_seqs 2 and three requests: the third waits for a seat, and nobody
+    can be admitted until a request ends. Every step of that wait ran without
+    overlap (a review's probe: 0 of 39 launched ahead), under the sustained load
+    overlap is for. It now overlaps, and the third starts once a seat is free."""
+    script = {0: [("add", f"r{i}", [5 + i] * 8, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+                  for i in range(3)]}
+    runs = {}
+    for overlap in (False, True):
+        engine = _engine(tiny_qwen2_dir, overlap, static=False, max_num_seqs=2)
+        runs[overlap] = _run(engine, script)
+    assert runs[True] == runs[False]
+    assert engine.num_steps_launched_ahead >= 70  # (of 80 steps; before, 38: none while r2 waited)
+
+
 def test_overlap_is_on_for_cuda_only_by_default():
     assert not EngineConfig().overlaps_decode
     assert EngineConfig(device="cuda").overlaps_decode
