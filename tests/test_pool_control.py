@@ -412,10 +412,13 @@ def test_a_scale_up_no_node_takes_is_not_started_again_and_the_pool_scales_down_
     assert failure.failures_in_a_row == 1 and failure.next_start_in_s is None
 
 
-def test_a_scale_up_while_a_scaled_down_worker_drains_takes_that_worker_back(pools):
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_a_scale_up_while_a_scaled_down_worker_drains_takes_that_worker_back(pools, by_hand):
     """Prefill 2 (min 1, max 3), idle: one is scaled down and drains; a backlog
     comes before it has: the scale-up waited out the drain, then started a new
-    worker. Now the draining one serves again at once, and none starts."""
+    worker. Now the draining one serves again at once, and none starts. Not one
+    drained by hand as well (`tandem drain` of the worker the policy drains
+    already, "draining already"): it was taken back, undoing the operator's drain."""
     make, workers = pools
     manager, clock = make({"prefill": {"replicas": 2, "min_replicas": 1, "max_replicas": 3},
                            "autoscaling": {"scale_down_cooldown_s": 10.0, "drain_grace_s": 60.0}})
@@ -428,41 +431,17 @@ def test_a_scale_up_while_a_scaled_down_worker_drains_takes_that_worker_back(poo
         for _ in range(20):  # idle: one prefill worker scaled down
             clock.now += 1
             await manager.scaler.step()
-        backlog[0] = 10**6
-        clock.now += 1
-        await manager.scaler.step()
-
-    asyncio.run(run())
-    events = _events(manager)
-    (drained,) = [worker for kind, worker in events if kind == "down"]
-    assert ("taken_back", drained) in events and not manager.members[drained].draining
-    assert sorted(workers) == ["d2", "p0", "p1"]  # none started
-
-
-def test_a_worker_a_scale_down_drains_and_then_drained_by_hand_is_not_taken_back(pools):
-    """`tandem drain` of the worker the policy drains already ("draining
-    already"): a scale-up still took it back, undoing the operator's drain."""
-    make, workers = pools
-    manager, clock = make({"prefill": {"replicas": 2, "min_replicas": 1, "max_replicas": 3},
-                           "autoscaling": {"scale_down_cooldown_s": 10.0, "drain_grace_s": 60.0}})
-    backlog = [0]
-    manager.scaler.signals.backlog_tokens = lambda serving, now: backlog[0]
-
-    async def run():
-        for worker in workers.values():
-            worker.come_up()
-        for _ in range(20):
-            clock.now += 1
-            await manager.scaler.step()
         (drained,) = [worker for kind, worker in _events(manager) if kind == "down"]
-        await manager.drain(drained, "by hand (tandem drain)")
+        if by_hand:
+            await manager.drain(drained, "by hand (tandem drain)")
         backlog[0] = 10**6
         clock.now += 1
         await manager.scaler.step()
         return drained
 
     drained = asyncio.run(run())
-    assert manager.members[drained].draining and not [e for e in _events(manager) if e[0] == "taken_back"]
+    assert (("taken_back", drained) in _events(manager)) is not by_hand
+    assert manager.members[drained].draining is by_hand and sorted(workers) == ["d2", "p0", "p1"]  # none started
 
 
 def test_scale_ups_that_no_node_takes_are_tried_again_after_the_restart_backoff_not_each_cooldown(pools):

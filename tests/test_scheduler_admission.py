@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import types
 
 import pytest
 
@@ -204,17 +205,9 @@ def test_a_worker_found_dead_before_its_profile_ran_leaves_nothing_behind():
     view.prefix["p1"] = PrefixIndex(1000)
     view.cache_cursors["p1"] = ("log", 3)
     view.metrics.set("kv_blocks_used", "KV blocks in use per worker", 5, worker="p1", role="prefill")
-    told = []
-
-    class PoolManager:  # (its answer: the thing under test is the view's own)
-        class report_dead:
-            @staticmethod
-            async def remote(worker_id):
-                told.append(worker_id)
-
-    view.pool = PoolManager()
+    view.pool = pool = _NotingPool()
     asyncio.run(view.report_dead("p1"))
-    assert told == ["p1"] and "p1" not in view.members and "p1" not in view.stats
+    assert pool.told == ["p1"] and "p1" not in view.members and "p1" not in view.stats
     assert "p1" not in view.prefix and "p1" not in view.cache_cursors and 'worker="p1"' not in view.metrics.render()
 
 
@@ -303,30 +296,34 @@ def test_a_later_choice_goes_to_its_first_choices_pair_unless_that_misses_the_sl
 def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     """The new pool's workers reuse ids (p0, d0) but are new processes: no cost
     model, prefix index or stats of the old ones may carry over."""
+    from cluster.pool_manager import Member
+
     scheduler = make_scheduler(ttft_ms=10_000)
     scheduler.view.ready = True
-    told = []
-
-    class NewPool:  # (its answer: the thing under test is the view's own)
-        class report_dead:
-            @staticmethod
-            async def remote(worker_id):
-                told.append(worker_id)
-
-    new_pool = NewPool()
+    new_pool = _NotingPool()
     scheduler.view.replace_pool(new_pool)
     assert scheduler.view.pool is new_pool and not scheduler.view.ready
     assert not (scheduler.view.members or scheduler.view.stats or scheduler.view.prefix or scheduler.view.profiled)
     models = scheduler.view.models
     assert not models.prefill_model("p0").is_fitted and not models.decode_model("d0").is_fitted
     asyncio.run(scheduler.view.report_dead("d0"))  # a request on the old d0 failing now
-    from cluster.pool_manager import Member
-
     new_d0 = scheduler.view.members["d0"] = Member("d0", "decode", handle="the new d0")  # (listed by a refresh)
     asyncio.run(scheduler.view.report_dead("d0", "the old d0"))  # (one failing only now)
-    assert told == [] and scheduler.view.members["d0"] is new_d0  # (the new pool's d0 lives)
+    assert new_pool.told == [] and scheduler.view.members["d0"] is new_d0  # (the new pool's d0 lives)
     asyncio.run(scheduler.view.report_dead("d0", "the new d0"))
-    assert told == ["d0"] and "d0" not in scheduler.view.members
+    assert new_pool.told == ["d0"] and "d0" not in scheduler.view.members
+
+
+class _NotingPool:
+    """A pool manager whose `report_dead` notes the workers reported to it (the
+    view's own part is the thing under test)."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+        self.report_dead = types.SimpleNamespace(remote=self._note)
+
+    async def _note(self, worker_id: str) -> None:
+        self.told.append(worker_id)
 
 
 def test_idle_decode_workers_take_turns_so_a_new_one_serves_the_next_request():
