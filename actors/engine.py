@@ -394,9 +394,12 @@ class Engine:
         there. Requests that `step` ends by length are left out; running requests
         that were not in it and have one token pending (a decode worker's
         activations) join, their input token from the host."""
-        seat_free = len(self.scheduler.running) < self.config.max_num_seqs
-        if not step.decodes_only or (self.scheduler.waiting and seat_free) or step.launched.stale_rows:
+        if not step.decodes_only or step.launched.stale_rows:
             return None
+        if self.scheduler.waiting:  # (a seat `step` frees by length: admitted a step sooner, not launched past)
+            ending = sum(1 for c in step.chunks if not c.request.is_finished and self._next_token_is_last(c.request))
+            if len(self.scheduler.running) - ending < self.config.max_num_seqs:
+                return None
         rows, starts, num_unfinished = [], [], 0
         for row, chunk in enumerate(step.chunks):
             request = chunk.request

@@ -190,14 +190,19 @@ def test_a_full_batch_with_a_request_queued_still_overlaps_and_gives_the_same_ou
     can be admitted until a request ends. Every step of that wait ran without
     overlap (a review's probe: 0 of 39 launched ahead), under the sustained load
     overlap is for. It now overlaps, and the third starts once a seat is free."""
-    script = {0: [("add", f"r{i}", [5 + i] * 8, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
-                  for i in range(3)]}
-    runs = {}
-    for overlap in (False, True):
-        engine = _engine(tiny_qwen2_dir, overlap, static=False, max_num_seqs=2)
-        runs[overlap] = _run(engine, script)
-    assert runs[True] == runs[False]
-    assert engine.num_steps_launched_ahead >= 70  # (of 80 steps; before, 38: none while r2 waited)
+    for lengths, num_steps, ahead in (((40, 40, 40), 80, 70), ((5, 10, 30), 35, 25)):
+        script = {0: [("add", f"r{i}", [5 + i] * 8, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+                      for i, n in enumerate(lengths)]}
+        runs, steps = {}, {}
+        for overlap in (False, True):
+            engine = _engine(tiny_qwen2_dir, overlap, static=False, max_num_seqs=2)
+            runs[overlap] = _run(engine, script)
+            steps[overlap] = engine.num_steps
+        assert runs[True] == runs[False]
+        # A seat `step` frees by length (r0's at step 5): r2 starts as soon as without overlap, not a launched
+        # step later (36 steps)
+        assert steps[True] == steps[False] == num_steps, lengths
+        assert engine.num_steps_launched_ahead >= ahead, lengths  # (40, 40, 40): 38 before, none while r2 waited
 
 
 def test_overlap_is_on_for_cuda_only_by_default():
