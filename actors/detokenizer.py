@@ -143,7 +143,9 @@ class IncrementalDetokenizer:
         self._cut_pending = cut > 0
         self.read_offset = len(context) - cut
         self._stream_sent = len(context)  # tokens whose text the stream gave (it holds back an incomplete character's)
-        if backend is not None and DecodeStream is not None:
+        # (a prompt ending in U+FFFD, a cut character or its own: DecodeStream holds each back and gives them
+        # with the output's first text; the windows start at the cut alone)
+        if backend is not None and DecodeStream is not None and not self._cut_pending:
             self._backend = backend
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             try:
@@ -166,13 +168,16 @@ class IncrementalDetokenizer:
         return prompt_ids
 
     def _cut_character_tokens(self, context: list[int]) -> int:
-        """How many of the context's last tokens hold a character it ends inside
-        (its text ends in U+FFFD, which the tokens before them do not): the
-        windows' output starts at them."""
-        if not self._decode(context).endswith("\ufffd"):
+        """How many of the context's last tokens hold a character it ends inside:
+        the fewest without which its text is its text less the last U+FFFD (one
+        before them, a prompt's own or another broken run, ends the shorter texts
+        too); the windows' output starts at them. A prompt's own U+FFFD at its
+        end reads as one too: its U+FFFD, given again, is left out (`_emit`)."""
+        text = self._decode(context)
+        if not text.endswith("\ufffd"):
             return 0
         for count in range(1, min(4, len(context)) + 1):  # (a character is at most 4 bytes)
-            if not self._decode(context[:-count]).endswith("\ufffd"):
+            if self._decode(context[:-count]) == text[:-1]:
                 return count
         return 0
 

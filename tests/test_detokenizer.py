@@ -260,21 +260,25 @@ def test_an_output_keeps_its_first_space_where_a_decode_strips_a_texts_first(mon
         assert "".join(alone.add(token_id) for token_id in outputs[0]) + alone.flush() == "Paris."
 
 
+@pytest.mark.parametrize("before", ["ok", "ok\ufffd"])
 @pytest.mark.parametrize("rest, expected", [("🙂 end", "🙂 end"), ("a end", "a end")])
 def test_a_prompt_that_ends_inside_a_character_starts_the_output_with_it_on_every_path(tiny_qwen2_dir,
-                                                                                        monkeypatch, rest, expected):
+                                                                                        monkeypatch, rest, expected,
+                                                                                        before):
     """A prompt of ids cut inside "🙂" (an output cut mid-emoji, sent back to go
     on): the byte path gave the output's continuation bytes as U+FFFDs, the
     windows lost the character (a review's probe). Now every path starts the
     output with the character where the output completes it; where it does
     not, its U+FFFD is the prompt's text and is left out (DecodeStream gives it:
-    an output held to a pattern began with a U+FFFD the pattern does not allow)."""
+    an output held to a pattern began with a U+FFFD the pattern does not allow).
+    A prompt's own U+FFFD just before the cut hid the cut from the windows, and
+    DecodeStream gave it with the output (a review's probe)."""
     import actors.detokenizer
 
     tokenizer = load_tokenizer(tiny_qwen2_dir)
     ids = tokenizer.encode("ok🙂 end", add_special_tokens=False)  # ok, then 🙂 in four byte tokens
-    prompt = ids[:3]
-    assert tokenizer.decode(prompt) == "ok\ufffd"
+    prompt = tokenizer.encode(before, add_special_tokens=False) + ids[1:3]
+    assert tokenizer.decode(prompt) == before + "\ufffd"
     out = ids[3:] if rest == "🙂 end" else tokenizer.encode(rest, add_special_tokens=False)
     texts = []
     for tables, stream in ((ByteLevelTables.of(tokenizer), True), (None, True), (None, False)):
