@@ -101,7 +101,7 @@ class PoolView:
                                        return_exceptions=True)
         for member, stats in zip(members, results):
             if actor_died(stats):
-                await self.report_dead(member.worker_id)
+                await self.report_dead(member.worker_id, member.handle)
             elif not isinstance(stats, BaseException):
                 self.stats[member.worker_id] = stats
                 if stats.profile_error is not None:  # never routed (a seeded one whose profile failed since)
@@ -343,7 +343,7 @@ class PoolView:
         answers = {}
         for member, result in zip(members, results):
             if actor_died(result):
-                await self.report_dead(member.worker_id)
+                await self.report_dead(member.worker_id, member.handle)
             elif actor_unavailable(result):
                 log.warning("worker %s is unreachable for now: left out", member.worker_id)
                 if unreachable is not None:

@@ -314,6 +314,27 @@ def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     assert new_pool.told == ["d0"] and "d0" not in scheduler.view.members
 
 
+def test_a_worker_of_a_replaced_pool_that_fails_a_question_to_every_worker_is_not_reported():
+    """`/abort_request`, `/flush_cache` and profiling ask every worker at once;
+    an old worker's call failing after a refresh listed the new pool's worker of
+    its id reported that one dead (a review's probe)."""
+    import ray
+
+    from cluster.pool_manager import Member
+
+    view = make_scheduler(ttft_ms=10_000).view
+    old = view.members["d0"] = Member("d0", "decode", handle="the old d0")
+    new_pool = _NotingPool()
+
+    async def ask(handle):  # (while the old d0's call is out: a new pool, and a refresh lists its d0)
+        view.replace_pool(new_pool)
+        view.members["d0"] = Member("d0", "decode", handle="the new d0")
+        return ray.exceptions.RayActorError()
+
+    asyncio.run(view._ask_each([old], ask))
+    assert new_pool.told == [] and view.members["d0"].handle == "the new d0"
+
+
 class _NotingPool:
     """A pool manager whose `report_dead` notes the workers reported to it (the
     view's own part is the thing under test)."""
