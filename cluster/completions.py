@@ -218,7 +218,8 @@ class Completions:
             try:
                 async for index, event in events:
                     if event.error:
-                        yield {"error": {"message": event.error, "type": "worker_error", "code": 500}}  # (a 500 body)
+                        yield {"error": {"message": event.error, "type": "worker_error", "param": None,
+                                         "code": 500}}  # (a 500 body)
                         break
                     if first[index] and echo is not None:
                         event = echo[index](event)
@@ -249,7 +250,7 @@ class Completions:
             except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
                 log.exception("request %s: its stream failed", request_id)
                 yield {"error": {"message": f"internal error: {type(exc).__name__}", "type": "internal_error",
-                                 "code": 500}}
+                                 "param": None, "code": 500}}
         if include_usage:
             yield {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                    "created": created, "model": self.model_name, "choices": [],

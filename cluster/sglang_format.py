@@ -115,7 +115,7 @@ async def stream(streams: list, answered: list[Answered], indexed: bool):
         try:
             async for k, event in events:
                 if event.error:
-                    yield sse({"error": {"message": event.error, "type": "worker_error", "code": 500}})
+                    yield sse({"error": {"message": event.error, "type": "worker_error", "param": None, "code": 500}})
                     break
                 chunks[k].add(event.text, event.token_ids)
                 if event.logprobs is not None:  # extended in place: a copy an event would be quadratic
@@ -129,5 +129,5 @@ async def stream(streams: list, answered: list[Answered], indexed: bool):
         except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
             log.exception("request %s: its stream failed", answered[0].rid)
             yield sse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "internal_error",
-                                 "code": 500}})
+                                 "param": None, "code": 500}})
     yield sse("[DONE]")

@@ -183,3 +183,23 @@ def test_an_error_body_always_has_param_as_openai_sends_it():
     assert ApiError(400, "bad").body() == {"error": {"message": "bad", "type": "invalid_request_error",
                                                      "param": None, "code": 400}}
     assert ApiError(400, "bad", param="top_p").body()["error"]["param"] == "top_p"
+
+
+def test_a_worker_error_mid_stream_is_an_error_body_with_param(tiny_qwen2_dir):
+    """The streamed error bodies were written by hand, without `param`."""
+    scheduler = make_scheduler(ttft_ms=10_000)
+
+    async def failing(request, choice, inflight):
+        yield TokenEvent(request.request_id, [5], "a", None, False, None, time.time())
+        yield TokenEvent(request.request_id, [], "", None, True, "error", time.time(), error="the actor died")
+
+    scheduler._events = failing
+    completions = Completions(scheduler, load_tokenizer(tiny_qwen2_dir), "tiny", TOOL_CALL_FORMATS["hermes"])
+    body = CompletionBody.model_validate({"prompt": "x", "max_tokens": 4, "stream": True})
+
+    async def run():
+        answer = await completions.answer(body, body.prompts(), SamplingParams(max_new_tokens=4), [[1, 2]], chat=False)
+        return [json.loads(line) for line in await _sse(answer) if line != "[DONE]"]
+
+    (error,) = [chunk["error"] for chunk in asyncio.run(run()) if "error" in chunk]
+    assert error == {"message": "the actor died", "type": "worker_error", "param": None, "code": 500}
