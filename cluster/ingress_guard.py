@@ -44,8 +44,17 @@ def _error(exc: ApiError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError):
+    """A 400 saying each problem; `param`: the first problem's field, as OpenAI names one."""
     content_type = request.headers.get("content-type", "")
-    return _error(ApiError(400, "; ".join(problem(e, content_type) for e in exc.errors()) or "invalid request body"))
+    errors = exc.errors()
+    param = _field(errors[0]) if errors and errors[0]["type"] != "json_invalid" else ""
+    return _error(ApiError(400, "; ".join(problem(e, content_type) for e in errors) or "invalid request body",
+                           param=param or None))
+
+
+def _field(error: dict) -> str:
+    """The body field a pydantic error is about ("" for the body as a whole)."""
+    return ".".join(str(p) for p in error["loc"] if p not in ("body", ONE, MANY))
 
 
 def problem(error: dict, content_type: str = "") -> str:
@@ -57,7 +66,7 @@ def problem(error: dict, content_type: str = "") -> str:
         if isinstance(error.get("input"), bytes):  # FastAPI reads a body not said to be JSON as bytes
             return f"the body must be a JSON object sent as application/json, not {content_type or 'untyped'}"
         return f"the body must be a JSON object, not {_json_kind(error.get('input'))}"
-    where = ".".join(str(p) for p in error["loc"] if p not in ("body", ONE, MANY))
+    where = _field(error)
     message = "unknown field" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
 

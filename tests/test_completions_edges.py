@@ -203,3 +203,26 @@ def test_a_worker_error_mid_stream_is_an_error_body_with_param(tiny_qwen2_dir):
 
     (error,) = [chunk["error"] for chunk in asyncio.run(run()) if "error" in chunk]
     assert error == {"message": "the actor died", "type": "worker_error", "param": None, "code": 500}
+
+
+def test_a_body_field_refused_is_named_as_param():
+    """OpenAI names the field to blame in `param`; a body's pydantic errors said
+    it only in the message (`param` null). JSON that does not parse blames none."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from cluster.ingress_guard import install_guard
+
+    app = FastAPI()
+    install_guard(app)
+
+    @app.post("/chat")
+    async def chat(body: ChatBody):
+        return {}
+
+    client = TestClient(app)
+    answer = client.post("/chat", json={"messages": [{"role": "user", "content": "x"}], "n": 0})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n"
+    assert answer.json()["error"]["message"] == "n: Input should be greater than or equal to 1"
+    broken = client.post("/chat", content=b"{", headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and broken.json()["error"]["param"] is None
