@@ -396,10 +396,6 @@ class Engine:
         activations) join, their input token from the host."""
         if not step.decodes_only or step.launched.stale_rows:
             return None
-        if self.scheduler.waiting:  # (a seat `step` frees by length: admitted a step sooner, not launched past)
-            ending = sum(1 for c in step.chunks if not c.request.is_finished and self._next_token_is_last(c.request))
-            if len(self.scheduler.running) - ending < self.config.max_num_seqs:
-                return None
         rows, starts, num_unfinished = [], [], 0
         for row, chunk in enumerate(step.chunks):
             request = chunk.request
@@ -409,6 +405,10 @@ class Engine:
             if not self._next_token_is_last(request):
                 rows.append(row)
                 starts.append((request, chunk.end))
+        # (a seat `step` frees by length counts as free: the waiting request is admitted a step sooner)
+        num_ending = num_unfinished - len(rows)
+        if self.scheduler.waiting and len(self.scheduler.running) - num_ending < self.config.max_num_seqs:
+            return None
         # The step's unfinished requests are running (nothing is preempted while a
         # step is in flight): any other running request joins.
         joining = []
