@@ -106,6 +106,7 @@ class Scheduler:
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.tokenizer.decode([token_id]))
         self.sampling_defaults = SamplingDefaults.load(model_dir, self.settings.sampling_defaults)
         self.tool_format = TOOL_CALL_FORMATS[self.settings.tool_call_parser]  # how the model writes calls
+        self.developer_as_system = not knows_developer_role(self.tokenizer.chat_template)  # (its template's roles)
         self.prompt_thread = PromptThread()  # templates and tokenizing, off the event loop (cluster/prompt_thread.py)
         model_config = ModelConfig.from_hf(model_dir)
         model_len = model_config.max_position_embeddings
@@ -425,7 +426,7 @@ class Scheduler:
     def _chat_prompt(self, body) -> str:
         """The chat template's text for a body's messages (cluster/api_models.py
         `_ChatTemplateFields`: an assistant turn opened, or the last one continued)."""
-        messages = template_messages(body.messages, not knows_developer_role(self.tokenizer.chat_template))
+        messages = template_messages(body.messages, self.developer_as_system)
         if body.continue_final_message and messages[-1]["role"] != "assistant":
             raise ApiError(400, "continue_final_message continues an assistant's message: the last message's role "
                                 f"is {messages[-1]['role']!r}")
