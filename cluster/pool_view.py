@@ -354,7 +354,7 @@ class PoolView:
                 answers[member.worker_id] = result
         return answers
 
-    async def report_dead(self, worker_id: str, handle=None) -> None:
+    async def report_dead(self, worker_id: str, handle) -> None:
         """A worker found dead (a call's error, `actor_died`): out of the view at
         once, all that was learned of it (`_forget`: one that died before its
         profile ran was in neither `stats` nor `profiled` at the next refresh, and
@@ -365,7 +365,7 @@ class PoolView:
         (`replace_pool`), and the new one, whose ids repeat the old ones, killed
         its own worker of that id as a start failure, or replaced it."""
         member = self.members.get(worker_id)
-        if member is None or (handle is not None and member.handle != handle):
+        if member is None or member.handle != handle:
             return
         del self.members[worker_id]
         self._forget(worker_id)

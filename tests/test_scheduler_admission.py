@@ -206,7 +206,7 @@ def test_a_worker_found_dead_before_its_profile_ran_leaves_nothing_behind():
     view.cache_cursors["p1"] = ("log", 3)
     view.metrics.set("kv_blocks_used", "KV blocks in use per worker", 5, worker="p1", role="prefill")
     view.pool = pool = _NotingPool()
-    asyncio.run(view.report_dead("p1"))
+    asyncio.run(view.report_dead("p1", None))
     assert pool.told == ["p1"] and "p1" not in view.members and "p1" not in view.stats
     assert "p1" not in view.prefix and "p1" not in view.cache_cursors and 'worker="p1"' not in view.metrics.render()
 
@@ -306,7 +306,7 @@ def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     assert not (scheduler.view.members or scheduler.view.stats or scheduler.view.prefix or scheduler.view.profiled)
     models = scheduler.view.models
     assert not models.prefill_model("p0").is_fitted and not models.decode_model("d0").is_fitted
-    asyncio.run(scheduler.view.report_dead("d0"))  # a request on the old d0 failing now
+    asyncio.run(scheduler.view.report_dead("d0", "the old d0"))  # a request on the old d0 failing now
     new_d0 = scheduler.view.members["d0"] = Member("d0", "decode", handle="the new d0")  # (listed by a refresh)
     asyncio.run(scheduler.view.report_dead("d0", "the old d0"))  # (one failing only now)
     assert new_pool.told == [] and scheduler.view.members["d0"] is new_d0  # (the new pool's d0 lives)
