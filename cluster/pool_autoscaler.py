@@ -192,7 +192,7 @@ class PoolAutoscaler:
             self.record(member.role, "died_draining", member.worker_id, reason=reason)
             return
         role = member.role
-        kept = len([m for m in self._members(role) if not self.is_leaving(m)]) + self.restarts.num_waiting(role)
+        kept = self.num_staying(role) + self.restarts.num_waiting(role)
         restart = role not in self.policies or kept < self.manager.pools[role].min_size
         delay_s = self.restarts.failed(role, member.worker_id, reason, self.clock(), restart,
                                        None if track is None else track.started_s)
@@ -260,6 +260,10 @@ class PoolAutoscaler:
             elif now - since >= self.knobs.start_timeout_s:
                 del self.awaiting_drain[worker_id]
                 self.manager.begin_drain(member, f"{reason}; none started within {self.knobs.start_timeout_s:g} s")
+
+    def num_staying(self, role: str) -> int:
+        """The role's workers not leaving (starting ones included)."""
+        return sum(1 for m in self._members(role) if not self.is_leaving(m))
 
     def is_leaving(self, member) -> bool:
         """Draining, or waiting to drain: not counted, chosen or replaced as a serving worker."""

@@ -196,7 +196,7 @@ class PoolManager:
         if leaving:  # (its replacement, if it needed one, was started by the drain)
             self.scaler.record(member.role, "died_draining", worker_id)
             return None
-        staying = sum(1 for m in self.members.values() if m.role == member.role and not self.scaler.is_leaving(m))
+        staying = self.scaler.num_staying(member.role)
         maximum = self.pools[member.role].max_size
         if staying >= maximum:
             self.scaler.record(member.role, "died", worker_id,
