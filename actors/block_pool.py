@@ -118,6 +118,10 @@ class BlockPool:
         block_id = self._by_hash.get(block_hash)
         return block_id is not None and self.blocks[block_id].ref_count > 0
 
+    def finds(self, block_hash: bytes) -> bool:
+        """Whether a block of this hash is cached (by hash alone: `lookup` verifies)."""
+        return block_hash in self._by_hash
+
     def lookup(self, hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix (tokens verified). Takes no refs."""
         found: list[int] = []

@@ -164,6 +164,9 @@ class Scheduler:
         computing = self._prompt_blocks_in_compute() if self.waiting else set()
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if computing and self._still_waits(request, computing):
+                deferred.append(self.waiting.popleft())
+                continue
             hits = self.cached_prefix(request)  # (pins released below leave these cached)
             if computing and self._waits_for_prefix(request, hits, computing):
                 deferred.append(self.waiting.popleft())
@@ -198,11 +201,30 @@ class Scheduler:
 
     def _waits_for_prefix(self, request: Request, hits: list[int], computing: set[bytes]) -> bool:
         """Whether the block after the request's cached prefix (`hits`) is one a
-        running request is computing: admitted now, it would compute it again."""
+        running request is computing: admitted now, it would compute it again.
+        Notes the last of the blocks in compute that follow it, which the
+        request waits for (`_still_waits`)."""
+        request.awaited_block_hash = None
         if not hits and request.params.prompt_logprobs is not None and not request.has_all_prompt_logprobs:
             return False  # (it computes its whole prompt anyway)
         usable = self.usable_hashes(request)
-        return len(hits) < len(usable) and usable[len(hits)] in computing
+        index = len(hits)
+        if index < len(usable) and usable[index] in computing:
+            while index + 1 < len(usable) and usable[index + 1] in computing:
+                index += 1
+            request.awaited_block_hash = usable[index]
+        return request.awaited_block_hash is not None
+
+    def _still_waits(self, request: Request, computing: set[bytes]) -> bool:
+        """Whether a request that waits for a block (`_waits_for_prefix`) waits on
+        without a new lookup: that block is still in compute and not yet cached.
+        A lookup walks the whole cached prefix, and a burst of requests behind a
+        long new prompt walked it each, every step (a thousand behind an
+        8k-token one: 120 ms a step, `tandem bench deferred`). Should part of
+        the prefix before that block go meanwhile, the request waits for the
+        block all the same, then finds what is left."""
+        block_hash = request.awaited_block_hash
+        return block_hash is not None and block_hash in computing and not self.pool.finds(block_hash)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
         """The drafts a request verifies this step, its blocks grown for them: those
@@ -254,6 +276,7 @@ class Scheduler:
         request.block_table = []
         request.num_computed_tokens = 0
         request.draft_token_ids = []  # (recomputed in chunks: the drafts would wait for its last one)
+        request.awaited_block_hash = None  # (it waited for a block before it ran, if at all)
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING

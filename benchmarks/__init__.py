@@ -24,4 +24,5 @@ BENCHMARKS = {
     "responses": "benchmarks.responses",
     "store-pages": "benchmarks.store_pages",
     "large-bodies": "benchmarks.large_bodies",
+    "deferred": "benchmarks.deferred_queue",
 }
