@@ -96,9 +96,11 @@ class Request:
     # Blocks imported from the KV store for this prompt, held (one reference each)
     # until the scheduler admits the request and takes its own references.
     pinned_block_ids: list[int] = field(default_factory=list)
-    # While waiting: the hash of the prompt block after its cached prefix that a
-    # running request is computing, which it waits for (`Scheduler._waits_for_prefix`).
+    # While waiting for prompt blocks a running request is computing
+    # (`Scheduler._waits_for_prefix`): the last of them, and how many blocks of its
+    # prompt were cached then.
     awaited_block_hash: bytes | None = None
+    num_blocks_cached_then: int = 0
     # Speculative decoding (EngineConfig.num_speculative_tokens): tokens proposed to
     # follow its last one (`lookup`'s), verified in its next decode step. Never part of
     # `output_token_ids` unless a step's samples confirm them.

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from actors.block_pool import BlockPool
+from actors.block_pool import BlockPool, block_hashes
 from actors.config import EngineConfig
 from actors.engine import Engine
-from actors.request import Request
+from actors.request import Request, TokenLogprob
 from actors.sampling_params import SamplingParams
 from actors.scheduler import Scheduler
 
@@ -65,12 +65,24 @@ def test_a_request_computing_its_whole_prompt_for_its_logprobs_does_not_wait(tin
     assert [r.request_id for r in engine.scheduler.running] == ["a1", "a2"]
 
 
-def _queue_behind_a_long_prefix(num_queued: int):
+def _finished(scheduler: Scheduler, prompt: list[int]) -> None:
+    """A request whose prompt is computed, then finished: its blocks stay cached, free."""
+    request = Request(f"done-{len(prompt)}", prompt, GREEDY, seed=0)
+    scheduler.add(request)
+    while request.num_computed_tokens < len(prompt):
+        scheduler.update(scheduler.schedule().chunks)
+    scheduler.finish(request)
+
+
+def _queue_behind_a_long_prefix(num_queued: int, cached_tokens: int = 0):
     """A scheduler (no model) whose first request computes a 320-token prefix in
     32-token chunks while `num_queued` others that share it wait; `pool.lookup`
-    counted."""
+    counted. With `cached_tokens`, an earlier prompt of that many tokens left its
+    blocks cached, free, for the new ones to evict."""
     config = dataclasses.replace(CONFIG, num_kv_blocks=256)
     scheduler = Scheduler(config, BlockPool(config.num_kv_blocks, config.block_size))
+    if cached_tokens:
+        _finished(scheduler, _own(99, cached_tokens))
     prefix = _own(5, 320)
     for index in range(num_queued + 1):
         scheduler.add(Request(f"r{index}", prefix + _own(10 + index), GREEDY, seed=index))
@@ -84,6 +96,19 @@ def test_a_waiting_request_is_not_looked_up_again_while_the_block_it_waits_for_i
     """Each lookup walks the cached prefix: done for every waiting request every
     step, a thousand requests behind an 8k-token prompt took 120 ms a step."""
     scheduler, lookups = _queue_behind_a_long_prefix(num_queued=5)
+    _not_looked_up_again(scheduler, lookups)
+
+
+def test_a_waiting_request_is_not_looked_up_again_while_other_prefixes_are_evicted():
+    """In a full pool, each block the running request takes evicts one cached
+    before: the waiting requests' own cached prefix is not among those."""
+    scheduler, lookups = _queue_behind_a_long_prefix(num_queued=5, cached_tokens=256 * 16)
+    assert scheduler.pool.num_cached == 256
+    _not_looked_up_again(scheduler, lookups)
+    assert scheduler.pool.num_cached < 256 - 20  # (the prefix's 20 blocks came from the cached ones)
+
+
+def _not_looked_up_again(scheduler: Scheduler, lookups: list[int]) -> None:
     first = scheduler.schedule()
     assert [c.request.request_id for c in first.chunks] == ["r0"] and len(scheduler.waiting) == 5
     assert len(lookups) == 6  # each request once
@@ -100,14 +125,52 @@ def test_a_waiting_request_is_not_looked_up_again_while_the_block_it_waits_for_i
     scheduler.pool.check()
 
 
-def test_a_waiting_request_whose_prefix_was_forgotten_meanwhile_finds_what_is_left():
+def test_a_waiting_request_whose_prefix_was_forgotten_meanwhile_goes_in_at_once():
+    """It would find none of the prefix once computed: it gains nothing by waiting."""
     scheduler, _ = _queue_behind_a_long_prefix(num_queued=1)
     scheduler.update(scheduler.schedule().chunks)
     scheduler.update(scheduler.schedule().chunks)
-    scheduler.pool.reset_cache()  # (the 64 tokens computed so far are no longer findable)
-    while scheduler.running[0].num_computed_tokens < 320:
-        scheduler.update(scheduler.schedule().chunks)
     assert [r.request_id for r in scheduler.waiting] == ["r1"]
+    scheduler.pool.reset_cache()  # (the 64 tokens computed so far are no longer findable)
     admitted = scheduler.schedule()
-    assert [(c.request.request_id, c.start) for c in admitted.chunks] == [("r0", 320), ("r1", 0)]
+    assert [(c.request.request_id, c.start) for c in admitted.chunks] == [("r0", 64), ("r1", 0)]
     scheduler.pool.check()
+
+
+def test_a_waiting_request_whose_cached_prefix_is_evicted_meanwhile_goes_in_at_once():
+    """W waits for R, which computes the rest of W's prompt. R recomputes the
+    cached start of it too (for its prompt logprobs), so that cached copy is free,
+    and the unrelated requests' blocks evict it: W then gains nothing by waiting."""
+    config = dataclasses.replace(CONFIG, max_num_batched_tokens=256, num_kv_blocks=80)
+    scheduler = Scheduler(config, BlockPool(config.num_kv_blocks, config.block_size))
+    start, rest = _own(1, 64), _own(2, 1024)
+    _finished(scheduler, start)
+    start_tail = scheduler.pool.lookup(block_hashes(start, 16), start)[-1]
+    logprobs = dataclasses.replace(GREEDY, prompt_logprobs=1)
+    scheduler.add(Request("R", start + rest + [2] * 10, logprobs, seed=0, prompt_logprobs=[None] * 1098))
+    waiter = Request("W", start + rest + [3] * 10, GREEDY, seed=0)
+    scheduler.add(waiter)
+    for index in range(6):
+        scheduler.add(Request(f"X{index}", _own(20 + index, 160), GREEDY, seed=0))
+    while scheduler.pool.blocks[start_tail].block_hash is not None:
+        assert waiter in scheduler.waiting
+        _step(scheduler)
+    while waiter not in scheduler.running:  # (as soon as the full pool lets it: not once R is done)
+        _step(scheduler)
+    assert scheduler.running[0].request_id == "R" and scheduler.running[0].num_computed_tokens < len(start + rest)
+    scheduler.pool.check()
+
+
+def _step(scheduler: Scheduler) -> None:
+    """A step as the engine runs it, a token drawn where a chunk samples (and a
+    prompt's logprobs in once computed); each request ends at max_new_tokens."""
+    chunks = scheduler.schedule().chunks
+    scheduler.update(chunks)
+    for chunk in chunks:
+        request = chunk.request
+        if request.prompt_logprobs is not None and chunk.known_end >= request.num_prompt_tokens:
+            request.prompt_logprobs = [None] + [TokenLogprob(7, 0.0)] * (request.num_prompt_tokens - 1)
+        if chunk.samples:
+            request.output_token_ids.append(7)
+            if len(request.output_token_ids) == request.params.max_new_tokens:
+                scheduler.finish(request)
