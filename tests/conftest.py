@@ -155,3 +155,19 @@ def wait_idle(actor, within_s: float = 10.0):
             return stats
         assert time.monotonic() < deadline, f"still holding: {stats}"
         time.sleep(0.1)
+
+
+# Their own Ray clusters, started in a subprocess (tests/autoscale_check.py, tests/multinode_check.py).
+RAY_CLUSTER_FILES = {"test_autoscale_cluster.py", "test_multinode.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist
+    loadgroup`): the tests on a Ray cluster in one group, one after another on one
+    worker as they ran before (they share the session's cluster, and keep both
+    cores busy), and each other file a group of its own, on the other worker
+    meanwhile. Those run in one process (the tiny models, the parsers): one after
+    another, they left a core idle for about 300 s of the suite's 1480."""
+    for item in items:
+        on_ray = "ray_local" in item.fixturenames or item.path.name in RAY_CLUSTER_FILES
+        item.add_marker(pytest.mark.xdist_group("ray" if on_ray else item.path.name))

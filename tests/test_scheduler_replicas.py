@@ -119,7 +119,8 @@ def test_replicas_share_the_cache_view_and_count_each_others_load(ray_local, tin
     assert r["batch"] == 1 and r["kv_tokens"] > 40
     # B's abort of a request by its client's name ends it on A (`/abort_request`
     # lands on any replica), as aborted, with the tokens it had.
-    assert len(r["aborted"]) == 1 and r["long_last"].finish_reason == "abort" and r["long_last"].error is None
+    assert len(r["aborted"]) == 1 and r["long_last"].finish_reason == "abort" and r["long_last"].error is None, (
+        r["aborted"], r["long_last"], r["ended_first"])
     # A's D learns its TBT bias from the request it finished (its mean gap between
     # tokens as its caller saw them, as the SLO counts it); not from the one aborted
     # (nor from the long ones that ended before the abort, learnt from all the same).
