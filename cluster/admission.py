@@ -89,9 +89,15 @@ class InFlight:
     def first_token_due_s(self) -> float | None:
         """When its first token is predicted (monotonic); None while it waits in a
         D's line it was predicted to wait in: not P's work yet (the line's own
-        prediction counts it, cluster/decode_lines.py)."""
+        prediction counts it, cluster/decode_lines.py). Once reserved, its own
+        work starts when the queue P had at its admission ends, or at the
+        reservation if later: that queue ran on while it waited in the line
+        (counted from the reservation, it made P look busy for that long again,
+        and a later request was refused for it)."""
         if self.reserved_s is not None:
-            return self.reserved_s + self.predicted_ttft_s - self.line_wait_s - self.early_s
+            own_s = self.own_s + self.ttft_bias_s
+            queue_end_s = self.admitted_s + self.predicted_ttft_s - self.line_wait_s - own_s
+            return max(self.reserved_s, queue_end_s) + own_s - self.early_s
         if self.line_wait_s:
             return None
         return self.admitted_s + self.predicted_ttft_s - self.early_s
@@ -410,8 +416,8 @@ class WorkerModels:
             remaining = request.max_new_tokens - request.num_generated
             if request.in_prefill:
                 joins_at = max(request.predicted_ttft_s - (now - request.admitted_s), 0.0)
-                if joins_at > at_s:
-                    continue  # still prefilling then
+                if joins_at > at_s or joins_at + remaining * step_now < at_s:
+                    continue  # still prefilling then, or done by then
             elif remaining * step_now < at_s:
                 continue  # done by then
             batch += 1

@@ -385,7 +385,8 @@ class PoolView:
         blocks a request this replica has in prefill there shares with the prompt:
         they are cached by the time this one's turn comes, or it waits for them
         (`Scheduler._waits_for_prefix`), so a burst sharing a new system prompt is
-        not charged it once a request."""
+        not charged it once a request. Not one predicted to wait in a D's line:
+        the worker starts it only once D reserves its blocks."""
         index = self.prefix.get(worker_id)
         if index is None:
             return 0
@@ -395,6 +396,7 @@ class PoolView:
             indexes += self.store_index.indexes_for(stats.node_id)
         cached = match_any(indexes, hashes)
         for request in self.models.inflight.values() if cached < len(hashes) else ():
-            if request.in_prefill and (request.prefill_id or request.decode_id) == worker_id:
+            if (request.in_prefill and (request.prefill_id or request.decode_id) == worker_id
+                    and request.first_token_due_s is not None):
                 cached = max(cached, num_common_blocks(request.prefix_hashes, hashes))
         return cached * self.block_size

@@ -170,15 +170,18 @@ class GlobalScheduler:
             any_room = any(headroom[d] >= needed[d] for d in headroom)
             decodes = [d for d, wait in line_wait.items() if wait is not None or not any_room]
             line_wait = {d: wait or 0.0 for d, wait in line_wait.items()}
-            tbt_slo_s = self.settings.slo.tbt_ms / 1e3
+            ttft_slo_s, tbt_slo_s = self.settings.slo.ttft_ms / 1e3, self.settings.slo.tbt_ms / 1e3
             d_cached = {d: view.cached_tokens(d, usable_hashes) // self.block_size for d in decodes}
             candidates = []
             for p in self._routable("prefill", exclude, pinned_p):
                 cached = view.cached_tokens(p, usable_hashes)
                 per_d = [_waiting(models.predict(p, d, len(prompt_ids), cached, d_cached[d]), line_wait[d])
                          for d in decodes]
-                # D: within the TBT SLO, the shortest wait for KV blocks (none where
-                # there is room), one with room before one without (whose wait
+                # D: within both SLOs (the transfer from this P counted: a D whose
+                # link to it was slow, picked for its lighter load, was a 429 where
+                # another D met the TTFT SLO), within the TBT SLO, the shortest wait
+                # for KV blocks (none where there is room), one with room before
+                # one without (whose wait
                 # may be unknown: read as none), the least busy (so a new decode
                 # worker takes requests even if its start-up profile came out
                 # slower), then the one whose cache holds most of the prompt (P
@@ -192,7 +195,7 @@ class GlobalScheduler:
                 # 429 (or a miss) for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
-                        c.tbt_s > tbt_slo_s, c.line_wait_s, headroom[c.decode_id] < needed[c.decode_id],
+                        not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s > tbt_slo_s, c.line_wait_s, headroom[c.decode_id] < needed[c.decode_id],
                         inflight.get(c.decode_id, 0), -d_cached[c.decode_id], -headroom[c.decode_id],
                         view.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:

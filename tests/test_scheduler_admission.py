@@ -112,7 +112,8 @@ def test_before_a_line_was_read_a_full_ds_wait_is_when_its_requests_finish():
 def test_a_request_waiting_in_a_decode_workers_line_is_not_its_prefill_workers_work_yet():
     now = time.monotonic()
     models = fitted_models(now)
-    waiting = InFlight("waiting", "p0", "d0", 100, 10, predicted_ttft_s=5.5, admitted_s=now, line_wait_s=5.0)
+    waiting = InFlight("waiting", "p0", "d0", 100, 10, predicted_ttft_s=5.5, admitted_s=now, line_wait_s=5.0,
+                       own_s=0.5)
     models.inflight["waiting"] = waiting
     assert models.queued_prefill_s("p0") == 0.0  # P is free while it waits (it was predicted to)
     waiting.reserved_s = now + 1.0  # through the line early: P's from then, 0.5 s of its work
