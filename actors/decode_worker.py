@@ -340,7 +340,7 @@ class DecodeWorker(WorkerBase):
         if num_in:
             self.engine.keep_arrived_blocks(request_id, num_in)
         for borrower in borrowers:  # (each keeps the blocks before the lost ones, still in `_unwritten`)
-            self._release_aborted(borrower)
+            self._release_aborted(borrower, also_ending)  # (its own borrowers aborted with it: as aborted too)
             self.engine.cancel_reservation(borrower)
             if borrower in also_ending:  # (aborted with it: failed, an n=4 call's `/abort_request` had its
                 self.streams.end_aborted(borrower, None)  # three later choices tried again on another pair)

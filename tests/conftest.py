@@ -168,6 +168,8 @@ def pytest_collection_modifyitems(config, items):
     cores busy), and each other file a group of its own, on the other worker
     meanwhile. Those run in one process (the tiny models, the parsers): one after
     another, they left a core idle for about 300 s of the suite's 1480."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
     for item in items:
         on_ray = "ray_local" in item.fixturenames or item.path.name in RAY_CLUSTER_FILES
         item.add_marker(pytest.mark.xdist_group("ray" if on_ray else item.path.name))

@@ -13,7 +13,7 @@ import asyncio
 
 from actors.config import EngineConfig
 from actors.decode_worker import DecodeWorker
-from actors.messages import GenerateRequest, RequestAborted, ReservationInfo
+from actors.messages import GenerateRequest, RequestAborted, ReservationInfo, TokenEvent
 from actors.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(block_size=16, num_kv_blocks=64, prefill_chunk_size=48)
@@ -65,3 +65,34 @@ def test_a_handshake_cancelled_as_its_reservation_is_granted_frees_it(tiny_qwen2
     outcome, (pending, reservations, used) = asyncio.run(scenario())
     assert isinstance(outcome, asyncio.CancelledError)
     assert pending == {} and reservations == {} and used == 0
+
+
+def test_one_abort_of_a_lender_and_its_borrowers_ends_each_as_aborted(tiny_qwen2_dir):
+    """L's prompt blocks are still to come when B borrows them, and C borrows both
+    L's and B's own: one `/abort_request` naming all three ends each as aborted.
+    C, ended within B's release as a borrower of a lost block, ended as an error
+    the scheduler retries (`borrowed_kv_lost`), another pair then serving it."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    shared, more = list(range(3, 67)), list(range(100, 132))  # 4 blocks, then 2 more
+
+    async def scenario():
+        worker = DecodeWorker("d0", tiny_qwen2_dir, CONFIG)
+        feed = worker.feed("feed")
+        for request_id, prompt in (("L", shared + [500]), ("B", shared + more + [501]), ("C", shared + more + [502])):
+            await worker.reserve(GenerateRequest(request_id, prompt, params, request_id), "feed", None, wait_s=0.0)
+        borrowed = {rid: len(worker._pending[rid].borrowed) for rid in ("B", "C")}
+        await worker.end_aborted(["L", "B", "C"])
+        ended = {}
+        while len(ended) < 3:
+            for event in map(TokenEvent._make, await anext(feed)):
+                if event.finished:
+                    ended[event.request_id] = (event.finish_reason, event.error, event.borrowed_kv_lost)
+        await feed.aclose()
+        pending = dict(worker._pending)
+        worker.loop.stop()
+        return borrowed, ended, pending, worker.engine.pool.num_used
+
+    borrowed, ended, pending, used = asyncio.run(scenario())
+    assert borrowed == {"B": 4, "C": 6}
+    assert ended == {rid: ("abort", None, False) for rid in ("L", "B", "C")}
+    assert pending == {} and used == 0
