@@ -181,8 +181,7 @@ class GlobalScheduler:
                 # link to it was slow, picked for its lighter load, was a 429 where
                 # another D met the TTFT SLO), within the TBT SLO, the shortest wait
                 # for KV blocks (none where there is room), one with room before
-                # one without (whose wait
-                # may be unknown: read as none), the least busy (so a new decode
+                # one without (whose wait may be unknown: read as none), the least busy (so a new decode
                 # worker takes requests even if its start-up profile came out
                 # slower), then the one whose cache holds most of the prompt (P
                 # sends it only the rest: a conversation's next turn went to
@@ -195,9 +194,9 @@ class GlobalScheduler:
                 # 429 (or a miss) for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
-                        not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s > tbt_slo_s, c.line_wait_s, headroom[c.decode_id] < needed[c.decode_id],
-                        inflight.get(c.decode_id, 0), -d_cached[c.decode_id], -headroom[c.decode_id],
-                        view.num_routed.get(c.decode_id, 0), c.tbt_s)))
+                        not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s > tbt_slo_s, c.line_wait_s,
+                        headroom[c.decode_id] < needed[c.decode_id], inflight.get(c.decode_id, 0),
+                        -d_cached[c.decode_id], -headroom[c.decode_id], view.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:
             raise ApiError(503, "no workers are ready; retry shortly", kind="service_unavailable",
                            headers={"Retry-After": "5"})
