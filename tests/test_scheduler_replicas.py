@@ -84,13 +84,17 @@ async def _scenario(pool, settings):
 
 async def _abort_while_decoding(a, b, worker, attempts: int = 3) -> dict:
     """A long request started on A and aborted by name through B (`/abort_request`
-    reaching B) once B sees it decode. On a loaded machine its tokens can all come
-    before B sees it or before the abort lands: that says nothing of the abort, so a
-    new one is tried, up to `attempts`; `ended_first` counts those."""
+    reaching B) once B sees it decode and its first tokens came (A counts it on D
+    from its admission: an abort sent before it reached the worker ended it there as
+    it came, by its abort mark, and the abort named none it ended). On a loaded
+    machine its tokens can all come before B sees it or before the abort lands:
+    that says nothing of the abort, so a new one is tried, up to `attempts`;
+    `ended_first` counts those."""
     for attempt in range(attempts):
         name = f"long-{attempt}"
-        request = asyncio.ensure_future(_last_event(a, list(range(1000, 1040)), LONG, name))
-        await _until(lambda: request.done() or b.view.models.peers.decoding.get(worker) == 1, 30,
+        tokens = []
+        request = asyncio.ensure_future(_last_event(a, list(range(1000, 1040)), LONG, name, tokens))
+        await _until(lambda: request.done() or (b.view.models.peers.decoding.get(worker) == 1 and tokens), 30,
                      "B sees A's decoding request")
         if request.done():  # all its tokens came before B saw it
             assert request.result().finish_reason == "length"
@@ -107,9 +111,11 @@ async def _abort_while_decoding(a, b, worker, attempts: int = 3) -> dict:
     raise AssertionError(f"each of {attempts} long requests ended before B's abort came")
 
 
-async def _last_event(scheduler, prompt: list[int], params, client_rid: str):
+async def _last_event(scheduler, prompt: list[int], params, client_rid: str, tokens: list[int] | None = None):
     async for event in scheduler.generate(prompt, params, client_rid, client_rid):
         last = event
+        if tokens is not None:
+            tokens += event.token_ids
     return last
 
 
