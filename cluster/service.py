@@ -177,21 +177,19 @@ class GlobalScheduler:
                 cached = view.cached_tokens(p, usable_hashes)
                 per_d = [_waiting(models.predict(p, d, len(prompt_ids), cached, d_cached[d]), line_wait[d])
                          for d in decodes]
-                # D: within both SLOs (the transfer from this P counted: a D whose
-                # link to it was slow, picked for its lighter load, was a 429 where
-                # another D met the TTFT SLO), within the TBT SLO, the shortest wait
-                # for KV blocks (none where there is room), one with room before
-                # one without (whose wait may be unknown: read as none), the least busy (so a new decode
-                # worker takes requests even if its start-up profile came out
-                # slower), then the one whose cache holds most of the prompt (P
-                # sends it only the rest: a conversation's next turn went to
-                # whichever idle D was next in turn, and its whole history moved
-                # again), then the most KV headroom, then the one routed to least
-                # so far (idle equals take turns, and a scaled-up worker serves
-                # from the next request); past the SLO, the fastest. Every D is a
-                # candidate: one without room but within the TBT SLO was left out
-                # where another had room, and that one's TBT past the SLO was a
-                # 429 (or a miss) for a request the first could serve.
+                # D: within both SLOs (the transfer from this P counted: a D whose link to it
+                # was slow, picked for its lighter load, was a 429 where another D met the TTFT
+                # SLO), within the TBT SLO, the shortest wait for KV blocks (none where there is
+                # room), one with room before one without (whose wait may be unknown: read as
+                # none), the least busy (so a new decode worker takes requests even if its
+                # start-up profile came out slower), then the one whose cache holds most of the
+                # prompt (P sends it only the rest: a conversation's next turn went to whichever
+                # idle D was next in turn, and its whole history moved again), then the most KV
+                # headroom, then the one routed to least so far (idle equals take turns, and a
+                # scaled-up worker serves from the next request); past the SLO, the fastest.
+                # Every D is a candidate: one without room but within the TBT SLO was left out
+                # where another had room, and that one's TBT past the SLO was a 429 (or a miss)
+                # for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
                         not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s > tbt_slo_s, c.line_wait_s,
