@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import served_app
 
 PROFILE_DIR = Path(tempfile.gettempdir()) / f"tandem-test-profiles-{os.getpid()}"
+PROFILE_CALL_S = 60  # a worker's first trace starts torch's profiler (seconds on a loaded machine)
 ARGS = {
     "model": {"preset": "tiny", "arch": "qwen2"},
     "mode": "colocated",
@@ -395,27 +396,27 @@ def test_a_profile_traces_the_workers_steps_into_the_manifests_folder(base_url):
     names the traces written; one at a time (409), and /stop_profile with none
     running is a 409 too."""
     try:
-        started = httpx.post(f"{base_url}/start_profile", json={"num_steps": 3})
+        started = httpx.post(f"{base_url}/start_profile", json={"num_steps": 3}, timeout=PROFILE_CALL_S)
         assert started.status_code == 200, started.text
         (path,) = started.json()["traces"].values()
         assert Path(path).parent == PROFILE_DIR and path.endswith(".trace.json.gz")
         assert httpx.post(f"{base_url}/generate", json={"text": "traced", "max_new_tokens": 8}).status_code == 200
-        stopped = httpx.post(f"{base_url}/stop_profile")  # it ended after its 3 steps: named, not ended again
+        stopped = httpx.post(f"{base_url}/stop_profile", timeout=PROFILE_CALL_S)  # it ended after its 3 steps: named, not ended again
         assert stopped.status_code == 200 and list(stopped.json()["traces"].values()) == [path], stopped.text
         events = json.load(gzip.open(path))["traceEvents"]
         assert sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#")) >= 3  # a range a step
         assert any(e.get("name", "").startswith("aten::") for e in events)  # the steps' operators
 
-        assert httpx.post(f"{base_url}/start_profile").status_code == 200  # no body: until stopped
-        again = httpx.post(f"{base_url}/start_profile", json={})
+        assert httpx.post(f"{base_url}/start_profile", timeout=PROFILE_CALL_S).status_code == 200  # no body: until stopped
+        again = httpx.post(f"{base_url}/start_profile", json={}, timeout=PROFILE_CALL_S)
         assert again.status_code == 409 and "POST /stop_profile" in again.json()["error"]["message"], again.text
         assert httpx.post(f"{base_url}/generate", json={"text": "traced", "max_new_tokens": 2}).status_code == 200
-        (second,) = httpx.post(f"{base_url}/stop_profile").json()["traces"].values()
+        (second,) = httpx.post(f"{base_url}/stop_profile", timeout=PROFILE_CALL_S).json()["traces"].values()
         assert second != path and Path(second).is_file()
-        none = httpx.post(f"{base_url}/stop_profile")
+        none = httpx.post(f"{base_url}/stop_profile", timeout=PROFILE_CALL_S)
         assert none.status_code == 409 and "no profile is running" in none.json()["error"]["message"]
     finally:
-        httpx.post(f"{base_url}/stop_profile")
+        httpx.post(f"{base_url}/stop_profile", timeout=PROFILE_CALL_S)
         shutil.rmtree(PROFILE_DIR, ignore_errors=True)
 
 
