@@ -401,13 +401,15 @@ def test_a_profile_traces_the_workers_steps_into_the_manifests_folder(base_url):
         (path,) = started.json()["traces"].values()
         assert Path(path).parent == PROFILE_DIR and path.endswith(".trace.json.gz")
         assert httpx.post(f"{base_url}/generate", json={"text": "traced", "max_new_tokens": 8}).status_code == 200
-        stopped = httpx.post(f"{base_url}/stop_profile", timeout=PROFILE_CALL_S)  # it ended after its 3 steps: named, not ended again
+        # it ended after its 3 steps: named, not ended again
+        stopped = httpx.post(f"{base_url}/stop_profile", timeout=PROFILE_CALL_S)
         assert stopped.status_code == 200 and list(stopped.json()["traces"].values()) == [path], stopped.text
         events = json.load(gzip.open(path))["traceEvents"]
         assert sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#")) >= 3  # a range a step
         assert any(e.get("name", "").startswith("aten::") for e in events)  # the steps' operators
 
-        assert httpx.post(f"{base_url}/start_profile", timeout=PROFILE_CALL_S).status_code == 200  # no body: until stopped
+        # no body: until stopped
+        assert httpx.post(f"{base_url}/start_profile", timeout=PROFILE_CALL_S).status_code == 200
         again = httpx.post(f"{base_url}/start_profile", json={}, timeout=PROFILE_CALL_S)
         assert again.status_code == 409 and "POST /stop_profile" in again.json()["error"]["message"], again.text
         assert httpx.post(f"{base_url}/generate", json={"text": "traced", "max_new_tokens": 2}).status_code == 200
