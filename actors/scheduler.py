@@ -222,8 +222,8 @@ class Scheduler:
         not yet cached, and the prefix it found cached is still there (with none,
         the first block it waits for is cached or in compute). A lookup walks the
         whole cached prefix, and a burst of requests behind a long new prompt
-        walked it each, every step (a thousand behind an 8k-token one: 120 ms a
-        step, `tandem bench deferred`).
+        walked it each, every step (a thousand behind an 8k-token one: 135 to
+        205 ms a step, `tandem bench deferred`).
 
         The prefix is there while its last block is: free blocks are evicted in
         the order they were freed, and a table is freed tail first, so a chain's

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
 from benchmarks import report
@@ -76,7 +75,7 @@ def one_run(num_queued: int, prefix_tokens: int, seed: int) -> dict[str, float]:
         scheduler.update(out.chunks)
         if all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running):
             break  # the prefix is computed: the queue goes in
-    return {"schedule_ms": statistics.median(step_ms), "lookups_ms": statistics.median(lookups_ms),
+    return {"schedule_ms": report.median(step_ms), "lookups_ms": report.median(lookups_ms),
             "steps": len(step_ms)}
 
 
