@@ -22,6 +22,7 @@ whose KV came stay in the prefix cache, for the prompt sent again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -50,6 +51,8 @@ from actors.request import SampledToken
 from actors.reservation_queue import ReservationQueue, Withdrawn
 from actors.worker_base import WorkerBase
 
+
+log = logging.getLogger(__name__)
 
 ENDED_ABORTED_KEPT = 4096  # request ids remembered as aborted, for their chunks still on their way
 
@@ -230,8 +233,9 @@ class DecodeWorker(WorkerBase):
         except Exception as exc:  # the bytes were consumed, the channel is in step: fail this request only
             raise TransferFailed(f"request {meta.request_id}: chunk {meta.chunk_index} could not be placed on "
                                  f"{self.worker_id}: {type(exc).__name__}: {exc}") from exc
-        if self._parked:
-            await self._activate_unparked()
+        finally:  # (blocks this chunk wrote were lent: their borrowers start, whatever became of this request)
+            if self._parked:
+                await self._activate_unparked()
         return arrived_s
 
     def _write_chunk(self, meta: ChunkMeta, kv: torch.Tensor) -> None:
@@ -279,19 +283,28 @@ class DecodeWorker(WorkerBase):
         for meta in ready:
             try:
                 await self.call(lambda engine, meta=meta: self._activate_on_engine(engine, meta))
-            except Exception as exc:  # noqa: BLE001 - its P is done: its stream is what must hear of it
-                await self._end_failed(meta.request_id, f"request {meta.request_id} could not start decoding on "
-                                                        f"{self.worker_id}: {type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - ended, its stream told (`_activate_on_engine`); its P is done
+                log.exception("decode worker %s: request %s could not start", self.worker_id, meta.request_id)
 
     def _activate_on_engine(self, engine: Engine, meta: ChunkMeta) -> None:
         """Start decoding a request whose last chunk landed, and publish its first
         token (on the engine thread, like every later token: one writer per
         stream); unless an abort or a drop freed its reservation since the chunk
-        was written, which its stream has already been told."""
+        was written, which its stream has already been told. One the engine
+        fails to start is ended here, in the same call (out of `_pending`,
+        nothing else would free its blocks), its stream failed; the error is raised."""
         if meta.request_id not in engine.reservations:
             return
         first = SampledToken(meta.first_token_id, meta.first_logprob)
-        output = engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs, meta.num_cached_tokens)
+        try:
+            output = engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs,
+                                     meta.num_cached_tokens)
+        except Exception as exc:
+            engine.abort(meta.request_id)  # (the engine holds it from its reservation's end: this frees its blocks)
+            if meta.request_id in self.streams:
+                self.streams.fail(meta.request_id, f"request {meta.request_id} could not start decoding on "
+                                                   f"{self.worker_id}: {type(exc).__name__}: {exc}")
+            raise
         self.streams.publish([output])
         self._wake_line_if_any_finished([output])  # (done at its first token: one token asked, or a stop)
 

@@ -327,6 +327,7 @@ class Engine:
         request = self.reservations.pop(request_id)
         self.arriving.forget(request_id)  # (its blocks are published to the prefix cache below)
         self.num_reserved_blocks -= self._reserved_only.pop(request_id)
+        self.requests[request_id] = request  # (from here a failure leaves it to `abort`, which frees its blocks)
         if prompt_logprobs is not None:
             request.prompt_logprobs = prompt_logprobs
         request.num_computed_tokens = request.num_prompt_tokens
@@ -335,7 +336,6 @@ class Engine:
             request.seed = seed
         if self.config.enable_prefix_cache:
             self.scheduler.publish_full_blocks(request, 0)
-        self.requests[request_id] = request
         self.scheduler.add_running(request)
         self.writer.take_drawn(request, first_token.token_id, first_token.logprob, time.monotonic())
         if request.is_finished:
