@@ -101,8 +101,7 @@ class KVStore:
                     self._put(self.shared, block)
 
     def _put(self, tier: Tier, block: StoredBlock) -> None:
-        if tier.contains(block.key):
-            tier.touch(block.key)
+        if tier.keeps(block.key):
             return
         self.counters[tier.name].stored += 1
         below = self._below(tier)
@@ -118,7 +117,7 @@ class KVStore:
         return below[0]
 
     def _demote(self, tier: Tier, block: StoredBlock) -> None:
-        if tier.contains(block.key):
+        if tier.keeps(block.key):  # (its copy there touched: the block was just in use above)
             return
         self.counters[tier.name].demoted_in += 1
         below = self._below(tier)

@@ -153,6 +153,22 @@ class Tier(ABC):
         if key in self._entries:
             self._entries.move_to_end(key)
 
+    def keeps(self, key: bytes) -> bool:
+        """Whether the tier holds `key`, marked most recently used if so: a block
+        stored (or demoted) again that it holds is not written again. An entry
+        whose copy went behind its back (another node's eviction on a shared
+        path) is dropped, so the caller writes it again."""
+        if not self.contains(key):
+            return False
+        if not self._still_there(key):
+            self.remove(key)
+            return False
+        self.touch(key)
+        return True
+
+    def _still_there(self, key: bytes) -> bool:
+        return True
+
     def put(self, block: StoredBlock, keep_evicted: bool = True) -> list[StoredBlock]:
         """Store a block (a key already held is only touched). Returns the entries
         evicted to make room, for demotion (read back only if `keep_evicted`)."""
@@ -277,6 +293,18 @@ class DiskTier(Tier):
 
     def _path(self, key: bytes) -> Path:
         return self.dir / key.hex()[:2] / f"{key.hex()}.kv"
+
+    def _still_there(self, key: bytes) -> bool:
+        """(One stat a block stored again.) Each node indexes the shared path on its
+        own: a file another node deleted stays in this node's index until it reads it.
+        One the file system cannot stat for now (EIO, ESTALE) is kept, as a read it refuses."""
+        try:
+            self._path(key).stat()
+        except FileNotFoundError:
+            return False
+        except OSError:
+            pass
+        return True
 
     def _is_stale(self, key: bytes, entry: _Entry) -> bool:
         """`Tier._is_stale`, unless the file at the key's path is no longer the one

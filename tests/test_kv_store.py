@@ -403,3 +403,37 @@ def test_a_load_leaves_the_prompts_first_blocks_the_most_recent(tmp_path):
     store.save(prompt[:3])  # (the host: 5, 6, 7 then 0, 1, 2; 3 and 4 pushed down to disk)
     assert_same(store.load(keys_of(prompt)), prompt)
     assert all(store.host.contains(block.key) for block in prompt[:3])
+
+
+def test_a_block_another_node_deleted_from_the_shared_path_is_written_back(tmp_path):
+    """B's index of the shared path still names a file A's bound deleted: B
+    storing that block again wrote nothing (a key held is only touched), and
+    every node then missed it. It is written back."""
+    shared = str(tmp_path / "shared")
+    node_a = KVStore(NAMESPACE, KVStoreSettings(shared_path=shared))
+    node_b = KVStore(NAMESPACE, KVStoreSettings(host_bytes=100 * BLOCK_BYTES, shared_path=shared))
+    blocks = make_blocks(2)
+    node_b.save(blocks)  # (written through to the shared path)
+    assert node_a.lookup(keys_of(blocks)) == 2
+    node_a.shared.remove(blocks[1].key)  # (as A's eviction would: the file goes)
+    node_b.save(blocks)
+    assert node_b.stats().num_write_errors == 0
+    assert_same(KVStore(NAMESPACE, KVStoreSettings(shared_path=shared)).load(keys_of(blocks)), blocks)
+
+
+def test_a_demotion_to_a_copy_the_tier_holds_makes_it_the_most_recent(tmp_path):
+    """X, promoted from disk and used since, leaves the host again: its old copy
+    on disk stayed least recently used, and the disk's next eviction deleted it
+    before colder blocks. It is touched as it comes down."""
+    blocks = make_blocks(5)
+    file_bytes = max(len(encode_entry(NAMESPACE, block)) for block in blocks)  # (the token ids' digits vary)
+    store = KVStore(NAMESPACE, KVStoreSettings(host_bytes=2 * BLOCK_BYTES, disk_path=str(tmp_path),
+                                               disk_bytes=3 * file_bytes, high_watermark=1.0, low_watermark=1.0))
+    x, a, b, c, d = blocks
+    store.save([x, a, b])  # (x down to disk)
+    assert store.load([x.key]) and store.disk.contains(x.key)  # (promoted, a down; x's disk copy kept)
+    store.save([c])  # (b down)
+    store.save([d])  # (x down again: its copy there made the most recent)
+    assert list(store.disk._entries) == [a.key, b.key, x.key]
+    store.save(make_blocks(2, seed=9))  # (c and d down: a and b are deleted, not x)
+    assert list(store.disk._entries) == [x.key, c.key, d.key]
