@@ -115,10 +115,13 @@ class DecodeRooms:
         share it (each was charged the whole prompt, and after D's next reading
         still, as its idle blocks, any prompt's, outnumbered the prompt's); a
         burst sharing a new one shares the first's blocks as they come.
-        Its node's store tiers aside: blocks loaded from them are new blocks."""
+        Its node's store tiers aside: blocks loaded from them are new blocks.
+        None where the workers' prefix caches are off: a reservation shares nothing."""
         view = self.view
         index, stats = view.prefix.get(worker_id), view.stats.get(worker_id)
         held = 0
+        if not view.settings.engine.enable_prefix_cache:
+            return 0
         if index is not None and stats is not None:
             cached = match_any([index], hashes)
             held = max(cached - stats.num_cached_blocks, 0)

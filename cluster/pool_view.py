@@ -386,9 +386,10 @@ class PoolView:
         they are cached by the time this one's turn comes, or it waits for them
         (`Scheduler._waits_for_prefix`), so a burst sharing a new system prompt is
         not charged it once a request. Not one predicted to wait in a D's line:
-        the worker starts it only once D reserves its blocks."""
+        the worker starts it only once D reserves its blocks. None where the
+        workers' prefix caches are off: they reuse nothing."""
         index = self.prefix.get(worker_id)
-        if index is None:
+        if index is None or not self.settings.engine.enable_prefix_cache:
             return 0
         indexes = [index]
         stats = self.stats.get(worker_id)

@@ -112,26 +112,29 @@ class GlobalScheduler:
 
     # ---- admission and pairing ----------------------------------------------------------
     def plan(self, prompt_ids: list[int], exclude: set[str] = frozenset(), max_new_tokens: int = 1,
-             pair: Pair | None = None) -> Prediction:
+             pair: Pair | None = None, computes_prompt: bool = False) -> Prediction:
         """The pair to use, or SloRejected / ApiError(503)."""
         return self._plan(prompt_ids, block_hashes(prompt_ids, self.block_size, self.kv_seed), exclude,
-                          max_new_tokens, pair)
+                          max_new_tokens, pair, computes_prompt)
 
     def _plan(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int,
-              pair: Pair | None = None) -> Prediction:
+              pair: Pair | None = None, computes_prompt: bool = False) -> Prediction:
         """`plan` with the prompt's block hashes already computed (once per request).
-        `pair`: the (P, D) to take where they may take requests, unless they miss
-        the SLO where another pair would not. A prompt's later choices go where its
-        first went: there they wait for its blocks, so P computes the prompt once
-        and D holds it once (borrowed, actors/arriving_blocks.py). Planned freely,
-        each went to whichever P its predicted TTFT named, an idle one computing
-        the whole prompt again for a few milliseconds less than waiting took."""
+        `pair`: the (P, D) to take where they may take requests and have room or a
+        known wait for it, unless they miss the SLO where another pair would not. A
+        prompt's later choices go where its first went: there they wait for its
+        blocks, so P computes the prompt once and D holds it once (borrowed,
+        actors/arriving_blocks.py). Planned freely, each went to whichever P its
+        predicted TTFT named, an idle one computing the whole prompt again for a
+        few milliseconds less than waiting took. `computes_prompt`: P computes
+        every prompt token, its cache aside (the prompt's logprobs are asked:
+        `Scheduler.cached_prefix`); D's reservation still reuses D's."""
         if pair is not None:
             try:
-                return self._plan_on(prompt_ids, hashes, exclude, max_new_tokens, pair)
-            except SloRejected:
+                return self._plan_on(prompt_ids, hashes, exclude, max_new_tokens, pair, computes_prompt)
+            except (SloRejected, ApiError):  # (ApiError: the pair has no room, nor a known wait for it)
                 pass
-        return self._plan_on(prompt_ids, hashes, exclude, max_new_tokens)
+        return self._plan_on(prompt_ids, hashes, exclude, max_new_tokens, computes_prompt=computes_prompt)
 
     def _routable(self, role: str, exclude: set[str], pinned: str | None) -> list[str]:
         """The workers of `role` a request may go to: `pinned` alone where it is one."""
@@ -139,10 +142,11 @@ class GlobalScheduler:
         return [pinned] if pinned in workers else workers
 
     def _plan_on(self, prompt_ids: list[int], hashes: list[bytes], exclude: set[str], max_new_tokens: int,
-                 pair: Pair | None = None) -> Prediction:
+                 pair: Pair | None = None, computes_prompt: bool = False) -> Prediction:
         view, models = self.view, self.view.models
         pinned_p, pinned_d = pair or (None, None)
         usable_hashes = self._usable(hashes, len(prompt_ids))
+        p_hashes = [] if computes_prompt else usable_hashes  # (what P, or a colocated worker, may reuse)
         # What D's reservation must find room for, as D counts it (actors/decode_room.py)
         reserve = self.settings.engine.decode_reserve_tokens
         needed_blocks = -(-reservation_tokens(len(prompt_ids), max_new_tokens, reserve, self.max_model_len)
@@ -155,26 +159,29 @@ class GlobalScheduler:
                 inflight[worker_id] = inflight.get(worker_id, 0) + 1
         if self.settings.mode == "colocated":
             candidates = [
-                models.predict(None, c, len(prompt_ids), view.cached_tokens(c, usable_hashes))
+                models.predict(None, c, len(prompt_ids), view.cached_tokens(c, p_hashes))
                 for c in self._routable("colocated", exclude, pinned_d)
             ]
         else:
+            # Every D's, the pinned one's included: whether any has room decides whether a full one may be taken
             headroom = {d: view.rooms.headroom(d)  # once: it sums inflight
-                        for d in self._routable("decode", exclude, pinned_d)}
+                        for d in view.routable("decode", exclude)}
             # Less the prompt's blocks D holds for running requests, which its reservation shares (a D serving
             # a shared system prompt read as full for the whole prompt: 429s, or routed to a D without it)
             needed = {d: needed_blocks - view.rooms.held_prefix_blocks(d, usable_hashes) for d in headroom}
-            line_wait = {d: self._line_wait_s(d, headroom[d], needed[d]) for d in headroom}  # once: P aside
-            # A full D whose wait nothing predicts (no line read yet, none of this replica's requests
-            # there) only where no D has room: read as none, it beat a D with room.
             any_room = any(headroom[d] >= needed[d] for d in headroom)
+            line_wait = {d: self._line_wait_s(d, headroom[d], needed[d])  # once: P aside
+                         for d in self._routable("decode", exclude, pinned_d)}
+            # A full D whose wait nothing predicts (no line read yet, none of this replica's requests
+            # there) only where no D has room: read as none, it beat a D with room (a pinned one too:
+            # the later choices of an n=4 call waited in a full D's line while another had room).
             decodes = [d for d, wait in line_wait.items() if wait is not None or not any_room]
             line_wait = {d: wait or 0.0 for d, wait in line_wait.items()}
             ttft_slo_s, tbt_slo_s = self.settings.slo.ttft_ms / 1e3, self.settings.slo.tbt_ms / 1e3
             d_cached = {d: view.cached_tokens(d, usable_hashes) // self.block_size for d in decodes}
             candidates = []
             for p in self._routable("prefill", exclude, pinned_p):
-                cached = view.cached_tokens(p, usable_hashes)
+                cached = view.cached_tokens(p, p_hashes)
                 per_d = [_waiting(models.predict(p, d, len(prompt_ids), cached, d_cached[d]), line_wait[d])
                          for d in decodes]
                 # D: within both SLOs (the transfer from this P counted: a D whose link to it
@@ -186,13 +193,15 @@ class GlobalScheduler:
                 # prompt (P sends it only the rest: a conversation's next turn went to whichever
                 # idle D was next in turn, and its whole history moved again), then the most KV
                 # headroom, then the one routed to least so far (idle equals take turns, and a
-                # scaled-up worker serves from the next request); past the SLO, the fastest.
+                # scaled-up worker serves from the next request). Past the TBT SLO, the fastest
+                # first (a slower one won on a tie-breaker, and was served, or quoted in the 429).
                 # Every D is a candidate: one without room but within the TBT SLO was left out
                 # where another had room, and that one's TBT past the SLO was a 429 (or a miss)
                 # for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
-                        not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s > tbt_slo_s, c.line_wait_s,
+                        not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s > tbt_slo_s,
+                        c.tbt_s if c.tbt_s > tbt_slo_s else 0.0, c.line_wait_s,
                         headroom[c.decode_id] < needed[c.decode_id], inflight.get(c.decode_id, 0),
                         -d_cached[c.decode_id], -headroom[c.decode_id], view.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:
@@ -267,7 +276,8 @@ class GlobalScheduler:
             for attempt in itertools.count():
                 try:
                     pinned = pair if not attempt else None  # (a retry: planned anew)
-                    choice = self._plan(prompt_ids, hashes, exclude, params.max_new_tokens, pinned)
+                    choice = self._plan(prompt_ids, hashes, exclude, params.max_new_tokens, pinned,
+                                        params.prompt_logprobs is not None)
                 except SloRejected as exc:
                     outcome = "rejected"
                     self.metrics.inc("rejections_total", "requests rejected early by SLO admission")
