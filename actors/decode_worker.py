@@ -250,8 +250,12 @@ class DecodeWorker(WorkerBase):
                 raise TransferFailed(
                     f"request {meta.request_id}: chunk {meta.chunk_index} arrived, expected {pending.next_chunk}"
                 )
-            if not set(meta.dst_block_ids) <= set(pending.block_ids):
-                raise TransferFailed(f"request {meta.request_id}: chunk targets blocks outside its reservation")
+            # The reservation's next blocks, those after the ones whose KV is in (a cached block
+            # overwritten in place was another request's prefix): P sends them in order
+            expected = pending.block_ids[pending.num_in : pending.num_in + len(meta.dst_block_ids)]
+            if meta.dst_block_ids != expected:
+                raise TransferFailed(f"request {meta.request_id}: chunk {meta.chunk_index} targets blocks "
+                                     f"{meta.dst_block_ids}, expected {expected} of its reservation")
             if meta.dst_block_ids:
                 self.engine.runner.write_blocks(meta.dst_block_ids, kv)
             for block_id in meta.dst_block_ids:

@@ -86,6 +86,7 @@ class _PairSender:
         self.sender = sender
         self.decode = decode_handle
         self.broken: str | None = None
+        self.forgotten = False  # closed by `PrefillWorker.forget_pair` (under its `_pairs_lock`)
         self._closed = False
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -245,12 +246,17 @@ class PrefillWorker(WorkerBase):
         group, its sockets) until P dies. Once: the sender thread and the
         watchdog could both come (a D that died mid-send), and the second's
         KeyError killed the sender thread before it failed its job and unpinned
-        what was queued (a review found it)."""
+        what was queued (a review found it). Whether or not a new pair has taken
+        its place already: a prefill that found it broken opens one at once, and
+        a pair looked up by its place was then never closed, its thread and D's
+        end kept (a review found it)."""
         with self._pairs_lock:
-            key = next((key for key, known in list(self._pairs.items()) if known is pair), None)
-            if key is None:
+            if pair.forgotten:
                 return
-            del self._pairs[key]
+            pair.forgotten = True
+            for key, known in list(self._pairs.items()):
+                if known is pair:
+                    del self._pairs[key]
         pair.close()
         pair.decode.close_channel.remote(pair.sender.name)  # (a D gone with the pair: its error unread)
 

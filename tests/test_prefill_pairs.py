@@ -51,6 +51,7 @@ def test_a_pair_forgotten_by_two_threads_at_once_fails_its_jobs_and_unpins_their
     pair = object.__new__(_PairSender)
     pair.worker, pair.sender, pair.decode = worker, ObjectStoreSender("kv-p0-d0-x"), decode
     pair.broken, pair._closed, pair._lock, pair._queue = None, False, threading.Lock(), queue.Queue()
+    pair.forgotten = False
 
     class Racing(dict):
         """The watchdog's forget_pair runs as the sender thread's reads the pairs
@@ -80,6 +81,35 @@ def test_a_pair_forgotten_by_two_threads_at_once_fails_its_jobs_and_unpins_their
         threading.excepthook = hook
     assert errors == [] and not sender.is_alive()
     assert worker.failed == ["A", "B"] and sorted(worker.released) == [(10,), (11,)] and dict(worker._pairs) == {}
+
+
+def test_a_broken_pair_replaced_before_its_sender_thread_forgets_it_is_closed_all_the_same():
+    """The sender thread marks the pair broken; a prefill meanwhile finds it so and
+    opens a new one in its place; then the thread forgets it. Looked up by its
+    place, the old pair was never closed: its thread and D's end of it stayed."""
+    worker = _worker()
+    told_to_close = []
+    decode = types.SimpleNamespace(close_channel=types.SimpleNamespace(remote=told_to_close.append))
+    old = _PairSender(worker, ObjectStoreSender("kv-p0-d0-old"), decode)
+    worker._pairs[("d0", "object_store")] = old
+
+    async def open_pair(key, decode_handle):
+        worker._pairs[key] = _PairSender(worker, ObjectStoreSender("kv-p0-d0-new"), decode)
+        return worker._pairs[key]
+
+    async def replaced():
+        old.broken = "channel kv-p0-d0-old broken"  # (the sender thread, before it forgets the pair)
+        return await worker._pair_for(ReservationInfo("r2", "d0", [1], 0), decode, "object_store")
+
+    worker._open_pair = open_pair
+    new = asyncio.run(replaced())
+    worker.forget_pair(old)
+    old._thread.join(5)
+    assert new is not old and worker._pairs == {("d0", "object_store"): new}
+    assert old._closed and not old._thread.is_alive() and told_to_close == ["kv-p0-d0-old"]
+    worker.forget_pair(new)  # (once each)
+    worker.forget_pair(new)
+    assert worker._pairs == {} and told_to_close == ["kv-p0-d0-old", "kv-p0-d0-new"]
 
 
 def test_a_channel_is_one_per_decode_worker_and_backend_and_its_opening_is_not_kept():

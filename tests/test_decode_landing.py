@@ -1,11 +1,13 @@
-"""A request whose KV has all come but that the decode engine fails to start
-(`Engine.activate` raising): its reservation was already out of `_pending`, so
-neither the watchdog nor P's `abort_transfer` would ever free its blocks, and
-its stream waited for a first token that never came. Now it is ended in the
-same engine call, its blocks freed and its stream failed; and requests parked
-on blocks its last chunk wrote (they borrowed them) start all the same. The
-worker runs in this process, without Ray; the fault is injected into the
-engine's first-token path."""
+"""A prompt's KV landing on D. A chunk must target the reservation's next
+blocks: one aimed at a block D's prefix cache already held was written over it
+in place (another request's prefix), and counted as a block come. A request
+whose KV has all come but that the decode engine fails to start
+(`Engine.activate` raising) was already out of `_pending`, so neither the
+watchdog nor P's `abort_transfer` would ever free its blocks, and its stream
+waited for a first token that never came: it is ended in the same engine call,
+its blocks freed and its stream failed; requests parked on blocks its last
+chunk wrote (they borrowed them) start all the same. The worker runs in this
+process, without Ray; the engine's fault is injected into its first-token path."""
 
 from __future__ import annotations
 
@@ -42,6 +44,36 @@ async def _ends(feed, request_ids: set[str]) -> dict[str, TokenEvent]:
             if event.finished:
                 seen[event.request_id] = event
     return seen
+
+
+def test_a_chunk_aimed_at_blocks_d_holds_cached_is_refused_and_writes_nothing(tiny_qwen2_dir):
+    prompt = list(range(3, 73))  # 4 full blocks and 6 tokens
+
+    async def scenario():
+        worker = DecodeWorker("d0", tiny_qwen2_dir, CONFIG)
+        feed = worker.feed("feed")
+        await worker.open_channel("pd", "object_store")
+        first = await worker.reserve(GenerateRequest("first", prompt, PARAMS), "feed", None)
+        await _send_all(worker, first)
+        while not (await _ends(feed, {"first"}))["first"].finished:  # (its blocks cached once it ends)
+            pass
+        again = await worker.reserve(GenerateRequest("again", prompt, PARAMS), "feed", None)
+        cache = worker.engine.runner.kv_cache
+        cached_before = cache[again.block_ids[0]].clone()
+        ones = torch.ones((1,) + tuple(cache.shape[1:]), dtype=cache.dtype)
+        aimed = ChunkMeta("again", 0, again.block_ids[:1], False)
+        outcome = await asyncio.gather(worker.receive_chunk(aimed, "pd", ones), return_exceptions=True)
+        overwritten = not torch.equal(cached_before, cache[again.block_ids[0]])
+        num_in = worker._pending["again"].num_in
+        landed = await _send_all(worker, again)
+        await feed.aclose()
+        worker.loop.stop()
+        return again.num_cached_blocks, outcome[0], overwritten, num_in, landed
+
+    num_cached, outcome, overwritten, num_in, landed = asyncio.run(scenario())
+    assert num_cached == 4 and num_in == 4
+    assert isinstance(outcome, TransferFailed) and "expected" in str(outcome) and not overwritten
+    assert isinstance(landed, float)  # (the right chunk, after: the reservation is in step still)
 
 
 def _fail_first_token_of(worker: DecodeWorker, request_id: str) -> None:
