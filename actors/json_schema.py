@@ -53,7 +53,7 @@ from actors.json_text import (COLON, COUNTED_CHAR, INTEGER, NESTED_FREE_DEPTH, N
                                free_json_regex, members_of, object_of)
 from actors.json_string_text import json_string_text
 from actors.json_values import KINDS, Shape, canonical, is_of_type, kinds_of_value, may_overlap
-from actors.regex_dfa import RegexError, compile_regex
+from actors.regex_dfa import RegexError, compile_regex, unanchored
 
 # A schema's pattern, and each of its parts, is at most this long: longer ones pass the
 # automaton's bounds anyway (actors/regex_dfa.py: 40k characters of nested arrays did).
@@ -148,10 +148,23 @@ def _literal(value, where: str) -> str:
     """The pattern of exactly `value`'s JSON text (a const's, an enum's); a number
     past a double's range, read as Infinity, is no JSON and is refused."""
     try:
-        return re.escape(json.dumps(value, ensure_ascii=False, allow_nan=False))
+        return re.escape(_json_text(value, allow_nan=False))
     except ValueError:
         raise RegexError(f"json_schema: {where} holds a number that is not finite (JSON has no NaN nor "
                          "Infinity)") from None
+
+
+def _json_text(value, **options) -> str:
+    """`value`'s JSON text as `json.dumps` writes it, its characters as they are;
+    but where a string holds a lone surrogate (JSON's `"\\ud800"`, no character
+    UTF-8 can write), escaped to ASCII: written raw, its code point was dropped,
+    and the value (an enum's option, a property's name) could not be written."""
+    text = json.dumps(value, ensure_ascii=False, **options)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, ensure_ascii=True, **options)
+    return text
 
 
 def _not_json(name: str):
@@ -196,6 +209,10 @@ class _Writer:
             return free_json_regex(NESTED_FREE_DEPTH, "value")
         if not isinstance(schema, dict):
             raise RegexError(f"json_schema: {where} must be a schema (an object)")
+        if path and "$id" in schema and ("$defs" in schema or "definitions" in schema):
+            # (its references name its own definitions, `#` being it: read as the root's, a string was an integer)
+            raise RegexError(f"json_schema: {where}: a subschema with its own $id and definitions (an embedded "
+                             "resource) is not supported; move its definitions to the root")
         if "$ref" in schema:
             return self._reference(schema, where, path)
         for name in ("anyOf", "oneOf"):
@@ -389,7 +406,7 @@ class _Writer:
         missing = required - set(properties)
         if missing:
             raise RegexError(f"json_schema: required properties {sorted(missing)} are not in properties")
-        members = [(f'"{re.escape(json.dumps(name, ensure_ascii=False)[1:-1])}"{COLON}'
+        members = [(f'"{re.escape(_json_text(name)[1:-1])}"{COLON}'
                     f"{self.value(sub, f'{path}.{name}')}", name in required)
                    for name, sub in properties.items()]
         return "\\{" + members_of(members) + "\\}"
@@ -412,7 +429,7 @@ class _Writer:
             pattern = schema["pattern"]
             if not isinstance(pattern, str):
                 raise RegexError(f"json_schema: {where}.pattern must be a string")
-            pattern = _unanchored(pattern)
+            pattern = unanchored(pattern)  # (matched whole between the quotes, where no anchor could stand)
             if pattern:  # (`^$`: the empty value)
                 compile_regex(pattern)  # RegexError unless the automaton takes it (the reason why)
             return f'"{_held_to(pattern, low, high, where)}"'  # written anew from its parse, as JSON writes it
@@ -427,37 +444,6 @@ def _held_to(pattern: str, low: int, high: int | None, where: str) -> str:
         return json_string_text(pattern, low, high)
     except RegexError as exc:
         raise RegexError(f"json_schema: {where}: {exc}") from None
-
-
-def _unanchored(pattern: str) -> str:
-    """`pattern` without the `^` and `$` that begin and end it or each of its
-    top-level alternatives (`^yes$|^no$`), an escaped `\\$` kept: the pattern is
-    matched whole between the string's quotes, where an anchor could not stand.
-    (A text `removesuffix("$")` made `^[0-9]+\\$` a bad escape.)"""
-    alternatives, start, depth, i = [], 0, 0, 0
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            i += 1  # the escaped character
-        elif char == "[":  # a class: to its closing bracket (one first, or after ^, is a member)
-            i += 2 if pattern[i + 1:i + 2] == "^" else 1
-            i += 1 if pattern[i:i + 1] == "]" else 0
-            while i < len(pattern) and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-        elif char in "()":
-            depth += 1 if char == "(" else -1
-        elif char == "|" and depth == 0:
-            alternatives.append(pattern[start:i])
-            start = i + 1
-        i += 1
-    alternatives.append(pattern[start:])
-    return "|".join(_without_anchors(a) for a in alternatives)
-
-
-def _without_anchors(alternative: str) -> str:
-    alternative = alternative.removeprefix("^")
-    escapes = len(alternative[:-1]) - len(alternative[:-1].rstrip("\\"))  # backslashes before a last "$"
-    return alternative[:-1] if alternative.endswith("$") and escapes % 2 == 0 else alternative
 
 
 def _count_bounds(schema: dict, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:

@@ -125,9 +125,10 @@ def _checked_compile(pattern: str) -> ByteDfa:
 
 def parse_whole(pattern: str) -> tuple[list, bool]:
     """Python's parse of `pattern` as matched whole: its items, less a `^` (`\\A`)
-    first and a `$` (`\\Z`) last, and whether `(?s)` holds for it all."""
+    first and a `$` (`\\Z`) last, its alternatives' too (`unanchored`), and
+    whether `(?s)` holds for it all."""
     try:
-        parsed = sre_parse.parse(pattern, 0)
+        parsed = sre_parse.parse(unanchored(pattern), 0)
     except (sre.error, OverflowError) as exc:
         raise RegexError(f"regex is not valid: {exc}") from None
     flags = parsed.state.flags
@@ -139,6 +140,42 @@ def parse_whole(pattern: str) -> tuple[list, bool]:
     if items[-1:] in ([(sre.AT, sre.AT_END)], [(sre.AT, sre.AT_END_STRING)]):
         items = items[:-1]
     return items, bool(flags & sre.SRE_FLAG_DOTALL)
+
+
+def unanchored(pattern: str) -> str:
+    """`pattern` without the `^` (`\\A`) and `$` (`\\Z`) that begin and end it or
+    each of its top-level alternatives (`^yes$|^no$`), an escaped `\\$` kept:
+    matched whole, the same language, and one that can be embedded in another
+    pattern (a JSON string's quotes, the reasoning before an answer), where an
+    anchor could not stand. (A text `removesuffix("$")` made `^[0-9]+\\$` a bad
+    escape.)"""
+    alternatives, start, depth, i = [], 0, 0, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 1  # the escaped character
+        elif char == "[":  # a class: to its closing bracket (one first, or after ^, is a member)
+            i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            i += 1 if pattern[i:i + 1] == "]" else 0
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif char in "()":
+            depth += 1 if char == "(" else -1
+        elif char == "|" and depth == 0:
+            alternatives.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    alternatives.append(pattern[start:])
+    return "|".join(_without_anchors(a) for a in alternatives)
+
+
+def _without_anchors(alternative: str) -> str:
+    alternative = alternative[2:] if alternative.startswith("\\A") else alternative.removeprefix("^")
+    for anchor in ("$", "\\Z"):
+        before = alternative[:-len(anchor)]
+        if alternative.endswith(anchor) and (len(before) - len(before.rstrip("\\"))) % 2 == 0:
+            return before  # (an even run of backslashes before it: the anchor is not escaped)
+    return alternative
 
 
 def _compile(pattern: str) -> ByteDfa:
@@ -217,7 +254,8 @@ class _Nfa:
             low, high, items = av
             return self.repeat(items, low, None if high == sre.MAXREPEAT else high)
         if op is sre.AT:
-            raise RegexError("regex: anchors and word boundaries are supported only as ^ at the start and $ at the end")
+            raise RegexError("regex: anchors and word boundaries are supported only as ^ at the start and $ at the end "
+                             "(of the pattern or of each of its top-level alternatives)")
         if op in (sre.GROUPREF, sre.GROUPREF_EXISTS):
             raise RegexError("regex: backreferences are not supported")
         if op in (sre.ASSERT, sre.ASSERT_NOT):

@@ -94,6 +94,7 @@ class _OpenAIBody(RequestBody):
         "functions": (None, []), "function_call": (None, "none"),  # (the legacy spelling of tools)
         # vLLM's extensions that change the output
         "guided_grammar": (None,), "use_beam_search": (None, False), "logits_processors": (None, []),
+        "guided_whitespace_pattern": (None,),  # (the JSON's whitespace is json.dumps' here: actors/json_text.py)
     }
 
     model: str | None = None

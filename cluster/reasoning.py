@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from actors.regex_dfa import DEAD, START, compile_regex
+from actors.regex_dfa import DEAD, START, compile_regex, unanchored
 from cluster.answer_parts import TrimmedText, tag_start, text_without_regex
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -130,13 +130,15 @@ def held_regex(pattern: str, opened: bool = False, written: bool = False) -> str
     wrote (`written`) that may itself begin with `<think>` says what the reasoning
     is to be: it is kept as written. Not one this server made (strict tools, a schema):
     Llama's and Mistral's strict tools let free text begin with `<`, and kept as
-    written, a call after the reasoning was free text, its arguments unchecked."""
+    written, a call after the reasoning was free text, its arguments unchecked.
+    Its anchors (`^...$`, as most are written) go: after the reasoning they
+    could not stand, and the pattern, refused so, is matched whole all the same."""
     block = f"{_REASONING}{re.escape(CLOSE)}\\s*"
     if opened:
-        return f"{block}(?:{pattern})"
+        return f"{block}(?:{unanchored(pattern)})"
     if written and compile_regex(pattern).walk(START, OPEN.encode()) != DEAD:
         return pattern
-    return f"(?:{re.escape(OPEN)}{block})?(?:{pattern})"
+    return f"(?:{re.escape(OPEN)}{block})?(?:{unanchored(pattern)})"
 
 
 class ReasoningDeltas:

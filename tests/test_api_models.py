@@ -298,6 +298,14 @@ def test_a_field_of_the_wrong_json_type_is_refused_not_coerced(field, value, mes
         ChatBody.model_validate({"messages": MESSAGES, "stream": True, field: value})
 
 
+@pytest.mark.parametrize("body", [ChatBody, CompletionBody])
+def test_a_whitespace_pattern_for_guided_json_is_refused_not_dropped(body):
+    """vLLM's `guided_whitespace_pattern` changes what it writes; taken here, it was dropped."""
+    fields = {"messages": MESSAGES} if body is ChatBody else {"prompt": "x"}
+    with pytest.raises(pydantic.ValidationError, match="guided_whitespace_pattern is not supported"):
+        body.model_validate({**fields, "guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]*"})
+
+
 def test_completions_refuse_token_ids_for_token_texts_as_chat_does():
     with pytest.raises(pydantic.ValidationError, match="return_tokens_as_token_ids is not supported"):
         CompletionBody.model_validate({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True})

@@ -73,6 +73,17 @@ def test_a_pattern_holds_the_answer_after_the_reasoning():
     assert body.sampling(16, SamplingDefaults(), Reasoning(False)).regex == written
 
 
+@pytest.mark.parametrize("anchored", [r"^[0-9]+$", r"\A[0-9]+\Z", r"^[0-9]+$|^none$"])
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_clients_anchored_pattern_holds_the_answer_after_the_reasoning(anchored, opened):
+    """Wrapped after the reasoning, `^...$` stood mid-pattern: a 400 for a pattern
+    the same server took with its reasoning parser off."""
+    body = ChatBody(messages=MESSAGES, guided_regex=anchored)
+    dfa = compile_regex(body.sampling(16, SamplingDefaults(), Reasoning(opened)).regex)
+    thought = "hmm</think>\n" if opened else "<think>hmm</think>\n"
+    assert dfa.fullmatch(thought + "42") and not dfa.fullmatch(thought + "4x2") and not dfa.fullmatch(thought)
+
+
 def test_chat_deltas_give_reasoning_then_the_answer_or_its_calls():
     deltas = ReasoningDeltas(Reasoning(opened=False))
     assert [deltas.delta(piece, False) for piece in ("<think>", "Hm.", "</think>\n", "Hi")] + [

@@ -42,7 +42,7 @@ def _random_match(dfa, rng: random.Random, max_bytes: int = 60) -> bytes | None:
     return out if dfa.accepting[state] else None
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("pattern", PATTERNS + [r"^yes$|\Ano\Z", r"^a\$|b$"])
 def test_the_dfa_matches_what_python_matches(pattern):
     dfa, rng = compile_regex(pattern), random.Random(pattern)
     for _ in range(3000):  # random texts: the same verdict
@@ -395,6 +395,10 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "string", "pattern": r"^[A-Z]{3}-\d{4}$", "maxLength": 10}, ['"ABC-1234"'], ['"AB-1234"']),
     ({"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
      ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
+    # Found by a review: a lone surrogate (JSON's "\ud800") in an option or a name was dropped: never written
+    ({"enum": ["\ud800", "ok"]}, ['"\\ud800"', '"ok"'], ['""']),
+    ({"type": "object", "properties": {"\udc00": {"type": "integer"}}, "required": ["\udc00"]},
+     ['{"\\udc00": 1}'], ['{}']),
 ])
 def test_bounds_formats_and_type_lists(schema, good, bad):
     dfa = compile_regex(schema_regex(schema))
@@ -458,6 +462,10 @@ def test_any_json_object_parses():
      r"\$defs must be an object of schemas"),
     ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer", "minimum": 5, "exclusiveMinimum": True},
      "exclusiveMinimum must be a finite number \\(draft 4's true/false form is not supported"),
+    # Found by a review: its $ref read the root's definition of that name, not its own
+    ({"$defs": {"x": {"type": "string"}}, "type": "object", "required": ["a"], "properties": {"a": {
+        "$id": "https://example.com/a", "$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}}},
+     "a subschema with its own \\$id and definitions"),
 ])
 def test_schemas_it_cannot_hold_an_output_to_are_refused(schema, message):
     with pytest.raises(RegexError, match=message):
