@@ -116,7 +116,7 @@ class _Writer:
 
     def item(self, op, av) -> str:
         if op in CHARACTER_OPS:
-            return _characters(character_ranges(op, av, self.dotall))
+            return _characters(character_ranges(op, av, self.dotall, portable=True))
         if op is sre.SUBPATTERN:
             return f"(?:{self.sequence(av[3])})"
         if op is sre.BRANCH:

@@ -16,7 +16,8 @@ tells apart merged (actors/dfa_minimise.py: a schema's automaton a few times sma
 JSON object's 2679 states 305). Its semantics are
 `re.fullmatch` with `re.ASCII`: `\\d`, `\\w`, `\\s` match ASCII only (outlines and
 xgrammar draw the same line), `.` every character but a newline (every one under
-`(?s)`). What cannot be a finite automaton, or would match other text than Python
+`(?s)`); a JSON schema's `pattern`, which the client's validator reads with
+Unicode's categories, holds only what both readings match (`class_ranges`). What cannot be a finite automaton, or would match other text than Python
 does, is refused with the reason: backreferences, lookarounds, word boundaries,
 anchors other than at the two ends, case-insensitive matching, possessive
 repeats. A pattern whose automaton has more than `MAX_STATES` states once merged
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,6 +210,32 @@ _NEGATED_CATEGORIES = {sre.CATEGORY_NOT_DIGIT: sre.CATEGORY_DIGIT, sre.CATEGORY_
                        sre.CATEGORY_NOT_WORD: sre.CATEGORY_WORD}
 
 
+@functools.cache
+def _any_dialects(category) -> list[tuple[int, int]]:
+    """The code points some regex dialect's Unicode `\\d`, `\\s` or `\\w` matches
+    (Python's, Rust's as pydantic's validators use it, ECMA-262's): each
+    dialect's set within these, their complements hold only what every dialect
+    leaves out. Read once, from the Unicode database (about a second)."""
+    def member(code_point: int) -> bool:
+        char = chr(code_point)
+        if category is sre.CATEGORY_DIGIT:
+            return char.isdecimal()
+        if category is sre.CATEGORY_SPACE:
+            return char.isspace() or code_point in (0xFEFF, 0x180E)  # (ECMA's BOM; Unicode 4's Mongolian space)
+        return (char.isalnum() or char == "_" or code_point in (0x200C, 0x200D)
+                or unicodedata.category(char) in ("Mn", "Mc", "Me", "Pc", "Nl", "No"))
+
+    ranges, start = [], None
+    for code_point in range(MAX_CODE_POINT + 2):
+        inside = code_point <= MAX_CODE_POINT and member(code_point)
+        if inside and start is None:
+            start = code_point
+        elif not inside and start is not None:
+            ranges.append((start, code_point - 1))
+            start = None
+    return ranges
+
+
 class _Nfa:
     """States are list indexes; each has byte edges (a frozenset of bytes, a target)
     and epsilon edges."""
@@ -322,18 +350,32 @@ class _Nfa:
 CHARACTER_OPS = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN)  # a parse's items that are one character
 
 
-def character_ranges(op, av, dotall: bool) -> list[tuple[int, int]]:
-    """The code points one character of a parse (`CHARACTER_OPS`) may be."""
+def character_ranges(op, av, dotall: bool, portable: bool = False) -> list[tuple[int, int]]:
+    """The code points one character of a parse (`CHARACTER_OPS`) may be.
+    `portable`: only those every dialect's Unicode categories agree on (a JSON
+    schema's pattern, which the client's validator reads so: `class_ranges`)."""
     if op is sre.LITERAL:
         return [(av, av)]
     if op is sre.NOT_LITERAL:
         return complement([(av, av)])
     if op is sre.ANY:
         return [(0, MAX_CODE_POINT)] if dotall else complement([(10, 10)])
-    return class_ranges(av)
+    return class_ranges(av, portable)
 
 
-def class_ranges(av) -> list[tuple[int, int]]:
+def class_ranges(av, portable: bool = False) -> list[tuple[int, int]]:
+    """A class's code points, `\\d`, `\\s` and `\\w` read as ASCII's. `portable`: only
+    those it holds read so and read with every dialect's Unicode categories
+    (`_any_dialects`) too: `\\S` or `[^\\s]` read as ASCII's let through a no-break
+    space that Python's `re`, pydantic and ECMA-262 read as `\\s`, and the client's
+    validator refused the value; `[\\s\\S]` is every character either way."""
+    ascii_read = _class_ranges(av, _ASCII_CATEGORIES.__getitem__)
+    if not portable:
+        return ascii_read
+    return complement(merged(complement(ascii_read) + complement(_class_ranges(av, _any_dialects))))
+
+
+def _class_ranges(av, category_ranges) -> list[tuple[int, int]]:
     ranges, negate = [], False
     for op, arg in av:
         if op is sre.NEGATE:
@@ -343,12 +385,11 @@ def class_ranges(av) -> list[tuple[int, int]]:
         elif op is sre.RANGE:
             ranges.append(arg)
         elif op is sre.CATEGORY:
-            if arg in _ASCII_CATEGORIES:
-                ranges += _ASCII_CATEGORIES[arg]
-            elif arg in _NEGATED_CATEGORIES:
-                ranges += complement(_ASCII_CATEGORIES[_NEGATED_CATEGORIES[arg]])
-            else:
+            category = _NEGATED_CATEGORIES.get(arg, arg)
+            if category not in _ASCII_CATEGORIES:
                 raise RegexError(f"regex: {str(arg).lower()} is not supported in a character class")
+            members = category_ranges(category)
+            ranges += complement(members) if arg in _NEGATED_CATEGORIES else members
         else:
             raise RegexError(f"regex: {str(op).lower()} is not supported in a character class")
     return complement(ranges) if negate else merged(ranges)

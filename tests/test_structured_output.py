@@ -316,19 +316,22 @@ def test_a_string_pattern_holds_the_value_its_json_text_stands_for(pattern):
     backslash and a control character are escaped. `^\\S+$` or `^.{1,5}$` allow a
     quote, so written between the quotes as they stood they were refused (they would
     let the output end its string early). Each character now as json.dumps writes
-    it: a value's text matches exactly when the value matches, and what the
-    automaton accepts is a JSON string whose value matches."""
+    it: a value's text matches exactly when the value matches (read with ASCII's
+    categories and with Unicode's: `\\S` holds no no-break space, which a client's
+    validator reads as a space), and what the automaton accepts is a JSON string
+    whose value matches."""
     dfa, rng = compile_regex(schema_regex({"type": "string", "pattern": pattern})), random.Random(pattern)
     whole = pattern.removeprefix("^").removesuffix("$")
     alphabet = ALPHABET + ["\t", "\x01", "\x1f", "\x7f", "/", "\u2028"]
     values = ['a"b', "x\\y", "", "a@b.c", '"ab"', "a\\b", "\n\n"]
     values += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 7))) for _ in range(2000)]
     for value in values:
-        assert dfa.fullmatch(json.dumps(value, ensure_ascii=False)) == bool(re.fullmatch(whole, value, re.ASCII)), value
+        matches = bool(re.fullmatch(whole, value, re.ASCII) and re.fullmatch(whole, value))
+        assert dfa.fullmatch(json.dumps(value, ensure_ascii=False)) == matches, value
     for _ in range(300):
         data = _random_match(dfa, rng, max_bytes=80)
         if data is not None:
-            assert re.fullmatch(whole, json.loads(data), re.ASCII), data
+            assert re.fullmatch(whole, json.loads(data), re.ASCII) and re.fullmatch(whole, json.loads(data)), data
 
 
 def test_a_string_pattern_holds_the_text_between_the_quotes():
@@ -395,6 +398,13 @@ def test_integer_ranges_are_every_integer_within_them_as_json_writes_it():
     ({"type": "string", "pattern": r"^[A-Z]{3}-\d{4}$", "maxLength": 10}, ['"ABC-1234"'], ['"AB-1234"']),
     ({"type": "string", "format": "uuid", "minLength": 36, "maxLength": 36},
      ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
+    # Found by a review: \S, [^\s], \W and \D let through what Unicode's categories hold (a no-break space, an
+    # ideographic one, an Arabic-Indic digit), which Python's re, pydantic and ECMA-262 read as \s, \w or \d
+    ({"type": "string", "pattern": r"^\S+$"}, ['"ab"', '"é"'], ['"a\u00a0b"', '"\u3000"', '"a\u2028b"']),
+    ({"type": "string", "pattern": r"^[^\s,]+$"}, ['"ab"'], ['"a\u00a0b"', '"a,b"', '"\ufeff"']),
+    ({"type": "string", "pattern": r"^\W+$"}, ['"-+"'], ['"é"', '"_"', '"\u0663"']),
+    ({"type": "string", "pattern": r"^\D+$"}, ['"ab"'], ['"1"', '"\u0663"']),
+    ({"type": "string", "pattern": r"^[\s\S]+$"}, ['"\u00a0x"'], ['""']),
     # Found by a review: a lone surrogate (JSON's "\ud800") in an option or a name was dropped: never written
     ({"enum": ["\ud800", "ok"]}, ['"\\ud800"', '"ok"'], ['""']),
     ({"type": "object", "properties": {"\udc00": {"type": "integer"}}, "required": ["\udc00"]},
