@@ -102,7 +102,7 @@ class PoolView:
         for member, stats in zip(members, results):
             if actor_died(stats):
                 await self.report_dead(member.worker_id, member.handle)
-            elif not isinstance(stats, BaseException):
+            elif not isinstance(stats, BaseException) and self._still_listed(member):
                 self.stats[member.worker_id] = stats
                 if stats.profile_error is not None:  # never routed (a seeded one whose profile failed since)
                     self.profiled.discard(member.worker_id)
@@ -136,6 +136,7 @@ class PoolView:
                 self._apply_cache_events(member.worker_id, batch)
         if self.store_index is not None:
             await self.store_index.refresh({s.node_id for s in self.stats.values() if s.node_id})
+        members = [m for m in members if self._still_listed(m)]
         await self._profile_new(members)
         # (a draining worker takes no request: with only those, a role is not ready)
         roles = {m.role for m in members if m.worker_id in self.stats and m.worker_id in self.profiled
@@ -208,6 +209,13 @@ class PoolView:
         index.update(batch)
         self.cache_cursors[worker_id] = batch.cursor
 
+    def _still_listed(self, member) -> bool:
+        """Whether `member`, listed as a refresh began, still is: a request may have
+        found it dead since (`report_dead`), at any of the refresh's awaits. Its
+        answer stored after that, and a peer's profile seeded, made it routable
+        again until the next refresh, every request sent to it a retry."""
+        return self.members.get(member.worker_id) is member
+
     def replace_pool(self, pool) -> None:
         """A new pool manager replaced a dead one: its workers are new processes
         even where their ids repeat the old ones (p0, d1, ...), so nothing learned
@@ -268,6 +276,8 @@ class PoolView:
                 continue
             if isinstance(profile, BaseException):
                 raise profile
+            if not self._still_listed(member):
+                continue
             self.models.observe_prefill_steps(member.worker_id, profile.prefill_steps)
             self.models.skip_prefill_steps(member.worker_id, profile.num_steps)
             for batch, kv_tokens, seconds in profile.decode:

@@ -321,6 +321,28 @@ def test_a_worker_forgotten_while_its_cache_events_come_fails_no_refresh():
     assert "p0" not in view.prefix and "d0" in view.prefix
 
 
+def test_a_worker_a_request_found_dead_during_a_refresh_is_not_routable_after_it():
+    """d1 answered the refresh's stats call, then a request found it dead (and
+    `report_dead` forgot it) before the answer was read: stored, and seeded from
+    d0's profile, it was routable until the next refresh."""
+    scheduler = make_scheduler(ttft_ms=10_000, decodes=("d0",))
+    view = scheduler.view
+    view.pools_applied = True
+    dead = []
+
+    async def read(worker_id):
+        if worker_id == "d1" and view.members.get("d1") is not None and "d1" in view.profiled:
+            await view.report_dead("d1", view.members["d1"].handle)  # (a request's call failed meanwhile)
+        return idle_stats(worker_id)
+
+    view.pool = _stand_in_pool(lambda: [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")], read, _no_events)
+    view.pool.report_dead = _remote(lambda worker_id: _answered(dead, worker_id))
+    asyncio.run(view.refresh())
+    assert view.routable("decode") == ["d0", "d1"]  # (d1 seeded from d0's profile)
+    asyncio.run(view.refresh())
+    assert dead == ["d1"] and view.routable("decode") == ["d0"] and "d1" not in view.stats
+
+
 def test_a_worker_that_does_not_answer_holds_no_refresh_nor_its_report(monkeypatch):
     """One worker's stats (and cache events) never came back (its node cut off,
     not yet declared dead): the refresh waited for good, and this replica sent
