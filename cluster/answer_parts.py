@@ -127,6 +127,9 @@ class WholeCallsStream:
         raise NotImplementedError
 
     def feed(self, text: str) -> list:
+        if self.kind == "start" and not self.pending and not text.strip():
+            return []  # (leading whitespace: dropped, as the text's and the calls' readers drop it; held and
+            # joined at each piece, a model's run of blank lines took time quadratic in its length)
         self.pending.append(text)
         if self.kind == "start":
             self.pending = ["".join(self.pending)]  # (short: a call's or a text's first characters)

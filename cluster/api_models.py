@@ -253,17 +253,27 @@ class ChatMessage(RequestBody):
     @classmethod
     def _text_parts_only(cls, content):
         """Parts other than text (an image, audio, a file) are refused: the models
-        read text only, and answering without the part would answer another question."""
+        read text only, and answering without the part would answer another
+        question. An assistant's `refusal` part (OpenAI's, a refused turn sent
+        back) is text: `_refusals_are_the_assistants`."""
         for part in content if isinstance(content, list) else ():
-            if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported: the model reads text only")
-            if not isinstance(part.get("text"), str):
-                raise ValueError("a text content part needs its text as a string")
+            kind = part.get("type")
+            if kind not in ("text", "refusal"):
+                raise ValueError(f"content part type {kind!r} is not supported: the model reads text only")
+            if not isinstance(part.get(kind), str):
+                raise ValueError(f"a {kind} content part needs its {kind} as a string")
         return content
 
+    @model_validator(mode="after")
+    def _refusals_are_the_assistants(self):
+        if self.role != "assistant" and isinstance(self.content, list) and any(
+                part["type"] == "refusal" for part in self.content):
+            raise ValueError(f"a refusal content part is an assistant's, not a {self.role} message's")
+        return self
+
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(part["text"] for part in self.content)  # as vLLM joins a text-only model's parts
+        if isinstance(self.content, list):  # as vLLM joins a text-only model's parts (a refusal's as text)
+            return "\n".join(part[part["type"]] for part in self.content)
         return self.content or ""
 
 

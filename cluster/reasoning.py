@@ -90,6 +90,9 @@ class ReasoningStream:
         self.texts = {"reasoning": TrimmedText(), "content": TrimmedText()}
 
     def feed(self, text: str) -> list[tuple[str, str]]:
+        if self.part == "start" and not self.pending and not text.strip():
+            return []  # (leading whitespace: dropped, as each part's text drops it; held and stripped at each
+            # piece, a model's run of blank lines took time quadratic in its length)
         self.pending += text
         out: list[tuple[str, str]] = []
         if self.part == "start":

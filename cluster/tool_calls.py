@@ -108,7 +108,7 @@ class FunctionSpec(BaseModel):
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
-    arguments: str | dict = "{}"  # OpenAI sends the JSON text
+    arguments: str | dict | None = "{}"  # OpenAI sends the JSON text (null, or "": no arguments, as vLLM reads them)
 
 
 class PastCall(BaseModel):
@@ -279,9 +279,12 @@ def call(name: str, arguments: str, fmt: ToolCallFormat) -> dict:
 
 def template_call(call: PastCall) -> dict:
     """An earlier call for the chat template, its arguments parsed (OpenAI sends
-    them as JSON text; templates write them out)."""
+    them as JSON text; templates write them out). None or an empty text is no
+    arguments: `{}` (a template wrote `"arguments": }` into the prompt)."""
     arguments = call.function.arguments
-    if isinstance(arguments, str):
+    if arguments is None or isinstance(arguments, str) and not arguments.strip():
+        arguments = {}
+    elif isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except (ValueError, RecursionError):  # (RecursionError: nested past Python's limit, e.g. "[" * 50000)

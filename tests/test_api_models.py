@@ -306,6 +306,19 @@ def test_a_whitespace_pattern_for_guided_json_is_refused_not_dropped(body):
         body.model_validate({**fields, "guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]*"})
 
 
+def test_an_assistants_refusal_part_sent_back_is_text():
+    """Found by a review: OpenAI's refused turn sent back was a 400 ("the model
+    reads text only"); vLLM reads its refusal as text."""
+    body = ChatBody.model_validate({"messages": [
+        *MESSAGES, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+        {"role": "user", "content": "why?"}]})
+    assert body.messages[1].text() == "I can't help with that."
+    with pytest.raises(pydantic.ValidationError, match="a refusal content part is an assistant's"):
+        ChatBody.model_validate({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]})
+    with pytest.raises(pydantic.ValidationError, match="needs its refusal as a string"):
+        ChatBody.model_validate({"messages": [{"role": "assistant", "content": [{"type": "refusal", "text": "x"}]}]})
+
+
 def test_completions_refuse_token_ids_for_token_texts_as_chat_does():
     with pytest.raises(pydantic.ValidationError, match="return_tokens_as_token_ids is not supported"):
         CompletionBody.model_validate({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True})

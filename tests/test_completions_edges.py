@@ -132,6 +132,19 @@ def test_a_past_calls_arguments_nested_past_pythons_limit_are_kept_as_written():
     assert call["function"]["arguments"] == deep
 
 
+@pytest.mark.parametrize("arguments", ["", "  ", None])
+def test_a_past_call_without_arguments_reaches_the_template_as_an_empty_object(arguments):
+    """Found by a review: "" was written into the prompt as `"arguments": }`, and
+    null was a 400 (vLLM reads both as {})."""
+    body = ChatBody.model_validate({"messages": [
+        {"role": "user", "content": "what time is it?"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "get_time", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "12:00"}]})
+    (call,) = template_messages(body.messages)[1]["tool_calls"]
+    assert call["function"]["arguments"] == {}
+
+
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
 def test_an_assistants_reasoning_sent_back_reaches_the_template(field):
     """Found by a review: it was dropped (Qwen3's template writes it back as a
