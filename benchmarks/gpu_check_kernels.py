@@ -33,10 +33,10 @@ interpreter on smaller inputs, one shape, and no times are taken.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
+
+from benchmarks.gpu_timing import cuda_time_ms
 
 _SHAPES = ((14, 2, 64, 16), (12, 4, 64, 16), (32, 8, 128, 32))  # heads, KV heads, head_dim, block_size
 
@@ -304,36 +304,3 @@ def _time_block_copies(triton_blocks) -> dict:
     for name in list(times):
         times[name.replace("_ms", "_gb_s")] = moved_bytes / (times[name] / 1e3) / 1e9
     return times
-
-
-def cuda_time_ms(fn, repeats: int = 20, inner: int = 10, capture: bool = True) -> float:
-    """Device time of one call of `fn`: `inner` calls captured in one CUDA graph,
-    the median of `repeats` replays over `inner`. Timed launch by launch, a small
-    kernel's figure is the host's launch time instead (the first H200 run: 84 us
-    for an RMSNorm of 64 rows, launched from Python under a sandboxed host). A
-    function that cannot be captured (`capture=False`: the torch decode reference
-    reads lengths to the host), or whose capture fails, is timed call by call with
-    CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    run, per_run = fn, 1
-    if capture:
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                for _ in range(inner):
-                    fn()
-            graph.replay()
-            run, per_run = graph.replay, inner
-        except Exception:  # not capturable after all: call by call
-            pass
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / per_run)
-    return statistics.median(samples)

@@ -54,12 +54,9 @@ def main(args: argparse.Namespace) -> dict:
         os.environ["TRITON_INTERPRET"] = "1"  # (before Triton is first imported)
     import torch
 
-    from benchmarks.gpu_timing import timed
+    from benchmarks.gpu_timing import cuda_time_ms, timed
     from kernels import triton_attention
     from kernels.attention import decode_attention
-
-    if device == "cuda":
-        from benchmarks.gpu_check_kernels import cuda_time_ms
 
     def checked(call, want) -> tuple[float, float]:
         """The call's max abs error and its time, ms: on CUDA timed apart (graph

@@ -4,6 +4,7 @@ decode step's time, through the engine and through the decode forward alone."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 
@@ -28,13 +29,24 @@ def decode_step_s(torch, llm, device: str, batch: int, prompt_len: int, steps: i
 
     vocab = min(llm.engine.model_config.vocab_size, 8000)
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-    first = 1 + steps // 4
+    first = decode_first_tokens(llm, batch, prompt_len, steps)
     shorter = SamplingParams(max_new_tokens=first, temperature=0, ignore_eos=True)
     longer = SamplingParams(max_new_tokens=first + steps, temperature=0, ignore_eos=True)
     llm.generate(prompts, [longer] * batch)
     short = min(timed(torch, device, lambda: llm.generate(prompts, [shorter] * batch)) for _ in range(2))
     full = min(timed(torch, device, lambda: llm.generate(prompts, [longer] * batch)) for _ in range(2))
     return (full - short) / steps
+
+
+def decode_first_tokens(llm, batch: int, prompt_len: int, steps: int) -> int:
+    """The tokens `decode_step_s`'s shorter run asks of each request: past the steps
+    that prefill the batch (a step's token budget at a time), so the first request
+    to end has not ended before the last began, and the longer run's `steps` more
+    are each a step of the whole batch decoding. With 1 + steps // 4 alone, a batch
+    of 4k-token prompts (one a step) never decoded whole: of 65 steps the runs
+    differed by, 20 were of the whole batch, and one carried a prefill."""
+    budget = llm.engine.config.max_num_batched_tokens
+    return 1 + steps // 4 + -(-batch * prompt_len // budget)
 
 
 def static_decode_step_s(torch, runner, device: str, batch: int, context_len: int, repeats: int = 50) -> float:
@@ -51,3 +63,39 @@ def static_decode_step_s(torch, runner, device: str, batch: int, context_len: in
     inputs = dict(token_ids=[5] * batch, positions=[last] * batch, block_tables=tables)
     static.run(**inputs)  # warm-up
     return timed(torch, device, lambda: [static.run(**inputs) for _ in range(repeats)]) / repeats
+
+
+def cuda_time_ms(fn, repeats: int = 20, inner: int = 10, capture: bool = True, best: bool = False) -> float:
+    """Device time of one call of `fn`: `inner` calls captured in one CUDA graph,
+    the median of `repeats` replays over `inner`. Timed launch by launch, a small
+    kernel's figure is the host's launch time instead (the first H200 run: 84 us
+    for an RMSNorm of 64 rows, launched from Python under a sandboxed host). A
+    function that cannot be captured (`capture=False`: the torch decode reference
+    reads lengths to the host), or whose capture fails, is timed call by call with
+    CUDA events. `best`: the fastest replay, not the median (a peak's).
+    """
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    run, per_run = fn, 1
+    if capture:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    fn()
+            graph.replay()
+            run, per_run = graph.replay, inner
+        except Exception:  # not capturable after all: call by call
+            pass
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / per_run)
+    return min(samples) if best else statistics.median(samples)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for running the GPU check on a machine with no network whose Python already
 # has a CUDA PyTorch, Triton and transformers (a stock CUDA image): Ray, without the
-# Java worker's jar (32 of its 79 MB; Tandem runs no Java), and what Ray needs that
-# such images lack (jsonschema and its family).
+# Java worker's jar (32 of its 79 MB; Tandem runs no Java), and every package Ray
+# needs (those such images have are installed again, beside them: the same or newer).
 #
 #   bash benchmarks/gpu_wheels.sh [DIR]       # default DIR: .whl; about 48 MB
 #
@@ -24,7 +24,13 @@ download() {
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
     --platform "$PLATFORM" --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$DIR" "$@"
 }
-download "ray==$RAY_VERSION" jsonschema jsonschema-specifications referencing rpds-py
+# Ray's own requirements, and theirs (a stock image lacked some, and the P/D step could not import
+# Ray), at the versions this project's Python runs Ray with
+REQUIRED="jsonschema jsonschema-specifications referencing rpds-py attrs click msgpack protobuf requests urllib3 idna
+  certifi charset-normalizer pyyaml filelock packaging"
+# shellcheck disable=SC2046  # (one argument a package)
+download "ray==$RAY_VERSION" $("$PY" -c 'import sys, importlib.metadata as m
+print(" ".join(f"{name}=={m.version(name)}" for name in sys.argv[1:]))' $REQUIRED)
 "$PY" - "$DIR" <<'EOF'
 """Rewrite Ray's wheel without ray/jars/ (its RECORD too, so the wheel stays valid)."""
 import sys

@@ -37,6 +37,34 @@ def test_gpu_check_steps_run_on_cpu(tmp_path):
     assert goals["decode_mbu"]["engine"] == roofline["decode_mbu"] and goals["prefill_graphs_by_default"] is False
 
 
+@pytest.mark.parametrize("eager, graphs, identical, met_by", [
+    (0.36, 0.55, 4, "prefill graphs"), (0.36, 0.55, 3, None), (0.52, 0.55, 3, "eager"), (0.36, 0.45, 4, None)])
+def test_the_prefill_goal_is_met_by_the_engine_as_it_serves_or_by_graphs_that_earned_their_default(
+        eager, graphs, identical, met_by):
+    """The higher of the eager and the graphs MFU was counted, though prefill
+    graphs are off by default and (3 of 4 here) gave other tokens."""
+    from benchmarks.gpu_check import goals
+
+    roofline = {"prefill_mfu": eager, "prefill_graphs_mfu": graphs, "prefill_graphs_captured": True,
+                "decode_mbu": 0.7, "decode_forward_mbu": 0.8, "decode_long_context": {"decode_mbu": 0.6},
+                "decode_4k_context": None}
+    verdict = goals({"roofline": roofline, "graphs": {"prompts": 4, "identical_with_prefill_graphs": identical}})
+    assert verdict["prefill_mfu"]["met_by"] == met_by and verdict["prefill_mfu"]["met"] == (met_by is not None)
+
+
+def test_the_decode_steps_timed_follow_the_batchs_prefill():
+    """4k-token prompts fill a 4096-token step each: the shorter run's 17 tokens
+    ended the first requests before the last began, and the steps the runs
+    differed by were not of the whole batch."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_timing import decode_first_tokens
+
+    llm = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=4096)))
+    assert decode_first_tokens(llm, 64, 4096, 64) == 1 + 16 + 64
+    assert decode_first_tokens(llm, 64, 128, 64) == 1 + 16 + 2
+
+
 def test_gpu_check_script_says_what_it_needs_without_a_gpu(tmp_path):
     root = Path(__file__).parent.parent
     done = subprocess.run(["bash", str(root / "benchmarks/gpu_check.sh")], capture_output=True, text=True,
