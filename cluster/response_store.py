@@ -169,15 +169,20 @@ class ResponseStore:
         (then False, and the store keeps that), or deleted (then False, and it
         stays deleted: it came back with its answer when it finished before its
         replica's next beat). One too large to store alone fails so (it stayed
-        in progress, and read as its replica's death when the beats stopped)."""
+        in progress, and read as its replica's death when the beats stopped),
+        before its turn adds anything to its conversation: added first, the
+        conversation grown could evict the response itself, which then went
+        (a 404, not failed), its failure's bytes counted for an entry gone."""
         stored = self.get(response["id"])
         if stored is None or stored.response["status"] not in RUNNING:
             return False
+        if response["store"] and _size([response, input_items]) > self.max_bytes:
+            self._restate(stored, status="failed", error={
+                "code": "server_error", "message": "the response is larger than this server stores "
+                                                   "(response_store_mib): it was not kept"})
+            self._turn_ends(stored.response, None)
+            return False
         if not self.keep(response, input_items):
-            if response["store"]:
-                self._restate(stored, status="failed", error={
-                    "code": "server_error", "message": "the response is larger than this server stores "
-                                                       "(response_store_mib): it was not kept"})
             return False
         if stored.events is not None:  # (carried over to the entry put, then the last unless some were cut)
             kept = self.entries[response["id"]]

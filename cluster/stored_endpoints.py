@@ -13,6 +13,7 @@ import time
 
 from fastapi import APIRouter, Request
 
+from cluster.api_models import ApiError
 from cluster.conversations_body import ConversationUpdate, NewConversation, NewItems, checked_items
 from cluster.openai_format import sse_response
 from cluster.responses_format import new_id
@@ -57,7 +58,8 @@ async def delete_response(request: Request, response_id: str):
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def response_input_items(request: Request, response_id: str, limit: int = 20, order: str = "desc",
-                               after: str | None = None):
+                               after: str | None = None, before: str | None = None):
+    _refuse_before(before)
     return await _stored(request).input_items(response_id, limit, order, after)
 
 
@@ -92,8 +94,19 @@ async def add_conversation_items(request: Request, conversation_id: str, body: N
 
 @router.get("/v1/conversations/{conversation_id}/items")
 async def conversation_items(request: Request, conversation_id: str, limit: int = 20, order: str = "desc",
-                             after: str | None = None):
+                             after: str | None = None, before: str | None = None):
+    _refuse_before(before)
     return await _conversations(request).items(conversation_id, limit, order, after)
+
+
+def _refuse_before(before: str | None) -> None:
+    """A `before` cursor (some clients send one, as OpenAI's first input-items
+    listing took) is refused: dropped, as an unknown query parameter is, the
+    client was given the first page again, and paging back never reached the
+    items it asked for."""
+    if before is not None:
+        raise ApiError(400, "before is not supported: page with after, and order 'asc' to read the list the other "
+                            "way", param="before")
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item_id}")

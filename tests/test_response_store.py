@@ -519,3 +519,24 @@ def test_a_finished_response_too_large_to_store_fails_rather_than_runs_on():
     assert not store.finish(final, _asked("big"))
     response = store.get("big").response
     assert response["status"] == "failed" and "larger than this server stores" in response["error"]["message"]
+
+
+def test_a_response_too_large_to_store_on_a_conversation_fails_and_adds_nothing_to_it():
+    """Its turn's items went into the conversation first, and the conversation,
+    grown, evicted the running response itself: a 404 instead of failed, the
+    conversation holding a turn reported as not kept, and the failure's bytes
+    counted for an entry gone."""
+    store = ResponseStore(max_bytes=2000)
+    assert store.create_conversation({"id": "conv_1", "object": "conversation", "created_at": 0, "metadata": {}},
+                                     [])
+    assert store.begin_turn("conv_1", "resp_a", 600).running_id is None
+    asked = [{"type": "message", "id": "msg_in", "role": "user", "status": "completed",
+              "content": [{"type": "input_text", "text": "hello"}]}]
+    queued = {**_response("resp_a", None, ""), "status": "queued", "background": True, "instructions": "I" * 900,
+              "conversation": {"id": "conv_1"}}
+    assert store.put(queued, asked)
+    assert not store.finish({**_response("resp_a", None, "O" * 1000), "status": "completed", "background": True,
+                             "instructions": "I" * 900, "conversation": {"id": "conv_1"}}, asked)
+    assert store.response("resp_a")["status"] == "failed"
+    assert store.get_conversation("conv_1").items == []
+    assert store.num_bytes == sum(entry.size for entry in store.entries.values())

@@ -171,6 +171,8 @@ def test_a_conversations_items_are_paged_found_and_deleted_and_it_is_updated_and
     assert [item.content[0].text for item in page.data] == ["line 5", "line 4"] and page.has_more
     rest = client.conversations.items.list(conversation.id, limit=10, after=page.last_id)
     assert [item.content[0].text for item in rest.data] == [f"line {k}" for k in (3, 2, 1, 0)] and not rest.has_more
+    back = httpx.get(f"{base_url}/v1/conversations/{conversation.id}/items", params={"before": rest.first_id})
+    assert back.status_code == 400 and back.json()["error"]["param"] == "before", back.text  # (not the first page)
     first_id = rest.data[-1].id
     assert client.conversations.items.retrieve(first_id, conversation_id=conversation.id).content[0].text == "line 0"
     assert client.conversations.items.delete(first_id, conversation_id=conversation.id).id == conversation.id
