@@ -136,6 +136,10 @@ class WholeCallsStream:
             self.kind = self._begins(self.pending[0].lstrip())
         if self.kind != "text":
             return []
+        return self._text_now()
+
+    def _text_now(self) -> list:
+        """What of a text answer's pending text goes out now (all of it)."""
         return self.text.pieces(self._take())
 
     def finish(self) -> list:

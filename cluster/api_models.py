@@ -437,7 +437,10 @@ class ChatBody(_ChatTemplateFields, _OpenAIBody):
             structured = self.structured_outputs if isinstance(self.structured_outputs, dict) else {}
             written = self.guided_regex is not None or structured.get("regex") is not None  # (the client's own)
             regex = held_regex(regex, reasoning.opened, written)
-        return self._sampling(max_tokens, default_max, logprobs, defaults, regex, name)
+        params = self._sampling(max_tokens, default_max, logprobs, defaults, regex, name)
+        if tool_format.reads_special_tokens and self.tools and self.tool_choice != "none":
+            params = dataclasses.replace(params, skip_special_tokens=False)  # (the calls' tag: `ToolCallFormat`)
+        return params
 
 
 class TokenizeBody(_ChatTemplateFields):

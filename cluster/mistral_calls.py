@@ -10,16 +10,22 @@ text decoded without special tokens (the default) drops: the array alone, or
 
 - An answer that begins (whitespace aside) with `[`, or with one of the
   request's tool names and then `{` or `[ARGS]`, is read as calls, the whole
-  answer: one array of objects each naming one of the tools with an object (or
+  answer; one with text before `[TOOL_CALLS]` (kept: a request with tools
+  decodes special tokens for this format, as vLLM's does, `ToolCallFormat.
+  reads_special_tokens`) is that text, then what follows the tag read so
+  (Small 3.2, Magistral and Devstral often write a sentence first; their
+  calls were answered as text): one array of objects each naming one of the tools with an object (or
   no) `arguments`; or named calls of the tools, each its arguments object, with
   only whitespace or `[TOOL_CALLS]` between and after. Otherwise (cut by
   `max_tokens`, a tool the request does not have, a plain list) the whole answer
   is text, as written. Under `parallel_tool_calls: false` the first call is the
   call and what follows it is its text.
 - Any other answer is text, with the whitespace at its two ends removed.
-- Streamed (`MistralStream`), text goes out as it comes; an answer that begins
-  as calls can be judged only whole, so its calls (or its text) go out at its
-  end (one that begins with a tool name's first letters waits until it can tell).
+- Streamed (`MistralStream`), text goes out as it comes (a tag's first
+  characters held back until they are told apart); an answer that begins as
+  calls, or the rest of one from its tag, can be judged only whole, so its
+  calls (or its text) go out at its end (one that begins with a tool name's
+  first letters waits until it can tell).
 - Held (`held_regex`, strict tools): the answer is text that does not begin
   with `[`, or the tag (optional: a model may write it as its special token,
   which the text masks cannot) and calls in the array layout as `json.dumps`
@@ -34,7 +40,7 @@ from __future__ import annotations
 import json
 import re
 
-from cluster.answer_parts import (ParsedCalls, WholeCallsStream, arguments_text, calls_regex, known_call,
+from cluster.answer_parts import (ParsedCalls, WholeCallsStream, arguments_text, calls_regex, known_call, tag_start,
                                   text_not_beginning_regex)
 
 TOOL_CALLS = "[TOOL_CALLS]"
@@ -98,7 +104,21 @@ def _after_space(text: str, at: int) -> int:
 
 class MistralStream(WholeCallsStream):
     """An answer read as it streams (`WholeCallsStream`): calls begin with `[`
-    (the tag's or the array's) or with a tool's name and its arguments."""
+    (the tag's or the array's) or with a tool's name and its arguments, or
+    follow text at their tag (`_text_now`)."""
+
+    def _text_now(self) -> list:
+        """The text up to the calls' tag, whose calls, from it, are held to the
+        end (read as text there if they are none); a tag's first characters at
+        the end held back until the next piece tells."""
+        text = self._take()
+        at = text.find(TOOL_CALLS)
+        if at >= 0:
+            self.kind, self.pending = "calls", [text[at:]]
+            return self.text.pieces(text[:at])
+        keep = tag_start(text, TOOL_CALLS)
+        self.pending = [text[len(text) - keep:]] if keep else []
+        return self.text.pieces(text[:len(text) - keep])
 
     def _begins(self, begun: str) -> str:
         if begun.startswith("["):
@@ -132,7 +152,11 @@ class MistralStream(WholeCallsStream):
 class HeldMistralStream(MistralStream):
     """A held answer (strict tools) as it streams: `held_regex` admits calls in
     the array layout alone, so text that begins with a tool's name is text
-    (were it read as a named call, its arguments would be unchecked)."""
+    (were it read as a named call, its arguments would be unchecked), and so is
+    a tag after text (the pattern's text could write it, unchecked calls)."""
+
+    def _text_now(self) -> list:
+        return self.text.pieces(self._take())
 
     def _begins(self, begun: str) -> str:
         return "calls" if begun.startswith("[") else "text" if begun else "start"

@@ -68,6 +68,9 @@ class ToolCallFormat(NamedTuple):
     held_parse: Callable[[str, set[str], bool], ParsedCalls] | None = None
     held_stream: Callable[[set[str], bool], object] | None = None
     call_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's form
+    # Whether a request with tools decodes special tokens: the calls' tag is one, which tells them from the
+    # text before them (vLLM's Mistral parser turns skip_special_tokens off so)
+    reads_special_tokens: bool = False
 
     def parse_of(self, held: bool) -> Callable[[str, set[str], bool], ParsedCalls]:
         return self.held_parse if held and self.held_parse else self.parse
@@ -83,7 +86,8 @@ TOOL_CALL_FORMATS = {
     # Mistral's templates refuse a call id that is not 9 letters and digits (vLLM makes such ids too)
     "mistral": ToolCallFormat(mistral_calls.parse, mistral_calls.MistralStream, mistral_calls.held_regex,
                               mistral_calls.parse_held, mistral_calls.HeldMistralStream,
-                              lambda: "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))),
+                              lambda: "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9)),
+                              reads_special_tokens=True),
 }
 HERMES = TOOL_CALL_FORMATS["hermes"]
 

@@ -60,6 +60,12 @@ def named(name: str, arguments: dict, tags: bool = True) -> str:
     (TOOL_CALLS + "get_time" + ARGS + "[1]", (TOOL_CALLS + "get_time" + ARGS + "[1]", [])),  # not an object
     (TOOL_CALLS + 'get_time{"tz": "U', (TOOL_CALLS + 'get_time{"tz": "U', [])),  # cut short
     (ARGS + "{}", (ARGS + "{}", [])), ("get_ti", ("get_ti", [])),
+    # Found by a review: text, then the tag (kept: `reads_special_tokens`) and calls, was all text
+    ("I will check the weather." + named("get_weather", {"city": "Paris"}),
+     ("I will check the weather.", [("get_weather", '{"city": "Paris"}')])),
+    ("Let me look that up. " + TOOL_CALLS + calls(call("get_time")), ("Let me look that up.", [("get_time", "{}")])),
+    ("See " + TOOL_CALLS + calls(call("rm_rf")), ("See " + TOOL_CALLS + calls(call("rm_rf")), [])),
+    ("a [TOOLS] list", ("a [TOOLS] list", [])),
 ])
 def test_an_answer_is_its_calls_or_its_text(text, expected):
     assert parse(text, NAMES) == expected
@@ -155,3 +161,24 @@ def test_calls_get_the_nine_letters_and_digits_ids_mistrals_templates_take_back(
     assert all(nine.fullmatch(each) for each in ids) and len(set(ids)) == 3, ids
     assert re.fullmatch(r"call_[0-9a-f]{24}", chat_answer('<tool_call>{"name": "get_time"}</tool_call>', "stop", tools,
                                                           "auto").calls[0]["id"])  # (Hermes: OpenAI's form)
+
+
+def test_a_held_answers_tag_after_text_is_text():
+    """Strict tools: the pattern's text may write the tag, and what follows it
+    is unchecked; it stays text."""
+    text = "Sure. " + TOOL_CALLS + calls(call("get_time"))
+    assert parse_held(text, NAMES) == (text, [])
+
+
+@pytest.mark.parametrize("tool_choice, parser, skips", [
+    ("auto", "mistral", False), (None, "mistral", False), ("none", "mistral", True), ("auto", "hermes", True)])
+def test_a_request_with_tools_decodes_mistrals_tag(tool_choice, parser, skips):
+    """The tag that tells calls from the text before them is a special token:
+    decoded without special tokens (the default), the text's end ran into the
+    first call's name."""
+    from actors.sampling_defaults import SamplingDefaults
+    from cluster.api_models import ChatBody
+
+    body = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], "tool_choice": tool_choice,
+                                    "tools": [{"type": "function", "function": {"name": "get_time"}}]})
+    assert body.sampling(16, SamplingDefaults(), None, TOOL_CALL_FORMATS[parser]).skip_special_tokens is skips
