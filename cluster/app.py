@@ -264,6 +264,10 @@ class Scheduler:
         await self._require_ready()
         prompt_ids = await self.prompt_thread.run(
             lambda: [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)])
+        shortest = min(len(ids) for ids in prompt_ids)
+        if body.return_logprob and body.logprob_start_len >= shortest:  # (SGLang refuses it; it was answered [])
+            raise ApiError(400, f"logprob_start_len ({body.logprob_start_len}) must be less than the prompt's "
+                                f"{shortest} tokens", param="logprob_start_len")
         n = body.num_choices
         rids = [rid or uuid.uuid4().hex for rid in body.rids()]
         choices = [choice_params(params, n) for params in per_prompt]
@@ -272,8 +276,9 @@ class Scheduler:
         requests = [(prompt_ids[k // n], choices[k // n][k % n], ids[k], rids[k // n]) for k in keys]
         streams = await self.completions.start_choices(requests, n)
         token_text = self.token_text if body.return_text_in_logprobs else None
+        prompts_only = body.prompts_only()
         answered = [sglang.Answered(ids[k], prompt_ids[k // n], body.logprob_start_len, body.top_logprobs_num,
-                                    token_text) for k in keys]
+                                    token_text, prompts_only[k // n]) for k in keys]
         if body.stream:
             return fmt.sse_response(sglang.stream(streams, answered, indexed=body.answers_a_list))
         results = await self.completions.collect_all(streams)

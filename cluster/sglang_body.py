@@ -26,7 +26,7 @@ class SglangSamplingParams(RequestBody):
         "stop_regex": (None, []), "custom_params": (None,), "stream_interval": (None, 1),
     }
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = Field(128, ge=0)  # 0: the prompt alone (its logprobs), as SGLang's frontend asks
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
     temperature: float | None = None  # None: the model's default
     top_p: float | None = None
@@ -97,7 +97,7 @@ class GenerateBody(RequestBody):
     text: Text | None = None
     input_ids: InputIds | None = None
     sampling_params: Params | None = None
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = Field(None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1)  # (as in sampling_params: flat, -5 was served as off)
@@ -143,6 +143,9 @@ class GenerateBody(RequestBody):
             if flat is not None and other is not None:
                 raise ValueError(f"{name} is given twice, {flat!r} beside the prompt and {other!r} in "
                                  "sampling_params: give it once")
+        for params in self._sampling_params():  # (one was served, the other dropped without a word)
+            if len({seed for seed in (self.seed, params.seed, params.sampling_seed) if seed is not None}) > 1:
+                raise ValueError("seed and sampling_seed name one seed: two values were given, give it once")
         if self.n is None and len({p.n for p in self._sampling_params()}) > 1:
             raise ValueError("every prompt of a batch must ask for the same n")
         if size * self.num_choices > MAX_BATCH_REQUESTS:
@@ -188,13 +191,22 @@ class GenerateBody(RequestBody):
         """Each prompt's params: its `sampling_params`, the body's own fields over them."""
         return [self._params(base, defaults) for base in self._sampling_params()]
 
-    def _params(self, base: SglangSamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+    def prompts_only(self) -> list[bool]:
+        """Each prompt's `max_new_tokens: 0`: its prompt alone (its logprobs, a
+        cache warmed), served as one token generated and dropped, as a
+        completion's `max_tokens: 0` is (a 400 before: SGLang's `select` sends it)."""
+        return [self._merged(base).max_new_tokens == 0 for base in self._sampling_params()]
+
+    def _merged(self, base: SglangSamplingParams) -> SglangSamplingParams:
         top_level = {name: getattr(self, name) for name in FLAT_SAMPLING_FIELDS}
-        merged = base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
+        return base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
+
+    def _params(self, base: SglangSamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+        merged = self._merged(base)
         model = defaults.fill(temperature=merged.temperature, top_p=merged.top_p, top_k=merged.top_k,
                               min_p=merged.min_p, repetition_penalty=merged.repetition_penalty)
         return SamplingParams(
-            max_new_tokens=merged.max_new_tokens,
+            max_new_tokens=merged.max_new_tokens or 1,  # (0: one, dropped: `prompts_only`)
             max_new_tokens_is_default="max_new_tokens" not in merged.model_fields_set,
             temperature=model["temperature"],
             top_p=model["top_p"],

@@ -68,6 +68,7 @@ class Answered:
     logprob_start_len: int  # -1: not the prompt's logprobs
     top_logprobs_num: int
     token_text: Callable[[int], str] | None = None  # return_text_in_logprobs: a token id's text, else None
+    prompt_only: bool = False  # max_new_tokens 0: the one token generated is dropped (`GenerateBody.prompts_only`)
 
     def entry(self, logprob: float | None, token_id: int) -> list:
         """One logprob entry: [logprob, id, text or None]."""
@@ -76,9 +77,13 @@ class Answered:
 
 def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cached: int,
               logprobs: list | None = None, prompt_logprobs: list | None = None) -> dict:
-    # SGLang's finish_reason: null until the request ends (clients test it for the last chunk)
+    if answered.prompt_only:
+        num_tokens, reason, logprobs = 0, reason and "length", None if logprobs is None else []
+    # SGLang's finish_reason: null until the request ends (clients test it for the last chunk); one ended for
+    # its length says how long
+    finish = None if reason is None else {"type": reason, **({"length": num_tokens} if reason == "length" else {})}
     meta = {"id": answered.rid, "prompt_tokens": len(answered.prompt_ids), "completion_tokens": num_tokens,
-            "cached_tokens": num_cached, "finish_reason": None if reason is None else {"type": reason}}
+            "cached_tokens": num_cached, "finish_reason": finish}
     top = answered.top_logprobs_num
     entry = answered.entry
     if logprobs is not None:
@@ -86,8 +91,10 @@ def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cache
         if top:
             meta["output_top_logprobs"] = [[entry(v, t) for t, v in lp.top[:top]] for lp in logprobs]
     if prompt_logprobs is not None:
+        # From `logprob_start_len`, the first entry's logprob None whatever its position, as SGLang pads it (its
+        # frontend's choice scores average the values that are not None: one more changed them)
         start = answered.logprob_start_len
-        wanted = prompt_logprobs[start:]
+        wanted = [None, *prompt_logprobs[start + 1:]] if start < len(prompt_logprobs) else []
         meta["input_token_logprobs"] = [entry(lp.logprob if lp else None, answered.prompt_ids[start + i])
                                         for i, lp in enumerate(wanted)]
         if top:
@@ -99,6 +106,8 @@ def result(out: Collected, answered: Answered) -> dict:
     """One request's whole answer."""
     meta = meta_info(answered, len(out.token_ids), out.finish_reason, out.num_cached_tokens, out.logprobs,
                      out.prompt_logprobs)
+    if answered.prompt_only:
+        return {"text": "", "output_ids": [], "meta_info": meta}
     return {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
 
 
@@ -117,7 +126,8 @@ async def stream(streams: list, answered: list[Answered], indexed: bool):
                 if event.error:
                     yield sse({"error": {"message": event.error, "type": "worker_error", "param": None, "code": 500}})
                     break
-                chunks[k].add(event.text, event.token_ids)
+                if not answered[k].prompt_only:
+                    chunks[k].add(event.text, event.token_ids)
                 if event.logprobs is not None:  # extended in place: a copy an event would be quadratic
                     logprobs[k] = logprobs[k] if logprobs[k] is not None else []
                     logprobs[k].extend(event.logprobs)

@@ -24,7 +24,7 @@ async def _view(request: Request):
     return await request.app.state.refreshed_view()
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])  # (SGLang takes both: curl's GET was a 405)
 @router.post("/reset_prefix_cache")
 async def flush_cache(request: Request):
     """SGLang's, and vLLM's /reset_prefix_cache: every worker's device prefix
@@ -45,7 +45,7 @@ async def abort_request(request: Request, body: AbortBody):
     return {"aborted": len(aborted)}
 
 
-@router.post("/start_profile")
+@router.api_route("/start_profile", methods=["GET", "POST"])
 async def start_profile(request: Request, body: ProfileBody | None = None):
     """A torch profiler trace of every worker's engine steps
     (actors/step_profile.py), written under the manifest's `profile_dir` on each
@@ -60,7 +60,7 @@ async def start_profile(request: Request, body: ProfileBody | None = None):
     return {"message": "Profiling.", "num_steps": body.num_steps, "traces": traces}
 
 
-@router.post("/stop_profile")
+@router.api_route("/stop_profile", methods=["GET", "POST"])
 async def stop_profile(request: Request):
     """End every worker's trace and write it; the traces' paths by worker (a
     worker with none: left out)."""

@@ -319,6 +319,22 @@ def test_an_assistants_refusal_part_sent_back_is_text():
         ChatBody.model_validate({"messages": [{"role": "assistant", "content": [{"type": "refusal", "text": "x"}]}]})
 
 
+@pytest.mark.parametrize("body", [{"seed": 1, "sampling_params": {"sampling_seed": 2}},
+                                  {"sampling_params": {"seed": 1, "sampling_seed": 2}}])
+def test_generate_refuses_two_seeds(body):
+    """Found by a review: `seed` was served, `sampling_seed` dropped without a word."""
+    with pytest.raises(pydantic.ValidationError, match="seed and sampling_seed name one seed"):
+        GenerateBody.model_validate({"text": "a", **body})
+    same = GenerateBody.model_validate({"text": "a", "sampling_params": {"seed": 3, "sampling_seed": 3}})
+    assert same.sampling(SamplingDefaults())[0].seed == 3
+
+
+def test_generate_takes_max_new_tokens_0_as_the_prompt_alone():
+    body = GenerateBody.model_validate({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 0}, {}]})
+    assert body.prompts_only() == [True, False]
+    assert [p.max_new_tokens for p in body.sampling(SamplingDefaults())] == [1, 128]
+
+
 def test_completions_refuse_token_ids_for_token_texts_as_chat_does():
     with pytest.raises(pydantic.ValidationError, match="return_tokens_as_token_ids is not supported"):
         CompletionBody.model_validate({"prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True})

@@ -325,6 +325,12 @@ def test_prompt_logprobs_by_echo_and_by_logprob_start_len(base_url, client):
     assert sglang["input_token_logprobs"][1][2] == text  # return_text_in_logprobs: each token's own text
     assert sglang["input_top_logprobs"][0] is None and len(sglang["input_top_logprobs"][1]) == 2
     assert len(sglang["output_top_logprobs"]) == 1 and len(sglang["output_top_logprobs"][0]) == 2
+    alone = httpx.post(f"{base_url}/generate", json={  # (SGLang's frontend scores a choice so: it was a 400)
+        "text": prompt, "max_new_tokens": 0, "return_logprob": True, "logprob_start_len": 2}).json()
+    assert (alone["text"], alone["output_ids"], alone["meta_info"]["completion_tokens"]) == ("", [], 0)
+    assert alone["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert alone["meta_info"]["input_token_logprobs"] == [[None, ids[2], None], *[
+        [pytest.approx(lp, abs=1e-5), t, None] for lp, t, _ in sglang["input_token_logprobs"][3:]]]
     scored = client.completions.create(model="tandem-tiny-qwen2", prompt=prompt, echo=True, max_tokens=0,
                                        logprobs=1, temperature=0)
     choice = scored.choices[0]
@@ -673,6 +679,7 @@ def test_sglangs_model_info_and_cache_flush(base_url):
     after = httpx.post(f"{base_url}/generate", json=body).json()["meta_info"]["cached_tokens"]
     assert cached[0] == 0 and cached[1] >= 32 and after == 0, (cached, after)
     assert httpx.post(f"{base_url}/reset_prefix_cache").json()["workers"] == flushed.json()["workers"]  # vLLM's name
+    assert httpx.get(f"{base_url}/flush_cache").status_code == 200  # (SGLang's takes GET too: it was a 405)
     assert httpx.get(f"{base_url}/version").json() == {"version": "0.1.0"}
 
 

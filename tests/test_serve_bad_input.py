@@ -74,6 +74,8 @@ def client(base_url):
         ("/generate", {"input_ids": [[1, 2], 3]}, "input_ids.1: Input should be a valid list"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens 0 needs echo"),
         ("/generate", {"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+        ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2},  # (it was answered [])
+         "logprob_start_len (2) must be less than the prompt's 2 tokens"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},

@@ -48,7 +48,8 @@ def test_logprob_entries_are_sglangs_triples_with_text_when_asked():
     named = meta_info(Answered("r", [5, 6], 1, 1, token_text=lambda t: f"<{t}>"), 2, "length", 0, generated, prompt)
     assert named["output_token_logprobs"] == [[-0.5, 7, "<7>"], [-2.0, 3, "<3>"]]
     assert named["output_top_logprobs"] == [[[-0.5, 7, "<7>"]], [[-1.0, 4, "<4>"]]]
-    assert named["input_token_logprobs"] == [[-3.0, 6, "<6>"]] and named["input_top_logprobs"] == [[[-0.1, 1, "<1>"]]]
+    # Found by a review: from logprob_start_len 1, the first entry's logprob was the token's, where SGLang's is None
+    assert named["input_token_logprobs"] == [[None, 6, "<6>"]] and named["input_top_logprobs"] == [None]
 
 
 def test_a_chunk_before_the_last_has_no_finish_reason():
@@ -56,7 +57,17 @@ def test_a_chunk_before_the_last_has_no_finish_reason():
     test it for the last chunk); `{"type": null}` read as an end at the first."""
     running = meta_info(Answered("r", [5, 6], 0, 2), 1, None, 0)
     assert running["finish_reason"] is None
-    assert meta_info(Answered("r", [5, 6], 0, 2), 2, "length", 0)["finish_reason"] == {"type": "length"}
+    assert meta_info(Answered("r", [5, 6], 0, 2), 2, "length", 0)["finish_reason"] == {"type": "length", "length": 2}
+    assert meta_info(Answered("r", [5, 6], 0, 2), 2, "stop", 0)["finish_reason"] == {"type": "stop"}
+
+
+def test_a_prompt_alone_answers_no_output():
+    """`max_new_tokens: 0` (SGLang's frontend scores choices so): the one token
+    generated is dropped, the prompt's logprobs kept."""
+    generated, prompt = [TokenLogprob(7, -0.5)], [None, TokenLogprob(6, -3.0)]
+    meta = meta_info(Answered("r", [5, 6], 0, 0, prompt_only=True), 1, "stop", 0, generated, prompt)
+    assert meta["completion_tokens"] == 0 and meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["output_token_logprobs"] == [] and meta["input_token_logprobs"] == [[None, 5, None], [-3.0, 6, None]]
 
 
 def test_a_stream_that_fails_on_this_servers_side_ends_with_an_error_chunk_and_done():
