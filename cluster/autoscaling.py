@@ -120,7 +120,7 @@ class ScalingPolicy:
         self.knobs = knobs
         self.target = attainment_target
         self.down_attainment = min(1.0, attainment_target + knobs.scale_down_margin)
-        self.settled_s = -math.inf  # the end of the last step (a worker starting or draining)
+        self.settled_s = -math.inf  # the last step taken, or the end of one (a worker starting or draining)
         self.shortfalls: dict[int, Shortfall] = {}  # by pool size
 
     def carry_on_from(self, before: ScalingPolicy) -> None:
@@ -133,6 +133,17 @@ class ScalingPolicy:
         self.shortfalls = dict(before.shortfalls)
 
     def decide(self, obs: PoolObservation, now_s: float) -> Decision:
+        """What to do with the pool now. A step taken (UP, DOWN) settles it now
+        too: a worker ready, or a drain over, before the next control round was
+        never seen starting or draining, and the cooldown, counted from the step
+        before, let the next step come one round later (a drain of 5 s under a
+        10 s round: a scale-down every round where the cooldown asked 60 s)."""
+        decision = self._decide(obs, now_s)
+        if decision.action is not Action.HOLD:
+            self.settled_s = now_s
+        return decision
+
+    def _decide(self, obs: PoolObservation, now_s: float) -> Decision:
         if obs.num_starting or obs.num_draining:
             self.settled_s = now_s
             recall = self._recall(obs, now_s) if obs.num_recallable and not obs.num_starting else None

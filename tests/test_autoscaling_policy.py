@@ -46,6 +46,19 @@ def test_prefill_backlog_scales_up_once_then_waits_for_the_new_worker():
     assert policy.decide(still_busy, 141.0).action is Action.UP
 
 
+def test_a_step_done_within_one_round_starts_the_cooldown_all_the_same():
+    """Found by a review: a drain over (or a worker ready) before the next round
+    was never seen in progress, and the cooldown counted from the step before:
+    with 10 s rounds and 5 s drains, a scale-down every round (60 s asked);
+    a worker that started fast, a scale-up every round (10 s asked)."""
+    idle = PoolObservation(num_serving=3, backlog_tokens=0)  # (the pool never seen draining: 3 each round)
+    assert run(prefill(), [(t, idle) for t in range(100, 170, 10)]) == [Action.DOWN] + [Action.HOLD] * 5 + [
+        Action.DOWN]
+    busy = prefill(scale_up_cooldown_s=30)
+    ups = run(busy, [(t, PoolObservation(num_serving=1, backlog_tokens=20000)) for t in range(100, 160, 10)])
+    assert ups == [Action.UP, Action.HOLD, Action.HOLD, Action.UP, Action.HOLD, Action.HOLD]
+
+
 def test_pressure_while_a_scaled_down_worker_drains_takes_it_back_at_once():
     """One step at a time held a scale-up for the whole drain of the worker a
     scale-down had just chosen (up to `drain_timeout_s`), then started a new
