@@ -49,8 +49,9 @@ Definitions:
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 FIGURES = ("ttft", "tbt")
@@ -152,14 +153,22 @@ class RequestTimer:
 
 
 class OutcomeRecorder:
-    def __init__(self, replica_id: str, ttft_slo_s: float = math.inf) -> None:
+    """A replica's outcomes since its last report, each with when it was
+    recorded (`clock`): a report the pool manager did not get is put back, and
+    outcomes held longer than `hold_s` (the autoscaler's window) go. The pool
+    manager stamps what a report carries with its arrival: held through an
+    outage of minutes, an overload long over read as now, and an idle pool
+    scaled up on it."""
+
+    def __init__(self, replica_id: str, ttft_slo_s: float = math.inf, hold_s: float = math.inf,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.replica_id = replica_id
         self.ttft_slo_s = ttft_slo_s  # a client gone before its first token after it: a miss (RequestTimer.end)
-        self._ttft: list[float] = []
-        self._tbt: list[float] = []
-        self._rejected = {"ttft": 0, "tbt": 0}
-        self._line_misses = 0
+        self.hold_s = hold_s
+        self.clock = clock
+        self._held = _Held()
         self._routed: dict[str, int] = {}
+        self._sent: tuple[SchedulerReport, _Held] | None = None  # the latest report, and what it carried
 
     def timer(self, started_s: float) -> RequestTimer:
         return RequestTimer(self, started_s)
@@ -167,23 +176,26 @@ class OutcomeRecorder:
     def record_ttft(self, seconds: float, line_wait_s: float = 0.0) -> None:
         """A TTFT, of which `line_wait_s` in D's line: the prefill pool's outcome
         is the rest; a miss that wait alone made is a line miss."""
-        own_s = seconds - line_wait_s
-        self._ttft.append(own_s)
-        self._line_misses += seconds > self.ttft_slo_s >= own_s
+        now_s, own_s = self.clock(), seconds - line_wait_s
+        self._held.ttft.append((now_s, own_s))
+        if seconds > self.ttft_slo_s >= own_s:
+            self._held.line_misses.append(now_s)
 
     def record_tbt(self, seconds: float) -> None:
-        self._tbt.append(seconds)
+        self._held.tbt.append((self.clock(), seconds))
 
     def line_missed(self) -> None:
         """A request whose wait in D's line made it miss (failed there)."""
-        self._line_misses += 1
+        self._held.line_misses.append(self.clock())
 
     def rejected(self, ttft_missed: bool, tbt_missed: bool, line_missed: bool = False) -> None:
         """An early rejection, by what its prediction missed (`line_missed`: the
         TTFT, only for its wait in D's line; `ttft_missed` then False)."""
-        self._rejected["ttft"] += ttft_missed
-        self._rejected["tbt"] += tbt_missed
-        self._line_misses += line_missed
+        now_s = self.clock()
+        for missed, times in ((ttft_missed, self._held.rejected_ttft), (tbt_missed, self._held.rejected_tbt),
+                              (line_missed, self._held.line_misses)):
+            if missed:
+                times.append(now_s)
 
     def routed(self, worker_ids: Iterable[str | None]) -> None:
         for worker_id in worker_ids:
@@ -212,28 +224,57 @@ class OutcomeRecorder:
                 _add(decoding_kv, request.decode_id, request.num_prompt_tokens + request.num_generated)
             for worker_id in {request.prefill_id if request.in_prefill else None, request.decode_id} - {None}:
                 _add(counts, worker_id, 1)
+        held = self._held.since(self.clock() - self.hold_s)
         report = SchedulerReport(
-            self.replica_id, ttft_s=tuple(self._ttft), tbt_s=tuple(self._tbt),
-            num_rejected_ttft=self._rejected["ttft"], num_rejected_tbt=self._rejected["tbt"],
-            num_line_misses=self._line_misses, backlog_tokens=backlog, decoding=decoding,
+            self.replica_id, ttft_s=held.values(held.ttft), tbt_s=held.values(held.tbt),
+            num_rejected_ttft=len(held.rejected_ttft), num_rejected_tbt=len(held.rejected_tbt),
+            num_line_misses=len(held.line_misses), backlog_tokens=backlog, decoding=decoding,
             decoding_kv_tokens=decoding_kv, inflight=counts,
             routed=dict(self._routed), draining=frozenset(draining), backlog_prompts=prompts)
-        self._ttft, self._tbt, self._routed = [], [], {}
-        self._rejected = {"ttft": 0, "tbt": 0}
-        self._line_misses = 0
+        self._held, self._routed, self._sent = _Held(), {}, (report, held)
         return report
 
     def put_back(self, report: SchedulerReport) -> None:
         """A report the pool manager did not get: its outcomes go with the next
-        (they were lost, a second's worth each time a pool manager restarted); the
-        latest `MAX_SAMPLES_HELD` of each kind, however long it stays away."""
-        self._ttft = [*report.ttft_s, *self._ttft][-MAX_SAMPLES_HELD:]
-        self._tbt = [*report.tbt_s, *self._tbt][-MAX_SAMPLES_HELD:]
-        self._rejected["ttft"] += report.num_rejected_ttft
-        self._rejected["tbt"] += report.num_rejected_tbt
-        self._line_misses += report.num_line_misses
+        (they were lost, a second's worth each time a pool manager restarted),
+        as long as `hold_s` allows; the latest `MAX_SAMPLES_HELD` of each kind,
+        however long it stays away."""
+        if self._sent is not None and self._sent[0] is report:
+            held = self._sent[1]
+        else:  # (one this recorder did not make: its outcomes as of now)
+            now_s = self.clock()
+            held = _Held([(now_s, v) for v in report.ttft_s], [(now_s, v) for v in report.tbt_s],
+                         [now_s] * report.num_rejected_ttft, [now_s] * report.num_rejected_tbt,
+                         [now_s] * report.num_line_misses)
+        self._held = held.joined(self._held)
         for worker_id, count in report.routed.items():
             _add(self._routed, worker_id, count)
+
+
+@dataclass
+class _Held:
+    """Outcomes with when each was recorded: TTFTs and TBTs (at, seconds), and the
+    times of early rejections by what they missed, and of line misses."""
+
+    ttft: list[tuple[float, float]] = field(default_factory=list)
+    tbt: list[tuple[float, float]] = field(default_factory=list)
+    rejected_ttft: list[float] = field(default_factory=list)
+    rejected_tbt: list[float] = field(default_factory=list)
+    line_misses: list[float] = field(default_factory=list)
+
+    def since(self, since_s: float) -> _Held:
+        return _Held(*([o for o in outcomes if (o[0] if isinstance(o, tuple) else o) >= since_s]
+                       for outcomes in self._lists()))
+
+    def joined(self, later: _Held) -> _Held:
+        return _Held(*([*mine, *theirs][-MAX_SAMPLES_HELD:] for mine, theirs in zip(self._lists(), later._lists())))
+
+    def _lists(self) -> tuple[list, ...]:
+        return self.ttft, self.tbt, self.rejected_ttft, self.rejected_tbt, self.line_misses
+
+    @staticmethod
+    def values(outcomes: list[tuple[float, float]]) -> tuple[float, ...]:
+        return tuple(seconds for _, seconds in outcomes)
 
 
 def _add(counter: dict[str, int], key: str, value: int) -> None:

@@ -93,7 +93,7 @@ class GlobalScheduler:
         self.kv_seed = kv_seed  # the workers' hash-chain namespace, so hashes match theirs
         self.policy = make_policy(settings.routing)
         self.replica = _replica_name()  # in its request ids, its reports and its exported metrics
-        self.outcomes = OutcomeRecorder(self.replica, settings.slo.ttft_ms / 1e3)
+        self.outcomes = OutcomeRecorder(self.replica, settings.slo.ttft_ms / 1e3, settings.autoscaling.window_s)
         # Counters and histograms through Ray too, where every replica's are scraped
         # (cluster/metrics_export.py); not outside Ray (unit tests, tools).
         self.metrics = Metrics(RayExport(self.replica) if ray.is_initialized() else None)

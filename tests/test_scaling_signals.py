@@ -218,3 +218,24 @@ def test_a_report_the_pool_manager_did_not_get_goes_with_the_next():
     assert report.routed == {"p0": 1, "d0": 1}
     recorder.put_back(dataclasses.replace(report, ttft_s=(1.0,) * (MAX_SAMPLES_HELD + 5)))
     assert len(recorder.report([]).ttft_s) == MAX_SAMPLES_HELD
+
+
+def test_outcomes_held_longer_than_the_window_are_not_reported_as_now():
+    """Found by a review: held through an outage of minutes, they were stamped
+    with the report's arrival, and an idle pool scaled up on an overload long over."""
+    now = [10.0]
+    recorder = OutcomeRecorder("r1", ttft_slo_s=1.0, hold_s=30.0, clock=lambda: now[0])
+    for _ in range(40):
+        recorder.record_ttft(5.0)
+    recorder.rejected(ttft_missed=True, tbt_missed=False)
+    lost = recorder.report([])
+    assert len(lost.ttft_s) == 40 and lost.num_rejected_ttft == 1
+    now[0] = 20.0
+    recorder.put_back(lost)
+    again = recorder.report([])
+    assert len(again.ttft_s) == 40  # (within the window still: carried)
+    recorder.put_back(again)  # (lost too)
+    now[0] = 600.0
+    recorder.record_ttft(0.5)
+    late = recorder.report([])
+    assert late.ttft_s == (0.5,) and late.num_rejected_ttft == 0
