@@ -22,6 +22,11 @@ from typing import Callable, Generic, TypeVar
 Value = TypeVar("Value")
 
 
+class MakersOwn(Exception):
+    """An error of the thread making a value, not of its key (a limit of that
+    thread's caller): a thread that waited for it makes the value itself."""
+
+
 class CompileCache(Generic[Value]):
     """Values made from string keys: at most `max_entries` of them, and where
     given, their `weight`s at most `max_weight` in all (the least recently asked
@@ -39,7 +44,8 @@ class CompileCache(Generic[Value]):
 
     def get(self, key: str, make: Callable[[str], Value]) -> Value:
         """The value kept for `key`; else the one a thread already making it makes
-        (its error raised here too), else `make(key)`, kept. Errors are not kept."""
+        (its error raised here too, but for a `MakersOwn`), else `make(key)`, kept.
+        Errors are not kept."""
         with self._lock:
             value = self._values.get(key)
             if value is not None:
@@ -52,7 +58,10 @@ class CompileCache(Generic[Value]):
             else:
                 mine = False
         if not mine:
-            return making.result()
+            try:
+                return making.result()
+            except MakersOwn:
+                return self.get(key, make)
         try:
             value = make(key)
         except BaseException as exc:

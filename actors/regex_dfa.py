@@ -53,12 +53,14 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
 
 from actors.code_points import MAX_CODE_POINT, byte_set_sequences, complement, merged
-from actors.compile_cache import CompileCache
+from actors.compile_cache import CompileCache, MakersOwn
 from actors.dfa_minimise import DEAD, START, minimised, prune_dead
 from actors.sampling_params import InvalidRequestError
 
@@ -74,6 +76,8 @@ MAX_BUILT_STATES = 60_000  # of the subset construction's, before merging
 MAX_NFA_STATES = 100_000  # bounds what counted repeats expand to
 MANY_COPIES = 8  # a repeat of more copies is built from its part's own DFA (`_Nfa._copier`)
 MAX_WORK = 3_000_000  # NFA states visited by the subset construction: about a second of it at most
+MAX_REQUEST_WORK = 2 * MAX_WORK  # by every compile one request asks for (`request_work`),
+STATE_WORK = 32  # each state built counted as this much more (merging them costs about as much as building)
 MAX_CACHED = 64  # compiled patterns a process keeps,
 MAX_CACHED_STATES = 120_000  # and their states in all (60 MB of transitions)
 COPIES_HINT = (" (a counted repeat, such as a JSON schema's maxLength or maxItems, is a copy of its part a count, "
@@ -82,6 +86,28 @@ COPIES_HINT = (" (a counted repeat, such as a JSON schema's maxLength or maxItem
 
 class RegexError(InvalidRequestError):
     """A pattern that is not valid, or that Tandem cannot constrain an output to."""
+
+
+class RequestWorkSpent(RegexError, MakersOwn):
+    """A request's compiles together past `MAX_REQUEST_WORK` (`request_work`):
+    another request waiting for the same pattern compiles it itself."""
+
+
+_work_left: ContextVar[list[int] | None] = ContextVar("tandem_regex_work_left", default=None)
+
+
+@contextmanager
+def request_work(total: int = MAX_REQUEST_WORK):
+    """Within it, the compiles not found cached share `total` work (each is
+    bounded by `MAX_WORK` alone too): one request's patterns, a JSON schema's
+    every string `pattern`, a batch's regexes. Each compile was bounded, their
+    number not: an 892-byte schema of twelve patterns took 25 compiles and 8 s
+    of CPU before its 400, and a 2 MiB body could ask for thousands."""
+    token = _work_left.set([total])
+    try:
+        yield
+    finally:
+        _work_left.reset(token)
 
 
 @dataclass(frozen=True, eq=False)
@@ -435,25 +461,34 @@ def _determinise(nfa: _Nfa, start: int, accept: int) -> ByteDfa:
     order = [frozenset(), closure(start)]
     index = {state_set: i for i, state_set in enumerate(order)}
     rows: list[list[int]] = [[0] * len(class_bytes)]
+    left = _work_left.get()  # (a request's: `request_work`)
     work = 0
-    while len(rows) < len(order):
-        targets: dict[int, list[int]] = {}
-        for nfa_state in order[len(rows)]:
-            for column, to in moves[nfa_state].items():
-                targets.setdefault(column, []).extend(to)
-        row = [0] * len(class_bytes)
-        for column, to in targets.items():
-            moved = frozenset().union(*(closure(t) for t in to))
-            work += len(to) + len(moved)
-            if moved not in index:
-                index[moved] = len(order)
-                order.append(moved)
-            row[column] = index[moved]
-        rows.append(row)
-        if len(order) > MAX_BUILT_STATES or work > MAX_WORK:
-            raise RegexError(f"regex is too complex: its automaton passes {MAX_BUILT_STATES} states as built"
-                             + COPIES_HINT if len(order) > MAX_BUILT_STATES
-                             else "regex is too complex to compile quickly")
+    try:
+        while len(rows) < len(order):
+            targets: dict[int, list[int]] = {}
+            for nfa_state in order[len(rows)]:
+                for column, to in moves[nfa_state].items():
+                    targets.setdefault(column, []).extend(to)
+            row = [0] * len(class_bytes)
+            for column, to in targets.items():
+                moved = frozenset().union(*(closure(t) for t in to))
+                work += len(to) + len(moved)
+                if moved not in index:
+                    index[moved] = len(order)
+                    order.append(moved)
+                row[column] = index[moved]
+            rows.append(row)
+            if len(order) > MAX_BUILT_STATES:
+                raise RegexError(f"regex is too complex: its automaton passes {MAX_BUILT_STATES} states as built"
+                                 + COPIES_HINT)
+            if work > MAX_WORK:
+                raise RegexError("regex is too complex to compile quickly")
+            if left is not None and work + STATE_WORK * len(order) > left[0]:
+                raise RequestWorkSpent("the request's patterns are too complex to compile quickly together "
+                                       "(a JSON schema's string patterns, a batch's regexes): ask for fewer")
+    finally:
+        if left is not None:
+            left[0] -= work + STATE_WORK * len(order)
     accepting = np.array([accept in s for s in order], dtype=bool)
     by_class, accepting = minimised(prune_dead(np.array(rows, dtype=np.int32), accepting), accepting)
     if len(accepting) > MAX_STATES:

@@ -31,6 +31,7 @@ from ray import serve
 from actors.background import background_task, run_to_end
 from actors.block_pool import kv_namespace
 from actors.config import ModelConfig
+from actors.regex_dfa import request_work
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
 from actors.startup_heap import freeze_startup_heap
@@ -87,11 +88,16 @@ def _failure(exc: Exception) -> dict:
 
 async def _sampling(body, *args):
     """A body's params. A pattern's automaton (structured output) is compiled on
-    the way, up to about a second for the largest (once a pattern: cached): in a
-    thread then, so the event loop goes on serving the other requests."""
+    the way, up to about a second for the largest (once a pattern: cached), and
+    about two for all a request asks for (`request_work`): in a thread then, so
+    the event loop goes on serving the other requests."""
+    def sampling():
+        with request_work():
+            return body.sampling(*args)
+
     if body.asks_structure:
-        return await asyncio.to_thread(body.sampling, *args)
-    return body.sampling(*args)
+        return await asyncio.to_thread(sampling)
+    return sampling()
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)

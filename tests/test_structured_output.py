@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 import time
 
 import numpy as np
@@ -535,3 +536,43 @@ def test_a_small_schema_whose_pattern_doubles_at_each_level_is_refused_as_it_is_
     finally:
         tracemalloc.stop()
     assert peak < 64 * 2**20  # (the wide one peaked at 2.1 GB)
+
+
+def test_a_requests_compiles_share_one_budget():
+    """Found by a review: each compile was bounded, their number not (an
+    892-byte schema of twelve string patterns: 25 compiles, 8 s of CPU before
+    its 400). Within `request_work` the compiles not found cached share one
+    budget; outside it each is bounded alone, and a pattern cached costs nothing."""
+    tag = f"w{time.monotonic_ns()}"  # (patterns no earlier test compiled)
+    patterns = [f"{tag}x{i}[ab]*a[ab]{{9}}" for i in range(3)]  # (about 60k work each: 1026 states)
+    with regex_dfa.request_work(total=150_000):
+        regex_dfa.compile_regex(patterns[0])
+        regex_dfa.compile_regex(patterns[1])
+        regex_dfa.compile_regex(patterns[0])  # (cached)
+        with pytest.raises(regex_dfa.RequestWorkSpent, match="too complex to compile quickly together"):
+            regex_dfa.compile_regex(patterns[2])
+    regex_dfa.compile_regex(patterns[2])  # (no request's budget)
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": f"{tag}y{i}[ab]*a[ab]{{9}}"}
+                                               for i in range(4)}}
+    with regex_dfa.request_work(total=150_000), pytest.raises(regex_dfa.RequestWorkSpent):
+        schema_regex(schema)
+
+
+def test_a_thread_that_waited_for_a_compile_over_its_makers_budget_compiles_it_itself():
+    from actors.compile_cache import CompileCache, MakersOwn
+
+    cache, started, calls = CompileCache(4), threading.Event(), []
+
+    def make(key):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            started.set()
+            time.sleep(0.2)  # (the other thread waits for it meanwhile)
+            raise MakersOwn("over the first caller's budget")
+        return key.upper()
+
+    first = threading.Thread(target=lambda: pytest.raises(MakersOwn, cache.get, "k", make), name="first")
+    first.start()
+    started.wait(5)
+    assert cache.get("k", make) == "K" and calls == ["first", "MainThread"]
+    first.join(5)
