@@ -17,7 +17,8 @@ JSON object's 2679 states 305). Its semantics are
 `re.fullmatch` with `re.ASCII`: `\\d`, `\\w`, `\\s` match ASCII only (outlines and
 xgrammar draw the same line), `.` every character but a newline (every one under
 `(?s)`); a JSON schema's `pattern`, which the client's validator reads with
-Unicode's categories, holds only what both readings match (`class_ranges`). What cannot be a finite automaton, or would match other text than Python
+Unicode's categories, holds only what both readings match (`class_ranges`).
+What cannot be a finite automaton, or would match other text than Python
 does, is refused with the reason: backreferences, lookarounds, word boundaries,
 anchors other than at the two ends, case-insensitive matching, possessive
 repeats. A pattern whose automaton has more than `MAX_STATES` states once merged

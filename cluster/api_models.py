@@ -63,8 +63,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     seed + 1, ... (reproducible and different); unseeded ones each from their own."""
     if n == 1:
         return [params]
-    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**63)
-            for i in range(n)]
+    return [params.with_seed(None if params.seed is None else (params.seed + i) % 2**63) for i in range(n)]
 
 
 class StreamOptions(BaseModel):

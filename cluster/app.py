@@ -54,7 +54,7 @@ from cluster.pool_manager import get_or_create_pool
 from cluster.pool_settings import check_redeploy
 from cluster.pool_view import PoolView
 from cluster.prompt_limits import output_room, prompt_room
-from cluster.prompt_thread import PromptThread
+from cluster.prompt_thread import BODY_BYTES, INLINE_BODY_BYTES, PromptThread, prompt_work_is_large
 from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
@@ -89,13 +89,14 @@ def _failure(exc: Exception) -> dict:
 async def _sampling(body, *args):
     """A body's params. A pattern's automaton (structured output) is compiled on
     the way, up to about a second for the largest (once a pattern: cached), and
-    about two for all a request asks for (`request_work`): in a thread then, so
-    the event loop goes on serving the other requests."""
+    about two for all a request asks for (`request_work`); a large body's checks
+    (a logit_bias of 150k entries: 0.1 s a copy) take time too: in a thread then,
+    so the event loop goes on serving the other requests."""
     def sampling():
         with request_work():
             return body.sampling(*args)
 
-    if body.asks_structure:
+    if body.asks_structure or BODY_BYTES.get() > INLINE_BODY_BYTES:
         return await asyncio.to_thread(sampling)
     return sampling()
 
@@ -326,10 +327,13 @@ class Scheduler:
 
     async def _respond(self, body: ResponsesBody, response_id: str, turn: ConversationTurn | None):
         if turn is not None:
-            chat = body.chat_body(turn.items, "conversation")
+            history, name = turn.items, "conversation"
         else:
-            chat = body.chat_body(await self.stored.conversation(body.previous_response_id)
-                                  if body.previous_response_id else [])
+            history = await self.stored.conversation(body.previous_response_id) if body.previous_response_id else []
+            name = "previous_response_id"
+        if history:  # (its prompt's work is the stored history's, whatever the body's size: on the prompt thread)
+            prompt_work_is_large()
+        chat = await self.prompt_thread.run(body.chat_body, history, name)
         if body.truncation == "auto":
             chat = await self.prompt_thread.run(self._fitted, chat)
         prompt = await self.prompt_thread.run(self._chat_prompt, chat)
@@ -428,11 +432,17 @@ class Scheduler:
 
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeBody):
+        """vLLM's: the text of token ids (up to a million, checked and decoded off
+        the event loop for a large body, as /tokenize's text is encoded)."""
         self._check_model(body.model)
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise ApiError(400, f"token ids must be in [0, {vocab})")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+        def decoded() -> str:
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise ApiError(400, f"token ids must be in [0, {vocab})")
+            return self.tokenizer.decode(body.tokens)
+
+        return {"prompt": await self.prompt_thread.run(decoded)}
 
     def _chat_prompt(self, body) -> str:
         """The chat template's text for a body's messages (cluster/api_models.py

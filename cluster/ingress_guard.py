@@ -145,7 +145,7 @@ class RequestGuard:
         limit = settings.limits.max_body_bytes
         too_large = _error(ApiError(413, f"request body over {limit} bytes", kind="request_too_large"))
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
+        if length is not None and (not (length.isascii() and length.isdigit()) or int(length) > limit):  # ('²': a 500)
             return await too_large(scope, receive, send)
         if scope["method"] == "POST" and length is None:  # chunked: read it all, then replay
             messages, size = [], 0

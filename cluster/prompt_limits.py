@@ -21,7 +21,6 @@ a long prompt is not refused for an output length nobody asked for."""
 
 from __future__ import annotations
 
-import dataclasses
 
 from actors.sampling_params import InvalidRequestError, SamplingParams
 from actors.tokenization import encode_prompt
@@ -85,7 +84,7 @@ def fitted_output(limits: LimitSettings, max_model_len: int, num_prompt: int,
     if limits.max_total_tokens is not None:
         room = min(room, limits.max_total_tokens - num_prompt)
     new_tokens = max(min(params.max_new_tokens, room), params.min_new_tokens, 1)
-    return params if new_tokens == params.max_new_tokens else dataclasses.replace(params, max_new_tokens=new_tokens)
+    return params if new_tokens == params.max_new_tokens else params.with_max_new_tokens(new_tokens)
 
 
 def output_room(asked: int | None, min_new_tokens: int) -> int:

@@ -261,7 +261,7 @@ class GlobalScheduler:
         said = f"request {request_id}" if request_id else "the request"
         request_id = f"{request_id or 'tandem'}-{self.replica}-{next(self._ids)}"
         if params.seed is None:  # drawn here: every worker's engine draws from one sequence (EngineConfig.seed)
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
+            params = params.with_seed(secrets.randbits(63))
         params = fitted_output(self.settings.limits, self.max_model_len, len(prompt_ids), params)  # (a default)
         started = time.monotonic()
         timer = self.outcomes.timer(started)

@@ -239,3 +239,29 @@ def test_a_body_field_refused_is_named_as_param():
     assert answer.json()["error"]["message"] == "n: Input should be greater than or equal to 1"
     broken = client.post("/chat", content=b"{", headers={"content-type": "application/json"})
     assert broken.status_code == 400 and broken.json()["error"]["param"] is None
+
+
+def test_a_content_length_of_other_digits_is_refused_not_a_500():
+    """'²' is a digit to str.isdigit and no number to int: the guard's 500. (An
+    HTTP server's parser refuses such a header first; the guard does too.)"""
+    from fastapi import FastAPI
+
+    from cluster.config import AppSettings
+    from cluster.ingress_guard import install_guard
+
+    app = FastAPI()
+    install_guard(app)
+    app.state.settings = AppSettings.model_validate({"model": {"preset": "tiny"}})  # (the guard reads its limits)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/chat", "raw_path": b"/chat", "root_path": "", "query_string": b"", "server": ("x", 80),
+             "client": ("y", 1), "headers": [(b"content-type", b"application/json"), (b"content-length", "²".encode("latin-1"))]}
+    asyncio.run(app(scope, receive, send))
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [413]

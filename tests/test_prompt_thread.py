@@ -69,3 +69,20 @@ def test_a_small_body_is_prepared_where_it_is_asked_for():
 
     assert asyncio.run(serve(INLINE_BODY_BYTES)) == threading.current_thread().name
     assert asyncio.run(serve(LARGE)).startswith("tandem-prompt")
+
+
+def test_a_small_body_whose_prompt_work_is_large_goes_on_the_thread():
+    """A Responses request continuing a stored conversation: its 49-byte body
+    rendered and tokenized the history (tens of MB at most) on the loop."""
+    from cluster.prompt_thread import prompt_work_is_large
+
+    prompts = PromptThread()
+
+    async def serve() -> tuple[str, str]:
+        BODY_BYTES.set(49)
+        small = await prompts.run(lambda: threading.current_thread().name)
+        prompt_work_is_large()
+        return small, await prompts.run(lambda: threading.current_thread().name)
+
+    small, history = asyncio.run(serve())
+    assert small == threading.current_thread().name and history.startswith("tandem-prompt")

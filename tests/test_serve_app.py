@@ -168,7 +168,7 @@ def test_generate_streams_a_batch_with_n_choices_by_index(base_url):
         last[chunk["index"]] = chunk
     assert sorted(last) == [0, 1, 2, 3]
     assert [last[k]["output_ids"] for k in range(4)] == [a["output_ids"] for a in whole]
-    assert all(last[k]["meta_info"]["finish_reason"] == {"type": "length"} for k in range(4))
+    assert all(last[k]["meta_info"]["finish_reason"] == {"type": "length", "length": 4} for k in range(4))
     for k, answer in enumerate(whole):  # return_logprob: each chunk's meta_info has the logprobs so far
         streamed, meta = last[k]["meta_info"], answer["meta_info"]
         assert [t for _, t, _ in streamed["output_token_logprobs"]] == answer["output_ids"]
@@ -737,7 +737,7 @@ def test_abort_request_ends_the_named_requests_as_they_stand(base_url):
     for last in alls:
         assert last["meta_info"]["finish_reason"] == {"type": "abort"} and len(last["output_ids"]) >= 1
     assert other.status_code == 200 and len(other.json()["output_ids"]) == 150
-    assert other.json()["meta_info"]["finish_reason"] == {"type": "length"}
+    assert other.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 150}
     wait_workers_idle(ARGS["pool_name"])
 
 

@@ -48,7 +48,7 @@ def client(base_url):
     [
         ("/generate", {"text": "", "max_new_tokens": 4}, "prompt is empty"),
         ("/generate", {"max_new_tokens": 4}, "exactly one of"),
-        ("/generate", {"text": "x", "max_new_tokens": 0}, "max_new_tokens"),
+        ("/generate", {"text": "x", "max_new_tokens": -1}, "max_new_tokens"),  # (0: the prompt alone)
         ("/generate", {"text": "x", "temperature": -1}, "temperature"),
         ("/generate", {"text": "x", "sampling_params": {"seed": -2**63 - 1}}, "seed"),
         ("/v1/completions", {"prompt": "x", "seed": 2**64}, "seed"),
@@ -387,7 +387,8 @@ def test_a_rid_in_flight_twice_names_two_requests(base_url):
 
     first_last, second, unnamed = asyncio.run(both())
     assert second.status_code == 200 and len(second.json()["output_ids"]) == 20
-    assert len(first_last["output_ids"]) == 200 and first_last["meta_info"]["finish_reason"] == {"type": "length"}
+    assert len(first_last["output_ids"]) == 200 and first_last["meta_info"]["finish_reason"] == {"type": "length",
+                                                                                             "length": 200}
     assert first_last["meta_info"]["id"] == second.json()["meta_info"]["id"] == "same"
     assert len(unnamed.json()["meta_info"]["id"]) == 32  # made up: a uuid's hex
 
