@@ -145,3 +145,4 @@ class TokenEvent(NamedTuple):
     # An error that was another request's: the KV blocks this one borrowed from it never came
     # (actors/arriving_blocks.py). Its pair is sound: the scheduler tries it again there, the try not counted.
     borrowed_kv_lost: bool = False
+    stop_matched: int | str | None = None  # on a request's last event: what ended it for "stop" (`Request`)

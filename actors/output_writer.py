@@ -63,6 +63,7 @@ class OutputWriter:
             if dropped is not None and len(request.output_token_ids) > request.params.min_new_tokens:
                 text = request.detokenizer.text_between(0, request.detokenizer.num_chars - dropped)
                 reason = FinishReason.STOP
+                request.stop_matched = request.stop_strings.matched
         request.output_text = request.detokenizer.text if text is None else text
         request.finish_reason = reason
         self.scheduler.finish(request)
@@ -104,12 +105,14 @@ class OutputWriter:
         if may_stop and token_id in request.stop_token_ids:
             if params.include_stop_str_in_output:  # its text ends the output, as vLLM's (an end token's is none)
                 request.detokenizer.add(token_id)
+            request.stop_matched = token_id
             return self.finish(request, FinishReason.STOP)
         delta = request.detokenizer.add(token_id)
         if request.stop_strings is not None and delta:  # (fed before min_new_tokens too: a match may begin there)
             dropped = request.stop_strings.feed(delta)
             if dropped is not None and may_stop:
                 cut = request.detokenizer.num_chars - dropped
+                request.stop_matched = request.stop_strings.matched
                 return self.finish(request, FinishReason.STOP, request.detokenizer.text_between(0, cut))
         if request.constraint is not None and request.constraint.is_complete(output_ids):
             return self.finish(request, FinishReason.STOP)  # the pattern is matched and allows no more

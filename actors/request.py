@@ -78,6 +78,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    stop_matched: int | str | None = None  # what ended it for "stop": a stop token's id (EOS too), a stop string
     output_text: str = ""
     stop_strings: StopStrings | None = None  # its params' stop strings, searched as its text grows
     stop_token_ids: frozenset[int] = frozenset()  # its params' stop tokens, and EOS unless ignore_eos
@@ -190,6 +191,7 @@ class Request:
             _piece_ends=detokenizer.piece_ends,
             _final_text=final_text,
             prompt_logprobs=self.prompt_logprobs,
+            stop_matched=self.stop_matched,
         )
 
 
@@ -224,6 +226,7 @@ class RequestOutput:
     _piece_ends: list[int] = field(repr=False)
     _final_text: str | None = field(repr=False)  # once finished
     prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)  # if asked for
+    stop_matched: int | str | None = None  # (`Request.stop_matched`)
 
     @property
     def text(self) -> str:

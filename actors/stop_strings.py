@@ -24,6 +24,7 @@ class StopStrings:
         self.keep = keep  # the text ends with the stop string (vLLM's include_stop_str_in_output)
         self.hold = max(map(len, stops)) - 1
         self._tail = ""  # the text's last `hold` characters
+        self.matched: str | None = None  # the stop string found (`feed`)
 
     @property
     def held_chars(self) -> int:
@@ -36,10 +37,10 @@ class StopStrings:
         first (kept, from its end); else None."""
         window = self._tail + new_text
         new_from = len(self._tail)
-        found = ((window.find(s, max(0, new_from - len(s) + 1)), len(s)) for s in self.stops)
-        matches = [(i, i + n) for i, n in found if i >= 0]  # (start, end) in the window
+        found = ((window.find(s, max(0, new_from - len(s) + 1)), s) for s in self.stops)
+        matches = [(i, i + len(s), s) for i, s in found if i >= 0]  # (start, end, the string) in the window
         self._tail = window[max(0, len(window) - self.hold) :]
         if not matches:
             return None
-        start, end = min(matches, key=lambda match: (match[1], match[0]))
+        start, end, self.matched = min(matches, key=lambda match: (match[1], match[0]))
         return len(window) - (end if self.keep else start)

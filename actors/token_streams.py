@@ -158,6 +158,8 @@ class TokenStreams:
                 output.num_cached_tokens,
                 None,  # error
                 output.prompt_logprobs if not start else None,
+                False,  # borrowed_kv_lost
+                output.stop_matched,
             ))
             subscriptions.append(stream.subscription)
             stream.num_tokens_sent = output.num_tokens

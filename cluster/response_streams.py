@@ -30,10 +30,11 @@ class Collected(NamedTuple):
     num_cached_tokens: int
     logprobs: list | None
     prompt_logprobs: list | None
+    stop_matched: int | str | None = None  # what ended it for "stop" (`TokenEvent.stop_matched`)
 
 
 async def collect(events) -> Collected:
-    text, ids, reason, cached, logprobs, prompt_logprobs = "", [], None, 0, None, None
+    text, ids, reason, cached, logprobs, prompt_logprobs, matched = "", [], None, 0, None, None, None
     async for event in events:
         if event.error:
             raise ApiError(503, f"request failed: {event.error}", kind="service_unavailable")
@@ -45,8 +46,8 @@ async def collect(events) -> Collected:
             logprobs.extend(event.logprobs)
         prompt_logprobs = prompt_logprobs or event.prompt_logprobs
         if event.finished:
-            reason = event.finish_reason
-    return Collected(text, ids, reason, cached, logprobs, prompt_logprobs)
+            reason, matched = event.finish_reason, event.stop_matched
+    return Collected(text, ids, reason, cached, logprobs, prompt_logprobs, matched)
 
 
 async def merged(streams):

@@ -76,12 +76,17 @@ class Answered:
 
 
 def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cached: int,
-              logprobs: list | None = None, prompt_logprobs: list | None = None) -> dict:
+              logprobs: list | None = None, prompt_logprobs: list | None = None,
+              matched: int | str | None = None) -> dict:
     if answered.prompt_only:
         num_tokens, reason, logprobs = 0, reason and "length", None if logprobs is None else []
     # SGLang's finish_reason: null until the request ends (clients test it for the last chunk); one ended for
-    # its length says how long
-    finish = None if reason is None else {"type": reason, **({"length": num_tokens} if reason == "length" else {})}
+    # its length says how long, one that stopped what matched (a stop token's id, EOS's too, or a stop string)
+    finish = None if reason is None else {"type": reason}
+    if reason == "length":
+        finish["length"] = num_tokens
+    elif reason == "stop" and matched is not None:
+        finish["matched"] = matched
     meta = {"id": answered.rid, "prompt_tokens": len(answered.prompt_ids), "completion_tokens": num_tokens,
             "cached_tokens": num_cached, "finish_reason": finish}
     top = answered.top_logprobs_num
@@ -105,7 +110,7 @@ def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cache
 def result(out: Collected, answered: Answered) -> dict:
     """One request's whole answer."""
     meta = meta_info(answered, len(out.token_ids), out.finish_reason, out.num_cached_tokens, out.logprobs,
-                     out.prompt_logprobs)
+                     out.prompt_logprobs, out.stop_matched)
     if answered.prompt_only:
         return {"text": "", "output_ids": [], "meta_info": meta}
     return {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
@@ -134,7 +139,7 @@ async def stream(streams: list, answered: list[Answered], indexed: bool):
                 prompt_logprobs[k] = prompt_logprobs[k] or event.prompt_logprobs
                 reason = event.finish_reason if event.finished else None
                 meta = meta_info(answered[k], chunks[k].num_tokens, reason, event.num_cached_tokens, logprobs[k],
-                                 prompt_logprobs[k])
+                                 prompt_logprobs[k], event.stop_matched)
                 yield chunks[k].sse(meta, k if indexed else None)
         except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
             log.exception("request %s: its stream failed", answered[0].rid)

@@ -60,7 +60,8 @@ def test_stop_token_ids_end_the_request(llm):
         ["Stop here"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,))
     )[0]
     assert out.token_ids == free.token_ids[: first + 1]
-    assert out.finish_reason is FinishReason.STOP
+    assert out.finish_reason is FinishReason.STOP and out.stop_matched == stop_id  # (SGLang's `matched`)
+    assert free.stop_matched is None  # (ended for its length)
     # The stop token's text is left out of the text, as vLLM leaves it, unless asked for (it was left out always)
     kept = llm.generate(["Stop here"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,
                                                       stop_token_ids=(stop_id,), include_stop_str_in_output=True))[0]
@@ -165,8 +166,9 @@ def test_stop_strings_anywhere_end_at_the_first_match(llm):
             start = rng.randrange(1, len(text) - 1)
             stops.append(text[start : start + rng.randint(1, 6)])
         out = llm.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=stops))[0]
-        end, start = min((text.find(s) + len(s), text.find(s)) for s in stops)
+        end, start, first = min((text.find(s) + len(s), text.find(s), s) for s in stops)
         assert out.finish_reason is FinishReason.STOP and out.text == text[:start], (text, stops, out.text)
+        assert out.stop_matched == first  # (the match that ends first)
         # Kept (include_stop_str_in_output): the text ends with the match that ends first.
         kept = llm.generate([prompt], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=stops,
                                                      include_stop_str_in_output=True))[0]
@@ -226,7 +228,7 @@ def test_a_stop_string_in_the_tail_flushed_at_the_end_stops_the_request(llm):
     free = llm.generate([prompt], SamplingParams(**kw))[0]
     assert free.text.endswith("\ufffd") and free.text.count("\ufffd") == 1, free.text  # (the case: the tail's)
     out = llm.generate([prompt], SamplingParams(**kw, stop=("\ufffd",)))[0]
-    assert out.finish_reason is FinishReason.STOP and out.text == free.text[:-1]
+    assert out.finish_reason is FinishReason.STOP and out.text == free.text[:-1] and out.stop_matched == "\ufffd"
     engine = llm.engine  # aborted with the tail held back, it stays aborted (found by a second read)
     engine.add_request(prompt, SamplingParams(**{**kw, "max_new_tokens": 8}, stop=("\ufffd",)), "cut")
     while len(engine.requests["cut"].output_token_ids) < 4:

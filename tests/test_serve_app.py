@@ -378,6 +378,11 @@ def test_stop_token_ids_end_an_openai_request(base_url, client):
                                         extra_body={"ignore_eos": False, "stop_token_ids": [ids[3]]})
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == ids.index(ids[3]) + 1
+    text = httpx.post(f"{base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    for stop, matched in (({"stop_token_ids": [ids[3]]}, ids[3]), ({"stop": ["zzz", text[5:7]]}, text[5:7])):
+        answer = httpx.post(f"{base_url}/generate", json={"text": "Stop here", "sampling_params": {  # SGLang's
+            "max_new_tokens": 12, "temperature": 0, "ignore_eos": True, **stop}}).json()["meta_info"]["finish_reason"]
+        assert answer == {"type": "stop", "matched": matched}, (answer, text)
 
 
 def test_logit_bias_and_min_tokens_over_http(client):

@@ -59,6 +59,9 @@ def test_a_chunk_before_the_last_has_no_finish_reason():
     assert running["finish_reason"] is None
     assert meta_info(Answered("r", [5, 6], 0, 2), 2, "length", 0)["finish_reason"] == {"type": "length", "length": 2}
     assert meta_info(Answered("r", [5, 6], 0, 2), 2, "stop", 0)["finish_reason"] == {"type": "stop"}
+    for matched in (151645, "\n\n"):  # (SGLang's: a stop token's id, EOS's too, or the stop string)
+        finish = meta_info(Answered("r", [5, 6], 0, 2), 2, "stop", 0, matched=matched)["finish_reason"]
+        assert finish == {"type": "stop", "matched": matched}
 
 
 def test_a_prompt_alone_answers_no_output():
