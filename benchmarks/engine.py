@@ -43,6 +43,9 @@ def measure(systems: list, workloads_by_repeat: list[Workload]) -> dict[str, lis
         for system in systems:
             try:
                 result = system.run(workload)
+                returned = sum(map(len, result.token_ids))
+                if returned != workload.num_output_tokens:  # (counted as asked, a run that stopped short gained)
+                    raise RuntimeError(f"returned {returned} of the {workload.num_output_tokens} tokens asked")
             except Exception as exc:  # a baseline that cannot run is a finding, not a crash
                 print(f"  {workload.name} repeat {repeat}: {system.name} FAILED: {type(exc).__name__}: {exc}")
                 runs[system.name].append(RunResult(float("nan"), [], {"error": f"{type(exc).__name__}: {exc}"}))

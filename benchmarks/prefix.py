@@ -28,13 +28,14 @@ import tempfile
 import time
 
 from benchmarks import report
-from benchmarks.arguments import positive_int, preset
+from benchmarks.arguments import int_between, positive_int, preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", type=preset, default="bench", help="built-in model preset (bench or tiny)")
     parser.add_argument("--conversations", type=positive_int, default=6)
-    parser.add_argument("--turns", type=positive_int, default=8)
+    parser.add_argument("--turns", type=int_between(2), default=8,  # (its figures are of turns 2 on)
+                        help="turns per conversation, at least 2")
     parser.add_argument("--first-tokens", type=positive_int, default=512,
                         help="tokens of each conversation's first prompt")
     parser.add_argument("--user-tokens", type=positive_int, default=32, help="new user tokens per later turn")

@@ -138,9 +138,10 @@ def analyse(spec: Scenario, records, workloads, slo) -> dict:
         goodputs[name] = {stat: goodput([(rate, by_rate[rate]["attainment_by_tbt_stat"][stat]) for rate in rates],
                                         slo.attainment).as_dict() for stat in TBT_STATS}
     base, contender = spec.baseline, spec.contender
-    met = [rate for rate in rates if runs[contender][rate]["attainment"] >= slo.attainment]
-    at_rate = max(met) if met else rates[0]
     stat = slo.tbt_stat
+    # The last rate the contender met the target at before its first miss (goodput's walk): the highest met
+    # anywhere, past a miss, put the ratios where the baseline was deep in overload
+    at_rate = goodputs[contender][stat]["last_met"] or rates[0]
     ratios = {
         "goodput": report.ratio(goodputs[contender][stat]["rate"], goodputs[base][stat]["rate"]),
         "at_rate": at_rate,

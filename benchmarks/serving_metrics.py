@@ -4,9 +4,10 @@ throughput, SLO attainment and goodput. Plain Python (no numpy).
 Definitions (times measured at the client, see `benchmarks/http_client.py`):
 - TTFT: from sending a request to its first output token (queueing, prefill, KV
   transfer and HTTP included). p50/p90/p99 over the requests that finished `ok`.
-- TBT (inter-token latency): every gap between consecutive output tokens of a
-  request; p50/p90/p99 over all gaps of all `ok` requests (so a long stall counts
-  once per request it stalled).
+- TBT (inter-token latency): every gap between consecutive events that brought
+  a request output tokens (one a token where each event brings one; an event of
+  several tokens is one gap, as vLLM's ITL counts it); p50/p90/p99 over all gaps
+  of all `ok` requests (so a long stall counts once per request it stalled).
 - A request's own TBT, the statistic its SLO is judged on (`tbt_stat`):
   `mean` = (last token time - first token time) / (n - 1), DistServe's TPOT (the
   default); `p90` = the 90th percentile of its gaps; `max` = its longest gap. A
@@ -18,7 +19,8 @@ Definitions (times measured at the client, see `benchmarks/http_client.py`):
 - Cached fraction: prompt tokens served from a prefix cache / prompt tokens, over
   `ok` requests.
 - Throughput: `ok` requests, and their output tokens, per second of makespan (from
-  the first send to the last end).
+  the first send to the last end of any request: a timeout or an error ends at
+  its end too, as the run's wall time does in vLLM's and SGLang's benchmarks).
 - Goodput at one load: requests that attained the SLO per second of the offered
   window (`window_s`; the benchmarks pass number of requests / offered rate).
 - Goodput (DistServe): the highest offered rate at which the attainment target is
@@ -61,7 +63,8 @@ def request_tbt_s(record: RequestRecord, stat: str = "mean") -> float | None:
     if not gaps:
         return None
     if stat == "mean":
-        return (record.token_times_s[-1] - record.token_times_s[0]) / len(gaps)
+        times = record.token_times_s
+        return (times[-1] - times[0]) / (len(times) - 1)
     if stat == "p90":
         return percentile(gaps, 90)
     if stat == "max":
@@ -90,9 +93,10 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, window_s: float) -> di
     ok = [r for r in records if r.status == "ok"]
     admitted = [r for r in records if r.status != "rejected"]
     gaps = [g for r in ok for g in r.gaps_s]
-    ends = [r.sent_s + r.e2e_s for r in ok]
+    ends = [r.ended_s if r.ended_s is not None else r.sent_s + r.e2e_s for r in records
+            if r.ended_s is not None or r.e2e_s is not None]
     sends = [r.sent_s for r in records if r.sent_s is not None]
-    makespan = (max(ends) - min(sends)) if ends else 0.0
+    makespan = (max(ends) - min(sends)) if ends and ok else 0.0
     num_attained = sum(attains(r, slo) for r in records)
     by_stat = {stat: attainment(records, slo, stat) for stat in TBT_STATS}
     return {

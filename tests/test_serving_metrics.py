@@ -114,3 +114,59 @@ def test_cdf_is_sorted_and_ends_at_one():
 def test_slo_rejects_unknown_tbt_stat():
     with pytest.raises(ValueError):
         Slo(1.0, 1.0, tbt_stat="median")
+
+
+def test_an_event_of_several_tokens_is_one_gap():
+    """Found by a review: its k tokens stamped alike made k - 1 zero gaps beside
+    one long one, and a request stalled 800 ms between 16-token events read as
+    0 ms at p90 (vLLM's ITL counts each event's gap once)."""
+    times = [0.5 + 0.8 * (i // 16) for i in range(64)]  # four events of 16 tokens, 0.8 s apart
+    r = RequestRecord(0, 16, 64, 0.0, sent_s=0.0, status="ok", ttft_s=0.5, e2e_s=times[-1], token_times_s=times)
+    assert r.gaps_s == pytest.approx([0.8] * 3)
+    assert request_tbt_s(r, "p90") == pytest.approx(0.8) and request_tbt_s(r, "max") == pytest.approx(0.8)
+    assert request_tbt_s(r, "mean") == pytest.approx(2.4 / 63)  # (per token, as DistServe's TPOT)
+    assert summarize([r], Slo(ttft_s=1.0, tbt_s=0.1), window_s=1.0)["tbt_s"]["p50"] == pytest.approx(0.8)
+
+
+def test_the_makespan_ends_with_the_last_request_whatever_its_status():
+    """Found by a review: it ended at the last `ok` request's end, so requests
+    timed out after it did not lengthen the run, and throughput read high."""
+    served = record(0.5, [0.1] * 9)
+    served.ended_s = served.sent_s + served.e2e_s
+    timed_out = RequestRecord(1, 16, 10, 0.0, sent_s=0.0, status="timeout", ended_s=300.0)
+    summary = summarize([served, timed_out], Slo(ttft_s=1.0, tbt_s=0.2), window_s=1.0)
+    assert summary["makespan_s"] == pytest.approx(300.0)
+    assert summary["throughput_tok_s"] == pytest.approx(10 / 300.0)
+
+
+def test_the_headline_ratios_are_taken_where_the_contender_last_met_the_target_before_a_miss():
+    """Found by a review: the highest rate it met the target at anywhere (0.3,
+    past a miss at 0.2) was taken, where the baseline was deep in overload."""
+    from types import SimpleNamespace
+
+    from benchmarks.serve import analyse
+
+    slo = Slo(ttft_s=1.0, tbt_s=0.2, attainment=0.9)
+    good, bad = record(0.5, [0.1]), record(0.5, [0.1], status="error")
+    made = {0.1: [good] * 5, 0.2: [good] * 3 + [bad] * 2, 0.3: [good] * 5}
+    records = {"base": {rate: [good] * 5 for rate in made}, "contender": made}
+    workloads = {rate: SimpleNamespace(requests=[None] * 5) for rate in made}
+    spec = SimpleNamespace(baseline="base", contender="contender")
+    assert analyse(spec, records, workloads, slo)["ratios"]["at_rate"] == 0.1
+
+
+def test_an_engine_run_that_returns_fewer_tokens_than_asked_is_a_failed_run():
+    """Found by a review: tokens per second counted the tokens asked for, and a
+    run that stopped short got full credit in the headline ratio."""
+    from types import SimpleNamespace
+
+    from benchmarks.engine import measure
+    from benchmarks.engine_systems import RunResult
+
+    workload = SimpleNamespace(name="w", num_output_tokens=8)
+    short = SimpleNamespace(name="short", run=lambda w: RunResult(1.0, [[1, 2, 3]]))
+    whole = SimpleNamespace(name="whole", run=lambda w: RunResult(2.0, [[1] * 8]))
+    runs = measure([short, whole], [workload])
+    assert runs["short"][0].elapsed_s != runs["short"][0].elapsed_s  # (nan: failed)
+    assert "returned 3 of the 8 tokens asked" in runs["short"][0].extra["error"]
+    assert runs["whole"][0].elapsed_s == 2.0
