@@ -61,7 +61,7 @@ class Completions:
         if body.stream:
             writers = [self._chat_deltas(body, reasoning) for _ in streams] if chat else None
             chunks = self._chunks(streams, request_id, created, chat, num_prompt, body.include_usage, echo, writers,
-                                  reasoning, n)
+                                  tuple(body.stop_token_ids or ()), reasoning, n)
             return stream_as(chunks) if stream_as is not None else fmt.sse_response(fmt.sse_stream(chunks))
         results = await self.collect_all(streams)
         if echo is not None:
@@ -84,8 +84,11 @@ class Completions:
         prompt_logprobs = None if body.prompt_logprobs is None else [
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
+        stop_ids = tuple(body.stop_token_ids or ())
+        stop_reasons = [fmt.stop_reason(reason, out.stop_matched, stop_ids) for reason, out in zip(reasons, results)]
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls,
-                                   [t.reasoning for t in thoughts] if reasoning else None, created=created)
+                                   [t.reasoning for t in thoughts] if reasoning else None, created=created,
+                                   stop_reasons=stop_reasons)
 
     def _chat_deltas(self, body: ChatBody, reasoning: Reasoning | None):
         """What writes a streamed chat choice's deltas where they are not its text
@@ -201,7 +204,7 @@ class Completions:
         return sum(num_reasoning_tokens(self.tokenizer, ids, reasoning.opened) for ids in answers)
 
     async def _chunks(self, streams, request_id, created: int, chat, num_prompt, include_usage, echo=None,
-                      writers=None, reasoning: Reasoning | None = None, n: int = 1):
+                      writers=None, stop_ids: tuple[int, ...] = (), reasoning: Reasoning | None = None, n: int = 1):
         """Every choice's events as they come, as chunk payloads (then "[DONE]"),
         each chunk naming its choice; `echo[k]` rewrites choice k's first event
         (see `_echoed`); `writers[k]`, where not None, writes choice k's deltas
@@ -245,7 +248,8 @@ class Completions:
                             logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
                             token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
                         yield fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
-                                                   first[index], index, delta, created=created)
+                                                   first[index], index, delta, created=created,
+                                                   stop_reason=fmt.stop_reason(reason, event.stop_matched, stop_ids))
                         first[index] = False
             except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
                 log.exception("request %s: its stream failed", request_id)

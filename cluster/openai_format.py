@@ -114,7 +114,7 @@ def prompt_logprobs(tokenizer, logprobs, num_top: int) -> list | None:
 
 def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: bool,
                     prompt_logprobs: list | None = None, tool_calls: list | None = None,
-                    reasoning: list | None = None, *, created: int) -> dict:
+                    reasoning: list | None = None, *, created: int, stop_reasons: list | None = None) -> dict:
     """A whole response; `choices`: (text, finish reason, logprobs) each, in index
     order; `prompt_logprobs`: each choice's (`prompt_logprobs`), where vLLM puts them:
     on each completion choice, once on a chat response (its choices share a prompt);
@@ -122,7 +122,8 @@ def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: b
     (cluster/tool_calls.py); a chat choice's text is its message's content (null
     beside calls, or the text around them); `reasoning`: each chat choice's
     `reasoning_content` where the server parses reasoning (cluster/reasoning.py);
-    `created`: when the request came (`created_now`), as on each of its chunks."""
+    `created`: when the request came (`created_now`), as on each of its chunks;
+    `stop_reasons`: each choice's vLLM `stop_reason` (`stop_reason`)."""
     if chat:
         calls = tool_calls or [None] * len(choices)
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
@@ -132,6 +133,8 @@ def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: b
                 "usage": usage_dict}
         for choice, thought in zip(body["choices"], reasoning or ()):
             choice["message"]["reasoning_content"] = thought
+        for choice, matched in zip(body["choices"], stop_reasons or ()):
+            choice["stop_reason"] = matched
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs[0]
         return body
@@ -141,6 +144,8 @@ def completion_body(request_id, model, choices: list[tuple], usage_dict, chat: b
             "usage": usage_dict}
     for choice, entries in zip(body["choices"], prompt_logprobs or ()):
         choice["prompt_logprobs"] = entries
+    for choice, matched in zip(body["choices"], stop_reasons or ()):
+        choice["stop_reason"] = matched
     return body
 
 
@@ -151,20 +156,35 @@ def _message(text: str | None, tool_calls: list | None) -> dict:
 
 
 def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: bool, first: bool = False,
-                     index: int = 0, delta: dict | None = None, *, created: int) -> dict:
+                     index: int = 0, delta: dict | None = None, *, created: int,
+                     stop_reason: int | str | None = None) -> dict:
     """One streamed event of a choice; `delta`: a chat delta's fields in place of
     {"content": text} (a tool call's, cluster/tool_calls.py); `created`: the
     request's, the same on every chunk (OpenAI's: "each chunk has the same
-    timestamp"; each read the clock, and a stream that crossed a second changed it)."""
+    timestamp"; each read the clock, and a stream that crossed a second changed it);
+    `stop_reason`: the last chunk's vLLM `stop_reason` (`stop_reason`)."""
     if chat:
         delta = {"content": text} if delta is None else dict(delta)
         if first:
             delta["role"] = "assistant"
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
         return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
     choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def stop_reason(finish_reason: str | None, matched: int | str | None, stop_token_ids) -> int | str | None:
+    """vLLM's `stop_reason` of a choice ended for "stop": the stop string, or the
+    id of the request's own stop token, that ended it; None for the model's end
+    token, and for any other end (`matched`: `TokenEvent.stop_matched`)."""
+    if finish_reason != "stop" or matched is None:
+        return None
+    return matched if isinstance(matched, str) or matched in stop_token_ids else None
 
 
 def created_now() -> int:

@@ -265,3 +265,13 @@ def test_a_content_length_of_other_digits_is_refused_not_a_500():
              "client": ("y", 1), "headers": [(b"content-type", b"application/json"), (b"content-length", "²".encode("latin-1"))]}
     asyncio.run(app(scope, receive, send))
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [413]
+
+
+def test_stop_reason_is_vllms():
+    """The stop string, or the request's own stop token, that ended a choice for
+    "stop"; None for the model's end token, and for any other end."""
+    from cluster.openai_format import stop_reason
+
+    assert stop_reason("stop", "\n\n", ()) == "\n\n" and stop_reason("stop", 7, (7, 9)) == 7
+    assert stop_reason("stop", 151645, (7,)) is None and stop_reason("length", "x", ()) is None
+    assert stop_reason("stop", None, ()) is None

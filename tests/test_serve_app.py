@@ -369,6 +369,12 @@ def test_stop_strings_can_stay_in_the_text(client):
                  for keep in (False, True))
     assert cut.choices[0].text == free[: free.find(stop)]
     assert kept.choices[0].text == free[: free.find(stop) + len(stop)]
+    assert cut.choices[0].stop_reason == stop  # (vLLM's: the stop string that ended it)
+    streamed = list(client.chat.completions.create(model="tandem-tiny-qwen2", messages=[
+        {"role": "user", "content": "Stop here"}], max_tokens=20, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}))
+    last = streamed[-1].choices[0]
+    assert last.finish_reason in ("stop", "length") and (last.stop_reason == stop) == (last.finish_reason == "stop")
 
 
 def test_stop_token_ids_end_an_openai_request(base_url, client):
@@ -376,7 +382,7 @@ def test_stop_token_ids_end_an_openai_request(base_url, client):
         "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
     stopped = client.completions.create(model="tandem-tiny-qwen2", prompt="Stop here", max_tokens=12, temperature=0,
                                         extra_body={"ignore_eos": False, "stop_token_ids": [ids[3]]})
-    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].stop_reason == ids[3]  # (vLLM's)
     assert stopped.usage.completion_tokens == ids.index(ids[3]) + 1
     text = httpx.post(f"{base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
     for stop, matched in (({"stop_token_ids": [ids[3]]}, ids[3]), ({"stop": ["zzz", text[5:7]]}, text[5:7])):
