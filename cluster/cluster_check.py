@@ -33,6 +33,8 @@ def check_cluster_config(path: str | Path) -> list[str]:
         return problems + ["available_node_types must be a mapping of node type names to their settings"]
     roles: dict[str, list[str]] = {}  # role: the node types labelled with it
     launchable: set[str] = set()  # roles some node type with it can be launched for
+    cap = raw.get("max_workers", RAY_DEFAULT_MAX_WORKERS)  # (all worker nodes: 0 launches none, whatever a type says)
+    any_worker = not isinstance(cap, int) or cap > 0
     for name, node_type in node_types.items():
         shape = _shape_problem(name, node_type)
         if shape is not None:
@@ -48,7 +50,7 @@ def check_cluster_config(path: str | Path) -> list[str]:
             continue
         if role:
             roles.setdefault(role, []).append(name)
-            if is_head or not isinstance(high, int) or high > 0:
+            if is_head or any_worker and (not isinstance(high, int) or high > 0):
                 launchable.add(role)
         for resource, amount in (node_type.get("resources") or {}).items():
             if not isinstance(amount, int):
@@ -59,8 +61,9 @@ def check_cluster_config(path: str | Path) -> list[str]:
         if role not in roles:
             problems.append(f"no node type labelled {ROLE_LABEL}: {role} (the {role} pool has nowhere to run)")
         elif role not in launchable:
+            why = "max_workers 0" if any_worker else "no worker node to run on (the cluster's max_workers is 0)"
             problems.append(f"the node types labelled {ROLE_LABEL}: {role} ({', '.join(roles[role])}) have "
-                            f"max_workers 0 and none is the head: the {role} pool has nowhere to run")
+                            f"{why} and none is the head: the {role} pool has nowhere to run")
     return list(dict.fromkeys(problems))  # (Ray's schema may say the same)
 
 

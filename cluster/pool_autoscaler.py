@@ -358,6 +358,12 @@ class PoolAutoscaler:
             self._ask_again_if_unreachable(member, track)
             self._note_profiled(member, track, now)
             if track.ready_s is not None:
+                # Its profile (a few prefills and decode steps) given as long after its first answer: one
+                # that never answered counted as serving, never routed to, never started again
+                if (track.profiled_s is None and not track.profiled.done()
+                        and now - track.ready_s > self.knobs.start_timeout_s):
+                    self.start_failed(member, f"its start-up profile did not answer within "
+                                              f"{self.knobs.start_timeout_s:.0f} s of its start")
                 continue
             error = track.ready.exception() if track.ready.done() else None
             if track.ready.done() and error is None:

@@ -60,8 +60,8 @@ def _pool_manager(args: argparse.Namespace) -> tuple[str, object]:
     logging.getLogger("ray").setLevel(logging.ERROR)
     try:
         ray.init(address=args.address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
-    except (ConnectionError, ValueError) as exc:
-        raise CliError(f"no Ray cluster at {args.address!r} ({str(exc).splitlines()[0]}): start one "
+    except (ConnectionError, ValueError, RuntimeError) as exc:  # (RuntimeError: `auto` found a head that is gone)
+        raise CliError(f"no Ray cluster at {args.address!r} ({(str(exc).splitlines() or [''])[0]}): start one "
                        "(ray start, ray up), or pass --address") from None
     names = sorted(_actor_names(NAMESPACE))
     name = args.pool_name

@@ -44,7 +44,15 @@ def test_a_role_only_on_node_types_that_are_never_launched_is_reported(tmp_path)
             raw["available_node_types"][name]["min_workers"] = 0
 
     problems = check_cluster_config(_variant(tmp_path, cluster_wide))
-    assert sum("have max_workers 0" in p for p in problems) == 2
+    assert sum("the cluster's max_workers is 0" in p for p in problems) == 2
+
+    def capped(raw):  # (found by a review: each type's own max_workers above 0 passed it, under a cap of 0)
+        raw["max_workers"] = 0
+        for name in ("prefill_gpu", "decode_gpu"):
+            raw["available_node_types"][name]["min_workers"] = 0
+
+    problems = check_cluster_config(_variant(tmp_path, capped))
+    assert sum("no worker node to run on (the cluster's max_workers is 0)" in p for p in problems) == 2
 
     def head_is_decode(raw):
         raw["available_node_types"]["head"]["labels"]["tandem/role"] = "decode"

@@ -146,3 +146,22 @@ def test_a_pool_manager_that_does_not_answer_or_is_gone_is_one_line(ray_local):
 
     with pytest.raises(CliError, match="pool manager 'p' failed the command: ValueError: no such worker"):
         _answer("p", Failing.remote().drain.remote())
+
+
+def test_auto_finding_a_head_that_is_gone_is_one_line(monkeypatch):
+    """Found by a review: `--address auto` (the default) resolved to a crashed
+    head's address, and Ray's RuntimeError ("Failed to connect to GCS") came out
+    as a traceback."""
+    import argparse
+
+    import ray
+
+    from cluster import pool_cli
+    from cluster.cli_error import CliError
+
+    def gone(**kwargs):
+        raise RuntimeError("Failed to connect to GCS. Please check `gcs_server.out` for more details.")
+
+    monkeypatch.setattr(ray, "init", gone)
+    with pytest.raises(CliError, match="no Ray cluster at 'auto' \\(Failed to connect to GCS"):
+        pool_cli._pool_manager(argparse.Namespace(address="auto", pool_name=None))

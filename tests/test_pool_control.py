@@ -574,3 +574,25 @@ def test_a_fixed_pool_shrunk_drains_a_worker_that_answered_during_the_step(pools
     listed = asyncio.run(run())
     assert "p2" in listed and not workers["p2"].killed
     assert sum(m.draining for m in manager.members.values() if m.role == "prefill") == 1
+
+
+def test_a_worker_whose_start_up_profile_never_answers_is_given_up(pools):
+    """Found by a review: `start_timeout_s` bounded a worker's first answer only;
+    one whose profile then hung counted as serving (the pool full at its size),
+    was never routed to (its profile never came) and never started again."""
+    make, workers = pools
+    manager, clock = make({"autoscaling": {"start_timeout_s": 60.0}})
+    (decode,) = [w for w in workers.values() if w.worker_id.startswith("d")]
+
+    async def run():
+        for worker in workers.values():
+            worker.ready.set_result(WorkerStartup(0.0, 0.0, 0.0))
+        workers["p0"].profiled.set_result("profiled")  # (d1's profile never answers)
+        for _ in range(40):  # 80 s
+            clock.now += 2
+            await manager.scaler.step()
+
+    asyncio.run(run())
+    events = _events(manager)
+    assert ("start_failed", decode.worker_id) in events and decode.killed
+    assert ("start_failed", "p0") not in events
