@@ -60,11 +60,13 @@ class CompileCache(Generic[Value]):
         if not mine:
             try:
                 return making.result()
-            except MakersOwn:
+            except MakersOwn:  # (out of `_making` before it was set: asked again, this thread makes it)
                 return self.get(key, make)
         try:
             value = make(key)
         except BaseException as exc:
+            with self._lock:  # (first: a waiter asking again found the failed one, and asked again, and again)
+                self._making.pop(key, None)
             making.set_exception(exc)
             raise
         else:

@@ -173,11 +173,12 @@ def parse_whole(pattern: str) -> tuple[list, bool]:
 
 def unanchored(pattern: str) -> str:
     """`pattern` without the `^` (`\\A`) and `$` (`\\Z`) that begin and end it or
-    each of its top-level alternatives (`^yes$|^no$`), an escaped `\\$` kept:
-    matched whole, the same language, and one that can be embedded in another
-    pattern (a JSON string's quotes, the reasoning before an answer), where an
-    anchor could not stand. (A text `removesuffix("$")` made `^[0-9]+\\$` a bad
-    escape.)"""
+    each of its top-level alternatives (`^yes$|^no$`), an escaped `\\$` kept, its
+    global flags (`(?s)`) left in front: matched whole, the same language, and
+    one that can be put after another pattern (the reasoning before an answer,
+    `split_flags`), where an anchor could not stand. (A text `removesuffix("$")`
+    made `^[0-9]+\\$` a bad escape.)"""
+    flags, pattern = split_flags(pattern)
     alternatives, start, depth, i = [], 0, 0, 0
     while i < len(pattern):
         char = pattern[i]
@@ -195,7 +196,18 @@ def unanchored(pattern: str) -> str:
             start = i + 1
         i += 1
     alternatives.append(pattern[start:])
-    return "|".join(_without_anchors(a) for a in alternatives)
+    return flags + "|".join(_without_anchors(a) for a in alternatives)
+
+
+_GLOBAL_FLAGS = re.compile(r"(?:\(\?[aiLmsux]+\))+")
+
+
+def split_flags(pattern: str) -> tuple[str, str]:
+    """(the global flags a pattern begins with, such as `(?s)`, the rest): a
+    pattern put after another has its flags go in front of both, where Python
+    takes them (they hold for the whole pattern either way)."""
+    flags = _GLOBAL_FLAGS.match(pattern)
+    return (flags.group(), pattern[flags.end():]) if flags else ("", pattern)
 
 
 def _without_anchors(alternative: str) -> str:

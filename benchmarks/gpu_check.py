@@ -298,7 +298,7 @@ def goals(steps: dict) -> dict | None:
     identical = "prompts" in graphs and graphs.get("identical_with_prefill_graphs") == graphs["prompts"]
     faster = captured and roofline["prefill_graphs_mfu"] > roofline["prefill_mfu"]
     # Met by the engine as it serves by default (prefill graphs off), or by prefill graphs that earned
-    # their default here (the higher of the two counted, whether the graphs gave the same tokens or not)
+    # their default here (before, the higher of the two counted, whether the graphs gave the same tokens or not)
     met_by = ("eager" if roofline["prefill_mfu"] >= GOALS["prefill_mfu"] else
               "prefill graphs" if faster and identical and roofline["prefill_graphs_mfu"] >= GOALS["prefill_mfu"]
               else None)

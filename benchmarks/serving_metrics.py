@@ -58,7 +58,8 @@ class Slo:
 
 
 def request_tbt_s(record: RequestRecord, stat: str = "mean") -> float | None:
-    """One request's TBT by `stat`; None for fewer than two tokens."""
+    """One request's TBT by `stat`; None for fewer than two events that brought
+    tokens (`RequestRecord.gaps_s`)."""
     gaps = record.gaps_s
     if not gaps:
         return None

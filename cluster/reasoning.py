@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from actors.regex_dfa import DEAD, START, compile_regex, unanchored
+from actors.regex_dfa import DEAD, START, compile_regex, split_flags, unanchored
 from cluster.answer_parts import TrimmedText, tag_start, text_without_regex
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -137,11 +137,12 @@ def held_regex(pattern: str, opened: bool = False, written: bool = False) -> str
     Its anchors (`^...$`, as most are written) go: after the reasoning they
     could not stand, and the pattern, refused so, is matched whole all the same."""
     block = f"{_REASONING}{re.escape(CLOSE)}\\s*"
+    flags, answer = split_flags(unanchored(pattern))  # (flags in front: `(?s)` mid-pattern is an error)
     if opened:
-        return f"{block}(?:{unanchored(pattern)})"
+        return f"{flags}{block}(?:{answer})"
     if written and compile_regex(pattern).walk(START, OPEN.encode()) != DEAD:
         return pattern
-    return f"(?:{re.escape(OPEN)}{block})?(?:{unanchored(pattern)})"
+    return f"{flags}(?:{re.escape(OPEN)}{block})?(?:{answer})"
 
 
 class ReasoningDeltas:

@@ -81,7 +81,7 @@ def test_a_pattern_holds_the_answer_after_the_reasoning():
     assert body.sampling(16, SamplingDefaults(), Reasoning(False)).regex == written
 
 
-@pytest.mark.parametrize("anchored", [r"^[0-9]+$", r"\A[0-9]+\Z", r"^[0-9]+$|^none$"])
+@pytest.mark.parametrize("anchored", [r"^[0-9]+$", r"\A[0-9]+\Z", r"^[0-9]+$|^none$", r"(?s)^[0-9]+$|^.none$"])
 @pytest.mark.parametrize("opened", [False, True])
 def test_a_clients_anchored_pattern_holds_the_answer_after_the_reasoning(anchored, opened):
     """Wrapped after the reasoning, `^...$` stood mid-pattern: a 400 for a pattern
