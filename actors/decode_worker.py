@@ -304,7 +304,9 @@ class DecodeWorker(WorkerBase):
             output = engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs,
                                      meta.num_cached_tokens)
         except Exception as exc:
-            engine.abort(meta.request_id)  # (the engine holds it from its reservation's end: this frees its blocks)
+            ended = engine.abort(meta.request_id)  # (the engine holds it from its reservation's end: frees its blocks)
+            if ended is not None:
+                self._wake_line_if_any_finished([ended])  # (the handshakes in line try again at once)
             if meta.request_id in self.streams:
                 self.streams.fail(meta.request_id, f"request {meta.request_id} could not start decoding on "
                                                    f"{self.worker_id}: {type(exc).__name__}: {exc}")

@@ -126,11 +126,12 @@ class TokenEvent(NamedTuple):
 
     A named tuple, not a frozen dataclass, because one is made per request per
     step on the engine thread (0.8 us against 2.5) and a worker's feed ships them
-    as plain tuples (`tuple(event)`, rebuilt with `TokenEvent._make`): Ray's
-    pickler calls back into Python for every object it does not know, so a list of
-    64 dataclasses took 230 us to pickle and a list of 64 tuples 20 us (one-off
+    as plain tuples (`tuple(event)`, rebuilt by position: a row from a worker of
+    an earlier version, a field short, takes the defaults): Ray's pickler calls
+    back into Python for every object it does not know, so a list of 64
+    dataclasses took 230 us to pickle and a list of 64 tuples 20 us (one-off
     probes), on the worker's event-loop thread, which shares the GIL with its
-    engine."""
+    engine. New fields go last, with defaults."""
 
     request_id: str
     token_ids: list[int]  # new tokens in this event

@@ -304,7 +304,7 @@ class PrefillWorker(WorkerBase):
 
         def send_all() -> list[float]:
             seconds = []
-            dst = reservation.block_ids
+            dst = reservation.block_ids[reservation.num_cached_blocks:]  # (D refuses a chunk onto blocks it holds)
             for index, start in enumerate(range(0, len(dst), blocks_per_chunk)):
                 ids = dst[start : start + blocks_per_chunk]
                 kv = runner.read_blocks(ids)

@@ -94,7 +94,7 @@ class TokenStreams:
 
     async def batches(self, subscription: str):
         """The subscription's events, a list each time there are some, as plain
-        tuples (`TokenEvent._make` rebuilds them), until the consumer cancels or
+        tuples (`TokenEvent(*row)` rebuilds them), until the consumer cancels or
         `end` is called; a request's stream is forgotten after its last event."""
         sub = self._subscription(subscription)
         while True:

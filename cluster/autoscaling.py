@@ -132,18 +132,18 @@ class ScalingPolicy:
         self.settled_s = before.settled_s
         self.shortfalls = dict(before.shortfalls)
 
-    def decide(self, obs: PoolObservation, now_s: float) -> Decision:
-        """What to do with the pool now. A step taken (UP, DOWN) settles it now
-        too: a worker ready, or a drain over, before the next control round was
-        never seen starting or draining, and the cooldown, counted from the step
-        before, let the next step come one round later (a drain of 5 s under a
-        10 s round: a scale-down every round where the cooldown asked 60 s)."""
-        decision = self._decide(obs, now_s)
-        if decision.action is not Action.HOLD:
-            self.settled_s = now_s
-        return decision
+    def stepped(self, now_s: float) -> None:
+        """A step this policy decided was carried out (a worker started, taken
+        back or draining): the pool settles from now too. A worker ready, or a
+        drain over, before the next control round was never seen starting or
+        draining, and the cooldown, counted from the step before, let the next
+        step come one round later (a drain of 5 s under a 10 s round: a
+        scale-down every round where the cooldown asked 60 s). A step decided and
+        not carried out (held by the restart backoff, no worker to drain) does
+        not: it held the next scale-up a cooldown past the backoff."""
+        self.settled_s = now_s
 
-    def _decide(self, obs: PoolObservation, now_s: float) -> Decision:
+    def decide(self, obs: PoolObservation, now_s: float) -> Decision:
         if obs.num_starting or obs.num_draining:
             self.settled_s = now_s
             recall = self._recall(obs, now_s) if obs.num_recallable and not obs.num_starting else None

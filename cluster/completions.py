@@ -84,8 +84,8 @@ class Completions:
         prompt_logprobs = None if body.prompt_logprobs is None else [
             fmt.prompt_logprobs(self.tokenizer, out.prompt_logprobs, body.prompt_logprobs)
             for out in (results[:1] if chat else results)]  # a chat's choices share their prompt
-        stop_ids = tuple(body.stop_token_ids or ())
-        stop_reasons = [fmt.stop_reason(reason, out.stop_matched, stop_ids) for reason, out in zip(reasons, results)]
+        stop_ids, eos = tuple(body.stop_token_ids or ()), self.service.eos_token_ids
+        stop_reasons = [fmt.stop_reason(out.finish_reason, out.stop_matched, stop_ids, eos) for out in results]
         return fmt.completion_body(request_id, self.model_name, choices, usage, chat, prompt_logprobs, calls,
                                    [t.reasoning for t in thoughts] if reasoning else None, created=created,
                                    stop_reasons=stop_reasons)
@@ -247,9 +247,10 @@ class Completions:
                         else:
                             logprobs = fmt.completion_logprobs(self.tokenizer, event.logprobs, token_chars[index])
                             token_chars[index] += sum(map(len, logprobs["tokens"])) if logprobs else 0
+                        matched = fmt.stop_reason(event.finish_reason if reason else None, event.stop_matched,
+                                                  stop_ids, self.service.eos_token_ids)
                         yield fmt.completion_chunk(request_id, self.model_name, event.text, reason, logprobs, chat,
-                                                   first[index], index, delta, created=created,
-                                                   stop_reason=fmt.stop_reason(reason, event.stop_matched, stop_ids))
+                                                   first[index], index, delta, created=created, stop_reason=matched)
                         first[index] = False
             except Exception as exc:  # noqa: BLE001 - said in the stream, logged here
                 log.exception("request %s: its stream failed", request_id)

@@ -178,13 +178,17 @@ def completion_chunk(request_id, model, text, finish_reason, logprobs, chat: boo
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def stop_reason(finish_reason: str | None, matched: int | str | None, stop_token_ids) -> int | str | None:
-    """vLLM's `stop_reason` of a choice ended for "stop": the stop string, or the
-    id of the request's own stop token, that ended it; None for the model's end
-    token, and for any other end (`matched`: `TokenEvent.stop_matched`)."""
+def stop_reason(finish_reason: str | None, matched: int | str | None, stop_token_ids,
+                eos_token_ids=()) -> int | str | None:
+    """vLLM's `stop_reason` of a choice the engine ended for "stop" (read as tool
+    calls after or not): the stop string, or the id of the request's own stop
+    token, that ended it; None for the model's end token (listed among the stop
+    tokens too), and for any other end (`matched`: `TokenEvent.stop_matched`)."""
     if finish_reason != "stop" or matched is None:
         return None
-    return matched if isinstance(matched, str) or matched in stop_token_ids else None
+    if isinstance(matched, str):
+        return matched
+    return matched if matched in stop_token_ids and matched not in eos_token_ids else None
 
 
 def created_now() -> int:

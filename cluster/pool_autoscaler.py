@@ -344,8 +344,8 @@ class PoolAutoscaler:
         decision = policy.decide(observation, now)
         if decision.action is Action.UP and not self._recallable(role) and self.restarts.held_s(role, now) > 0:
             return  # a run of start failures: the scale-up waits as a restart would (one taken back starts nothing)
-        if decision.action is not Action.HOLD:
-            await self._carry_out(role, decision)
+        if decision.action is not Action.HOLD and await self._carry_out(role, decision):
+            policy.stepped(now)
 
     def _members(self, role: str | None = None) -> list:
         return [m for m in self.manager.members.values() if role is None or m.role == role]
@@ -433,7 +433,8 @@ class PoolAutoscaler:
                              obs.kv_blocks_used / obs.kv_blocks_total if role == "decode" and obs.kv_blocks_total
                              else None)
 
-    async def _carry_out(self, role: str, decision: Decision) -> None:
+    async def _carry_out(self, role: str, decision: Decision) -> bool:
+        """A policy's step; whether it was taken (`ScalingPolicy.stepped`)."""
         self.metrics.decision(role, decision.action.value, decision.signal)
         if decision.action is Action.UP:
             self.record(role, "up", signal=decision.signal, reason=decision.reason)
@@ -443,13 +444,15 @@ class PoolAutoscaler:
                 self.manager.take_back(latest, f"scale up: {decision.reason}")
             else:
                 self.manager._start(role)
-            return
+            return True
         victim = self._least_loaded(role)
         if victim is None:
-            return
+            return False
         self.record(role, "down", victim, decision.signal, decision.reason)
         if await self.manager.drain(victim, f"scale down: {decision.reason}") == "draining":
             self.scaled_down.add(victim)
+            return True
+        return False
 
     async def _keep_size(self, role: str, obs: PoolObservation) -> None:
         """A fixed pool at its `replicas`: what is missing started (a worker no

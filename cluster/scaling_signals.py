@@ -267,7 +267,10 @@ class _Held:
                        for outcomes in self._lists()))
 
     def joined(self, later: _Held) -> _Held:
-        return _Held(*([*mine, *theirs][-MAX_SAMPLES_HELD:] for mine, theirs in zip(self._lists(), later._lists())))
+        """Both, the latest `MAX_SAMPLES_HELD` of each latency kind (the counts' times whole: 15,000
+        rejections put back were counted as 10,000)."""
+        return _Held([*self.ttft, *later.ttft][-MAX_SAMPLES_HELD:], [*self.tbt, *later.tbt][-MAX_SAMPLES_HELD:],
+                     *([*mine, *theirs] for mine, theirs in zip(self._lists()[2:], later._lists()[2:])))
 
     def _lists(self) -> tuple[list, ...]:
         return self.ttft, self.tbt, self.rejected_ttft, self.rejected_tbt, self.line_misses

@@ -79,7 +79,8 @@ def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cache
               logprobs: list | None = None, prompt_logprobs: list | None = None,
               matched: int | str | None = None) -> dict:
     if answered.prompt_only:
-        num_tokens, reason, logprobs = 0, reason and "length", None if logprobs is None else []
+        num_tokens, logprobs = 0, None if logprobs is None else []
+        reason = "length" if reason in ("stop", "length") else reason  # (its one token's end; an abort stays one)
     # SGLang's finish_reason: null until the request ends (clients test it for the last chunk); one ended for
     # its length says how long, one that stopped what matched (a stop token's id, EOS's too, or a stop string)
     finish = None if reason is None else {"type": reason}

@@ -119,7 +119,9 @@ class TokenFeed:
                 for row in await ref:  # a TokenEvent as a plain tuple
                     events = self._queues.get(row[0])  # its request id
                     if events is not None:
-                        events.queue.put_nowait(TokenEvent._make(row))
+                        # (by position, its defaults filling the fields a worker of an earlier version
+                        # does not send: `_make` refused a row one field short, and every event failed)
+                        events.queue.put_nowait(TokenEvent(*row))
             self.error = "the worker's feed ended"
         except ray.exceptions.ActorUnavailableError as exc:  # (not a death: cluster/actor_errors.py)
             self.error = f"the worker is unreachable for now ({type(exc).__name__})"

@@ -51,12 +51,21 @@ def test_a_step_done_within_one_round_starts_the_cooldown_all_the_same():
     was never seen in progress, and the cooldown counted from the step before:
     with 10 s rounds and 5 s drains, a scale-down every round (60 s asked);
     a worker that started fast, a scale-up every round (10 s asked)."""
+    def carried_out(policy, steps):  # (as the autoscaler does: each step decided is taken)
+        actions = []
+        for now, obs in steps:
+            actions.append(policy.decide(obs, now).action)
+            if actions[-1] is not Action.HOLD:
+                policy.stepped(now)
+        return actions
+
     idle = PoolObservation(num_serving=3, backlog_tokens=0)  # (the pool never seen draining: 3 each round)
-    assert run(prefill(), [(t, idle) for t in range(100, 170, 10)]) == [Action.DOWN] + [Action.HOLD] * 5 + [
+    assert carried_out(prefill(), [(t, idle) for t in range(100, 170, 10)]) == [Action.DOWN] + [Action.HOLD] * 5 + [
         Action.DOWN]
-    busy = prefill(scale_up_cooldown_s=30)
-    ups = run(busy, [(t, PoolObservation(num_serving=1, backlog_tokens=20000)) for t in range(100, 160, 10)])
+    busy = PoolObservation(num_serving=1, backlog_tokens=20000)
+    ups = carried_out(prefill(scale_up_cooldown_s=30), [(t, busy) for t in range(100, 160, 10)])
     assert ups == [Action.UP, Action.HOLD, Action.HOLD, Action.UP, Action.HOLD, Action.HOLD]
+    assert run(prefill(), [(t, idle) for t in range(100, 130, 10)]) == [Action.DOWN] * 3  # (decided, not taken)
 
 
 def test_pressure_while_a_scaled_down_worker_drains_takes_it_back_at_once():

@@ -275,3 +275,4 @@ def test_stop_reason_is_vllms():
     assert stop_reason("stop", "\n\n", ()) == "\n\n" and stop_reason("stop", 7, (7, 9)) == 7
     assert stop_reason("stop", 151645, (7,)) is None and stop_reason("length", "x", ()) is None
     assert stop_reason("stop", None, ()) is None
+    assert stop_reason("stop", 128009, (7, 128009), eos_token_ids=(128009,)) is None  # (EOS first, as vLLM's)

@@ -596,3 +596,28 @@ def test_a_worker_whose_start_up_profile_never_answers_is_given_up(pools):
     events = _events(manager)
     assert ("start_failed", decode.worker_id) in events and decode.killed
     assert ("start_failed", "p0") not in events
+
+
+def test_a_scale_up_the_restart_backoff_holds_does_not_start_the_cooldown_again(pools):
+    """Found by a review of the session's own change: each scale-up decided while
+    the backoff held it (not carried out) settled the pool, and the one that came
+    after the backoff's 20 s waited a 10 s cooldown more."""
+    make, workers = pools
+    manager, clock = make({"prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 4},
+                           "autoscaling": {"start_timeout_s": 10.0, "scale_up_cooldown_s": 10.0,
+                                           "restart_backoff_s": 20.0, "restart_backoff_max_s": 60.0}})
+    first = list(workers)
+    manager.scaler.signals.backlog_tokens = lambda serving, now: 10**9
+    ups = []
+
+    async def run():
+        for worker_id in first:
+            workers[worker_id].come_up()
+        for _ in range(60):
+            clock.now += 1
+            seen = len(manager.scaler.events)
+            await manager.scaler.step()
+            ups.extend(clock.now for e in list(manager.scaler.events)[seen:] if e.role == "prefill" and e.kind == "up")
+
+    asyncio.run(run())
+    assert ups[1] - ups[0] == 11 + 20, ups  # given up 11 s after its start, then the backoff's 20 s alone

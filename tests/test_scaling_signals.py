@@ -239,3 +239,14 @@ def test_outcomes_held_longer_than_the_window_are_not_reported_as_now():
     recorder.record_ttft(0.5)
     late = recorder.report([])
     assert late.ttft_s == (0.5,) and late.num_rejected_ttft == 0
+
+
+def test_counts_put_back_are_whole():
+    """Found by a review of the session's own change: the rejections' times were
+    bounded as the latencies are, and 15,000 put back were counted as 10,000."""
+    recorder = OutcomeRecorder("r1")
+    for _ in range(15_000):
+        recorder.rejected(ttft_missed=True, tbt_missed=False)
+    recorder.put_back(recorder.report([]))
+    recorder.rejected(ttft_missed=True, tbt_missed=False)
+    assert recorder.report([]).num_rejected_ttft == 15_001

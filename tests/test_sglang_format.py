@@ -71,6 +71,8 @@ def test_a_prompt_alone_answers_no_output():
     meta = meta_info(Answered("r", [5, 6], 0, 0, prompt_only=True), 1, "stop", 0, generated, prompt)
     assert meta["completion_tokens"] == 0 and meta["finish_reason"] == {"type": "length", "length": 0}
     assert meta["output_token_logprobs"] == [] and meta["input_token_logprobs"] == [[None, 5, None], [-3.0, 6, None]]
+    aborted = meta_info(Answered("r", [5, 6], 0, 0, prompt_only=True), 0, "abort", 0)  # (it stays an abort)
+    assert aborted["finish_reason"] == {"type": "abort"}
 
 
 def test_a_stream_that_fails_on_this_servers_side_ends_with_an_error_chunk_and_done():

@@ -316,3 +316,29 @@ def test_a_dead_worker_ends_every_request_waiting_on_its_feed(ray_local, tiny_qw
 
     results = asyncio.run(run())
     assert all(isinstance(r, WorkerDied) for r in results), results
+
+
+def test_a_row_from_a_worker_of_an_earlier_version_takes_the_new_fields_defaults():
+    """A worker started before a redeploy sends its events a field short (here
+    without `stop_matched`): rebuilt with `_make`, every event failed the feed."""
+    from cluster.token_feeds import TokenFeed
+
+    async def scenario():
+        feed = object.__new__(TokenFeed)
+        feed.error, feed._queues = None, {}
+        short = tuple(TokenEvent("r1", [5], "x", None, True, "stop", 0.0))[:-1]
+
+        async def answered():
+            return [short]
+
+        async def stream():
+            yield answered()
+
+        feed._stream = stream()
+        events = feed.expect("r1")
+        await feed._route()
+        return await events.__anext__(), feed.error
+
+    event, error = asyncio.run(scenario())
+    assert event.token_ids == [5] and event.finish_reason == "stop" and event.stop_matched is None
+    assert error == "the worker's feed ended"
