@@ -262,7 +262,8 @@ def test_a_content_length_of_other_digits_is_refused_not_a_500():
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/chat", "raw_path": b"/chat", "root_path": "", "query_string": b"", "server": ("x", 80),
-             "client": ("y", 1), "headers": [(b"content-type", b"application/json"), (b"content-length", "²".encode("latin-1"))]}
+             "client": ("y", 1),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", "²".encode("latin-1"))]}
     asyncio.run(app(scope, receive, send))
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [413]
 
