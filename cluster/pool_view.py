@@ -219,9 +219,12 @@ class PoolView:
     def replace_pool(self, pool) -> None:
         """A new pool manager replaced a dead one: its workers are new processes
         even where their ids repeat the old ones (p0, d1, ...), so nothing learned
-        about the old workers (cost models, prefix indexes, stats) carries over."""
+        about the old workers (cost models, prefix indexes, stats) carries over;
+        and this deployment's pools are given to it at the next refresh (a
+        replica of an earlier manifest may have made it, from its own)."""
         self.pool = pool
         self.ready = False
+        self.pools_applied = False
         for worker_id in set(self.members) | set(self.stats) | self.profiled:
             self._forget(worker_id)
         self.members = {}

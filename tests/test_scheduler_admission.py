@@ -300,10 +300,11 @@ def test_a_replaced_pool_manager_starts_the_scheduler_from_nothing():
     from cluster.pool_manager import Member
 
     scheduler = make_scheduler(ttft_ms=10_000)
-    scheduler.view.ready = True
+    scheduler.view.ready = scheduler.view.pools_applied = True
     new_pool = _NotingPool()
     scheduler.view.replace_pool(new_pool)
     assert scheduler.view.pool is new_pool and not scheduler.view.ready
+    assert not scheduler.view.pools_applied  # (this deployment's pools, given to the new one at the next refresh)
     assert not (scheduler.view.members or scheduler.view.stats or scheduler.view.prefix or scheduler.view.profiled)
     models = scheduler.view.models
     assert not models.prefill_model("p0").is_fitted and not models.decode_model("d0").is_fitted
