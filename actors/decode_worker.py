@@ -303,13 +303,11 @@ class DecodeWorker(WorkerBase):
         try:
             output = engine.activate(meta.request_id, first, meta.seed, meta.prompt_logprobs,
                                      meta.num_cached_tokens)
-        except Exception as exc:
-            ended = engine.abort(meta.request_id)  # (the engine holds it from its reservation's end: frees its blocks)
-            if ended is not None:
-                self._wake_line_if_any_finished([ended])  # (the handshakes in line try again at once)
-            if meta.request_id in self.streams:
-                self.streams.fail(meta.request_id, f"request {meta.request_id} could not start decoding on "
-                                                   f"{self.worker_id}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # (the engine holds it from its reservation's end: this frees its blocks)
+            reason = (f"request {meta.request_id} could not start decoding on {self.worker_id}: "
+                      f"{type(exc).__name__}: {exc}")
+            if self._end_failed_on_engine(engine, meta.request_id, reason):
+                self.aio.call_soon_threadsafe(self.handshakes.room_freed)  # (the line tries again at once)
             raise
         self.streams.publish([output])
         self._wake_line_if_any_finished([output])  # (done at its first token: one token asked, or a stop)

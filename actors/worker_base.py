@@ -294,14 +294,15 @@ class WorkerBase(StoreImports):
         Ending the stream after the call let a request start between the two and
         keep its blocks (decode) or run to its end (colocated) with nobody reading.
         Returns whether the engine held the request."""
-        def end(engine: Engine) -> bool:
-            self._release_aborted(request_id)
-            out = engine.abort(request_id) or engine.cancel_reservation(request_id)
-            if request_id in self.streams:
-                self.streams.fail(request_id, reason)
-            return bool(out)
+        return await self.call(lambda engine: self._end_failed_on_engine(engine, request_id, reason))
 
-        return await self.call(end)
+    def _end_failed_on_engine(self, engine: Engine, request_id: str, reason: str) -> bool:
+        """`_end_failed`'s work, on the engine thread."""
+        self._release_aborted(request_id)
+        out = engine.abort(request_id) or engine.cancel_reservation(request_id)
+        if request_id in self.streams:
+            self.streams.fail(request_id, reason)
+        return bool(out)
 
     async def abort_named(self, client_rid: str | None, asked_s: float | None = None) -> list[str]:
         """`/abort_request`, asked at `asked_s` (wall time): end the requests
