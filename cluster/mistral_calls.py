@@ -155,8 +155,7 @@ class HeldMistralStream(MistralStream):
     (were it read as a named call, its arguments would be unchecked), and so is
     a tag after text (the pattern's text could write it, unchecked calls)."""
 
-    def _text_now(self) -> list:
-        return self.text.pieces(self._take())
+    _text_now = WholeCallsStream._text_now
 
     def _begins(self, begun: str) -> str:
         return "calls" if begun.startswith("[") else "text" if begun else "start"
