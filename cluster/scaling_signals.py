@@ -263,17 +263,21 @@ class _Held:
     line_misses: list[float] = field(default_factory=list)
 
     def since(self, since_s: float) -> _Held:
-        return _Held(*([o for o in outcomes if (o[0] if isinstance(o, tuple) else o) >= since_s]
-                       for outcomes in self._lists()))
+        def timed(outcomes):
+            return [o for o in outcomes if o[0] >= since_s]
+
+        def times(recorded):
+            return [t for t in recorded if t >= since_s]
+
+        return _Held(timed(self.ttft), timed(self.tbt), times(self.rejected_ttft), times(self.rejected_tbt),
+                     times(self.line_misses))
 
     def joined(self, later: _Held) -> _Held:
         """Both, the latest `MAX_SAMPLES_HELD` of each latency kind (the counts' times whole: 15,000
         rejections put back were counted as 10,000)."""
         return _Held([*self.ttft, *later.ttft][-MAX_SAMPLES_HELD:], [*self.tbt, *later.tbt][-MAX_SAMPLES_HELD:],
-                     *([*mine, *theirs] for mine, theirs in zip(self._lists()[2:], later._lists()[2:])))
-
-    def _lists(self) -> tuple[list, ...]:
-        return self.ttft, self.tbt, self.rejected_ttft, self.rejected_tbt, self.line_misses
+                     self.rejected_ttft + later.rejected_ttft, self.rejected_tbt + later.rejected_tbt,
+                     self.line_misses + later.line_misses)
 
     @staticmethod
     def values(outcomes: list[tuple[float, float]]) -> tuple[float, ...]:
