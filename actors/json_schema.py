@@ -53,7 +53,8 @@ from actors.json_text import (COLON, COUNTED_CHAR, INTEGER, NESTED_FREE_DEPTH, N
                                free_json_regex, members_of, object_of)
 from actors.json_string_text import json_string_text
 from actors.json_values import KINDS, Shape, canonical, is_of_type, kinds_of_value, may_overlap
-from actors.regex_dfa import RegexError, compile_regex, unanchored
+from actors.regex_anchors import unanchored
+from actors.regex_dfa import RegexError, compile_regex
 
 # A schema's pattern, and each of its parts, is at most this long: longer ones pass the
 # automaton's bounds anyway (actors/regex_dfa.py: 40k characters of nested arrays did).

@@ -63,6 +63,7 @@ import numpy as np
 from actors.code_points import MAX_CODE_POINT, byte_set_sequences, complement, merged
 from actors.compile_cache import CompileCache, MakersOwn
 from actors.dfa_minimise import DEAD, START, minimised, prune_dead
+from actors.regex_anchors import unanchored
 from actors.sampling_params import InvalidRequestError
 
 try:
@@ -169,54 +170,6 @@ def parse_whole(pattern: str) -> tuple[list, bool]:
     if items[-1:] in ([(sre.AT, sre.AT_END)], [(sre.AT, sre.AT_END_STRING)]):
         items = items[:-1]
     return items, bool(flags & sre.SRE_FLAG_DOTALL)
-
-
-def unanchored(pattern: str) -> str:
-    """`pattern` without the `^` (`\\A`) and `$` (`\\Z`) that begin and end it or
-    each of its top-level alternatives (`^yes$|^no$`), an escaped `\\$` kept, its
-    global flags (`(?s)`) left in front: matched whole, the same language, and
-    one that can be put after another pattern (the reasoning before an answer,
-    `split_flags`), where an anchor could not stand. (A text `removesuffix("$")`
-    made `^[0-9]+\\$` a bad escape.)"""
-    flags, pattern = split_flags(pattern)
-    alternatives, start, depth, i = [], 0, 0, 0
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            i += 1  # the escaped character
-        elif char == "[":  # a class: to its closing bracket (one first, or after ^, is a member)
-            i += 2 if pattern[i + 1:i + 2] == "^" else 1
-            i += 1 if pattern[i:i + 1] == "]" else 0
-            while i < len(pattern) and pattern[i] != "]":
-                i += 2 if pattern[i] == "\\" else 1
-        elif char in "()":
-            depth += 1 if char == "(" else -1
-        elif char == "|" and depth == 0:
-            alternatives.append(pattern[start:i])
-            start = i + 1
-        i += 1
-    alternatives.append(pattern[start:])
-    return flags + "|".join(_without_anchors(a) for a in alternatives)
-
-
-_GLOBAL_FLAGS = re.compile(r"(?:\(\?[aiLmsux]+\))+")
-
-
-def split_flags(pattern: str) -> tuple[str, str]:
-    """(the global flags a pattern begins with, such as `(?s)`, the rest): a
-    pattern put after another has its flags go in front of both, where Python
-    takes them (they hold for the whole pattern either way)."""
-    flags = _GLOBAL_FLAGS.match(pattern)
-    return (flags.group(), pattern[flags.end():]) if flags else ("", pattern)
-
-
-def _without_anchors(alternative: str) -> str:
-    alternative = alternative[2:] if alternative.startswith("\\A") else alternative.removeprefix("^")
-    for anchor in ("$", "\\Z"):
-        before = alternative[:-len(anchor)]
-        if alternative.endswith(anchor) and (len(before) - len(before.rstrip("\\"))) % 2 == 0:
-            return before  # (an even run of backslashes before it: the anchor is not escaped)
-    return alternative
 
 
 def _compile(pattern: str) -> ByteDfa:

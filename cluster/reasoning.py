@@ -25,7 +25,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from actors.regex_dfa import DEAD, START, compile_regex, split_flags, unanchored
+from actors.regex_anchors import split_flags, unanchored
+from actors.regex_dfa import DEAD, START, compile_regex
 from cluster.answer_parts import TrimmedText, tag_start, text_without_regex
 
 OPEN, CLOSE = "<think>", "</think>"
