@@ -200,8 +200,7 @@ class GlobalScheduler:
                 # for a request the first could serve.
                 if per_d:
                     candidates.append(min(per_d, key=lambda c: (
-                        not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s > tbt_slo_s,
-                        c.tbt_s if c.tbt_s > tbt_slo_s else 0.0, c.line_wait_s,
+                        not c.meets(ttft_slo_s, tbt_slo_s), c.tbt_s if c.tbt_s > tbt_slo_s else 0.0, c.line_wait_s,
                         headroom[c.decode_id] < needed[c.decode_id], inflight.get(c.decode_id, 0),
                         -d_cached[c.decode_id], -headroom[c.decode_id], view.num_routed.get(c.decode_id, 0), c.tbt_s)))
         if not candidates:
