@@ -54,7 +54,7 @@ from cluster.pool_manager import get_or_create_pool
 from cluster.pool_settings import check_redeploy
 from cluster.pool_view import PoolView
 from cluster.prompt_limits import output_room, prompt_room
-from cluster.prompt_thread import BODY_BYTES, INLINE_BODY_BYTES, PromptThread, prompt_work_is_large
+from cluster.prompt_thread import PromptThread, prompt_work_is_large
 from cluster.reasoning import Reasoning
 from cluster.responses_body import ResponsesBody
 from cluster.responses_format import ResponseEvents
@@ -86,19 +86,20 @@ def _failure(exc: Exception) -> dict:
     return {"code": refused.kind, "message": str(refused)}
 
 
-async def _sampling(body, *args):
+async def _sampling(prompt_thread: PromptThread, body, *args):
     """A body's params. A pattern's automaton (structured output) is compiled on
     the way, up to about a second for the largest (once a pattern: cached), and
-    about two for all a request asks for (`request_work`); a large body's checks
-    (a logit_bias of 150k entries: 0.1 s a copy) take time too: in a thread then,
-    so the event loop goes on serving the other requests."""
+    about two for all a request asks for (`request_work`): in a thread then, so
+    the event loop goes on serving the other requests; a large body's checks (a
+    logit_bias of 150k entries: 0.1 s a copy) on the prompt thread, as its
+    prompt's work is (cluster/prompt_thread.py)."""
     def sampling():
         with request_work():
             return body.sampling(*args)
 
-    if body.asks_structure or BODY_BYTES.get() > INLINE_BODY_BYTES:
+    if body.asks_structure:
         return await asyncio.to_thread(sampling)
-    return sampling()
+    return await prompt_thread.run(sampling)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
@@ -267,7 +268,7 @@ class Scheduler:
         """One prompt, or SGLang's batch; request k is prompt k // n's choice k % n
         (see cluster/completions.py `start_choices`). meta_info's id is the prompt's rid (the client's,
         or one made up), with `-j` for choice j when n > 1."""
-        per_prompt = await _sampling(body, self.sampling_defaults)
+        per_prompt = await _sampling(self.prompt_thread, body, self.sampling_defaults)
         await self._require_ready()
         prompt_ids = await self.prompt_thread.run(
             lambda: [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)])
@@ -484,10 +485,10 @@ class Scheduler:
         400s for bad params or prompts past the limits, 503 while the pools start."""
         self._check_model(body.model)
         if chat:
-            params = await _sampling(body, self.settings.limits.max_new_tokens, self.sampling_defaults, reasoning,
-                                     self.tool_format)
+            params = await _sampling(self.prompt_thread, body, self.settings.limits.max_new_tokens,
+                                     self.sampling_defaults, reasoning, self.tool_format)
         else:
-            params = await _sampling(body, 16, self.sampling_defaults)
+            params = await _sampling(self.prompt_thread, body, 16, self.sampling_defaults)
         await self._require_ready()
         return params, await self.prompt_thread.run(
             lambda: [self.service.prepare(prompt, params, add_special_tokens=body.add_special_tokens,
