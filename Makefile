@@ -27,10 +27,10 @@ serve: kernels
 	$(BIN)/tandem check-manifest --local manifests/local.yaml
 	$(BIN)/serve run manifests/local.yaml
 
-# Two workers: the tests on a Ray cluster on one, one after another; each other file
-# on the other meanwhile (tests/conftest.py, pytest_collection_modifyitems).
+# Two workers: the tests on a Ray cluster on one, first and one after another; each other
+# file on the other meanwhile (tests/conftest.py, pytest_collection_modifyitems).
 test: kernels
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=30 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

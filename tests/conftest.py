@@ -74,7 +74,9 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # "local": a cluster of this process's own, never one another xdist worker started
+        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
     yield ray
     ray.shutdown()
 
@@ -161,17 +163,26 @@ def wait_idle(actor, within_s: float = 10.0):
 RAY_CLUSTER_FILES = {"test_autoscale_cluster.py", "test_multinode.py"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist
-    loadgroup`): the tests on a Ray cluster in one group, one after another on one
-    worker as they ran before (they share the session's cluster, and keep both
-    cores busy), and each other file a group of its own, on the other worker
-    meanwhile. Those run in one process (the tiny models, the parsers): one after
-    another, they left a core idle for about 300 s of the suite's 1480."""
+    loadgroup --no-loadscope-reorder`): the tests on a Ray cluster in one group,
+    one after another on one worker, on the session's cluster (they keep both
+    cores busy), and first; each other file a group of its own, on the other
+    worker meanwhile. Those run in one process (the tiny models, the parsers):
+    one after another, they left a core idle for about 300 s of the suite's 1480.
+
+    Runs before xdist's own hook (tryfirst), which writes each test's group into
+    its id. pytest 9.2's structured ids drop what it writes (pytest-xdist#1386,
+    so pyproject.toml keeps pytest below 9.2): with no groups, xdist sent the
+    tests out a few at a time, the Ray ones to both workers; each worker started
+    a cluster of its own and deployed a module's app again, and the suite took
+    1120 to 1640 s, not 950 to 1070 (docs/benchmarks.md, session 66)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
         item.add_marker(pytest.mark.xdist_group("ray" if _on_ray(item) else item.path.name))
+    items.sort(key=lambda item: not _on_ray(item))
 
 
 def _on_ray(item) -> bool:
@@ -179,12 +190,12 @@ def _on_ray(item) -> bool:
 
 
 def pytest_runtest_setup(item):
-    """The xdist worker that runs the files apart from the Ray group runs them at
-    the lowest CPU priority (nice 19, below Ray's workers at 15): on the core the
-    Ray tests leave idle, not in their way. At nice 0 it slowed them (the
-    autoscaling check 107 s against 90), and two of their time bounds ran out
-    (a handshake's 10 s, a client's 5 s). The worker given the Ray group runs it
-    first (loadgroup sends the largest group first), so it is never the one niced
-    while it runs Ray tests."""
+    """A test not on Ray runs at the lowest CPU priority under xdist (nice 19,
+    below Ray's workers at 15): on the cores the Ray tests leave idle, not in
+    their way. At nice 0 it slowed them (the autoscaling check 107 s against 90),
+    and two of their time bounds ran out (a handshake's 10 s, a client's 5 s).
+    A process cannot lower its niceness again, so the Ray group is scheduled
+    first (`pytest_collection_modifyitems`): the worker given it runs it before
+    any other file, never niced while it runs Ray tests."""
     if os.environ.get("PYTEST_XDIST_WORKER") and not _on_ray(item):
         os.nice(max(19 - os.nice(0), 0))
