@@ -176,8 +176,8 @@ def pytest_collection_modifyitems(config, items):
     its id. pytest 9.2's structured ids drop what it writes (pytest-xdist#1386,
     so pyproject.toml keeps pytest below 9.2): with no groups, xdist sent the
     tests out a few at a time, the Ray ones to both workers; each worker started
-    a cluster of its own and deployed a module's app again, and the suite took
-    1120 to 1640 s, not 950 to 1070 (docs/benchmarks.md, session 66)."""
+    a cluster of its own and deployed a module's app again (docs/benchmarks.md,
+    session 66)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
