@@ -74,7 +74,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        # "local": a cluster of this process's own, never one another xdist worker started
+        # "local": a cluster of this process's own, never one `ray start` recorded in /tmp/ray
         ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     yield ray
