@@ -207,7 +207,9 @@ def test_a_request_on_a_feed_its_worker_has_closed_is_a_lost_feed(ray_local, col
         feeds = TokenFeeds()
         feed = feeds.of(colocated)
         try:
-            await colocated.__ray_call__.remote(lambda worker, name: worker.streams.close(name), feed.subscription)
+            # Waited for without yielding to this loop, whose feed task would see the stream end
+            # (it did on a quiet machine): the request goes out on the feed this side holds open
+            ray.get(colocated.__ray_call__.remote(lambda worker, name: worker.streams.close(name), feed.subscription))
             assert feed.alive  # (nothing reached this side)
             with pytest.raises(FeedLost, match="is closed: its consumer went away"):
                 async for _ in colocated_events(feeds, colocated, GenerateRequest("closed-0", [5, 6, 7], params)):
