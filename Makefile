@@ -11,10 +11,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU path: pin torch so pip takes the CPU wheel instead of a multi-GB CUDA build.
-	# --no-compile: each module is compiled when first imported, not all of torch, ray and
-	# transformers up front (pip's compile step was 80 s of a 150 s install on two cores).
-	$(BIN)/python -m pip install -q --no-compile "torch==2.13.0"
-	$(BIN)/python -m pip install -q --no-compile -e ".[dev]"
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
