@@ -14,8 +14,9 @@ for the same kernel at once wait while one of them builds (`_build_lock`).
 When a kernel cannot be built (no compiler, no ninja, a build error), `load`
 returns None, says why once in the log, and the callers use the torch reference.
 
-A first build takes about 15 s of one core per kernel (the sources include ATen
-and pybind11, not `torch/extension.h`'s whole C++ API). `python -m
+A first build takes about 30 s of one core per kernel (the sources include ATen
+and pybind11, not `torch/extension.h`'s whole C++ API): 94 s of CPU, 53 s on two
+cores, for the three (docs/benchmarks.md, "Session 67"). `python -m
 kernels.cpu_build` builds all of them at once, in parallel; `make serve` and
 `make test` run it after installing, so no worker or test pays for it later.
 """
@@ -112,7 +113,7 @@ def build_all() -> dict[str, str | None]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    print(f"building the C++ CPU kernels ({', '.join(SOURCES)}); the first time takes about half a minute ...",
+    print(f"building the C++ CPU kernels ({', '.join(SOURCES)}); the first time takes about a minute ...",
           flush=True)
     started = time.perf_counter()
     failed = {name: why for name, why in build_all().items() if why}
