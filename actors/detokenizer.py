@@ -94,12 +94,11 @@ class ByteLevelTables:
         ids (a model's, where it has more rows than its tokenizer has tokens: ids
         past the tokenizer's decode to nothing, as in the backend's decode)."""
         from tokenizers.decoders import ByteLevel
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or type(backend.decoder) is not ByteLevel:
             return None
-        byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        byte_of = byte_of_char()
         special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
         with_special = []
         for token_id in range(max(vocab_size, backend.get_vocab_size(with_added_tokens=True))):
@@ -110,6 +109,15 @@ class ByteLevelTables:
                 with_special.append(token.encode())
         without_special = [b"" if i in special else data for i, data in enumerate(with_special)]
         return cls(with_special, without_special)
+
+
+def byte_of_char() -> dict[str, int]:
+    """The byte each character of a byte-level token stands for (GPT-2's alphabet):
+    a byte Latin-1 prints (not a space, not a control) as itself; the other 68, in
+    order, as U+0100 onward."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {chr(byte): byte for byte in printable} | {chr(0x100 + n): byte for n, byte in enumerate(others)}
 
 
 class IncrementalDetokenizer:

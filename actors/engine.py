@@ -71,7 +71,7 @@ from actors.speculation import Drafter, num_confirmed
 from actors.stop_strings import StopStrings
 from actors.store_bridge import StoreBridge
 from actors.structured_output import TokenIndexes
-from actors.tokenization import encode_prompt, load_tokenizer
+from actors.tokenization import encode_prompt, load_engine_tokenizer
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Engine:
                                                       else "no such checkpoint folder"))
         self.config = config or EngineConfig()
         self.model_config = ModelConfig.from_hf(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_engine_tokenizer(model_dir)  # (no transformers for a folder Tandem built)
         self.byte_level = ByteLevelTables.of(self.tokenizer, self.model_config.vocab_size)  # fast detokenizing
         self.token_indexes = TokenIndexes(None if self.byte_level is None else self.byte_level.without_special)
         self.runner = ModelRunner(self.model_config, self.config, model_dir)

@@ -20,6 +20,7 @@ text unparsed (tool calls and reasoning are split over HTTP: cluster/).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,17 +29,20 @@ from actors.engine import Engine
 from actors.request import RequestOutput
 from actors.sampling_defaults import SamplingDefaults
 from actors.sampling_params import SamplingParams
-from actors.tokenization import encode_prompt
+from actors.tokenization import encode_prompt, load_tokenizer
 
 
 class LLM:
     def __init__(self, model_dir: str | Path, **engine_args) -> None:
+        self.model_dir = model_dir
         self.engine = Engine(model_dir, EngineConfig(**engine_args))
         self.sampling_defaults = SamplingDefaults.load(model_dir)
 
-    @property
+    @functools.cached_property
     def tokenizer(self):
-        return self.engine.tokenizer
+        """transformers' tokenizer, the chat template's (the engine's own may be its
+        pipeline alone: `load_engine_tokenizer`)."""
+        return load_tokenizer(self.model_dir)
 
     def default_sampling_params(self, **fields) -> SamplingParams:
         """SamplingParams with the checkpoint's sampling defaults, `fields` on top

@@ -10,8 +10,16 @@ import random
 
 import pytest
 
-from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer
+from actors.detokenizer import ByteLevelTables, IncrementalDetokenizer, byte_of_char
 from actors.tokenization import load_tokenizer
+
+
+def test_the_byte_level_alphabet_is_gpt2s_as_transformers_writes_it():
+    """The tables' own alphabet (workers import no transformers), against the one
+    transformers converts tokenizers with."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    assert byte_of_char() == {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 @pytest.fixture(params=["bytes", "stream"])

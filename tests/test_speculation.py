@@ -25,6 +25,7 @@ from actors.sampling_params import SamplingParams
 from actors.scheduler import Scheduler
 from actors.speculation import EXPLORE_EVERY, Drafter, num_confirmed
 from actors.step_costs import MAX_AGE, WEIGHT, DecodeStepCosts
+from actors.tokenization import load_tokenizer
 from tests.test_engine_fuzz import _finish
 from tests.test_pd_engine_fuzz import _run_disaggregated, _same
 
@@ -172,7 +173,7 @@ def test_a_pattern_fixes_the_text_after_a_draft_as_after_a_sample(tiny_qwen2_dir
     draft that stood is the eighth, so does the speculating engine; the row
     sampled after it (an "a", biased so) is dropped, as a plain decode never
     samples there."""
-    tokenizer = Engine(tiny_qwen2_dir, CONFIG).tokenizer
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
     bias = {tokenizer.convert_tokens_to_ids("x"): 30.0, tokenizer.convert_tokens_to_ids("a"): 20.0}
     params = SamplingParams(max_new_tokens=40, temperature=0, regex="(x{1,8}ame )+", logit_bias=bias)
     (expected, plain), (got, speculating) = _plain_and_speculating(
@@ -213,9 +214,9 @@ def test_drafts_follow_the_text_jump_forward_wrote_in_its_chunk():
 
 
 def test_a_patterns_drafts_end_where_they_would_leave_it_or_it_fixes_the_text(tiny_qwen2_dir):
-    engine = Engine(tiny_qwen2_dir, SPECULATING)
-    chars = lambda text: [engine.tokenizer.convert_tokens_to_ids(c) for c in text]  # noqa: E731  (a token a byte)
-    eos = engine.tokenizer.eos_token_id
+    engine, tokenizer = Engine(tiny_qwen2_dir, SPECULATING), load_tokenizer(tiny_qwen2_dir)
+    chars = lambda text: [tokenizer.convert_tokens_to_ids(c) for c in text]  # noqa: E731  (a token a byte)
+    eos = tokenizer.eos_token_id
     constraint = engine.token_indexes.constraint("(ab|cd)+", [eos])
     output = chars("ab")
     assert constraint.num_useful_drafts(output, chars("cdab"), False) == 4
@@ -274,8 +275,7 @@ def test_text_a_pattern_fixes_after_a_draft_may_end_the_request_at_any_place_in_
     counted computed: on a block's last slot its publishing read the emptied
     block table, and the step failed (with every request of the worker). The
     prompt is padded so that the last draft lands on each slot of a block."""
-    engine = Engine(tiny_qwen2_dir, SPECULATING)
-    tokenizer = engine.tokenizer
+    engine, tokenizer = Engine(tiny_qwen2_dir, SPECULATING), load_tokenizer(tiny_qwen2_dir)
     bias = {tokenizer.convert_tokens_to_ids("x"): 30.0, tokenizer.convert_tokens_to_ids("a"): 20.0}
     base = tokenizer.encode("xxxxxxxxame " * 3, add_special_tokens=False)
     params = SamplingParams(max_new_tokens=40, temperature=0, regex="x{1,8}ame", logit_bias=bias)

@@ -1,18 +1,21 @@
 """A checkpoint folder's tokenizer (actors/tokenization.py): a folder Tandem built
 loads with transformers' generic class, to what AutoTokenizer gives, without
-importing transformers' model catalogue; any other folder goes through AutoTokenizer."""
+importing transformers' model catalogue, and for an engine with the `tokenizers`
+library alone, to the same ids and text; any other folder goes through AutoTokenizer."""
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 import sys
 
 from transformers import AutoTokenizer
 
+from actors.detokenizer import ByteLevelTables
 from actors.model_shapes import BUILD_STAMP
-from actors.tokenization import load_tokenizer
+from actors.tokenization import PipelineTokenizer, load_engine_tokenizer, load_tokenizer
 
 TEXTS = ["Hello, world", " a leading space", "ünïcödé 日本語 🙂 e\u0301", "<|im_start|>user\nhi<|im_end|>",
          "a\n\n\tb   c", "x" * 300, ""]
@@ -55,6 +58,36 @@ def test_a_built_folder_loads_without_transformers_model_catalogue(tiny_qwen2_di
     assert done.stdout.split()[-1] == "False"
 
 
+def test_an_engine_reads_a_built_folder_as_transformers_does_without_it(tiny_model_dir):
+    """The pipeline alone: the same ids for text, with and without the special
+    tokens, the same text for random ids (special ones among them), with and
+    without them, and the same detokenizing tables."""
+    ours, full = load_engine_tokenizer(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    assert isinstance(ours, PipelineTokenizer)
+    for text in TEXTS:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == full.encode(text, add_special_tokens=special)
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(full)) for _ in range(rng.randint(1, 30))]
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip), ids
+    assert ByteLevelTables.of(ours, len(full) + 8) == ByteLevelTables.of(full, len(full) + 8)
+
+
+def test_an_engine_on_a_built_folder_never_imports_transformers(tiny_qwen2_dir):
+    """About 1 s of CPU of every worker's start (actors/tokenization.py); a request
+    with stop strings, bad words and a pattern, which the engine encodes, too."""
+    probe = ("import sys; from actors.llm import LLM; from actors.sampling_params import SamplingParams; "
+             "llm = LLM(sys.argv[1], block_size=16); "
+             "llm.generate(['Hello', 'Hi'], [SamplingParams(max_new_tokens=8, stop=['zz'], bad_words=['the']), "
+             "SamplingParams(max_new_tokens=8, regex='(ab|cd)+')]); print('transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe, str(tiny_qwen2_dir)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
+
+
 def test_any_other_folder_goes_through_autotokenizer(tiny_qwen2_dir, tmp_path):
     """A stamp that names no builder is a build cut short, not Tandem's word on the
     tokenizer: AutoTokenizer picks Qwen2's own class for model_type qwen2."""
@@ -64,3 +97,4 @@ def test_any_other_folder_goes_through_autotokenizer(tiny_qwen2_dir, tmp_path):
     (tmp_path / BUILD_STAMP).unlink()
     assert type(load_tokenizer(tmp_path)).__name__ == "Qwen2Tokenizer"
     assert type(load_tokenizer(tiny_qwen2_dir)).__name__ != "Qwen2Tokenizer"  # (the generic class)
+    assert type(load_engine_tokenizer(tmp_path)).__name__ == "Qwen2Tokenizer"  # (an engine's too)
