@@ -11,8 +11,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoTokenizer
 
+from actors.config import CheckpointError
 from actors.detokenizer import ByteLevelTables
 from actors.model_shapes import BUILD_STAMP
 from actors.tokenization import PipelineTokenizer, load_engine_tokenizer, load_tokenizer
@@ -86,6 +88,13 @@ def test_an_engine_on_a_built_folder_never_imports_transformers(tiny_qwen2_dir):
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "False"
+
+
+def test_a_built_folders_unreadable_tokenizer_is_a_checkpoint_error_for_an_engine(tiny_qwen2_dir, tmp_path):
+    shutil.copytree(tiny_qwen2_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(CheckpointError, match="cannot load tokenizer"):
+        load_engine_tokenizer(tmp_path)
 
 
 def test_any_other_folder_goes_through_autotokenizer(tiny_qwen2_dir, tmp_path):
