@@ -46,7 +46,7 @@ def _tokenizer_class(model_dir: Path):
     torch: about 1.3 s of every scheduler replica's start here (and of a worker's,
     on a folder Tandem did not build: `load_engine_tokenizer`). Any other folder
     goes through AutoTokenizer, which may pick a model's own class."""
-    if _built_here(model_dir) and (model_dir / "tokenizer.json").is_file():  # (without it: AutoTokenizer's say)
+    if _holds_whole_pipeline(model_dir):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast
@@ -55,12 +55,14 @@ def _tokenizer_class(model_dir: Path):
     return AutoTokenizer
 
 
-def _built_here(model_dir: Path) -> bool:
-    """Tandem's builder wrote the folder, to the end (its stamp names the builder)."""
+def _holds_whole_pipeline(model_dir: Path) -> bool:
+    """Tandem's builder wrote the folder, to the end (its stamp names the builder),
+    and its tokenizer.json is there (without it: AutoTokenizer's say)."""
     try:
-        return "builder" in json.loads((model_dir / BUILD_STAMP).read_text())
+        built_here = "builder" in json.loads((model_dir / BUILD_STAMP).read_text())
     except (OSError, ValueError, TypeError):
         return False
+    return built_here and (model_dir / "tokenizer.json").is_file()
 
 
 def load_engine_tokenizer(model_dir: str | Path):
@@ -71,7 +73,7 @@ def load_engine_tokenizer(model_dir: str | Path):
     any other folder through transformers (`load_tokenizer`), whose class may change
     the pipeline it reads."""
     model_dir = Path(model_dir)
-    if not _built_here(model_dir) or not (model_dir / "tokenizer.json").is_file():
+    if not _holds_whole_pipeline(model_dir):
         return load_tokenizer(model_dir)
     from tokenizers import Tokenizer
 
