@@ -65,7 +65,7 @@ class Answered:
 
     rid: str
     prompt_ids: list[int]
-    logprob_start_len: int  # -1: not the prompt's logprobs
+    logprob_start_len: int  # -1: the prompt's last token alone, whose entry has no logprob (SGLang's default)
     top_logprobs_num: int
     token_text: Callable[[int], str] | None = None  # return_text_in_logprobs: a token id's text, else None
     prompt_only: bool = False  # max_new_tokens 0: the one token generated is dropped (`GenerateBody.prompts_only`)
@@ -105,6 +105,11 @@ def meta_info(answered: Answered, num_tokens: int, reason: str | None, num_cache
                                         for i, lp in enumerate(wanted)]
         if top:
             meta["input_top_logprobs"] = [[entry(v, t) for t, v in lp.top[:top]] if lp else None for lp in wanted]
+    elif logprobs is not None:  # logprob_start_len -1: SGLang starts at the prompt's last token, padded None
+        # (its frontend's `select` reads them for its unconditional scores: a KeyError where they were left out)
+        meta["input_token_logprobs"] = [entry(None, answered.prompt_ids[-1])]
+        if top:
+            meta["input_top_logprobs"] = [None]
     return meta
 
 

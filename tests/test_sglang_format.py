@@ -52,6 +52,20 @@ def test_logprob_entries_are_sglangs_triples_with_text_when_asked():
     assert named["input_token_logprobs"] == [[None, 6, "<6>"]] and named["input_top_logprobs"] == [None]
 
 
+def test_the_default_logprob_start_len_gives_the_prompts_last_token_padded():
+    """-1, SGLang's default, starts at the prompt's last token (its entry None):
+    the keys were left out, and SGLang's frontend `select`, which sends
+    `return_logprob` alone for its unconditional scores, read a missing key."""
+    generated = [TokenLogprob(7, -0.5, top=[(7, -0.5)])]
+    plain = meta_info(Answered("r", [5, 6], -1, 0), 1, "length", 0, generated)
+    assert plain["input_token_logprobs"] == [[None, 6, None]] and "input_top_logprobs" not in plain
+    top = meta_info(Answered("r", [5, 6], -1, 1, token_text=lambda t: f"<{t}>"), 1, "length", 0, generated)
+    assert top["input_token_logprobs"] == [[None, 6, "<6>"]] and top["input_top_logprobs"] == [None]
+    scored = meta_info(Answered("r", [5, 6], -1, 0, prompt_only=True), 1, "stop", 0, generated)
+    assert scored["output_token_logprobs"] == [] and scored["input_token_logprobs"] == [[None, 6, None]]
+    assert "input_token_logprobs" not in meta_info(Answered("r", [5, 6], -1, 0), 1, "length", 0)  # (none asked)
+
+
 def test_a_chunk_before_the_last_has_no_finish_reason():
     """SGLang's meta_info.finish_reason is null until the request ends (clients
     test it for the last chunk); `{"type": null}` read as an end at the first."""
