@@ -268,7 +268,8 @@ class Scheduler:
         """One prompt, or SGLang's batch; request k is prompt k // n's choice k % n
         (see cluster/completions.py `start_choices`). meta_info's id is the prompt's rid (the client's,
         or one made up), with `-j` for choice j when n > 1."""
-        per_prompt = await _sampling(self.prompt_thread, body, self.sampling_defaults)
+        per_prompt = await _sampling(self.prompt_thread, body, self.settings.limits.max_new_tokens,
+                                     self.sampling_defaults)
         await self._require_ready()
         prompt_ids = await self.prompt_thread.run(
             lambda: [self.service.prepare(p, params) for p, params in zip(body.prompts(), per_prompt)])

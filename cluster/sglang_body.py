@@ -26,7 +26,9 @@ class SglangSamplingParams(RequestBody):
         "stop_regex": (None, []), "custom_params": (None,), "stream_interval": (None, 1),
     }
 
-    max_new_tokens: int = Field(128, ge=0)  # 0: the prompt alone (its logprobs), as SGLang's frontend asks
+    # 0: the prompt alone (its logprobs), as SGLang's frontend asks; null: as many as SGLang gives, up to the
+    # context, here also up to the limits (it was the 128 of an omitted one)
+    max_new_tokens: int | None = Field(128, ge=0)
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own request (see cluster/app.py)
     temperature: float | None = None  # None: the model's default
     top_p: float | None = None
@@ -187,14 +189,16 @@ class GenerateBody(RequestBody):
         return self.regex is not None or self.json_schema is not None or any(
             p.regex is not None or p.json_schema is not None for p in self._sampling_params())
 
-    def sampling(self, defaults: SamplingDefaults) -> list[SamplingParams]:
+    def sampling(self, unbounded_max: int, defaults: SamplingDefaults) -> list[SamplingParams]:
         """Each prompt's params: its `sampling_params`, the body's own fields over
         them; one made for prompts that share them (a batch of 64 made each anew,
-        a 150k-entry logit_bias checked 64 times: 7.8 s)."""
+        a 150k-entry logit_bias checked 64 times: 7.8 s). `unbounded_max`: the
+        output length of a `max_new_tokens: null`, held to the room its prompt
+        leaves as an omitted one is (cluster/prompt_limits.py)."""
         bases, made = self._sampling_params(), {}
         for base in bases:
             if id(base) not in made:
-                made[id(base)] = self._params(base, defaults)
+                made[id(base)] = self._params(base, unbounded_max, defaults)
         return [made[id(base)] for base in bases]
 
     def prompts_only(self) -> list[bool]:
@@ -207,13 +211,14 @@ class GenerateBody(RequestBody):
         top_level = {name: getattr(self, name) for name in FLAT_SAMPLING_FIELDS}
         return base.model_copy(update={k: v for k, v in top_level.items() if v is not None})
 
-    def _params(self, base: SglangSamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+    def _params(self, base: SglangSamplingParams, unbounded_max: int, defaults: SamplingDefaults) -> SamplingParams:
         merged = self._merged(base)
+        unbounded = merged.max_new_tokens is None
         model = defaults.fill(temperature=merged.temperature, top_p=merged.top_p, top_k=merged.top_k,
                               min_p=merged.min_p, repetition_penalty=merged.repetition_penalty)
         return SamplingParams(
-            max_new_tokens=merged.max_new_tokens or 1,  # (0: one, dropped: `prompts_only`)
-            max_new_tokens_is_default="max_new_tokens" not in merged.model_fields_set,
+            max_new_tokens=unbounded_max if unbounded else merged.max_new_tokens or 1,  # (0: one, dropped)
+            max_new_tokens_is_default=unbounded or "max_new_tokens" not in merged.model_fields_set,
             temperature=model["temperature"],
             top_p=model["top_p"],
             top_k=max(model["top_k"], 0),

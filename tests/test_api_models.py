@@ -75,7 +75,7 @@ def test_the_seeds_flat_body_takes_every_sampling_field():
     body = GenerateBody(text="x", max_new_tokens=3, ignore_eos=True, stop_token_ids=[5], min_new_tokens=2,
                         logit_bias={"7": 1.5}, no_stop_trim=True, skip_special_tokens=False,
                         sampling_params={"max_new_tokens": 3, "stop": ["y"], "seed": 4})
-    (params,) = body.sampling(SamplingDefaults())
+    (params,) = body.sampling(16, SamplingDefaults())
     assert (params.max_new_tokens, params.ignore_eos) == (3, True)
     assert (params.stop_token_ids, params.min_new_tokens) == ((5,), 2)
     assert params.logit_bias == ((7, 1.5),) and params.include_stop_str_in_output and not params.skip_special_tokens
@@ -274,10 +274,10 @@ def test_a_copy_with_another_seed_or_length_is_the_params_checked_whole():
 
 def test_a_batch_sharing_its_sampling_params_makes_them_once():
     body = GenerateBody.model_validate({"text": ["a"] * 8, "sampling_params": {"logit_bias": {"5": 1.0}}})
-    made = body.sampling(SamplingDefaults())
+    made = body.sampling(16, SamplingDefaults())
     assert len(made) == 8 and all(params is made[0] for params in made)
     apart = GenerateBody.model_validate({"text": ["a", "b"], "sampling_params": [{"seed": 1}, {"seed": 2}]})
-    assert [params.seed for params in apart.sampling(SamplingDefaults())] == [1, 2]
+    assert [params.seed for params in apart.sampling(16, SamplingDefaults())] == [1, 2]
 
 
 @pytest.mark.parametrize("key", ["1_0", " 5", "+7", "5.0", "x", ""])
@@ -353,13 +353,33 @@ def test_generate_refuses_two_seeds(body):
     with pytest.raises(pydantic.ValidationError, match="seed and sampling_seed name one seed"):
         GenerateBody.model_validate({"text": "a", **body})
     same = GenerateBody.model_validate({"text": "a", "sampling_params": {"seed": 3, "sampling_seed": 3}})
-    assert same.sampling(SamplingDefaults())[0].seed == 3
+    assert same.sampling(16, SamplingDefaults())[0].seed == 3
 
 
 def test_generate_takes_max_new_tokens_0_as_the_prompt_alone():
     body = GenerateBody.model_validate({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 0}, {}]})
     assert body.prompts_only() == [True, False]
-    assert [p.max_new_tokens for p in body.sampling(SamplingDefaults())] == [1, 128]
+    assert [p.max_new_tokens for p in body.sampling(16, SamplingDefaults())] == [1, 128]
+
+
+def test_generate_takes_a_null_max_new_tokens_as_up_to_the_context_within_the_limits():
+    """SGLang serves `max_new_tokens: null` up to the context; it was SGLang's
+    default of 128, as an omitted one is. Held, as an omitted one is, to the room
+    the prompt leaves."""
+    from cluster.config import LimitSettings
+    from cluster.prompt_limits import fitted_output
+
+    body = GenerateBody.model_validate({"text": ["a", "b", "c"], "sampling_params": [
+        {"max_new_tokens": None}, {}, {"max_new_tokens": 300}]})
+    unbounded, omitted, asked = body.sampling(500, SamplingDefaults())
+    assert (unbounded.max_new_tokens, unbounded.max_new_tokens_is_default) == (500, True)
+    assert (omitted.max_new_tokens, omitted.max_new_tokens_is_default) == (128, True)
+    assert (asked.max_new_tokens, asked.max_new_tokens_is_default) == (300, False)
+    limits = LimitSettings(max_new_tokens=500)
+    assert fitted_output(limits, 2048, 1700, unbounded).max_new_tokens == 348  # the context's room
+    assert fitted_output(limits, 2048, 10, unbounded).max_new_tokens == 500  # the limit
+    flat = GenerateBody.model_validate({"text": "a", "max_new_tokens": None})  # (beside the prompt: not given)
+    assert flat.sampling(500, SamplingDefaults())[0].max_new_tokens == 128
 
 
 def test_completions_refuse_token_ids_for_token_texts_as_chat_does():

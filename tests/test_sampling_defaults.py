@@ -83,8 +83,8 @@ def sampled(params: SamplingParams) -> tuple:
 @pytest.mark.parametrize("make", [
     lambda **f: ChatBody(messages=[{"role": "user", "content": "hi"}], **f).sampling(16, MODEL),
     lambda **f: CompletionBody(prompt="hi", **f).sampling(16, MODEL),
-    lambda **f: GenerateBody(text="hi", **f).sampling(MODEL)[0],
-    lambda **f: GenerateBody(text="hi", sampling_params=f).sampling(MODEL)[0],
+    lambda **f: GenerateBody(text="hi", **f).sampling(16, MODEL)[0],
+    lambda **f: GenerateBody(text="hi", sampling_params=f).sampling(16, MODEL)[0],
 ], ids=["chat", "completions", "generate", "generate-sampling_params"])
 def test_an_omitted_field_takes_the_models_default_and_a_set_one_wins(make):
     assert sampled(make()) == (0.7, 0.8, 20, 0.0, 1.05)
@@ -98,12 +98,12 @@ def test_a_models_min_p_fills_an_omitted_min_p():
     messages = [{"role": "user", "content": "hi"}]
     assert sampled(ChatBody(messages=messages).sampling(16, MODEL_MIN_P)) == (0.6, 0.95, 20, 0.05, 1.0)
     assert ChatBody(messages=messages, min_p=0).sampling(16, MODEL_MIN_P).min_p == 0
-    assert GenerateBody(text="hi", min_p=0.2).sampling(MODEL_MIN_P)[0].min_p == 0.2
+    assert GenerateBody(text="hi", min_p=0.2).sampling(16, MODEL_MIN_P)[0].min_p == 0.2
 
 
 def test_sglangs_top_k_minus_one_turns_the_models_top_k_off():
-    assert GenerateBody(text="hi", sampling_params={"top_k": -1}).sampling(MODEL)[0].top_k == 0
-    assert GenerateBody(text="hi", top_k=-1).sampling(MODEL)[0].top_k == 0
+    assert GenerateBody(text="hi", sampling_params={"top_k": -1}).sampling(16, MODEL)[0].top_k == 0
+    assert GenerateBody(text="hi", top_k=-1).sampling(16, MODEL)[0].top_k == 0
 
 
 # ---- served, and offline -------------------------------------------------------------------

@@ -31,7 +31,8 @@ def test_the_mix_is_seeded_and_valid_for_the_api():
         body = models[request.endpoint.path].model_validate(request.body)
         assert body.stream == request.endpoint.is_stream
         openai = SamplingDefaults()
-        params = body.sampling(openai)[0] if isinstance(body, GenerateBody) else body.sampling(16, openai)
+        params = body.sampling(16, openai)
+        params = params[0] if isinstance(body, GenerateBody) else params
         assert params.max_new_tokens == request.max_new_tokens and params.stop == request.stop
         assert len(request.stop) <= 8  # manifests/local.yaml: max_stop_sequences
         assert (request.num_prompt_tokens or 0) <= 1024
