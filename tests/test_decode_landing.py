@@ -144,3 +144,45 @@ def test_a_borrower_parked_on_a_lenders_blocks_starts_once_they_are_written(tiny
         assert "L" not in decoding
     else:
         assert isinstance(outcome, float) and firsts["L"].error is None
+
+
+def test_borrowers_parked_on_a_lenders_blocks_start_together_when_its_chunk_lands(tiny_qwen2_dir):
+    """Eight requests parked on the lender's blocks started one engine call, so
+    one engine step, each: the lender's last chunk, whose answer P's sender waits
+    for before the pair's next chunk, was answered 9 steps after it landed (1 with
+    none parked). With requests decoding, so that the engine steps between calls:
+    started in one call, the borrowers decode in step, each as many tokens in."""
+    shared = list(range(3, 67))
+    long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        worker = DecodeWorker("d0", tiny_qwen2_dir, EngineConfig(block_size=16, num_kv_blocks=256,
+                                                                 prefill_chunk_size=48))
+        feed = worker.feed("feed")
+        await worker.open_channel("pd", "object_store")
+        drained = asyncio.ensure_future(_drain(feed))
+        for k in range(4):
+            await _send_all(worker, await worker.reserve(GenerateRequest(f"run{k}", list(range(500 + k, 540 + k)),
+                                                                         long), "feed", None))
+        lender = await worker.reserve(GenerateRequest("L", shared + [900], long), "feed", None)
+        for i in range(8):
+            prompt = shared + list(range(1000 + 10 * i, 1005 + 10 * i))
+            await _send_all(worker, await worker.reserve(GenerateRequest(f"B{i}", prompt, long), "feed", None))
+        parked = set(worker._parked)
+        before = worker.engine.num_steps
+        await _send_all(worker, lender)
+        steps = worker.engine.num_steps - before
+        drained.cancel()
+        worker.loop.stop()
+        requests = worker.engine.requests
+        return parked, steps, {len(requests[f"B{i}"].output_token_ids) for i in range(8)}, set(worker._parked)
+
+    parked, steps, num_generated, still_parked = asyncio.run(scenario())
+    assert parked == {f"B{i}" for i in range(8)} and still_parked == set()
+    assert len(num_generated) == 1, num_generated  # (one apart at each step before: 8 counts)
+    assert steps < 8, steps  # (2 here, 9 before)
+
+
+async def _drain(feed) -> None:
+    async for _ in feed:
+        pass
