@@ -395,13 +395,17 @@ class DecodeWorker(WorkerBase):
         self._ensure_started()
         return await self._drop_pending(request_id, reason)
 
-    async def _drop_pending(self, request_id: str, reason: str) -> bool:
+    async def _drop_pending(self, request_id: str, reason: str, unheard_since: float | None = None) -> bool:
         """Drop a request still waiting for its KV; whether it was. Checked as the
         drop is queued on the engine thread, with no await between: a request its
         last chunk activated since an earlier look is decoding, and is left alone;
-        one whose last chunk comes after finds its reservation gone."""
+        one whose last chunk comes after finds its reservation gone. With
+        `unheard_since` (monotonic), only if nothing came for it since: a chunk
+        that landed while the watchdog dropped the expired ones before it (an
+        await each) made it live again."""
         with self._pending_lock:
-            waiting = request_id in self._pending
+            pending = self._pending.get(request_id)
+            waiting = pending is not None and (unheard_since is None or pending.heard_s < unheard_since)
         if waiting:
             await self._drop(request_id, reason)
         return waiting
@@ -442,7 +446,8 @@ class DecodeWorker(WorkerBase):
         # meanwhile is decoding and must not be dropped (_drop_pending checks).
         for rid in expired:
             await self._drop_pending(
-                rid, f"reservation expired: no KV came for it within {self.options.reservation_ttl_s:g}s")
+                rid, f"reservation expired: no KV came for it within {self.options.reservation_ttl_s:g}s",
+                unheard_since=now - self.options.reservation_ttl_s)
         # One ping a P: handles compare by actor (each call brought its own handle
         # object, so grouped by id() a P was pinged once per reservation, in turn)
         handles = {p.prefill_handle for _, p in pending if p.prefill_handle is not None}

@@ -42,3 +42,33 @@ def test_a_transfer_that_keeps_coming_outlives_the_ttl_and_one_that_stops_does_n
     alive, dropped, used = asyncio.run(scenario())
     assert alive == [True] * 4
     assert dropped and used == 0
+
+
+def test_a_chunk_that_lands_while_the_watchdog_drops_others_keeps_its_reservation(tiny_qwen2_dir):
+    """Expired together, then dropped one after another, each with an await: a
+    chunk for the second that came while the first was dropped (here, written
+    from within that drop) did not save it, though its TTL counted again."""
+    async def scenario():
+        worker = DecodeWorker("d0", tiny_qwen2_dir, CONFIG, WorkerOptions(reservation_ttl_s=0.3,
+                                                                          watchdog_interval_s=60.0))
+        for rid, first in (("a", 3), ("b", 200)):  # (prompts apart: b borrowing a's blocks would end with a)
+            await worker.reserve(GenerateRequest(rid, list(range(first, first + 97)), SamplingParams(max_new_tokens=4)),
+                                 "feed", None)
+        block = tuple(worker.engine.runner.kv_cache.shape[1:])
+        first_block = worker._pending["b"].block_ids[0]
+        drop = worker._drop
+
+        async def drop_then_a_chunk_for_b(request_id: str, reason: str) -> None:
+            await drop(request_id, reason)
+            if request_id == "a":
+                meta = ChunkMeta("b", 0, [first_block], is_last=False)
+                await worker.in_thread(worker._write_chunk, meta, torch.zeros((1,) + block))
+
+        worker._drop = drop_then_a_chunk_for_b
+        await asyncio.sleep(0.4)  # both past their TTL
+        await worker._watchdog()
+        kept = set(worker._pending)
+        worker.loop.stop()
+        return kept
+
+    assert asyncio.run(scenario()) == {"b"}
