@@ -184,7 +184,13 @@ class PoolAutoscaler:
         autoscaling pool that keeps its minimum without it (a scale-up no node
         took), none is restarted: the policy decides again. Restarted, such a
         worker was given up and started again for good, and the policy held
-        ("in progress") all the while: an idle pool never scaled down."""
+        ("in progress") all the while: an idle pool never scaled down. Judged
+        by the member as it stands now: a caller's copy from before an await
+        (`_poll_stats`' stats) did not say a drain begun meanwhile, and the
+        drained worker counted as a start failure besides."""
+        member = self.manager.members.get(member.worker_id)
+        if member is None:  # (gone meanwhile: whoever removed it said why)
+            return
         leaving = self.is_leaving(member)
         track = self.tracks.get(member.worker_id)
         self._remove(member)

@@ -304,7 +304,6 @@ class SignalBook:
         self.stale_after_s = stale_after_s
         self._outcomes: dict[str, deque[tuple[float, bool]]] = {figure: deque() for figure in FIGURES}
         self._replicas: dict[str, _Replica] = {}
-        self.routed_total: dict[str, int] = {}  # worker -> requests ever routed there
 
     def add(self, report: SchedulerReport, now_s: float) -> None:
         self._replicas[report.replica_id] = _Replica(now_s, report)
@@ -314,8 +313,6 @@ class SignalBook:
             window = self._outcomes[figure]
             window.extend((now_s, value <= self.slo_s[figure]) for value in values)
             window.extend((now_s, False) for _ in range(rejected))
-        for worker_id, count in report.routed.items():
-            self.routed_total[worker_id] = self.routed_total.get(worker_id, 0) + count
         self._prune(now_s)
 
     def _prune(self, now_s: float) -> None:

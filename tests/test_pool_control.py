@@ -175,6 +175,36 @@ def test_a_worker_drained_while_it_could_not_start_is_not_started_again(pools):
     assert len([w for kind, w in events if kind == "started" and w.startswith("p")]) == 3  # 2, and one for the drain
 
 
+def test_a_worker_drained_while_its_stats_are_asked_for_is_not_a_start_failure_when_they_say_it_failed(
+        pools, monkeypatch):
+    """The stats poll took its list of members, a drain by hand began while it
+    waited for their answers, and the drained worker's stats named a failed
+    start-up profile: judged by the list's copy (not draining), it was a start
+    failure besides the drain, one more in the role's run (its next restart
+    waiting twice as long) and a restart queued."""
+    make, workers = pools
+    manager, clock = make({})
+    for worker in workers.values():
+        worker.come_up()
+    manager.scaler._check_readiness(clock())
+    drained = next(w for w in workers.values() if w.worker_id.startswith("d"))
+    failed = WorkerStats(drained.worker_id, num_blocks=100, num_used_blocks=0, num_cached_blocks=0,
+                         num_running=0, num_waiting=0, num_reserved=0, num_channels=0, last_step_s=0.0,
+                         profile_error="boom")
+    drained._stats = lambda: failed
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0, "GPU": 0.0})  # no room: drains at once
+
+    async def run():
+        poll = asyncio.ensure_future(manager.scaler._poll_stats(clock()))
+        await asyncio.sleep(0)  # (the poll waits for the answers)
+        assert await manager.drain(drained.worker_id) == "draining"
+        await poll
+
+    asyncio.run(run())
+    assert ("start_failed", drained.worker_id) not in _events(manager)
+    assert manager.scaler.restarts.num_waiting("decode") == 0 and not manager.scaler.start_failures()
+
+
 def test_a_redeploy_keeps_an_autoscaling_pools_cooldown(pools):
     """A redeploy that changed an autoscaling pool's settings rebuilt its policy
     from scratch: the scale-down cooldown under way was dropped, and the pool
