@@ -188,9 +188,7 @@ def test_a_worker_drained_while_its_stats_are_asked_for_is_not_a_start_failure_w
         worker.come_up()
     manager.scaler._check_readiness(clock())
     drained = next(w for w in workers.values() if w.worker_id.startswith("d"))
-    failed = WorkerStats(drained.worker_id, num_blocks=100, num_used_blocks=0, num_cached_blocks=0,
-                         num_running=0, num_waiting=0, num_reserved=0, num_channels=0, last_step_s=0.0,
-                         profile_error="boom")
+    failed = dataclasses.replace(drained._stats(), profile_error="boom")
     drained._stats = lambda: failed
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 0.0, "GPU": 0.0})  # no room: drains at once
 
